@@ -1,0 +1,34 @@
+# Small helpers shared by every folder.
+
+# Warnings used by all Meridian targets.
+function(meridian_warnings target)
+  target_compile_options(${target} PRIVATE
+    $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wno-unused-parameter -Wno-missing-field-initializers>)
+endfunction()
+
+# meridian_add_library(NAME SOURCES... [DEPS ...] [PRIVATE_DEPS ...])
+# Defines meridian_NAME with alias meridian::NAME; includes are rooted at the repository root.
+function(meridian_add_library name)
+  cmake_parse_arguments(ARG "" "" "SOURCES;DEPS;PRIVATE_DEPS" ${ARGN})
+  add_library(meridian_${name} STATIC ${ARG_SOURCES})
+  add_library(meridian::${name} ALIAS meridian_${name})
+  target_include_directories(meridian_${name} PUBLIC ${PROJECT_SOURCE_DIR} ${PROJECT_BINARY_DIR})
+  target_link_libraries(meridian_${name} PUBLIC ${ARG_DEPS} PRIVATE ${ARG_PRIVATE_DEPS})
+  meridian_warnings(meridian_${name})
+endfunction()
+
+# meridian_add_test(NAME LABEL SOURCES... DEPS ...)
+# One GoogleTest binary; each TEST is a ctest case carrying LABEL (unit or integration).
+function(meridian_add_test name label)
+  cmake_parse_arguments(ARG "" "TIMEOUT" "SOURCES;DEPS" ${ARGN})
+  if(NOT ARG_TIMEOUT)
+    set(ARG_TIMEOUT 120)
+  endif()
+  add_executable(${name} ${ARG_SOURCES})
+  target_link_libraries(${name} PRIVATE ${ARG_DEPS} GTest::gmock GTest::gtest_main)
+  meridian_warnings(${name})
+  gtest_discover_tests(${name}
+    PROPERTIES LABELS ${label} TIMEOUT ${ARG_TIMEOUT}
+    ENVIRONMENT "MERIDIAN_SOURCE_DIR=${PROJECT_SOURCE_DIR};MERIDIAN_BINARY_DIR=${PROJECT_BINARY_DIR};OPENBLAS_NUM_THREADS=1;OMP_NUM_THREADS=1"
+    DISCOVERY_TIMEOUT 60)
+endfunction()

@@ -1,0 +1,151 @@
+// The cluster spec and the job spec: what a user writes in YAML (docs/cluster-spec.md).
+//
+// Loading never throws and never aborts on bad input: every problem becomes a Diagnostic that names the
+// file, line, column and field. The work done on a document is bounded (size, nesting, alias expansion).
+// All functions are thread-safe (they share no state).
+#ifndef MERIDIAN_CORE_CLUSTER_SPEC_H_
+#define MERIDIAN_CORE_CLUSTER_SPEC_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace meridian::core {
+
+// One problem found in a spec file. Line and column are 1-based; 0 when unknown (e.g. unreadable file).
+struct Diagnostic {
+  std::string file;
+  int line = 0;
+  int column = 0;
+  std::string message;
+  // "FILE:LINE:COL: error: message".
+  std::string ToString() const;
+};
+
+// A network endpoint "host:port". host is a DNS name, an IPv4 address or a bracketed IPv6 address.
+struct Endpoint {
+  std::string host;
+  int port = 0;
+  std::string ToString() const;  // "host:port" ("[v6]:port" for IPv6).
+};
+
+// Parses "host:port". Errors: a message saying what is malformed.
+bool ParseEndpoint(const std::string& text, Endpoint* out, std::string* error);
+
+// Settings that make a local run behave like a remote site (used by the demo and tests).
+struct EmulationSpec {
+  double cpu_quota = 1.0;  // fraction of one core this site's executor may use (cgroup CPU quota)
+  int threads = 1;         // intra-op threads for the executor
+};
+
+struct SiteSpec {
+  std::string name;                        // [A-Za-z0-9_-], 1..63 chars; becomes the certificate CN
+  Endpoint address;                        // where the executor listens for its peers
+  std::vector<std::string> devices{"cpu"};  // "cpu" or "cuda:N"
+  std::optional<EmulationSpec> emulation;
+  std::optional<double> memory_bytes;      // optional cap on the memory the planner may use at this site
+  int line = 0;                            // position in the file, for later messages
+};
+
+// A link hint or override for one ordered pair (both directions when symmetric).
+struct LinkSpec {
+  std::string from, to;
+  std::optional<double> bandwidth_bytes_per_second;
+  std::optional<double> rtt_seconds;
+  bool symmetric = true;
+  bool override_measurement = false;  // true: the planner uses these figures instead of probing
+};
+
+struct OptimizerSpec {
+  std::string name = "adamw";  // adamw | sgd
+  double lr = 3e-4;
+  double weight_decay = 0.0;
+  double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
+  int warmup_steps = 0;
+  double min_lr_ratio = 0.1;  // cosine decays to lr * min_lr_ratio
+  double grad_clip = 1.0;     // global gradient-norm clip; 0 disables
+};
+
+struct CompressionSpec {
+  std::string policy = "adaptive";  // adaptive | none | fixed
+  std::string activations = "int8";  // codec for activations/gradients between stages when policy=fixed
+  std::string gradients = "topk";    // codec for replica gradient sync when policy=fixed
+  double topk_fraction = 0.01;
+  bool error_feedback = true;
+};
+
+struct CheckpointSpec {
+  std::string dir = "checkpoints";  // relative to the spec file's directory
+  int interval = 50;                // steps; 0 disables
+  int keep = 3;
+};
+
+struct LoraSpec {
+  bool enabled = false;
+  int r = 8;
+  double alpha = 16;
+  double dropout = 0.0;
+  std::vector<std::string> target_modules{"q_proj", "v_proj"};
+};
+
+struct JobSpec {
+  std::string model;       // HF model directory (config.json [+ safetensors]); relative to the spec file
+  std::string tokenizer;   // SentencePiece model; default: <model>/tokenizer.model
+  std::string data;        // JSONL (prompt/response) or plain text
+  int steps = 100;
+  int global_batch = 8;    // sequences per optimizer step
+  int micro_batches = 0;   // 0: chosen by the planner
+  int sequence_length = 256;
+  uint64_t seed = 1234;
+  bool replication = true;  // let the planner replicate stages across sites
+  OptimizerSpec optimizer;
+  CompressionSpec compression;
+  CheckpointSpec checkpoint;
+  LoraSpec lora;
+  int line = 0;
+};
+
+struct ClusterSpec {
+  std::string name;
+  Endpoint coordinator;
+  int metrics_port = 0;            // 0: no /metrics endpoint
+  std::string certs_dir = "certs";  // resolved against the spec file's directory
+  double heartbeat_interval_seconds = 1.0;
+  double heartbeat_timeout_seconds = 5.0;
+  int min_sites = 0;                // 0: wait for every site
+  std::string on_failure = "replan";  // replan | wait
+  std::vector<SiteSpec> sites;
+  std::vector<LinkSpec> links;
+  const SiteSpec* FindSite(const std::string& name) const;
+};
+
+// What one YAML file holds: a cluster (it has `sites`), a job (it has `job`), or both.
+struct SpecFile {
+  std::string path;
+  std::optional<ClusterSpec> cluster;
+  std::optional<JobSpec> job;
+};
+
+struct SpecLoadResult {
+  std::optional<SpecFile> spec;      // set only when `errors` is empty
+  std::vector<Diagnostic> errors;    // in file order
+};
+
+// Limits that bound the loader's work on hostile input.
+inline constexpr size_t kMaxSpecFileBytes = 4 << 20;
+inline constexpr size_t kMaxSpecNodes = 200000;  // after alias expansion
+inline constexpr int kMaxSpecDepth = 64;
+
+// Parses `text` as the content of file `path` (used in messages and to resolve relative paths).
+SpecLoadResult ParseSpec(const std::string& text, const std::string& path);
+
+// Reads and parses a file. An unreadable file yields one diagnostic at line 0.
+SpecLoadResult LoadSpecFile(const std::string& path);
+
+// Resolves `p` against the directory of `spec_path` unless absolute.
+std::string ResolveRelative(const std::string& spec_path, const std::string& p);
+
+}  // namespace meridian::core
+
+#endif  // MERIDIAN_CORE_CLUSTER_SPEC_H_
