@@ -1,0 +1,121 @@
+// `meridian`: the coordinator's command-line interface. CLI parsing lives here only; each subcommand
+// calls into the libraries. Exit codes: 0 success, 1 runtime failure, 2 invalid input or usage.
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "coordinator/plan_command.h"
+#include "core/certs.h"
+#include "core/cluster_spec.h"
+#include "core/version.h"
+
+namespace {
+
+using namespace meridian;
+
+constexpr int kExitOk = 0;
+constexpr int kExitFailure = 1;
+constexpr int kExitInvalid = 2;
+
+int Validate(const std::vector<std::string>& files) {
+  int rc = kExitOk;
+  for (const auto& f : files) {
+    auto r = core::LoadSpecFile(f);
+    if (!r.errors.empty()) {
+      for (const auto& d : r.errors) std::cerr << d.ToString() << "\n";
+      rc = kExitInvalid;
+      continue;
+    }
+    std::string what;
+    if (r.spec->cluster)
+      what = "cluster '" + r.spec->cluster->name + "' with " + std::to_string(r.spec->cluster->sites.size()) +
+             " sites";
+    if (r.spec->job) what += std::string(what.empty() ? "" : " and ") + "a job of " +
+                             std::to_string(r.spec->job->steps) + " steps";
+    std::cout << f << ": ok (" << what << ")\n";
+  }
+  return rc;
+}
+
+int CertsInit(const std::string& spec_path, const std::string& out, bool force) {
+  auto r = core::LoadSpecFile(spec_path);
+  if (!r.errors.empty()) {
+    for (const auto& d : r.errors) std::cerr << d.ToString() << "\n";
+    return kExitInvalid;
+  }
+  if (!r.spec->cluster) {
+    std::cerr << spec_path << ": error: not a cluster spec (no 'sites')\n";
+    return kExitInvalid;
+  }
+  core::CertOptions o;
+  o.force = force;
+  std::vector<std::string> written;
+  absl::Status s = core::InitClusterCerts(*r.spec->cluster, out, o, &written);
+  if (!s.ok()) {
+    std::cerr << "meridian certs init: " << s.message() << "\n";
+    return s.code() == absl::StatusCode::kAlreadyExists ? kExitInvalid : kExitFailure;
+  }
+  std::cout << "wrote " << written.size() << " files to " << out << " (CA, coordinator, "
+            << r.spec->cluster->sites.size() << " sites); keep ca.key secret\n";
+  return kExitOk;
+}
+
+int CertsIssue(const std::string& ca_dir, const std::string& site, const std::string& host, bool force) {
+  core::CertOptions o;
+  o.force = force;
+  std::vector<std::string> written;
+  absl::Status s = core::IssueSiteCert(ca_dir, site, host, o, &written);
+  if (!s.ok()) {
+    std::cerr << "meridian certs issue: " << s.message() << "\n";
+    return s.code() == absl::StatusCode::kInternal ? kExitFailure : kExitInvalid;
+  }
+  for (const auto& w : written) std::cout << "wrote " << w << "\n";
+  return kExitOk;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"meridian: train and fine-tune large models across sites with mixed GPUs and slow WAN links"};
+  app.set_version_flag("--version", std::string("meridian ") + kVersion);
+  app.require_subcommand(1);
+  int rc = kExitOk;
+
+  auto* validate = app.add_subcommand("validate", "Check cluster and job spec files; one line per problem");
+  std::vector<std::string> files;
+  validate->add_option("FILE", files, "YAML spec files")->required();
+  validate->callback([&] { rc = Validate(files); });
+
+  auto* certs = app.add_subcommand("certs", "Create the cluster's CA and certificates");
+  certs->require_subcommand(1);
+  auto* init = certs->add_subcommand("init", "Create a CA and a key+certificate for the coordinator and every site");
+  std::string spec_path, out_dir;
+  bool force = false;
+  init->add_option("--spec", spec_path, "Cluster spec (YAML)")->required();
+  init->add_option("--out", out_dir, "Directory for ca.pem, ca.key, NAME.pem, NAME.key")->required();
+  init->add_flag("--force", force, "Replace existing keys and certificates");
+  init->callback([&] { rc = CertsInit(spec_path, out_dir, force); });
+  auto* issue = certs->add_subcommand("issue", "Sign a key+certificate for one more site with an existing CA");
+  std::string ca_dir, site, host;
+  issue->add_option("--ca-dir", ca_dir, "Directory holding ca.pem and ca.key")->required();
+  issue->add_option("--site", site, "Site name (the certificate's CN)")->required();
+  issue->add_option("--host", host, "DNS name or IP address peers use to reach the site")->required();
+  issue->add_flag("--force", force, "Replace an existing key and certificate");
+  issue->callback([&] { rc = CertsIssue(ca_dir, site, host, force); });
+
+  coordinator::PlanCommandOptions plan_options;
+  auto* plan = app.add_subcommand("plan", "Partition a model's operator graph over a cluster profile");
+  coordinator::AddPlanOptions(plan, &plan_options);
+  plan->callback([&] { rc = coordinator::RunPlanCommand(plan_options); });
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    int code = app.exit(e);
+    return code == 0 ? kExitOk : kExitInvalid;
+  }
+  return rc;
+}

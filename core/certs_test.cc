@@ -1,0 +1,129 @@
+#include "core/certs.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+
+#include <array>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+
+namespace meridian::core {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::HasSubstr;
+
+// Runs a shell command; returns its exit status and stdout+stderr.
+std::pair<int, std::string> Shell(const std::string& cmd) {
+  std::string out;
+  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
+  std::array<char, 512> buf;
+  while (p && fgets(buf.data(), buf.size(), p)) out += buf.data();
+  int rc = p ? pclose(p) : -1;
+  return {WIFEXITED(rc) ? WEXITSTATUS(rc) : -1, out};
+}
+
+ClusterSpec Spec(const std::string& name) {
+  ClusterSpec s;
+  s.name = name;
+  s.coordinator = {"127.0.0.1", 7000};
+  s.sites.push_back({"fast", {"127.0.0.1", 7001}});
+  s.sites.push_back({"far", {"far.example.com", 7002}});
+  return s;
+}
+
+class CertsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("meridian_certs_" + std::to_string(::getpid()) + "_" +
+                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::string D(const std::string& f = "") const { return f.empty() ? dir_.string() : (dir_ / f).string(); }
+  fs::path dir_;
+};
+
+TEST_F(CertsTest, EveryCertificateVerifiesWithOpenssl) {
+  std::vector<std::string> written;
+  ASSERT_TRUE(InitClusterCerts(Spec("c1"), D(), {}, &written).ok());
+  EXPECT_EQ(written.size(), 8u);  // ca + coordinator + 2 sites, pem and key each
+  for (const char* n : {"coordinator", "fast", "far"}) {
+    auto [rc, out] = Shell("openssl verify -CAfile " + D("ca.pem") + " " + D(std::string(n) + ".pem"));
+    EXPECT_EQ(rc, 0) << out;
+    EXPECT_THAT(out, HasSubstr(": OK"));
+    EXPECT_EQ(*CertificateCommonName(D(std::string(n) + ".pem")), n);
+    EXPECT_TRUE(CheckIdentityFiles(D(), n).ok());
+  }
+  auto [rc, out] = Shell("openssl x509 -noout -ext subjectAltName -in " + D("far.pem"));
+  EXPECT_THAT(out, HasSubstr("DNS:far.example.com"));
+  EXPECT_THAT(out, HasSubstr("DNS:far"));
+  auto [rc2, out2] = Shell("openssl x509 -noout -ext subjectAltName -in " + D("fast.pem"));
+  EXPECT_THAT(out2, HasSubstr("IP Address:127.0.0.1"));
+}
+
+TEST_F(CertsTest, KeysArePrivate) {
+  std::vector<std::string> written;
+  ASSERT_TRUE(InitClusterCerts(Spec("c1"), D(), {}, &written).ok());
+  for (const char* k : {"ca.key", "coordinator.key", "fast.key"}) {
+    struct stat st;
+    ASSERT_EQ(::stat(D(k).c_str(), &st), 0);
+    EXPECT_EQ(st.st_mode & 0777, 0600u) << k;
+  }
+}
+
+TEST_F(CertsTest, CertificateFromAnotherCaDoesNotVerify) {
+  std::vector<std::string> w;
+  ASSERT_TRUE(InitClusterCerts(Spec("c1"), D("one"), {}, &w).ok());
+  ASSERT_TRUE(InitClusterCerts(Spec("c2"), D("two"), {}, &w).ok());
+  auto [rc, out] = Shell("openssl verify -CAfile " + D("one/ca.pem") + " " + D("two/fast.pem"));
+  EXPECT_NE(rc, 0) << out;
+  // Our own check agrees, and names the file.
+  fs::copy_file(D("two/fast.pem"), D("one/fast.pem"), fs::copy_options::overwrite_existing);
+  fs::copy_file(D("two/fast.key"), D("one/fast.key"), fs::copy_options::overwrite_existing);
+  absl::Status s = CheckIdentityFiles(D("one"), "fast");
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("not signed by the cluster CA"));
+}
+
+TEST_F(CertsTest, RefusesToOverwriteWithoutForce) {
+  std::vector<std::string> w;
+  ASSERT_TRUE(InitClusterCerts(Spec("c1"), D(), {}, &w).ok());
+  auto before = Shell("openssl x509 -noout -fingerprint -in " + D("ca.pem")).second;
+  absl::Status s = InitClusterCerts(Spec("c1"), D(), {}, &w);
+  EXPECT_EQ(s.code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("--force"));
+  EXPECT_EQ(before, Shell("openssl x509 -noout -fingerprint -in " + D("ca.pem")).second);
+  CertOptions force;
+  force.force = true;
+  ASSERT_TRUE(InitClusterCerts(Spec("c1"), D(), force, &w).ok());
+  EXPECT_NE(before, Shell("openssl x509 -noout -fingerprint -in " + D("ca.pem")).second);
+}
+
+TEST_F(CertsTest, IssueAddsASiteSignedByTheSameCa) {
+  std::vector<std::string> w;
+  ASSERT_TRUE(InitClusterCerts(Spec("c1"), D(), {}, &w).ok());
+  ASSERT_TRUE(IssueSiteCert(D(), "tokyo", "10.0.0.7", {}, &w).ok());
+  auto [rc, out] = Shell("openssl verify -CAfile " + D("ca.pem") + " " + D("tokyo.pem"));
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_EQ(IssueSiteCert(D(), "tokyo", "10.0.0.7", {}, &w).code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(IssueSiteCert(D(), "bad name", "h", {}, &w).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(IssueSiteCert(D("missing"), "x", "h", {}, &w).code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(CertsTest, IdentityCheckCatchesWrongNameAndMismatchedKey) {
+  std::vector<std::string> w;
+  ASSERT_TRUE(InitClusterCerts(Spec("c1"), D(), {}, &w).ok());
+  fs::copy_file(D("fast.pem"), D("impostor.pem"));
+  fs::copy_file(D("fast.key"), D("impostor.key"));
+  EXPECT_THAT(std::string(CheckIdentityFiles(D(), "impostor").message()), HasSubstr("names 'fast', not 'impostor'"));
+  fs::copy_file(D("far.key"), D("fast.key"), fs::copy_options::overwrite_existing);
+  EXPECT_THAT(std::string(CheckIdentityFiles(D(), "fast").message()), HasSubstr("does not belong to"));
+  EXPECT_EQ(CheckIdentityFiles(D(), "nobody").code(), absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace meridian::core

@@ -1,0 +1,288 @@
+#include "partitioner/model.h"
+
+#include <cmath>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+
+namespace meridian::partitioner {
+namespace {
+
+using json = nlohmann::json;
+
+absl::Status Bad(const std::string& path, const std::string& field, const std::string& msg) {
+  return absl::InvalidArgumentError(absl::StrCat(path, ": ", field, ": ", msg));
+}
+
+absl::StatusOr<json> ParseJson(const std::string& text, const std::string& path) {
+  if (text.size() > (256u << 20)) return Bad(path, "file", "larger than 256 MiB");
+  json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) {
+    // Parse once more with exceptions on to get the byte position of the error.
+    try {
+      json unused = json::parse(text);
+      (void)unused;
+    } catch (const json::parse_error& e) {
+      return Bad(path, "JSON syntax", e.what());
+    }
+    return Bad(path, "JSON syntax", "not valid JSON");
+  }
+  if (!j.is_object()) return Bad(path, "top level", "expected a JSON object");
+  return j;
+}
+
+// A non-negative finite number at obj[key]; `required` false -> default when absent.
+absl::Status Number(const json& obj, const char* key, const std::string& path, const std::string& ctx, bool required,
+                    double* out, bool positive = false) {
+  auto it = obj.find(key);
+  if (it == obj.end()) {
+    if (required) return Bad(path, absl::StrCat(ctx, ".", key), "missing");
+    return absl::OkStatus();
+  }
+  if (!it->is_number()) return Bad(path, absl::StrCat(ctx, ".", key), "expected a number");
+  double v = it->get<double>();
+  if (!std::isfinite(v) || v < 0 || (positive && v == 0))
+    return Bad(path, absl::StrCat(ctx, ".", key), positive ? "must be a positive number" : "must be a non-negative number");
+  *out = v;
+  return absl::OkStatus();
+}
+
+absl::Status String(const json& obj, const char* key, const std::string& path, const std::string& ctx,
+                    std::string* out) {
+  auto it = obj.find(key);
+  if (it == obj.end()) return Bad(path, absl::StrCat(ctx, ".", key), "missing");
+  if (!it->is_string() || it->get<std::string>().empty())
+    return Bad(path, absl::StrCat(ctx, ".", key), "expected a non-empty string");
+  *out = it->get<std::string>();
+  return absl::OkStatus();
+}
+
+absl::Status OnlyKeys(const json& obj, const std::set<std::string>& allowed, const std::string& path,
+                      const std::string& ctx) {
+  for (auto it = obj.begin(); it != obj.end(); ++it)
+    if (!allowed.count(it.key())) return Bad(path, absl::StrCat(ctx, ".", it.key()), "unknown field");
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open file"));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+#define RETURN_IF(expr)                 \
+  do {                                  \
+    absl::Status s_ = (expr);           \
+    if (!s_.ok()) return s_;            \
+  } while (0)
+
+}  // namespace
+
+absl::StatusOr<OpGraph> ParseGraphJson(const std::string& text, const std::string& path) {
+  auto parsed = ParseJson(text, path);
+  if (!parsed.ok()) return parsed.status();
+  const json& j = *parsed;
+  RETURN_IF(OnlyKeys(j, {"ops", "model", "micro_batch_size", "sequence_length"}, path, "graph"));
+  auto ops = j.find("ops");
+  if (ops == j.end()) return Bad(path, "ops", "missing");
+  if (!ops->is_array() || ops->empty()) return Bad(path, "ops", "expected a non-empty array of operators");
+  OpGraph g;
+  std::set<std::string> names;
+  for (size_t i = 0; i < ops->size(); ++i) {
+    const json& o = (*ops)[i];
+    std::string ctx = absl::StrCat("ops[", i, "]");
+    if (!o.is_object()) return Bad(path, ctx, "expected an object");
+    RETURN_IF(OnlyKeys(o, {"name", "forward_flops", "backward_flops", "param_bytes", "optimizer_bytes", "output_bytes",
+                           "inputs"}, path, ctx));
+    Op op;
+    RETURN_IF(String(o, "name", path, ctx, &op.name));
+    if (!names.insert(op.name).second) return Bad(path, ctx + ".name", absl::StrCat("duplicate op name '", op.name, "'"));
+    RETURN_IF(Number(o, "forward_flops", path, ctx, true, &op.forward_flops));
+    RETURN_IF(Number(o, "backward_flops", path, ctx, true, &op.backward_flops));
+    RETURN_IF(Number(o, "param_bytes", path, ctx, false, &op.param_bytes));
+    RETURN_IF(Number(o, "optimizer_bytes", path, ctx, false, &op.optimizer_bytes));
+    RETURN_IF(Number(o, "output_bytes", path, ctx, true, &op.output_bytes));
+    auto in = o.find("inputs");
+    if (in != o.end()) {
+      if (!in->is_array()) return Bad(path, ctx + ".inputs", "expected an array of op indices");
+      for (size_t k = 0; k < in->size(); ++k) {
+        const json& v = (*in)[k];
+        std::string f = absl::StrCat(ctx, ".inputs[", k, "]");
+        if (!v.is_number_integer()) return Bad(path, f, "expected an integer op index");
+        long long idx = v.get<long long>();
+        if (idx < 0 || idx >= static_cast<long long>(i))
+          return Bad(path, f, absl::StrCat(idx, " is not an earlier op (ops must be in topological order)"));
+        op.inputs.push_back(static_cast<int>(idx));
+      }
+    }
+    g.ops.push_back(std::move(op));
+  }
+  return g;
+}
+
+absl::StatusOr<ClusterProfile> ParseProfileJson(const std::string& text, const std::string& path) {
+  auto parsed = ParseJson(text, path);
+  if (!parsed.ok()) return parsed.status();
+  const json& j = *parsed;
+  RETURN_IF(OnlyKeys(j, {"sites", "links", "cluster", "measured_at"}, path, "profile"));
+  auto sites = j.find("sites");
+  if (sites == j.end()) return Bad(path, "sites", "missing");
+  if (!sites->is_array() || sites->empty()) return Bad(path, "sites", "expected a non-empty array");
+  ClusterProfile p;
+  std::set<std::string> names;
+  for (size_t i = 0; i < sites->size(); ++i) {
+    const json& s = (*sites)[i];
+    std::string ctx = absl::StrCat("sites[", i, "]");
+    if (!s.is_object()) return Bad(path, ctx, "expected an object");
+    RETURN_IF(OnlyKeys(s, {"name", "flops_per_second", "memory_bytes", "op_seconds", "device"}, path, ctx));
+    SiteProfile sp;
+    RETURN_IF(String(s, "name", path, ctx, &sp.name));
+    if (!names.insert(sp.name).second) return Bad(path, ctx + ".name", absl::StrCat("duplicate site '", sp.name, "'"));
+    RETURN_IF(Number(s, "flops_per_second", path, ctx, true, &sp.flops_per_second, true));
+    RETURN_IF(Number(s, "memory_bytes", path, ctx, true, &sp.memory_bytes, true));
+    auto os = s.find("op_seconds");
+    if (os != s.end()) {
+      if (!os->is_object()) return Bad(path, ctx + ".op_seconds", "expected an object of op name -> seconds");
+      for (auto it = os->begin(); it != os->end(); ++it) {
+        if (!it->is_number() || !std::isfinite(it->get<double>()) || it->get<double>() < 0)
+          return Bad(path, absl::StrCat(ctx, ".op_seconds.", it.key()), "must be a non-negative number");
+        sp.op_seconds[it.key()] = it->get<double>();
+      }
+    }
+    p.sites.push_back(std::move(sp));
+  }
+  auto links = j.find("links");
+  if (links != j.end()) {
+    if (!links->is_array()) return Bad(path, "links", "expected an array");
+    std::set<std::pair<std::string, std::string>> seen;
+    for (size_t i = 0; i < links->size(); ++i) {
+      const json& l = (*links)[i];
+      std::string ctx = absl::StrCat("links[", i, "]");
+      if (!l.is_object()) return Bad(path, ctx, "expected an object");
+      RETURN_IF(OnlyKeys(l, {"from", "to", "bandwidth_bytes_per_second", "latency_seconds"}, path, ctx));
+      LinkProfile lp;
+      RETURN_IF(String(l, "from", path, ctx, &lp.from));
+      RETURN_IF(String(l, "to", path, ctx, &lp.to));
+      if (!names.count(lp.from)) return Bad(path, ctx + ".from", absl::StrCat("unknown site '", lp.from, "'"));
+      if (!names.count(lp.to)) return Bad(path, ctx + ".to", absl::StrCat("unknown site '", lp.to, "'"));
+      if (lp.from == lp.to) return Bad(path, ctx, "a link joins two different sites");
+      if (!seen.insert({lp.from, lp.to}).second)
+        return Bad(path, ctx, absl::StrCat("link ", lp.from, " -> ", lp.to, " appears twice"));
+      RETURN_IF(Number(l, "bandwidth_bytes_per_second", path, ctx, true, &lp.bandwidth_bytes_per_second, true));
+      RETURN_IF(Number(l, "latency_seconds", path, ctx, true, &lp.latency_seconds));
+      p.links.push_back(std::move(lp));
+    }
+  }
+  return p;
+}
+
+absl::StatusOr<OpGraph> LoadGraphFile(const std::string& path) {
+  auto t = ReadFile(path);
+  if (!t.ok()) return t.status();
+  return ParseGraphJson(*t, path);
+}
+
+absl::StatusOr<ClusterProfile> LoadProfileFile(const std::string& path) {
+  auto t = ReadFile(path);
+  if (!t.ok()) return t.status();
+  return ParseProfileJson(*t, path);
+}
+
+std::string GraphToJson(const OpGraph& g) {
+  json ops = json::array();
+  for (const auto& o : g.ops)
+    ops.push_back({{"name", o.name},
+                   {"forward_flops", o.forward_flops},
+                   {"backward_flops", o.backward_flops},
+                   {"param_bytes", o.param_bytes},
+                   {"optimizer_bytes", o.optimizer_bytes},
+                   {"output_bytes", o.output_bytes},
+                   {"inputs", o.inputs}});
+  return json{{"ops", ops}}.dump(1) + "\n";
+}
+
+std::string ProfileToJson(const ClusterProfile& p) {
+  json sites = json::array(), links = json::array();
+  for (const auto& s : p.sites) {
+    json js = {{"name", s.name}, {"flops_per_second", s.flops_per_second}, {"memory_bytes", s.memory_bytes}};
+    if (!s.op_seconds.empty()) js["op_seconds"] = s.op_seconds;
+    sites.push_back(js);
+  }
+  for (const auto& l : p.links)
+    links.push_back({{"from", l.from},
+                     {"to", l.to},
+                     {"bandwidth_bytes_per_second", l.bandwidth_bytes_per_second},
+                     {"latency_seconds", l.latency_seconds}});
+  return json{{"sites", sites}, {"links", links}}.dump(2) + "\n";
+}
+
+absl::StatusOr<LlamaShape> ParseLlamaConfig(const std::string& text, const std::string& path) {
+  auto parsed = ParseJson(text, path);
+  if (!parsed.ok()) return parsed.status();
+  const json& j = *parsed;
+  LlamaShape s;
+  auto get_int = [&](const char* key, int* out, bool required) -> absl::Status {
+    auto it = j.find(key);
+    if (it == j.end() || it->is_null()) return required ? Bad(path, key, "missing") : absl::OkStatus();
+    if (!it->is_number_integer() || it->get<long long>() <= 0 || it->get<long long>() > (1LL << 31) - 1)
+      return Bad(path, key, "expected a positive integer");
+    *out = static_cast<int>(it->get<long long>());
+    return absl::OkStatus();
+  };
+  RETURN_IF(get_int("vocab_size", &s.vocab_size, true));
+  RETURN_IF(get_int("hidden_size", &s.hidden_size, true));
+  RETURN_IF(get_int("intermediate_size", &s.intermediate_size, true));
+  RETURN_IF(get_int("num_hidden_layers", &s.num_hidden_layers, true));
+  RETURN_IF(get_int("num_attention_heads", &s.num_attention_heads, true));
+  s.num_key_value_heads = s.num_attention_heads;
+  RETURN_IF(get_int("num_key_value_heads", &s.num_key_value_heads, false));
+  if (s.hidden_size % s.num_attention_heads != 0)
+    return Bad(path, "num_attention_heads", "must divide hidden_size");
+  if (s.num_attention_heads % s.num_key_value_heads != 0)
+    return Bad(path, "num_key_value_heads", "must divide num_attention_heads");
+  if (auto it = j.find("tie_word_embeddings"); it != j.end()) {
+    if (!it->is_boolean()) return Bad(path, "tie_word_embeddings", "expected true or false");
+    s.tie_word_embeddings = it->get<bool>();
+  }
+  return s;
+}
+
+OpGraph BuildLlamaGraph(const LlamaShape& m, const LlamaGraphOptions& o) {
+  const double b = o.micro_batch_size, s = o.sequence_length, d = m.hidden_size, h = m.intermediate_size;
+  const double v = m.vocab_size;
+  const double kv = d / m.num_attention_heads * m.num_key_value_heads;
+  const double tokens = b * s;
+  const double state_per_param = o.weight_bytes + o.gradient_bytes;
+  const double hidden_out = tokens * d * o.activation_bytes;
+  OpGraph g;
+  auto add = [&](std::string name, double params, double fwd, double bwd, double out, std::vector<int> inputs) {
+    g.ops.push_back({std::move(name), fwd, bwd, params * state_per_param, params * o.optimizer_bytes, out,
+                     std::move(inputs)});
+  };
+  // Embedding lookup: negligible FLOPs; its backward is a scatter-add of the same size as its output.
+  add("embed", v * d, tokens * d, tokens * d, hidden_out, {});
+  for (int l = 0; l < m.num_hidden_layers; ++l) {
+    // RMSNorm (d weights), Q/K/V/O projections, causal attention scores and weighted sum, residual add.
+    double attn_params = d + d * d + 2 * d * kv + d * d;
+    double attn_fwd = 2 * tokens * (d * d + 2 * d * kv + d * d) + 2 * 2 * b * s * s * d;
+    int prev = static_cast<int>(g.ops.size()) - 1;
+    add("layer" + std::to_string(l) + ".attn", attn_params, attn_fwd, 2 * attn_fwd, hidden_out, {prev});
+    double mlp_params = d + 3 * d * h;
+    double mlp_fwd = 2 * tokens * 3 * d * h;
+    add("layer" + std::to_string(l) + ".mlp", mlp_params, mlp_fwd, 2 * mlp_fwd, hidden_out,
+        {static_cast<int>(g.ops.size()) - 1});
+  }
+  // Final RMSNorm, LM head (its weights shared with the embedding when tied) and the loss.
+  double head_params = d + (m.tie_word_embeddings ? 0 : v * d);
+  double head_fwd = 2 * tokens * d * v;
+  add("head", head_params, head_fwd, 2 * head_fwd, /*output: the loss*/ 4, {static_cast<int>(g.ops.size()) - 1});
+  return g;
+}
+
+}  // namespace meridian::partitioner

@@ -1,0 +1,89 @@
+// The partitioner's inputs: a model's operator graph and a cluster profile (docs/partitioner.md gives
+// the JSON formats, graph.json and profile.json). Plain structs; parsing never throws and reports
+// errors that name the file and the field. Thread-safe (no shared state).
+#ifndef MERIDIAN_PARTITIONER_MODEL_H_
+#define MERIDIAN_PARTITIONER_MODEL_H_
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace meridian::partitioner {
+
+// One operator, costed per micro-batch.
+struct Op {
+  std::string name;
+  double forward_flops = 0;
+  double backward_flops = 0;
+  double param_bytes = 0;      // weights (and their gradients) held by the stage that runs the op
+  double optimizer_bytes = 0;  // optimizer state for those weights
+  double output_bytes = 0;     // the op's output tensor, per micro-batch
+  std::vector<int> inputs;     // indices of earlier ops whose outputs this op consumes
+};
+
+// Ops in topological order (every input index is smaller than the op's own index).
+struct OpGraph {
+  std::vector<Op> ops;
+};
+
+struct SiteProfile {
+  std::string name;
+  double flops_per_second = 0;
+  double memory_bytes = 0;
+  std::map<std::string, double> op_seconds;  // measured forward+backward seconds; overrides FLOPs
+};
+
+// One direction of a link. latency_seconds is one-way.
+struct LinkProfile {
+  std::string from, to;
+  double bandwidth_bytes_per_second = 0;
+  double latency_seconds = 0;
+};
+
+struct ClusterProfile {
+  std::vector<SiteProfile> sites;
+  std::vector<LinkProfile> links;
+};
+
+// Parse and validate. `path` is used in messages ("graph.json: ops[3].inputs[0]: ...").
+absl::StatusOr<OpGraph> ParseGraphJson(const std::string& text, const std::string& path);
+absl::StatusOr<ClusterProfile> ParseProfileJson(const std::string& text, const std::string& path);
+absl::StatusOr<OpGraph> LoadGraphFile(const std::string& path);
+absl::StatusOr<ClusterProfile> LoadProfileFile(const std::string& path);
+
+// Serialise in the same formats (pretty-printed JSON).
+std::string GraphToJson(const OpGraph& graph);
+std::string ProfileToJson(const ClusterProfile& profile);
+
+// The shape of a LLaMA-architecture decoder, as in an HF config.json.
+struct LlamaShape {
+  int vocab_size = 32000;
+  int hidden_size = 4096;
+  int intermediate_size = 11008;
+  int num_hidden_layers = 32;
+  int num_attention_heads = 32;
+  int num_key_value_heads = 32;
+  bool tie_word_embeddings = false;
+};
+
+// Reads the fields above from an HF config.json text (missing num_key_value_heads = num_attention_heads).
+absl::StatusOr<LlamaShape> ParseLlamaConfig(const std::string& text, const std::string& path);
+
+struct LlamaGraphOptions {
+  int micro_batch_size = 1;
+  int sequence_length = 2048;
+  double weight_bytes = 2;         // per parameter: bf16 weights
+  double gradient_bytes = 2;       // per parameter: bf16 gradients
+  double optimizer_bytes = 12;     // per parameter: fp32 master copy + Adam m and v
+  double activation_bytes = 2;     // per activation element (bf16)
+};
+
+// The operator graph at sub-layer granularity: embed; for each block "layerI.attn" (norm, attention,
+// residual add) and "layerI.mlp" (norm, SwiGLU MLP, residual add); "head" (final norm, LM head, loss).
+OpGraph BuildLlamaGraph(const LlamaShape& shape, const LlamaGraphOptions& options);
+
+}  // namespace meridian::partitioner
+
+#endif  // MERIDIAN_PARTITIONER_MODEL_H_

@@ -1,0 +1,724 @@
+#include "partitioner/planner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <numeric>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+
+namespace meridian::partitioner {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// Precomputed per-site and per-cut quantities for O(1) evaluation of any stage or link.
+class CostModel {
+ public:
+  CostModel(const OpGraph& g, const ClusterProfile& p, int micro_batches)
+      : graph_(g), profile_(p), m_(micro_batches), n_(static_cast<int>(g.ops.size())),
+        sites_(static_cast<int>(p.sites.size())) {
+    time_prefix_.assign(sites_, std::vector<double>(n_ + 1, 0.0));
+    for (int s = 0; s < sites_; ++s) {
+      const SiteProfile& sp = p.sites[s];
+      for (int i = 0; i < n_; ++i) {
+        const Op& op = g.ops[i];
+        auto it = sp.op_seconds.find(op.name);
+        double t = it != sp.op_seconds.end() ? it->second : (op.forward_flops + op.backward_flops) / sp.flops_per_second;
+        time_prefix_[s][i + 1] = time_prefix_[s][i] + t;
+      }
+    }
+    state_prefix_.assign(n_ + 1, 0.0);
+    act_prefix_.assign(n_ + 1, 0.0);
+    for (int i = 0; i < n_; ++i) {
+      state_prefix_[i + 1] = state_prefix_[i] + g.ops[i].param_bytes + g.ops[i].optimizer_bytes;
+      act_prefix_[i + 1] = act_prefix_[i] + g.ops[i].output_bytes;
+    }
+    // A tensor produced by op i and last consumed by op j crosses every cut p with i <= p < j.
+    std::vector<int> last_consumer(n_, -1);
+    for (int j = 0; j < n_; ++j)
+      for (int i : g.ops[j].inputs) last_consumer[i] = std::max(last_consumer[i], j);
+    std::vector<double> diff(n_ + 1, 0.0);
+    for (int i = 0; i < n_; ++i)
+      if (last_consumer[i] > i) {
+        diff[i] += g.ops[i].output_bytes;
+        diff[last_consumer[i]] -= g.ops[i].output_bytes;
+      }
+    cut_bytes_.assign(std::max(n_ - 1, 0), 0.0);
+    double run = 0;
+    for (int p = 0; p + 1 < n_; ++p) {
+      run += diff[p];
+      cut_bytes_[p] = std::max(run, 0.0);
+    }
+    bw_.assign(sites_, std::vector<double>(sites_, 0.0));
+    lat_.assign(sites_, std::vector<double>(sites_, 0.0));
+    std::map<std::string, int> index;
+    for (int s = 0; s < sites_; ++s) index[p.sites[s].name] = s;
+    for (const auto& l : p.links) {
+      int a = index.at(l.from), b = index.at(l.to);
+      bw_[a][b] = l.bandwidth_bytes_per_second;
+      lat_[a][b] = l.latency_seconds;
+    }
+  }
+
+  int ops() const { return n_; }
+  int sites() const { return sites_; }
+  int micro_batches() const { return m_; }
+  // Forward+backward seconds of ops [a, b] on site s, per micro-batch.
+  double StageTime(int s, int a, int b) const { return time_prefix_[s][b + 1] - time_prefix_[s][a]; }
+  double WholeModelTime(int s) const { return time_prefix_[s][n_]; }
+  // Bytes crossing the cut after op p (0 <= p < ops - 1).
+  double CutBytes(int p) const { return cut_bytes_[p]; }
+  bool Linked(int a, int b) const { return bw_[a][b] > 0 && bw_[b][a] > 0; }
+  // c_k for bytes x between sites a and b (both directions; +inf if they cannot be neighbours).
+  double LinkCost(int a, int b, double x) const {
+    if (!Linked(a, b)) return kInf;
+    return std::max(lat_[a][b] + x / bw_[a][b], lat_[b][a] + x / bw_[b][a]);
+  }
+  double Bandwidth(int a, int b) const { return bw_[a][b]; }
+  double Latency(int a, int b) const { return lat_[a][b]; }
+  // Memory of ops [a, b] when the stage is `from_end` stages from the end (1 = last stage).
+  double Memory(int a, int b, int from_end) const {
+    return state_prefix_[b + 1] - state_prefix_[a] + std::min(m_, from_end) * (act_prefix_[b + 1] - act_prefix_[a]);
+  }
+  double ParamBytes(int a, int b) const {
+    double sum = 0;
+    for (int i = a; i <= b; ++i) sum += graph_.ops[i].param_bytes;
+    return sum;
+  }
+  bool Fits(int s, int a, int b, int from_end) const { return Memory(a, b, from_end) <= profile_.sites[s].memory_bytes; }
+
+ private:
+  const OpGraph& graph_;
+  const ClusterProfile& profile_;
+  int m_, n_, sites_;
+  std::vector<std::vector<double>> time_prefix_;
+  std::vector<double> state_prefix_, act_prefix_, cut_bytes_;
+  std::vector<std::vector<double>> bw_, lat_;
+};
+
+// A candidate pipeline: stage k runs ops (last[k-1], last[k]] on replicas sites[k].
+struct Layout {
+  std::vector<std::vector<int>> sites;
+  std::vector<int> last;
+};
+
+struct Evaluation {
+  double total = kInf;
+  double fill = 0, steady = 0, sync = 0;
+  std::vector<double> t, c, allreduce, memory;
+  std::vector<int> link_codec, grad_codec;  // indices into the menus; -1 = fixed ratio
+};
+
+// Evaluates a layout under the (extended) cost model. With one site per stage and adaptive off this is
+// exactly the reference model. `search_ratio` is the link ratio used when !adaptive.
+Evaluation Evaluate(const CostModel& cm, const Layout& L, const PlanOptions& o, const OpGraph& g) {
+  Evaluation e;
+  const int S = static_cast<int>(L.sites.size());
+  const int M = cm.micro_batches();
+  e.t.resize(S);
+  e.memory.resize(S);
+  e.allreduce.assign(S, 0.0);
+  e.grad_codec.assign(S, -1);
+  double max_t = 0;
+  for (int k = 0; k < S; ++k) {
+    int a = k == 0 ? 0 : L.last[k - 1] + 1, b = L.last[k];
+    if (a > b) return e;
+    double rate = 0;
+    for (int s : L.sites[k]) {
+      if (!cm.Fits(s, a, b, S - k)) return e;
+      double t = cm.StageTime(s, a, b);
+      rate += t > 0 ? 1.0 / t : kInf;
+    }
+    e.t[k] = rate == kInf ? 0.0 : 1.0 / rate;
+    e.memory[k] = cm.Memory(a, b, S - k);
+    max_t = std::max(max_t, e.t[k]);
+  }
+  e.c.resize(std::max(S - 1, 0));
+  e.link_codec.assign(std::max(S - 1, 0), -1);
+  double max_c = 0, sum_c = 0;
+  for (int k = 0; k + 1 < S; ++k) {
+    double x = cm.CutBytes(L.last[k]);
+    auto cost = [&](double ratio) {
+      double worst = 0;
+      for (int a : L.sites[k])
+        for (int b : L.sites[k + 1]) worst = std::max(worst, cm.LinkCost(a, b, ratio * x));
+      return worst;
+    };
+    if (!o.adaptive_compression) {
+      e.c[k] = cost(o.ratio);
+    } else {
+      // The lightest codec whose link time stays within the compute bottleneck; else the strongest.
+      int pick = static_cast<int>(o.link_codecs.size()) - 1;
+      for (int i = 0; i < static_cast<int>(o.link_codecs.size()); ++i)
+        if (cost(o.link_codecs[i].ratio) <= max_t) {
+          pick = i;
+          break;
+        }
+      e.link_codec[k] = pick;
+      e.c[k] = cost(o.link_codecs[pick].ratio);
+    }
+    if (e.c[k] == kInf) return e;
+    max_c = std::max(max_c, e.c[k]);
+    sum_c += e.c[k];
+  }
+  double sum_t = std::accumulate(e.t.begin(), e.t.end(), 0.0);
+  double bottleneck = std::max(max_t, max_c);
+  // Replica gradient sync: ring all-reduce over the replicas, in the order listed.
+  for (int k = 0; k < S; ++k) {
+    const auto& R = L.sites[k];
+    int r = static_cast<int>(R.size());
+    if (r < 2) continue;
+    int a = k == 0 ? 0 : L.last[k - 1] + 1, b = L.last[k];
+    double grad = o.gradient_bytes_fraction * cm.ParamBytes(a, b);
+    double min_bw = kInf, max_lat = 0;
+    for (int i = 0; i < r; ++i) {
+      int u = R[i], v = R[(i + 1) % r];
+      if (!cm.Linked(u, v)) return e;
+      min_bw = std::min(min_bw, std::min(cm.Bandwidth(u, v), cm.Bandwidth(v, u)));
+      max_lat = std::max(max_lat, std::max(cm.Latency(u, v), cm.Latency(v, u)));
+    }
+    auto ring = [&](double ratio) { return 2.0 * (r - 1) / r * ratio * grad / min_bw + 2.0 * (r - 1) * max_lat; };
+    if (!o.adaptive_compression) {
+      e.allreduce[k] = ring(1.0);
+    } else {
+      int pick = static_cast<int>(o.gradient_codecs.size()) - 1;
+      for (int i = 0; i < static_cast<int>(o.gradient_codecs.size()); ++i)
+        if (ring(o.gradient_codecs[i].ratio) <= e.t[k]) {
+          pick = i;
+          break;
+        }
+      e.grad_codec[k] = pick;
+      e.allreduce[k] = ring(o.gradient_codecs[pick].ratio);
+    }
+  }
+  e.fill = sum_t + sum_c;
+  e.steady = (M - 1) * bottleneck;
+  e.sync = S ? *std::max_element(e.allreduce.begin(), e.allreduce.end()) : 0.0;
+  e.total = e.fill + e.steady + e.sync;
+  (void)g;
+  return e;
+}
+
+// The link ratio used while searching: the fixed ratio, or the strongest codec when adaptive (the
+// adaptive pass then relaxes each link to the lightest codec that keeps it off the critical path).
+double SearchRatio(const PlanOptions& o) {
+  if (!o.adaptive_compression) return o.ratio;
+  double r = 1.0;
+  for (const auto& c : o.link_codecs) r = std::min(r, c.ratio);
+  return r;
+}
+
+// Reference T for a single-site-per-stage layout with the search ratio. +inf if infeasible.
+double SearchCost(const CostModel& cm, const std::vector<int>& order, const std::vector<int>& last, double ratio) {
+  const int S = static_cast<int>(order.size());
+  const int M = cm.micro_batches();
+  double sum = 0, mx = 0;
+  for (int k = 0; k < S; ++k) {
+    int a = k == 0 ? 0 : last[k - 1] + 1, b = last[k];
+    if (a > b || !cm.Fits(order[k], a, b, S - k)) return kInf;
+    double t = cm.StageTime(order[k], a, b);
+    sum += t;
+    mx = std::max(mx, t);
+    if (k + 1 < S) {
+      double c = cm.LinkCost(order[k], order[k + 1], ratio * cm.CutBytes(b));
+      if (c == kInf) return kInf;
+      sum += c;
+      mx = std::max(mx, c);
+    }
+  }
+  return sum + (M - 1) * mx;
+}
+
+// ---- Exact search: dynamic programme over (used sites, first site of the suffix, first op of the
+// suffix), keeping the Pareto front of (sum of stage and link times, bottleneck) since
+// T = sum + (M - 1) * bottleneck is increasing in both. The suffix is built from the last stage
+// backwards so that each stage's memory term min(M, S - k + 1) is known when it is added.
+struct Entry {
+  double sum, mx;
+  int64_t parent_state;  // -1 for the last stage
+  int32_t parent_entry;
+};
+
+struct ExactResult {
+  bool complete = false;
+  double best = kInf;
+  std::vector<int> order, last;
+  double transitions = 0;
+};
+
+ExactResult ExactSearch(const CostModel& cm, double ratio, double upper_bound, double work_limit) {
+  ExactResult r;
+  const int n = cm.sites(), N = cm.ops(), M = cm.micro_batches();
+  const int64_t masks = int64_t{1} << n;
+  auto key = [&](int64_t mask, int s, int p) { return (mask * n + s) * N + p; };
+  std::vector<std::vector<Entry>> front(static_cast<size_t>(masks * n * N));
+  const double bound = upper_bound * (1 + 1e-12) + 1e-300;
+  auto insert = [&](std::vector<Entry>& f, const Entry& e) {
+    for (const Entry& x : f)
+      if (x.sum <= e.sum && x.mx <= e.mx) return;
+    f.erase(std::remove_if(f.begin(), f.end(), [&](const Entry& x) { return e.sum <= x.sum && e.mx <= x.mx; }),
+            f.end());
+    f.push_back(e);
+  };
+  for (int s = 0; s < n; ++s)
+    for (int p = N - 1; p >= 0; --p) {
+      if (!cm.Fits(s, p, N - 1, 1)) break;  // memory only grows as the range grows
+      double t = cm.StageTime(s, p, N - 1);
+      if (M * t > bound) break;
+      front[key(int64_t{1} << s, s, p)].push_back({t, t, -1, -1});
+    }
+  for (int64_t mask = 1; mask < masks; ++mask) {
+    const int used = __builtin_popcountll(static_cast<unsigned long long>(mask));
+    for (int s = 0; s < n; ++s) {
+      if (!(mask >> s & 1)) continue;
+      for (int p = 1; p < N; ++p) {
+        const auto& f = front[key(mask, s, p)];
+        if (f.empty()) continue;
+        for (int s2 = 0; s2 < n; ++s2) {
+          if (mask >> s2 & 1) continue;
+          double c = cm.LinkCost(s2, s, ratio * cm.CutBytes(p - 1));
+          if (c == kInf) continue;
+          const int64_t nmask = mask | (int64_t{1} << s2);
+          for (int q = p - 1; q >= 0; --q) {
+            if (!cm.Fits(s2, q, p - 1, used + 1)) break;
+            double t = cm.StageTime(s2, q, p - 1);
+            if (M * t > bound) break;
+            auto& nf = front[key(nmask, s2, q)];
+            for (int32_t ei = 0; ei < static_cast<int32_t>(f.size()); ++ei) {
+              const Entry& e = f[ei];
+              Entry ne{e.sum + t + c, std::max({e.mx, t, c}), key(mask, s, p), ei};
+              r.transitions += 1;
+              if (ne.sum + (M - 1) * ne.mx > bound) continue;
+              insert(nf, ne);
+            }
+            if (r.transitions > work_limit) return r;
+          }
+        }
+      }
+    }
+  }
+  int64_t best_state = -1;
+  int32_t best_entry = -1;
+  for (int64_t mask = 1; mask < masks; ++mask)
+    for (int s = 0; s < n; ++s) {
+      const auto& f = front[key(mask, s, 0)];
+      for (int32_t i = 0; i < static_cast<int32_t>(f.size()); ++i) {
+        double T = f[i].sum + (M - 1) * f[i].mx;
+        if (T < r.best) {
+          r.best = T;
+          best_state = key(mask, s, 0);
+          best_entry = i;
+        }
+      }
+    }
+  r.complete = true;
+  for (int64_t st = best_state; st >= 0;) {
+    int s = static_cast<int>((st / N) % n);
+    const Entry& e = front[st][best_entry];
+    r.order.push_back(s);
+    if (e.parent_state < 0) {
+      r.last.push_back(N - 1);
+      break;
+    }
+    r.last.push_back(static_cast<int>(e.parent_state % N) - 1);
+    best_entry = e.parent_entry;
+    st = e.parent_state;
+  }
+  return r;
+}
+
+// ---- Heuristic: candidate site orders (the K fastest sites, ordered by speed or chained along the best
+// links), each cut by binary search on the bottleneck, then cuts refined by local moves.
+struct Candidate {
+  double cost = kInf;
+  std::vector<int> order, last;
+};
+
+// Greedy cut for a bottleneck B; false if infeasible. Memory is checked conservatively as if all
+// sites of `order` were used, which can only over-estimate the in-flight activations.
+bool CutsForBottleneck(const CostModel& cm, const std::vector<int>& order, double ratio, double B,
+                       std::vector<int>* last) {
+  const int K = static_cast<int>(order.size()), N = cm.ops();
+  last->clear();
+  int a = 0;
+  for (int k = 0; k < K && a < N; ++k) {
+    int s = order[k];
+    int b = a - 1;
+    while (b + 1 < N && cm.StageTime(s, a, b + 1) <= B && cm.Fits(s, a, b + 1, K - k)) ++b;
+    if (b < a) return false;
+    if (b == N - 1) {
+      last->push_back(b);
+      return true;
+    }
+    if (k + 1 == K) return false;
+    while (b >= a && cm.LinkCost(s, order[k + 1], ratio * cm.CutBytes(b)) > B) --b;
+    if (b < a) return false;
+    last->push_back(b);
+    a = b + 1;
+  }
+  return false;
+}
+
+void Refine(const CostModel& cm, const std::vector<int>& order, double ratio, std::vector<int>* last, double* cost) {
+  bool improved = true;
+  for (int round = 0; improved && round < 64; ++round) {
+    improved = false;
+    for (size_t k = 0; k + 1 < last->size(); ++k)
+      for (int step : {-1, 1, -4, 4}) {
+        std::vector<int> trial = *last;
+        trial[k] += step;
+        double c = SearchCost(cm, std::vector<int>(order.begin(), order.begin() + trial.size()), trial, ratio);
+        if (c < *cost) {
+          *cost = c;
+          *last = trial;
+          improved = true;
+        }
+      }
+  }
+}
+
+Candidate Heuristic(const CostModel& cm, double ratio) {
+  const int n = cm.sites(), N = cm.ops();
+  std::vector<int> by_speed(n);
+  std::iota(by_speed.begin(), by_speed.end(), 0);
+  std::stable_sort(by_speed.begin(), by_speed.end(),
+                   [&](int a, int b) { return cm.WholeModelTime(a) < cm.WholeModelTime(b); });
+  Candidate best;
+  std::vector<int> ks;
+  for (int k = 1; k <= std::min(n, N); ++k)
+    if (k <= 32 || k % 8 == 0 || k == std::min(n, N)) ks.push_back(k);
+  for (int K : ks) {
+    std::vector<int> subset(by_speed.begin(), by_speed.begin() + K);
+    // Order 1: by speed. Order 2: chain from the fastest along the widest available link.
+    std::vector<std::vector<int>> orders = {subset};
+    std::vector<int> chain = {subset[0]};
+    std::vector<bool> taken(n, false);
+    taken[subset[0]] = true;
+    for (int i = 1; i < K; ++i) {
+      int cur = chain.back(), pick = -1;
+      double best_bw = -1;
+      for (int s : subset)
+        if (!taken[s] && cm.Linked(cur, s)) {
+          double bw = std::min(cm.Bandwidth(cur, s), cm.Bandwidth(s, cur));
+          if (bw > best_bw) best_bw = bw, pick = s;
+        }
+      if (pick < 0) break;
+      taken[pick] = true;
+      chain.push_back(pick);
+    }
+    if (static_cast<int>(chain.size()) == K && chain != subset) orders.push_back(chain);
+    for (const auto& order : orders) {
+      double hi = 0;
+      for (int s : order) hi = std::max(hi, cm.WholeModelTime(s));
+      for (int i = 0; i + 1 < N; ++i)
+        for (size_t k = 0; k + 1 < order.size(); ++k) {
+          double c = cm.LinkCost(order[k], order[k + 1], ratio * cm.CutBytes(i));
+          if (c != kInf) hi = std::max(hi, c);
+        }
+      std::vector<int> last;
+      if (!CutsForBottleneck(cm, order, ratio, hi * (1 + 1e-9), &last)) continue;
+      double lo = 0;
+      for (int it = 0; it < 60 && hi - lo > 1e-9 * hi; ++it) {
+        double mid = 0.5 * (lo + hi);
+        std::vector<int> trial;
+        if (CutsForBottleneck(cm, order, ratio, mid, &trial)) hi = mid, last = trial;
+        else lo = mid;
+      }
+      std::vector<int> used(order.begin(), order.begin() + last.size());
+      double cost = SearchCost(cm, used, last, ratio);
+      if (cost == kInf) continue;
+      Refine(cm, order, ratio, &last, &cost);
+      if (cost < best.cost) best = {cost, std::vector<int>(order.begin(), order.begin() + last.size()), last};
+    }
+  }
+  return best;
+}
+
+std::string SiteList(const ClusterProfile& p, const std::vector<int>& s) {
+  std::vector<std::string> names;
+  for (int i : s) names.push_back(p.sites[i].name);
+  return absl::StrJoin(names, "+");
+}
+
+}  // namespace
+
+std::vector<Codec> DefaultLinkCodecs() {
+  return {{"identity", 1.0}, {"fp16", 0.5}, {"int8", (64.0 + 4.0) / 256.0}, {"int4", (32.0 + 4.0) / 256.0}};
+}
+
+std::vector<Codec> DefaultGradientCodecs() {
+  return {{"identity", 1.0}, {"bf16", 0.5}, {"int8", (64.0 + 4.0) / 256.0}, {"topk-1%", 0.01 * 8.0 / 4.0}};
+}
+
+double ReferenceStepTime(const OpGraph& graph, const ClusterProfile& profile, int micro_batches, double ratio,
+                         const std::vector<int>& sites, const std::vector<int>& last_ops) {
+  CostModel cm(graph, profile, micro_batches);
+  if (sites.empty() || sites.size() != last_ops.size() || last_ops.back() != cm.ops() - 1) return kInf;
+  return SearchCost(cm, sites, last_ops, ratio);
+}
+
+absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& profile, const PlanOptions& o) {
+  if (o.micro_batches < 1) return absl::InvalidArgumentError("micro_batches must be at least 1");
+  if (!(o.ratio > 0 && o.ratio <= 1)) return absl::InvalidArgumentError("the compression ratio must be in (0, 1]");
+  if (graph.ops.empty()) return absl::InvalidArgumentError("the operator graph has no ops");
+  if (profile.sites.empty()) return absl::InvalidArgumentError("the profile has no sites");
+  if (o.adaptive_compression && (o.link_codecs.empty() || o.gradient_codecs.empty()))
+    return absl::InvalidArgumentError("adaptive compression needs a non-empty codec menu");
+  std::map<std::string, int> op_index;
+  for (size_t i = 0; i < graph.ops.size(); ++i) op_index[graph.ops[i].name] = static_cast<int>(i);
+  for (const auto& s : profile.sites)
+    for (const auto& [name, secs] : s.op_seconds)
+      if (!op_index.count(name))
+        return absl::InvalidArgumentError(
+            absl::StrCat("profile: sites '", s.name, "'.op_seconds names op '", name, "', which the graph lacks"));
+
+  CostModel cm(graph, profile, o.micro_batches);
+  const int n = cm.sites(), N = cm.ops();
+  const double ratio = SearchRatio(o);
+  Plan plan;
+  plan.micro_batches = o.micro_batches;
+
+  Candidate best = Heuristic(cm, ratio);
+  plan.method = "heuristic";
+  if (!o.force_heuristic && n <= o.exact_max_sites) {
+    double ub = best.cost == kInf ? kInf : best.cost;
+    ExactResult ex = ExactSearch(cm, ratio, ub, o.exact_work_limit);
+    if (ex.complete) {
+      plan.method = "exact";
+      if (ex.best < best.cost || best.cost == kInf) best = {ex.best, ex.order, ex.last};
+      plan.notes.push_back(absl::StrFormat(
+          "exact search over every order of every subset of the %d sites and every cut (%.3g transitions)", n,
+          ex.transitions));
+    } else {
+      plan.notes.push_back(absl::StrFormat(
+          "exact search stopped after %.3g transitions (limit %.3g); this is the heuristic's plan", ex.transitions,
+          o.exact_work_limit));
+    }
+  } else {
+    plan.notes.push_back(absl::StrFormat(
+        "heuristic search (%d sites > %d for exact search): K fastest sites for each K, ordered by speed or "
+        "along the widest links, cuts by bottleneck bisection and local moves",
+        n, o.exact_max_sites));
+  }
+  if (best.cost == kInf) {
+    // Explain what does not fit: the model's state alone against the largest site.
+    double state = 0, acts = 0;
+    for (const auto& op : graph.ops) state += op.param_bytes + op.optimizer_bytes, acts += op.output_bytes;
+    double total_mem = 0, largest = 0;
+    std::string largest_name;
+    for (const auto& s : profile.sites) {
+      total_mem += s.memory_bytes;
+      if (s.memory_bytes > largest) largest = s.memory_bytes, largest_name = s.name;
+    }
+    std::string why;
+    for (int i = 0; i < N; ++i) {
+      const Op& op = graph.ops[i];
+      double need = op.param_bytes + op.optimizer_bytes + op.output_bytes;
+      if (need > largest) {
+        why = absl::StrFormat("op '%s' alone needs %.3g bytes, more than the largest site ('%s', %.3g bytes)",
+                              op.name, need, largest_name, largest);
+        break;
+      }
+    }
+    if (why.empty() && state + acts > total_mem)
+      why = absl::StrFormat("the model needs at least %.3g bytes (weights, gradients, optimizer state and one "
+                            "micro-batch of activations) but all %d sites together have %.3g bytes",
+                            state + acts, n, total_mem);
+    if (why.empty())
+      why = "no chain of linked sites can hold the model (check the profile's links: sites without a link in "
+            "both directions cannot be neighbours) and its memory";
+    return absl::FailedPreconditionError(absl::StrCat("no feasible plan: ", why));
+  }
+
+  Layout layout;
+  for (int s : best.order) layout.sites.push_back({s});
+  layout.last = best.last;
+  PlanOptions eval_options = o;
+  Evaluation ev = Evaluate(cm, layout, eval_options, graph);
+
+  // Replication: greedily add an unused site as a replica of the stage where it helps most.
+  if (o.replication) {
+    std::vector<bool> used(n, false);
+    for (int s : best.order) used[s] = true;
+    for (bool improved = true; improved;) {
+      improved = false;
+      double best_total = ev.total;
+      Layout best_layout;
+      for (int s = 0; s < n; ++s) {
+        if (used[s]) continue;
+        for (size_t k = 0; k < layout.sites.size(); ++k) {
+          Layout trial = layout;
+          trial.sites[k].push_back(s);
+          Evaluation te = Evaluate(cm, trial, eval_options, graph);
+          if (te.total < best_total * (1 - 1e-9)) best_total = te.total, best_layout = trial;
+        }
+      }
+      if (best_total < ev.total * (1 - 1e-9)) {
+        layout = best_layout;
+        for (const auto& R : layout.sites)
+          for (int s : R) used[s] = true;
+        ev = Evaluate(cm, layout, eval_options, graph);
+        improved = true;
+      }
+    }
+  }
+
+  const int S = static_cast<int>(layout.sites.size());
+  for (int k = 0; k < S; ++k) {
+    StagePlan st;
+    st.sites = layout.sites[k];
+    for (int s : st.sites) st.site_names.push_back(profile.sites[s].name);
+    st.first_op = k == 0 ? 0 : layout.last[k - 1] + 1;
+    st.last_op = layout.last[k];
+    st.compute_seconds = ev.t[k];
+    st.memory_bytes = ev.memory[k];
+    st.memory_available_bytes = kInf;
+    for (int s : st.sites) st.memory_available_bytes = std::min(st.memory_available_bytes, profile.sites[s].memory_bytes);
+    st.allreduce_seconds = ev.allreduce[k];
+    if (st.sites.size() > 1)
+      st.gradient_codec = ev.grad_codec[k] >= 0 ? o.gradient_codecs[ev.grad_codec[k]].name : "identity";
+    plan.stages.push_back(std::move(st));
+  }
+  for (int k = 0; k + 1 < S; ++k) {
+    LinkPlan lp;
+    lp.from_stage = k;
+    lp.bytes = cm.CutBytes(layout.last[k]);
+    lp.seconds = ev.c[k];
+    if (ev.link_codec[k] >= 0) {
+      lp.codec = o.link_codecs[ev.link_codec[k]].name;
+      lp.ratio = o.link_codecs[ev.link_codec[k]].ratio;
+    } else {
+      lp.ratio = o.ratio;
+      lp.codec = o.ratio == 1.0 ? "identity" : absl::StrFormat("ratio %.3g", o.ratio);
+    }
+    plan.links.push_back(lp);
+  }
+  plan.predicted_step_seconds = ev.total;
+  plan.fill_drain_seconds = ev.fill;
+  plan.steady_seconds = ev.steady;
+  plan.sync_seconds = ev.sync;
+  double rate = 0;
+  for (int s = 0; s < n; ++s) rate += 1.0 / cm.WholeModelTime(s);
+  plan.compute_bound_seconds = o.micro_batches / rate;
+
+  // The bottleneck: the largest per-micro-batch term.
+  double worst = -1;
+  for (int k = 0; k < S; ++k)
+    if (ev.t[k] > worst)
+      worst = ev.t[k], plan.bottleneck = absl::StrFormat("stage %d compute (%s): %.4g s per micro-batch", k + 1,
+                                                          SiteList(profile, layout.sites[k]), ev.t[k]);
+  for (int k = 0; k + 1 < S; ++k)
+    if (ev.c[k] > worst)
+      worst = ev.c[k], plan.bottleneck = absl::StrFormat("link %d->%d (%s -> %s): %.4g s per micro-batch", k + 1,
+                                                          k + 2, SiteList(profile, layout.sites[k]),
+                                                          SiteList(profile, layout.sites[k + 1]), ev.c[k]);
+  std::vector<bool> in_plan(n, false);
+  for (const auto& R : layout.sites)
+    for (int s : R) in_plan[s] = true;
+  for (int s = 0; s < n; ++s)
+    if (!in_plan[s])
+      plan.notes.push_back(absl::StrFormat(
+          "site '%s' is unused: no plan that includes it%s predicts a shorter step", profile.sites[s].name,
+          o.replication ? " (as a stage or a replica)" : ""));
+  for (int k = 0; k + 1 < S; ++k)
+    if (ev.link_codec[k] > 0)
+      plan.notes.push_back(absl::StrFormat("link %d->%d compressed with %s: lighter codecs would make it slower than "
+                                           "the slowest stage",
+                                           k + 1, k + 2, plan.links[k].codec));
+  return plan;
+}
+
+std::string PlanTable(const Plan& plan, const OpGraph& graph, const ClusterProfile& profile) {
+  std::string out;
+  out += absl::StrFormat("Plan: %d stage(s) over %d of %d site(s), %d micro-batches, %s search\n\n",
+                         plan.stages.size(), [&] {
+                           int c = 0;
+                           for (const auto& s : plan.stages) c += static_cast<int>(s.sites.size());
+                           return c;
+                         }(), profile.sites.size(), plan.micro_batches, plan.method);
+  out += absl::StrFormat("%-5s %-22s %-34s %11s %22s %23s\n", "stage", "sites", "ops", "compute/mb",
+                         "link to next /mb", "memory used / avail");
+  auto gib = [](double b) { return b / (1024.0 * 1024 * 1024); };
+  for (size_t k = 0; k < plan.stages.size(); ++k) {
+    const StagePlan& s = plan.stages[k];
+    std::string ops = absl::StrFormat("%d-%d %s..%s", s.first_op, s.last_op, graph.ops[s.first_op].name,
+                                      graph.ops[s.last_op].name);
+    if (ops.size() > 34) ops = ops.substr(0, 31) + "...";
+    std::string link = "-";
+    if (k < plan.links.size())
+      link = absl::StrFormat("%.4g s %s", plan.links[k].seconds, plan.links[k].codec);
+    out += absl::StrFormat("%-5d %-22s %-34s %9.4g s %22s %9.2f / %7.2f GiB\n", k + 1, absl::StrJoin(s.site_names, "+"),
+                           ops, s.compute_seconds, link, gib(s.memory_bytes), gib(s.memory_available_bytes));
+    if (s.sites.size() > 1)
+      out += absl::StrFormat("      replicas sync gradients by ring all-reduce: %.4g s per step (%s)\n",
+                             s.allreduce_seconds, s.gradient_codec);
+  }
+  out += absl::StrFormat("\nbottleneck:            %s\n", plan.bottleneck);
+  out += absl::StrFormat("predicted step time:   %.4g s  (fill+drain %.4g s + steady %.4g s%s)\n",
+                         plan.predicted_step_seconds, plan.fill_drain_seconds, plan.steady_seconds,
+                         plan.sync_seconds > 0 ? absl::StrFormat(" + sync %.4g s", plan.sync_seconds) : "");
+  out += absl::StrFormat("compute bound:         %.4g s  (all sites' throughput, no communication)\n",
+                         plan.compute_bound_seconds);
+  out += absl::StrFormat("efficiency:            %.1f%% of the compute bound\n",
+                         100.0 * plan.compute_bound_seconds / plan.predicted_step_seconds);
+  for (const auto& n : plan.notes) out += "note: " + n + "\n";
+  return out;
+}
+
+std::string PlanJson(const Plan& plan, const OpGraph& graph) {
+  using json = nlohmann::json;
+  json stages = json::array(), links = json::array();
+  for (const auto& s : plan.stages) {
+    json js = {{"sites", s.site_names},
+               {"first_op", s.first_op},
+               {"last_op", s.last_op},
+               {"first_op_name", graph.ops[s.first_op].name},
+               {"last_op_name", graph.ops[s.last_op].name},
+               {"compute_seconds", s.compute_seconds},
+               {"memory_bytes", s.memory_bytes},
+               {"memory_available_bytes", s.memory_available_bytes},
+               {"allreduce_seconds", s.allreduce_seconds}};
+    if (!s.gradient_codec.empty()) js["gradient_codec"] = s.gradient_codec;
+    stages.push_back(js);
+  }
+  for (const auto& l : plan.links)
+    links.push_back({{"from_stage", l.from_stage}, {"to_stage", l.from_stage + 1}, {"bytes", l.bytes},
+                     {"seconds", l.seconds}, {"codec", l.codec}, {"ratio", l.ratio}});
+  json j = {{"predicted_step_seconds", plan.predicted_step_seconds},
+            {"compute_bound_seconds", plan.compute_bound_seconds},
+            {"fill_drain_seconds", plan.fill_drain_seconds},
+            {"steady_seconds", plan.steady_seconds},
+            {"sync_seconds", plan.sync_seconds},
+            {"micro_batches", plan.micro_batches},
+            {"method", plan.method},
+            {"bottleneck", plan.bottleneck},
+            {"stages", stages},
+            {"links", links},
+            {"notes", plan.notes}};
+  return j.dump(2) + "\n";
+}
+
+std::string PlanDot(const Plan& plan, const OpGraph& graph) {
+  std::string out = "digraph plan {\n  rankdir=LR;\n  node [shape=box, style=rounded];\n";
+  out += absl::StrFormat("  label=\"predicted step %.4g s, compute bound %.4g s\";\n", plan.predicted_step_seconds,
+                         plan.compute_bound_seconds);
+  for (size_t k = 0; k < plan.stages.size(); ++k) {
+    const auto& s = plan.stages[k];
+    out += absl::StrFormat("  s%d [label=\"stage %d\\n%s\\nops %d-%d (%s..%s)\\n%.4g s/mb\"];\n", k, k + 1,
+                           absl::StrJoin(s.site_names, " + "), s.first_op, s.last_op, graph.ops[s.first_op].name,
+                           graph.ops[s.last_op].name, s.compute_seconds);
+  }
+  for (const auto& l : plan.links)
+    out += absl::StrFormat("  s%d -> s%d [label=\"%.3g MB, %s\\n%.4g s/mb\"];\n", l.from_stage, l.from_stage + 1,
+                           l.bytes / 1e6, l.codec, l.seconds);
+  return out + "}\n";
+}
+
+}  // namespace meridian::partitioner

@@ -1,0 +1,93 @@
+// The planner: which contiguous slice of the operator graph runs at which site, in which order,
+// with which replicas and which compression on each link, to minimise the predicted step time.
+// The cost model is documented in docs/cost-model.md. All functions are pure and thread-safe.
+#ifndef MERIDIAN_PARTITIONER_PLANNER_H_
+#define MERIDIAN_PARTITIONER_PLANNER_H_
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "partitioner/model.h"
+
+namespace meridian::partitioner {
+
+// A compression choice for a link: name and ratio = compressed bytes / original bytes.
+struct Codec {
+  std::string name;
+  double ratio = 1.0;
+};
+
+// Activation/gradient codecs between stages, lightest first (ratios for float32 tensors with the
+// compression library's frame layout: int8 and int4 carry one float32 scale per block of 64).
+std::vector<Codec> DefaultLinkCodecs();
+// Codecs for replica gradient sync, lightest first (top-k keeps 1% as index+value pairs).
+std::vector<Codec> DefaultGradientCodecs();
+
+struct PlanOptions {
+  int micro_batches = 8;
+  // Reference model (docs/cost-model.md): every link uses `ratio`, no replication.
+  double ratio = 1.0;
+  // Extensions; both off gives exactly the reference model.
+  bool replication = false;           // data-parallel replicas of stages on otherwise unused sites
+  bool adaptive_compression = false;  // per link, the lightest codec that keeps the link off the critical path
+  std::vector<Codec> link_codecs = DefaultLinkCodecs();
+  std::vector<Codec> gradient_codecs = DefaultGradientCodecs();
+  double gradient_bytes_fraction = 0.5;  // gradient bytes = this * param_bytes (param_bytes = weights + grads)
+  // Search: exact dynamic programme up to this many sites, the documented heuristic beyond.
+  int exact_max_sites = 8;
+  bool force_heuristic = false;
+  double exact_work_limit = 4e9;  // DP transitions; beyond it the heuristic's plan is kept, and said so
+};
+
+struct StagePlan {
+  std::vector<int> sites;              // indices into ClusterProfile::sites; more than one = replicas
+  std::vector<std::string> site_names;
+  int first_op = 0, last_op = 0;       // inclusive range in topological order
+  double compute_seconds = 0;          // per micro-batch (replicas: aggregate throughput)
+  double memory_bytes = 0;             // needed on each of its sites
+  double memory_available_bytes = 0;   // smallest among its sites
+  double allreduce_seconds = 0;        // replica gradient sync per step (0 without replicas)
+  std::string gradient_codec;          // codec for that sync
+};
+
+struct LinkPlan {
+  int from_stage = 0;        // link between stage from_stage and from_stage + 1 (0-based)
+  double bytes = 0;          // uncompressed bytes crossing the cut per micro-batch
+  double seconds = 0;        // c_k: worst direction, compressed
+  std::string codec;
+  double ratio = 1.0;
+};
+
+struct Plan {
+  std::vector<StagePlan> stages;
+  std::vector<LinkPlan> links;
+  int micro_batches = 0;
+  double predicted_step_seconds = 0;
+  double fill_drain_seconds = 0;   // sum t_k + sum c_k
+  double steady_seconds = 0;       // (M - 1) * bottleneck
+  double sync_seconds = 0;         // slowest replica all-reduce
+  double compute_bound_seconds = 0;
+  std::string bottleneck;          // e.g. "stage 2 compute (oregon)"
+  std::string method;              // "exact" or "heuristic"
+  std::vector<std::string> notes;  // explanations: method, unused sites, compression choices
+};
+
+// Plans `graph` over `profile`. Errors: InvalidArgument for inconsistent inputs (op_seconds naming an
+// unknown op, micro_batches < 1); FailedPrecondition when no plan fits, naming what does not fit.
+absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& profile, const PlanOptions& options);
+
+// The reference step time T of a given pipeline (one site per stage, fixed ratio), or +infinity when a
+// memory limit or a missing link makes it infeasible. `last_ops[k]` is the last op of stage k; the final
+// entry must be the last op of the graph. For tests and benchmarks that check the planner.
+double ReferenceStepTime(const OpGraph& graph, const ClusterProfile& profile, int micro_batches, double ratio,
+                         const std::vector<int>& sites, const std::vector<int>& last_ops);
+
+// Human-readable table, JSON and Graphviz renderings of a plan.
+std::string PlanTable(const Plan& plan, const OpGraph& graph, const ClusterProfile& profile);
+std::string PlanJson(const Plan& plan, const OpGraph& graph);
+std::string PlanDot(const Plan& plan, const OpGraph& graph);
+
+}  // namespace meridian::partitioner
+
+#endif  // MERIDIAN_PARTITIONER_PLANNER_H_

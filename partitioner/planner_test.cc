@@ -1,0 +1,372 @@
+#include "partitioner/planner.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <random>
+
+namespace meridian::partitioner {
+namespace {
+
+using ::testing::HasSubstr;
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// An independent implementation of the reference cost model in docs/cost-model.md, written from the
+// formula with no shared code: the planner must agree with it.
+double FormulaCost(const OpGraph& g, const ClusterProfile& p, int M, double rho, const std::vector<int>& sites,
+                   const std::vector<int>& last) {
+  const int S = static_cast<int>(sites.size());
+  auto link = [&](int a, int b, double& bw, double& lat) {
+    for (const auto& l : p.links)
+      if (l.from == p.sites[a].name && l.to == p.sites[b].name) {
+        bw = l.bandwidth_bytes_per_second;
+        lat = l.latency_seconds;
+        return true;
+      }
+    return false;
+  };
+  double sum = 0, mx = 0;
+  for (int k = 0; k < S; ++k) {
+    int a = k == 0 ? 0 : last[k - 1] + 1, b = last[k];
+    const SiteProfile& sp = p.sites[sites[k]];
+    double t = 0, state = 0, out = 0;
+    for (int i = a; i <= b; ++i) {
+      auto it = sp.op_seconds.find(g.ops[i].name);
+      t += it != sp.op_seconds.end() ? it->second : (g.ops[i].forward_flops + g.ops[i].backward_flops) / sp.flops_per_second;
+      state += g.ops[i].param_bytes + g.ops[i].optimizer_bytes;
+      out += g.ops[i].output_bytes;
+    }
+    if (state + std::min(M, S - k) * out > sp.memory_bytes) return kInf;
+    sum += t;
+    mx = std::max(mx, t);
+    if (k + 1 < S) {
+      double x = 0;  // every output of an op at or before b consumed after b, once
+      for (int i = 0; i <= b; ++i) {
+        bool crosses = false;
+        for (int j = b + 1; j < static_cast<int>(g.ops.size()); ++j)
+          for (int in : g.ops[j].inputs) crosses |= in == i;
+        if (crosses) x += g.ops[i].output_bytes;
+      }
+      double bw1, lat1, bw2, lat2;
+      if (!link(sites[k], sites[k + 1], bw1, lat1) || !link(sites[k + 1], sites[k], bw2, lat2)) return kInf;
+      double c = std::max(lat1 + rho * x / bw1, lat2 + rho * x / bw2);
+      sum += c;
+      mx = std::max(mx, c);
+    }
+  }
+  return sum + (M - 1) * mx;
+}
+
+// Minimum of FormulaCost over every ordered subset of sites and every split of the ops.
+double Exhaustive(const OpGraph& g, const ClusterProfile& p, int M, double rho) {
+  const int n = static_cast<int>(p.sites.size()), N = static_cast<int>(g.ops.size());
+  double best = kInf;
+  std::vector<int> order;
+  std::vector<bool> used(n, false);
+  std::function<void()> orders = [&] {
+    const int S = static_cast<int>(order.size());
+    if (S > 0 && S <= N) {
+      // Every choice of S-1 cut points among N-1 gaps.
+      std::vector<int> last(S);
+      std::function<void(int, int)> cuts = [&](int k, int start) {
+        if (k == S - 1) {
+          last[k] = N - 1;
+          best = std::min(best, FormulaCost(g, p, M, rho, order, last));
+          return;
+        }
+        for (int c = start; c <= N - 1 - (S - 1 - k); ++c) {
+          last[k] = c;
+          cuts(k + 1, c + 1);
+        }
+      };
+      cuts(0, 0);
+    }
+    for (int s = 0; s < n; ++s)
+      if (!used[s]) {
+        used[s] = true;
+        order.push_back(s);
+        orders();
+        order.pop_back();
+        used[s] = false;
+      }
+  };
+  orders();
+  return best;
+}
+
+struct Instance {
+  OpGraph g;
+  ClusterProfile p;
+  int M;
+  double rho;
+};
+
+Instance RandomInstance(std::mt19937& rng) {
+  std::uniform_real_distribution<double> u(0, 1);
+  Instance in;
+  int N = 1 + static_cast<int>(rng() % 8), n = 1 + static_cast<int>(rng() % 5);
+  double total_state = 0, total_out = 0;
+  for (int i = 0; i < N; ++i) {
+    Op op;
+    op.name = "op" + std::to_string(i);
+    op.forward_flops = 1e9 * (0.1 + u(rng));
+    op.backward_flops = 2 * op.forward_flops * (0.5 + u(rng));
+    op.param_bytes = 1e6 * u(rng);
+    op.optimizer_bytes = 2 * op.param_bytes;
+    op.output_bytes = 1e6 * (0.05 + u(rng));
+    if (i > 0) op.inputs.push_back(i - 1);
+    if (i > 1 && u(rng) < 0.3) op.inputs.push_back(static_cast<int>(rng() % (i - 1)));  // skip connection
+    total_state += op.param_bytes + op.optimizer_bytes;
+    total_out += op.output_bytes;
+    in.g.ops.push_back(op);
+  }
+  in.M = 1 + static_cast<int>(rng() % 8);
+  in.rho = u(rng) < 0.5 ? 1.0 : 0.1 + 0.9 * u(rng);
+  for (int s = 0; s < n; ++s) {
+    SiteProfile sp;
+    sp.name = "s" + std::to_string(s);
+    sp.flops_per_second = 1e9 * (0.5 + 4 * u(rng));
+    // Memory from generous to tight enough that some sites cannot hold everything.
+    sp.memory_bytes = (total_state + in.M * total_out) * (0.2 + 1.2 * u(rng));
+    if (u(rng) < 0.2 && N > 1) sp.op_seconds["op0"] = 0.05 * u(rng);
+    in.p.sites.push_back(sp);
+  }
+  for (int a = 0; a < n; ++a)
+    for (int b = 0; b < n; ++b)
+      if (a != b && u(rng) < 0.85)
+        in.p.links.push_back({in.p.sites[a].name, in.p.sites[b].name, 1e6 * (1 + 100 * u(rng)), 0.05 * u(rng)});
+  return in;
+}
+
+TEST(Planner, ExactEqualsExhaustiveSearchOn250RandomInstances) {
+  std::mt19937 rng(20261130);
+  int feasible = 0, infeasible = 0;
+  for (int trial = 0; trial < 250; ++trial) {
+    Instance in = RandomInstance(rng);
+    PlanOptions o;
+    o.micro_batches = in.M;
+    o.ratio = in.rho;
+    double want = Exhaustive(in.g, in.p, in.M, in.rho);
+    auto plan = PlanPipeline(in.g, in.p, o);
+    if (want == kInf) {
+      EXPECT_FALSE(plan.ok()) << "trial " << trial;
+      EXPECT_EQ(plan.status().code(), absl::StatusCode::kFailedPrecondition);
+      ++infeasible;
+      continue;
+    }
+    ASSERT_TRUE(plan.ok()) << "trial " << trial << ": " << plan.status();
+    ++feasible;
+    EXPECT_EQ(plan->method, "exact");
+    EXPECT_NEAR(plan->predicted_step_seconds, want, 1e-9 * want) << "trial " << trial;
+    // The plan it returns really has that cost under the formula.
+    std::vector<int> sites, last;
+    for (const auto& s : plan->stages) {
+      ASSERT_EQ(s.sites.size(), 1u);
+      sites.push_back(s.sites[0]);
+      last.push_back(s.last_op);
+    }
+    EXPECT_NEAR(FormulaCost(in.g, in.p, in.M, in.rho, sites, last), want, 1e-9 * want) << "trial " << trial;
+    EXPECT_NEAR(ReferenceStepTime(in.g, in.p, in.M, in.rho, sites, last), want, 1e-9 * want);
+  }
+  EXPECT_GE(feasible, 200);
+  EXPECT_GT(infeasible, 0);  // the generator does exercise the memory limits
+}
+
+OpGraph Chain(int n, double flops = 1e9, double out = 1e3) {
+  OpGraph g;
+  for (int i = 0; i < n; ++i) {
+    Op op{"op" + std::to_string(i), flops, 2 * flops, 1e3, 2e3, out, {}};
+    if (i) op.inputs = {i - 1};
+    g.ops.push_back(op);
+  }
+  return g;
+}
+
+void LinkAll(ClusterProfile* p, double bw, double lat) {
+  for (const auto& a : p->sites)
+    for (const auto& b : p->sites)
+      if (a.name != b.name) p->links.push_back({a.name, b.name, bw, lat});
+}
+
+TEST(Planner, FourTimesFasterSiteGetsAboutFourTimesTheWork) {
+  OpGraph g = Chain(100);
+  ClusterProfile p;
+  p.sites = {{"fast", 4e9, 1e12, {}}, {"slow", 1e9, 1e12, {}}};
+  LinkAll(&p, 1e10, 1e-4);
+  PlanOptions o;
+  o.micro_batches = 64;
+  auto plan = PlanPipeline(g, p, o);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_EQ(plan->stages.size(), 2u);
+  int fast_ops = 0, slow_ops = 0;
+  for (const auto& s : plan->stages)
+    (s.site_names[0] == "fast" ? fast_ops : slow_ops) += s.last_op - s.first_op + 1;
+  EXPECT_EQ(fast_ops, 80);
+  EXPECT_EQ(slow_ops, 20);
+}
+
+TEST(Planner, InfeasibleMemoryNamesWhatDoesNotFit) {
+  OpGraph g = Chain(4);
+  g.ops[2].param_bytes = 5e9;
+  ClusterProfile p;
+  p.sites = {{"a", 1e9, 1e9, {}}, {"b", 1e9, 2e9, {}}};
+  LinkAll(&p, 1e8, 1e-3);
+  auto plan = PlanPipeline(g, p, PlanOptions{});
+  ASSERT_FALSE(plan.ok());
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(plan.status().message()), HasSubstr("op 'op2' alone needs"));
+  EXPECT_THAT(std::string(plan.status().message()), HasSubstr("'b'"));
+
+  g.ops[2].param_bytes = 1e3;
+  for (auto& op : g.ops) op.param_bytes = 0.9e9;  // 3.6 GB of weights: more than the 3 GB in all
+  auto plan2 = PlanPipeline(g, p, PlanOptions{});
+  ASSERT_FALSE(plan2.ok());
+  EXPECT_THAT(std::string(plan2.status().message()), HasSubstr("all 2 sites together"));
+}
+
+TEST(Planner, MissingLinkMeansNotNeighbours) {
+  OpGraph g = Chain(6);
+  ClusterProfile p;
+  p.sites = {{"a", 1e9, 1e12, {}}, {"b", 1e9, 1e12, {}}};
+  p.links = {{"a", "b", 1e9, 0}};  // only one direction: gradients could not flow back
+  PlanOptions o;
+  o.micro_batches = 8;
+  auto plan = PlanPipeline(g, p, o);
+  ASSERT_TRUE(plan.ok());
+  EXPECT_EQ(plan->stages.size(), 1u);
+}
+
+TEST(Planner, SkipConnectionsCountEveryCrossingTensorOnce) {
+  // op0 -> op1 -> op2 -> op3, and op0 -> op3, op0 -> op2 (a long skip consumed twice).
+  OpGraph g = Chain(4, 1e9, 1e6);
+  g.ops[0].output_bytes = 5e6;
+  g.ops[2].inputs = {1, 0};
+  g.ops[3].inputs = {2, 0};
+  ClusterProfile p;
+  p.sites = {{"a", 1e9, 1e12, {}}, {"b", 1e9, 1e12, {}}};
+  LinkAll(&p, 1e6, 0.0);
+  // A cut after op1 carries op1's output (1 MB) and op0's (5 MB) once: 6 s at 1 MB/s.
+  EXPECT_DOUBLE_EQ(ReferenceStepTime(g, p, 1, 1.0, {0, 1}, {1, 3}), 4 * 3.0 + 6.0);
+  // After op0: only op0's output, although three ops consume it.
+  EXPECT_DOUBLE_EQ(ReferenceStepTime(g, p, 1, 1.0, {0, 1}, {0, 3}), 4 * 3.0 + 5.0);
+  // After op2: op2's output and op0's.
+  EXPECT_DOUBLE_EQ(ReferenceStepTime(g, p, 1, 1.0, {0, 1}, {2, 3}), 4 * 3.0 + 6.0);
+}
+
+TEST(Planner, ExtensionsOffReduceToReference) {
+  std::mt19937 rng(7);
+  for (int t = 0; t < 30; ++t) {
+    Instance in = RandomInstance(rng);
+    PlanOptions ref;
+    ref.micro_batches = in.M;
+    ref.ratio = in.rho;
+    PlanOptions ext = ref;
+    ext.replication = false;
+    ext.adaptive_compression = false;
+    auto a = PlanPipeline(in.g, in.p, ref), b = PlanPipeline(in.g, in.p, ext);
+    ASSERT_EQ(a.ok(), b.ok());
+    if (a.ok()) {
+      EXPECT_DOUBLE_EQ(a->predicted_step_seconds, b->predicted_step_seconds);
+    }
+  }
+}
+
+TEST(Planner, ReplicationUsesSpareSitesAndPricesTheAllReduce) {
+  OpGraph g = Chain(2, 1e9, 1e3);
+  ClusterProfile p;
+  p.sites = {{"a", 1e9, 1e12, {}}, {"b", 1e9, 1e12, {}}, {"c", 1e9, 1e12, {}}, {"d", 1e9, 1e12, {}}};
+  LinkAll(&p, 1e9, 1e-3);
+  PlanOptions o;
+  o.micro_batches = 16;
+  auto ref = PlanPipeline(g, p, o);
+  ASSERT_TRUE(ref.ok());
+  o.replication = true;
+  auto rep = PlanPipeline(g, p, o);
+  ASSERT_TRUE(rep.ok());
+  int used = 0;
+  for (const auto& s : rep->stages) used += static_cast<int>(s.sites.size());
+  EXPECT_EQ(used, 4);
+  EXPECT_LT(rep->predicted_step_seconds, 0.75 * ref->predicted_step_seconds);
+  EXPECT_GT(rep->sync_seconds, 0.0);
+  // Replicas on a slow link do not pay off: with 4 GB of weights per op and 1 MB/s rings the
+  // all-reduce (about 2000 s) would dwarf the 48 s of compute.
+  ClusterProfile slow = p;
+  for (auto& l : slow.links) l.bandwidth_bytes_per_second = 1e6;
+  OpGraph heavy = g;
+  for (auto& op : heavy.ops) op.param_bytes = 4e9;
+  auto none = PlanPipeline(heavy, slow, o);
+  ASSERT_TRUE(none.ok());
+  for (const auto& s : none->stages) EXPECT_EQ(s.sites.size(), 1u);
+}
+
+TEST(Planner, AdaptiveCompressionOnlyCompressesSlowLinks) {
+  OpGraph g = Chain(3, 1e9, 8e6);
+  ClusterProfile p;
+  p.sites = {{"a", 1e9, 1e12, {}}, {"b", 1e9, 1e12, {}}, {"c", 1e9, 1e12, {}}};
+  p.links = {{"a", "b", 1e9, 0}, {"b", "a", 1e9, 0}, {"b", "c", 1e6, 0}, {"c", "b", 1e6, 0}};
+  PlanOptions o;
+  o.micro_batches = 8;
+  o.adaptive_compression = true;
+  auto plan = PlanPipeline(g, p, o);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_EQ(plan->stages.size(), 3u);
+  ASSERT_EQ(plan->links.size(), 2u);
+  EXPECT_EQ(plan->links[0].codec, "identity");  // 8 MB at 1 GB/s: 8 ms, far below 3 s of compute
+  // 8 MB at 1 MB/s: 8 s raw, 4 s as fp16, 2.1 s as int8: int8 is the lightest that hides behind 3 s.
+  EXPECT_EQ(plan->links[1].codec, "int8");
+  EXPECT_LE(plan->links[1].seconds, plan->stages[1].compute_seconds);
+}
+
+TEST(Planner, HeuristicPlansLargeClustersQuicklyAndNearExact) {
+  std::mt19937 rng(99);
+  double worst_gap = 0;
+  for (int t = 0; t < 40; ++t) {
+    Instance in = RandomInstance(rng);
+    PlanOptions o;
+    o.micro_batches = in.M;
+    o.ratio = in.rho;
+    auto exact = PlanPipeline(in.g, in.p, o);
+    o.force_heuristic = true;
+    auto heur = PlanPipeline(in.g, in.p, o);
+    if (!exact.ok()) continue;
+    if (!heur.ok()) continue;  // the heuristic may miss tight-memory plans; the gap bench reports how often
+    EXPECT_GE(heur->predicted_step_seconds, exact->predicted_step_seconds * (1 - 1e-9));
+    worst_gap = std::max(worst_gap, heur->predicted_step_seconds / exact->predicted_step_seconds - 1);
+  }
+  RecordProperty("worst_gap", std::to_string(worst_gap));
+}
+
+TEST(Planner, RejectsBadOptionsAndUnknownOps) {
+  OpGraph g = Chain(2);
+  ClusterProfile p;
+  p.sites = {{"a", 1e9, 1e12, {{"nope", 1.0}}}};
+  auto plan = PlanPipeline(g, p, PlanOptions{});
+  ASSERT_FALSE(plan.ok());
+  EXPECT_THAT(std::string(plan.status().message()), HasSubstr("'nope'"));
+  p.sites[0].op_seconds.clear();
+  PlanOptions o;
+  o.micro_batches = 0;
+  EXPECT_EQ(PlanPipeline(g, p, o).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(Planner, RenderingsCarryTheRequiredFields) {
+  OpGraph g = Chain(6);
+  ClusterProfile p;
+  p.sites = {{"a", 2e9, 1e12, {}}, {"b", 1e9, 1e12, {}}};
+  LinkAll(&p, 1e8, 1e-3);
+  auto plan = PlanPipeline(g, p, PlanOptions{});
+  ASSERT_TRUE(plan.ok());
+  std::string j = PlanJson(*plan, g);
+  for (const char* key : {"predicted_step_seconds", "compute_bound_seconds", "stages", "sites", "first_op", "last_op",
+                          "compute_seconds", "links", "seconds"})
+    EXPECT_THAT(j, HasSubstr(std::string("\"") + key + "\"")) << key;
+  EXPECT_THAT(PlanTable(*plan, g, p), HasSubstr("predicted step time"));
+  EXPECT_THAT(PlanDot(*plan, g), HasSubstr("s0 -> s1"));
+}
+
+}  // namespace
+}  // namespace meridian::partitioner
