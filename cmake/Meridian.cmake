@@ -27,8 +27,11 @@ function(meridian_add_test name label)
   add_executable(${name} ${ARG_SOURCES})
   target_link_libraries(${name} PRIVATE ${ARG_DEPS} GTest::gmock GTest::gtest_main)
   meridian_warnings(${name})
+  # Tests find the sources and the built binaries through these (overridable by the environment
+  # variables of the same names).
+  target_compile_definitions(${name} PRIVATE
+    MERIDIAN_TEST_SOURCE_DIR="${PROJECT_SOURCE_DIR}" MERIDIAN_TEST_BINARY_DIR="${PROJECT_BINARY_DIR}")
   gtest_discover_tests(${name}
     PROPERTIES LABELS ${label} TIMEOUT ${ARG_TIMEOUT}
-    ENVIRONMENT "MERIDIAN_SOURCE_DIR=${PROJECT_SOURCE_DIR};MERIDIAN_BINARY_DIR=${PROJECT_BINARY_DIR};OPENBLAS_NUM_THREADS=1;OMP_NUM_THREADS=1"
     DISCOVERY_TIMEOUT 60)
 endfunction()

@@ -111,6 +111,11 @@ int main(int argc, char** argv) {
   coordinator::AddPlanOptions(plan, &plan_options);
   plan->callback([&] { rc = coordinator::RunPlanCommand(plan_options); });
 
+  coordinator::GraphCommandOptions graph_options;
+  auto* graph = app.add_subcommand("graph", "Write the operator graph (graph.json) of a LLaMA-architecture config.json");
+  coordinator::AddGraphOptions(graph, &graph_options);
+  graph->callback([&] { rc = coordinator::RunGraphCommand(graph_options); });
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -13,7 +13,7 @@ using ::testing::HasSubstr;
 
 std::string SourceDir() {
   const char* s = std::getenv("MERIDIAN_SOURCE_DIR");
-  return s ? s : ".";
+  return s ? s : MERIDIAN_TEST_SOURCE_DIR;
 }
 
 const char kValid[] = R"(cluster: t

@@ -367,21 +367,60 @@ bool CutsForBottleneck(const CostModel& cm, const std::vector<int>& order, doubl
 }
 
 void Refine(const CostModel& cm, const std::vector<int>& order, double ratio, std::vector<int>* last, double* cost) {
+  // Coordinate descent: move each cut to its best position between its neighbours (a full line search
+  // when the stage pair is short, else steps of 1 and 4), until no move helps.
+  const std::vector<int> used(order.begin(), order.begin() + last->size());
   bool improved = true;
-  for (int round = 0; improved && round < 64; ++round) {
+  for (int round = 0; improved && round < 32; ++round) {
     improved = false;
-    for (size_t k = 0; k + 1 < last->size(); ++k)
-      for (int step : {-1, 1, -4, 4}) {
+    for (size_t k = 0; k + 1 < last->size(); ++k) {
+      int lo = k == 0 ? 0 : (*last)[k - 1] + 1, hi = (*last)[k + 1] - 1;
+      std::vector<int> positions;
+      if (hi - lo <= 64) {
+        for (int p = lo; p <= hi; ++p) positions.push_back(p);
+      } else {
+        for (int step : {-4, -1, 1, 4}) positions.push_back((*last)[k] + step);
+      }
+      for (int p : positions) {
+        if (p < lo || p > hi || p == (*last)[k]) continue;
         std::vector<int> trial = *last;
-        trial[k] += step;
-        double c = SearchCost(cm, std::vector<int>(order.begin(), order.begin() + trial.size()), trial, ratio);
-        if (c < *cost) {
+        trial[k] = p;
+        double c = SearchCost(cm, used, trial, ratio);
+        if (c < *cost * (1 - 1e-12)) {
           *cost = c;
           *last = trial;
           improved = true;
         }
       }
+    }
   }
+}
+
+// Cuts a fixed site order: bisection on the bottleneck, then coordinate descent on the cuts.
+Candidate CutOrder(const CostModel& cm, const std::vector<int>& order, double ratio) {
+  const int N = cm.ops();
+  Candidate none;
+  double hi = 0;
+  for (int s : order) hi = std::max(hi, cm.WholeModelTime(s));
+  for (int i = 0; i + 1 < N; ++i)
+    for (size_t k = 0; k + 1 < order.size(); ++k) {
+      double c = cm.LinkCost(order[k], order[k + 1], ratio * cm.CutBytes(i));
+      if (c != kInf) hi = std::max(hi, c);
+    }
+  std::vector<int> last;
+  if (!CutsForBottleneck(cm, order, ratio, hi * (1 + 1e-9), &last)) return none;
+  double lo = 0;
+  for (int it = 0; it < 60 && hi - lo > 1e-9 * hi; ++it) {
+    double mid = 0.5 * (lo + hi);
+    std::vector<int> trial;
+    if (CutsForBottleneck(cm, order, ratio, mid, &trial)) hi = mid, last = trial;
+    else lo = mid;
+  }
+  std::vector<int> used(order.begin(), order.begin() + last.size());
+  double cost = SearchCost(cm, used, last, ratio);
+  if (cost == kInf) return none;
+  Refine(cm, order, ratio, &last, &cost);
+  return {cost, used, last};
 }
 
 Candidate Heuristic(const CostModel& cm, double ratio) {
@@ -415,27 +454,36 @@ Candidate Heuristic(const CostModel& cm, double ratio) {
     }
     if (static_cast<int>(chain.size()) == K && chain != subset) orders.push_back(chain);
     for (const auto& order : orders) {
-      double hi = 0;
-      for (int s : order) hi = std::max(hi, cm.WholeModelTime(s));
-      for (int i = 0; i + 1 < N; ++i)
-        for (size_t k = 0; k + 1 < order.size(); ++k) {
-          double c = cm.LinkCost(order[k], order[k + 1], ratio * cm.CutBytes(i));
-          if (c != kInf) hi = std::max(hi, c);
+      Candidate c = CutOrder(cm, order, ratio);
+      if (c.cost < best.cost) best = c;
+    }
+  }
+  // Local search over the sites themselves: replace one stage's site by an unused one, or swap two
+  // stages' sites, re-cutting each time; keep any improvement. Bounded by a budget of evaluations.
+  double budget = 3e7;
+  for (bool improved = best.cost < kInf; improved && budget > 0;) {
+    improved = false;
+    std::vector<bool> in_use(n, false);
+    for (int s : best.order) in_use[s] = true;
+    const int S = static_cast<int>(best.order.size());
+    for (int k = 0; k < S && !improved && budget > 0; ++k) {
+      for (int s = 0; s < n + S && !improved && budget > 0; ++s) {
+        std::vector<int> order = best.order;
+        if (s < n) {
+          if (in_use[s]) continue;
+          order[k] = s;
+        } else {
+          int j = s - n;
+          if (j <= k) continue;
+          std::swap(order[k], order[j]);
         }
-      std::vector<int> last;
-      if (!CutsForBottleneck(cm, order, ratio, hi * (1 + 1e-9), &last)) continue;
-      double lo = 0;
-      for (int it = 0; it < 60 && hi - lo > 1e-9 * hi; ++it) {
-        double mid = 0.5 * (lo + hi);
-        std::vector<int> trial;
-        if (CutsForBottleneck(cm, order, ratio, mid, &trial)) hi = mid, last = trial;
-        else lo = mid;
+        budget -= 64.0 * N;
+        Candidate c = CutOrder(cm, order, ratio);
+        if (c.cost < best.cost * (1 - 1e-9)) {
+          best = c;
+          improved = true;
+        }
       }
-      std::vector<int> used(order.begin(), order.begin() + last.size());
-      double cost = SearchCost(cm, used, last, ratio);
-      if (cost == kInf) continue;
-      Refine(cm, order, ratio, &last, &cost);
-      if (cost < best.cost) best = {cost, std::vector<int>(order.begin(), order.begin() + last.size()), last};
     }
   }
   return best;

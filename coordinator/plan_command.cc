@@ -1,0 +1,102 @@
+#include "coordinator/plan_command.h"
+
+#include <CLI/CLI.hpp>
+
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include "partitioner/model.h"
+#include "partitioner/planner.h"
+
+namespace meridian::coordinator {
+
+void AddPlanOptions(CLI::App* cmd, PlanCommandOptions* o) {
+  cmd->add_option("--graph", o->graph_path, "Operator graph (graph.json)")->required();
+  cmd->add_option("--profile", o->profile_path, "Cluster profile (profile.json)")->required();
+  cmd->add_option("--micro-batches", o->micro_batches, "Micro-batches per step (M)")->check(CLI::Range(1, 1 << 16));
+  cmd->add_option_function<double>(
+         "--ratio", [o](const double& r) { o->ratio = r, o->ratio_given = true; },
+         "Fixed compression ratio on every link (compressed/original); disables adaptive compression")
+      ->check(CLI::Range(1e-6, 1.0));
+  cmd->add_flag("--reference", o->reference,
+                "Reference cost model: no replication, the fixed --ratio (default 1) on every link");
+  cmd->add_flag("--no-replication", o->no_replication, "Do not replicate stages on spare sites");
+  cmd->add_flag("--heuristic", o->force_heuristic, "Use the heuristic even where exact search applies");
+  cmd->add_flag("--json", o->json, "Print the plan as JSON");
+  cmd->add_option("--dot", o->dot_path, "Also write the plan as Graphviz to this file");
+}
+
+int RunPlanCommand(const PlanCommandOptions& o) {
+  auto graph = partitioner::LoadGraphFile(o.graph_path);
+  if (!graph.ok()) {
+    std::cerr << "meridian plan: " << graph.status().message() << "\n";
+    return 2;
+  }
+  auto profile = partitioner::LoadProfileFile(o.profile_path);
+  if (!profile.ok()) {
+    std::cerr << "meridian plan: " << profile.status().message() << "\n";
+    return 2;
+  }
+  partitioner::PlanOptions po;
+  po.micro_batches = o.micro_batches;
+  po.ratio = o.ratio;
+  po.replication = !o.reference && !o.no_replication;
+  po.adaptive_compression = !o.reference && !o.ratio_given;
+  po.force_heuristic = o.force_heuristic;
+  auto plan = partitioner::PlanPipeline(*graph, *profile, po);
+  if (!plan.ok()) {
+    std::cerr << "meridian plan: " << plan.status().message() << "\n";
+    return 2;
+  }
+  if (o.json) std::cout << partitioner::PlanJson(*plan, *graph);
+  else std::cout << partitioner::PlanTable(*plan, *graph, *profile);
+  if (!o.dot_path.empty()) {
+    std::ofstream dot(o.dot_path);
+    dot << partitioner::PlanDot(*plan, *graph);
+    if (!dot) {
+      std::cerr << "meridian plan: " << o.dot_path << ": cannot write\n";
+      return 1;
+    }
+  }
+  return 0;
+}
+
+void AddGraphOptions(CLI::App* cmd, GraphCommandOptions* o) {
+  cmd->add_option("--config", o->config_path, "HF config.json of a LLaMA-architecture model")->required();
+  cmd->add_option("--micro-batch-size", o->micro_batch_size, "Sequences per micro-batch")->check(CLI::Range(1, 1 << 16));
+  cmd->add_option("--seq-len", o->sequence_length, "Tokens per sequence")->check(CLI::Range(1, 1 << 20));
+  cmd->add_option("--out", o->out_path, "Output graph.json (default: stdout)");
+}
+
+int RunGraphCommand(const GraphCommandOptions& o) {
+  std::ifstream in(o.config_path);
+  if (!in) {
+    std::cerr << "meridian graph: " << o.config_path << ": cannot open file\n";
+    return 2;
+  }
+  std::stringstream ss;
+  ss << in.rdbuf();
+  auto shape = partitioner::ParseLlamaConfig(ss.str(), o.config_path);
+  if (!shape.ok()) {
+    std::cerr << "meridian graph: " << shape.status().message() << "\n";
+    return 2;
+  }
+  partitioner::LlamaGraphOptions go;
+  go.micro_batch_size = o.micro_batch_size;
+  go.sequence_length = o.sequence_length;
+  std::string text = partitioner::GraphToJson(partitioner::BuildLlamaGraph(*shape, go));
+  if (o.out_path.empty()) {
+    std::cout << text;
+    return 0;
+  }
+  std::ofstream out(o.out_path);
+  out << text;
+  if (!out) {
+    std::cerr << "meridian graph: " << o.out_path << ": cannot write\n";
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace meridian::coordinator

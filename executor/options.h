@@ -1,0 +1,35 @@
+// How an executor is configured: command-line flags over MERIDIAN_* environment variables over the
+// cluster spec (when --spec is given). Pure; thread-safe.
+#ifndef MERIDIAN_EXECUTOR_OPTIONS_H_
+#define MERIDIAN_EXECUTOR_OPTIONS_H_
+
+#include <functional>
+#include <optional>
+#include <string>
+
+#include "absl/status/statusor.h"
+
+namespace meridian::executor {
+
+struct ExecutorOptions {
+  std::string coordinator;  // host:port of the coordinator
+  std::string site;         // this executor's site name (the CN of its certificate)
+  std::string certs;        // directory with ca.pem, SITE.pem, SITE.key
+  std::string listen;       // host:port for the peer service (default: the site's address in the spec)
+  std::string device = "cpu";
+};
+
+// Values given on the command line; unset ones fall back to the environment, then the spec.
+struct ExecutorFlags {
+  std::optional<std::string> coordinator, site, certs, listen, device, spec;
+};
+
+// Resolves the options. `getenv` looks up MERIDIAN_COORDINATOR, MERIDIAN_SITE, MERIDIAN_CERTS,
+// MERIDIAN_LISTEN, MERIDIAN_DEVICE and MERIDIAN_SPEC. Errors: InvalidArgument naming the missing or
+// malformed setting and where it came from.
+absl::StatusOr<ExecutorOptions> ResolveOptions(const ExecutorFlags& flags,
+                                               const std::function<std::optional<std::string>(const char*)>& getenv);
+
+}  // namespace meridian::executor
+
+#endif  // MERIDIAN_EXECUTOR_OPTIONS_H_

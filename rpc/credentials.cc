@@ -1,0 +1,78 @@
+#include "rpc/credentials.h"
+
+#include <grpcpp/security/auth_context.h>
+
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "core/certs.h"
+
+namespace meridian::rpc {
+namespace {
+
+absl::StatusOr<std::string> Read(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+struct Material {
+  std::string ca, cert, key;
+};
+
+absl::StatusOr<Material> Load(const std::string& dir, const std::string& name) {
+  absl::Status check = core::CheckIdentityFiles(dir, name);
+  if (!check.ok()) return check;
+  Material m;
+  auto ca = Read(dir + "/ca.pem");
+  if (!ca.ok()) return ca.status();
+  auto cert = Read(absl::StrCat(dir, "/", name, ".pem"));
+  if (!cert.ok()) return cert.status();
+  auto key = Read(absl::StrCat(dir, "/", name, ".key"));
+  if (!key.ok()) return key.status();
+  return Material{*ca, *cert, *key};
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(const std::string& dir,
+                                                                               const std::string& name) {
+  auto m = Load(dir, name);
+  if (!m.ok()) return m.status();
+  grpc::SslServerCredentialsOptions o(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+  o.pem_root_certs = m->ca;
+  o.pem_key_cert_pairs.push_back({m->key, m->cert});
+  return grpc::SslServerCredentials(o);
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(const std::string& dir,
+                                                                                 const std::string& name) {
+  auto m = Load(dir, name);
+  if (!m.ok()) return m.status();
+  grpc::SslCredentialsOptions o;
+  o.pem_root_certs = m->ca;
+  o.pem_private_key = m->key;
+  o.pem_cert_chain = m->cert;
+  return grpc::SslCredentials(o);
+}
+
+grpc::ChannelArguments PeerChannelArguments(const std::string& peer_name) {
+  grpc::ChannelArguments args;
+  args.SetSslTargetNameOverride(peer_name);
+  args.SetMaxReceiveMessageSize(8 << 20);
+  args.SetMaxSendMessageSize(8 << 20);
+  return args;
+}
+
+std::string PeerCommonName(const grpc::ServerContext& context) {
+  auto auth = context.auth_context();
+  if (!auth || !auth->IsPeerAuthenticated()) return "";
+  auto values = auth->FindPropertyValues("x509_common_name");
+  if (values.empty()) return "";
+  return std::string(values.front().data(), values.front().size());
+}
+
+}  // namespace meridian::rpc

@@ -1,0 +1,174 @@
+// Integration tests of the two binaries, run as real processes.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::HasSubstr;
+
+std::string Env(const char* k, const char* fallback) {
+  const char* v = std::getenv(k);
+  return v ? v : fallback;
+}
+std::string Bin(const std::string& name) {
+  return Env("MERIDIAN_BINARY_DIR", MERIDIAN_TEST_BINARY_DIR) + "/bin/" + name;
+}
+std::string Src(const std::string& path) { return Env("MERIDIAN_SOURCE_DIR", MERIDIAN_TEST_SOURCE_DIR) + "/" + path; }
+
+struct Result {
+  int rc;
+  std::string out, err;
+};
+
+Result Exec(const std::string& cmd) {
+  static int counter = 0;
+  std::string errfile = (fs::temp_directory_path() / ("meridian_cli_err_" + std::to_string(::getpid()) + "_" +
+                                                      std::to_string(counter++))).string();
+  Result r;
+  FILE* p = popen((cmd + " 2>" + errfile).c_str(), "r");
+  std::array<char, 4096> buf;
+  size_t n;
+  while (p && (n = fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
+  int status = p ? pclose(p) : -1;
+  r.rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  std::ifstream e(errfile);
+  r.err.assign(std::istreambuf_iterator<char>(e), {});
+  fs::remove(errfile);
+  return r;
+}
+
+class Cli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("meridian_cli_" + std::to_string(::getpid()) + "_" +
+                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::string Write(const std::string& name, const std::string& text) {
+    std::ofstream(dir_ / name) << text;
+    return (dir_ / name).string();
+  }
+  fs::path dir_;
+};
+
+TEST_F(Cli, HelpAndVersion) {
+  for (const char* b : {"meridian", "meridian-executor"}) {
+    auto v = Exec(Bin(b) + " --version");
+    EXPECT_EQ(v.rc, 0);
+    EXPECT_THAT(v.out, HasSubstr("0."));
+    auto h = Exec(Bin(b) + " --help");
+    EXPECT_EQ(h.rc, 0);
+    EXPECT_THAT(h.out, HasSubstr("Usage"));
+  }
+  for (const char* sub : {"validate", "certs", "certs init", "certs issue", "plan", "graph"}) {
+    auto h = Exec(Bin("meridian") + " " + sub + " --help");
+    EXPECT_EQ(h.rc, 0) << sub;
+    EXPECT_THAT(h.out, HasSubstr("Usage")) << sub;
+  }
+  EXPECT_EQ(Exec(Bin("meridian") + " frobnicate").rc, 2);
+}
+
+TEST_F(Cli, ValidateExitCodesAndFormat) {
+  auto ok = Exec(Bin("meridian") + " validate " + Src("examples/clusters/local.yaml") + " " +
+                Src("examples/clusters/geo.yaml"));
+  EXPECT_EQ(ok.rc, 0) << ok.err;
+  EXPECT_THAT(ok.out, HasSubstr("local.yaml: ok (cluster 'local-demo' with 3 sites"));
+  std::string bad = Write("bad.yaml", "cluster: x\ncoordinator: {address: 127.0.0.1:1}\nsites:\n  - {name: a, address: nope}\n"
+                                      "links:\n  - {from: a, to: b, bandwidth: 0Mbit}\n");
+  auto r = Exec(Bin("meridian") + " validate " + bad);
+  EXPECT_EQ(r.rc, 2);
+  EXPECT_THAT(r.err, HasSubstr(bad + ":4:"));
+  EXPECT_THAT(r.err, HasSubstr(": error: site 'a'.address:"));
+  EXPECT_THAT(r.err, HasSubstr(bad + ":6:"));
+  // Every stderr line has the FILE:LINE:COL: error: form.
+  size_t lines = 0, start = 0;
+  while (start < r.err.size()) {
+    size_t end = r.err.find('\n', start);
+    std::string line = r.err.substr(start, end - start);
+    EXPECT_THAT(line, ::testing::MatchesRegex(".*:[0-9]+:[0-9]+: error: .*")) << line;
+    ++lines;
+    start = end == std::string::npos ? r.err.size() : end + 1;
+  }
+  EXPECT_GE(lines, 3u);
+  std::string binary = Write("bin.yaml", std::string("\x7f" "ELF\0\0\x01", 7));
+  auto b = Exec(Bin("meridian") + " validate " + binary);
+  EXPECT_EQ(b.rc, 2);
+  EXPECT_THAT(b.err, HasSubstr("not a text file"));
+  auto missing = Exec(Bin("meridian") + " validate " + (dir_ / "missing.yaml").string());
+  EXPECT_EQ(missing.rc, 2);
+  EXPECT_THAT(missing.err, HasSubstr("missing.yaml:0:0: error: cannot open file"));
+}
+
+TEST_F(Cli, CertsInitAndIssueVerifyWithOpenssl) {
+  std::string out = (dir_ / "certs").string();
+  auto r = Exec(Bin("meridian") + " certs init --spec " + Src("examples/clusters/geo.yaml") + " --out " + out);
+  ASSERT_EQ(r.rc, 0) << r.err;
+  for (const char* n : {"coordinator", "frankfurt", "virginia", "oregon", "singapore"}) {
+    auto v = Exec("openssl verify -CAfile " + out + "/ca.pem " + out + "/" + n + ".pem");
+    EXPECT_EQ(v.rc, 0) << n << v.out << v.err;
+  }
+  auto again = Exec(Bin("meridian") + " certs init --spec " + Src("examples/clusters/geo.yaml") + " --out " + out);
+  EXPECT_EQ(again.rc, 2);
+  EXPECT_THAT(again.err, HasSubstr("--force"));
+  auto issue = Exec(Bin("meridian") + " certs issue --ca-dir " + out + " --site tokyo --host 198.51.100.7");
+  ASSERT_EQ(issue.rc, 0) << issue.err;
+  EXPECT_EQ(Exec("openssl verify -CAfile " + out + "/ca.pem " + out + "/tokyo.pem").rc, 0);
+  auto san = Exec("openssl x509 -noout -subject -ext subjectAltName -in " + out + "/tokyo.pem");
+  EXPECT_THAT(san.out, HasSubstr("CN = tokyo"));
+  EXPECT_THAT(san.out, HasSubstr("IP Address:198.51.100.7"));
+  EXPECT_EQ(fs::status(out + "/tokyo.key").permissions() & fs::perms::all, fs::perms::owner_read | fs::perms::owner_write);
+}
+
+TEST_F(Cli, PlanTableJsonAndDot) {
+  std::string graph = Src("examples/graphs/llama-7b.json"), profile = Src("examples/profiles/geo.json");
+  auto t = Exec(Bin("meridian") + " plan --graph " + graph + " --profile " + profile + " --micro-batches 32");
+  ASSERT_EQ(t.rc, 0) << t.err;
+  EXPECT_THAT(t.out, HasSubstr("bottleneck:"));
+  EXPECT_THAT(t.out, HasSubstr("predicted step time:"));
+  EXPECT_THAT(t.out, HasSubstr("compute bound:"));
+  std::string dot = (dir_ / "plan.dot").string();
+  auto j = Exec(Bin("meridian") + " plan --graph " + graph + " --profile " + profile + " --reference --json --dot " + dot);
+  ASSERT_EQ(j.rc, 0) << j.err;
+  auto js = nlohmann::json::parse(j.out);
+  EXPECT_GT(js["predicted_step_seconds"].get<double>(), js["compute_bound_seconds"].get<double>());
+  ASSERT_FALSE(js["stages"].empty());
+  EXPECT_EQ(js["stages"][0]["first_op"].get<int>(), 0);
+  EXPECT_EQ(js["stages"].back()["last_op"].get<int>(), 65);
+  EXPECT_EQ(js["links"].size() + 1, js["stages"].size());
+  EXPECT_TRUE(fs::exists(dot));
+  std::string bad = Write("g.json", R"({"ops": [{"name": "a", "forward_flops": 1}]})");
+  auto b = Exec(Bin("meridian") + " plan --graph " + bad + " --profile " + profile);
+  EXPECT_EQ(b.rc, 2);
+  EXPECT_THAT(b.err, HasSubstr("ops[0].backward_flops: missing"));
+}
+
+TEST_F(Cli, ExecutorJoinFailsFastWithOneActionableMessage) {
+  std::string certs = (dir_ / "certs").string();
+  ASSERT_EQ(Exec(Bin("meridian") + " certs init --spec " + Src("examples/clusters/local.yaml") + " --out " + certs).rc, 0);
+  // Nobody listens on this port: a clear "cannot join" within the timeout.
+  auto r = Exec(Bin("meridian-executor") + " --site fast --coordinator 127.0.0.1:1 --certs " + certs + " --join-timeout 2");
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_THAT(r.err, HasSubstr("cannot join the coordinator at 127.0.0.1:1 as site 'fast'"));
+  // A site whose certificate is missing: rejected before any network traffic.
+  auto u = Exec(Bin("meridian-executor") + " --site atlantis --coordinator 127.0.0.1:1 --certs " + certs);
+  EXPECT_EQ(u.rc, 2);
+  EXPECT_THAT(u.err, HasSubstr("atlantis.pem"));
+  auto bad = Exec(Bin("meridian-executor") + " --site fast --coordinator nope --certs " + certs);
+  EXPECT_EQ(bad.rc, 2);
+  EXPECT_THAT(bad.err, HasSubstr("coordinator address"));
+}
+
+}  // namespace
