@@ -1,0 +1,640 @@
+#include "compression/codec.h"
+
+#include <zstd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "compression/internal/crc32c.h"
+
+namespace meridian::compression {
+namespace {
+
+using core::DType;
+
+constexpr uint8_t kMagic[4] = {'M', 'R', 'D', 'F'};
+constexpr uint8_t kVersion = 1;
+constexpr size_t kHeaderBytes = 56;
+constexpr int kMaxDims = 8;
+constexpr uint8_t kFlagZstd = 1, kFlagTopkInt8 = 2, kFlagBitmap = 4;
+constexpr double kMinTopkFraction = 1e-5;  // bounds the dense output a top-k frame may ask for
+
+template <typename T>
+void Put(uint8_t* p, T v) { std::memcpy(p, &v, sizeof v); }
+template <typename T>
+T Get(const uint8_t* p) {
+  T v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+int64_t Blocks(int64_t n, int block) { return (n + block - 1) / block; }
+
+absl::Status Corrupt(const std::string& what) { return absl::DataLossError(absl::StrCat("bad frame: ", what)); }
+
+// ---- quantisation kernels (plain loops the compiler vectorises at -O3) ----
+
+// Returns false if any value in the block is NaN or infinite.
+bool AbsMax(const float* x, int64_t n, float* out) {
+  float m = 0;
+  int bad = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    float a = std::fabs(x[i]);
+    m = a > m ? a : m;
+    bad |= !(a <= std::numeric_limits<float>::max());
+  }
+  *out = m;
+  return !bad;
+}
+
+absl::Status QuantizeInt8(const float* x, int64_t n, int block, uint8_t* payload) {
+  float* scales = reinterpret_cast<float*>(payload);
+  int8_t* q = reinterpret_cast<int8_t*>(payload + 4 * Blocks(n, block));
+  for (int64_t b0 = 0, bi = 0; b0 < n; b0 += block, ++bi) {
+    int64_t len = std::min<int64_t>(block, n - b0);
+    float amax;
+    if (!AbsMax(x + b0, len, &amax))
+      return absl::InvalidArgumentError(absl::StrCat("non-finite value in elements [", b0, ", ", b0 + len, ")"));
+    float scale = amax / 127.0f;
+    float inv = amax > 0 ? 127.0f / amax : 0.0f;
+    Put(reinterpret_cast<uint8_t*>(scales + bi), scale);
+    for (int64_t i = 0; i < len; ++i) q[b0 + i] = static_cast<int8_t>(__builtin_rintf(x[b0 + i] * inv));
+  }
+  return absl::OkStatus();
+}
+
+void DequantizeInt8(const uint8_t* payload, int64_t n, int block, float* out) {
+  const uint8_t* scales = payload;
+  const int8_t* q = reinterpret_cast<const int8_t*>(payload + 4 * Blocks(n, block));
+  for (int64_t b0 = 0, bi = 0; b0 < n; b0 += block, ++bi) {
+    int64_t len = std::min<int64_t>(block, n - b0);
+    float s = Get<float>(scales + 4 * bi);
+    for (int64_t i = 0; i < len; ++i) out[b0 + i] = static_cast<float>(q[b0 + i]) * s;
+  }
+}
+
+absl::Status QuantizeInt4(const float* x, int64_t n, int block, uint8_t* payload) {
+  uint8_t* scales = payload;
+  uint8_t* q = payload + 4 * Blocks(n, block);
+  std::memset(q, 0, static_cast<size_t>((n + 1) / 2));
+  for (int64_t b0 = 0, bi = 0; b0 < n; b0 += block, ++bi) {
+    int64_t len = std::min<int64_t>(block, n - b0);
+    float amax;
+    if (!AbsMax(x + b0, len, &amax))
+      return absl::InvalidArgumentError(absl::StrCat("non-finite value in elements [", b0, ", ", b0 + len, ")"));
+    Put(scales + 4 * bi, amax / 7.0f);
+    float inv = amax > 0 ? 7.0f / amax : 0.0f;
+    // block is even, so b0 is even and pairs never straddle blocks.
+    for (int64_t i = 0; i < len; i += 2) {
+      int lo = static_cast<int>(__builtin_rintf(x[b0 + i] * inv)) + 8;
+      int hi = i + 1 < len ? static_cast<int>(__builtin_rintf(x[b0 + i + 1] * inv)) + 8 : 8;
+      q[(b0 + i) / 2] = static_cast<uint8_t>(lo | (hi << 4));
+    }
+  }
+  return absl::OkStatus();
+}
+
+void DequantizeInt4(const uint8_t* payload, int64_t n, int block, float* out) {
+  const uint8_t* scales = payload;
+  const uint8_t* q = payload + 4 * Blocks(n, block);
+  for (int64_t b0 = 0, bi = 0; b0 < n; b0 += block, ++bi) {
+    int64_t len = std::min<int64_t>(block, n - b0);
+    float s = Get<float>(scales + 4 * bi);
+    for (int64_t i = 0; i < len; ++i) {
+      uint8_t byte = q[(b0 + i) / 2];
+      int v = ((i & 1) ? (byte >> 4) : (byte & 15)) - 8;
+      out[b0 + i] = static_cast<float>(v) * s;
+    }
+  }
+}
+
+bool ScalesValid(const uint8_t* scales, int64_t blocks) {
+  for (int64_t i = 0; i < blocks; ++i) {
+    float s = Get<float>(scales + 4 * i);
+    if (!(s >= 0 && s <= std::numeric_limits<float>::max())) return false;
+  }
+  return true;
+}
+
+// ---- top-k ----
+
+size_t VarintSize(uint64_t v) {
+  size_t n = 1;
+  while (v >= 128) v >>= 7, ++n;
+  return n;
+}
+uint8_t* PutVarint(uint8_t* p, uint64_t v) {
+  while (v >= 128) *p++ = static_cast<uint8_t>(v | 128), v >>= 7;
+  *p++ = static_cast<uint8_t>(v);
+  return p;
+}
+
+int64_t TopkCount(double fraction, int64_t n) {
+  if (n == 0) return 0;
+  return std::clamp<int64_t>(static_cast<int64_t>(std::ceil(fraction * static_cast<double>(n))), 1, n);
+}
+
+// Indices (ascending) of the k largest |x|. A strided sample estimates a threshold a little below the
+// k-th magnitude; one pass collects the candidates above it, and nth_element trims them to exactly k.
+std::vector<uint32_t> TopkIndices(const float* x, int64_t n, int64_t k) {
+  std::vector<uint32_t> idx;
+  if (k >= n) {
+    idx.resize(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) idx[i] = static_cast<uint32_t>(i);
+    return idx;
+  }
+  float threshold = 0;
+  if (n > 65536) {
+    const int64_t samples = 16384, stride = n / samples;
+    std::vector<float> s(samples);
+    for (int64_t i = 0; i < samples; ++i) s[i] = std::fabs(x[i * stride]);
+    // Aim for about 1.5k candidates (plus slack for sampling error), never fewer than k on average.
+    int64_t rank = std::min<int64_t>(samples - 1, static_cast<int64_t>(1.5 * samples * k / n) + 8);
+    std::nth_element(s.begin(), s.begin() + rank, s.end(), std::greater<float>());
+    threshold = s[rank];
+  }
+  std::vector<uint32_t> cand;
+  cand.reserve(static_cast<size_t>(std::min<int64_t>(n, 2 * k + 1024)));
+  for (int64_t i = 0; i < n; ++i)
+    if (std::fabs(x[i]) >= threshold) cand.push_back(static_cast<uint32_t>(i));
+  if (static_cast<int64_t>(cand.size()) < k) {  // the sample overestimated the threshold: take everything
+    cand.resize(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) cand[i] = static_cast<uint32_t>(i);
+  }
+  if (static_cast<int64_t>(cand.size()) > k) {
+    std::vector<float> mags(cand.size());
+    for (size_t i = 0; i < cand.size(); ++i) mags[i] = std::fabs(x[cand[i]]);
+    std::nth_element(mags.begin(), mags.begin() + (k - 1), mags.end(), std::greater<float>());
+    float kth = mags[k - 1];
+    int64_t above = 0;
+    for (float m : mags) above += m > kth;
+    int64_t ties = k - above;  // how many equal to kth we may keep, first come first served
+    for (uint32_t i : cand) {
+      float m = std::fabs(x[i]);
+      if (m > kth || (m == kth && ties-- > 0)) idx.push_back(i);
+    }
+  } else {
+    idx = std::move(cand);
+  }
+  return idx;
+}
+
+// ---- frame assembly ----
+
+struct Header {
+  CodecKind kind;
+  DType dtype;
+  uint8_t flags;
+  int block;
+  std::vector<int64_t> shape;
+  int64_t numel;
+  int64_t count;
+  uint64_t payload_len, raw_len;
+};
+
+size_t HeaderSize(size_t ndim) { return kHeaderBytes + 8 * ndim; }
+
+void WriteHeader(const Header& h, uint8_t* p) {
+  std::memcpy(p, kMagic, 4);
+  p[4] = kVersion;
+  p[5] = static_cast<uint8_t>(h.kind);
+  p[6] = static_cast<uint8_t>(h.dtype);
+  p[7] = h.flags;
+  p[8] = static_cast<uint8_t>(h.shape.size());
+  p[9] = p[10] = p[11] = 0;
+  Put<uint32_t>(p + 12, static_cast<uint32_t>(h.block));
+  Put<int64_t>(p + 16, h.numel);
+  Put<int64_t>(p + 24, h.count);
+  Put<uint64_t>(p + 32, h.payload_len);
+  Put<uint64_t>(p + 40, h.raw_len);
+  Put<uint32_t>(p + 48, 0);
+  Put<uint32_t>(p + 52, 0);
+  for (size_t i = 0; i < h.shape.size(); ++i) Put<int64_t>(p + kHeaderBytes + 8 * i, h.shape[i]);
+}
+
+uint32_t FrameChecksum(const uint8_t* frame, size_t header_size, const uint8_t* payload, size_t payload_len) {
+  uint32_t crc = internal::Crc32c(0, frame, 48);
+  crc = internal::Crc32c(crc, frame + 52, header_size - 52);
+  return internal::Crc32c(crc, payload, payload_len);
+}
+
+// Raw payload size for a codec; for top-k, `index_bytes` of the chosen index encoding.
+uint64_t RawPayloadSize(const Header& h, uint64_t index_bytes) {
+  const int64_t n = h.numel;
+  switch (h.kind) {
+    case CodecKind::kIdentity: return static_cast<uint64_t>(n) * core::DTypeSize(h.dtype);
+    case CodecKind::kFp16: case CodecKind::kBf16: return static_cast<uint64_t>(n) * 2;
+    case CodecKind::kInt8: return static_cast<uint64_t>(4 * Blocks(n, h.block) + n);
+    case CodecKind::kInt4: return static_cast<uint64_t>(4 * Blocks(n, h.block) + (n + 1) / 2);
+    case CodecKind::kTopK: {
+      uint64_t values = (h.flags & kFlagTopkInt8) ? static_cast<uint64_t>(4 * Blocks(h.count, h.block) + h.count)
+                                                   : static_cast<uint64_t>(4 * h.count);
+      return 8 + index_bytes + values;
+    }
+  }
+  return 0;
+}
+
+absl::Status CheckSpec(const CodecSpec& s) {
+  if (static_cast<uint8_t>(s.kind) > static_cast<uint8_t>(CodecKind::kTopK))
+    return absl::InvalidArgumentError("unknown codec");
+  if (s.block_size < 2 || s.block_size > 65536 || s.block_size % 2)
+    return absl::InvalidArgumentError(absl::StrCat("block size ", s.block_size, " must be even and in [2, 65536]"));
+  if (!(s.topk_fraction > 0 && s.topk_fraction <= 1) || s.topk_fraction < kMinTopkFraction)
+    return absl::InvalidArgumentError(absl::StrCat("top-k fraction ", s.topk_fraction, " must be in [1e-5, 1]"));
+  if (s.zstd_level < -5 || s.zstd_level > 19) return absl::InvalidArgumentError("zstd level must be in [-5, 19]");
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<uint8_t>> EncodeFloat(const float* x, const std::vector<int64_t>& shape, int64_t n,
+                                                 DType out_dtype, const CodecSpec& spec, const void* raw_input) {
+  Header h{spec.kind, out_dtype, 0, spec.block_size, shape, n, 0, 0, 0};
+  std::vector<uint32_t> idx;
+  uint64_t index_bytes = 0;
+  bool bitmap = false;
+  if (spec.kind == CodecKind::kTopK) {
+    h.count = TopkCount(spec.topk_fraction, n);
+    idx = TopkIndices(x, n, h.count);
+    uint64_t varint = 0;
+    for (size_t i = 0, prev = 0; i < idx.size(); ++i) {
+      varint += VarintSize(idx[i] - (i ? prev + 1 : 0));
+      prev = idx[i];
+    }
+    uint64_t bm = static_cast<uint64_t>((n + 7) / 8);
+    bitmap = bm < varint;
+    index_bytes = bitmap ? bm : varint;
+    if (bitmap) h.flags |= kFlagBitmap;
+    if (spec.topk_int8_values) h.flags |= kFlagTopkInt8;
+  }
+  h.raw_len = RawPayloadSize(h, index_bytes);
+  std::vector<uint8_t> raw(h.raw_len);
+  uint8_t* p = raw.data();
+  switch (spec.kind) {
+    case CodecKind::kIdentity:
+      std::memcpy(p, raw_input ? raw_input : static_cast<const void*>(x), h.raw_len);
+      break;
+    case CodecKind::kFp16:
+      core::FromFloat32(DType::kFloat16, x, p, static_cast<size_t>(n));
+      break;
+    case CodecKind::kBf16:
+      core::FromFloat32(DType::kBFloat16, x, p, static_cast<size_t>(n));
+      break;
+    case CodecKind::kInt8: {
+      absl::Status s = QuantizeInt8(x, n, spec.block_size, p);
+      if (!s.ok()) return s;
+      break;
+    }
+    case CodecKind::kInt4: {
+      absl::Status s = QuantizeInt4(x, n, spec.block_size, p);
+      if (!s.ok()) return s;
+      break;
+    }
+    case CodecKind::kTopK: {
+      Put<uint64_t>(p, index_bytes);
+      uint8_t* q = p + 8;
+      if (bitmap) {
+        std::memset(q, 0, index_bytes);
+        for (uint32_t i : idx) q[i >> 3] |= static_cast<uint8_t>(1u << (i & 7));
+        q += index_bytes;
+      } else {
+        for (size_t i = 0, prev = 0; i < idx.size(); ++i) {
+          q = PutVarint(q, idx[i] - (i ? prev + 1 : 0));
+          prev = idx[i];
+        }
+      }
+      std::vector<float> vals(idx.size());
+      for (size_t i = 0; i < idx.size(); ++i) vals[i] = x[idx[i]];
+      for (float v : vals)
+        if (!std::isfinite(v)) return absl::InvalidArgumentError("non-finite value among the top-k elements");
+      if (spec.topk_int8_values) {
+        absl::Status s = QuantizeInt8(vals.data(), static_cast<int64_t>(vals.size()), spec.block_size, q);
+        if (!s.ok()) return s;
+      } else {
+        std::memcpy(q, vals.data(), 4 * vals.size());
+      }
+      break;
+    }
+  }
+  const uint8_t* payload = raw.data();
+  std::vector<uint8_t> packed;
+  h.payload_len = h.raw_len;
+  if (spec.zstd && h.raw_len > 0) {
+    packed.resize(ZSTD_compressBound(h.raw_len));
+    size_t z = ZSTD_compress(packed.data(), packed.size(), raw.data(), raw.size(), spec.zstd_level);
+    if (ZSTD_isError(z)) return absl::InternalError(absl::StrCat("zstd: ", ZSTD_getErrorName(z)));
+    if (z < h.raw_len) {  // keep zstd only when it helps
+      h.flags |= kFlagZstd;
+      h.payload_len = z;
+      payload = packed.data();
+    }
+  }
+  const size_t hs = HeaderSize(shape.size());
+  std::vector<uint8_t> frame(hs + h.payload_len);
+  WriteHeader(h, frame.data());
+  std::memcpy(frame.data() + hs, payload, h.payload_len);
+  Put<uint32_t>(frame.data() + 48, FrameChecksum(frame.data(), hs, frame.data() + hs, h.payload_len));
+  return frame;
+}
+
+absl::StatusOr<Header> ParseHeader(const uint8_t* data, size_t size, const DecodeLimits& limits) {
+  if (data == nullptr || size < kHeaderBytes) return Corrupt(absl::StrCat("truncated header (", size, " bytes)"));
+  if (std::memcmp(data, kMagic, 4) != 0) return Corrupt("not a Meridian frame (bad magic)");
+  if (data[4] != kVersion) return Corrupt(absl::StrCat("unsupported frame version ", data[4]));
+  Header h;
+  if (data[5] > static_cast<uint8_t>(CodecKind::kTopK)) return Corrupt(absl::StrCat("unknown codec ", data[5]));
+  h.kind = static_cast<CodecKind>(data[5]);
+  h.dtype = static_cast<DType>(data[6]);
+  if (core::DTypeSize(h.dtype) == 0) return Corrupt(absl::StrCat("unknown dtype ", data[6]));
+  if (h.kind != CodecKind::kIdentity && !core::IsFloating(h.dtype)) return Corrupt("lossy codec on a non-float dtype");
+  h.flags = data[7];
+  if (h.flags & ~(kFlagZstd | kFlagTopkInt8 | kFlagBitmap)) return Corrupt("unknown flags");
+  if (h.kind != CodecKind::kTopK && (h.flags & (kFlagTopkInt8 | kFlagBitmap))) return Corrupt("top-k flags on another codec");
+  const int ndim = data[8];
+  if (ndim > kMaxDims) return Corrupt(absl::StrCat(ndim, " dimensions (at most ", kMaxDims, ")"));
+  if (data[9] || data[10] || data[11] || Get<uint32_t>(data + 52)) return Corrupt("reserved bytes are not zero");
+  h.block = static_cast<int>(Get<uint32_t>(data + 12));
+  if ((h.kind == CodecKind::kInt8 || h.kind == CodecKind::kInt4 || (h.flags & kFlagTopkInt8)) &&
+      (h.block < 2 || h.block > 65536 || h.block % 2))
+    return Corrupt(absl::StrCat("block size ", h.block));
+  h.numel = Get<int64_t>(data + 16);
+  h.count = Get<int64_t>(data + 24);
+  h.payload_len = Get<uint64_t>(data + 32);
+  h.raw_len = Get<uint64_t>(data + 40);
+  if (size < HeaderSize(ndim)) return Corrupt("truncated shape");
+  int64_t product = 1;
+  for (int i = 0; i < ndim; ++i) {
+    int64_t d = Get<int64_t>(data + kHeaderBytes + 8 * i);
+    if (d < 0 || (d > 0 && product > limits.max_elements / d)) return Corrupt(absl::StrCat("absurd dimension ", d));
+    product *= d;
+    h.shape.push_back(d);
+  }
+  if (product != h.numel) return Corrupt(absl::StrCat("element count ", h.numel, " does not match the shape"));
+  if (h.numel > limits.max_elements) return Corrupt(absl::StrCat(h.numel, " elements exceed the limit"));
+  if (size != HeaderSize(ndim) + h.payload_len)
+    return Corrupt(absl::StrCat("frame is ", size, " bytes but its header says ", HeaderSize(ndim) + h.payload_len));
+  if (!(h.flags & kFlagZstd) && h.payload_len != h.raw_len) return Corrupt("payload lengths disagree");
+  if (h.kind == CodecKind::kTopK) {
+    if (h.count < 0 || h.count > h.numel || (h.numel > 0 && h.count == 0))
+      return Corrupt(absl::StrCat("top-k count ", h.count, " for ", h.numel, " elements"));
+    if (static_cast<double>(h.numel) > static_cast<double>(h.count) / kMinTopkFraction + 1)
+      return Corrupt("top-k keeps too few elements for its size");
+  } else if (h.count != 0) {
+    return Corrupt("element count field set on a dense codec");
+  }
+  uint32_t want = Get<uint32_t>(data + 48);
+  if (FrameChecksum(data, HeaderSize(ndim), data + HeaderSize(ndim), h.payload_len) != want)
+    return Corrupt("checksum mismatch");
+  return h;
+}
+
+}  // namespace
+
+absl::StatusOr<CodecSpec> CodecSpec::Parse(const std::string& text) {
+  CodecSpec s;
+  std::string t = text;
+  if (t.size() > 5 && t.compare(t.size() - 5, 5, "+zstd") == 0) {
+    s.zstd = true;
+    t.resize(t.size() - 5);
+  }
+  std::string name = t.substr(0, t.find(':'));
+  if (name == "identity" || name == "none") s.kind = CodecKind::kIdentity;
+  else if (name == "fp16") s.kind = CodecKind::kFp16;
+  else if (name == "bf16") s.kind = CodecKind::kBf16;
+  else if (name == "int8") s.kind = CodecKind::kInt8;
+  else if (name == "int4") s.kind = CodecKind::kInt4;
+  else if (name == "topk") s.kind = CodecKind::kTopK;
+  else if (name == "topk-int8") s.kind = CodecKind::kTopK, s.topk_int8_values = true;
+  else
+    return absl::InvalidArgumentError(absl::StrCat("unknown codec '", name,
+                                                   "'; use identity, fp16, bf16, int8, int4, topk or topk-int8"));
+  size_t pos = t.find(':');
+  while (pos != std::string::npos) {
+    size_t next = t.find(':', pos + 1);
+    std::string opt = t.substr(pos + 1, next == std::string::npos ? std::string::npos : next - pos - 1);
+    size_t eq = opt.find('=');
+    std::string key = opt.substr(0, eq), val = eq == std::string::npos ? "" : opt.substr(eq + 1);
+    char* end = nullptr;
+    double v = std::strtod(val.c_str(), &end);
+    if (val.empty() || *end) return absl::InvalidArgumentError(absl::StrCat("codec option '", opt, "' needs a number"));
+    if (key == "block") s.block_size = static_cast<int>(v);
+    else if (key == "k") s.topk_fraction = v;
+    else if (key == "level") s.zstd_level = static_cast<int>(v);
+    else return absl::InvalidArgumentError(absl::StrCat("unknown codec option '", key, "' (block, k, level)"));
+    pos = next;
+  }
+  absl::Status st = CheckSpec(s);
+  if (!st.ok()) return st;
+  return s;
+}
+
+std::string CodecSpec::ToString() const {
+  std::string s;
+  switch (kind) {
+    case CodecKind::kIdentity: s = "identity"; break;
+    case CodecKind::kFp16: s = "fp16"; break;
+    case CodecKind::kBf16: s = "bf16"; break;
+    case CodecKind::kInt8: s = absl::StrCat("int8:block=", block_size); break;
+    case CodecKind::kInt4: s = absl::StrCat("int4:block=", block_size); break;
+    case CodecKind::kTopK:
+      s = absl::StrCat(topk_int8_values ? "topk-int8" : "topk", ":k=", topk_fraction);
+      if (topk_int8_values) absl::StrAppend(&s, ":block=", block_size);
+      break;
+  }
+  if (zstd) s += "+zstd";
+  return s;
+}
+
+absl::StatusOr<std::vector<uint8_t>> Encode(const core::TensorView& in, const CodecSpec& spec) {
+  absl::Status st = CheckSpec(spec);
+  if (!st.ok()) return st;
+  if (in.shape.size() > kMaxDims) return absl::InvalidArgumentError(absl::StrCat("at most ", kMaxDims, " dimensions"));
+  for (int64_t d : in.shape)
+    if (d < 0) return absl::InvalidArgumentError("negative dimension");
+  const int64_t n = in.numel();
+  if (n > 0 && in.data == nullptr) return absl::InvalidArgumentError("null data");
+  if (core::DTypeSize(in.dtype) == 0) return absl::InvalidArgumentError("unknown dtype");
+  if (spec.kind == CodecKind::kTopK && n > int64_t{0xffffffff})
+    return absl::InvalidArgumentError("top-k supports at most 2^32 - 1 elements per tensor");
+  if (spec.kind == CodecKind::kIdentity) return EncodeFloat(nullptr, in.shape, n, in.dtype, spec, in.data);
+  if (!core::IsFloating(in.dtype))
+    return absl::InvalidArgumentError(absl::StrCat("codec ", spec.ToString(), " needs a float tensor, not ",
+                                                   core::DTypeName(in.dtype)));
+  if (in.dtype == DType::kFloat32)
+    return EncodeFloat(static_cast<const float*>(in.data), in.shape, n, in.dtype, spec, nullptr);
+  std::vector<float> tmp(static_cast<size_t>(n));
+  core::ToFloat32(in.dtype, in.data, tmp.data(), tmp.size());
+  return EncodeFloat(tmp.data(), in.shape, n, in.dtype, spec, nullptr);
+}
+
+absl::StatusOr<FrameInfo> InspectFrame(const uint8_t* data, size_t size) {
+  auto h = ParseHeader(data, size, DecodeLimits{});
+  if (!h.ok()) return h.status();
+  FrameInfo info;
+  info.spec.kind = h->kind;
+  info.spec.block_size = h->block >= 2 ? h->block : 64;
+  info.spec.zstd = h->flags & kFlagZstd;
+  info.spec.topk_int8_values = h->flags & kFlagTopkInt8;
+  if (h->kind == CodecKind::kTopK && h->numel > 0) info.spec.topk_fraction = static_cast<double>(h->count) / h->numel;
+  info.dtype = h->dtype;
+  info.shape = h->shape;
+  info.frame_bytes = size;
+  return info;
+}
+
+absl::StatusOr<core::Tensor> Decode(const uint8_t* data, size_t size, const DecodeLimits& limits) {
+  auto hs = ParseHeader(data, size, limits);
+  if (!hs.ok()) return hs.status();
+  const Header& h = *hs;
+  const int64_t n = h.numel;
+  const uint8_t* payload = data + HeaderSize(h.shape.size());
+  // The raw payload's size follows from the header (top-k: up to its index bytes, checked below).
+  uint64_t expected = 0;
+  if (h.kind != CodecKind::kTopK) {
+    expected = RawPayloadSize(h, 0);
+    if (h.raw_len != expected)
+      return Corrupt(absl::StrCat("payload is ", h.raw_len, " bytes, ", expected, " expected for ", n, " elements"));
+  } else {
+    // Smallest possible top-k payload: 8 + k one-byte varints + values; largest: 8 + bitmap/varints + values.
+    uint64_t values = RawPayloadSize(h, 0) - 8;
+    uint64_t max_index = std::max<uint64_t>(static_cast<uint64_t>((n + 7) / 8), 10 * static_cast<uint64_t>(h.count));
+    if (h.raw_len < 8 + values || h.raw_len > 8 + values + max_index) return Corrupt("top-k payload size");
+  }
+  std::vector<uint8_t> unpacked;
+  if (h.flags & kFlagZstd) {
+    unsigned long long content = ZSTD_getFrameContentSize(payload, h.payload_len);
+    if (content == ZSTD_CONTENTSIZE_ERROR || content == ZSTD_CONTENTSIZE_UNKNOWN || content != h.raw_len)
+      return Corrupt("zstd payload size does not match the header");
+    unpacked.resize(h.raw_len);
+    size_t z = ZSTD_decompress(unpacked.data(), unpacked.size(), payload, h.payload_len);
+    if (ZSTD_isError(z) || z != h.raw_len) return Corrupt("zstd payload does not decompress");
+    payload = unpacked.data();
+  }
+  core::Tensor out;
+  out.dtype = h.dtype;
+  out.shape = h.shape;
+  out.bytes.resize(static_cast<size_t>(n) * core::DTypeSize(h.dtype));
+  if (h.kind == CodecKind::kIdentity) {
+    std::memcpy(out.bytes.data(), payload, out.bytes.size());
+    return out;
+  }
+  std::vector<float> tmp;
+  float* f;
+  if (h.dtype == DType::kFloat32) {
+    f = out.data<float>();
+  } else {
+    tmp.resize(static_cast<size_t>(n));
+    f = tmp.data();
+  }
+  switch (h.kind) {
+    case CodecKind::kFp16: core::ToFloat32(DType::kFloat16, payload, f, static_cast<size_t>(n)); break;
+    case CodecKind::kBf16: core::ToFloat32(DType::kBFloat16, payload, f, static_cast<size_t>(n)); break;
+    case CodecKind::kInt8:
+      if (!ScalesValid(payload, Blocks(n, h.block))) return Corrupt("NaN, infinite or negative scale");
+      DequantizeInt8(payload, n, h.block, f);
+      break;
+    case CodecKind::kInt4: {
+      if (!ScalesValid(payload, Blocks(n, h.block))) return Corrupt("NaN, infinite or negative scale");
+      const uint8_t* q = payload + 4 * Blocks(n, h.block);
+      for (int64_t i = 0; i < (n + 1) / 2; ++i)
+        if ((q[i] & 15) == 0 || (q[i] >> 4) == 0) return Corrupt("int4 code out of range");
+      DequantizeInt4(payload, n, h.block, f);
+      break;
+    }
+    case CodecKind::kTopK: {
+      uint64_t index_bytes = Get<uint64_t>(payload);
+      uint64_t values_bytes = RawPayloadSize(h, 0) - 8;
+      if (index_bytes != h.raw_len - 8 - values_bytes) return Corrupt("top-k index section length");
+      const uint8_t* q = payload + 8;
+      const uint8_t* end = q + index_bytes;
+      std::vector<uint32_t> idx;
+      idx.reserve(static_cast<size_t>(h.count));
+      if (h.flags & kFlagBitmap) {
+        if (index_bytes != static_cast<uint64_t>((n + 7) / 8)) return Corrupt("top-k bitmap length");
+        for (int64_t i = 0; i < n; ++i)
+          if (q[i >> 3] >> (i & 7) & 1) {
+            if (static_cast<int64_t>(idx.size()) == h.count) return Corrupt("top-k bitmap has too many bits");
+            idx.push_back(static_cast<uint32_t>(i));
+          }
+        if (n % 8 && (q[n >> 3] >> (n % 8))) return Corrupt("top-k bitmap bits beyond the tensor");
+      } else {
+        uint64_t pos = 0;
+        for (int64_t i = 0; i < h.count; ++i) {
+          uint64_t gap = 0;
+          int shift = 0;
+          while (true) {
+            if (q >= end) return Corrupt("truncated top-k index");
+            if (shift > 35) return Corrupt("top-k index varint too long");
+            uint8_t b = *q++;
+            gap |= static_cast<uint64_t>(b & 127) << shift;
+            shift += 7;
+            if (!(b & 128)) break;
+          }
+          pos += gap + (i ? 1 : 0);
+          if (pos >= static_cast<uint64_t>(n)) return Corrupt(absl::StrCat("top-k index ", pos, " out of range"));
+          idx.push_back(static_cast<uint32_t>(pos));
+        }
+        if (q != end) return Corrupt("trailing bytes after top-k indices");
+      }
+      if (static_cast<int64_t>(idx.size()) != h.count) return Corrupt("top-k index count");
+      std::fill(f, f + n, 0.0f);
+      std::vector<float> vals(static_cast<size_t>(h.count));
+      if (h.flags & kFlagTopkInt8) {
+        if (!ScalesValid(end, Blocks(h.count, h.block))) return Corrupt("NaN, infinite or negative scale");
+        DequantizeInt8(end, h.count, h.block, vals.data());
+      } else {
+        std::memcpy(vals.data(), end, 4 * vals.size());
+        for (float v : vals)
+          if (!std::isfinite(v)) return Corrupt("non-finite top-k value");
+      }
+      for (size_t i = 0; i < idx.size(); ++i) f[idx[i]] = vals[i];
+      break;
+    }
+    case CodecKind::kIdentity: break;
+  }
+  if (h.dtype != DType::kFloat32) core::FromFloat32(h.dtype, f, out.bytes.data(), static_cast<size_t>(n));
+  return out;
+}
+
+double CompressionRatio(const CodecSpec& spec, DType dtype, int64_t numel) {
+  if (numel <= 0) return 1.0;
+  Header h{spec.kind, dtype, 0, spec.block_size, {numel}, numel, 0, 0, 0};
+  uint64_t index_bytes = 0;
+  if (spec.kind == CodecKind::kTopK) {
+    h.count = TopkCount(spec.topk_fraction, numel);
+    if (spec.topk_int8_values) h.flags |= kFlagTopkInt8;
+    // Worst case of the two index encodings as chosen by Encode (the smaller of bitmap and varints).
+    uint64_t gap = static_cast<uint64_t>(numel / std::max<int64_t>(h.count, 1));
+    index_bytes = std::min<uint64_t>(static_cast<uint64_t>((numel + 7) / 8), h.count * VarintSize(gap));
+  }
+  double in_bytes = static_cast<double>(numel) * static_cast<double>(core::DTypeSize(dtype));
+  return static_cast<double>(HeaderSize(1) + RawPayloadSize(h, index_bytes)) / in_bytes;
+}
+
+absl::StatusOr<std::vector<uint8_t>> ErrorFeedback::Encode(const core::TensorView& input) {
+  if (!core::IsFloating(input.dtype)) return absl::InvalidArgumentError("error feedback needs a float tensor");
+  const int64_t n = input.numel();
+  if (shape_.empty() && residual_.empty()) {
+    shape_ = input.shape;
+    residual_.assign(static_cast<size_t>(n), 0.0f);
+  } else if (input.shape != shape_) {
+    return absl::InvalidArgumentError("error feedback stream changed shape; Reset() it first");
+  }
+  std::vector<float> corrected(static_cast<size_t>(n));
+  core::ToFloat32(input.dtype, input.data, corrected.data(), corrected.size());
+  for (int64_t i = 0; i < n; ++i) corrected[i] += residual_[i];
+  // The frame declares the caller's dtype; the residual is kept in float32.
+  auto frame = EncodeFloat(corrected.data(), input.shape, n, input.dtype, spec_, nullptr);
+  if (!frame.ok()) return frame.status();
+  auto decoded = Decode(frame->data(), frame->size());
+  if (!decoded.ok()) return decoded.status();
+  std::vector<float> back(static_cast<size_t>(n));
+  core::ToFloat32(decoded->dtype, decoded->bytes.data(), back.data(), back.size());
+  for (int64_t i = 0; i < n; ++i) residual_[i] = corrected[i] - back[i];
+  return frame;
+}
+
+}  // namespace meridian::compression

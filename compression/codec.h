@@ -1,0 +1,85 @@
+// Codecs for activations and gradients on the wire: identity, fp16/bf16 casts, int8/int4 blockwise
+// absmax quantisation, top-k sparsification (optionally with int8 values), each optionally followed
+// by zstd. Every encoded tensor is a self-describing, versioned, checksummed frame (docs/compression.md).
+//
+// Pure: links core only. All functions are thread-safe; ErrorFeedback is thread-compatible.
+#ifndef MERIDIAN_COMPRESSION_CODEC_H_
+#define MERIDIAN_COMPRESSION_CODEC_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "core/tensor_view.h"
+
+namespace meridian::compression {
+
+// Values are part of the frame format: never renumber.
+enum class CodecKind : uint8_t { kIdentity = 0, kFp16 = 1, kBf16 = 2, kInt8 = 3, kInt4 = 4, kTopK = 5 };
+
+struct CodecSpec {
+  CodecKind kind = CodecKind::kIdentity;
+  int block_size = 64;          // int8/int4 (and top-k int8 values): elements per absmax scale; even, 2..65536
+  double topk_fraction = 0.01;  // top-k: fraction of elements kept, in (0, 1]
+  bool topk_int8_values = false;
+  bool zstd = false;            // compress the payload with zstd afterwards
+  int zstd_level = 1;
+
+  // Parses "identity", "fp16", "bf16", "int8", "int4", "topk", "topk-int8", with options
+  // ":block=N", ":k=F" and a "+zstd" suffix, e.g. "int4:block=32+zstd", "topk:k=0.001".
+  static absl::StatusOr<CodecSpec> Parse(const std::string& text);
+  std::string ToString() const;
+  bool lossless() const { return kind == CodecKind::kIdentity; }
+};
+
+// Encodes a float32/float16/bfloat16 tensor (identity also accepts any dtype) into a frame.
+// Errors: InvalidArgument for an unsupported dtype, a bad spec, or non-finite values in a quantised
+// tensor (a NaN would poison a whole block's scale).
+absl::StatusOr<std::vector<uint8_t>> Encode(const core::TensorView& input, const CodecSpec& spec);
+
+// Bounds on what a decoder accepts (the receiver knows what to expect).
+struct DecodeLimits {
+  int64_t max_elements = int64_t{1} << 30;
+};
+
+// Decodes a frame into a tensor of the original dtype and shape. Any invalid frame -- truncated,
+// wrong length, bad magic or version, out-of-range or unsorted indices, NaN/Inf scales, absurd shapes,
+// checksum mismatch -- returns DataLoss or InvalidArgument; the decoder allocates at most what the
+// frame's own length justifies (dense outputs of lossy frames are bounded by `limits`).
+absl::StatusOr<core::Tensor> Decode(const uint8_t* data, size_t size, const DecodeLimits& limits = {});
+
+// Header facts of a frame without decoding it (validated as in Decode).
+struct FrameInfo {
+  CodecSpec spec;
+  core::DType dtype;
+  std::vector<int64_t> shape;
+  size_t frame_bytes;
+};
+absl::StatusOr<FrameInfo> InspectFrame(const uint8_t* data, size_t size);
+
+// The frame size Encode produces for `numel` elements of `dtype` (exact for every codec but top-k's
+// varint indices and zstd, for which it is the worst case without zstd), divided by the input bytes.
+double CompressionRatio(const CodecSpec& spec, core::DType dtype, int64_t numel);
+
+// Error feedback for one stream of same-shaped tensors: what the lossy codec dropped from tensor t
+// is added to tensor t+1 before encoding, so nothing is lost over time (EF-SGD, DTFM/AQ-SGD).
+// Thread-compatible: one instance per stream, used by one thread at a time.
+class ErrorFeedback {
+ public:
+  explicit ErrorFeedback(CodecSpec spec) : spec_(spec) {}
+  // Encodes input + residual and keeps the new residual. Errors as Encode, and InvalidArgument when the
+  // shape changes within the stream (call Reset first).
+  absl::StatusOr<std::vector<uint8_t>> Encode(const core::TensorView& input);
+  void Reset() { residual_.clear(); shape_.clear(); }
+  const std::vector<float>& residual() const { return residual_; }
+
+ private:
+  CodecSpec spec_;
+  std::vector<int64_t> shape_;
+  std::vector<float> residual_;
+};
+
+}  // namespace meridian::compression
+
+#endif  // MERIDIAN_COMPRESSION_CODEC_H_
