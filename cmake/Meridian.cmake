@@ -35,3 +35,15 @@ function(meridian_add_test name label)
     PROPERTIES LABELS ${label} TIMEOUT ${ARG_TIMEOUT}
     DISCOVERY_TIMEOUT 60)
 endfunction()
+
+# meridian_add_fuzzer(NAME SOURCE DEPS ...): a libFuzzer target (clang, ASan + UBSan), built only with
+# -DMERIDIAN_FUZZ=ON; scripts/fuzz.sh builds and runs them for a bounded time.
+function(meridian_add_fuzzer name source)
+  if(NOT MERIDIAN_FUZZ)
+    return()
+  endif()
+  add_executable(${name} ${source})
+  target_link_libraries(${name} PRIVATE ${ARGN})
+  target_compile_options(${name} PRIVATE -fsanitize=fuzzer,address,undefined)
+  target_link_options(${name} PRIVATE -fsanitize=fuzzer,address,undefined)
+endfunction()
