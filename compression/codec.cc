@@ -2,6 +2,10 @@
 
 #include <zstd.h>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -51,18 +55,93 @@ bool AbsMax(const float* x, int64_t n, float* out) {
   return !bad;
 }
 
+#if defined(__SSE2__)
+// SSE2 (every x86-64 CPU): 16 elements per step; cvtps2dq rounds to nearest even like rintf, so the
+// results equal the scalar path bit for bit.
+bool AbsMaxSse2(const float* x, int64_t n, float* out) {
+  const __m128 sign = _mm_set1_ps(-0.0f), fmax = _mm_set1_ps(std::numeric_limits<float>::max());
+  // Four independent accumulators hide maxps latency.
+  __m128 m0 = _mm_setzero_ps(), m1 = m0, m2 = m0, m3 = m0;
+  __m128 ok = _mm_castsi128_ps(_mm_set1_epi32(-1));
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m128 a = _mm_andnot_ps(sign, _mm_loadu_ps(x + i)), b = _mm_andnot_ps(sign, _mm_loadu_ps(x + i + 4));
+    __m128 c = _mm_andnot_ps(sign, _mm_loadu_ps(x + i + 8)), d = _mm_andnot_ps(sign, _mm_loadu_ps(x + i + 12));
+    ok = _mm_and_ps(ok, _mm_and_ps(_mm_and_ps(_mm_cmple_ps(a, fmax), _mm_cmple_ps(b, fmax)),
+                                   _mm_and_ps(_mm_cmple_ps(c, fmax), _mm_cmple_ps(d, fmax))));  // false for NaN, Inf
+    m0 = _mm_max_ps(m0, a);
+    m1 = _mm_max_ps(m1, b);
+    m2 = _mm_max_ps(m2, c);
+    m3 = _mm_max_ps(m3, d);
+  }
+  __m128 m = _mm_max_ps(_mm_max_ps(m0, m1), _mm_max_ps(m2, m3));
+  alignas(16) float lanes[4];
+  _mm_store_ps(lanes, m);
+  float mx = std::max(std::max(lanes[0], lanes[1]), std::max(lanes[2], lanes[3]));
+  bool good = _mm_movemask_ps(ok) == 0xf;
+  float tail;
+  good &= AbsMax(x + i, n - i, &tail);
+  *out = std::max(mx, tail);
+  return good;
+}
+
+void QuantizeBlockInt8(const float* x, int64_t n, float inv, int8_t* q) {
+  const __m128 vinv = _mm_set1_ps(inv);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m128i a = _mm_cvtps_epi32(_mm_mul_ps(_mm_loadu_ps(x + i), vinv));
+    __m128i b = _mm_cvtps_epi32(_mm_mul_ps(_mm_loadu_ps(x + i + 4), vinv));
+    __m128i c = _mm_cvtps_epi32(_mm_mul_ps(_mm_loadu_ps(x + i + 8), vinv));
+    __m128i d = _mm_cvtps_epi32(_mm_mul_ps(_mm_loadu_ps(x + i + 12), vinv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i),
+                     _mm_packs_epi16(_mm_packs_epi32(a, b), _mm_packs_epi32(c, d)));
+  }
+  for (; i < n; ++i) q[i] = static_cast<int8_t>(__builtin_rintf(x[i] * inv));
+}
+
+// `stream`: write with non-temporal stores (for outputs far larger than the cache; REQUIRES out 16-byte
+// aligned), as large memcpys do, which saves the read-for-ownership of every output line.
+template <bool stream>
+void DequantizeBlockInt8(const int8_t* q, int64_t n, float s, float* out) {
+  const __m128 vs = _mm_set1_ps(s);
+  int64_t i = 0;
+  auto store = [](float* p, __m128 v) {
+    if constexpr (stream) _mm_stream_ps(p, v);
+    else _mm_storeu_ps(p, v);
+  };
+  for (; i + 16 <= n; i += 16) {
+    __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i));
+    __m128i lo = _mm_srai_epi16(_mm_unpacklo_epi8(v, v), 8), hi = _mm_srai_epi16(_mm_unpackhi_epi8(v, v), 8);
+    __m128i w0 = _mm_srai_epi32(_mm_unpacklo_epi16(lo, lo), 16), w1 = _mm_srai_epi32(_mm_unpackhi_epi16(lo, lo), 16);
+    __m128i w2 = _mm_srai_epi32(_mm_unpacklo_epi16(hi, hi), 16), w3 = _mm_srai_epi32(_mm_unpackhi_epi16(hi, hi), 16);
+    store(out + i, _mm_mul_ps(_mm_cvtepi32_ps(w0), vs));
+    store(out + i + 4, _mm_mul_ps(_mm_cvtepi32_ps(w1), vs));
+    store(out + i + 8, _mm_mul_ps(_mm_cvtepi32_ps(w2), vs));
+    store(out + i + 12, _mm_mul_ps(_mm_cvtepi32_ps(w3), vs));
+  }
+  for (; i < n; ++i) out[i] = static_cast<float>(q[i]) * s;
+}
+#else
+bool AbsMaxSse2(const float* x, int64_t n, float* out) { return AbsMax(x, n, out); }
+void QuantizeBlockInt8(const float* x, int64_t n, float inv, int8_t* q) {
+  for (int64_t i = 0; i < n; ++i) q[i] = static_cast<int8_t>(__builtin_rintf(x[i] * inv));
+}
+template <bool stream>
+void DequantizeBlockInt8(const int8_t* q, int64_t n, float s, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(q[i]) * s;
+}
+#endif
+
 absl::Status QuantizeInt8(const float* x, int64_t n, int block, uint8_t* payload) {
-  float* scales = reinterpret_cast<float*>(payload);
+  uint8_t* scales = payload;
   int8_t* q = reinterpret_cast<int8_t*>(payload + 4 * Blocks(n, block));
   for (int64_t b0 = 0, bi = 0; b0 < n; b0 += block, ++bi) {
     int64_t len = std::min<int64_t>(block, n - b0);
     float amax;
-    if (!AbsMax(x + b0, len, &amax))
+    if (!AbsMaxSse2(x + b0, len, &amax))
       return absl::InvalidArgumentError(absl::StrCat("non-finite value in elements [", b0, ", ", b0 + len, ")"));
-    float scale = amax / 127.0f;
-    float inv = amax > 0 ? 127.0f / amax : 0.0f;
-    Put(reinterpret_cast<uint8_t*>(scales + bi), scale);
-    for (int64_t i = 0; i < len; ++i) q[b0 + i] = static_cast<int8_t>(__builtin_rintf(x[b0 + i] * inv));
+    Put(scales + 4 * bi, amax / 127.0f);
+    QuantizeBlockInt8(x + b0, len, amax > 0 ? 127.0f / amax : 0.0f, q + b0);
   }
   return absl::OkStatus();
 }
@@ -70,11 +149,16 @@ absl::Status QuantizeInt8(const float* x, int64_t n, int block, uint8_t* payload
 void DequantizeInt8(const uint8_t* payload, int64_t n, int block, float* out) {
   const uint8_t* scales = payload;
   const int8_t* q = reinterpret_cast<const int8_t*>(payload + 4 * Blocks(n, block));
+  // Streaming stores pay off once the output is well beyond the last-level cache share of one core.
+  const bool stream = n * 4 >= (int64_t{8} << 20) && reinterpret_cast<uintptr_t>(out) % 16 == 0 && block % 4 == 0;
   for (int64_t b0 = 0, bi = 0; b0 < n; b0 += block, ++bi) {
     int64_t len = std::min<int64_t>(block, n - b0);
-    float s = Get<float>(scales + 4 * bi);
-    for (int64_t i = 0; i < len; ++i) out[b0 + i] = static_cast<float>(q[b0 + i]) * s;
+    if (stream) DequantizeBlockInt8<true>(q + b0, len, Get<float>(scales + 4 * bi), out + b0);
+    else DequantizeBlockInt8<false>(q + b0, len, Get<float>(scales + 4 * bi), out + b0);
   }
+#if defined(__SSE2__)
+  if (stream) _mm_sfence();
+#endif
 }
 
 absl::Status QuantizeInt4(const float* x, int64_t n, int block, uint8_t* payload) {
@@ -84,7 +168,7 @@ absl::Status QuantizeInt4(const float* x, int64_t n, int block, uint8_t* payload
   for (int64_t b0 = 0, bi = 0; b0 < n; b0 += block, ++bi) {
     int64_t len = std::min<int64_t>(block, n - b0);
     float amax;
-    if (!AbsMax(x + b0, len, &amax))
+    if (!AbsMaxSse2(x + b0, len, &amax))
       return absl::InvalidArgumentError(absl::StrCat("non-finite value in elements [", b0, ", ", b0 + len, ")"));
     Put(scales + 4 * bi, amax / 7.0f);
     float inv = amax > 0 ? 7.0f / amax : 0.0f;
@@ -219,7 +303,7 @@ void WriteHeader(const Header& h, uint8_t* p) {
 uint32_t FrameChecksum(const uint8_t* frame, size_t header_size, const uint8_t* payload, size_t payload_len) {
   uint32_t crc = internal::Crc32c(0, frame, 48);
   crc = internal::Crc32c(crc, frame + 52, header_size - 52);
-  return internal::Crc32c(crc, payload, payload_len);
+  return internal::Crc32cStriped(crc, payload, payload_len);
 }
 
 // Raw payload size for a codec; for top-k, `index_bytes` of the chosen index encoding.
@@ -250,8 +334,8 @@ absl::Status CheckSpec(const CodecSpec& s) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<uint8_t>> EncodeFloat(const float* x, const std::vector<int64_t>& shape, int64_t n,
-                                                 DType out_dtype, const CodecSpec& spec, const void* raw_input) {
+absl::Status EncodeFloat(const float* x, const std::vector<int64_t>& shape, int64_t n, DType out_dtype,
+                         const CodecSpec& spec, const void* raw_input, std::vector<uint8_t>* frame) {
   Header h{spec.kind, out_dtype, 0, spec.block_size, shape, n, 0, 0, 0};
   std::vector<uint32_t> idx;
   uint64_t index_bytes = 0;
@@ -271,8 +355,15 @@ absl::StatusOr<std::vector<uint8_t>> EncodeFloat(const float* x, const std::vect
     if (spec.topk_int8_values) h.flags |= kFlagTopkInt8;
   }
   h.raw_len = RawPayloadSize(h, index_bytes);
-  std::vector<uint8_t> raw(h.raw_len);
-  uint8_t* p = raw.data();
+  const size_t hs = HeaderSize(shape.size());
+  // Without zstd the payload is written straight into the frame; with it, into a scratch buffer first.
+  std::vector<uint8_t> scratch;
+  if (spec.zstd) {
+    scratch.resize(h.raw_len);
+  } else {
+    frame->resize(hs + h.raw_len);
+  }
+  uint8_t* p = spec.zstd ? scratch.data() : frame->data() + hs;
   switch (spec.kind) {
     case CodecKind::kIdentity:
       std::memcpy(p, raw_input ? raw_input : static_cast<const void*>(x), h.raw_len);
@@ -319,25 +410,24 @@ absl::StatusOr<std::vector<uint8_t>> EncodeFloat(const float* x, const std::vect
       break;
     }
   }
-  const uint8_t* payload = raw.data();
-  std::vector<uint8_t> packed;
   h.payload_len = h.raw_len;
-  if (spec.zstd && h.raw_len > 0) {
-    packed.resize(ZSTD_compressBound(h.raw_len));
-    size_t z = ZSTD_compress(packed.data(), packed.size(), raw.data(), raw.size(), spec.zstd_level);
+  if (spec.zstd) {
+    frame->resize(hs + ZSTD_compressBound(h.raw_len));
+    size_t z = h.raw_len == 0 ? 0
+                              : ZSTD_compress(frame->data() + hs, frame->size() - hs, scratch.data(), scratch.size(),
+                                              spec.zstd_level);
     if (ZSTD_isError(z)) return absl::InternalError(absl::StrCat("zstd: ", ZSTD_getErrorName(z)));
-    if (z < h.raw_len) {  // keep zstd only when it helps
+    if (z > 0 && z < h.raw_len) {  // keep zstd only when it helps
       h.flags |= kFlagZstd;
       h.payload_len = z;
-      payload = packed.data();
+    } else {
+      std::memcpy(frame->data() + hs, scratch.data(), h.raw_len);
     }
+    frame->resize(hs + h.payload_len);
   }
-  const size_t hs = HeaderSize(shape.size());
-  std::vector<uint8_t> frame(hs + h.payload_len);
-  WriteHeader(h, frame.data());
-  std::memcpy(frame.data() + hs, payload, h.payload_len);
-  Put<uint32_t>(frame.data() + 48, FrameChecksum(frame.data(), hs, frame.data() + hs, h.payload_len));
-  return frame;
+  WriteHeader(h, frame->data());
+  Put<uint32_t>(frame->data() + 48, FrameChecksum(frame->data(), hs, frame->data() + hs, h.payload_len));
+  return absl::OkStatus();
 }
 
 absl::StatusOr<Header> ParseHeader(const uint8_t* data, size_t size, const DecodeLimits& limits) {
@@ -448,7 +538,7 @@ std::string CodecSpec::ToString() const {
   return s;
 }
 
-absl::StatusOr<std::vector<uint8_t>> Encode(const core::TensorView& in, const CodecSpec& spec) {
+absl::Status EncodeTo(const core::TensorView& in, const CodecSpec& spec, std::vector<uint8_t>* frame) {
   absl::Status st = CheckSpec(spec);
   if (!st.ok()) return st;
   if (in.shape.size() > kMaxDims) return absl::InvalidArgumentError(absl::StrCat("at most ", kMaxDims, " dimensions"));
@@ -459,15 +549,22 @@ absl::StatusOr<std::vector<uint8_t>> Encode(const core::TensorView& in, const Co
   if (core::DTypeSize(in.dtype) == 0) return absl::InvalidArgumentError("unknown dtype");
   if (spec.kind == CodecKind::kTopK && n > int64_t{0xffffffff})
     return absl::InvalidArgumentError("top-k supports at most 2^32 - 1 elements per tensor");
-  if (spec.kind == CodecKind::kIdentity) return EncodeFloat(nullptr, in.shape, n, in.dtype, spec, in.data);
+  if (spec.kind == CodecKind::kIdentity) return EncodeFloat(nullptr, in.shape, n, in.dtype, spec, in.data, frame);
   if (!core::IsFloating(in.dtype))
     return absl::InvalidArgumentError(absl::StrCat("codec ", spec.ToString(), " needs a float tensor, not ",
                                                    core::DTypeName(in.dtype)));
   if (in.dtype == DType::kFloat32)
-    return EncodeFloat(static_cast<const float*>(in.data), in.shape, n, in.dtype, spec, nullptr);
+    return EncodeFloat(static_cast<const float*>(in.data), in.shape, n, in.dtype, spec, nullptr, frame);
   std::vector<float> tmp(static_cast<size_t>(n));
   core::ToFloat32(in.dtype, in.data, tmp.data(), tmp.size());
-  return EncodeFloat(tmp.data(), in.shape, n, in.dtype, spec, nullptr);
+  return EncodeFloat(tmp.data(), in.shape, n, in.dtype, spec, nullptr, frame);
+}
+
+absl::StatusOr<std::vector<uint8_t>> Encode(const core::TensorView& in, const CodecSpec& spec) {
+  std::vector<uint8_t> frame;
+  absl::Status s = EncodeTo(in, spec, &frame);
+  if (!s.ok()) return s;
+  return frame;
 }
 
 absl::StatusOr<FrameInfo> InspectFrame(const uint8_t* data, size_t size) {
@@ -485,10 +582,10 @@ absl::StatusOr<FrameInfo> InspectFrame(const uint8_t* data, size_t size) {
   return info;
 }
 
-absl::StatusOr<core::Tensor> Decode(const uint8_t* data, size_t size, const DecodeLimits& limits) {
-  auto hs = ParseHeader(data, size, limits);
-  if (!hs.ok()) return hs.status();
-  const Header& h = *hs;
+namespace {
+
+// Decodes a validated frame into `out_bytes` (numel * dtype size bytes of the header's dtype).
+absl::Status DecodePayload(const Header& h, const uint8_t* data, uint8_t* out_bytes) {
   const int64_t n = h.numel;
   const uint8_t* payload = data + HeaderSize(h.shape.size());
   // The raw payload's size follows from the header (top-k: up to its index bytes, checked below).
@@ -513,18 +610,14 @@ absl::StatusOr<core::Tensor> Decode(const uint8_t* data, size_t size, const Deco
     if (ZSTD_isError(z) || z != h.raw_len) return Corrupt("zstd payload does not decompress");
     payload = unpacked.data();
   }
-  core::Tensor out;
-  out.dtype = h.dtype;
-  out.shape = h.shape;
-  out.bytes.resize(static_cast<size_t>(n) * core::DTypeSize(h.dtype));
   if (h.kind == CodecKind::kIdentity) {
-    std::memcpy(out.bytes.data(), payload, out.bytes.size());
-    return out;
+    std::memcpy(out_bytes, payload, static_cast<size_t>(n) * core::DTypeSize(h.dtype));
+    return absl::OkStatus();
   }
   std::vector<float> tmp;
   float* f;
   if (h.dtype == DType::kFloat32) {
-    f = out.data<float>();
+    f = reinterpret_cast<float*>(out_bytes);
   } else {
     tmp.resize(static_cast<size_t>(n));
     f = tmp.data();
@@ -595,9 +688,41 @@ absl::StatusOr<core::Tensor> Decode(const uint8_t* data, size_t size, const Deco
     }
     case CodecKind::kIdentity: break;
   }
-  if (h.dtype != DType::kFloat32) core::FromFloat32(h.dtype, f, out.bytes.data(), static_cast<size_t>(n));
+  if (h.dtype != DType::kFloat32) core::FromFloat32(h.dtype, f, out_bytes, static_cast<size_t>(n));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<core::Tensor> Decode(const uint8_t* data, size_t size, const DecodeLimits& limits) {
+  auto h = ParseHeader(data, size, limits);
+  if (!h.ok()) return h.status();
+  core::Tensor out;
+  out.dtype = h->dtype;
+  out.shape = h->shape;
+  out.bytes.resize(static_cast<size_t>(h->numel) * core::DTypeSize(h->dtype));
+  absl::Status s = DecodePayload(*h, data, out.bytes.data());
+  if (!s.ok()) return s;
   return out;
 }
+
+absl::Status DecodeInto(const uint8_t* data, size_t size, core::DType dtype, const std::vector<int64_t>& shape,
+                        void* out) {
+  DecodeLimits limits;
+  int64_t expect = 1;
+  for (int64_t d : shape) expect *= d;
+  limits.max_elements = std::max<int64_t>(expect, 0);
+  auto h = ParseHeader(data, size, limits);
+  if (!h.ok()) return h.status();
+  if (h->dtype != dtype || h->shape != shape)
+    return absl::InvalidArgumentError(absl::StrCat("frame holds a ", core::DTypeName(h->dtype), " tensor of ",
+                                                   h->shape.size(), " dims and ", h->numel, " elements; expected ",
+                                                   core::DTypeName(dtype), " with ", shape.size(), " dims and ",
+                                                   expect, " elements"));
+  return DecodePayload(*h, data, static_cast<uint8_t*>(out));
+}
+
+
 
 double CompressionRatio(const CodecSpec& spec, DType dtype, int64_t numel) {
   if (numel <= 0) return 1.0;
@@ -627,9 +752,10 @@ absl::StatusOr<std::vector<uint8_t>> ErrorFeedback::Encode(const core::TensorVie
   core::ToFloat32(input.dtype, input.data, corrected.data(), corrected.size());
   for (int64_t i = 0; i < n; ++i) corrected[i] += residual_[i];
   // The frame declares the caller's dtype; the residual is kept in float32.
-  auto frame = EncodeFloat(corrected.data(), input.shape, n, input.dtype, spec_, nullptr);
-  if (!frame.ok()) return frame.status();
-  auto decoded = Decode(frame->data(), frame->size());
+  std::vector<uint8_t> frame;
+  absl::Status s = EncodeFloat(corrected.data(), input.shape, n, input.dtype, spec_, nullptr, &frame);
+  if (!s.ok()) return s;
+  auto decoded = Decode(frame.data(), frame.size());
   if (!decoded.ok()) return decoded.status();
   std::vector<float> back(static_cast<size_t>(n));
   core::ToFloat32(decoded->dtype, decoded->bytes.data(), back.data(), back.size());

@@ -38,6 +38,9 @@ struct CodecSpec {
 // tensor (a NaN would poison a whole block's scale).
 absl::StatusOr<std::vector<uint8_t>> Encode(const core::TensorView& input, const CodecSpec& spec);
 
+// As Encode, into `frame` (resized; its capacity is reused across calls, so a stream allocates once).
+absl::Status EncodeTo(const core::TensorView& input, const CodecSpec& spec, std::vector<uint8_t>* frame);
+
 // Bounds on what a decoder accepts (the receiver knows what to expect).
 struct DecodeLimits {
   int64_t max_elements = int64_t{1} << 30;
@@ -48,6 +51,12 @@ struct DecodeLimits {
 // checksum mismatch -- returns DataLoss or InvalidArgument; the decoder allocates at most what the
 // frame's own length justifies (dense outputs of lossy frames are bounded by `limits`).
 absl::StatusOr<core::Tensor> Decode(const uint8_t* data, size_t size, const DecodeLimits& limits = {});
+
+// Decodes into caller memory `out` (numel * DTypeSize(dtype) bytes) after checking that the frame holds
+// exactly a `dtype` tensor of `shape`; errors as Decode, or InvalidArgument on a dtype/shape mismatch
+// naming both. Allocates nothing for dense codecs without zstd.
+absl::Status DecodeInto(const uint8_t* data, size_t size, core::DType dtype, const std::vector<int64_t>& shape,
+                        void* out);
 
 // Header facts of a frame without decoding it (validated as in Decode).
 struct FrameInfo {
