@@ -7,6 +7,7 @@
 
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/security/server_credentials.h>
+#include <grpcpp/server_builder.h>
 #include <grpcpp/server_context.h>
 
 #include <memory>
@@ -28,6 +29,9 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
 // Channel arguments for reaching `peer_name`: its certificate carries DNS:<peer_name> in its
 // subjectAltName, so the TLS hostname check uses the site name whatever address is dialled.
 grpc::ChannelArguments PeerChannelArguments(const std::string& peer_name);
+
+// Message-size limits and keepalive policy matching PeerChannelArguments; call on every ServerBuilder.
+void ConfigureServer(grpc::ServerBuilder* builder);
 
 // The CN of the verified client certificate of the calling peer, or "" if there is none.
 std::string PeerCommonName(const grpc::ServerContext& context);

@@ -1,0 +1,302 @@
+#include "rpc/peer.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "compression/codec.h"
+#include "rpc/credentials.h"
+
+namespace meridian::rpc {
+namespace {
+
+constexpr int64_t kMaxFrameBytes = int64_t{4} << 30;
+
+TensorKey KeyOf(const v1::TensorChunk& c) {
+  return {c.job_id(), c.step(), c.micro_batch(), c.stage(), c.direction(), c.tensor_index()};
+}
+
+absl::Status FromGrpc(const grpc::Status& s, const std::string& what) {
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), absl::StrCat(what, ": ", s.error_message()));
+}
+
+}  // namespace
+
+std::string TensorKey::ToString() const {
+  return absl::StrCat("job ", job_id, " step ", step, " micro-batch ", micro_batch, " stage ", stage, " ",
+                      v1::Direction_Name(direction), " tensor ", tensor_index);
+}
+
+// ---- TensorInbox ----
+
+void TensorInbox::Deliver(const std::string& peer, const TensorKey& key, std::vector<uint8_t> frame) {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    frames_[{peer, key}] = std::move(frame);
+  }
+  cv_.notify_all();
+}
+
+void TensorInbox::FailPeer(const std::string& peer, const std::string& why) {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    failed_[peer] = why;
+  }
+  cv_.notify_all();
+}
+
+void TensorInbox::ClearPeer(const std::string& peer) {
+  std::lock_guard<std::mutex> l(mu_);
+  failed_.erase(peer);
+}
+
+absl::StatusOr<std::vector<uint8_t>> TensorInbox::Wait(const std::string& peer, const TensorKey& key,
+                                                       std::chrono::steady_clock::time_point deadline) {
+  std::unique_lock<std::mutex> l(mu_);
+  while (true) {
+    auto it = frames_.find({peer, key});
+    if (it != frames_.end()) {
+      std::vector<uint8_t> f = std::move(it->second);
+      frames_.erase(it);
+      return f;
+    }
+    if (auto f = failed_.find(peer); f != failed_.end())
+      return absl::UnavailableError(absl::StrCat("peer '", peer, "' failed while waiting for ", key.ToString(), ": ",
+                                                 f->second));
+    if (cv_.wait_until(l, deadline) == std::cv_status::timeout && std::chrono::steady_clock::now() >= deadline)
+      return absl::DeadlineExceededError(
+          absl::StrCat("no ", key.ToString(), " from peer '", peer, "' before the deadline"));
+  }
+}
+
+size_t TensorInbox::pending() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return frames_.size();
+}
+
+// ---- PeerService ----
+
+PeerService::PeerService(std::string self, std::set<std::string> allowed_peers, TensorInbox* inbox)
+    : self_(std::move(self)), allowed_(std::move(allowed_peers)), inbox_(inbox) {}
+
+grpc::Status PeerService::Authorise(grpc::ServerContext* ctx, std::string* peer) {
+  *peer = PeerCommonName(*ctx);
+  if (peer->empty()) return {grpc::StatusCode::UNAUTHENTICATED, "no verified client certificate"};
+  if (!allowed_.count(*peer))
+    return {grpc::StatusCode::PERMISSION_DENIED,
+            absl::StrCat("'", *peer, "' may not stream tensors to '", self_, "'")};
+  authorised_calls_++;
+  return grpc::Status::OK;
+}
+
+grpc::Status PeerService::Stream(grpc::ServerContext* ctx, grpc::ServerReader<v1::TensorChunk>* reader,
+                                 v1::StreamAck* ack) {
+  std::string peer;
+  if (grpc::Status s = Authorise(ctx, &peer); !s.ok()) return s;
+  inbox_->ClearPeer(peer);
+  struct Partial {
+    std::vector<uint8_t> data;
+    int64_t received = 0;
+  };
+  std::map<TensorKey, Partial> partial;
+  int64_t frames = 0;
+  v1::TensorChunk c;
+  auto fail = [&](grpc::StatusCode code, const std::string& msg) {
+    inbox_->FailPeer(peer, msg);
+    return grpc::Status(code, msg);
+  };
+  while (reader->Read(&c)) {
+    TensorKey key = KeyOf(c);
+    if (c.frame_bytes() <= 0 || c.frame_bytes() > kMaxFrameBytes)
+      return fail(grpc::StatusCode::INVALID_ARGUMENT,
+                  absl::StrCat("peer '", peer, "' sent ", key.ToString(), " with frame size ", c.frame_bytes()));
+    Partial& p = partial[key];
+    if (p.data.empty()) {
+      if (c.offset() != 0)
+        return fail(grpc::StatusCode::INVALID_ARGUMENT,
+                    absl::StrCat("peer '", peer, "' began ", key.ToString(), " at offset ", c.offset()));
+      p.data.resize(static_cast<size_t>(c.frame_bytes()));
+    }
+    if (c.frame_bytes() != static_cast<int64_t>(p.data.size()) || c.offset() != p.received ||
+        c.offset() + static_cast<int64_t>(c.data().size()) > c.frame_bytes())
+      return fail(grpc::StatusCode::INVALID_ARGUMENT,
+                  absl::StrCat("peer '", peer, "' sent an out-of-order or oversized chunk of ", key.ToString()));
+    std::memcpy(p.data.data() + c.offset(), c.data().data(), c.data().size());
+    p.received += static_cast<int64_t>(c.data().size());
+    if (p.received < c.frame_bytes()) continue;
+    std::vector<uint8_t> frame = std::move(p.data);
+    partial.erase(key);
+    ++frames;
+    bytes_received_ += static_cast<int64_t>(frame.size());
+    if (key.direction == v1::PROBE) continue;  // probe payload: counted, not delivered
+    auto info = compression::InspectFrame(frame.data(), frame.size());
+    if (!info.ok())
+      return fail(grpc::StatusCode::DATA_LOSS, absl::StrCat("peer '", peer, "' sent a corrupt frame for ",
+                                                            key.ToString(), ": ", info.status().message()));
+    inbox_->Deliver(peer, key, std::move(frame));
+  }
+  if (ctx->IsCancelled())
+    return fail(grpc::StatusCode::CANCELLED, absl::StrCat("stream from peer '", peer, "' was cut off"));
+  if (!partial.empty())
+    return fail(grpc::StatusCode::DATA_LOSS,
+                absl::StrCat("stream from peer '", peer, "' ended in the middle of ", partial.begin()->first.ToString()));
+  ack->set_frames_received(frames);
+  return grpc::Status::OK;
+}
+
+grpc::Status PeerService::Echo(grpc::ServerContext* ctx, const v1::Ping* req, v1::Ping* resp) {
+  std::string peer;
+  if (grpc::Status s = Authorise(ctx, &peer); !s.ok()) return s;
+  *resp = *req;
+  return grpc::Status::OK;
+}
+
+grpc::Status PeerService::Pull(grpc::ServerContext* ctx, const v1::PullRequest* req,
+                               grpc::ServerWriter<v1::TensorChunk>* writer) {
+  std::string peer;
+  if (grpc::Status s = Authorise(ctx, &peer); !s.ok()) return s;
+  if (req->bytes() < 0 || req->bytes() > kMaxFrameBytes)
+    return {grpc::StatusCode::INVALID_ARGUMENT, "pull size out of range"};
+  const int chunk = req->chunk_bytes() > 0 ? std::min(req->chunk_bytes(), kChunkBytes) : kChunkBytes;
+  v1::TensorChunk c;
+  c.set_direction(v1::PROBE);
+  c.set_frame_bytes(req->bytes());
+  std::string payload(static_cast<size_t>(chunk), '\0');
+  for (size_t i = 0; i < payload.size(); ++i) payload[i] = static_cast<char>(i * 2654435761u >> 24);
+  for (int64_t off = 0; off < req->bytes(); off += chunk) {
+    c.set_offset(off);
+    c.set_data(payload.data(), static_cast<size_t>(std::min<int64_t>(chunk, req->bytes() - off)));
+    if (!writer->Write(c)) return {grpc::StatusCode::CANCELLED, absl::StrCat("peer '", peer, "' went away")};
+  }
+  return grpc::Status::OK;
+}
+
+// ---- PeerClient ----
+
+absl::StatusOr<std::unique_ptr<PeerClient>> PeerClient::Create(const std::string& certs_dir, const std::string& self,
+                                                               const std::string& peer, const std::string& address) {
+  auto creds = MakeChannelCredentials(certs_dir, self);
+  if (!creds.ok()) return creds.status();
+  auto c = std::unique_ptr<PeerClient>(new PeerClient);
+  c->peer_ = peer;
+  c->address_ = address;
+  c->stub_ = v1::Peer::NewStub(grpc::CreateCustomChannel(address, *creds, PeerChannelArguments(peer)));
+  return c;
+}
+
+absl::StatusOr<std::unique_ptr<PeerClient::OutStream>> PeerClient::OpenStream(std::chrono::seconds deadline) {
+  auto s = std::unique_ptr<OutStream>(new OutStream);
+  s->peer_ = peer_;
+  s->ctx_ = std::make_unique<grpc::ClientContext>();
+  s->ctx_->set_deadline(std::chrono::system_clock::now() + deadline);
+  s->writer_ = stub_->Stream(s->ctx_.get(), &s->ack_);
+  if (!s->writer_) return absl::UnavailableError(absl::StrCat("cannot open a stream to peer '", peer_, "'"));
+  return s;
+}
+
+absl::Status PeerClient::OutStream::Send(const TensorKey& key, const std::vector<uint8_t>& frame) {
+  if (finished_) return absl::FailedPreconditionError(absl::StrCat("stream to peer '", peer_, "' is closed"));
+  v1::TensorChunk c;
+  c.set_job_id(key.job_id);
+  c.set_step(key.step);
+  c.set_micro_batch(key.micro_batch);
+  c.set_stage(key.stage);
+  c.set_direction(key.direction);
+  c.set_tensor_index(key.tensor_index);
+  c.set_frame_bytes(static_cast<int64_t>(frame.size()));
+  for (size_t off = 0; off < frame.size() || (off == 0 && frame.empty()); off += kChunkBytes) {
+    c.set_offset(static_cast<int64_t>(off));
+    c.set_data(frame.data() + off, std::min<size_t>(kChunkBytes, frame.size() - off));
+    if (!writer_->Write(c)) {
+      finished_ = true;
+      grpc::Status st = writer_->Finish();
+      return FromGrpc(st.ok() ? grpc::Status(grpc::StatusCode::UNAVAILABLE, "stream closed") : st,
+                      absl::StrCat("sending ", key.ToString(), " to peer '", peer_, "' failed"));
+    }
+    if (frame.empty()) break;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> PeerClient::OutStream::Finish() {
+  if (finished_) return absl::FailedPreconditionError(absl::StrCat("stream to peer '", peer_, "' already closed"));
+  finished_ = true;
+  writer_->WritesDone();
+  grpc::Status st = writer_->Finish();
+  if (!st.ok()) return FromGrpc(st, absl::StrCat("stream to peer '", peer_, "'"));
+  return ack_.frames_received();
+}
+
+PeerClient::OutStream::~OutStream() {
+  if (!finished_ && writer_) {
+    ctx_->TryCancel();
+    (void)writer_->Finish();
+  }
+}
+
+absl::StatusOr<double> PeerClient::EchoSeconds(int payload_bytes, std::chrono::milliseconds deadline) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + deadline);
+  v1::Ping req, resp;
+  req.set_payload(std::string(static_cast<size_t>(payload_bytes), 'p'));
+  auto t0 = std::chrono::steady_clock::now();
+  grpc::Status st = stub_->Echo(&ctx, req, &resp);
+  auto t1 = std::chrono::steady_clock::now();
+  if (!st.ok()) return FromGrpc(st, absl::StrCat("ping to peer '", peer_, "' at ", address_));
+  return std::chrono::duration<double>(t1 - t0).count();
+}
+
+absl::StatusOr<double> PeerClient::PullSeconds(int64_t bytes, std::chrono::seconds deadline) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + deadline);
+  v1::PullRequest req;
+  req.set_bytes(bytes);
+  auto t0 = std::chrono::steady_clock::now();
+  auto reader = stub_->Pull(&ctx, req);
+  v1::TensorChunk c;
+  int64_t got = 0;
+  while (reader->Read(&c)) got += static_cast<int64_t>(c.data().size());
+  auto t1 = std::chrono::steady_clock::now();
+  grpc::Status st = reader->Finish();
+  if (!st.ok()) return FromGrpc(st, absl::StrCat("pull from peer '", peer_, "'"));
+  if (got != bytes)
+    return absl::DataLossError(absl::StrCat("pull from peer '", peer_, "' returned ", got, " of ", bytes, " bytes"));
+  return std::chrono::duration<double>(t1 - t0).count();
+}
+
+absl::StatusOr<LinkMeasurement> ProbeLink(PeerClient& client, const ProbeOptions& o) {
+  LinkMeasurement m;
+  std::vector<double> rtts;
+  auto warm = client.EchoSeconds(16, std::chrono::duration_cast<std::chrono::milliseconds>(o.deadline));
+  if (!warm.ok()) return warm.status();
+  for (int i = 0; i < o.pings; ++i) {
+    auto r = client.EchoSeconds(16, std::chrono::duration_cast<std::chrono::milliseconds>(o.deadline));
+    if (!r.ok()) return r.status();
+    rtts.push_back(*r);
+  }
+  std::nth_element(rtts.begin(), rtts.begin() + rtts.size() / 2, rtts.end());
+  m.rtt_seconds = rtts[rtts.size() / 2];
+  // Forward: a timed bulk stream. The last byte reaches the peer one one-way delay after it is sent and
+  // its acknowledgement takes another, so one RTT is taken off the elapsed time.
+  auto stream = client.OpenStream(o.deadline);
+  if (!stream.ok()) return stream.status();
+  std::vector<uint8_t> payload(static_cast<size_t>(o.bulk_bytes));
+  for (size_t i = 0; i < payload.size(); ++i) payload[i] = static_cast<uint8_t>(i * 2654435761u >> 24);
+  TensorKey key;
+  key.direction = v1::PROBE;
+  auto t0 = std::chrono::steady_clock::now();
+  if (absl::Status s = (*stream)->Send(key, payload); !s.ok()) return s;
+  auto done = (*stream)->Finish();
+  if (!done.ok()) return done.status();
+  double fwd = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  m.forward_bytes_per_second = o.bulk_bytes / std::max(fwd - m.rtt_seconds, fwd / 2);
+  // Reverse: the peer streams the same amount back; the request and the last byte cost one RTT.
+  auto rev = client.PullSeconds(o.bulk_bytes, o.deadline);
+  if (!rev.ok()) return rev.status();
+  m.reverse_bytes_per_second = o.bulk_bytes / std::max(*rev - m.rtt_seconds, *rev / 2);
+  return m;
+}
+
+}  // namespace meridian::rpc

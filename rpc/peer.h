@@ -1,0 +1,142 @@
+// Tensor streams between executors over mutual TLS (proto/meridian.proto, service Peer).
+//
+// A sender opens one long-lived stream per neighbour (PeerClient::OpenStream) and writes each tensor
+// as a compression frame cut into chunks of at most kChunkBytes; gRPC's flow control gives
+// back-pressure (a Write blocks while the receiver is behind). The receiver (PeerService) reassembles
+// the chunks, checks the frame's integrity (compression::InspectFrame validates header and checksum) and
+// hands it to a TensorInbox, where the training loop waits for it by key.
+#ifndef MERIDIAN_RPC_PEER_H_
+#define MERIDIAN_RPC_PEER_H_
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "proto/meridian.grpc.pb.h"
+
+namespace meridian::rpc {
+
+inline constexpr int kChunkBytes = 1 << 20;
+
+// Identifies one tensor in flight: every chunk carries all of it.
+struct TensorKey {
+  std::string job_id;
+  int64_t step = 0;
+  int32_t micro_batch = 0;
+  int32_t stage = 0;  // the sender's stage
+  v1::Direction direction = v1::FORWARD;
+  int32_t tensor_index = 0;
+  auto Tie() const { return std::tie(job_id, step, micro_batch, stage, direction, tensor_index); }
+  bool operator<(const TensorKey& o) const { return Tie() < o.Tie(); }
+  bool operator==(const TensorKey& o) const { return Tie() == o.Tie(); }
+  std::string ToString() const;
+};
+
+// Frames delivered by peers, waited for by key. Thread-safe.
+class TensorInbox {
+ public:
+  // Stores a complete frame from `peer`.
+  void Deliver(const std::string& peer, const TensorKey& key, std::vector<uint8_t> frame);
+  // Marks `peer` failed: current and later waits for its tensors return Unavailable naming it and `why`.
+  void FailPeer(const std::string& peer, const std::string& why);
+  // Clears a failure (the peer reconnected).
+  void ClearPeer(const std::string& peer);
+  // Waits until the frame for `key` from `peer` arrives and removes it. Errors: DeadlineExceeded naming the
+  // peer and the key; Unavailable when the peer failed.
+  absl::StatusOr<std::vector<uint8_t>> Wait(const std::string& peer, const TensorKey& key,
+                                            std::chrono::steady_clock::time_point deadline);
+  size_t pending() const;
+
+ private:
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<std::pair<std::string, TensorKey>, std::vector<uint8_t>> frames_;
+  std::map<std::string, std::string> failed_;
+};
+
+// The Peer service. Only callers whose certificate CN is in `allowed_peers` are served; others get
+// PermissionDenied before any chunk is read. Thread-safe.
+class PeerService final : public v1::Peer::Service {
+ public:
+  PeerService(std::string self, std::set<std::string> allowed_peers, TensorInbox* inbox);
+  grpc::Status Stream(grpc::ServerContext* ctx, grpc::ServerReader<v1::TensorChunk>* reader,
+                      v1::StreamAck* ack) override;
+  grpc::Status Echo(grpc::ServerContext* ctx, const v1::Ping* req, v1::Ping* resp) override;
+  grpc::Status Pull(grpc::ServerContext* ctx, const v1::PullRequest* req,
+                    grpc::ServerWriter<v1::TensorChunk>* writer) override;
+  // Bytes of complete frames received so far (all peers).
+  int64_t bytes_received() const { return bytes_received_.load(); }
+  // Handler invocations that passed authorisation (tests check that rejected calls never get here).
+  int64_t authorised_calls() const { return authorised_calls_.load(); }
+
+ private:
+  grpc::Status Authorise(grpc::ServerContext* ctx, std::string* peer);
+  std::string self_;
+  std::set<std::string> allowed_;
+  TensorInbox* inbox_;
+  std::atomic<int64_t> bytes_received_{0};
+  std::atomic<int64_t> authorised_calls_{0};
+};
+
+// A client of one peer's service. Thread-compatible: one thread per open stream.
+class PeerClient {
+ public:
+  // `certs_dir`/`self`: this process's identity; `peer`/`address`: whom to reach.
+  static absl::StatusOr<std::unique_ptr<PeerClient>> Create(const std::string& certs_dir, const std::string& self,
+                                                            const std::string& peer, const std::string& address);
+
+  // One long-lived outgoing stream of frames. Send blocks under back-pressure; every error names the peer.
+  class OutStream {
+   public:
+    absl::Status Send(const TensorKey& key, const std::vector<uint8_t>& frame);
+    // Closes the stream and waits for the receiver's acknowledgement (frames received).
+    absl::StatusOr<int64_t> Finish();
+    ~OutStream();
+
+   private:
+    friend class PeerClient;
+    std::string peer_;
+    std::unique_ptr<grpc::ClientContext> ctx_;
+    v1::StreamAck ack_;
+    std::unique_ptr<grpc::ClientWriter<v1::TensorChunk>> writer_;
+    bool finished_ = false;
+  };
+  // `idle_timeout`: the deadline of the whole stream (a stream idle or stuck beyond it fails).
+  absl::StatusOr<std::unique_ptr<OutStream>> OpenStream(std::chrono::seconds deadline);
+
+  // Round trip of a small message. Errors name the peer.
+  absl::StatusOr<double> EchoSeconds(int payload_bytes, std::chrono::milliseconds deadline);
+  // Receives `bytes` of probe data from the peer; returns seconds from request to last byte.
+  absl::StatusOr<double> PullSeconds(int64_t bytes, std::chrono::seconds deadline);
+
+  const std::string& peer() const { return peer_; }
+
+ private:
+  std::string peer_, address_;
+  std::unique_ptr<v1::Peer::Stub> stub_;
+};
+
+// Link measurements between this process and one peer, in profile.json's link format.
+struct LinkMeasurement {
+  double rtt_seconds = 0;              // median of ping-pongs
+  double forward_bytes_per_second = 0;  // this -> peer (timed bulk stream)
+  double reverse_bytes_per_second = 0;  // peer -> this (timed bulk pull)
+};
+struct ProbeOptions {
+  int pings = 15;
+  int64_t bulk_bytes = 8 << 20;
+  std::chrono::seconds deadline{60};
+};
+absl::StatusOr<LinkMeasurement> ProbeLink(PeerClient& client, const ProbeOptions& options);
+
+}  // namespace meridian::rpc
+
+#endif  // MERIDIAN_RPC_PEER_H_
