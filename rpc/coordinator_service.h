@@ -1,0 +1,56 @@
+// The coordinator's gRPC service, kept apart from what the coordinator does (Ray's style): this class
+// authenticates and authorises every call, then forwards it to a CoordinatorHandler, which can be tested
+// without a network. Authorisation: the caller's certificate CN must be a site of the cluster, the site a
+// request names must be that CN, and Register's protocol version must match. A rejected call never
+// reaches the handler.
+#ifndef MERIDIAN_RPC_COORDINATOR_SERVICE_H_
+#define MERIDIAN_RPC_COORDINATOR_SERVICE_H_
+
+#include <atomic>
+#include <chrono>
+#include <optional>
+#include <set>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "proto/meridian.grpc.pb.h"
+
+namespace meridian::rpc {
+
+// What the coordinator does with authorised calls. Implementations must be thread-safe: gRPC calls them
+// from its own threads.
+class CoordinatorHandler {
+ public:
+  virtual ~CoordinatorHandler() = default;
+  virtual absl::StatusOr<v1::RegisterResponse> Register(const v1::RegisterRequest& request) = 0;
+  virtual absl::StatusOr<v1::HeartbeatResponse> Heartbeat(const v1::HeartbeatRequest& request) = 0;
+  // The next command for `site`, waiting up to `timeout`; nullopt when none came (the stream then polls
+  // again), or an error that ends the stream.
+  virtual absl::StatusOr<std::optional<v1::Command>> NextCommand(const std::string& site,
+                                                                 std::chrono::milliseconds timeout) = 0;
+  virtual absl::Status Metrics(const v1::MetricsReport& report) = 0;
+};
+
+class CoordinatorService final : public v1::Coordinator::Service {
+ public:
+  CoordinatorService(std::set<std::string> sites, CoordinatorHandler* handler);
+  grpc::Status Register(grpc::ServerContext* ctx, const v1::RegisterRequest* req, v1::RegisterResponse* resp) override;
+  grpc::Status Heartbeat(grpc::ServerContext* ctx, const v1::HeartbeatRequest* req,
+                         v1::HeartbeatResponse* resp) override;
+  grpc::Status Commands(grpc::ServerContext* ctx, const v1::CommandStreamRequest* req,
+                        grpc::ServerWriter<v1::Command>* writer) override;
+  grpc::Status ReportMetrics(grpc::ServerContext* ctx, const v1::MetricsReport* req, v1::MetricsAck* resp) override;
+
+  // Calls that reached the handler (tests check that rejected calls never do).
+  int64_t handled_calls() const { return handled_.load(); }
+
+ private:
+  grpc::Status Authorise(grpc::ServerContext* ctx, const std::string& claimed_site);
+  std::set<std::string> sites_;
+  CoordinatorHandler* handler_;
+  std::atomic<int64_t> handled_{0};
+};
+
+}  // namespace meridian::rpc
+
+#endif  // MERIDIAN_RPC_COORDINATOR_SERVICE_H_
