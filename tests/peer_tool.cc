@@ -1,0 +1,126 @@
+// meridian-peertool: drives the peer service from the command line, for integration tests, the WAN
+// harness and the transport benchmarks.
+//   serve --certs DIR --self NAME --allow PEER[,PEER] --listen HOST:PORT
+//   probe --certs DIR --self NAME --peer NAME --address HOST:PORT [--seconds S]   (prints profile links JSON)
+//   send  --certs DIR --self NAME --peer NAME --address HOST:PORT --frame-mib M --frames K  (prints goodput)
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "compression/codec.h"
+#include "rpc/credentials.h"
+#include "rpc/peer.h"
+
+using namespace meridian;
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::fprintf(stderr, "usage: meridian-peertool serve|probe|send --flag value ...\n");
+    return 2;
+  }
+  std::string mode = argv[1];
+  std::map<std::string, std::string> f;
+  for (int i = 2; i + 1 < argc; i += 2) f[argv[i]] = argv[i + 1];
+  auto need = [&](const char* k) {
+    if (!f.count(k)) {
+      std::fprintf(stderr, "meridian-peertool %s: missing %s\n", mode.c_str(), k);
+      std::exit(2);
+    }
+    return f[k];
+  };
+  if (mode == "serve") {
+    std::set<std::string> allow;
+    std::stringstream ss(need("--allow"));
+    for (std::string p; std::getline(ss, p, ',');) allow.insert(p);
+    rpc::TensorInbox inbox;
+    rpc::PeerService service(need("--self"), allow, &inbox);
+    auto creds = rpc::MakeServerCredentials(need("--certs"), need("--self"));
+    if (!creds.ok()) {
+      std::fprintf(stderr, "meridian-peertool: %s\n", std::string(creds.status().message()).c_str());
+      return 2;
+    }
+    grpc::ServerBuilder b;
+    rpc::ConfigureServer(&b);
+    int port = 0;
+    b.AddListeningPort(need("--listen"), *creds, &port);
+    b.RegisterService(&service);
+    auto server = b.BuildAndStart();
+    if (!server) {
+      std::fprintf(stderr, "meridian-peertool: cannot listen on %s\n", f["--listen"].c_str());
+      return 1;
+    }
+    std::printf("listening %d\n", port);
+    std::fflush(stdout);
+    server->Wait();
+    return 0;
+  }
+  auto client = rpc::PeerClient::Create(need("--certs"), need("--self"), need("--peer"), need("--address"));
+  if (!client.ok()) {
+    std::fprintf(stderr, "meridian-peertool: %s\n", std::string(client.status().message()).c_str());
+    return 2;
+  }
+  if (mode == "probe") {
+    // A first 1 MiB transfer estimates the rate; the measured transfer then lasts about --seconds.
+    rpc::ProbeOptions o;
+    o.bulk_bytes = 1 << 20;
+    auto first = rpc::ProbeLink(**client, o);
+    if (!first.ok()) {
+      std::fprintf(stderr, "meridian-peertool: %s\n", std::string(first.status().message()).c_str());
+      return 1;
+    }
+    double secs = f.count("--seconds") ? std::atof(f["--seconds"].c_str()) : 3.0;
+    o.bulk_bytes = std::clamp<int64_t>(static_cast<int64_t>(first->forward_bytes_per_second * secs), 1 << 20, 512 << 20);
+    o.deadline = std::chrono::seconds(120);
+    auto m = rpc::ProbeLink(**client, o);
+    if (!m.ok()) {
+      std::fprintf(stderr, "meridian-peertool: %s\n", std::string(m.status().message()).c_str());
+      return 1;
+    }
+    const std::string self = f["--self"], peer = f["--peer"];
+    nlohmann::json links = nlohmann::json::array();
+    links.push_back({{"from", self}, {"to", peer}, {"bandwidth_bytes_per_second", m->forward_bytes_per_second},
+                     {"latency_seconds", m->rtt_seconds / 2}});
+    links.push_back({{"from", peer}, {"to", self}, {"bandwidth_bytes_per_second", m->reverse_bytes_per_second},
+                     {"latency_seconds", m->rtt_seconds / 2}});
+    std::printf("%s\n", nlohmann::json{{"links", links}, {"rtt_seconds", m->rtt_seconds}}.dump(2).c_str());
+    return 0;
+  }
+  if (mode == "send") {
+    const int64_t mib = std::atoll(need("--frame-mib").c_str());
+    const int frames = std::atoi(need("--frames").c_str());
+    std::vector<float> x(static_cast<size_t>(mib) << 18);
+    for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(i % 9973) * 0.001f;
+    auto frame = compression::Encode({core::DType::kFloat32, {static_cast<int64_t>(x.size())}, x.data()},
+                                     *compression::CodecSpec::Parse(f.count("--codec") ? f["--codec"] : "identity"));
+    auto stream = (*client)->OpenStream(std::chrono::seconds(600));
+    if (!stream.ok()) return 1;
+    auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < frames; ++i) {
+      absl::Status s = (*stream)->Send({"bench", i, 0, 0, v1::FORWARD, 0}, *frame);
+      if (!s.ok()) {
+        std::fprintf(stderr, "meridian-peertool: %s\n", std::string(s.message()).c_str());
+        return 1;
+      }
+    }
+    auto acked = (*stream)->Finish();
+    if (!acked.ok()) {
+      std::fprintf(stderr, "meridian-peertool: %s\n", std::string(acked.status().message()).c_str());
+      return 1;
+    }
+    double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    double bytes = static_cast<double>(frame->size()) * frames;
+    std::printf("{\"bytes\": %.0f, \"seconds\": %.4f, \"goodput_bytes_per_second\": %.1f}\n", bytes, secs, bytes / secs);
+    return 0;
+  }
+  std::fprintf(stderr, "meridian-peertool: unknown mode %s\n", mode.c_str());
+  return 2;
+}
