@@ -24,7 +24,7 @@
 
 namespace meridian::rpc {
 
-inline constexpr int kChunkBytes = 1 << 20;
+inline constexpr int kChunkBytes = 4 << 20;
 
 // Identifies one tensor in flight: every chunk carries all of it.
 struct TensorKey {
