@@ -13,7 +13,7 @@ PACKAGES=(
   libcli11-dev libspdlog-dev libfmt-dev nlohmann-json3-dev
   libsentencepiece-dev sentencepiece
   libzstd-dev libcpp-httplib-dev
-  python3-grpcio python3-numpy python3-yaml
+  python3-grpcio python3-numpy python3-yaml python3-torch
   iproute2 iperf3
 )
 
