@@ -708,11 +708,9 @@ absl::StatusOr<core::Tensor> Decode(const uint8_t* data, size_t size, const Deco
 
 absl::Status DecodeInto(const uint8_t* data, size_t size, core::DType dtype, const std::vector<int64_t>& shape,
                         void* out) {
-  DecodeLimits limits;
   int64_t expect = 1;
   for (int64_t d : shape) expect *= d;
-  limits.max_elements = std::max<int64_t>(expect, 0);
-  auto h = ParseHeader(data, size, limits);
+  auto h = ParseHeader(data, size, DecodeLimits{});  // allocates nothing; the shape check follows
   if (!h.ok()) return h.status();
   if (h->dtype != dtype || h->shape != shape)
     return absl::InvalidArgumentError(absl::StrCat("frame holds a ", core::DTypeName(h->dtype), " tensor of ",

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "coordinator/plan_command.h"
+#include "coordinator/train_local.h"
 #include "core/certs.h"
 #include "core/cluster_spec.h"
 #include "core/version.h"
@@ -110,6 +111,11 @@ int main(int argc, char** argv) {
   auto* plan = app.add_subcommand("plan", "Partition a model's operator graph over a cluster profile");
   coordinator::AddPlanOptions(plan, &plan_options);
   plan->callback([&] { rc = coordinator::RunPlanCommand(plan_options); });
+
+  coordinator::TrainLocalOptions train_options;
+  auto* train = app.add_subcommand("train-local", "Train the job's whole model in this process (the reference run)");
+  coordinator::AddTrainLocalOptions(train, &train_options);
+  train->callback([&] { rc = coordinator::RunTrainLocal(train_options); });
 
   coordinator::GraphCommandOptions graph_options;
   auto* graph = app.add_subcommand("graph", "Write the operator graph (graph.json) of a LLaMA-architecture config.json");

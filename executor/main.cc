@@ -1,21 +1,112 @@
-// `meridian-executor`: runs at each site. Today it resolves its settings, checks its identity files
-// against the cluster CA, and registers with the coordinator over mutual TLS. The training loop and
-// the peer service arrive with issues #5-#7 (see docs/status.md).
-// Exit codes: 0 success, 1 runtime failure (e.g. coordinator unreachable), 2 invalid settings.
+// `meridian-executor`: runs at each site.
+//  * Joined mode (the default): resolves its settings (flags > MERIDIAN_* env > spec), checks its
+//    identity files against the cluster CA and registers with the coordinator over mutual TLS.
+//  * Static mode (--assignment FILE --job JOB.yaml): runs one pipeline stage described by a JSON
+//    assignment (docs/executor.md) without a coordinator, serving its peer stream on --listen, and
+//    writes its slice's final weights to --out.
+// Exit codes: 0 success, 1 runtime failure (peer or coordinator unreachable, training error),
+// 2 invalid settings or input.
 #include <CLI/CLI.hpp>
 #include <grpcpp/grpcpp.h>
 
 #include <chrono>
 #include <cstdlib>
+#include <fstream>
 #include <iostream>
+#include <sstream>
 
+#include "absl/strings/str_cat.h"
 #include "core/version.h"
 #include "executor/options.h"
+#include "executor/stage.h"
 #include "proto/meridian.grpc.pb.h"
 #include "rpc/credentials.h"
 
+namespace {
+
+using namespace meridian;
+
+int RunStatic(const executor::ExecutorOptions& o, const std::string& assignment_path, const std::string& job_path,
+              const std::string& out_dir, int steps, int timeout_s) {
+  std::ifstream in(assignment_path);
+  if (!in) {
+    std::cerr << "meridian-executor: " << assignment_path << ": cannot open\n";
+    return 2;
+  }
+  std::stringstream ss;
+  ss << in.rdbuf();
+  auto a = executor::ParseAssignmentJson(ss.str(), assignment_path);
+  if (!a.ok()) {
+    std::cerr << "meridian-executor: " << a.status().message() << "\n";
+    return 2;
+  }
+  auto spec = core::LoadSpecFile(job_path);
+  if (!spec.errors.empty()) {
+    for (const auto& d : spec.errors) std::cerr << d.ToString() << "\n";
+    return 2;
+  }
+  if (!spec.spec->job) {
+    std::cerr << "meridian-executor: " << job_path << ": has no 'job' section\n";
+    return 2;
+  }
+  auto setup = executor::PrepareJob(*spec.spec->job, job_path);
+  if (!setup.ok()) {
+    std::cerr << "meridian-executor: " << setup.status().message() << "\n";
+    return 2;
+  }
+  if (auto s = executor::CheckSlice(setup->model, a->first_op, a->last_op); !s.ok()) {
+    std::cerr << "meridian-executor: " << assignment_path << ": " << s.message() << "\n";
+    return 2;
+  }
+  if (steps <= 0) steps = setup->job.steps;
+  // Serve the peer stream: only the neighbours may send to this stage.
+  rpc::TensorInbox inbox;
+  std::set<std::string> allowed;
+  if (!a->prev_site.empty()) allowed.insert(a->prev_site);
+  if (!a->next_site.empty()) allowed.insert(a->next_site);
+  rpc::PeerService service(o.site, allowed, &inbox);
+  auto creds = rpc::MakeServerCredentials(o.certs, o.site);
+  if (!creds.ok()) {
+    std::cerr << "meridian-executor: " << creds.status().message() << "\n";
+    return 2;
+  }
+  grpc::ServerBuilder builder;
+  rpc::ConfigureServer(&builder);
+  int port = 0;
+  builder.AddListeningPort(o.listen, *creds, &port);
+  builder.RegisterService(&service);
+  auto server = builder.BuildAndStart();
+  if (!server || port == 0) {
+    std::cerr << "meridian-executor: cannot listen on " << o.listen << "\n";
+    return 1;
+  }
+  torch::Device device(o.device == "cpu" ? torch::Device(torch::kCPU) : torch::Device(o.device));
+  executor::StageWorker worker(*setup, *a, &inbox, o.certs, o.site, device, std::chrono::seconds(timeout_s));
+  auto fail = [&](const absl::Status& s) {
+    std::cerr << "meridian-executor: " << s.message() << "\n";
+    server->Shutdown(std::chrono::system_clock::now());
+    return 1;
+  };
+  if (auto s = worker.Connect(); !s.ok()) return fail(s);
+  for (int step = 0; step < steps; ++step) {
+    auto loss = worker.Step(step, steps);
+    if (!loss.ok()) return fail(loss.status());
+    if (loss->has_value()) std::cout << "step " << step << " loss " << **loss << std::endl;
+  }
+  if (auto s = worker.Finish(); !s.ok()) return fail(s);
+  if (!out_dir.empty()) {
+    std::string path = absl::StrCat(out_dir, "/stage-", a->stage, ".safetensors");
+    if (auto s = executor::SaveParameters(path, worker.Parameters()); !s.ok()) return fail(s);
+  }
+  std::cout << "wire bytes " << worker.wire_bytes() << " raw bytes " << worker.raw_bytes() << std::endl;
+  // Let the neighbours finish their streams to us before the server goes away.
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  return 0;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
-  using namespace meridian;
   CLI::App app{"meridian-executor: runs one site's slice of a Meridian job"};
   app.set_version_flag("--version", std::string("meridian-executor ") + kVersion);
   executor::ExecutorFlags f;
@@ -30,11 +121,19 @@ int main(int argc, char** argv) {
   opt("--spec", &f.spec, "Cluster spec to take defaults from (env MERIDIAN_SPEC)");
   double timeout = 10;
   app.add_option("--join-timeout", timeout, "Seconds to wait for the coordinator")->check(CLI::Range(0.1, 3600.0));
+  std::string assignment, job, out;
+  int steps = 0, step_timeout = 60;
+  app.add_option("--assignment", assignment, "Static mode: run the pipeline stage this JSON describes");
+  app.add_option("--job", job, "Static mode: the job spec (YAML)");
+  app.add_option("--out", out, "Static mode: directory for stage-K.safetensors");
+  app.add_option("--steps", steps, "Static mode: optimizer steps (default: the job's)");
+  app.add_option("--step-timeout", step_timeout, "Seconds to wait for a neighbour's tensor")->check(CLI::Range(1, 86400));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;
   }
+  if (!assignment.empty() && !f.coordinator) f.coordinator = "127.0.0.1:1";  // unused in static mode
   auto options = executor::ResolveOptions(f, [](const char* name) -> std::optional<std::string> {
     const char* v = std::getenv(name);
     return v ? std::optional<std::string>(v) : std::nullopt;
@@ -42,6 +141,13 @@ int main(int argc, char** argv) {
   if (!options.ok()) {
     std::cerr << "meridian-executor: " << options.status().message() << "\n";
     return 2;
+  }
+  if (!assignment.empty()) {
+    if (job.empty()) {
+      std::cerr << "meridian-executor: --assignment needs --job JOB.yaml\n";
+      return 2;
+    }
+    return RunStatic(*options, assignment, job, out, steps, step_timeout);
   }
   auto creds = rpc::MakeChannelCredentials(options->certs, options->site);
   if (!creds.ok()) {
@@ -72,6 +178,6 @@ int main(int argc, char** argv) {
   }
   std::cout << "joined cluster '" << resp.cluster() << "' as site '" << options->site << "' (run " << resp.run_id()
             << ")\n";
-  std::cerr << "meridian-executor: this build does not run training yet (see docs/status.md)\n";
+  std::cerr << "meridian-executor: joined mode does not run training yet; use --assignment (docs/status.md)\n";
   return 1;
 }

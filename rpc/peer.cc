@@ -182,15 +182,22 @@ absl::StatusOr<std::unique_ptr<PeerClient>> PeerClient::Create(const std::string
   auto c = std::unique_ptr<PeerClient>(new PeerClient);
   c->peer_ = peer;
   c->address_ = address;
-  c->stub_ = v1::Peer::NewStub(grpc::CreateCustomChannel(address, *creds, PeerChannelArguments(peer)));
+  c->channel_ = grpc::CreateCustomChannel(address, *creds, PeerChannelArguments(peer));
+  c->stub_ = v1::Peer::NewStub(c->channel_);
   return c;
 }
 
-absl::StatusOr<std::unique_ptr<PeerClient::OutStream>> PeerClient::OpenStream(std::chrono::seconds deadline) {
+absl::StatusOr<std::unique_ptr<PeerClient::OutStream>> PeerClient::OpenStream(std::chrono::seconds deadline,
+                                                                             std::chrono::seconds connect_timeout) {
+  if (!channel_->WaitForConnected(std::chrono::system_clock::now() + connect_timeout))
+    return absl::UnavailableError(absl::StrCat("peer '", peer_, "' at ", address_, " did not accept a connection within ",
+                                               connect_timeout.count(), " s (not running, unreachable, or not trusting "
+                                               "this cluster's CA)"));
   auto s = std::unique_ptr<OutStream>(new OutStream);
   s->peer_ = peer_;
   s->ctx_ = std::make_unique<grpc::ClientContext>();
   s->ctx_->set_deadline(std::chrono::system_clock::now() + deadline);
+  s->ctx_->set_wait_for_ready(true);  // a neighbour that is still starting is waited for, up to the deadline
   s->writer_ = stub_->Stream(s->ctx_.get(), &s->ack_);
   if (!s->writer_) return absl::UnavailableError(absl::StrCat("cannot open a stream to peer '", peer_, "'"));
   return s;

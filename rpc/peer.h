@@ -109,8 +109,10 @@ class PeerClient {
     std::unique_ptr<grpc::ClientWriter<v1::TensorChunk>> writer_;
     bool finished_ = false;
   };
-  // `idle_timeout`: the deadline of the whole stream (a stream idle or stuck beyond it fails).
-  absl::StatusOr<std::unique_ptr<OutStream>> OpenStream(std::chrono::seconds deadline);
+  // Waits up to `connect_timeout` for the peer to accept a connection (it may still be starting), then
+  // opens the stream; `deadline` bounds the whole stream. Errors: Unavailable naming the peer and address.
+  absl::StatusOr<std::unique_ptr<OutStream>> OpenStream(std::chrono::seconds deadline,
+                                                        std::chrono::seconds connect_timeout = std::chrono::seconds(30));
 
   // Round trip of a small message. Errors name the peer.
   absl::StatusOr<double> EchoSeconds(int payload_bytes, std::chrono::milliseconds deadline);
@@ -121,6 +123,7 @@ class PeerClient {
 
  private:
   std::string peer_, address_;
+  std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Peer::Stub> stub_;
 };
 

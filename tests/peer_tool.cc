@@ -3,6 +3,7 @@
 //   serve --certs DIR --self NAME --allow PEER[,PEER] --listen HOST:PORT
 //   probe --certs DIR --self NAME --peer NAME --address HOST:PORT [--seconds S]   (prints profile links JSON)
 //   send  --certs DIR --self NAME --peer NAME --address HOST:PORT --frame-mib M --frames K  (prints goodput)
+//         [--codec C] [--job-id ID] [--corrupt 1]: frame i is sent as (ID, step i, micro-batch 0, stage 0, FORWARD)
 #include <grpcpp/grpcpp.h>
 
 #include <chrono>
@@ -101,11 +102,13 @@ int main(int argc, char** argv) {
     for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(i % 9973) * 0.001f;
     auto frame = compression::Encode({core::DType::kFloat32, {static_cast<int64_t>(x.size())}, x.data()},
                                      *compression::CodecSpec::Parse(f.count("--codec") ? f["--codec"] : "identity"));
+    if (f.count("--corrupt")) (*frame)[frame->size() / 2] ^= 0xff;  // fails the receiver's integrity check
+    const std::string job_id = f.count("--job-id") ? f["--job-id"] : "bench";
     auto stream = (*client)->OpenStream(std::chrono::seconds(600));
     if (!stream.ok()) return 1;
     auto t0 = std::chrono::steady_clock::now();
     for (int i = 0; i < frames; ++i) {
-      absl::Status s = (*stream)->Send({"bench", i, 0, 0, v1::FORWARD, 0}, *frame);
+      absl::Status s = (*stream)->Send({job_id, i, 0, 0, v1::FORWARD, 0}, *frame);
       if (!s.ok()) {
         std::fprintf(stderr, "meridian-peertool: %s\n", std::string(s.message()).c_str());
         return 1;

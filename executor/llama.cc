@@ -1,0 +1,195 @@
+#include "executor/llama.h"
+
+#include <cmath>
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "core/status.h"
+
+namespace meridian::executor {
+
+absl::StatusOr<LlamaConfig> ParseLlamaConfigText(const std::string& text, const std::string& path) {
+  auto shape = partitioner::ParseLlamaConfig(text, path);
+  if (!shape.ok()) return shape.status();
+  LlamaConfig c;
+  c.shape = *shape;
+  auto j = nlohmann::json::parse(text, nullptr, false);
+  for (auto [key, out] : {std::pair<const char*, double*>{"rms_norm_eps", &c.rms_norm_eps},
+                          std::pair<const char*, double*>{"rope_theta", &c.rope_theta}}) {
+    if (!j.contains(key) || j[key].is_null()) continue;
+    if (!j[key].is_number() || j[key].get<double>() <= 0)
+      return absl::InvalidArgumentError(absl::StrCat(path, ": ", key, ": expected a positive number"));
+    *out = j[key].get<double>();
+  }
+  if (c.head_dim() % 2) return absl::InvalidArgumentError(absl::StrCat(path, ": head dimension must be even (rotary)"));
+  return c;
+}
+
+absl::StatusOr<LlamaConfig> LoadLlamaConfig(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ParseLlamaConfigText(ss.str(), path);
+}
+
+std::string OpName(const LlamaConfig& c, int op) {
+  if (op == 0) return "embed";
+  if (op == c.num_ops() - 1) return "head";
+  return absl::StrCat("layer", (op - 1) / 2, (op - 1) % 2 == 0 ? ".attn" : ".mlp");
+}
+
+std::vector<std::pair<std::string, std::vector<int64_t>>> OpParameters(const LlamaConfig& c, int op) {
+  const int64_t d = c.shape.hidden_size, h = c.shape.intermediate_size, v = c.shape.vocab_size;
+  const int64_t kv = static_cast<int64_t>(c.head_dim()) * c.shape.num_key_value_heads;
+  if (op == 0) return {{"model.embed_tokens.weight", {v, d}}};
+  if (op == c.num_ops() - 1) {
+    std::vector<std::pair<std::string, std::vector<int64_t>>> p = {{"model.norm.weight", {d}}};
+    if (!c.shape.tie_word_embeddings) p.push_back({"lm_head.weight", {v, d}});
+    return p;
+  }
+  const int layer = (op - 1) / 2;
+  const std::string pre = absl::StrCat("model.layers.", layer, ".");
+  if ((op - 1) % 2 == 0)
+    return {{pre + "input_layernorm.weight", {d}},
+            {pre + "self_attn.q_proj.weight", {d, d}},
+            {pre + "self_attn.k_proj.weight", {kv, d}},
+            {pre + "self_attn.v_proj.weight", {kv, d}},
+            {pre + "self_attn.o_proj.weight", {d, d}}};
+  return {{pre + "post_attention_layernorm.weight", {d}},
+          {pre + "mlp.gate_proj.weight", {h, d}},
+          {pre + "mlp.up_proj.weight", {h, d}},
+          {pre + "mlp.down_proj.weight", {d, h}}};
+}
+
+absl::Status CheckSlice(const LlamaConfig& c, int first_op, int last_op) {
+  if (first_op < 0 || first_op > last_op || last_op >= c.num_ops())
+    return absl::InvalidArgumentError(absl::StrCat("op range [", first_op, ", ", last_op, "] is outside the model's ",
+                                                   c.num_ops(), " ops"));
+  if (c.shape.tie_word_embeddings && last_op == c.num_ops() - 1 && first_op != 0)
+    return absl::InvalidArgumentError("with tie_word_embeddings the LM head shares the embedding's weights, so "
+                                      "'embed' and 'head' must run in the same stage");
+  return absl::OkStatus();
+}
+
+namespace {
+
+uint64_t Fnv1a(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
+}  // namespace
+
+StageModel::StageModel(const LlamaConfig& c, int first_op, int last_op, uint64_t seed, torch::Device device)
+    : config_(c), first_(first_op), last_(last_op), device_(device) {
+  MERIDIAN_CHECK(0 <= first_op && first_op <= last_op && last_op < c.num_ops(), "op range out of bounds");
+  MERIDIAN_CHECK(CheckSlice(c, first_op, last_op).ok(), "StageModel: invalid slice (call CheckSlice first)");
+  for (int op = first_op; op <= last_op; ++op) {
+    for (auto& [name, shape] : OpParameters(c, op)) {
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(seed ^ Fnv1a(name));
+      torch::Tensor t;
+      if (shape.size() == 1) t = torch::ones(shape);
+      else t = at::normal(0.0, 0.02, shape, gen);
+      t = t.to(device).set_requires_grad(true);
+      index_[name] = params_.size();
+      params_.emplace_back(name, t);
+    }
+  }
+}
+
+torch::Tensor& StageModel::param(const std::string& name) {
+  auto it = index_.find(name);
+  MERIDIAN_CHECK(it != index_.end(), name.c_str());
+  return params_[it->second].second;
+}
+
+absl::Status StageModel::Load(const std::map<std::string, torch::Tensor>& tensors) {
+  torch::NoGradGuard ng;
+  for (auto& [name, p] : params_) {
+    auto it = tensors.find(name);
+    if (it == tensors.end()) return absl::NotFoundError(absl::StrCat("tensor '", name, "' is missing"));
+    if (it->second.sizes() != p.sizes())
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "' has shape ", c10::str(it->second.sizes()),
+                                                     ", the model needs ", c10::str(p.sizes())));
+    p.copy_(it->second.to(p.dtype()));
+  }
+  return absl::OkStatus();
+}
+
+torch::Tensor StageModel::RmsNorm(const torch::Tensor& x, const torch::Tensor& w) const {
+  auto var = x.pow(2).mean(-1, /*keepdim=*/true);
+  return w * (x * torch::rsqrt(var + config_.rms_norm_eps));
+}
+
+torch::Tensor StageModel::Attention(int layer, const torch::Tensor& x) {
+  const std::string pre = absl::StrCat("model.layers.", layer, ".");
+  const int64_t b = x.size(0), s = x.size(1);
+  const int64_t nh = config_.shape.num_attention_heads, nkv = config_.shape.num_key_value_heads, hd = config_.head_dim();
+  auto h = RmsNorm(x, param(pre + "input_layernorm.weight"));
+  auto q = torch::matmul(h, param(pre + "self_attn.q_proj.weight").t()).view({b, s, nh, hd}).transpose(1, 2);
+  auto k = torch::matmul(h, param(pre + "self_attn.k_proj.weight").t()).view({b, s, nkv, hd}).transpose(1, 2);
+  auto v = torch::matmul(h, param(pre + "self_attn.v_proj.weight").t()).view({b, s, nkv, hd}).transpose(1, 2);
+  // Rotary embeddings as in HF: cos/sin of position * inv_freq, halves rotated.
+  auto opts = torch::TensorOptions().dtype(torch::kFloat32).device(device_);
+  auto inv_freq = 1.0 / torch::pow(config_.rope_theta, torch::arange(0, hd, 2, opts) / static_cast<double>(hd));
+  auto freqs = torch::outer(torch::arange(s, opts), inv_freq);
+  auto emb = torch::cat({freqs, freqs}, -1);
+  auto cos = emb.cos().to(x.dtype()), sin = emb.sin().to(x.dtype());
+  auto rotate = [&](const torch::Tensor& t) {
+    auto halves = t.chunk(2, -1);
+    return torch::cat({-halves[1], halves[0]}, -1);
+  };
+  q = q * cos + rotate(q) * sin;
+  k = k * cos + rotate(k) * sin;
+  if (nkv != nh) {  // grouped-query attention: each key/value head serves nh / nkv query heads
+    k = k.repeat_interleave(nh / nkv, 1);
+    v = v.repeat_interleave(nh / nkv, 1);
+  }
+  auto scores = torch::matmul(q, k.transpose(2, 3)) / std::sqrt(static_cast<double>(hd));
+  auto mask = torch::ones({s, s}, torch::TensorOptions().dtype(torch::kBool).device(device_)).triu(1);
+  scores = scores.masked_fill(mask, -std::numeric_limits<float>::infinity());
+  auto attn = torch::softmax(scores.to(torch::kFloat32), -1).to(q.dtype());
+  auto out = torch::matmul(attn, v).transpose(1, 2).reshape({b, s, nh * hd});
+  return x + torch::matmul(out, param(pre + "self_attn.o_proj.weight").t());
+}
+
+torch::Tensor StageModel::Mlp(int layer, const torch::Tensor& x) {
+  const std::string pre = absl::StrCat("model.layers.", layer, ".");
+  auto h = RmsNorm(x, param(pre + "post_attention_layernorm.weight"));
+  auto gate = torch::matmul(h, param(pre + "mlp.gate_proj.weight").t());
+  auto up = torch::matmul(h, param(pre + "mlp.up_proj.weight").t());
+  return x + torch::matmul(torch::silu(gate) * up, param(pre + "mlp.down_proj.weight").t());
+}
+
+torch::Tensor StageModel::Forward(const torch::Tensor& input) {
+  torch::Tensor x = input;
+  for (int op = first_; op <= last_; ++op) {
+    if (op == 0) {
+      x = torch::embedding(param("model.embed_tokens.weight"), x);
+    } else if (op == config_.num_ops() - 1) {
+      x = RmsNorm(x, param("model.norm.weight"));
+      const std::string head = config_.shape.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight";
+      x = torch::matmul(x, param(head).t());
+    } else if ((op - 1) % 2 == 0) {
+      x = Attention((op - 1) / 2, x);
+    } else {
+      x = Mlp((op - 1) / 2, x);
+    }
+  }
+  return x;
+}
+
+torch::Tensor CrossEntropySum(const torch::Tensor& logits, const torch::Tensor& targets, double normaliser) {
+  auto flat = logits.reshape({-1, logits.size(-1)});
+  auto loss = torch::nn::functional::cross_entropy(
+      flat, targets.reshape({-1}),
+      torch::nn::functional::CrossEntropyFuncOptions().ignore_index(-100).reduction(torch::kSum));
+  return loss / normaliser;
+}
+
+}  // namespace meridian::executor

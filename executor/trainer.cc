@@ -1,0 +1,164 @@
+#include "executor/trainer.h"
+
+#include <cmath>
+#include <filesystem>
+
+#include "absl/strings/str_cat.h"
+#include "core/safetensors.h"
+
+namespace meridian::executor {
+
+torch::Tensor SyntheticData::MicroBatch(int64_t step, int micro_batch, int micro_batch_size, int seq_len) const {
+  // The transition table depends on the seed only; the sequences on (seed, step, micro-batch).
+  auto table_gen = at::make_generator<at::CPUGeneratorImpl>(seed * 7919 + 17);
+  auto successor = torch::randperm(vocab, table_gen, torch::kInt64);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed ^ (static_cast<uint64_t>(step) * 1000003ull +
+                                                              static_cast<uint64_t>(micro_batch) * 7919ull + 1));
+  auto tokens = torch::empty({micro_batch_size, seq_len + 1}, torch::kInt64);
+  auto starts = torch::randint(vocab, {micro_batch_size}, gen, torch::kInt64);
+  auto noise = torch::rand({micro_batch_size, seq_len + 1}, gen);
+  auto randoms = torch::randint(vocab, {micro_batch_size, seq_len + 1}, gen, torch::kInt64);
+  auto s = successor.accessor<int64_t, 1>();
+  auto t = tokens.accessor<int64_t, 2>();
+  auto nz = noise.accessor<float, 2>();
+  auto rr = randoms.accessor<int64_t, 2>();
+  for (int b = 0; b < micro_batch_size; ++b) {
+    t[b][0] = starts[b].item<int64_t>();
+    for (int i = 1; i <= seq_len; ++i) t[b][i] = nz[b][i] < 0.9f ? s[t[b][i - 1]] : rr[b][i];
+  }
+  return tokens;
+}
+
+double LearningRate(const core::OptimizerSpec& o, int64_t step, int64_t total_steps) {
+  if (o.warmup_steps > 0 && step < o.warmup_steps) return o.lr * static_cast<double>(step + 1) / o.warmup_steps;
+  const int64_t decay = std::max<int64_t>(1, total_steps - o.warmup_steps);
+  const double progress = std::min(1.0, static_cast<double>(step - o.warmup_steps) / static_cast<double>(decay));
+  const double cosine = 0.5 * (1 + std::cos(M_PI * progress));
+  return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * cosine);
+}
+
+void AdamW::Step(const std::vector<std::pair<std::string, torch::Tensor>>& params, double lr) {
+  torch::NoGradGuard ng;
+  ++t_;
+  const double bc1 = 1 - std::pow(spec_.beta1, static_cast<double>(t_));
+  const double bc2 = 1 - std::pow(spec_.beta2, static_cast<double>(t_));
+  for (const auto& [name, p] : params) {
+    if (!p.grad().defined()) continue;
+    const auto& g = p.grad();
+    auto& [m, v] = state_[name];
+    if (!m.defined()) {
+      m = torch::zeros_like(p);
+      v = torch::zeros_like(p);
+    }
+    if (spec_.name == "sgd") {
+      p.add_(g, -lr);
+      continue;
+    }
+    if (p.dim() >= 2 && spec_.weight_decay > 0) p.mul_(1 - lr * spec_.weight_decay);
+    m.mul_(spec_.beta1).add_(g, 1 - spec_.beta1);
+    v.mul_(spec_.beta2).addcmul_(g, g, 1 - spec_.beta2);
+    auto denom = (v / bc2).sqrt_().add_(spec_.eps);
+    p.addcdiv_(m, denom, -lr / bc1);
+  }
+}
+
+double GradSquareSum(const std::vector<std::pair<std::string, torch::Tensor>>& params) {
+  double s = 0;
+  for (const auto& [name, p] : params)
+    if (p.grad().defined()) s += p.grad().to(torch::kFloat64).pow(2).sum().item<double>();
+  return s;
+}
+
+double ClipByGlobalNorm(const std::vector<std::pair<std::string, torch::Tensor>>& params, double total_square,
+                        double clip) {
+  const double norm = std::sqrt(total_square);
+  if (clip > 0 && norm > clip) {
+    torch::NoGradGuard ng;
+    const double scale = clip / (norm + 1e-6);
+    for (const auto& [name, p] : params)
+      if (p.grad().defined()) p.grad().mul_(scale);
+  }
+  return norm;
+}
+
+absl::StatusOr<JobSetup> PrepareJob(const core::JobSpec& job, const std::string& job_path) {
+  JobSetup s;
+  s.job = job;
+  const std::string model_dir = core::ResolveRelative(job_path, job.model);
+  auto cfg = LoadLlamaConfig(model_dir + "/config.json");
+  if (!cfg.ok()) return absl::InvalidArgumentError(absl::StrCat(job_path, ": job.model: ", cfg.status().message()));
+  s.model = *cfg;
+  s.micro_batches = job.micro_batches > 0 ? job.micro_batches : std::min(job.global_batch, 4);
+  if (job.global_batch % s.micro_batches != 0)
+    return absl::InvalidArgumentError(absl::StrCat(job_path, ": job.micro_batches ", s.micro_batches,
+                                                   " does not divide job.global_batch ", job.global_batch));
+  s.micro_batch_size = job.global_batch / s.micro_batches;
+  if (!job.data.empty() && job.data != "synthetic")
+    return absl::UnimplementedError(absl::StrCat(job_path, ": job.data: '", job.data,
+                                                 "': this build trains on 'synthetic' data only (JSONL and text "
+                                                 "data arrive with the fine-tuning example)"));
+  s.data = SyntheticData{job.seed, s.model.shape.vocab_size};
+  return s;
+}
+
+absl::StatusOr<TrainResult> TrainLocal(const JobSetup& setup, int steps, torch::Device device,
+                                       const std::function<void(int, double)>& on_step) {
+  const LlamaConfig& c = setup.model;
+  if (absl::Status s = CheckSlice(c, 0, c.num_ops() - 1); !s.ok()) return s;
+  StageModel model(c, 0, c.num_ops() - 1, setup.job.seed, device);
+  AdamW opt(setup.job.optimizer);
+  TrainResult r;
+  const int seq = setup.job.sequence_length;
+  const double normaliser = static_cast<double>(setup.job.global_batch) * seq;
+  for (int step = 0; step < steps; ++step) {
+    for (auto& [n, p] : model.parameters())
+      if (p.grad().defined()) p.mutable_grad() = torch::Tensor();
+    double loss_sum = 0;
+    for (int m = 0; m < setup.micro_batches; ++m) {
+      auto tokens = setup.data.MicroBatch(step, m, setup.micro_batch_size, seq).to(device);
+      auto inputs = tokens.slice(1, 0, seq), targets = tokens.slice(1, 1, seq + 1);
+      auto loss = CrossEntropySum(model.Forward(inputs), targets, normaliser);
+      loss.backward();
+      loss_sum += loss.item<double>();
+    }
+    ClipByGlobalNorm(model.parameters(), GradSquareSum(model.parameters()), setup.job.optimizer.grad_clip);
+    opt.Step(model.parameters(), LearningRate(setup.job.optimizer, step, steps));
+    r.losses.push_back(loss_sum);
+    if (on_step) on_step(step, loss_sum);
+  }
+  for (const auto& [n, p] : model.parameters()) r.parameters[n] = p.detach().cpu();
+  return r;
+}
+
+absl::Status SaveParameters(const std::string& path, const std::map<std::string, torch::Tensor>& params) {
+  core::SafetensorsFile f;
+  for (const auto& [name, t] : params) {
+    auto c = t.detach().to(torch::kCPU, torch::kFloat32).contiguous();
+    core::Tensor ct;
+    ct.dtype = core::DType::kFloat32;
+    ct.shape.assign(c.sizes().begin(), c.sizes().end());
+    ct.bytes.resize(c.numel() * 4);
+    std::memcpy(ct.bytes.data(), c.data_ptr<float>(), ct.bytes.size());
+    f.tensors[name] = std::move(ct);
+  }
+  f.metadata["format"] = "pt";
+  std::error_code ec;
+  std::filesystem::create_directories(std::filesystem::path(path).parent_path(), ec);
+  return core::WriteSafetensors(path, f);
+}
+
+absl::StatusOr<std::map<std::string, torch::Tensor>> LoadParameters(const std::string& path) {
+  auto f = core::ReadSafetensors(path);
+  if (!f.ok()) return f.status();
+  std::map<std::string, torch::Tensor> out;
+  for (auto& [name, t] : f->tensors) {
+    if (t.dtype != core::DType::kFloat32 && t.dtype != core::DType::kBFloat16 && t.dtype != core::DType::kFloat16)
+      return absl::InvalidArgumentError(absl::StrCat(path, ": tensor '", name, "' is not a float tensor"));
+    auto dtype = t.dtype == core::DType::kFloat32 ? torch::kFloat32
+                 : t.dtype == core::DType::kBFloat16 ? torch::kBFloat16 : torch::kFloat16;
+    out[name] = torch::from_blob(t.bytes.data(), t.shape, dtype).to(torch::kFloat32).clone();
+  }
+  return out;
+}
+
+}  // namespace meridian::executor

@@ -1,0 +1,83 @@
+// Training: the single-process reference trainer and one pipeline stage of a distributed run.
+// Both do exactly the same arithmetic (same initialisation, data, micro-batch order, loss scaling,
+// global-norm clipping and AdamW), so with the identity codec a distributed run reproduces the
+// reference to floating-point reordering. Confined to the calling thread (see docs/executor.md).
+#ifndef MERIDIAN_EXECUTOR_TRAINER_H_
+#define MERIDIAN_EXECUTOR_TRAINER_H_
+
+#include <torch/torch.h>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "core/cluster_spec.h"
+#include "executor/llama.h"
+
+namespace meridian::executor {
+
+// Deterministic synthetic language data: token sequences from a fixed random transition table
+// (each token is followed by its successor with probability 0.9), so a model can learn it.
+// Micro-batch (step, m) is the same in every process.
+struct SyntheticData {
+  uint64_t seed;
+  int vocab;
+  // tokens [micro_batch_size, seq_len + 1] (int64): inputs are [:, :-1], targets [:, 1:].
+  torch::Tensor MicroBatch(int64_t step, int micro_batch, int micro_batch_size, int seq_len) const;
+};
+
+// Learning rate at `step` (0-based): linear warm-up over warmup_steps, then cosine decay to
+// lr * min_lr_ratio at `total_steps`.
+double LearningRate(const core::OptimizerSpec& o, int64_t step, int64_t total_steps);
+
+// AdamW as torch.optim.AdamW (decoupled weight decay), applied to 2-D weights only; 1-D (norm) weights
+// get no decay. Thread-compatible.
+class AdamW {
+ public:
+  explicit AdamW(core::OptimizerSpec spec) : spec_(spec) {}
+  void Step(const std::vector<std::pair<std::string, torch::Tensor>>& params, double lr);
+  int64_t steps() const { return t_; }
+
+ private:
+  core::OptimizerSpec spec_;
+  int64_t t_ = 0;
+  std::map<std::string, std::pair<torch::Tensor, torch::Tensor>> state_;
+};
+
+// Sum of squared gradient elements of `params`, accumulated in double in parameter order.
+double GradSquareSum(const std::vector<std::pair<std::string, torch::Tensor>>& params);
+// Scales gradients so their global norm is at most `clip` (0: no clipping); returns the norm.
+double ClipByGlobalNorm(const std::vector<std::pair<std::string, torch::Tensor>>& params, double total_square,
+                        double clip);
+
+struct JobSetup {
+  LlamaConfig model;
+  core::JobSpec job;
+  SyntheticData data;
+  int micro_batch_size = 1;
+  int micro_batches = 1;
+};
+
+// Validates a job for training: model config readable, micro-batches dividing the batch, a data source
+// this build supports. Errors name the field.
+absl::StatusOr<JobSetup> PrepareJob(const core::JobSpec& job, const std::string& job_path);
+
+struct TrainResult {
+  std::vector<double> losses;  // mean loss of each step
+  std::map<std::string, torch::Tensor> parameters;
+};
+
+// The reference: trains the whole model in this process for `steps` steps.
+absl::StatusOr<TrainResult> TrainLocal(const JobSetup& setup, int steps, torch::Device device,
+                                       const std::function<void(int, double)>& on_step = nullptr);
+
+// Writes parameters as an HF-style safetensors file (float32).
+absl::Status SaveParameters(const std::string& path, const std::map<std::string, torch::Tensor>& params);
+absl::StatusOr<std::map<std::string, torch::Tensor>> LoadParameters(const std::string& path);
+
+}  // namespace meridian::executor
+
+#endif  // MERIDIAN_EXECUTOR_TRAINER_H_

@@ -1,0 +1,239 @@
+// Distributed training with real executor processes over mutual TLS on loopback, checked against the
+// single-process reference trainer (`meridian train-local`).
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include "core/certs.h"
+#include "core/safetensors.h"
+#include "tests/process.h"
+
+namespace meridian {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::HasSubstr;
+using testing::Process;
+using namespace std::chrono_literals;
+
+std::string Bin(const std::string& b) { return std::string(MERIDIAN_TEST_BINARY_DIR) + "/bin/" + b; }
+
+int FreePort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t len = sizeof a;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+// A 2-layer LLaMA (6 ops: embed, 2 x (attn, mlp), head) with grouped-query attention.
+const char kConfig[] = R"({"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+  "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "tie_word_embeddings": false})";
+
+struct Stage {
+  int first, last;
+};
+
+class PipelineTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("meridian_pipeline_" + std::to_string(::getpid()) + "_" +
+                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_ / "model");
+    std::ofstream(dir_ / "model" / "config.json") << kConfig;
+    core::ClusterSpec spec;
+    spec.name = "pipe";
+    spec.coordinator = {"127.0.0.1", 1};
+    for (const char* s : {"a", "b", "c"}) spec.sites.push_back({s, {"127.0.0.1", 2}});
+    std::vector<std::string> w;
+    ASSERT_TRUE(core::InitClusterCerts(spec, (dir_ / "certs").string(), {}, &w).ok());
+    ::setenv("OPENBLAS_NUM_THREADS", "1", 1);
+    ::setenv("OMP_NUM_THREADS", "1", 1);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  std::string Job(const std::string& name, int steps, const std::string& fwd = "identity",
+                  const std::string& bwd = "identity", int seq = 16) {
+    std::string path = (dir_ / (name + ".yaml")).string();
+    std::ofstream(path) << "job:\n  model: model\n  data: synthetic\n  steps: " << steps
+                        << "\n  global_batch: 4\n  micro_batches: 4\n  sequence_length: " << seq
+                        << "\n  seed: 7\n  optimizer: {name: adamw, lr: 0.01, weight_decay: 0.01, warmup_steps: 1, "
+                           "grad_clip: 0.5}\n  compression: {policy: fixed, activations: "
+                        << fwd << ", gradients: " << bwd << "}\n";
+    return path;
+  }
+
+  std::map<std::string, core::Tensor> Reference(const std::string& job, std::vector<double>* losses = nullptr) {
+    Process p(Bin("meridian") + " train-local " + job + " --out " + (dir_ / "local").string());
+    std::string out = p.ReadAll(120s);
+    EXPECT_EQ(p.Wait(60s), 0) << out;
+    if (losses) *losses = Losses(out);
+    auto f = core::ReadSafetensors((dir_ / "local" / "model.safetensors").string());
+    EXPECT_TRUE(f.ok()) << f.status();
+    return f.ok() ? f->tensors : std::map<std::string, core::Tensor>{};
+  }
+
+  static std::vector<double> Losses(const std::string& out) {
+    std::vector<double> l;
+    std::istringstream in(out);
+    for (std::string line; std::getline(in, line);)
+      if (line.rfind("step ", 0) == 0) l.push_back(std::stod(line.substr(line.find("loss ") + 5)));
+    return l;
+  }
+
+  // Runs one executor process per stage; returns the merged final parameters and the loss log.
+  std::map<std::string, core::Tensor> Distributed(const std::string& job, const std::vector<Stage>& stages,
+                                                  const std::string& fwd, const std::string& bwd,
+                                                  std::vector<double>* losses) {
+    const char* names[] = {"a", "b", "c"};
+    std::vector<int> ports;
+    for (size_t k = 0; k < stages.size(); ++k) ports.push_back(FreePort());
+    std::vector<std::unique_ptr<Process>> procs;
+    fs::path out = dir_ / ("dist" + std::to_string(stages.size()));
+    for (size_t k = 0; k < stages.size(); ++k) {
+      std::string a = "{\"stage\": " + std::to_string(k) + ", \"num_stages\": " + std::to_string(stages.size()) +
+                      ", \"first_op\": " + std::to_string(stages[k].first) + ", \"last_op\": " +
+                      std::to_string(stages[k].last) + ", \"forward_codec\": \"" + fwd +
+                      "\", \"backward_codec\": \"" + bwd + "\"";
+      if (k > 0)
+        a += std::string(", \"prev_site\": \"") + names[k - 1] + "\", \"prev_address\": \"127.0.0.1:" +
+             std::to_string(ports[k - 1]) + "\"";
+      if (k + 1 < stages.size())
+        a += std::string(", \"next_site\": \"") + names[k + 1] + "\", \"next_address\": \"127.0.0.1:" +
+             std::to_string(ports[k + 1]) + "\"";
+      std::string apath = (out.string() + "-assign" + std::to_string(k) + ".json");
+      fs::create_directories(out);
+      std::ofstream(apath) << a << "}";
+      procs.push_back(std::make_unique<Process>(Bin("meridian-executor") + " --site " + names[k] + " --certs " +
+                                                (dir_ / "certs").string() + " --listen 127.0.0.1:" +
+                                                std::to_string(ports[k]) + " --assignment " + apath + " --job " + job +
+                                                " --out " + out.string()));
+    }
+    std::string log0 = procs[0]->ReadAll(300s);
+    for (auto& p : procs) EXPECT_EQ(p->Wait(120s), 0);
+    if (losses) *losses = Losses(log0);  // stage 0 prints the loss relayed from the last stage
+    std::map<std::string, core::Tensor> merged;
+    for (size_t k = 0; k < stages.size(); ++k) {
+      auto f = core::ReadSafetensors((out / ("stage-" + std::to_string(k) + ".safetensors")).string());
+      EXPECT_TRUE(f.ok()) << f.status();
+      if (f.ok()) merged.insert(f->tensors.begin(), f->tensors.end());
+    }
+    return merged;
+  }
+
+  static double RelDiff(const core::Tensor& a, const core::Tensor& b) {
+    double num = 0, den = 0;
+    for (int64_t i = 0; i < a.numel(); ++i) {
+      double x = a.data<float>()[i], y = b.data<float>()[i];
+      num += (x - y) * (x - y);
+      den += y * y;
+    }
+    return std::sqrt(num / std::max(den, 1e-30));
+  }
+
+  void ExpectClose(const std::map<std::string, core::Tensor>& got, const std::map<std::string, core::Tensor>& want) {
+    ASSERT_EQ(got.size(), want.size());
+    for (const auto& [name, t] : want) {
+      ASSERT_TRUE(got.count(name)) << name;
+      ASSERT_EQ(got.at(name).shape, t.shape) << name;
+      EXPECT_LE(RelDiff(got.at(name), t), 1e-5) << name;
+    }
+  }
+
+  fs::path dir_;
+};
+
+TEST_F(PipelineTest, OneTwoAndThreeExecutorsMatchTheSingleProcessTrainer) {
+  std::string job = Job("job", 4);
+  auto want = Reference(job);
+  ASSERT_EQ(want.size(), 21u);  // embed, 2 x (5 attention + 4 MLP), norm, lm_head
+  ExpectClose(Distributed(job, {{0, 5}}, "identity", "identity", nullptr), want);
+  ExpectClose(Distributed(job, {{0, 2}, {3, 5}}, "identity", "identity", nullptr), want);
+  ExpectClose(Distributed(job, {{0, 1}, {2, 3}, {4, 5}}, "identity", "identity", nullptr), want);
+}
+
+// int8 on both directions of the pipeline link. (Top-k with error feedback on the *activation
+// gradients* of this link measured 1.935 against 1.672 at k = 10%: 16% worse, so the adaptive policy's
+// menus keep top-k for replica gradient sync, where error feedback is sound; see docs/executor.md.)
+TEST_F(PipelineTest, Int8LinksStayWithinTwoPercentOfTheIdentityLoss) {
+  const int steps = 30;
+  std::string job = Job("job", steps);
+  std::vector<double> exact, compressed;
+  Distributed(job, {{0, 2}, {3, 5}}, "identity", "identity", &exact);
+  Distributed(job, {{0, 2}, {3, 5}}, "int8", "int8", &compressed);
+  ASSERT_EQ(exact.size(), static_cast<size_t>(steps));
+  ASSERT_EQ(compressed.size(), static_cast<size_t>(steps));
+  RecordProperty("identity_final_loss", std::to_string(exact.back()));
+  RecordProperty("compressed_final_loss", std::to_string(compressed.back()));
+  EXPECT_LT(exact.back(), exact.front());  // it learns
+  EXPECT_NEAR(compressed.back(), exact.back(), 0.02 * exact.back());
+}
+
+TEST_F(PipelineTest, PeerKilledMidRunFailsTheOtherStageNamingIt) {
+  std::string job = Job("job", 100000);
+  int pa = FreePort(), pb = FreePort();
+  std::string a0 = (dir_ / "a0.json").string(), a1 = (dir_ / "a1.json").string();
+  std::ofstream(a0) << R"({"stage": 0, "num_stages": 2, "first_op": 0, "last_op": 2, "next_site": "b", "next_address": "127.0.0.1:)"
+                    << pb << "\"}";
+  std::ofstream(a1) << R"({"stage": 1, "num_stages": 2, "first_op": 3, "last_op": 5, "prev_site": "a", "prev_address": "127.0.0.1:)"
+                    << pa << "\"}";
+  auto run = [&](const char* site, int port, const std::string& a) {
+    return std::make_unique<Process>(Bin("meridian-executor") + " --site " + site + " --certs " + (dir_ / "certs").string() +
+                                     " --listen 127.0.0.1:" + std::to_string(port) + " --assignment " + a + " --job " + job +
+                                     " --step-timeout 8 2>&1");
+  };
+  auto pa_proc = run("a", pa, a0);
+  auto pb_proc = run("b", pb, a1);
+  ASSERT_THAT(pa_proc->ReadLine(60s), HasSubstr("step 0 loss"));
+  pb_proc->Kill(SIGKILL);
+  auto t0 = std::chrono::steady_clock::now();
+  int rc = pa_proc->Wait(30s);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 15s);
+  EXPECT_EQ(rc, 1);
+  std::string err = pa_proc->ReadAll(5s);
+  EXPECT_THAT(err, HasSubstr("stage 0 (site 'a')"));
+  EXPECT_THAT(err, HasSubstr("peer 'b'"));
+}
+
+TEST_F(PipelineTest, WrongShapeAndCorruptFramesFailNamingPeerAndStage) {
+  std::string job = Job("job", 2);
+  for (bool corrupt : {false, true}) {
+    int pa = FreePort(), pb = FreePort();
+    std::string a1 = (dir_ / "a1.json").string();
+    std::ofstream(a1) << R"({"job_id": "job", "stage": 1, "num_stages": 2, "first_op": 3, "last_op": 5, "prev_site": "a", "prev_address": "127.0.0.1:)"
+                      << pa << "\"}";
+    // Stage 1's previous site is served by a tool holding site a's identity (so it can connect), and
+    // another tool with that identity sends it a bad tensor.
+    Process prev(Bin("meridian-peertool") + " serve --certs " + (dir_ / "certs").string() +
+                 " --self a --allow b --listen 127.0.0.1:" + std::to_string(pa));
+    ASSERT_THAT(prev.ReadLine(10s), HasSubstr("listening"));
+    Process stage1(Bin("meridian-executor") + " --site b --certs " + (dir_ / "certs").string() + " --listen 127.0.0.1:" +
+                   std::to_string(pb) + " --assignment " + a1 + " --job " + job + " --step-timeout 20 2>&1");
+    std::this_thread::sleep_for(1500ms);
+    // Site a's certificate, but a tool that sends a 1 MiB tensor where [1, 16, 32] is expected.
+    Process fake(Bin("meridian-peertool") + " send --certs " + (dir_ / "certs").string() +
+                 " --self a --peer b --address 127.0.0.1:" + std::to_string(pb) + " --frame-mib 1 --frames 1 --job-id job" +
+                 (corrupt ? " --corrupt 1" : "") + " 2>&1");
+    fake.Wait(30s);
+    int rc = stage1.Wait(30s);
+    std::string err = stage1.ReadAll(5s);
+    EXPECT_EQ(rc, 1) << err;
+    EXPECT_THAT(err, HasSubstr("stage 1 (site 'b')"));
+    EXPECT_THAT(err, HasSubstr("peer 'a'"));
+    EXPECT_THAT(err, HasSubstr(corrupt ? "corrupt frame" : "expected float32"));
+  }
+}
+
+}  // namespace
+}  // namespace meridian
