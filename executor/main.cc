@@ -13,12 +13,15 @@
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <filesystem>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "core/version.h"
 #include "executor/options.h"
+#include "executor/profiler.h"
 #include "executor/stage.h"
+#include "partitioner/model.h"
 #include "proto/meridian.grpc.pb.h"
 #include "rpc/credentials.h"
 
@@ -104,6 +107,38 @@ int RunStatic(const executor::ExecutorOptions& o, const std::string& assignment_
   return 0;
 }
 
+// Measures this device and the job's model per op; writes DIR/graph.json and DIR/profile-SITE.json.
+int RunProfile(const executor::ExecutorOptions& o, const std::string& job_path, const std::string& out_dir) {
+  auto spec = core::LoadSpecFile(job_path);
+  if (!spec.errors.empty()) {
+    for (const auto& d : spec.errors) std::cerr << d.ToString() << "\n";
+    return 2;
+  }
+  if (!spec.spec->job) {
+    std::cerr << "meridian-executor: " << job_path << ": has no 'job' section\n";
+    return 2;
+  }
+  auto setup = executor::PrepareJob(*spec.spec->job, job_path);
+  if (!setup.ok()) {
+    std::cerr << "meridian-executor: " << setup.status().message() << "\n";
+    return 2;
+  }
+  torch::Device device(o.device == "cpu" ? torch::Device(torch::kCPU) : torch::Device(o.device));
+  auto prof = executor::ProfileModel(setup->model, setup->micro_batch_size, setup->job.sequence_length, o.site, device);
+  if (!prof.ok()) {
+    std::cerr << "meridian-executor: " << prof.status().message() << "\n";
+    return 1;
+  }
+  std::filesystem::create_directories(out_dir);
+  partitioner::ClusterProfile cp;
+  cp.sites.push_back(prof->site);
+  std::ofstream(out_dir + "/graph.json") << partitioner::GraphToJson(prof->graph);
+  std::ofstream(out_dir + "/profile-" + o.site + ".json") << partitioner::ProfileToJson(cp);
+  std::cout << "site '" << o.site << "': " << prof->site.flops_per_second / 1e9 << " GFLOP/s GEMM, "
+            << prof->graph.ops.size() << " ops profiled -> " << out_dir << "\n";
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -127,13 +162,18 @@ int main(int argc, char** argv) {
   app.add_option("--job", job, "Static mode: the job spec (YAML)");
   app.add_option("--out", out, "Static mode: directory for stage-K.safetensors");
   app.add_option("--steps", steps, "Static mode: optimizer steps (default: the job's)");
+  std::string profile_job;
+  app.add_option("--profile", profile_job, "Measure this device and JOB.yaml's model per op; write --out/graph.json "
+                                           "and --out/profile-SITE.json, then exit");
   app.add_option("--step-timeout", step_timeout, "Seconds to wait for a neighbour's tensor")->check(CLI::Range(1, 86400));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;
   }
-  if (!assignment.empty() && !f.coordinator) f.coordinator = "127.0.0.1:1";  // unused in static mode
+  if ((!assignment.empty() || !profile_job.empty()) && !f.coordinator)
+    f.coordinator = "127.0.0.1:1";  // unused without a coordinator
+  if (!profile_job.empty() && !f.certs) f.certs = ".";  // profiling talks to no one
   auto options = executor::ResolveOptions(f, [](const char* name) -> std::optional<std::string> {
     const char* v = std::getenv(name);
     return v ? std::optional<std::string>(v) : std::nullopt;
@@ -142,6 +182,7 @@ int main(int argc, char** argv) {
     std::cerr << "meridian-executor: " << options.status().message() << "\n";
     return 2;
   }
+  if (!profile_job.empty()) return RunProfile(*options, profile_job, out.empty() ? "." : out);
   if (!assignment.empty()) {
     if (job.empty()) {
       std::cerr << "meridian-executor: --assignment needs --job JOB.yaml\n";

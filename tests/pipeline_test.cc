@@ -10,6 +10,8 @@
 #include <fstream>
 #include <thread>
 
+#include <nlohmann/json.hpp>
+
 #include "core/certs.h"
 #include "core/safetensors.h"
 #include "tests/process.h"
@@ -21,6 +23,13 @@ namespace fs = std::filesystem;
 using ::testing::HasSubstr;
 using testing::Process;
 using namespace std::chrono_literals;
+
+namespace partitioner_json {
+nlohmann::json Load(const std::string& path) {
+  std::ifstream in(path);
+  return nlohmann::json::parse(in, nullptr, false);
+}
+}  // namespace partitioner_json
 
 std::string Bin(const std::string& b) { return std::string(MERIDIAN_TEST_BINARY_DIR) + "/bin/" + b; }
 
@@ -178,6 +187,27 @@ TEST_F(PipelineTest, Int8LinksStayWithinTwoPercentOfTheIdentityLoss) {
   RecordProperty("compressed_final_loss", std::to_string(compressed.back()));
   EXPECT_LT(exact.back(), exact.front());  // it learns
   EXPECT_NEAR(compressed.back(), exact.back(), 0.02 * exact.back());
+}
+
+TEST_F(PipelineTest, ProfilerWritesWhatThePlannerReads) {
+  std::string job = Job("job", 1);
+  Process p(Bin("meridian-executor") + " --site a --profile " + job + " --out " + (dir_ / "prof").string() + " 2>&1");
+  std::string log = p.ReadAll(120s);
+  ASSERT_EQ(p.Wait(60s), 0) << log;
+  auto graph = partitioner_json::Load((dir_ / "prof" / "graph.json").string());
+  auto profile = partitioner_json::Load((dir_ / "prof" / "profile-a.json").string());
+  ASSERT_EQ(graph["ops"].size(), 6u);
+  EXPECT_EQ(graph["ops"][1]["name"], "layer0.attn");
+  auto site = profile["sites"][0];
+  EXPECT_EQ(site["name"], "a");
+  EXPECT_GT(site["flops_per_second"].get<double>(), 1e8);
+  for (const char* op : {"embed", "layer0.attn", "layer0.mlp", "layer1.attn", "layer1.mlp", "head"})
+    EXPECT_GT(site["op_seconds"][op].get<double>(), 0.0) << op;
+  Process plan(Bin("meridian") + " plan --graph " + (dir_ / "prof" / "graph.json").string() + " --profile " +
+               (dir_ / "prof" / "profile-a.json").string() + " --json");
+  std::string out = plan.ReadAll(60s);
+  EXPECT_EQ(plan.Wait(30s), 0) << out;
+  EXPECT_THAT(out, HasSubstr("predicted_step_seconds"));
 }
 
 TEST_F(PipelineTest, PeerKilledMidRunFailsTheOtherStageNamingIt) {

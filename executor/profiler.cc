@@ -1,0 +1,101 @@
+#include "executor/profiler.h"
+
+#include <algorithm>
+#include <chrono>
+#include <fstream>
+#include <sstream>
+
+#include "executor/trainer.h"
+
+namespace meridian::executor {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Median(std::vector<double> v) {
+  std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+  return v[v.size() / 2];
+}
+
+void Sync(torch::Device d) {
+  if (d.is_cuda()) torch::cuda::synchronize(d.index());
+}
+
+}  // namespace
+
+double MeasureGemmFlops(torch::Device device, int n, int repeats) {
+  torch::NoGradGuard ng;
+  auto a = torch::randn({n, n}, torch::TensorOptions().device(device));
+  auto b = torch::randn({n, n}, torch::TensorOptions().device(device));
+  (void)torch::mm(a, b);
+  Sync(device);
+  std::vector<double> t;
+  for (int i = 0; i < repeats; ++i) {
+    auto t0 = Clock::now();
+    auto c = torch::mm(a, b);
+    Sync(device);
+    t.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  return 2.0 * n * n * n / Median(t);
+}
+
+double AvailableMemoryBytes(torch::Device device) {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  double kb = 0;
+  while (in >> key) {
+    if (key == "MemAvailable:") {
+      in >> kb;
+      break;
+    }
+    std::getline(in, key);
+  }
+  return kb * 1024;
+}
+
+absl::StatusOr<OpProfile> ProfileModel(const LlamaConfig& c, int mbs, int seq, const std::string& site_name,
+                                       torch::Device device, int repeats) {
+  if (repeats < 1) return absl::InvalidArgumentError("repeats must be at least 1");
+  OpProfile out;
+  partitioner::LlamaGraphOptions go;
+  go.micro_batch_size = mbs;
+  go.sequence_length = seq;
+  go.weight_bytes = 4;     // fp32 weights
+  go.gradient_bytes = 4;   // fp32 gradients
+  go.optimizer_bytes = 8;  // Adam m and v in fp32
+  go.activation_bytes = 4;
+  out.graph = partitioner::BuildLlamaGraph(c.shape, go);
+  out.site.name = site_name;
+  out.site.flops_per_second = MeasureGemmFlops(device);
+  out.site.memory_bytes = AvailableMemoryBytes(device);
+  SyntheticData data{1, c.shape.vocab_size};
+  auto tokens = data.MicroBatch(0, 0, mbs, seq).to(device);
+  auto inputs = tokens.slice(1, 0, seq), targets = tokens.slice(1, 1, seq + 1);
+  const std::vector<int64_t> hidden = {mbs, seq, c.shape.hidden_size};
+  for (int op = 0; op < c.num_ops(); ++op) {
+    if (!CheckSlice(c, op, op).ok()) {  // a tied head cannot stand alone: time it with the embedding
+      out.site.op_seconds[OpName(c, op)] = 0;
+      continue;
+    }
+    StageModel m(c, op, op, 1, device);
+    std::vector<double> times;
+    for (int r = 0; r <= repeats; ++r) {
+      torch::Tensor in = op == 0 ? inputs : torch::randn(hidden, torch::TensorOptions().device(device)).requires_grad_(true);
+      Sync(device);
+      auto t0 = Clock::now();
+      auto y = m.Forward(in);
+      if (op == c.num_ops() - 1) {
+        CrossEntropySum(y, targets, static_cast<double>(targets.numel())).backward();
+      } else {
+        y.backward(torch::ones_like(y));
+      }
+      Sync(device);
+      if (r > 0) times.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+      for (auto& [n, p] : m.parameters()) p.mutable_grad() = torch::Tensor();
+    }
+    out.site.op_seconds[OpName(c, op)] = Median(times);
+  }
+  return out;
+}
+
+}  // namespace meridian::executor

@@ -1,0 +1,33 @@
+// Measures what the partitioner needs on this executor's own device: GEMM throughput, and for every op of
+// the job's model the forward+backward seconds per micro-batch and the parameter and output bytes.
+// Results are in the partitioner's formats (graph.json ops, profile.json site). Confined to the caller's
+// thread; results vary run to run by the device's noise (medians of repeats are taken).
+#ifndef MERIDIAN_EXECUTOR_PROFILER_H_
+#define MERIDIAN_EXECUTOR_PROFILER_H_
+
+#include <torch/torch.h>
+
+#include "absl/status/statusor.h"
+#include "executor/llama.h"
+#include "partitioner/model.h"
+
+namespace meridian::executor {
+
+struct OpProfile {
+  partitioner::OpGraph graph;          // analytic FLOPs, measured bytes (fp32 training: weights+grads, Adam m+v)
+  partitioner::SiteProfile site;       // name, measured flops_per_second, memory_bytes, op_seconds
+};
+
+// `repeats` timed forward+backward passes per op after one warm-up; the median is kept.
+absl::StatusOr<OpProfile> ProfileModel(const LlamaConfig& config, int micro_batch_size, int sequence_length,
+                                       const std::string& site_name, torch::Device device, int repeats = 5);
+
+// fp32 matrix-multiply throughput of the device (FLOP/s), the median of a few n x n products.
+double MeasureGemmFlops(torch::Device device, int n = 512, int repeats = 5);
+
+// Memory available to a stage on this device: MemAvailable on CPU.
+double AvailableMemoryBytes(torch::Device device);
+
+}  // namespace meridian::executor
+
+#endif  // MERIDIAN_EXECUTOR_PROFILER_H_
