@@ -18,18 +18,9 @@ step "2. Create the local cluster's CA and certificates ($RUN/certs)"
 $M certs init --spec examples/clusters/local.yaml --out "$RUN/certs" --force
 openssl verify -CAfile "$RUN/certs/ca.pem" "$RUN"/certs/{coordinator,fast,medium,slow}.pem
 
-step "3. Plan the 34M-parameter LLaMA over the three local sites (1.0 / 0.6 / 0.4 of a core, 100 and 20 Mbit/s links)"
-$M plan --graph examples/graphs/llama-34m.json --profile examples/profiles/local.json --micro-batches 6 \
-  --dot "$RUN/plan-local.dot"
-
-step "4. Plan LLaMA-7B over Frankfurt, Virginia, Oregon and Singapore"
+step "3. Plan LLaMA-7B over Frankfurt, Virginia, Oregon and Singapore (the partitioner alone)"
 $M plan --graph examples/graphs/llama-7b.json --profile examples/profiles/geo.json --micro-batches 32 \
   --dot "$RUN/plan-geo.dot" | tee "$RUN/plan-geo.txt"
 
-if [[ -x build/bin/meridian-codec ]]; then
-  step "5. Compress a 16 MiB activation tensor with each codec"
-  build/bin/meridian-codec --size-mib 16
-fi
-
-step "Done"
-echo "Plans (Graphviz) in $RUN/plan-local.dot and $RUN/plan-geo.dot; certificates in $RUN/certs."
+step "4. Train across three emulated sites: measure, plan, run (scripts/demo.py)"
+/usr/bin/python3 scripts/demo.py --build build --run runs/demo "$@"
