@@ -14,6 +14,7 @@ Usage: scripts/demo.py [--build build] [--run runs/demo] [--steps N]   (called b
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -61,8 +62,9 @@ class Emulation:
             for s, quota in SITES:
                 g = f"/sys/fs/cgroup/cpu/{self.prefix}-{s}"
                 os.makedirs(g, exist_ok=True)
-                open(f"{g}/cpu.cfs_period_us", "w").write("100000")
-                open(f"{g}/cpu.cfs_quota_us", "w").write(str(int(quota * 100000)))
+                # A 10 ms period throttles finely enough that short operators see the quota too.
+                open(f"{g}/cpu.cfs_period_us", "w").write("10000")
+                open(f"{g}/cpu.cfs_quota_us", "w").write(str(int(quota * 10000)))
         else:
             print("notice: no cgroup v1 cpu controller: sites run at full speed")
 
@@ -70,15 +72,26 @@ class Emulation:
         """The command line that runs `cmd` as `site` (in its namespace and CPU quota)."""
         if not self.root:
             return cmd
-        inner = cmd
-        if self.cgroups:
-            inner = f"echo $$ > /sys/fs/cgroup/cpu/{self.prefix}-{site}/cgroup.procs; exec {cmd}"
-        return f"ip netns exec {self.prefix}-{site} sh -c '{inner}'"
+        # Join the CPU cgroup first: `ip netns exec` mounts a fresh /sys in which the cgroup tree is absent.
+        netns = f"ip netns exec {self.prefix}-{site} {cmd}"
+        if not self.cgroups:
+            return netns
+        return f"sh -c 'echo $$ > /sys/fs/cgroup/cpu/{self.prefix}-{site}/cgroup.procs && exec {netns}'"
 
     def start(self, site, cmd, log):
-        p = subprocess.Popen(self.wrap(site, cmd), shell=True, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+        # A process group of its own, so that stopping it stops every process the wrappers started.
+        p = subprocess.Popen(self.wrap(site, cmd), shell=True, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                             start_new_session=True)
         self.procs.append(p)
         return p
+
+    @staticmethod
+    def stop(p):
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
 
     def peer_address(self, site, peer, port, relay_port):
         """Where `site` reaches `peer`'s executor: through a latency relay in the peer's namespace."""
@@ -92,9 +105,7 @@ class Emulation:
 
     def close(self):
         for p in self.procs:
-            p.kill()
-        for p in self.procs:
-            p.wait()
+            self.stop(p)
         if self.root:
             for s, _ in SITES:
                 sh(f"ip netns del {self.prefix}-{s}", check=False)
@@ -162,10 +173,12 @@ def main():
             time.sleep(0.5)
             addr = emu.peer_address(a_, b_, ports[b_], 17600 + len(links))
             out = sh(emu.wrap(a_, f"{bin_dir}/meridian-peertool probe --certs {certs} --self {a_} --peer {b_} "
-                                  f"--address {addr} --seconds 2")).stdout
-            server.kill()
-            server.wait()
-            m = json.loads(out)
+                                  f"--address {addr} --seconds 2"), check=False).stdout
+            emu.stop(server)
+            try:
+                m = json.loads(out)
+            except ValueError:
+                sys.exit(f"probing {a_} -> {b_} failed:\n{out}")
             links += m["links"]
             print(f"   {a_:7s} <-> {b_:7s}: {m['links'][0]['bandwidth_bytes_per_second'] * 8 / 1e6:7.1f} / "
                   f"{m['links'][1]['bandwidth_bytes_per_second'] * 8 / 1e6:7.1f} Mbit/s, RTT {m['rtt_seconds'] * 1000:.1f} ms"
