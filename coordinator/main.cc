@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "coordinator/plan_command.h"
+#include "coordinator/run.h"
 #include "coordinator/train_local.h"
 #include "core/certs.h"
 #include "core/cluster_spec.h"
@@ -111,6 +112,11 @@ int main(int argc, char** argv) {
   auto* plan = app.add_subcommand("plan", "Partition a model's operator graph over a cluster profile");
   coordinator::AddPlanOptions(plan, &plan_options);
   plan->callback([&] { rc = coordinator::RunPlanCommand(plan_options); });
+
+  coordinator::RunOptions run_options;
+  auto* run = app.add_subcommand("run", "Start the coordinator: join the sites, profile, plan, train");
+  coordinator::AddRunOptions(run, &run_options);
+  run->callback([&] { rc = coordinator::Run(run_options); });
 
   coordinator::TrainLocalOptions train_options;
   auto* train = app.add_subcommand("train-local", "Train the job's whole model in this process (the reference run)");

@@ -18,6 +18,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/version.h"
+#include "executor/joined.h"
 #include "executor/options.h"
 #include "executor/profiler.h"
 #include "executor/stage.h"
@@ -218,7 +219,6 @@ int main(int argc, char** argv) {
     return 1;
   }
   std::cout << "joined cluster '" << resp.cluster() << "' as site '" << options->site << "' (run " << resp.run_id()
-            << ")\n";
-  std::cerr << "meridian-executor: joined mode does not run training yet; use --assignment (docs/status.md)\n";
-  return 1;
+            << ")" << std::endl;
+  return executor::RunJoined(*options, resp, stub.get());
 }

@@ -70,4 +70,15 @@ grpc::Status CoordinatorService::ReportMetrics(grpc::ServerContext* ctx, const v
   return ToGrpc(handler_->Metrics(*req));
 }
 
+grpc::Status CoordinatorService::ReportProfile(grpc::ServerContext* ctx, const v1::ProfileReport* req,
+                                               v1::MetricsAck*) {
+  if (grpc::Status s = Authorise(ctx, req->site()); !s.ok()) return s;
+  return ToGrpc(handler_->Profile(*req));
+}
+
+grpc::Status CoordinatorService::ReportDone(grpc::ServerContext* ctx, const v1::StageDone* req, v1::MetricsAck*) {
+  if (grpc::Status s = Authorise(ctx, req->site()); !s.ok()) return s;
+  return ToGrpc(handler_->Done(*req));
+}
+
 }  // namespace meridian::rpc

@@ -29,6 +29,8 @@ class CoordinatorHandler {
   virtual absl::StatusOr<std::optional<v1::Command>> NextCommand(const std::string& site,
                                                                  std::chrono::milliseconds timeout) = 0;
   virtual absl::Status Metrics(const v1::MetricsReport& report) = 0;
+  virtual absl::Status Profile(const v1::ProfileReport& report) = 0;
+  virtual absl::Status Done(const v1::StageDone& done) = 0;
 };
 
 class CoordinatorService final : public v1::Coordinator::Service {
@@ -40,6 +42,8 @@ class CoordinatorService final : public v1::Coordinator::Service {
   grpc::Status Commands(grpc::ServerContext* ctx, const v1::CommandStreamRequest* req,
                         grpc::ServerWriter<v1::Command>* writer) override;
   grpc::Status ReportMetrics(grpc::ServerContext* ctx, const v1::MetricsReport* req, v1::MetricsAck* resp) override;
+  grpc::Status ReportProfile(grpc::ServerContext* ctx, const v1::ProfileReport* req, v1::MetricsAck* resp) override;
+  grpc::Status ReportDone(grpc::ServerContext* ctx, const v1::StageDone* req, v1::MetricsAck* resp) override;
 
   // Calls that reached the handler (tests check that rejected calls never do).
   int64_t handled_calls() const { return handled_.load(); }

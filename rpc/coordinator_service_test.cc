@@ -42,6 +42,14 @@ class CountingHandler : public CoordinatorHandler {
     ++calls;
     return absl::OkStatus();
   }
+  absl::Status Profile(const v1::ProfileReport&) override {
+    ++calls;
+    return absl::OkStatus();
+  }
+  absl::Status Done(const v1::StageDone&) override {
+    ++calls;
+    return absl::OkStatus();
+  }
   std::atomic<int> calls{0};
 };
 

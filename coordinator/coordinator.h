@@ -1,0 +1,80 @@
+// The coordinator's state: which sites joined, their heartbeats, profiles, progress, and the commands
+// waiting for each. It implements rpc::CoordinatorHandler (called on gRPC's threads) and is driven by
+// the run loop (coordinator/run.cc). Thread-safe: one mutex guards everything; waits use a condition
+// variable.
+#ifndef MERIDIAN_COORDINATOR_COORDINATOR_H_
+#define MERIDIAN_COORDINATOR_COORDINATOR_H_
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "core/cluster_spec.h"
+#include "rpc/coordinator_service.h"
+
+namespace meridian::coordinator {
+
+class Coordinator : public rpc::CoordinatorHandler {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  struct Site {
+    bool registered = false;
+    std::string listen, device, state = "idle";
+    Clock::time_point last_heartbeat;
+    int64_t step = -1;
+    std::deque<v1::Command> commands;
+    std::optional<v1::ProfileReport> profile;
+    std::optional<v1::StageDone> done;
+  };
+  struct Progress {
+    int64_t step = -1;
+    double loss = 0, step_seconds = 0;
+    int64_t tokens = 0;
+  };
+
+  Coordinator(core::ClusterSpec spec, std::string run_id);
+
+  // rpc::CoordinatorHandler
+  absl::StatusOr<v1::RegisterResponse> Register(const v1::RegisterRequest& r) override;
+  absl::StatusOr<v1::HeartbeatResponse> Heartbeat(const v1::HeartbeatRequest& r) override;
+  absl::StatusOr<std::optional<v1::Command>> NextCommand(const std::string& site,
+                                                         std::chrono::milliseconds timeout) override;
+  absl::Status Metrics(const v1::MetricsReport& r) override;
+  absl::Status Profile(const v1::ProfileReport& r) override;
+  absl::Status Done(const v1::StageDone& d) override;
+
+  // For the run loop.
+  void Send(const std::string& site, v1::Command c);
+  void StopAll();
+  // Waits until `pred` holds (called under the lock with the sites and the progress, on every change)
+  // or the deadline passes; returns whether it holds. `pred` must not call back into this object.
+  using Predicate = std::function<bool(const std::map<std::string, Site>&, const Progress&)>;
+  bool WaitFor(const Predicate& pred, Clock::time_point deadline);
+  // Sites whose last heartbeat is older than the spec's heartbeat timeout.
+  std::vector<std::string> Silent() const;
+  // A copy of the state (for printing).
+  std::map<std::string, Site> Snapshot() const;
+  Progress progress() const;
+  const core::ClusterSpec& spec() const { return spec_; }
+
+ private:
+  core::ClusterSpec spec_;
+  std::string run_id_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<std::string, Site> sites_;
+  Progress progress_;
+  bool stopping_ = false;
+};
+
+}  // namespace meridian::coordinator
+
+#endif  // MERIDIAN_COORDINATOR_COORDINATOR_H_

@@ -1,0 +1,268 @@
+#include "coordinator/run.h"
+
+#include <CLI/CLI.hpp>
+#include <grpcpp/grpcpp.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "coordinator/coordinator.h"
+#include "partitioner/planner.h"
+#include "rpc/credentials.h"
+
+namespace meridian::coordinator {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+namespace fs = std::filesystem;
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+}  // namespace
+
+void AddRunOptions(CLI::App* cmd, RunOptions* o) {
+  cmd->add_option("CLUSTER", o->cluster_path, "Cluster spec (YAML)")->required();
+  cmd->add_option("JOB", o->job_path, "Job spec (YAML); default: the cluster spec's job section");
+  cmd->add_option("--run-dir", o->run_dir, "Directory for profile.json, plan.json and the weights");
+  cmd->add_option("--steps", o->steps, "Optimizer steps (default: the job's)")->check(CLI::Range(1, 100000000));
+  cmd->add_option("--join-timeout", o->join_timeout_seconds, "Seconds to wait for the sites (0: forever)");
+  cmd->add_option("--micro-batches", o->micro_batches, "Micro-batches per step (default: the job's)");
+}
+
+int Run(const RunOptions& o) {
+  auto cluster = core::LoadSpecFile(o.cluster_path);
+  if (!cluster.errors.empty()) {
+    for (const auto& d : cluster.errors) std::cerr << d.ToString() << "\n";
+    return 2;
+  }
+  if (!cluster.spec->cluster) {
+    std::cerr << "meridian run: " << o.cluster_path << ": not a cluster spec (no 'sites')\n";
+    return 2;
+  }
+  std::string job_path = o.job_path.empty() ? o.cluster_path : o.job_path;
+  auto job_file = core::LoadSpecFile(job_path);
+  if (!job_file.errors.empty()) {
+    for (const auto& d : job_file.errors) std::cerr << d.ToString() << "\n";
+    return 2;
+  }
+  if (!job_file.spec->job) {
+    std::cerr << "meridian run: " << job_path << ": no 'job' section (pass a job spec)\n";
+    return 2;
+  }
+  const core::ClusterSpec& spec = *cluster.spec->cluster;
+  const core::JobSpec& job = *job_file.spec->job;
+  const int steps = o.steps > 0 ? o.steps : job.steps;
+  const int micro_batches = o.micro_batches > 0 ? o.micro_batches : (job.micro_batches > 0 ? job.micro_batches : 4);
+  const std::string certs = core::ResolveRelative(o.cluster_path, spec.certs_dir);
+  const std::string job_dir = fs::absolute(fs::path(job_path)).parent_path().string();
+  const std::string job_yaml = ReadAll(job_path);
+  fs::create_directories(o.run_dir);
+  const std::string run_dir = fs::absolute(o.run_dir).string();
+
+  auto creds = rpc::MakeServerCredentials(certs, "coordinator");
+  if (!creds.ok()) {
+    std::cerr << "meridian run: " << creds.status().message() << " (create them with `meridian certs init`)\n";
+    return 2;
+  }
+  std::mt19937_64 rng(std::random_device{}());
+  const std::string run_id = absl::StrFormat("%016x", rng());
+  Coordinator coord(spec, run_id);
+  std::set<std::string> names;
+  for (const auto& s : spec.sites) names.insert(s.name);
+  rpc::CoordinatorService service(names, &coord);
+  grpc::ServerBuilder builder;
+  rpc::ConfigureServer(&builder);
+  int port = 0;
+  builder.AddListeningPort(spec.coordinator.ToString(), *creds, &port);
+  builder.RegisterService(&service);
+  auto server = builder.BuildAndStart();
+  if (!server || port == 0) {
+    std::cerr << "meridian run: cannot listen on " << spec.coordinator.ToString() << "\n";
+    return 1;
+  }
+  std::cout << "coordinator for cluster '" << spec.name << "' listening on " << spec.coordinator.ToString()
+            << " (run " << run_id << ")\njoin each site with:\n";
+  for (const auto& s : spec.sites)
+    std::cout << "  meridian-executor --coordinator " << spec.coordinator.ToString() << " --site " << s.name
+              << " --certs " << certs << " --listen " << s.address.ToString() << " --device " << s.devices.front()
+              << "\n";
+  std::cout << std::flush;
+  auto fail = [&](const std::string& msg) {
+    std::cerr << "meridian run: " << msg << "\n";
+    coord.StopAll();
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    return 1;
+  };
+
+  // 1. Join.
+  const size_t need = spec.min_sites > 0 ? static_cast<size_t>(spec.min_sites) : spec.sites.size();
+  const auto join_deadline = o.join_timeout_seconds > 0
+                                 ? Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(o.join_timeout_seconds * 1000))
+                                 : Clock::time_point::max();
+  auto registered = [](const std::map<std::string, Coordinator::Site>& s) {
+    size_t n = 0;
+    for (const auto& [k, v] : s) n += v.registered;
+    return n;
+  };
+  if (!coord.WaitFor([&](const auto& s, const auto&) { return registered(s) >= need; }, join_deadline)) {
+    std::string missing;
+    for (const auto& [k, v] : coord.Snapshot())
+      if (!v.registered) missing += " " + k;
+    return fail(absl::StrCat("sites did not join in time:", missing));
+  }
+  std::vector<std::string> joined;
+  for (const auto& [k, v] : coord.Snapshot())
+    if (v.registered) joined.push_back(k);
+  std::cout << joined.size() << " sites joined; measuring devices, the model and the links\n" << std::flush;
+
+  // 2. Profile: every site measures its device, the model per op and its links to the others.
+  auto snap = coord.Snapshot();
+  for (const auto& site : joined) {
+    v1::Command c;
+    auto* p = c.mutable_profile();
+    p->set_job_yaml(job_yaml);
+    p->set_job_dir(job_dir);
+    p->set_probe_seconds(1.0);
+    for (const auto& other : joined)
+      if (other > site) {  // each pair once: the lexicographically smaller site probes both directions
+        auto* peer = p->add_peers();
+        peer->set_site(other);
+        peer->set_address(snap[other].listen);
+      }
+    coord.Send(site, c);
+  }
+  auto all_profiled = [&](const auto& s, const auto&) {
+    for (const auto& k : joined)
+      if (!s.at(k).profile) return false;
+    return true;
+  };
+  while (!coord.WaitFor(all_profiled, Clock::now() + std::chrono::seconds(1))) {
+    if (auto silent = coord.Silent(); !silent.empty()) return fail(absl::StrCat("site '", silent[0], "' stopped answering"));
+  }
+  partitioner::ClusterProfile profile;
+  std::string graph_json;
+  for (const auto& [name, s] : coord.Snapshot()) {
+    if (!s.profile) continue;
+    if (!s.profile->error().empty()) return fail(absl::StrCat("site '", name, "' could not profile: ", s.profile->error()));
+    auto one = partitioner::ParseProfileJson(absl::StrCat("{\"sites\": [", s.profile->site_profile_json(), "]}"),
+                                             absl::StrCat("profile of site '", name, "'"));
+    if (!one.ok()) return fail(std::string(one.status().message()));
+    profile.sites.push_back(one->sites[0]);
+    graph_json = s.profile->graph_json();
+    auto links = nlohmann::json::parse(s.profile->links_json(), nullptr, false);
+    if (links.is_array())
+      for (const auto& l : links)
+        profile.links.push_back({l["from"], l["to"], l["bandwidth_bytes_per_second"], l["latency_seconds"]});
+  }
+  // Link overrides from the spec replace measurements.
+  for (const auto& l : spec.links) {
+    if (!l.override_measurement) continue;
+    for (auto& pl : profile.links)
+      if ((pl.from == l.from && pl.to == l.to) || (l.symmetric && pl.from == l.to && pl.to == l.from)) {
+        if (l.bandwidth_bytes_per_second) pl.bandwidth_bytes_per_second = *l.bandwidth_bytes_per_second;
+        if (l.rtt_seconds) pl.latency_seconds = *l.rtt_seconds / 2;
+      }
+  }
+  std::ofstream(run_dir + "/profile.json") << partitioner::ProfileToJson(profile);
+  std::ofstream(run_dir + "/graph.json") << graph_json;
+  auto graph = partitioner::ParseGraphJson(graph_json, "graph.json from the executors");
+  if (!graph.ok()) return fail(std::string(graph.status().message()));
+
+  // 3. Plan.
+  partitioner::PlanOptions po;
+  po.micro_batches = micro_batches;
+  po.adaptive_compression = job.compression.policy == "adaptive";
+  po.replication = false;  // stage replicas are not implemented in the executor yet
+  auto plan = partitioner::PlanPipeline(*graph, profile, po);
+  if (!plan.ok()) return fail(std::string(plan.status().message()));
+  std::cout << partitioner::PlanTable(*plan, *graph, profile) << std::flush;
+  std::ofstream(run_dir + "/plan.json") << partitioner::PlanJson(*plan, *graph);
+
+  // 4. Assign.
+  const auto& st = plan->stages;
+  std::set<std::string> used;
+  for (size_t k = 0; k < st.size(); ++k) {
+    v1::Command c;
+    auto* a = c.mutable_assign();
+    a->set_job_id(run_id);
+    a->set_stage(static_cast<int>(k));
+    a->set_num_stages(static_cast<int>(st.size()));
+    a->set_first_op(st[k].first_op);
+    a->set_last_op(st[k].last_op);
+    const std::string site = st[k].site_names[0];
+    used.insert(site);
+    if (k > 0) {
+      a->set_prev_site(st[k - 1].site_names[0]);
+      a->set_prev_address(snap[st[k - 1].site_names[0]].listen);
+      a->set_backward_codec(plan->links[k - 1].codec);
+    }
+    if (k + 1 < st.size()) {
+      a->set_next_site(st[k + 1].site_names[0]);
+      a->set_next_address(snap[st[k + 1].site_names[0]].listen);
+      a->set_forward_codec(plan->links[k].codec);
+    }
+    a->set_micro_batches(micro_batches);
+    a->set_job_yaml(job_yaml);
+    a->set_job_dir(job_dir);
+    a->set_steps(steps);
+    a->set_output_dir(run_dir + "/weights");
+    coord.Send(site, c);
+  }
+  std::cout << "training: " << st.size() << " stages, " << steps << " steps\n" << std::flush;
+
+  // 5. Supervise.
+  const auto t0 = Clock::now();
+  int64_t shown = -1;
+  while (true) {
+    bool finished = coord.WaitFor(
+        [&](const auto& s, const auto&) {
+          for (const auto& u : used)
+            if (!s.at(u).done) return false;
+          return true;
+        },
+        Clock::now() + std::chrono::milliseconds(500));
+    auto p = coord.progress();
+    if (p.step > shown) {
+      shown = p.step;
+      double el = std::chrono::duration<double>(Clock::now() - t0).count();
+      std::printf("step %lld/%d  loss %.4f  %.0f tokens/s  %.2f s/step  ETA %.0f s\n", static_cast<long long>(p.step + 1),
+                  steps, p.loss, p.tokens / el, p.step_seconds, (steps - p.step - 1) * el / (p.step + 1));
+      std::fflush(stdout);
+    }
+    for (const auto& [name, s] : coord.Snapshot())
+      if (s.done && !s.done->error().empty()) return fail(absl::StrCat("site '", name, "' failed: ", s.done->error()));
+    if (finished) break;
+    if (auto silent = coord.Silent(); !silent.empty())
+      return fail(absl::StrCat("site '", silent[0], "' stopped answering (no heartbeat for ",
+                               spec.heartbeat_timeout_seconds, " s)"));
+  }
+  int64_t wire = 0, raw = 0;
+  for (const auto& [name, s] : coord.Snapshot())
+    if (s.done) wire += s.done->wire_bytes(), raw += s.done->raw_bytes();
+  double el = std::chrono::duration<double>(Clock::now() - t0).count();
+  std::printf("done: %d steps in %.1f s (%.2f s/step, predicted %.2f); %.1f MB on the links, %.0f%% of uncompressed; "
+              "final loss %.4f; weights in %s/weights\n",
+              steps, el, el / steps, plan->predicted_step_seconds, wire / 1e6, raw ? 100.0 * wire / raw : 100.0,
+              coord.progress().loss, run_dir.c_str());
+  coord.StopAll();
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  return 0;
+}
+
+}  // namespace meridian::coordinator

@@ -1,0 +1,27 @@
+// `meridian run CLUSTER.yaml [JOB.yaml]`: starts the coordinator, prints each site's join command, waits
+// for the executors, has them measure their devices, the model and every link, plans, sends each its
+// stage, and reports progress until the job ends. Exit 0 when training finished, 1 on a failure (a site
+// lost, a stage failed), 2 on invalid input.
+#ifndef MERIDIAN_COORDINATOR_RUN_H_
+#define MERIDIAN_COORDINATOR_RUN_H_
+
+#include <string>
+
+namespace CLI {
+class App;
+}
+
+namespace meridian::coordinator {
+
+struct RunOptions {
+  std::string cluster_path, job_path, run_dir = "runs/meridian";
+  int steps = 0;
+  double join_timeout_seconds = 0;  // 0: wait for the sites indefinitely
+  int micro_batches = 0;            // 0: the job's
+};
+void AddRunOptions(CLI::App* cmd, RunOptions* options);
+int Run(const RunOptions& options);
+
+}  // namespace meridian::coordinator
+
+#endif  // MERIDIAN_COORDINATOR_RUN_H_

@@ -1,0 +1,233 @@
+#include "executor/joined.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <chrono>
+#include <iostream>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "executor/profiler.h"
+#include "executor/stage.h"
+#include "rpc/credentials.h"
+#include "rpc/peer.h"
+
+namespace meridian::executor {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+template <typename Req, typename Fn>
+grpc::Status Call(Fn fn, const Req& req, double seconds) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000)));
+  v1::MetricsAck ack;
+  return fn(&ctx, req, &ack);
+}
+
+absl::StatusOr<JobSetup> JobFromText(const std::string& yaml, const std::string& dir) {
+  const std::string path = dir + "/job.yaml";  // relative paths in the job resolve against its directory
+  auto r = core::ParseSpec(yaml, path);
+  if (!r.errors.empty()) return absl::InvalidArgumentError(r.errors[0].ToString());
+  if (!r.spec->job) return absl::InvalidArgumentError("the coordinator sent no job section");
+  return PrepareJob(*r.spec->job, path);
+}
+
+}  // namespace
+
+int RunJoined(const ExecutorOptions& o, const v1::RegisterResponse& reg, v1::Coordinator::Stub* stub) {
+  const double interval = reg.heartbeat_interval_seconds() > 0 ? reg.heartbeat_interval_seconds() : 1.0;
+  const double timeout = reg.heartbeat_timeout_seconds() > interval ? reg.heartbeat_timeout_seconds() : 5 * interval;
+  // The peer stream: any site of the cluster may be a neighbour or probe this one.
+  rpc::TensorInbox inbox;
+  std::set<std::string> allowed(reg.sites().begin(), reg.sites().end());
+  allowed.erase(o.site);
+  rpc::PeerService peer_service(o.site, allowed, &inbox);
+  auto creds = rpc::MakeServerCredentials(o.certs, o.site);
+  if (!creds.ok()) {
+    std::cerr << "meridian-executor: " << creds.status().message() << "\n";
+    return 2;
+  }
+  grpc::ServerBuilder builder;
+  rpc::ConfigureServer(&builder);
+  int port = 0;
+  builder.AddListeningPort(o.listen, *creds, &port);
+  builder.RegisterService(&peer_service);
+  auto server = builder.BuildAndStart();
+  if (!server || port == 0) {
+    std::cerr << "meridian-executor: cannot listen on " << o.listen << "\n";
+    return 1;
+  }
+  std::atomic<int64_t> step{-1};
+  std::atomic<bool> done{false};
+  std::string state = "idle";
+  std::mutex state_mu;
+  // Heartbeats; losing the coordinator for `timeout` ends the process.
+  std::thread heart([&] {
+    auto last_ok = Clock::now();
+    while (!done) {
+      v1::HeartbeatRequest req;
+      req.set_site(o.site);
+      req.set_step(step);
+      {
+        std::lock_guard<std::mutex> l(state_mu);
+        req.set_state(state);
+      }
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(interval * 1000)));
+      v1::HeartbeatResponse resp;
+      if (stub->Heartbeat(&ctx, req, &resp).ok()) {
+        last_ok = Clock::now();
+      } else if (Clock::now() - last_ok > std::chrono::duration<double>(timeout)) {
+        std::cerr << "meridian-executor: lost the coordinator (no heartbeat answered for " << timeout
+                  << " s); stopping\n";
+        std::_Exit(1);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int64_t>(interval * 1000)));
+    }
+  });
+  auto set_state = [&](const std::string& s) {
+    std::lock_guard<std::mutex> l(state_mu);
+    state = s;
+  };
+  torch::Device device(o.device == "cpu" ? torch::Device(torch::kCPU) : torch::Device(o.device));
+  int rc = 0;
+  grpc::ClientContext cctx;
+  v1::CommandStreamRequest creq;
+  creq.set_site(o.site);
+  auto reader = stub->Commands(&cctx, creq);
+  v1::Command cmd;
+  while (reader->Read(&cmd)) {
+    if (cmd.has_stop()) break;
+    if (cmd.has_profile()) {
+      set_state("profiling");
+      const auto& p = cmd.profile();
+      v1::ProfileReport rep;
+      rep.set_site(o.site);
+      auto setup = JobFromText(p.job_yaml(), p.job_dir());
+      if (!setup.ok()) {
+        rep.set_error(std::string(setup.status().message()));
+      } else {
+        auto prof = ProfileModel(setup->model, setup->micro_batch_size, setup->job.sequence_length, o.site, device);
+        if (!prof.ok()) {
+          rep.set_error(std::string(prof.status().message()));
+        } else {
+          partitioner::ClusterProfile one;
+          one.sites.push_back(prof->site);
+          rep.set_site_profile_json(nlohmann::json::parse(partitioner::ProfileToJson(one))["sites"][0].dump());
+          rep.set_graph_json(partitioner::GraphToJson(prof->graph));
+          nlohmann::json links = nlohmann::json::array();
+          for (const auto& peer : p.peers()) {
+            auto client = rpc::PeerClient::Create(o.certs, o.site, peer.site(), peer.address());
+            if (!client.ok()) {
+              rep.set_error(std::string(client.status().message()));
+              break;
+            }
+            rpc::ProbeOptions po;
+            po.bulk_bytes = 1 << 20;
+            auto first = rpc::ProbeLink(**client, po);
+            if (first.ok()) {
+              po.bulk_bytes = std::clamp<int64_t>(
+                  static_cast<int64_t>(first->forward_bytes_per_second * std::max(0.2, p.probe_seconds())), 1 << 20,
+                  256 << 20);
+              first = rpc::ProbeLink(**client, po);
+            }
+            if (!first.ok()) {
+              rep.set_error(absl::StrCat("probing the link to '", peer.site(), "': ", first.status().message()));
+              break;
+            }
+            links.push_back({{"from", o.site}, {"to", peer.site()},
+                             {"bandwidth_bytes_per_second", first->forward_bytes_per_second},
+                             {"latency_seconds", first->rtt_seconds / 2}});
+            links.push_back({{"from", peer.site()}, {"to", o.site},
+                             {"bandwidth_bytes_per_second", first->reverse_bytes_per_second},
+                             {"latency_seconds", first->rtt_seconds / 2}});
+          }
+          rep.set_links_json(links.dump());
+        }
+      }
+      grpc::Status s = Call([&](auto* c, const auto& r, auto* a) { return stub->ReportProfile(c, r, a); }, rep, 30);
+      if (!s.ok()) std::cerr << "meridian-executor: cannot report the profile: " << s.error_message() << "\n";
+      set_state("idle");
+      continue;
+    }
+    if (cmd.has_assign()) {
+      set_state("training");
+      const auto& pa = cmd.assign();
+      v1::StageDone result;
+      result.set_site(o.site);
+      auto setup = JobFromText(pa.job_yaml(), pa.job_dir());
+      absl::Status failure;
+      if (!setup.ok()) failure = setup.status();
+      if (failure.ok() && pa.micro_batches() > 0) {
+        if (setup->job.global_batch % pa.micro_batches() != 0)
+          failure = absl::InvalidArgumentError("micro-batches do not divide the global batch");
+        setup->micro_batches = pa.micro_batches();
+        setup->micro_batch_size = setup->job.global_batch / pa.micro_batches();
+      }
+      StageAssignment a;
+      a.job_id = pa.job_id();
+      a.stage = pa.stage();
+      a.num_stages = pa.num_stages();
+      a.first_op = pa.first_op();
+      a.last_op = pa.last_op();
+      a.prev_site = pa.prev_site();
+      a.next_site = pa.next_site();
+      a.prev_address = pa.prev_address();
+      a.next_address = pa.next_address();
+      if (!pa.forward_codec().empty()) a.forward_codec = pa.forward_codec();
+      if (!pa.backward_codec().empty()) a.backward_codec = pa.backward_codec();
+      if (failure.ok()) failure = CheckSlice(setup->model, a.first_op, a.last_op);
+      if (failure.ok()) {
+        StageWorker worker(*setup, a, &inbox, o.certs, o.site, device, std::chrono::seconds(60));
+        failure = worker.Connect();
+        const int steps = pa.steps() > 0 ? pa.steps() : setup->job.steps;
+        for (int i = 0; failure.ok() && i < steps; ++i) {
+          auto t0 = Clock::now();
+          auto loss = worker.Step(i, steps);
+          if (!loss.ok()) {
+            failure = loss.status();
+            break;
+          }
+          step = i;
+          if (a.stage == 0) {
+            v1::MetricsReport m;
+            m.set_site(o.site);
+            m.set_step(i);
+            m.set_loss(loss->value_or(0));
+            m.set_step_seconds(std::chrono::duration<double>(Clock::now() - t0).count());
+            m.set_tokens(static_cast<int64_t>(setup->job.global_batch) * setup->job.sequence_length);
+            m.set_wire_bytes(worker.wire_bytes());
+            m.set_raw_bytes(worker.raw_bytes());
+            (void)Call([&](auto* c, const auto& r, auto* ack) { return stub->ReportMetrics(c, r, ack); }, m, 10);
+          }
+        }
+        if (failure.ok()) failure = worker.Finish();
+        if (failure.ok() && !pa.output_dir().empty())
+          failure = SaveParameters(absl::StrCat(pa.output_dir(), "/stage-", a.stage, ".safetensors"), worker.Parameters());
+        result.set_steps(step + 1);
+        result.set_wire_bytes(worker.wire_bytes());
+        result.set_raw_bytes(worker.raw_bytes());
+      }
+      if (!failure.ok()) {
+        result.set_error(std::string(failure.message()));
+        std::cerr << "meridian-executor: " << failure.message() << "\n";
+        rc = 1;
+      }
+      set_state(failure.ok() ? "done" : "failed");
+      (void)Call([&](auto* c, const auto& r, auto* ack) { return stub->ReportDone(c, r, ack); }, result, 10);
+      continue;
+    }
+  }
+  done = true;
+  cctx.TryCancel();
+  (void)reader->Finish();
+  heart.join();
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  return rc;
+}
+
+}  // namespace meridian::executor
