@@ -245,7 +245,17 @@ int Run(const RunOptions& o) {
       std::fflush(stdout);
     }
     for (const auto& [name, s] : coord.Snapshot())
-      if (s.done && !s.done->error().empty()) return fail(absl::StrCat("site '", name, "' failed: ", s.done->error()));
+      if (s.done && !s.done->error().empty()) {
+        // A stage fails when a neighbour dies; give heartbeats the time to name the site that died.
+        const auto until = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                              std::chrono::duration<double>(spec.heartbeat_timeout_seconds + 1));
+        while (Clock::now() < until && coord.Silent().empty()) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        if (auto silent = coord.Silent(); !silent.empty())
+          return fail(absl::StrCat("site '", silent[0], "' stopped answering (no heartbeat for ",
+                                   spec.heartbeat_timeout_seconds, " s); then site '", name, "' failed: ",
+                                   s.done->error()));
+        return fail(absl::StrCat("site '", name, "' failed: ", s.done->error()));
+      }
     if (finished) break;
     if (auto silent = coord.Silent(); !silent.empty())
       return fail(absl::StrCat("site '", silent[0], "' stopped answering (no heartbeat for ",

@@ -1,0 +1,183 @@
+// `meridian run` with real executor processes that join it over mutual TLS on loopback.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "core/certs.h"
+#include "core/safetensors.h"
+#include "tests/process.h"
+
+namespace meridian {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::HasSubstr;
+using testing::Process;
+using namespace std::chrono_literals;
+
+std::string Bin(const std::string& b) { return std::string(MERIDIAN_TEST_BINARY_DIR) + "/bin/" + b; }
+
+int FreePort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t len = sizeof a;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+class CoordinatorTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("meridian_coord_" + std::to_string(::getpid()) + "_" +
+                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_ / "model");
+    std::ofstream(dir_ / "model" / "config.json")
+        << R"({"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": false})";
+    coord_port_ = FreePort();
+    std::ofstream(dir_ / "cluster.yaml") << "cluster: t\ncoordinator: {address: 127.0.0.1:" << coord_port_
+                                         << "}\nsecurity: {certs: certs}\nheartbeat: {interval: 1s, timeout: 4s}\nsites:\n";
+    for (const char* s : {"a", "b", "c"}) {
+      ports_[s] = FreePort();
+      std::ofstream(dir_ / "cluster.yaml", std::ios::app) << "  - {name: " << s << ", address: 127.0.0.1:" << ports_[s] << "}\n";
+    }
+    std::ofstream(dir_ / "job.yaml") << "job:\n  model: model\n  data: synthetic\n  steps: STEPS\n  global_batch: 4\n"
+                                        "  micro_batches: 4\n  sequence_length: 16\n  seed: 7\n"
+                                        "  optimizer: {name: adamw, lr: 0.01, warmup_steps: 1, grad_clip: 0.5}\n"
+                                        "  compression: {policy: none}\n";
+    Process certs(Bin("meridian") + " certs init --spec " + (dir_ / "cluster.yaml").string() + " --out " +
+                  (dir_ / "certs").string());
+    ASSERT_EQ(certs.Wait(30s), 0);
+    ::setenv("OPENBLAS_NUM_THREADS", "1", 1);
+    ::setenv("OMP_NUM_THREADS", "1", 1);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  void SetSteps(int steps) {
+    std::string text;
+    {
+      std::ifstream in(dir_ / "job.yaml");
+      text.assign(std::istreambuf_iterator<char>(in), {});
+    }
+    text.replace(text.find("STEPS"), 5, std::to_string(steps));
+    std::ofstream(dir_ / "job.yaml") << text;
+  }
+  std::unique_ptr<Process> Executor(const std::string& site, const std::string& certs_dir = "") {
+    return std::make_unique<Process>(Bin("meridian-executor") + " --coordinator 127.0.0.1:" + std::to_string(coord_port_) +
+                                     " --site " + site + " --certs " + (certs_dir.empty() ? (dir_ / "certs").string() : certs_dir) +
+                                     " --listen 127.0.0.1:" + std::to_string(ports_.count(site) ? ports_[site] : FreePort()) +
+                                     " 2>&1");
+  }
+  std::unique_ptr<Process> Coordinator(const std::string& extra = "") {
+    return std::make_unique<Process>(Bin("meridian") + " run " + (dir_ / "cluster.yaml").string() + " " +
+                                     (dir_ / "job.yaml").string() + " --run-dir " + (dir_ / "run").string() +
+                                     " --join-timeout 60 " + extra + " 2>&1");
+  }
+  fs::path dir_;
+  int coord_port_ = 0;
+  std::map<std::string, int> ports_;
+};
+
+TEST_F(CoordinatorTest, JoinProfilePlanTrainMatchesTheReference) {
+  SetSteps(3);
+  auto coord = Coordinator();
+  std::this_thread::sleep_for(500ms);
+  auto a = Executor("a"), b = Executor("b"), c = Executor("c");
+  std::string log = coord->ReadAll(180s);
+  ASSERT_EQ(coord->Wait(30s), 0) << log;
+  EXPECT_THAT(log, HasSubstr("meridian-executor --coordinator 127.0.0.1:"));  // the join commands
+  EXPECT_THAT(log, HasSubstr("3 sites joined"));
+  EXPECT_THAT(log, HasSubstr("predicted step time"));
+  EXPECT_THAT(log, HasSubstr("done: 3 steps"));
+  for (auto* e : {a.get(), b.get(), c.get()}) EXPECT_EQ(e->Wait(30s), 0);
+  // The measured profile holds every site and both directions of every link.
+  std::ifstream pj(dir_ / "run" / "profile.json");
+  auto profile = nlohmann::json::parse(pj, nullptr, false);
+  ASSERT_FALSE(profile.is_discarded());
+  EXPECT_EQ(profile["sites"].size(), 3u);
+  EXPECT_EQ(profile["links"].size(), 6u);  // both directions of all three pairs, measured
+  for (const auto& l : profile["links"]) EXPECT_GT(l["bandwidth_bytes_per_second"].get<double>(), 1e6);
+  // Whatever the plan, the weights equal the single-process reference.
+  Process ref(Bin("meridian") + " train-local " + (dir_ / "job.yaml").string() + " --out " + (dir_ / "local").string());
+  ASSERT_EQ(ref.Wait(120s), 0);
+  auto want = core::ReadSafetensors((dir_ / "local" / "model.safetensors").string());
+  ASSERT_TRUE(want.ok());
+  std::map<std::string, core::Tensor> got;
+  for (const auto& e : fs::directory_iterator(dir_ / "run" / "weights")) {
+    auto f = core::ReadSafetensors(e.path().string());
+    ASSERT_TRUE(f.ok()) << f.status();
+    got.insert(f->tensors.begin(), f->tensors.end());
+  }
+  ASSERT_EQ(got.size(), want->tensors.size());
+  for (const auto& [name, t] : want->tensors) {
+    double num = 0, den = 0;
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      double x = got[name].data<float>()[i], y = t.data<float>()[i];
+      num += (x - y) * (x - y);
+      den += y * y;
+    }
+    EXPECT_LE(std::sqrt(num / den), 1e-5) << name;
+  }
+}
+
+TEST_F(CoordinatorTest, JoinsThatCannotSucceedFailFastWithOneMessage) {
+  SetSteps(1);
+  auto coord = Coordinator();
+  std::this_thread::sleep_for(500ms);
+  // A site the spec does not know, with a certificate of the right CA.
+  Process issue(Bin("meridian") + " certs issue --ca-dir " + (dir_ / "certs").string() + " --site zed --host 127.0.0.1");
+  ASSERT_EQ(issue.Wait(30s), 0);
+  auto t0 = std::chrono::steady_clock::now();
+  auto unknown = Executor("zed");
+  EXPECT_EQ(unknown->Wait(15s), 1);
+  EXPECT_THAT(unknown->ReadAll(2s), HasSubstr("certificate 'zed' is not a site of this cluster"))
+      << coord->ReadAll(1s);
+  // A certificate from another cluster's CA.
+  std::ofstream(dir_ / "other.yaml") << "cluster: other\ncoordinator: {address: 127.0.0.1:1}\nsites:\n  - {name: a, address: 127.0.0.1:2}\n";
+  Process other(Bin("meridian") + " certs init --spec " + (dir_ / "other.yaml").string() + " --out " + (dir_ / "othercerts").string());
+  ASSERT_EQ(other.Wait(30s), 0);
+  auto foreign = Executor("a", (dir_ / "othercerts").string());
+  EXPECT_EQ(foreign->Wait(15s), 1);
+  EXPECT_THAT(foreign->ReadAll(2s), HasSubstr("cannot join the coordinator"));
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 30s);
+  coord->Kill(SIGKILL);
+  // Nobody at the address at all.
+  auto none = Executor("a");
+  EXPECT_EQ(none->Wait(15s), 1);
+  EXPECT_THAT(none->ReadAll(2s), HasSubstr("cannot join the coordinator at 127.0.0.1:"));
+}
+
+TEST_F(CoordinatorTest, KilledExecutorIsDetectedAndCoordinatorLossStopsExecutors) {
+  SetSteps(100000);
+  auto coord = Coordinator();
+  std::this_thread::sleep_for(500ms);
+  auto a = Executor("a"), b = Executor("b"), c = Executor("c");
+  // Wait for training to start.
+  std::string line;
+  for (int i = 0; i < 400 && line.find("step ") != 0; ++i) line = coord->ReadLine(1s);
+  ASSERT_EQ(line.find("step "), 0u) << line;
+  b->Kill(SIGKILL);
+  auto t0 = std::chrono::steady_clock::now();
+  int rc = coord->Wait(30s);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 15s);
+  EXPECT_EQ(rc, 1);
+  std::string log = coord->ReadAll(2s);
+  EXPECT_THAT(log, ::testing::AnyOf(HasSubstr("site 'b' stopped answering"), HasSubstr("peer 'b'")));
+  // The coordinator is gone (it stopped the others, or they lost it): they exit within 10 s.
+  for (auto* e : {a.get(), c.get()}) EXPECT_NE(e->Wait(12s), -1);
+}
+
+}  // namespace
+}  // namespace meridian
