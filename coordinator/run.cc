@@ -2,6 +2,7 @@
 
 #include <CLI/CLI.hpp>
 #include <grpcpp/grpcpp.h>
+#include <httplib.h>
 
 #include <cstdio>
 #include <filesystem>
@@ -16,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "coordinator/coordinator.h"
+#include "core/safetensors.h"
 #include "partitioner/planner.h"
 #include "rpc/credentials.h"
 
@@ -41,6 +43,28 @@ void AddRunOptions(CLI::App* cmd, RunOptions* o) {
   cmd->add_option("--steps", o->steps, "Optimizer steps (default: the job's)")->check(CLI::Range(1, 100000000));
   cmd->add_option("--join-timeout", o->join_timeout_seconds, "Seconds to wait for the sites (0: forever)");
   cmd->add_option("--micro-batches", o->micro_batches, "Micro-batches per step (default: the job's)");
+  cmd->add_option("--export", o->export_dir,
+                  "After training, write the whole model there as HF safetensors + config.json, whatever the partition");
+}
+
+absl::Status ExportModel(const std::string& weights_dir, const std::string& config_path, const std::string& out_dir) {
+  core::SafetensorsFile merged;
+  for (const auto& e : fs::directory_iterator(weights_dir)) {
+    if (e.path().extension() != ".safetensors") continue;
+    auto f = core::ReadSafetensors(e.path().string());
+    if (!f.ok()) return f.status();
+    for (auto& [name, t] : f->tensors)
+      if (!merged.tensors.emplace(name, std::move(t)).second)
+        return absl::DataLossError(absl::StrCat("tensor '", name, "' appears in two stage shards"));
+  }
+  if (merged.tensors.empty()) return absl::NotFoundError(absl::StrCat(weights_dir, ": no stage shards to export"));
+  merged.metadata["format"] = "pt";
+  fs::create_directories(out_dir);
+  if (absl::Status s = core::WriteSafetensors(out_dir + "/model.safetensors", merged); !s.ok()) return s;
+  std::error_code ec;
+  fs::copy_file(config_path, out_dir + "/config.json", fs::copy_options::overwrite_existing, ec);
+  if (ec) return absl::InternalError(absl::StrCat(config_path, ": cannot copy: ", ec.message()));
+  return absl::OkStatus();
 }
 
 int Run(const RunOptions& o) {
@@ -101,6 +125,43 @@ int Run(const RunOptions& o) {
               << " --certs " << certs << " --listen " << s.address.ToString() << " --device " << s.devices.front()
               << "\n";
   std::cout << std::flush;
+  // Prometheus text metrics (a stock Prometheus scrapes /metrics) and a JSONL log of every step.
+  httplib::Server metrics_http;
+  std::thread metrics_thread;
+  if (spec.metrics_port > 0) {
+    metrics_http.Get("/metrics", [&](const httplib::Request&, httplib::Response& res) {
+      auto p = coord.progress();
+      std::string body;
+      absl::StrAppend(&body, "# HELP meridian_step Last completed optimizer step.\n# TYPE meridian_step gauge\n",
+                      "meridian_step ", p.step + 1, "\n# HELP meridian_loss Training loss of the last step.\n",
+                      "# TYPE meridian_loss gauge\nmeridian_loss ", p.loss, "\n",
+                      "# HELP meridian_step_seconds Duration of the last step.\n# TYPE meridian_step_seconds gauge\n",
+                      "meridian_step_seconds ", p.step_seconds, "\n",
+                      "# HELP meridian_tokens_total Tokens trained on.\n# TYPE meridian_tokens_total counter\n",
+                      "meridian_tokens_total ", p.tokens, "\n",
+                      "# HELP meridian_site_up Whether a site is registered and heartbeating.\n# TYPE meridian_site_up gauge\n");
+      auto silent = coord.Silent();
+      for (const auto& [name, st] : coord.Snapshot())
+        absl::StrAppend(&body, "meridian_site_up{site=\"", name, "\"} ",
+                        st.registered && std::find(silent.begin(), silent.end(), name) == silent.end() ? 1 : 0, "\n");
+      res.set_content(body, "text/plain; version=0.0.4");
+    });
+    if (!metrics_http.bind_to_port("0.0.0.0", spec.metrics_port)) {
+      std::cerr << "meridian run: cannot serve /metrics on port " << spec.metrics_port << "\n";
+      return 1;
+    }
+    metrics_thread = std::thread([&] { metrics_http.listen_after_bind(); });
+  }
+  struct MetricsStop {
+    httplib::Server* http;
+    std::thread* t;
+    ~MetricsStop() {
+      http->stop();
+      if (t->joinable()) t->join();
+    }
+  } metrics_stop{&metrics_http, &metrics_thread};
+  std::ofstream jsonl(run_dir + "/metrics.jsonl", std::ios::app);
+
   auto fail = [&](const std::string& msg) {
     std::cerr << "meridian run: " << msg << "\n";
     coord.StopAll();
@@ -243,6 +304,9 @@ int Run(const RunOptions& o) {
       std::printf("step %lld/%d  loss %.4f  %.0f tokens/s  %.2f s/step  ETA %.0f s\n", static_cast<long long>(p.step + 1),
                   steps, p.loss, p.tokens / el, p.step_seconds, (steps - p.step - 1) * el / (p.step + 1));
       std::fflush(stdout);
+      jsonl << nlohmann::json{{"step", p.step + 1}, {"loss", p.loss}, {"step_seconds", p.step_seconds},
+                              {"tokens", p.tokens}, {"elapsed_seconds", el}}.dump()
+            << std::endl;
     }
     for (const auto& [name, s] : coord.Snapshot())
       if (s.done && !s.done->error().empty()) {
@@ -270,9 +334,19 @@ int Run(const RunOptions& o) {
               steps, el, el / steps, plan->predicted_step_seconds, wire / 1e6, raw ? 100.0 * wire / raw : 100.0,
               coord.progress().loss, run_dir.c_str());
   coord.StopAll();
+  int rc = 0;
+  if (!o.export_dir.empty()) {
+    const std::string config = core::ResolveRelative(job_path, job.model) + "/config.json";
+    if (absl::Status s = ExportModel(run_dir + "/weights", config, o.export_dir); !s.ok()) {
+      std::cerr << "meridian run: export failed: " << s.message() << "\n";
+      rc = 1;
+    } else {
+      std::printf("exported the model to %s (model.safetensors + config.json)\n", o.export_dir.c_str());
+    }
+  }
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  return 0;
+  return rc;
 }
 
 }  // namespace meridian::coordinator

@@ -7,6 +7,8 @@
 
 #include <string>
 
+#include "absl/status/status.h"
+
 namespace CLI {
 class App;
 }
@@ -18,7 +20,12 @@ struct RunOptions {
   int steps = 0;
   double join_timeout_seconds = 0;  // 0: wait for the sites indefinitely
   int micro_batches = 0;            // 0: the job's
+  std::string export_dir;           // non-empty: consolidated HF export after training
 };
+
+// Merges the stage shards in `weights_dir` into OUT/model.safetensors and copies the model's config.json:
+// the whole model in HF layout whatever the partition. Errors name the shard or tensor.
+absl::Status ExportModel(const std::string& weights_dir, const std::string& config_path, const std::string& out_dir);
 void AddRunOptions(CLI::App* cmd, RunOptions* options);
 int Run(const RunOptions& options);
 

@@ -14,7 +14,7 @@ PACKAGES=(
   libsentencepiece-dev sentencepiece
   libzstd-dev libcpp-httplib-dev
   python3-grpcio python3-numpy python3-yaml python3-torch
-  iproute2 iperf3
+  iproute2 iperf3 curl
 )
 
 missing=()

@@ -92,8 +92,26 @@ class CoordinatorTest : public ::testing::Test {
 
 TEST_F(CoordinatorTest, JoinProfilePlanTrainMatchesTheReference) {
   SetSteps(3);
-  auto coord = Coordinator();
+  const int metrics_port = FreePort();
+  std::ofstream(dir_ / "cluster.yaml", std::ios::app) << "";
+  {
+    std::string text;
+    std::ifstream in(dir_ / "cluster.yaml");
+    text.assign(std::istreambuf_iterator<char>(in), {});
+    text.replace(text.find("}\nsecurity"), 1, ", metrics_port: " + std::to_string(metrics_port) + "}");
+    std::ofstream(dir_ / "cluster.yaml") << text;
+  }
+  auto coord = Coordinator("--export " + (dir_ / "export").string());
   std::this_thread::sleep_for(500ms);
+  // Prometheus text format from /metrics while the coordinator runs.
+  std::string metrics;
+  for (int i = 0; i < 50 && metrics.empty(); ++i) {
+    Process scrape("curl -s http://127.0.0.1:" + std::to_string(metrics_port) + "/metrics");
+    metrics = scrape.ReadAll(5s);
+    if (metrics.empty()) std::this_thread::sleep_for(200ms);
+  }
+  EXPECT_THAT(metrics, HasSubstr("# TYPE meridian_loss gauge"));
+  EXPECT_THAT(metrics, HasSubstr("meridian_site_up{site=\"a\"}"));
   auto a = Executor("a"), b = Executor("b"), c = Executor("c");
   std::string log = coord->ReadAll(180s);
   ASSERT_EQ(coord->Wait(30s), 0) << log;
@@ -121,6 +139,21 @@ TEST_F(CoordinatorTest, JoinProfilePlanTrainMatchesTheReference) {
     got.insert(f->tensors.begin(), f->tensors.end());
   }
   ASSERT_EQ(got.size(), want->tensors.size());
+  // The consolidated export holds the same tensors, with the model's config.
+  auto exported = core::ReadSafetensors((dir_ / "export" / "model.safetensors").string());
+  ASSERT_TRUE(exported.ok()) << exported.status();
+  EXPECT_EQ(exported->tensors.size(), want->tensors.size());
+  EXPECT_TRUE(fs::exists(dir_ / "export" / "config.json"));
+  // One JSONL line per step.
+  std::ifstream jl(dir_ / "run" / "metrics.jsonl");
+  int lines = 0;
+  for (std::string l; std::getline(jl, l);) {
+    auto j = nlohmann::json::parse(l, nullptr, false);
+    ASSERT_FALSE(j.is_discarded()) << l;
+    EXPECT_TRUE(j.contains("loss"));
+    ++lines;
+  }
+  EXPECT_GE(lines, 1);
   for (const auto& [name, t] : want->tensors) {
     double num = 0, den = 0;
     for (int64_t i = 0; i < t.numel(); ++i) {
