@@ -239,6 +239,16 @@ int Run(const RunOptions& o) {
         if (l.rtt_seconds) pl.latency_seconds = *l.rtt_seconds / 2;
       }
   }
+  for (const auto& site : profile.sites) {
+    double model = 0;
+    for (const auto& [op, secs] : site.op_seconds) model += secs;
+    std::printf("  site %-10s %8.1f GFLOP/s GEMM, model forward+backward %8.1f ms per micro-batch\n", site.name.c_str(),
+                site.flops_per_second / 1e9, model * 1e3);
+  }
+  for (const auto& l : profile.links)
+    std::printf("  link %-10s -> %-10s %8.1f Mbit/s, %6.1f ms one way\n", l.from.c_str(), l.to.c_str(),
+                l.bandwidth_bytes_per_second * 8 / 1e6, l.latency_seconds * 1e3);
+  std::fflush(stdout);
   std::ofstream(run_dir + "/profile.json") << partitioner::ProfileToJson(profile);
   std::ofstream(run_dir + "/graph.json") << graph_json;
   auto graph = partitioner::ParseGraphJson(graph_json, "graph.json from the executors");

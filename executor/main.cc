@@ -155,6 +155,9 @@ int main(int argc, char** argv) {
   opt("--listen", &f.listen, "Address for the peer service HOST:PORT (env MERIDIAN_LISTEN)");
   opt("--device", &f.device, "cpu or cuda:N (env MERIDIAN_DEVICE)");
   opt("--spec", &f.spec, "Cluster spec to take defaults from (env MERIDIAN_SPEC)");
+  std::string advertise;
+  app.add_option("--advertise", advertise,
+                 "Address the other sites should dial for this one, when it differs from --listen (NAT, relays)");
   double timeout = 10;
   app.add_option("--join-timeout", timeout, "Seconds to wait for the coordinator")->check(CLI::Range(0.1, 3600.0));
   std::string assignment, job, out;
@@ -205,7 +208,7 @@ int main(int argc, char** argv) {
   v1::RegisterRequest req;
   req.set_protocol_version(kProtocolVersion);
   req.set_site(options->site);
-  req.set_listen_address(options->listen);
+  req.set_listen_address(advertise.empty() ? options->listen : advertise);
   req.set_device(options->device);
   req.set_build_version(kVersion);
   v1::RegisterResponse resp;

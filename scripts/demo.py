@@ -1,19 +1,23 @@
 #!/usr/bin/python3
-"""Meridian's end-to-end demo on one machine: three sites of different speed joined by emulated WAN links.
+"""Meridian's end-to-end demo on one machine: a coordinator and three executors of different speed,
+joined by emulated WAN links.
 
-1. Each site's executor measures its device and the model per op, under its CPU quota (a slower "GPU").
-2. When run as root, each site gets its own network namespace; links are rate-limited with tbf and
-   delayed by meridian-wanrelay (40 ms RTT), and the executors measure every link over mutual TLS.
-   Without root, everything runs on loopback and the demo says so.
-3. `meridian plan` partitions the model over the measured profile (stages, cuts, codecs per link).
-4. One executor process per stage trains the model under the 1F1B schedule, with the plan's codecs.
-5. A summary: the plan, tokens/s, bytes on the wire against uncompressed, the loss curve (SVG).
+As root, each site gets its own network namespace and a CPU quota (1.0, 0.6, 0.4 of a core: three
+"GPU types"); site pairs are joined by veth links rate-limited with tbf (100, 100, 20 Mbit/s) and
+delayed by meridian-wanrelay (40 ms RTT); the coordinator is reached over an unshaped bridge. Without
+root everything runs on loopback at full speed, and the demo says so.
+
+`meridian run` then does the real work: the executors join over mutual TLS, measure their devices, the
+model and every link, the partitioner plans, each executor trains its stage under 1F1B with the codec
+chosen for each link, and the coordinator exports the trained model. This script adds the summary and
+the loss curve (SVG).
 
 Usage: scripts/demo.py [--build build] [--run runs/demo] [--steps N]   (called by scripts/demo.sh)
 """
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +26,7 @@ import time
 SITES = [("fast", 1.0), ("medium", 0.6), ("slow", 0.4)]
 LINKS = [("fast", "medium", 100), ("medium", "slow", 100), ("fast", "slow", 20)]  # Mbit/s, both ways
 RTT_MS = 40
+PREFIX = "mrdemo"
 
 
 def sh(cmd, check=True):
@@ -29,91 +34,97 @@ def sh(cmd, check=True):
 
 
 class Emulation:
-    """Namespaces, veth + tbf, relays and CPU quotas (root), or plain loopback."""
+    """Namespaces, links, relays and CPU quotas (root), or plain loopback."""
 
-    def __init__(self, root_dir, bin_dir):
+    def __init__(self, bin_dir):
         self.root = os.geteuid() == 0
         self.bin = bin_dir
-        self.prefix = "mrdemo"
         self.procs = []
-        self.addr = {}  # (site, peer) -> address of site on its link with peer
-        self.cgroups = os.path.isdir("/sys/fs/cgroup/cpu") and self.root
+        self.cgroups = self.root and os.path.isdir("/sys/fs/cgroup/cpu")
+        self.coordinator = "127.0.0.1:7600"
         if not self.root:
             print("notice: not root: sites run on loopback without WAN emulation or CPU quotas")
             return
-        for s, _ in SITES:
-            sh(f"ip netns del {self.prefix}-{s}", check=False)
-            sh(f"ip netns add {self.prefix}-{s}")
-            sh(f"ip netns exec {self.prefix}-{s} ip link set lo up")
+        self.teardown()
+        # Control plane: a bridge in the root namespace, one unshaped veth per site.
+        sh(f"ip link add {PREFIX}br type bridge && ip addr add 10.213.200.254/24 dev {PREFIX}br && "
+           f"ip link set {PREFIX}br up")
+        self.coordinator = "10.213.200.254:7600"
+        for i, (s, _) in enumerate(SITES, start=1):
+            ns = f"{PREFIX}-{s}"
+            sh(f"ip netns add {ns} && ip netns exec {ns} ip link set lo up")
+            # The site's public address, the one its peers dial (through the link between them).
+            sh(f"ip netns exec {ns} ip addr add 10.213.100.{i}/32 dev lo")
+            sh(f"ip link add {PREFIX}c{i} type veth peer name {PREFIX}d{i} && ip link set {PREFIX}c{i} master {PREFIX}br && "
+               f"ip link set {PREFIX}c{i} up && ip link set {PREFIX}d{i} netns {ns} && "
+               f"ip netns exec {ns} ip addr add 10.213.200.{i}/24 dev {PREFIX}d{i} && ip netns exec {ns} ip link set {PREFIX}d{i} up")
+        index = {s: i for i, (s, _) in enumerate(SITES, start=1)}
         for k, (a, b, mbit) in enumerate(LINKS, start=1):
-            va, vb = f"mdv{k}a", f"mdv{k}b"
-            sh(f"ip link del {va}", check=False)
+            va, vb = f"{PREFIX}{k}a", f"{PREFIX}{k}b"
             sh(f"ip link add {va} type veth peer name {vb}")
-            for v, s, host in ((va, a, 1), (vb, b, 2)):
-                ns = f"{self.prefix}-{s}"
-                sh(f"ip link set {v} netns {ns}")
-                sh(f"ip netns exec {ns} ip addr add 10.213.{k}.{host}/24 dev {v}")
-                sh(f"ip netns exec {ns} ip link set {v} up")
+            for v, s, host, other in ((va, a, 1, b), (vb, b, 2, a)):
+                ns = f"{PREFIX}-{s}"
                 burst = max(16384, int(mbit * 1e6 / 8 * 0.002))
-                sh(f"ip netns exec {ns} tc qdisc add dev {v} root tbf rate {mbit}mbit burst {burst} latency 200ms")
-            self.addr[(a, b)] = f"10.213.{k}.1"
-            self.addr[(b, a)] = f"10.213.{k}.2"
+                sh(f"ip link set {v} netns {ns} && ip netns exec {ns} ip addr add 10.213.{k}.{host}/24 dev {v} && "
+                   f"ip netns exec {ns} ip link set {v} up && "
+                   f"ip netns exec {ns} tc qdisc add dev {v} root tbf rate {mbit}mbit burst {burst} latency 200ms && "
+                   f"ip netns exec {ns} ip route add 10.213.100.{index[other]}/32 via 10.213.{k}.{3 - host} dev {v}")
         if self.cgroups:
             for s, quota in SITES:
-                g = f"/sys/fs/cgroup/cpu/{self.prefix}-{s}"
+                g = f"/sys/fs/cgroup/cpu/{PREFIX}-{s}"
                 os.makedirs(g, exist_ok=True)
-                # A 10 ms period throttles finely enough that short operators see the quota too.
+                # A 10 ms period throttles finely enough that short operators feel the quota too.
                 open(f"{g}/cpu.cfs_period_us", "w").write("10000")
                 open(f"{g}/cpu.cfs_quota_us", "w").write(str(int(quota * 10000)))
         else:
             print("notice: no cgroup v1 cpu controller: sites run at full speed")
 
     def wrap(self, site, cmd):
-        """The command line that runs `cmd` as `site` (in its namespace and CPU quota)."""
         if not self.root:
             return cmd
-        # Join the CPU cgroup first: `ip netns exec` mounts a fresh /sys in which the cgroup tree is absent.
-        netns = f"ip netns exec {self.prefix}-{site} {cmd}"
+        # Join the CPU cgroup first: `ip netns exec` mounts a fresh /sys without the cgroup tree.
+        netns = f"ip netns exec {PREFIX}-{site} {cmd}"
         if not self.cgroups:
             return netns
-        return f"sh -c 'echo $$ > /sys/fs/cgroup/cpu/{self.prefix}-{site}/cgroup.procs && exec {netns}'"
+        return f"sh -c 'echo $$ > /sys/fs/cgroup/cpu/{PREFIX}-{site}/cgroup.procs && exec {netns}'"
 
     def start(self, site, cmd, log):
-        # A process group of its own, so that stopping it stops every process the wrappers started.
-        p = subprocess.Popen(self.wrap(site, cmd), shell=True, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                             start_new_session=True)
+        out = subprocess.PIPE if log is None else open(log, "w")
+        p = subprocess.Popen(self.wrap(site, cmd) if site else cmd, shell=True, stdout=out, stderr=subprocess.STDOUT,
+                             start_new_session=True, text=True)
         self.procs.append(p)
         return p
 
-    @staticmethod
-    def stop(p):
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        p.wait()
-
-    def peer_address(self, site, peer, port, relay_port):
-        """Where `site` reaches `peer`'s executor: through a latency relay in the peer's namespace."""
+    def site_addresses(self, i, site):
+        """(listen, advertise) of a site's executor, and starts its latency relay when emulating."""
+        port = 7600 + i
         if not self.root:
-            return f"127.0.0.1:{port}"
-        listen = f"{self.addr[(peer, site)]}:{relay_port}"
-        self.start(peer, f"{self.bin}/meridian-wanrelay --listen {listen} --target 127.0.0.1:{port} "
+            return f"127.0.0.1:{port}", f"127.0.0.1:{port}"
+        public = f"10.213.100.{i}:17600"
+        self.start(site, f"{self.bin}/meridian-wanrelay --listen {public} --target 127.0.0.1:{port} "
                          f"--delay-ms {RTT_MS / 2}", os.devnull)
-        time.sleep(0.2)
-        return listen
+        return f"127.0.0.1:{port}", public
+
+    def teardown(self):
+        for s, _ in SITES:
+            sh(f"ip netns del {PREFIX}-{s}", check=False)
+            if self.cgroups and os.path.isdir(f"/sys/fs/cgroup/cpu/{PREFIX}-{s}"):
+                try:
+                    os.rmdir(f"/sys/fs/cgroup/cpu/{PREFIX}-{s}")
+                except OSError:
+                    pass
+        sh(f"ip link del {PREFIX}br", check=False)
 
     def close(self):
         for p in self.procs:
-            self.stop(p)
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
         if self.root:
-            for s, _ in SITES:
-                sh(f"ip netns del {self.prefix}-{s}", check=False)
-                if self.cgroups:
-                    try:
-                        os.rmdir(f"/sys/fs/cgroup/cpu/{self.prefix}-{s}")
-                    except OSError:
-                        pass
+            time.sleep(0.2)
+            self.teardown()
 
 
 def svg_curve(losses, path):
@@ -127,7 +138,7 @@ def svg_curve(losses, path):
         f'<line x1="{pad}" y1="{h - pad}" x2="{w - pad}" y2="{h - pad}" stroke="black"/>'
         f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{h - pad}" stroke="black"/>'
         f'<polyline fill="none" stroke="#1f77b4" stroke-width="2" points="{pts}"/>'
-        f'<text x="{w / 2}" y="{h - 8}" text-anchor="middle">step</text>'
+        f'<text x="{w / 2}" y="{h - 8}" text-anchor="middle">step (1 - {len(losses)})</text>'
         f'<text x="{pad}" y="{pad - 10}">loss {hi:.3f}</text><text x="{pad + 4}" y="{h - pad - 4}">{lo:.3f}</text>'
         f'<text x="{w / 2}" y="20" text-anchor="middle">Meridian demo: training loss across 3 emulated sites</text>'
         f'</svg>\n')
@@ -141,124 +152,54 @@ def main():
     a = ap.parse_args()
     bin_dir = os.path.abspath(os.path.join(a.build, "bin"))
     run = os.path.abspath(a.run)
-    os.makedirs(run, exist_ok=True)
+    shutil.rmtree(run, ignore_errors=True)
+    os.makedirs(run)
     job = os.path.abspath("examples/jobs/demo.yaml")
     certs = os.path.join(run, "certs")
     os.environ.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
-    spec = os.path.join(run, "cluster.yaml")
-    with open(spec, "w") as f:
-        f.write("cluster: demo\ncoordinator: {address: 127.0.0.1:7600}\nsites:\n")
-        for i, (s, q) in enumerate(SITES):
-            f.write(f"  - {{name: {s}, address: 127.0.0.1:{7601 + i}, emulation: {{cpu_quota: {q}}}}}\n")
-    sh(f"{bin_dir}/meridian certs init --spec {spec} --out {certs} --force")
-    emu = Emulation(run, bin_dir)
+    emu = Emulation(bin_dir)
     try:
-        print("== measuring each site (GEMM throughput and every op's forward+backward time) under its CPU quota")
-        prof = os.path.join(run, "profile")
-        for s, q in SITES:
-            p = emu.start(s, f"{bin_dir}/meridian-executor --site {s} --profile {job} --out {prof}",
-                          os.path.join(run, f"profile-{s}.log"))
-            if p.wait() != 0:
-                sys.exit(f"profiling {s} failed: see {run}/profile-{s}.log")
-            site = json.load(open(os.path.join(prof, f"profile-{s}.json")))["sites"][0]
-            print(f"   {s:7s} quota {q:.1f} core: {site['flops_per_second'] / 1e9:6.1f} GFLOP/s GEMM, "
-                  f"model fwd+bwd {sum(site['op_seconds'].values()) * 1000:7.1f} ms per micro-batch")
-        sites = [json.load(open(os.path.join(prof, f"profile-{s}.json")))["sites"][0] for s, _ in SITES]
-        links = []
-        print("== measuring the links over mutual TLS" + ("" if emu.root else " (loopback)"))
-        ports = {s: 7601 + i for i, (s, _) in enumerate(SITES)}
-        for a_, b_, mbit in LINKS:
-            server = emu.start(b_, f"{bin_dir}/meridian-peertool serve --certs {certs} --self {b_} --allow {a_} "
-                                   f"--listen 127.0.0.1:{ports[b_]}", os.path.join(run, f"probe-{b_}.log"))
-            time.sleep(0.5)
-            addr = emu.peer_address(a_, b_, ports[b_], 17600 + len(links))
-            out = sh(emu.wrap(a_, f"{bin_dir}/meridian-peertool probe --certs {certs} --self {a_} --peer {b_} "
-                                  f"--address {addr} --seconds 2"), check=False).stdout
-            emu.stop(server)
-            try:
-                m = json.loads(out)
-            except ValueError:
-                sys.exit(f"probing {a_} -> {b_} failed:\n{out}")
-            links += m["links"]
-            print(f"   {a_:7s} <-> {b_:7s}: {m['links'][0]['bandwidth_bytes_per_second'] * 8 / 1e6:7.1f} / "
-                  f"{m['links'][1]['bandwidth_bytes_per_second'] * 8 / 1e6:7.1f} Mbit/s, RTT {m['rtt_seconds'] * 1000:.1f} ms"
-                  + (f"  (emulated {mbit} Mbit/s, {RTT_MS} ms)" if emu.root else ""))
-        json.dump({"sites": sites, "links": links}, open(os.path.join(run, "profile.json"), "w"), indent=2)
-        print("== planning")
-        plan_cmd = (f"{bin_dir}/meridian plan --graph {prof}/graph.json --profile {run}/profile.json "
-                    f"--micro-batches 8 --no-replication")
-        table = sh(plan_cmd).stdout
-        print(table)
-        plan = json.loads(sh(plan_cmd + " --json").stdout)
-        stages = plan["stages"]
-        steps = a.steps or 0
-        print(f"== training: {len(stages)} executor processes, 1F1B, codecs per link from the plan")
-        procs, logs = [], []
-        # Each stage listens on its own port; neighbours reach it through a relay in its namespace.
-        for k, st in enumerate(stages):
-            site = st["sites"][0]
-            asg = {"job_id": "demo", "stage": k, "num_stages": len(stages), "first_op": st["first_op"],
-                   "last_op": st["last_op"]}
-            if k > 0:
-                prev = stages[k - 1]["sites"][0]
-                codec = plan["links"][k - 1]["codec"]
-                asg.update(prev_site=prev, prev_address=emu.peer_address(site, prev, ports[prev], 17700 + 2 * k),
-                           backward_codec=codec)
-            if k + 1 < len(stages):
-                nxt = stages[k + 1]["sites"][0]
-                codec = plan["links"][k]["codec"]
-                asg.update(next_site=nxt, next_address=emu.peer_address(site, nxt, ports[nxt], 17701 + 2 * k),
-                           forward_codec=codec)
-            path = os.path.join(run, f"assignment-{k}.json")
-            json.dump(asg, open(path, "w"))
-            log = os.path.join(run, f"stage-{k}-{site}.log")
-            logs.append(log)
-            procs.append(emu.start(site, f"{bin_dir}/meridian-executor --site {site} --certs {certs} "
-                                         f"--listen 127.0.0.1:{ports[site]} --assignment {path} --job {job} "
-                                         f"--out {run}/weights" + (f" --steps {steps}" if steps else ""), log))
-        total = steps or 80
-        tokens_per_step = 16 * 64
-        t0, losses, last_print = time.time(), [], 0
-        while any(p.poll() is None for p in procs):
-            time.sleep(0.5)
-            lines = [l for l in open(logs[0]).read().splitlines() if l.startswith("step ")]
-            losses = [float(l.split()[3]) for l in lines]
-            if len(losses) > last_print:
-                last_print = len(losses)
-                el = time.time() - t0
-                rate = len(losses) * tokens_per_step / el
-                eta = (total - len(losses)) * el / len(losses)
-                print(f"\r   step {len(losses):3d}/{total}  loss {losses[-1]:.4f}  {rate:7.0f} tokens/s  "
-                      f"ETA {eta:5.0f} s", end="", flush=True)
-            if any(p.poll() not in (None, 0) for p in procs):
-                break
-        print()
-        bad = [(k, p.returncode) for k, p in enumerate(procs) if p.wait() != 0]
-        if bad:
-            for k, rc in bad:
-                print(open(logs[k]).read()[-2000:])
-            sys.exit(f"training failed: stages {bad}")
-        elapsed = time.time() - t0
-        wire = raw = 0
-        for log in logs:
-            for l in open(log):
-                if l.startswith("wire bytes"):
-                    w_, r_ = int(l.split()[2]), int(l.split()[5])
-                    wire, raw = wire + w_, raw + r_
+        spec = os.path.join(run, "cluster.yaml")
+        addresses = {}
+        for i, (s, _) in enumerate(SITES, start=1):
+            addresses[s] = emu.site_addresses(i, s)
+        with open(spec, "w") as f:
+            f.write(f"cluster: demo\ncoordinator: {{address: {emu.coordinator}, metrics_port: 9600}}\n"
+                    f"security: {{certs: certs}}\nheartbeat: {{interval: 1s, timeout: 6s}}\nsites:\n")
+            for s, q in SITES:
+                f.write(f"  - {{name: {s}, address: {addresses[s][1]}, emulation: {{cpu_quota: {q}}}}}\n")
+        sh(f"{bin_dir}/meridian certs init --spec {spec} --out {certs} --force")
+        steps = f" --steps {a.steps}" if a.steps else ""
+        coord = emu.start(None, f"{bin_dir}/meridian run {spec} {job} --run-dir {run} --export {run}/export "
+                                f"--join-timeout 60{steps}", None)
+        time.sleep(0.5)
+        for s, _ in SITES:
+            listen, advertise = addresses[s]
+            emu.start(s, f"{bin_dir}/meridian-executor --coordinator {emu.coordinator} --site {s} --certs {certs} "
+                         f"--listen {listen} --advertise {advertise}", os.path.join(run, f"executor-{s}.log"))
+        t0 = time.time()
+        log = []
+        for line in coord.stdout:
+            log.append(line)
+            print("   " + line, end="", flush=True)
+        rc = coord.wait()
+        open(os.path.join(run, "coordinator.log"), "w").write("".join(log))
+        if rc != 0:
+            for s, _ in SITES:
+                print(f"--- executor {s}:\n" + open(os.path.join(run, f"executor-{s}.log")).read()[-1500:])
+            sys.exit(f"meridian run failed ({rc})")
+        losses = [json.loads(l)["loss"] for l in open(os.path.join(run, "metrics.jsonl"))]
+        plan = json.load(open(os.path.join(run, "plan.json")))
         svg_curve(losses, os.path.join(run, "loss.svg"))
-        summary = (f"\n== summary\n"
-                   f"plan:             {len(stages)} stages: " +
-                   ", ".join(f"{s['sites'][0]} ops {s['first_op']}-{s['last_op']}" for s in stages) + "\n"
-                   f"links:            " + ", ".join(l["codec"] for l in plan["links"]) + "\n"
-                   f"predicted step:   {plan['predicted_step_seconds']:.3f} s;  measured {elapsed / len(losses):.3f} s\n"
-                   f"throughput:       {len(losses) * tokens_per_step / elapsed:.0f} tokens/s\n"
-                   f"bytes on links:   {wire / 1e6:.1f} MB sent, {raw / 1e6:.1f} MB uncompressed "
-                   f"({100 * wire / max(raw, 1):.0f}%)\n"
-                   f"loss:             {losses[0]:.4f} at step 1 -> {losses[-1]:.4f} at step {len(losses)}\n"
-                   f"loss curve:       {run}/loss.svg\n"
-                   f"weights:          {run}/weights/stage-*.safetensors\n")
-        print(summary)
-        open(os.path.join(run, "summary.txt"), "w").write(table + summary)
+        done = [l for l in log if l.startswith("done:")]
+        print("\n== summary")
+        print("plan:        " + ", ".join(f"{s['sites'][0]} ops {s['first_op']}-{s['last_op']}" for s in plan["stages"]))
+        print("link codecs: " + (", ".join(l["codec"] for l in plan["links"]) or "none"))
+        print(done[0].strip() if done else "")
+        print(f"loss:        {losses[0]:.4f} after step 1 -> {losses[-1]:.4f} after step {len(losses)}")
+        print(f"wall time:   {time.time() - t0:.0f} s for join, measurement, planning and training")
+        print(f"files:       {run}/loss.svg, {run}/export (HF model), {run}/profile.json, {run}/plan.json, "
+              f"{run}/metrics.jsonl")
     finally:
         emu.close()
 
