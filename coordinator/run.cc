@@ -43,6 +43,7 @@ void AddRunOptions(CLI::App* cmd, RunOptions* o) {
   cmd->add_option("--steps", o->steps, "Optimizer steps (default: the job's)")->check(CLI::Range(1, 100000000));
   cmd->add_option("--join-timeout", o->join_timeout_seconds, "Seconds to wait for the sites (0: forever)");
   cmd->add_option("--micro-batches", o->micro_batches, "Micro-batches per step (default: the job's)");
+  cmd->add_flag("--resume", o->resume, "Continue from the newest intact checkpoint of job.checkpoint.dir");
   cmd->add_option("--export", o->export_dir,
                   "After training, write the whole model there as HF safetensors + config.json, whatever the partition");
 }
@@ -292,9 +293,11 @@ int Run(const RunOptions& o) {
     a->set_job_dir(job_dir);
     a->set_steps(steps);
     a->set_output_dir(run_dir + "/weights");
+    if (o.resume) a->set_resume_step(-1);  // each stage loads the newest intact checkpoint
     coord.Send(site, c);
   }
-  std::cout << "training: " << st.size() << " stages, " << steps << " steps\n" << std::flush;
+  std::cout << "training: " << st.size() << " stages, " << steps << " steps"
+            << (o.resume ? ", resuming from the newest intact checkpoint" : "") << "\n" << std::flush;
 
   // 5. Supervise.
   const auto t0 = Clock::now();

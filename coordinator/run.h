@@ -21,6 +21,7 @@ struct RunOptions {
   double join_timeout_seconds = 0;  // 0: wait for the sites indefinitely
   int micro_batches = 0;            // 0: the job's
   std::string export_dir;           // non-empty: consolidated HF export after training
+  bool resume = false;              // stages start from the newest intact checkpoint
 };
 
 // Merges the stage shards in `weights_dir` into OUT/model.safetensors and copies the model's config.json:

@@ -183,11 +183,19 @@ int RunJoined(const ExecutorOptions& o, const v1::RegisterResponse& reg, v1::Coo
       if (failure.ok()) failure = CheckSlice(setup->model, a.first_op, a.last_op);
       if (failure.ok()) {
         StageWorker worker(*setup, a, &inbox, o.certs, o.site, device, std::chrono::seconds(60));
-        failure = worker.Connect();
+        const std::string ckpt_dir = core::ResolveRelative(pa.job_dir() + "/job.yaml", setup->job.checkpoint.dir);
+        const int interval = setup->job.checkpoint.interval;
+        int start = 0;
+        if (pa.resume_step() != 0) {  // -1: the newest intact checkpoint
+          auto c = LoadLatestCheckpoint(ckpt_dir);
+          if (!c.ok()) failure = c.status();
+          else if (failure = worker.Restore(*c); failure.ok()) start = static_cast<int>(c->step);
+        }
+        if (failure.ok()) failure = worker.Connect();
         const int steps = pa.steps() > 0 ? pa.steps() : setup->job.steps;
-        for (int i = 0; failure.ok() && i < steps; ++i) {
+        for (int i = start; failure.ok() && i < steps; ++i) {
           auto t0 = Clock::now();
-          auto loss = worker.Step(i, steps);
+          auto loss = worker.Step(i, setup->job.steps);  // the schedule spans the job, whatever this run covers
           if (!loss.ok()) {
             failure = loss.status();
             break;
@@ -204,6 +212,7 @@ int RunJoined(const ExecutorOptions& o, const v1::RegisterResponse& reg, v1::Coo
             m.set_raw_bytes(worker.raw_bytes());
             (void)Call([&](auto* c, const auto& r, auto* ack) { return stub->ReportMetrics(c, r, ack); }, m, 10);
           }
+          if (interval > 0 && (i + 1) % interval == 0) failure = worker.SaveCheckpoint(ckpt_dir, i + 1);
         }
         if (failure.ok()) failure = worker.Finish();
         if (failure.ok() && !pa.output_dir().empty())

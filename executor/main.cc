@@ -31,7 +31,7 @@ namespace {
 using namespace meridian;
 
 int RunStatic(const executor::ExecutorOptions& o, const std::string& assignment_path, const std::string& job_path,
-              const std::string& out_dir, int steps, int timeout_s) {
+              const std::string& out_dir, int steps, int timeout_s, bool resume) {
   std::ifstream in(assignment_path);
   if (!in) {
     std::cerr << "meridian-executor: " << assignment_path << ": cannot open\n";
@@ -91,11 +91,26 @@ int RunStatic(const executor::ExecutorOptions& o, const std::string& assignment_
     server->Shutdown(std::chrono::system_clock::now());
     return 1;
   };
+  // Checkpoints: job.checkpoint.dir (relative to the job file) every job.checkpoint.interval steps.
+  const std::string ckpt_dir = core::ResolveRelative(job_path, setup->job.checkpoint.dir);
+  const int interval = setup->job.checkpoint.interval;
+  int start = 0;
+  if (resume) {
+    std::string skipped;
+    auto c = executor::LoadLatestCheckpoint(ckpt_dir, &skipped);
+    if (!skipped.empty()) std::cerr << "meridian-executor: skipped " << skipped << "\n";
+    if (!c.ok()) return fail(c.status());
+    if (auto s = worker.Restore(*c); !s.ok()) return fail(s);
+    start = static_cast<int>(c->step);
+    std::cout << "resuming after step " << start << " from " << c->path << std::endl;
+  }
   if (auto s = worker.Connect(); !s.ok()) return fail(s);
-  for (int step = 0; step < steps; ++step) {
-    auto loss = worker.Step(step, steps);
+  for (int step = start; step < steps; ++step) {
+    auto loss = worker.Step(step, setup->job.steps);  // the schedule spans the job, whatever this run covers
     if (!loss.ok()) return fail(loss.status());
     if (loss->has_value()) std::cout << "step " << step << " loss " << **loss << std::endl;
+    if (interval > 0 && (step + 1) % interval == 0)
+      if (auto s = worker.SaveCheckpoint(ckpt_dir, step + 1); !s.ok()) return fail(s);
   }
   if (auto s = worker.Finish(); !s.ok()) return fail(s);
   if (!out_dir.empty()) {
@@ -166,6 +181,8 @@ int main(int argc, char** argv) {
   app.add_option("--job", job, "Static mode: the job spec (YAML)");
   app.add_option("--out", out, "Static mode: directory for stage-K.safetensors");
   app.add_option("--steps", steps, "Static mode: optimizer steps (default: the job's)");
+  bool resume = false;
+  app.add_flag("--resume", resume, "Static mode: continue from the newest intact checkpoint of job.checkpoint.dir");
   std::string profile_job;
   app.add_option("--profile", profile_job, "Measure this device and JOB.yaml's model per op; write --out/graph.json "
                                            "and --out/profile-SITE.json, then exit");
@@ -192,7 +209,7 @@ int main(int argc, char** argv) {
       std::cerr << "meridian-executor: --assignment needs --job JOB.yaml\n";
       return 2;
     }
-    return RunStatic(*options, assignment, job, out, steps, step_timeout);
+    return RunStatic(*options, assignment, job, out, steps, step_timeout, resume);
   }
   auto creds = rpc::MakeChannelCredentials(options->certs, options->site);
   if (!creds.ok()) {

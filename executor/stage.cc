@@ -234,6 +234,25 @@ absl::Status StageWorker::Finish() {
   return absl::OkStatus();
 }
 
+absl::Status StageWorker::SaveCheckpoint(const std::string& dir, int64_t steps_done) const {
+  std::map<std::string, torch::Tensor> all = Parameters();
+  for (auto& [k, v] : opt_.ExportState()) all[k] = v;
+  absl::Status s = WriteCheckpoint(dir, steps_done, a_.stage, a_.num_stages, all);
+  if (!s.ok()) return Annotate(s, absl::StrCat(Where(), ": checkpoint"));
+  return absl::OkStatus();
+}
+
+absl::Status StageWorker::Restore(const Checkpoint& c) {
+  if (absl::Status s = model_->Load(c.tensors); !s.ok())
+    return Annotate(s, absl::StrCat(Where(), ": restoring from ", c.path));
+  std::map<std::string, torch::Tensor> mine;
+  for (const auto& [name, p] : model_->parameters())
+    for (const char* kind : {"optim.m.", "optim.v."})
+      if (auto it = c.tensors.find(kind + name); it != c.tensors.end()) mine[it->first] = it->second.to(device_);
+  opt_.ImportState(mine, c.step);
+  return absl::OkStatus();
+}
+
 std::map<std::string, torch::Tensor> StageWorker::Parameters() const {
   std::map<std::string, torch::Tensor> out;
   for (const auto& [n, p] : model_->parameters()) out[n] = p.detach().cpu();

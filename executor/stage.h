@@ -14,6 +14,7 @@
 
 #include "absl/status/statusor.h"
 #include "compression/codec.h"
+#include "executor/checkpoint.h"
 #include "executor/trainer.h"
 #include "rpc/peer.h"
 
@@ -46,6 +47,11 @@ class StageWorker {
   // Closes the outgoing streams (waits for the neighbours' acknowledgements).
   absl::Status Finish();
   std::map<std::string, torch::Tensor> Parameters() const;
+  // Writes this stage's shard of the checkpoint after `steps_done` steps (parameters and AdamW moments).
+  // The error-feedback residual is not saved: a resumed lossy link starts with an empty one.
+  absl::Status SaveCheckpoint(const std::string& dir, int64_t steps_done) const;
+  // Loads this stage's parameters and moments by name from a checkpoint of any partition.
+  absl::Status Restore(const Checkpoint& checkpoint);
   int64_t wire_bytes() const { return wire_bytes_; }
   int64_t raw_bytes() const { return raw_bytes_; }
 

@@ -62,6 +62,26 @@ void AdamW::Step(const std::vector<std::pair<std::string, torch::Tensor>>& param
   }
 }
 
+std::map<std::string, torch::Tensor> AdamW::ExportState() const {
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& [name, mv] : state_) {
+    out["optim.m." + name] = mv.first.detach().cpu();
+    out["optim.v." + name] = mv.second.detach().cpu();
+  }
+  return out;
+}
+
+void AdamW::ImportState(const std::map<std::string, torch::Tensor>& state, int64_t steps) {
+  t_ = steps;
+  state_.clear();
+  for (const auto& [key, t] : state) {
+    if (key.rfind("optim.m.", 0) == 0) state_[key.substr(8)].first = t.clone();
+    if (key.rfind("optim.v.", 0) == 0) state_[key.substr(8)].second = t.clone();
+  }
+  for (auto it = state_.begin(); it != state_.end();)  // both moments or neither
+    it = (it->second.first.defined() && it->second.second.defined()) ? std::next(it) : state_.erase(it);
+}
+
 double GradSquareSum(const std::vector<std::pair<std::string, torch::Tensor>>& params) {
   double s = 0;
   for (const auto& [name, p] : params)
@@ -122,7 +142,7 @@ absl::StatusOr<TrainResult> TrainLocal(const JobSetup& setup, int steps, torch::
       loss_sum += loss.item<double>();
     }
     ClipByGlobalNorm(model.parameters(), GradSquareSum(model.parameters()), setup.job.optimizer.grad_clip);
-    opt.Step(model.parameters(), LearningRate(setup.job.optimizer, step, steps));
+    opt.Step(model.parameters(), LearningRate(setup.job.optimizer, step, setup.job.steps));
     r.losses.push_back(loss_sum);
     if (on_step) on_step(step, loss_sum);
   }

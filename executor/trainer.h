@@ -40,6 +40,10 @@ class AdamW {
   explicit AdamW(core::OptimizerSpec spec) : spec_(spec) {}
   void Step(const std::vector<std::pair<std::string, torch::Tensor>>& params, double lr);
   int64_t steps() const { return t_; }
+  // State for checkpoints: "optim.m.<param>", "optim.v.<param>" tensors and the step count.
+  std::map<std::string, torch::Tensor> ExportState() const;
+  // Restores what ExportState produced (missing entries start from zero).
+  void ImportState(const std::map<std::string, torch::Tensor>& state, int64_t steps);
 
  private:
   core::OptimizerSpec spec_;
@@ -70,7 +74,8 @@ struct TrainResult {
   std::map<std::string, torch::Tensor> parameters;
 };
 
-// The reference: trains the whole model in this process for `steps` steps.
+// The reference: trains the whole model in this process for `steps` steps. The learning-rate schedule
+// always spans job.steps, so a shorter run is a prefix of the full one (and resumable).
 absl::StatusOr<TrainResult> TrainLocal(const JobSetup& setup, int steps, torch::Device device,
                                        const std::function<void(int, double)>& on_step = nullptr);
 

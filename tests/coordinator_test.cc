@@ -165,6 +165,47 @@ TEST_F(CoordinatorTest, JoinProfilePlanTrainMatchesTheReference) {
   }
 }
 
+TEST_F(CoordinatorTest, ResumedRunEndsWhereAnUninterruptedOneWould) {
+  SetSteps(6);
+  std::ofstream(dir_ / "job.yaml", std::ios::app) << "  checkpoint: {dir: ckpt, interval: 2}\n";
+  {
+    auto coord = Coordinator("--steps 4");
+    std::this_thread::sleep_for(500ms);
+    auto a = Executor("a"), b = Executor("b"), c = Executor("c");
+    std::string log = coord->ReadAll(180s);
+    ASSERT_EQ(coord->Wait(30s), 0) << log;
+  }
+  ASSERT_TRUE(fs::exists(dir_ / "ckpt" / "step-4"));
+  fs::remove_all(dir_ / "run" / "weights");
+  auto coord = Coordinator("--steps 6 --resume");
+  std::this_thread::sleep_for(500ms);
+  auto a = Executor("a"), b = Executor("b"), c = Executor("c");
+  std::string log = coord->ReadAll(180s);
+  ASSERT_EQ(coord->Wait(30s), 0) << log;
+  EXPECT_THAT(log, HasSubstr("resuming from the newest intact checkpoint"));
+  Process ref(Bin("meridian") + " train-local " + (dir_ / "job.yaml").string() + " --out " + (dir_ / "local").string());
+  ASSERT_EQ(ref.Wait(120s), 0);
+  auto want = core::ReadSafetensors((dir_ / "local" / "model.safetensors").string());
+  ASSERT_TRUE(want.ok());
+  std::map<std::string, core::Tensor> got;
+  for (const auto& e : fs::directory_iterator(dir_ / "run" / "weights")) {
+    auto f = core::ReadSafetensors(e.path().string());
+    ASSERT_TRUE(f.ok());
+    for (auto& [k, v] : f->tensors)
+      if (k.rfind("optim.", 0) != 0) got[k] = v;
+  }
+  ASSERT_EQ(got.size(), want->tensors.size());
+  for (const auto& [name, t] : want->tensors) {
+    double num = 0, den = 0;
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      double x = got[name].data<float>()[i], y = t.data<float>()[i];
+      num += (x - y) * (x - y);
+      den += y * y;
+    }
+    EXPECT_LE(std::sqrt(num / den), 1e-5) << name;
+  }
+}
+
 TEST_F(CoordinatorTest, JoinsThatCannotSucceedFailFastWithOneMessage) {
   SetSteps(1);
   auto coord = Coordinator();

@@ -104,7 +104,8 @@ class PipelineTest : public ::testing::Test {
   // Runs one executor process per stage; returns the merged final parameters and the loss log.
   std::map<std::string, core::Tensor> Distributed(const std::string& job, const std::vector<Stage>& stages,
                                                   const std::string& fwd, const std::string& bwd,
-                                                  std::vector<double>* losses) {
+                                                  std::vector<double>* losses, const std::string& extra = "",
+                                                  std::string* log = nullptr) {
     const char* names[] = {"a", "b", "c"};
     std::vector<int> ports;
     for (size_t k = 0; k < stages.size(); ++k) ports.push_back(FreePort());
@@ -127,9 +128,10 @@ class PipelineTest : public ::testing::Test {
       procs.push_back(std::make_unique<Process>(Bin("meridian-executor") + " --site " + names[k] + " --certs " +
                                                 (dir_ / "certs").string() + " --listen 127.0.0.1:" +
                                                 std::to_string(ports[k]) + " --assignment " + apath + " --job " + job +
-                                                " --out " + out.string()));
+                                                " --out " + out.string() + " " + extra + " 2>&1"));
     }
     std::string log0 = procs[0]->ReadAll(300s);
+    if (log) *log = log0;
     for (auto& p : procs) EXPECT_EQ(p->Wait(120s), 0);
     if (losses) *losses = Losses(log0);  // stage 0 prints the loss relayed from the last stage
     std::map<std::string, core::Tensor> merged;
@@ -187,6 +189,23 @@ TEST_F(PipelineTest, Int8LinksStayWithinTwoPercentOfTheIdentityLoss) {
   RecordProperty("compressed_final_loss", std::to_string(compressed.back()));
   EXPECT_LT(exact.back(), exact.front());  // it learns
   EXPECT_NEAR(compressed.back(), exact.back(), 0.02 * exact.back());
+}
+
+TEST_F(PipelineTest, ResumeFromTheLastIntactCheckpointOnAnyPartitionMatchesAnUninterruptedRun) {
+  std::string job = Job("job", 6);
+  std::ofstream(job, std::ios::app) << "  checkpoint: {dir: ckpt, interval: 2}\n";
+  auto full = Distributed(job, {{0, 2}, {3, 5}}, "identity", "identity", nullptr);
+  for (int step : {2, 4, 6}) {
+    EXPECT_TRUE(fs::exists(dir_ / "ckpt" / ("step-" + std::to_string(step)) / "stage-0.json")) << step;
+    EXPECT_TRUE(fs::exists(dir_ / "ckpt" / ("step-" + std::to_string(step)) / "stage-1.safetensors")) << step;
+  }
+  // The newest checkpoint is damaged: a truncated shard. Resuming must use step 4.
+  fs::resize_file(dir_ / "ckpt" / "step-6" / "stage-1.safetensors", 100);
+  std::string log;
+  auto resumed = Distributed(job, {{0, 1}, {2, 3}, {4, 5}}, "identity", "identity", nullptr, "--resume", &log);
+  EXPECT_THAT(log, HasSubstr("resuming after step 4"));
+  EXPECT_THAT(log, HasSubstr("checksum mismatch"));
+  ExpectClose(resumed, full);
 }
 
 TEST_F(PipelineTest, ProfilerWritesWhatThePlannerReads) {

@@ -1,0 +1,137 @@
+#include "executor/checkpoint.h"
+
+#include <openssl/evp.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "core/safetensors.h"
+#include "executor/trainer.h"
+
+namespace meridian::executor {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string Sha256(const std::string& data) {
+  unsigned char md[EVP_MAX_MD_SIZE];
+  unsigned int n = 0;
+  EVP_Digest(data.data(), data.size(), md, &n, EVP_sha256(), nullptr);
+  std::string hex;
+  for (unsigned int i = 0; i < n; ++i) absl::StrAppend(&hex, absl::Hex(md[i], absl::kZeroPad2));
+  return hex;
+}
+
+absl::Status WriteText(const std::string& path, const std::string& text) {
+  std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    out << text;
+    out.flush();
+    if (!out) return absl::InternalError(absl::StrCat(tmp, ": cannot write"));
+  }
+  std::error_code ec;
+  fs::rename(tmp, path, ec);
+  if (ec) return absl::InternalError(absl::StrCat(path, ": cannot rename into place: ", ec.message()));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status WriteCheckpoint(const std::string& dir, int64_t step, int stage, int num_stages,
+                             const std::map<std::string, torch::Tensor>& tensors) {
+  const std::string sdir = absl::StrCat(dir, "/step-", step);
+  std::error_code ec;
+  fs::create_directories(sdir, ec);
+  if (ec) return absl::InternalError(absl::StrCat(sdir, ": cannot create: ", ec.message()));
+  const std::string shard = absl::StrCat(sdir, "/stage-", stage, ".safetensors");
+  if (absl::Status s = SaveParameters(shard, tensors); !s.ok()) return s;
+  std::ifstream in(shard, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  nlohmann::json names = nlohmann::json::array();
+  for (const auto& [n, t] : tensors) names.push_back(n);
+  nlohmann::json j = {{"step", step}, {"stage", stage}, {"num_stages", num_stages},
+                      {"shard", fs::path(shard).filename().string()}, {"sha256", Sha256(ss.str())},
+                      {"tensors", names}};
+  return WriteText(absl::StrCat(sdir, "/stage-", stage, ".json"), j.dump(1));
+}
+
+absl::StatusOr<Checkpoint> LoadLatestCheckpoint(const std::string& dir, std::string* skipped) {
+  std::vector<std::pair<int64_t, fs::path>> steps;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (e.is_directory() && name.rfind("step-", 0) == 0) {
+      char* end = nullptr;
+      long long n = std::strtoll(name.c_str() + 5, &end, 10);
+      if (*end == '\0') steps.push_back({n, e.path()});
+    }
+  }
+  if (ec) return absl::NotFoundError(absl::StrCat(dir, ": no checkpoints (", ec.message(), ")"));
+  std::sort(steps.rbegin(), steps.rend());
+  std::string why;
+  for (const auto& [step, path] : steps) {
+    // Find the stage count from any stage JSON, then require all of them.
+    int num_stages = -1;
+    bool mixed = false;
+    std::map<int, nlohmann::json> metas;
+    for (const auto& e : fs::directory_iterator(path)) {
+      if (e.path().extension() != ".json") continue;
+      std::ifstream in(e.path());
+      auto j = nlohmann::json::parse(in, nullptr, false);
+      if (j.is_discarded() || !j.contains("stage") || !j.contains("num_stages") || !j["stage"].is_number_integer() ||
+          !j["num_stages"].is_number_integer() || !j.contains("sha256") || !j.contains("shard"))
+        continue;
+      // Shards of two partitions in one step directory (a resumed run re-cut the model and died while
+      // writing) do not make a checkpoint.
+      if (num_stages >= 0 && j["num_stages"].get<int>() != num_stages) mixed = true;
+      num_stages = j["num_stages"].get<int>();
+      metas[j["stage"].get<int>()] = j;
+    }
+    if (mixed) {
+      absl::StrAppend(&why, path.string(), ": shards of different partitions; ");
+      continue;
+    }
+    if (num_stages <= 0 || static_cast<int>(metas.size()) != num_stages) {
+      absl::StrAppend(&why, path.string(), ": incomplete (", metas.size(), " of ", std::max(num_stages, 0),
+                      " stages); ");
+      continue;
+    }
+    Checkpoint c;
+    c.step = step;
+    c.path = path.string();
+    bool ok = true;
+    for (const auto& [k, meta] : metas) {
+      const std::string shard = (path / meta["shard"].get<std::string>()).string();
+      std::ifstream in(shard, std::ios::binary);
+      std::stringstream ss;
+      ss << in.rdbuf();
+      if (!in.good() && !in.eof()) ok = false;
+      if (!ok || Sha256(ss.str()) != meta["sha256"].get<std::string>()) {
+        absl::StrAppend(&why, shard, ": checksum mismatch (truncated or corrupt); ");
+        ok = false;
+        break;
+      }
+      auto tensors = LoadParameters(shard);
+      if (!tensors.ok()) {
+        absl::StrAppend(&why, tensors.status().message(), "; ");
+        ok = false;
+        break;
+      }
+      c.tensors.insert(tensors->begin(), tensors->end());
+    }
+    if (!ok) continue;
+    if (skipped) *skipped = why;
+    return c;
+  }
+  if (skipped) *skipped = why;
+  return absl::NotFoundError(absl::StrCat(dir, ": no complete, intact checkpoint", why.empty() ? "" : ": ", why));
+}
+
+}  // namespace meridian::executor

@@ -1,0 +1,35 @@
+// Checkpoints that do not depend on the partition. Checkpoint of step N lives in DIR/step-N/: each
+// stage writes stage-K.safetensors (its parameters by HF name, its AdamW moments as optim.m.NAME /
+// optim.v.NAME) and then stage-K.json {step, stage, num_stages, sha256 of the shard, tensor names}.
+// Files are written atomically (temporary file, fsync, rename), the JSON last, so a present JSON means
+// a complete shard. Resuming with any partition loads each tensor by name from whichever shard has it.
+#ifndef MERIDIAN_EXECUTOR_CHECKPOINT_H_
+#define MERIDIAN_EXECUTOR_CHECKPOINT_H_
+
+#include <torch/torch.h>
+
+#include <map>
+#include <string>
+
+#include "absl/status/statusor.h"
+
+namespace meridian::executor {
+
+// Writes stage `stage` of `num_stages` for `step` (the number of completed steps). Thread-compatible.
+absl::Status WriteCheckpoint(const std::string& dir, int64_t step, int stage, int num_stages,
+                             const std::map<std::string, torch::Tensor>& tensors);
+
+struct Checkpoint {
+  int64_t step = 0;
+  std::map<std::string, torch::Tensor> tensors;  // parameters and optimizer moments of every stage
+  std::string path;
+};
+
+// The newest complete and intact checkpoint under `dir`: every stage's JSON present and every shard's
+// SHA-256 matching. A newer checkpoint that is incomplete or corrupt is skipped, and `skipped` says
+// why. NotFound when there is none.
+absl::StatusOr<Checkpoint> LoadLatestCheckpoint(const std::string& dir, std::string* skipped = nullptr);
+
+}  // namespace meridian::executor
+
+#endif  // MERIDIAN_EXECUTOR_CHECKPOINT_H_
