@@ -98,27 +98,20 @@ int Run(const RunOptions& o) {
   fs::create_directories(o.run_dir);
   const std::string run_dir = fs::absolute(o.run_dir).string();
 
-  auto creds = rpc::MakeServerCredentials(certs, "coordinator");
-  if (!creds.ok()) {
-    std::cerr << "meridian run: " << creds.status().message() << " (create them with `meridian certs init`)\n";
-    return 2;
-  }
   std::mt19937_64 rng(std::random_device{}());
   const std::string run_id = absl::StrFormat("%016x", rng());
   Coordinator coord(spec, run_id);
   std::set<std::string> names;
   for (const auto& s : spec.sites) names.insert(s.name);
   rpc::CoordinatorService service(names, &coord);
-  grpc::ServerBuilder builder;
-  rpc::ConfigureServer(&builder);
-  int port = 0;
-  builder.AddListeningPort(spec.coordinator.ToString(), *creds, &port);
-  builder.RegisterService(&service);
-  auto server = builder.BuildAndStart();
-  if (!server || port == 0) {
-    std::cerr << "meridian run: cannot listen on " << spec.coordinator.ToString() << "\n";
-    return 1;
+  auto started = rpc::StartMtlsServer(certs, "coordinator", spec.coordinator.ToString(), {&service});
+  if (!started.ok()) {
+    const bool bad_certs = started.status().code() != absl::StatusCode::kUnavailable;
+    std::cerr << "meridian run: " << started.status().message()
+              << (bad_certs ? " (create the certificates with `meridian certs init`)" : "") << "\n";
+    return bad_certs ? 2 : 1;
   }
+  std::unique_ptr<grpc::Server> server = std::move(*started);
   std::cout << "coordinator for cluster '" << spec.name << "' listening on " << spec.coordinator.ToString()
             << " (run " << run_id << ")\njoin each site with:\n";
   for (const auto& s : spec.sites)

@@ -16,16 +16,7 @@ void AddTrainLocalOptions(CLI::App* cmd, TrainLocalOptions* o) {
 }
 
 int RunTrainLocal(const TrainLocalOptions& o) {
-  auto spec = core::LoadSpecFile(o.job_path);
-  if (!spec.errors.empty()) {
-    for (const auto& d : spec.errors) std::cerr << d.ToString() << "\n";
-    return 2;
-  }
-  if (!spec.spec->job) {
-    std::cerr << "meridian train-local: " << o.job_path << ": has no 'job' section\n";
-    return 2;
-  }
-  auto setup = executor::PrepareJob(*spec.spec->job, o.job_path);
+  auto setup = executor::LoadJob(o.job_path);
   if (!setup.ok()) {
     std::cerr << "meridian train-local: " << setup.status().message() << "\n";
     return 2;

@@ -46,21 +46,12 @@ int RunJoined(const ExecutorOptions& o, const v1::RegisterResponse& reg, v1::Coo
   std::set<std::string> allowed(reg.sites().begin(), reg.sites().end());
   allowed.erase(o.site);
   rpc::PeerService peer_service(o.site, allowed, &inbox);
-  auto creds = rpc::MakeServerCredentials(o.certs, o.site);
-  if (!creds.ok()) {
-    std::cerr << "meridian-executor: " << creds.status().message() << "\n";
-    return 2;
+  auto started = rpc::StartMtlsServer(o.certs, o.site, o.listen, {&peer_service});
+  if (!started.ok()) {
+    std::cerr << "meridian-executor: " << started.status().message() << "\n";
+    return started.status().code() == absl::StatusCode::kUnavailable ? 1 : 2;
   }
-  grpc::ServerBuilder builder;
-  rpc::ConfigureServer(&builder);
-  int port = 0;
-  builder.AddListeningPort(o.listen, *creds, &port);
-  builder.RegisterService(&peer_service);
-  auto server = builder.BuildAndStart();
-  if (!server || port == 0) {
-    std::cerr << "meridian-executor: cannot listen on " << o.listen << "\n";
-    return 1;
-  }
+  std::unique_ptr<grpc::Server> server = std::move(*started);
   std::atomic<int64_t> step{-1};
   std::atomic<bool> done{false};
   std::string state = "idle";

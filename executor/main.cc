@@ -44,16 +44,7 @@ int RunStatic(const executor::ExecutorOptions& o, const std::string& assignment_
     std::cerr << "meridian-executor: " << a.status().message() << "\n";
     return 2;
   }
-  auto spec = core::LoadSpecFile(job_path);
-  if (!spec.errors.empty()) {
-    for (const auto& d : spec.errors) std::cerr << d.ToString() << "\n";
-    return 2;
-  }
-  if (!spec.spec->job) {
-    std::cerr << "meridian-executor: " << job_path << ": has no 'job' section\n";
-    return 2;
-  }
-  auto setup = executor::PrepareJob(*spec.spec->job, job_path);
+  auto setup = executor::LoadJob(job_path);
   if (!setup.ok()) {
     std::cerr << "meridian-executor: " << setup.status().message() << "\n";
     return 2;
@@ -69,21 +60,12 @@ int RunStatic(const executor::ExecutorOptions& o, const std::string& assignment_
   if (!a->prev_site.empty()) allowed.insert(a->prev_site);
   if (!a->next_site.empty()) allowed.insert(a->next_site);
   rpc::PeerService service(o.site, allowed, &inbox);
-  auto creds = rpc::MakeServerCredentials(o.certs, o.site);
-  if (!creds.ok()) {
-    std::cerr << "meridian-executor: " << creds.status().message() << "\n";
-    return 2;
+  auto started = rpc::StartMtlsServer(o.certs, o.site, o.listen, {&service});
+  if (!started.ok()) {
+    std::cerr << "meridian-executor: " << started.status().message() << "\n";
+    return started.status().code() == absl::StatusCode::kUnavailable ? 1 : 2;
   }
-  grpc::ServerBuilder builder;
-  rpc::ConfigureServer(&builder);
-  int port = 0;
-  builder.AddListeningPort(o.listen, *creds, &port);
-  builder.RegisterService(&service);
-  auto server = builder.BuildAndStart();
-  if (!server || port == 0) {
-    std::cerr << "meridian-executor: cannot listen on " << o.listen << "\n";
-    return 1;
-  }
+  std::unique_ptr<grpc::Server> server = std::move(*started);
   torch::Device device(o.device == "cpu" ? torch::Device(torch::kCPU) : torch::Device(o.device));
   executor::StageWorker worker(*setup, *a, &inbox, o.certs, o.site, device, std::chrono::seconds(timeout_s));
   auto fail = [&](const absl::Status& s) {
@@ -125,16 +107,7 @@ int RunStatic(const executor::ExecutorOptions& o, const std::string& assignment_
 
 // Measures this device and the job's model per op; writes DIR/graph.json and DIR/profile-SITE.json.
 int RunProfile(const executor::ExecutorOptions& o, const std::string& job_path, const std::string& out_dir) {
-  auto spec = core::LoadSpecFile(job_path);
-  if (!spec.errors.empty()) {
-    for (const auto& d : spec.errors) std::cerr << d.ToString() << "\n";
-    return 2;
-  }
-  if (!spec.spec->job) {
-    std::cerr << "meridian-executor: " << job_path << ": has no 'job' section\n";
-    return 2;
-  }
-  auto setup = executor::PrepareJob(*spec.spec->job, job_path);
+  auto setup = executor::LoadJob(job_path);
   if (!setup.ok()) {
     std::cerr << "meridian-executor: " << setup.status().message() << "\n";
     return 2;

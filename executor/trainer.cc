@@ -121,6 +121,17 @@ absl::StatusOr<JobSetup> PrepareJob(const core::JobSpec& job, const std::string&
   return s;
 }
 
+absl::StatusOr<JobSetup> LoadJob(const std::string& job_path) {
+  auto spec = core::LoadSpecFile(job_path);
+  if (!spec.errors.empty()) {
+    std::string all;
+    for (const auto& d : spec.errors) all += (all.empty() ? "" : "\n") + d.ToString();
+    return absl::InvalidArgumentError(all);
+  }
+  if (!spec.spec->job) return absl::InvalidArgumentError(absl::StrCat(job_path, ": has no 'job' section"));
+  return PrepareJob(*spec.spec->job, job_path);
+}
+
 absl::StatusOr<TrainResult> TrainLocal(const JobSetup& setup, int steps, torch::Device device,
                                        const std::function<void(int, double)>& on_step) {
   const LlamaConfig& c = setup.model;

@@ -69,6 +69,10 @@ struct JobSetup {
 // this build supports. Errors name the field.
 absl::StatusOr<JobSetup> PrepareJob(const core::JobSpec& job, const std::string& job_path);
 
+// Reads a YAML file with a 'job' section and prepares it (PrepareJob). Errors carry the file's
+// located diagnostics (FILE:LINE:COL: error: ...) or name the missing section.
+absl::StatusOr<JobSetup> LoadJob(const std::string& job_path);
+
 struct TrainResult {
   std::vector<double> losses;  // mean loss of each step
   std::map<std::string, torch::Tensor> parameters;

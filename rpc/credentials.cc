@@ -84,6 +84,22 @@ void ConfigureServer(grpc::ServerBuilder* builder) {
   builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 2000);
 }
 
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartMtlsServer(const std::string& certs_dir, const std::string& name,
+                                                              const std::string& address,
+                                                              const std::vector<grpc::Service*>& services, int* port) {
+  auto creds = MakeServerCredentials(certs_dir, name);
+  if (!creds.ok()) return creds.status();
+  grpc::ServerBuilder builder;
+  ConfigureServer(&builder);
+  int bound = 0;
+  builder.AddListeningPort(address, *creds, &bound);
+  for (grpc::Service* s : services) builder.RegisterService(s);
+  auto server = builder.BuildAndStart();
+  if (!server || bound == 0) return absl::UnavailableError(absl::StrCat("cannot listen on ", address));
+  if (port) *port = bound;
+  return server;
+}
+
 std::string PeerCommonName(const grpc::ServerContext& context) {
   auto auth = context.auth_context();
   if (!auth || !auth->IsPeerAuthenticated()) return "";

@@ -7,11 +7,13 @@
 
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/security/server_credentials.h>
+#include <grpcpp/server.h>
 #include <grpcpp/server_builder.h>
 #include <grpcpp/server_context.h>
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 
@@ -32,6 +34,14 @@ grpc::ChannelArguments PeerChannelArguments(const std::string& peer_name);
 
 // Message-size limits and keepalive policy matching PeerChannelArguments; call on every ServerBuilder.
 void ConfigureServer(grpc::ServerBuilder* builder);
+
+// Builds and starts a gRPC server on `address` with NAME's mutual-TLS credentials, the policy of
+// ConfigureServer and `services`. Errors name the certificate file or the address. `port` receives the
+// bound port (useful with port 0).
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartMtlsServer(const std::string& certs_dir, const std::string& name,
+                                                              const std::string& address,
+                                                              const std::vector<grpc::Service*>& services,
+                                                              int* port = nullptr);
 
 // The CN of the verified client certificate of the calling peer, or "" if there is none.
 std::string PeerCommonName(const grpc::ServerContext& context);

@@ -14,6 +14,7 @@
 #include "core/certs.h"
 #include "core/safetensors.h"
 #include "tests/process.h"
+#include "tests/test_util.h"
 
 namespace meridian {
 namespace {
@@ -23,19 +24,9 @@ using ::testing::HasSubstr;
 using testing::Process;
 using namespace std::chrono_literals;
 
-std::string Bin(const std::string& b) { return std::string(MERIDIAN_TEST_BINARY_DIR) + "/bin/" + b; }
+using testing::Bin;
+using testing::FreePort;
 
-int FreePort() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t len = sizeof a;
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  close(fd);
-  return ntohs(a.sin_port);
-}
 
 class CoordinatorTest : public ::testing::Test {
  protected:
@@ -132,12 +123,7 @@ TEST_F(CoordinatorTest, JoinProfilePlanTrainMatchesTheReference) {
   ASSERT_EQ(ref.Wait(120s), 0);
   auto want = core::ReadSafetensors((dir_ / "local" / "model.safetensors").string());
   ASSERT_TRUE(want.ok());
-  std::map<std::string, core::Tensor> got;
-  for (const auto& e : fs::directory_iterator(dir_ / "run" / "weights")) {
-    auto f = core::ReadSafetensors(e.path().string());
-    ASSERT_TRUE(f.ok()) << f.status();
-    got.insert(f->tensors.begin(), f->tensors.end());
-  }
+  auto got = testing::MergeShards(dir_ / "run" / "weights");
   ASSERT_EQ(got.size(), want->tensors.size());
   // The consolidated export holds the same tensors, with the model's config.
   auto exported = core::ReadSafetensors((dir_ / "export" / "model.safetensors").string());
@@ -154,15 +140,7 @@ TEST_F(CoordinatorTest, JoinProfilePlanTrainMatchesTheReference) {
     ++lines;
   }
   EXPECT_GE(lines, 1);
-  for (const auto& [name, t] : want->tensors) {
-    double num = 0, den = 0;
-    for (int64_t i = 0; i < t.numel(); ++i) {
-      double x = got[name].data<float>()[i], y = t.data<float>()[i];
-      num += (x - y) * (x - y);
-      den += y * y;
-    }
-    EXPECT_LE(std::sqrt(num / den), 1e-5) << name;
-  }
+  for (const auto& [name, t] : want->tensors) EXPECT_LE(testing::RelativeL2(got[name], t), 1e-5) << name;
 }
 
 TEST_F(CoordinatorTest, ResumedRunEndsWhereAnUninterruptedOneWould) {
@@ -187,23 +165,9 @@ TEST_F(CoordinatorTest, ResumedRunEndsWhereAnUninterruptedOneWould) {
   ASSERT_EQ(ref.Wait(120s), 0);
   auto want = core::ReadSafetensors((dir_ / "local" / "model.safetensors").string());
   ASSERT_TRUE(want.ok());
-  std::map<std::string, core::Tensor> got;
-  for (const auto& e : fs::directory_iterator(dir_ / "run" / "weights")) {
-    auto f = core::ReadSafetensors(e.path().string());
-    ASSERT_TRUE(f.ok());
-    for (auto& [k, v] : f->tensors)
-      if (k.rfind("optim.", 0) != 0) got[k] = v;
-  }
+  auto got = testing::MergeShards(dir_ / "run" / "weights");
   ASSERT_EQ(got.size(), want->tensors.size());
-  for (const auto& [name, t] : want->tensors) {
-    double num = 0, den = 0;
-    for (int64_t i = 0; i < t.numel(); ++i) {
-      double x = got[name].data<float>()[i], y = t.data<float>()[i];
-      num += (x - y) * (x - y);
-      den += y * y;
-    }
-    EXPECT_LE(std::sqrt(num / den), 1e-5) << name;
-  }
+  for (const auto& [name, t] : want->tensors) EXPECT_LE(testing::RelativeL2(got[name], t), 1e-5) << name;
 }
 
 TEST_F(CoordinatorTest, JoinsThatCannotSucceedFailFastWithOneMessage) {

@@ -44,24 +44,15 @@ int main(int argc, char** argv) {
     for (std::string p; std::getline(ss, p, ',');) allow.insert(p);
     rpc::TensorInbox inbox;
     rpc::PeerService service(need("--self"), allow, &inbox);
-    auto creds = rpc::MakeServerCredentials(need("--certs"), need("--self"));
-    if (!creds.ok()) {
-      std::fprintf(stderr, "meridian-peertool: %s\n", std::string(creds.status().message()).c_str());
-      return 2;
-    }
-    grpc::ServerBuilder b;
-    rpc::ConfigureServer(&b);
     int port = 0;
-    b.AddListeningPort(need("--listen"), *creds, &port);
-    b.RegisterService(&service);
-    auto server = b.BuildAndStart();
-    if (!server) {
-      std::fprintf(stderr, "meridian-peertool: cannot listen on %s\n", f["--listen"].c_str());
-      return 1;
+    auto server = rpc::StartMtlsServer(need("--certs"), need("--self"), need("--listen"), {&service}, &port);
+    if (!server.ok()) {
+      std::fprintf(stderr, "meridian-peertool: %s\n", std::string(server.status().message()).c_str());
+      return 2;
     }
     std::printf("listening %d\n", port);
     std::fflush(stdout);
-    server->Wait();
+    (*server)->Wait();
     return 0;
   }
   auto client = rpc::PeerClient::Create(need("--certs"), need("--self"), need("--peer"), need("--address"));

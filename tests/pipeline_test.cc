@@ -15,6 +15,7 @@
 #include "core/certs.h"
 #include "core/safetensors.h"
 #include "tests/process.h"
+#include "tests/test_util.h"
 
 namespace meridian {
 namespace {
@@ -31,19 +32,9 @@ nlohmann::json Load(const std::string& path) {
 }
 }  // namespace partitioner_json
 
-std::string Bin(const std::string& b) { return std::string(MERIDIAN_TEST_BINARY_DIR) + "/bin/" + b; }
+using testing::Bin;
+using testing::FreePort;
 
-int FreePort() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t len = sizeof a;
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  close(fd);
-  return ntohs(a.sin_port);
-}
 
 // A 2-layer LLaMA (6 ops: embed, 2 x (attn, mlp), head) with grouped-query attention.
 const char kConfig[] = R"({"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -143,22 +134,12 @@ class PipelineTest : public ::testing::Test {
     return merged;
   }
 
-  static double RelDiff(const core::Tensor& a, const core::Tensor& b) {
-    double num = 0, den = 0;
-    for (int64_t i = 0; i < a.numel(); ++i) {
-      double x = a.data<float>()[i], y = b.data<float>()[i];
-      num += (x - y) * (x - y);
-      den += y * y;
-    }
-    return std::sqrt(num / std::max(den, 1e-30));
-  }
-
   void ExpectClose(const std::map<std::string, core::Tensor>& got, const std::map<std::string, core::Tensor>& want) {
     ASSERT_EQ(got.size(), want.size());
     for (const auto& [name, t] : want) {
       ASSERT_TRUE(got.count(name)) << name;
       ASSERT_EQ(got.at(name).shape, t.shape) << name;
-      EXPECT_LE(RelDiff(got.at(name), t), 1e-5) << name;
+      EXPECT_LE(testing::RelativeL2(got.at(name), t), 1e-5) << name;
     }
   }
 

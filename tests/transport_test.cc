@@ -10,6 +10,7 @@
 
 #include "core/certs.h"
 #include "tests/process.h"
+#include "tests/test_util.h"
 #include "tests/wan/harness.h"
 
 namespace meridian {
@@ -20,7 +21,8 @@ using ::testing::HasSubstr;
 using testing::Process;
 using namespace std::chrono_literals;
 
-std::string Bin(const std::string& b) { return std::string(MERIDIAN_TEST_BINARY_DIR) + "/bin/" + b; }
+using testing::Bin;
+using testing::FreePort;
 
 class TransportTest : public ::testing::Test {
  protected:
