@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "coordinator/doctor.h"
 #include "coordinator/plan_command.h"
 #include "coordinator/run.h"
 #include "coordinator/train_local.h"
@@ -112,6 +113,11 @@ int main(int argc, char** argv) {
   auto* plan = app.add_subcommand("plan", "Partition a model's operator graph over a cluster profile");
   coordinator::AddPlanOptions(plan, &plan_options);
   plan->callback([&] { rc = coordinator::RunPlanCommand(plan_options); });
+
+  auto* doctor = app.add_subcommand("doctor", "Check the spec, the CA and every site's identity before a run");
+  std::string doctor_spec;
+  doctor->add_option("CLUSTER", doctor_spec, "Cluster spec (YAML)")->required();
+  doctor->callback([&] { rc = coordinator::Doctor(doctor_spec); });
 
   coordinator::RunOptions run_options;
   auto* run = app.add_subcommand("run", "Start the coordinator: join the sites, profile, plan, train");

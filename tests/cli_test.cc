@@ -73,7 +73,7 @@ TEST_F(Cli, HelpAndVersion) {
     EXPECT_EQ(h.rc, 0);
     EXPECT_THAT(h.out, HasSubstr("Usage"));
   }
-  for (const char* sub : {"validate", "certs", "certs init", "certs issue", "plan", "graph"}) {
+  for (const char* sub : {"validate", "certs", "certs init", "certs issue", "plan", "graph", "run", "train-local", "doctor"}) {
     auto h = Exec(Bin("meridian") + " " + sub + " --help");
     EXPECT_EQ(h.rc, 0) << sub;
     EXPECT_THAT(h.out, HasSubstr("Usage")) << sub;
@@ -130,6 +130,21 @@ TEST_F(Cli, CertsInitAndIssueVerifyWithOpenssl) {
   EXPECT_THAT(san.out, HasSubstr("CN = tokyo"));
   EXPECT_THAT(san.out, HasSubstr("IP Address:198.51.100.7"));
   EXPECT_EQ(fs::status(out + "/tokyo.key").permissions() & fs::perms::all, fs::perms::owner_read | fs::perms::owner_write);
+}
+
+TEST_F(Cli, DoctorChecksEveryIdentity) {
+  std::string spec = Write("c.yaml", "cluster: d\ncoordinator: {address: 127.0.0.1:1}\nsecurity: {certs: certs}\nsites:\n"
+                                     "  - {name: a, address: 127.0.0.1:2}\n  - {name: b, address: 127.0.0.1:3}\n");
+  ASSERT_EQ(Exec(Bin("meridian") + " certs init --spec " + spec + " --out " + (dir_ / "certs").string()).rc, 0);
+  auto ok = Exec(Bin("meridian") + " doctor " + spec);
+  EXPECT_EQ(ok.rc, 0) << ok.out << ok.err;
+  EXPECT_THAT(ok.out, HasSubstr("ok    identity 'b'"));
+  EXPECT_THAT(ok.out, HasSubstr("no coordinator answers at 127.0.0.1:1"));
+  fs::remove(dir_ / "certs" / "b.key");
+  auto bad = Exec(Bin("meridian") + " doctor " + spec);
+  EXPECT_EQ(bad.rc, 1);
+  EXPECT_THAT(bad.out, HasSubstr("FAIL  identity 'b'"));
+  EXPECT_THAT(bad.out, HasSubstr("b.key"));
 }
 
 TEST_F(Cli, PlanTableJsonAndDot) {

@@ -174,6 +174,11 @@ TEST_F(CoordinatorTest, JoinsThatCannotSucceedFailFastWithOneMessage) {
   SetSteps(1);
   auto coord = Coordinator();
   std::this_thread::sleep_for(500ms);
+  // `meridian doctor` sees the running coordinator.
+  Process doctor(Bin("meridian") + " doctor " + (dir_ / "cluster.yaml").string());
+  std::string report = doctor.ReadAll(30s);
+  EXPECT_EQ(doctor.Wait(10s), 0) << report;
+  EXPECT_THAT(report, HasSubstr("answers over mutual TLS"));
   // A site the spec does not know, with a certificate of the right CA.
   Process issue(Bin("meridian") + " certs issue --ca-dir " + (dir_ / "certs").string() + " --site zed --host 127.0.0.1");
   ASSERT_EQ(issue.Wait(30s), 0);
