@@ -129,6 +129,18 @@ int main(int argc, char** argv) {
   coordinator::AddTrainLocalOptions(train, &train_options);
   train->callback([&] { rc = coordinator::RunTrainLocal(train_options); });
 
+  coordinator::EvalOptions eval_options;
+  auto* eval = app.add_subcommand("eval", "Held-out exact-match accuracy of a model on a job's instruction data");
+  coordinator::AddEvalOptions(eval, &eval_options);
+  eval->callback([&] { rc = coordinator::RunEval(eval_options); });
+
+  auto* tokenizer = app.add_subcommand("tokenizer", "SentencePiece tokenizers");
+  tokenizer->require_subcommand(1);
+  coordinator::TokenizerOptions tokenizer_options;
+  auto* tok_train = tokenizer->add_subcommand("train", "Train a SentencePiece (unigram, byte fallback) tokenizer on text");
+  coordinator::AddTokenizerOptions(tok_train, &tokenizer_options);
+  tok_train->callback([&] { rc = coordinator::RunTokenizerTrain(tokenizer_options); });
+
   coordinator::GraphCommandOptions graph_options;
   auto* graph = app.add_subcommand("graph", "Write the operator graph (graph.json) of a LLaMA-architecture config.json");
   coordinator::AddGraphOptions(graph, &graph_options);

@@ -18,6 +18,8 @@
 #include "absl/strings/str_format.h"
 #include "coordinator/coordinator.h"
 #include "core/safetensors.h"
+#include "executor/evaluate.h"
+#include "executor/trainer.h"
 #include "partitioner/planner.h"
 #include "rpc/credentials.h"
 
@@ -44,6 +46,9 @@ void AddRunOptions(CLI::App* cmd, RunOptions* o) {
   cmd->add_option("--join-timeout", o->join_timeout_seconds, "Seconds to wait for the sites (0: forever)");
   cmd->add_option("--micro-batches", o->micro_batches, "Micro-batches per step (default: the job's)");
   cmd->add_flag("--resume", o->resume, "Continue from the newest intact checkpoint of job.checkpoint.dir");
+  cmd->add_option("--eval-examples", o->eval_examples,
+                  "Held-out examples scored by exact match before and after training (JSONL jobs; 0: none)")
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--export", o->export_dir,
                   "After training, write the whole model there as HF safetensors + config.json, whatever the partition");
 }
@@ -67,6 +72,38 @@ absl::Status ExportModel(const std::string& weights_dir, const std::string& conf
   if (ec) return absl::InternalError(absl::StrCat(config_path, ": cannot copy: ", ec.message()));
   return absl::OkStatus();
 }
+
+namespace {
+
+// Held-out exact match of the initial model and of the trained one (the stage shards in RUN/weights);
+// prints one line and writes RUN/eval.json.
+absl::Status Evaluate(const executor::JobSetup& setup, const std::string& run_dir, int max_examples) {
+  std::map<std::string, torch::Tensor> trained;
+  for (const auto& e : fs::directory_iterator(run_dir + "/weights")) {
+    if (e.path().extension() != ".safetensors") continue;
+    auto shard = executor::LoadParameters(e.path().string());
+    if (!shard.ok()) return shard.status();
+    trained.merge(*shard);
+  }
+  auto before = executor::EvaluateExactMatch(setup, {}, torch::kCPU, max_examples);
+  if (!before.ok()) return before.status();
+  auto after = executor::EvaluateExactMatch(setup, trained, torch::kCPU, max_examples);
+  if (!after.ok()) return after.status();
+  std::printf("held-out exact match: %.1f%% before -> %.1f%% after training (%d examples)\n", 100 * before->accuracy(),
+              100 * after->accuracy(), after->examples);
+  for (int i = 0; i < std::min<int>(3, static_cast<int>(after->samples.size())); ++i)
+    std::printf("  %s -> '%s' (expected '%s')\n", after->samples[i].prompt.c_str(), after->samples[i].generated.c_str(),
+                after->samples[i].expected.c_str());
+  nlohmann::json j = {{"examples", after->examples},
+                      {"accuracy_before", before->accuracy()},
+                      {"accuracy_after", after->accuracy()}};
+  for (const auto& s : after->samples)
+    j["samples"].push_back({{"prompt", s.prompt}, {"expected", s.expected}, {"generated", s.generated}, {"correct", s.correct}});
+  std::ofstream(run_dir + "/eval.json") << j.dump(2) << "\n";
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 int Run(const RunOptions& o) {
   auto cluster = core::LoadSpecFile(o.cluster_path);
@@ -95,6 +132,17 @@ int Run(const RunOptions& o) {
   const std::string certs = core::ResolveRelative(o.cluster_path, spec.certs_dir);
   const std::string job_dir = fs::absolute(fs::path(job_path)).parent_path().string();
   const std::string job_yaml = ReadAll(job_path);
+  // The job as the executors will read it: model config, tokenizer and data must load here too, so a bad
+  // path fails now rather than after every site has joined.
+  auto setup = executor::LoadJob(job_path);
+  if (!setup.ok()) {
+    std::cerr << "meridian run: " << setup.status().message() << "\n";
+    return 2;
+  }
+  if (const data::Dataset* d = setup->data.dataset())
+    std::cout << "data: " << d->train_examples() << (d->instruction() ? " training examples" : " documents") << ", "
+              << d->train_tokens() << " tokens in " << d->num_sequences() << " sequences of " << job.sequence_length
+              << (d->held_out().empty() ? "" : absl::StrCat("; ", d->held_out().size(), " held out")) << "\n";
   fs::create_directories(o.run_dir);
   const std::string run_dir = fs::absolute(o.run_dir).string();
 
@@ -341,13 +389,25 @@ int Run(const RunOptions& o) {
               coord.progress().loss, run_dir.c_str());
   coord.StopAll();
   int rc = 0;
+  const std::string model_dir = core::ResolveRelative(job_path, job.model);
   if (!o.export_dir.empty()) {
-    const std::string config = core::ResolveRelative(job_path, job.model) + "/config.json";
-    if (absl::Status s = ExportModel(run_dir + "/weights", config, o.export_dir); !s.ok()) {
+    if (absl::Status s = ExportModel(run_dir + "/weights", model_dir + "/config.json", o.export_dir); !s.ok()) {
       std::cerr << "meridian run: export failed: " << s.message() << "\n";
       rc = 1;
     } else {
-      std::printf("exported the model to %s (model.safetensors + config.json)\n", o.export_dir.c_str());
+      std::error_code ec;
+      if (setup->tokenizer) {
+        const std::string tok = job.tokenizer.empty() ? model_dir + "/tokenizer.model" : core::ResolveRelative(job_path, job.tokenizer);
+        fs::copy_file(tok, o.export_dir + "/tokenizer.model", fs::copy_options::overwrite_existing, ec);
+      }
+      std::printf("exported the model to %s (model.safetensors + config.json%s)\n", o.export_dir.c_str(),
+                  setup->tokenizer ? " + tokenizer.model" : "");
+    }
+  }
+  if (const data::Dataset* d = setup->data.dataset(); d && !d->held_out().empty() && o.eval_examples > 0) {
+    if (absl::Status s = Evaluate(*setup, run_dir, o.eval_examples); !s.ok()) {
+      std::cerr << "meridian run: evaluation failed: " << s.message() << "\n";
+      rc = 1;
     }
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(500));

@@ -1,6 +1,7 @@
 // `meridian run CLUSTER.yaml [JOB.yaml]`: starts the coordinator, prints each site's join command, waits
 // for the executors, has them measure their devices, the model and every link, plans, sends each its
-// stage, and reports progress until the job ends. Exit 0 when training finished, 1 on a failure (a site
+// stage, and reports progress until the job ends; for instruction data, scores held-out exact match
+// before and after (RUN/eval.json). Exit 0 when training finished, 1 on a failure (a site
 // lost, a stage failed), 2 on invalid input.
 #ifndef MERIDIAN_COORDINATOR_RUN_H_
 #define MERIDIAN_COORDINATOR_RUN_H_
@@ -22,6 +23,7 @@ struct RunOptions {
   int micro_batches = 0;            // 0: the job's
   std::string export_dir;           // non-empty: consolidated HF export after training
   bool resume = false;              // stages start from the newest intact checkpoint
+  int eval_examples = 200;          // JSONL jobs: held-out examples scored before and after (0: none)
 };
 
 // Merges the stage shards in `weights_dir` into OUT/model.safetensors and copies the model's config.json:

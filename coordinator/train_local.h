@@ -1,9 +1,14 @@
-// `meridian train-local JOB.yaml --steps K --out DIR`: the single-process reference trainer, which
-// every distributed run must match (same model, data and seed). Writes DIR/model.safetensors.
+// Model tools that run in this process:
+// - `meridian train-local JOB.yaml --steps K --out DIR`: the single-process reference trainer, which every
+//   distributed run must match (same model, data and seed). DIR becomes an HF model directory:
+//   model.safetensors, config.json and (for text jobs) tokenizer.model.
+// - `meridian eval JOB.yaml [--weights PATH]`: held-out exact-match accuracy of a model on the job's data.
+// - `meridian tokenizer train --input FILE... --vocab-size N --out DIR`: a SentencePiece tokenizer.
 #ifndef MERIDIAN_COORDINATOR_TRAIN_LOCAL_H_
 #define MERIDIAN_COORDINATOR_TRAIN_LOCAL_H_
 
 #include <string>
+#include <vector>
 
 namespace CLI {
 class App;
@@ -18,6 +23,21 @@ struct TrainLocalOptions {
 void AddTrainLocalOptions(CLI::App* cmd, TrainLocalOptions* options);
 // Returns 0, 1 on a training failure, 2 on invalid input.
 int RunTrainLocal(const TrainLocalOptions& options);
+
+struct EvalOptions {
+  std::string job_path, weights, json_out, device = "cpu";
+  int max_examples = 0, show = 5;
+};
+void AddEvalOptions(CLI::App* cmd, EvalOptions* options);
+int RunEval(const EvalOptions& options);
+
+struct TokenizerOptions {
+  std::vector<std::string> inputs;
+  std::string out_dir;
+  int vocab_size = 8000;
+};
+void AddTokenizerOptions(CLI::App* cmd, TokenizerOptions* options);
+int RunTokenizerTrain(const TokenizerOptions& options);
 
 }  // namespace meridian::coordinator
 

@@ -390,12 +390,13 @@ void ParseLinks(Checker& c, const YAML::Node& n, ClusterSpec* cs) {
 void ParseJob(Checker& c, const YAML::Node& n, JobSpec* j) {
   const std::string ctx = "job";
   if (!c.Map(n, ctx, {"model", "tokenizer", "data", "steps", "global_batch", "micro_batches", "sequence_length",
-                      "seed", "replication", "optimizer", "compression", "checkpoint", "lora"}))
+                      "seed", "replication", "optimizer", "compression", "checkpoint", "lora", "eval_fraction"}))
     return;
   j->line = n.Mark().line + 1;
   c.String(n, "model", ctx, true, &j->model);
   c.String(n, "tokenizer", ctx, false, &j->tokenizer);
   c.String(n, "data", ctx, false, &j->data);
+  c.Double(n, "eval_fraction", ctx, false, 0, 0.9, false, &j->eval_fraction);
   c.IntAs(n, "steps", ctx, false, 1, 100000000, &j->steps);
   c.IntAs(n, "global_batch", ctx, false, 1, 1 << 20, &j->global_batch);
   c.IntAs(n, "micro_batches", ctx, false, 0, 1 << 16, &j->micro_batches);

@@ -92,7 +92,8 @@ struct LoraSpec {
 struct JobSpec {
   std::string model;       // HF model directory (config.json [+ safetensors]); relative to the spec file
   std::string tokenizer;   // SentencePiece model; default: <model>/tokenizer.model
-  std::string data;        // JSONL (prompt/response) or plain text
+  std::string data;        // "synthetic", JSONL (prompt/response) or plain text; relative to the spec file
+  double eval_fraction = 0.1;  // JSONL: share of the examples held out for exact-match evaluation
   int steps = 100;
   int global_batch = 8;    // sequences per optimizer step
   int micro_batches = 0;   // 0: chosen by the planner

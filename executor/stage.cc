@@ -76,7 +76,13 @@ StageWorker::StageWorker(JobSetup setup, StageAssignment a, rpc::TensorInbox* in
       device_(device), timeout_(step_timeout), opt_(setup_.job.optimizer),
       fwd_codec_(*compression::CodecSpec::Parse(a_.forward_codec)),
       bwd_codec_(*compression::CodecSpec::Parse(a_.backward_codec)) {
-  model_ = std::make_unique<StageModel>(setup_.model, a_.first_op, a_.last_op, setup_.job.seed, device_);
+  auto built = BuildStageModel(setup_, a_.first_op, a_.last_op, device_);
+  if (built.ok()) {
+    model_ = std::move(*built);
+  } else {  // reported by Connect(); the seeded model keeps the other methods well-defined
+    init_status_ = Annotate(built.status(), Where());
+    model_ = std::make_unique<StageModel>(setup_.model, a_.first_op, a_.last_op, setup_.job.seed, device_);
+  }
   if (!bwd_codec_.lossless() && setup_.job.compression.error_feedback)
     bwd_ef_ = std::make_unique<compression::ErrorFeedback>(bwd_codec_);
 }
@@ -84,6 +90,7 @@ StageWorker::StageWorker(JobSetup setup, StageAssignment a, rpc::TensorInbox* in
 std::string StageWorker::Where() const { return absl::StrCat("stage ", a_.stage, " (site '", self_, "')"); }
 
 absl::Status StageWorker::Connect() {
+  if (!init_status_.ok()) return init_status_;
   if (a_.stage > 0) {
     auto c = rpc::PeerClient::Create(certs_, self_, a_.prev_site, a_.prev_address);
     if (!c.ok()) return Annotate(c.status(), Where());
@@ -132,7 +139,7 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
   const int M = setup_.micro_batches, mbs = setup_.micro_batch_size, seq = setup_.job.sequence_length;
   const int64_t d = setup_.model.shape.hidden_size;
   const std::vector<int64_t> hidden = {mbs, seq, d};
-  const double normaliser = static_cast<double>(setup_.job.global_batch) * seq;
+  const double normaliser = setup_.data.StepTargets(step, M, mbs, seq);
   for (auto& [n, p] : model_->parameters())
     if (p.grad().defined()) p.mutable_grad() = torch::Tensor();
   struct Stash {
@@ -143,10 +150,10 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
   for (auto [kind, mb] : OneFOneBSchedule(a_.stage, a_.num_stages, M)) {
     if (kind == 'F') {
       Stash s;
-      torch::Tensor tokens;
-      if (model_->has_embed() || model_->has_head()) tokens = setup_.data.MicroBatch(step, mb, mbs, seq).to(device_);
+      TrainingData::Batch batch;
+      if (model_->has_embed() || model_->has_head()) batch = setup_.data.MicroBatch(step, mb, mbs, seq);
       if (model_->has_embed()) {
-        s.input = tokens.slice(1, 0, seq);
+        s.input = batch.inputs.to(device_);
       } else {
         auto in = Receive(a_.prev_site, {a_.job_id, step, mb, a_.stage - 1, v1::FORWARD, 0}, hidden);
         if (!in.ok()) return in.status();
@@ -154,7 +161,7 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
       }
       auto out = model_->Forward(s.input);
       if (model_->has_head()) {
-        s.output = CrossEntropySum(out, tokens.slice(1, 1, seq + 1), normaliser);
+        s.output = CrossEntropySum(out, batch.targets.to(device_), normaliser);
         loss_sum += s.output.item<double>();
       } else {
         s.output = out;

@@ -40,6 +40,7 @@ class StageWorker {
   StageWorker(JobSetup setup, StageAssignment assignment, rpc::TensorInbox* inbox, std::string certs_dir,
               std::string self, torch::Device device, std::chrono::seconds step_timeout);
   // Opens the streams to the neighbours (they may still be starting: waited for up to the timeout).
+  // First reports a failure to load the model directory's weights for this slice, if there was one.
   absl::Status Connect();
   // Runs optimizer step `step` of `total_steps`. Returns the step's mean loss on the last stage, nullopt
   // elsewhere. Every error names the stage, the peer and the tensor involved.
@@ -69,6 +70,7 @@ class StageWorker {
   torch::Device device_;
   std::chrono::seconds timeout_;
   std::unique_ptr<StageModel> model_;
+  absl::Status init_status_;
   AdamW opt_;
   compression::CodecSpec fwd_codec_, bwd_codec_;
   std::unique_ptr<compression::ErrorFeedback> bwd_ef_;

@@ -2,6 +2,9 @@
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
+
+#include "nlohmann/json.hpp"
 
 #include "absl/strings/str_cat.h"
 #include "core/safetensors.h"
@@ -27,6 +30,36 @@ torch::Tensor SyntheticData::MicroBatch(int64_t step, int micro_batch, int micro
     for (int i = 1; i <= seq_len; ++i) t[b][i] = nz[b][i] < 0.9f ? s[t[b][i - 1]] : rr[b][i];
   }
   return tokens;
+}
+
+TrainingData::Batch TrainingData::MicroBatch(int64_t step, int micro_batch, int mbs, int seq) const {
+  if (!dataset_) {
+    auto tokens = synthetic_.MicroBatch(step, micro_batch, mbs, seq);
+    return {tokens.slice(1, 0, seq), tokens.slice(1, 1, seq + 1)};
+  }
+  auto tokens = torch::empty({mbs, seq + 1}, torch::kInt32);
+  auto counted = torch::empty({mbs, seq}, torch::kUInt8);
+  for (int b = 0; b < mbs; ++b) {
+    // Sequence index independent of how the step is split into micro-batches.
+    const int64_t index = step * global_batch_ + static_cast<int64_t>(micro_batch) * mbs + b;
+    dataset_->Sequence(index, tokens[b].data_ptr<int32_t>(), counted[b].data_ptr<uint8_t>());
+  }
+  auto t64 = tokens.to(torch::kInt64);
+  auto targets = t64.slice(1, 1, seq + 1).clone();
+  targets.masked_fill_(counted.eq(0), -100);
+  return {t64.slice(1, 0, seq).contiguous(), targets};
+}
+
+double TrainingData::StepTargets(int64_t step, int micro_batches, int mbs, int seq) const {
+  if (!dataset_) return static_cast<double>(micro_batches) * mbs * seq;
+  std::vector<int32_t> tokens(seq + 1);
+  std::vector<uint8_t> counted(seq);
+  int64_t n = 0;
+  for (int64_t i = 0; i < static_cast<int64_t>(micro_batches) * mbs; ++i) {
+    dataset_->Sequence(step * global_batch_ + i, tokens.data(), counted.data());
+    for (uint8_t c : counted) n += c;
+  }
+  return static_cast<double>(std::max<int64_t>(n, 1));  // a step without counted targets has loss 0
 }
 
 double LearningRate(const core::OptimizerSpec& o, int64_t step, int64_t total_steps) {
@@ -113,11 +146,30 @@ absl::StatusOr<JobSetup> PrepareJob(const core::JobSpec& job, const std::string&
     return absl::InvalidArgumentError(absl::StrCat(job_path, ": job.micro_batches ", s.micro_batches,
                                                    " does not divide job.global_batch ", job.global_batch));
   s.micro_batch_size = job.global_batch / s.micro_batches;
-  if (!job.data.empty() && job.data != "synthetic")
-    return absl::UnimplementedError(absl::StrCat(job_path, ": job.data: '", job.data,
-                                                 "': this build trains on 'synthetic' data only (JSONL and text "
-                                                 "data arrive with the fine-tuning example)"));
-  s.data = SyntheticData{job.seed, s.model.shape.vocab_size};
+  namespace fs = std::filesystem;
+  for (const char* name : {"model.safetensors.index.json", "model.safetensors"})
+    if (fs::exists(fs::path(model_dir) / name)) {
+      s.weights = (fs::path(model_dir) / name).string();
+      break;
+    }
+  if (job.data.empty() || job.data == "synthetic") {
+    s.data = TrainingData(SyntheticData{job.seed, s.model.shape.vocab_size});
+    return s;
+  }
+  const std::string tok_path = job.tokenizer.empty() ? model_dir + "/tokenizer.model"
+                                                     : core::ResolveRelative(job_path, job.tokenizer);
+  auto tok = data::Tokenizer::Load(tok_path);
+  if (!tok.ok()) return absl::InvalidArgumentError(absl::StrCat(job_path, ": job.tokenizer: ", tok.status().message()));
+  if ((*tok)->vocab_size() > s.model.shape.vocab_size)
+    return absl::InvalidArgumentError(absl::StrCat(job_path, ": job.tokenizer: ", tok_path, " has ", (*tok)->vocab_size(),
+                                                   " pieces but the model's vocab_size is ", s.model.shape.vocab_size));
+  const std::string data_path = core::ResolveRelative(job_path, job.data);
+  auto dataset = data::Dataset::Build(data_path, **tok,
+                                      data::DatasetOptions{job.sequence_length, job.seed, job.eval_fraction});
+  if (!dataset.ok())
+    return absl::InvalidArgumentError(absl::StrCat(job_path, ": job.data: ", dataset.status().message()));
+  s.tokenizer = std::shared_ptr<const data::Tokenizer>(std::move(*tok));
+  s.data = TrainingData(std::shared_ptr<const data::Dataset>(std::move(*dataset)), job.global_batch);
   return s;
 }
 
@@ -136,19 +188,20 @@ absl::StatusOr<TrainResult> TrainLocal(const JobSetup& setup, int steps, torch::
                                        const std::function<void(int, double)>& on_step) {
   const LlamaConfig& c = setup.model;
   if (absl::Status s = CheckSlice(c, 0, c.num_ops() - 1); !s.ok()) return s;
-  StageModel model(c, 0, c.num_ops() - 1, setup.job.seed, device);
+  auto built = BuildStageModel(setup, 0, c.num_ops() - 1, device);
+  if (!built.ok()) return built.status();
+  StageModel& model = **built;
   AdamW opt(setup.job.optimizer);
   TrainResult r;
   const int seq = setup.job.sequence_length;
-  const double normaliser = static_cast<double>(setup.job.global_batch) * seq;
   for (int step = 0; step < steps; ++step) {
+    const double normaliser = setup.data.StepTargets(step, setup.micro_batches, setup.micro_batch_size, seq);
     for (auto& [n, p] : model.parameters())
       if (p.grad().defined()) p.mutable_grad() = torch::Tensor();
     double loss_sum = 0;
     for (int m = 0; m < setup.micro_batches; ++m) {
-      auto tokens = setup.data.MicroBatch(step, m, setup.micro_batch_size, seq).to(device);
-      auto inputs = tokens.slice(1, 0, seq), targets = tokens.slice(1, 1, seq + 1);
-      auto loss = CrossEntropySum(model.Forward(inputs), targets, normaliser);
+      auto batch = setup.data.MicroBatch(step, m, setup.micro_batch_size, seq);
+      auto loss = CrossEntropySum(model.Forward(batch.inputs.to(device)), batch.targets.to(device), normaliser);
       loss.backward();
       loss_sum += loss.item<double>();
     }
@@ -159,6 +212,59 @@ absl::StatusOr<TrainResult> TrainLocal(const JobSetup& setup, int steps, torch::
   }
   for (const auto& [n, p] : model.parameters()) r.parameters[n] = p.detach().cpu();
   return r;
+}
+
+absl::StatusOr<std::unique_ptr<StageModel>> BuildStageModel(const JobSetup& setup, int first_op, int last_op,
+                                                            torch::Device device) {
+  if (absl::Status s = CheckSlice(setup.model, first_op, last_op); !s.ok()) return s;
+  auto model = std::make_unique<StageModel>(setup.model, first_op, last_op, setup.job.seed, device);
+  if (setup.weights.empty()) return model;
+  std::vector<std::string> names;
+  for (const auto& [name, p] : model->parameters()) names.push_back(name);
+  auto w = LoadWeights(setup.weights, names);
+  if (!w.ok()) return w.status();
+  if (absl::Status s = model->Load(*w); !s.ok()) return absl::InvalidArgumentError(absl::StrCat(setup.weights, ": ", s.message()));
+  return model;
+}
+
+absl::StatusOr<std::map<std::string, torch::Tensor>> LoadWeights(const std::string& path,
+                                                                 const std::vector<std::string>& names) {
+  const std::string index_suffix = ".index.json";
+  if (path.size() <= index_suffix.size() || path.compare(path.size() - index_suffix.size(), index_suffix.size(), index_suffix) != 0) {
+    auto all = LoadParameters(path);
+    if (!all.ok() || names.empty()) return all;
+    std::map<std::string, torch::Tensor> out;
+    for (const auto& n : names)
+      if (auto it = all->find(n); it != all->end()) out[n] = it->second;
+    return out;
+  }
+  // Sharded: {"weight_map": {"tensor name": "shard file", ...}}.
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
+  nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
+    return absl::InvalidArgumentError(absl::StrCat(path, ": expected a JSON object with a 'weight_map' object"));
+  std::map<std::string, std::vector<std::string>> by_shard;
+  for (auto& [name, shard] : j["weight_map"].items()) {
+    if (!shard.is_string()) return absl::InvalidArgumentError(absl::StrCat(path, ": weight_map['", name, "'] is not a file name"));
+    const std::string file = shard.get<std::string>();
+    if (file.find('/') != std::string::npos || file.find("..") != std::string::npos)
+      return absl::InvalidArgumentError(absl::StrCat(path, ": weight_map['", name, "']: shard '", file, "' is not a plain file name"));
+    if (names.empty() || std::find(names.begin(), names.end(), name) != names.end()) by_shard[file].push_back(name);
+  }
+  std::map<std::string, torch::Tensor> out;
+  const std::string dir = std::filesystem::path(path).parent_path().string();
+  for (const auto& [file, wanted] : by_shard) {
+    auto shard = LoadParameters(dir + "/" + file);
+    if (!shard.ok()) return shard.status();
+    for (const auto& n : wanted) {
+      auto it = shard->find(n);
+      if (it == shard->end())
+        return absl::InvalidArgumentError(absl::StrCat(path, ": '", n, "' is mapped to ", file, ", which does not hold it"));
+      out[n] = it->second;
+    }
+  }
+  return out;
 }
 
 absl::Status SaveParameters(const std::string& path, const std::map<std::string, torch::Tensor>& params) {

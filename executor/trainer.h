@@ -15,6 +15,7 @@
 
 #include "absl/status/statusor.h"
 #include "core/cluster_spec.h"
+#include "data/data.h"
 #include "executor/llama.h"
 
 namespace meridian::executor {
@@ -27,6 +28,34 @@ struct SyntheticData {
   int vocab;
   // tokens [micro_batch_size, seq_len + 1] (int64): inputs are [:, :-1], targets [:, 1:].
   torch::Tensor MicroBatch(int64_t step, int micro_batch, int micro_batch_size, int seq_len) const;
+};
+
+// The training data of a job: Meridian's synthetic language (job.data "synthetic" or empty) or a
+// tokenised data::Dataset (JSONL instructions or plain text). Micro-batch (step, m) is the same in every
+// process; with a Dataset it is also independent of the number of micro-batches (sequence
+// step * global_batch + m * micro_batch_size + b). Thread-safe.
+class TrainingData {
+ public:
+  TrainingData() = default;
+  explicit TrainingData(SyntheticData synthetic) : synthetic_(synthetic) {}
+  // `global_batch`: sequences per optimizer step.
+  TrainingData(std::shared_ptr<const data::Dataset> dataset, int global_batch)
+      : dataset_(std::move(dataset)), global_batch_(global_batch) {}
+
+  struct Batch {
+    torch::Tensor inputs;   // [micro_batch_size, seq_len] int64
+    torch::Tensor targets;  // [micro_batch_size, seq_len] int64; -100 where the target does not count
+  };
+  Batch MicroBatch(int64_t step, int micro_batch, int micro_batch_size, int seq_len) const;
+  // The number of counted targets in the whole step: the loss normaliser, so the step's loss is the mean
+  // over its counted targets whatever the micro-batching.
+  double StepTargets(int64_t step, int micro_batches, int micro_batch_size, int seq_len) const;
+  const data::Dataset* dataset() const { return dataset_.get(); }
+
+ private:
+  SyntheticData synthetic_{0, 1};
+  std::shared_ptr<const data::Dataset> dataset_;
+  int64_t global_batch_ = 0;
 };
 
 // Learning rate at `step` (0-based): linear warm-up over warmup_steps, then cosine decay to
@@ -60,13 +89,18 @@ double ClipByGlobalNorm(const std::vector<std::pair<std::string, torch::Tensor>>
 struct JobSetup {
   LlamaConfig model;
   core::JobSpec job;
-  SyntheticData data;
+  TrainingData data;
+  // The tokenizer when the job trains on text (null for synthetic data).
+  std::shared_ptr<const data::Tokenizer> tokenizer;
+  // The model directory's weights (model.safetensors or model.safetensors.index.json) when it has them:
+  // training starts from them instead of the seeded initialisation.
+  std::string weights;
   int micro_batch_size = 1;
   int micro_batches = 1;
 };
 
-// Validates a job for training: model config readable, micro-batches dividing the batch, a data source
-// this build supports. Errors name the field.
+// Validates a job for training: model config readable, micro-batches dividing the batch, the data and
+// tokenizer readable and the tokenizer's vocabulary within the model's. Errors name the file and field.
 absl::StatusOr<JobSetup> PrepareJob(const core::JobSpec& job, const std::string& job_path);
 
 // Reads a YAML file with a 'job' section and prepares it (PrepareJob). Errors carry the file's
@@ -82,6 +116,16 @@ struct TrainResult {
 // always spans job.steps, so a shorter run is a prefix of the full one (and resumable).
 absl::StatusOr<TrainResult> TrainLocal(const JobSetup& setup, int steps, torch::Device device,
                                        const std::function<void(int, double)>& on_step = nullptr);
+
+// Builds the slice [first_op, last_op] of the job's model: seeded initialisation, then the model
+// directory's weights when it has them (only the tensors of the slice are read).
+absl::StatusOr<std::unique_ptr<StageModel>> BuildStageModel(const JobSetup& setup, int first_op, int last_op,
+                                                            torch::Device device);
+
+// Reads the tensors `names` (all when empty) of an HF weights file: model.safetensors, or the sharded
+// model.safetensors.index.json (only the shards holding `names` are read). Converted to float32.
+absl::StatusOr<std::map<std::string, torch::Tensor>> LoadWeights(const std::string& path,
+                                                                 const std::vector<std::string>& names);
 
 // Writes parameters as an HF-style safetensors file (float32).
 absl::Status SaveParameters(const std::string& path, const std::map<std::string, torch::Tensor>& params);

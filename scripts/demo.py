@@ -7,10 +7,12 @@ As root, each site gets its own network namespace and a CPU quota (1.0, 0.6, 0.4
 delayed by meridian-wanrelay (40 ms RTT); the coordinator is reached over an unshaped bridge. Without
 root everything runs on loopback at full speed, and the demo says so.
 
-`meridian run` then does the real work: the executors join over mutual TLS, measure their devices, the
-model and every link, the partitioner plans, each executor trains its stage under 1F1B with the codec
-chosen for each link, and the coordinator exports the trained model. This script adds the summary and
-the loss curve (SVG).
+The job is the fine-tuning example (examples/llm-finetune): build_base.sh first builds a small
+LLaMA-architecture base model and SentencePiece tokenizer from text on this machine and pre-trains it
+briefly (meridian train-local); then `meridian run` does the real work: the executors join over mutual
+TLS, measure their devices, the model and every link, the partitioner plans, each executor fine-tunes
+its stage under 1F1B with the codec chosen for each link, and the coordinator exports the model and
+scores held-out exact match before and after. This script adds the summary and the loss curve (SVG).
 
 Usage: scripts/demo.py [--build build] [--run runs/demo] [--steps N]   (called by scripts/demo.sh)
 """
@@ -140,7 +142,7 @@ def svg_curve(losses, path):
         f'<polyline fill="none" stroke="#1f77b4" stroke-width="2" points="{pts}"/>'
         f'<text x="{w / 2}" y="{h - 8}" text-anchor="middle">step (1 - {len(losses)})</text>'
         f'<text x="{pad}" y="{pad - 10}">loss {hi:.3f}</text><text x="{pad + 4}" y="{h - pad - 4}">{lo:.3f}</text>'
-        f'<text x="{w / 2}" y="20" text-anchor="middle">Meridian demo: training loss across 3 emulated sites</text>'
+        f'<text x="{w / 2}" y="20" text-anchor="middle">Meridian demo: fine-tuning loss across 3 emulated sites</text>'
         f'</svg>\n')
 
 
@@ -148,15 +150,21 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--build", default="build")
     ap.add_argument("--run", default="runs/demo")
-    ap.add_argument("--steps", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=0, help="fine-tuning steps (default: the job's)")
+    ap.add_argument("--pretrain-steps", type=int, default=100)
     a = ap.parse_args()
     bin_dir = os.path.abspath(os.path.join(a.build, "bin"))
     run = os.path.abspath(a.run)
     shutil.rmtree(run, ignore_errors=True)
     os.makedirs(run)
-    job = os.path.abspath("examples/jobs/demo.yaml")
+    example = os.path.abspath("examples/llm-finetune")
+    job = os.path.join(run, "finetune.yaml")  # the example's job; its relative paths resolve in the run dir
+    shutil.copy(os.path.join(example, "finetune.yaml"), job)
     certs = os.path.join(run, "certs")
     os.environ.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    print("-- building the base model and tokenizer (examples/llm-finetune/build_base.sh)", flush=True)
+    subprocess.run(["bash", os.path.join(example, "build_base.sh"), os.path.join(run, "work"), str(a.pretrain_steps)],
+                   check=True, env=dict(os.environ, MERIDIAN_BIN=bin_dir))
     emu = Emulation(bin_dir)
     try:
         spec = os.path.join(run, "cluster.yaml")
@@ -188,7 +196,8 @@ def main():
             for s, _ in SITES:
                 print(f"--- executor {s}:\n" + open(os.path.join(run, f"executor-{s}.log")).read()[-1500:])
             sys.exit(f"meridian run failed ({rc})")
-        losses = [json.loads(l)["loss"] for l in open(os.path.join(run, "metrics.jsonl"))]
+        metrics = [json.loads(l) for l in open(os.path.join(run, "metrics.jsonl"))]
+        losses = [m["loss"] for m in metrics]
         plan = json.load(open(os.path.join(run, "plan.json")))
         svg_curve(losses, os.path.join(run, "loss.svg"))
         done = [l for l in log if l.startswith("done:")]
@@ -196,10 +205,16 @@ def main():
         print("plan:        " + ", ".join(f"{s['sites'][0]} ops {s['first_op']}-{s['last_op']}" for s in plan["stages"]))
         print("link codecs: " + (", ".join(l["codec"] for l in plan["links"]) or "none"))
         print(done[0].strip() if done else "")
+        print(f"throughput:  {metrics[-1]['tokens'] / metrics[-1]['elapsed_seconds']:.0f} tokens/s over the run")
         print(f"loss:        {losses[0]:.4f} after step 1 -> {losses[-1]:.4f} after step {len(losses)}")
+        ev = os.path.join(run, "eval.json")
+        if os.path.exists(ev):
+            e = json.load(open(ev))
+            print(f"held-out:    exact match {100 * e['accuracy_before']:.1f}% before -> {100 * e['accuracy_after']:.1f}% "
+                  f"after fine-tuning ({e['examples']} examples never seen in training)")
         print(f"wall time:   {time.time() - t0:.0f} s for join, measurement, planning and training")
-        print(f"files:       {run}/loss.svg, {run}/export (HF model), {run}/profile.json, {run}/plan.json, "
-              f"{run}/metrics.jsonl")
+        print(f"files:       {run}/loss.svg, {run}/export (HF model), {run}/eval.json, {run}/profile.json, "
+              f"{run}/plan.json, {run}/metrics.jsonl")
     finally:
         emu.close()
 

@@ -155,6 +155,84 @@ TEST_F(PipelineTest, OneTwoAndThreeExecutorsMatchTheSingleProcessTrainer) {
   ExpectClose(Distributed(job, {{0, 1}, {2, 3}, {4, 5}}, "identity", "identity", nullptr), want);
 }
 
+// Text data end to end: a SentencePiece tokenizer (meridian tokenizer train), brief pre-training on plain
+// text whose output is an HF model directory, then instruction fine-tuning from those weights with the
+// loss on response tokens only: two executors equal the single-process trainer, and `meridian eval`
+// scores the held-out split.
+TEST_F(PipelineTest, InstructionFineTuningFromPretrainedWeightsMatchesTheSingleProcessTrainer) {
+  std::ofstream(dir_ / "text.txt") << "the quick brown fox jumps over the lazy dog\n\nopposites of hot and cold\n";
+  {
+    std::ofstream words(dir_ / "words.txt");
+    for (int i = 0; i < 50; ++i) words << "word" << i << " the opposite of hot is cold, of big small\n";
+  }
+  {
+    std::ofstream jsonl(dir_ / "inst.jsonl");
+    for (int i = 0; i < 40; ++i)
+      jsonl << "{\"prompt\": \"opposite of word" << i << " =>\", \"response\": \"word" << (i + 1) % 40 << "\"}\n";
+  }
+  Process tok(Bin("meridian") + " tokenizer train --input " + (dir_ / "words.txt").string() + " --vocab-size 400 --out " +
+              (dir_ / "model").string() + " 2>&1");
+  std::string tok_out = tok.ReadAll(60s);
+  ASSERT_EQ(tok.Wait(30s), 0) << tok_out;
+  std::ofstream(dir_ / "model" / "config.json")
+      << R"({"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+  "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "tie_word_embeddings": false})";
+  const std::string opt = "\n  optimizer: {name: adamw, lr: 0.01, warmup_steps: 1, grad_clip: 0.5}\n";
+  std::ofstream(dir_ / "pre.yaml") << "job:\n  model: model\n  data: text.txt\n  steps: 2\n  global_batch: 2\n"
+                                      "  micro_batches: 1\n  sequence_length: 16\n  seed: 3" << opt;
+  Process pre(Bin("meridian") + " train-local " + (dir_ / "pre.yaml").string() + " --out " + (dir_ / "base").string() + " 2>&1");
+  std::string pre_out = pre.ReadAll(120s);
+  ASSERT_EQ(pre.Wait(60s), 0) << pre_out;
+  for (const char* f : {"model.safetensors", "config.json", "tokenizer.model"})
+    ASSERT_TRUE(fs::exists(dir_ / "base" / f)) << f;
+
+  const std::string job = (dir_ / "ft.yaml").string();
+  std::ofstream(job) << "job:\n  model: base\n  data: inst.jsonl\n  eval_fraction: 0.1\n  steps: 3\n"
+                        "  global_batch: 4\n  micro_batches: 2\n  sequence_length: 16\n  seed: 5" << opt
+                     << "  compression: {policy: fixed, activations: identity, gradients: identity}\n";
+  std::vector<double> ref_losses, dist_losses;
+  auto want = Reference(job, &ref_losses);
+  ASSERT_EQ(ref_losses.size(), 3u);
+  // Training starts from the pre-trained weights, not the seeded initialisation: the same job on the
+  // weightless directory (config and tokenizer only) starts from another loss.
+  std::string seeded = job;
+  seeded.replace(seeded.find("ft.yaml"), 7, "ft-seeded.yaml");
+  {
+    std::ifstream in(job);
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    text.replace(text.find("model: base"), 11, "model: model");
+    std::ofstream(seeded) << text;
+  }
+  std::vector<double> seeded_losses;
+  Reference(seeded, &seeded_losses);
+  ASSERT_EQ(seeded_losses.size(), 3u);
+  EXPECT_GT(std::abs(seeded_losses[0] - ref_losses[0]), 1e-3 * ref_losses[0]);
+  ExpectClose(Distributed(job, {{0, 2}, {3, 5}}, "identity", "identity", &dist_losses), want);
+  ASSERT_EQ(dist_losses.size(), 3u);
+  for (int i = 0; i < 3; ++i) EXPECT_NEAR(dist_losses[i], ref_losses[i], 1e-4 * ref_losses[i]);
+
+  Process ev(Bin("meridian") + " eval " + job + " --weights " + (dir_ / "local").string() + " --json " +
+             (dir_ / "eval.json").string() + " 2>&1");
+  std::string ev_out = ev.ReadAll(60s);
+  ASSERT_EQ(ev.Wait(30s), 0) << ev_out;
+  EXPECT_NE(ev_out.find("on held-out examples"), std::string::npos) << ev_out;
+  auto j = partitioner_json::Load((dir_ / "eval.json").string());
+  EXPECT_EQ(j["examples"], 4);  // 10% of 40
+  EXPECT_EQ(j["samples"].size(), 4u);
+}
+
+// The same job with a tokenizer whose vocabulary exceeds the model's, or data that does not parse: the
+// error names the file and field.
+TEST_F(PipelineTest, BadTextJobsFailNamingTheFileAndField) {
+  std::ofstream(dir_ / "bad.jsonl") << "{\"prompt\": \"a\"}\n";
+  std::ofstream(dir_ / "bad.yaml") << "job:\n  model: model\n  data: bad.jsonl\n  tokenizer: nope.model\n";
+  Process p(Bin("meridian") + " train-local " + (dir_ / "bad.yaml").string() + " --out " + (dir_ / "x").string() + " 2>&1");
+  std::string out = p.ReadAll(60s);
+  EXPECT_EQ(p.Wait(30s), 2);
+  EXPECT_NE(out.find("job.tokenizer"), std::string::npos) << out;
+  EXPECT_NE(out.find("nope.model"), std::string::npos) << out;
+}
+
 // int8 on both directions of the pipeline link. (Top-k with error feedback on the *activation
 // gradients* of this link measured 1.935 against 1.672 at k = 10%: 16% worse, so the adaptive policy's
 // menus keep top-k for replica gradient sync, where error feedback is sound; see docs/executor.md.)

@@ -1,6 +1,9 @@
-// A thin wrapper over libsentencepiece that keeps its headers out of every other translation unit:
-// sentencepiece 0.1.97 declares `absl::string_view` itself, which clashes with Abseil's. Only std types
-// cross this interface.
+// A thin wrapper over libsentencepiece, loaded at run time from the shared module libmeridian_spm.so
+// (spm_module.cc) with dlmopen(LM_ID_NEWLM), in a link-map namespace of its own. Debian's
+// libsentencepiece 0.1.97 exports a bundled protobuf-lite that interposes on libprotobuf (gRPC, libtorch)
+// when both are in one namespace and crashes static initialisation; RTLD_DEEPBIND does not help (it
+// breaks libstdc++'s copy-relocated globals such as std::cerr). Its header also declares
+// `absl::string_view`, clashing with Abseil. Only std types cross this interface.
 #ifndef MERIDIAN_DATA_INTERNAL_SPM_H_
 #define MERIDIAN_DATA_INTERNAL_SPM_H_
 
@@ -11,6 +14,7 @@
 namespace meridian::data::internal {
 
 // Thread-safe after a successful Load (sentencepiece's processor is const for encoding and decoding).
+// Methods other than Load require a successful Load.
 class Spm {
  public:
   Spm();

@@ -1,0 +1,39 @@
+// Held-out evaluation of a whole model: greedy generation on the job's held-out instruction examples,
+// scored by exact match (data::ExactMatch).
+#ifndef MERIDIAN_EXECUTOR_EVALUATE_H_
+#define MERIDIAN_EXECUTOR_EVALUATE_H_
+
+#include <torch/torch.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "executor/trainer.h"
+
+namespace meridian::executor {
+
+struct EvalSample {
+  std::string prompt, expected, generated;
+  bool correct = false;
+};
+
+struct EvalResult {
+  int examples = 0;
+  int correct = 0;
+  double accuracy() const { return examples ? static_cast<double>(correct) / examples : 0.0; }
+  std::vector<EvalSample> samples;  // every evaluated example, in held-out order
+};
+
+// Generates greedily for up to `max_examples` (0: all) held-out examples of `setup`'s JSONL data with the
+// whole model: `parameters` by HF name, or the job's initial weights (model directory or seeded
+// initialisation) when `parameters` is empty. Generation stops at EOS or after the expected response's
+// token count + 8. FailedPrecondition when the job has no held-out instruction examples.
+absl::StatusOr<EvalResult> EvaluateExactMatch(const JobSetup& setup,
+                                              const std::map<std::string, torch::Tensor>& parameters,
+                                              torch::Device device, int max_examples = 0);
+
+}  // namespace meridian::executor
+
+#endif  // MERIDIAN_EXECUTOR_EVALUATE_H_
