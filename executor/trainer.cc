@@ -146,6 +146,9 @@ absl::StatusOr<JobSetup> PrepareJob(const core::JobSpec& job, const std::string&
     return absl::InvalidArgumentError(absl::StrCat(job_path, ": job.micro_batches ", s.micro_batches,
                                                    " does not divide job.global_batch ", job.global_batch));
   s.micro_batch_size = job.global_batch / s.micro_batches;
+  if (job.lora.enabled)  // parsed by the spec, not trained yet: refuse rather than train every parameter
+    return absl::UnimplementedError(absl::StrCat(job_path, ": job.lora: LoRA adapters are not implemented yet; remove "
+                                                 "the section (or set enabled: false) to fine-tune every parameter"));
   namespace fs = std::filesystem;
   for (const char* name : {"model.safetensors.index.json", "model.safetensors"})
     if (fs::exists(fs::path(model_dir) / name)) {

@@ -231,6 +231,12 @@ TEST_F(PipelineTest, BadTextJobsFailNamingTheFileAndField) {
   EXPECT_EQ(p.Wait(30s), 2);
   EXPECT_NE(out.find("job.tokenizer"), std::string::npos) << out;
   EXPECT_NE(out.find("nope.model"), std::string::npos) << out;
+  // LoRA is parsed but not trained yet: refused, never silently replaced by full fine-tuning.
+  std::ofstream(dir_ / "lora.yaml") << "job:\n  model: model\n  lora: {r: 4}\n";
+  Process l(Bin("meridian") + " train-local " + (dir_ / "lora.yaml").string() + " --out " + (dir_ / "x").string() + " 2>&1");
+  std::string lout = l.ReadAll(60s);
+  EXPECT_EQ(l.Wait(30s), 2);
+  EXPECT_NE(lout.find("job.lora"), std::string::npos) << lout;
 }
 
 // int8 on both directions of the pipeline link. (Top-k with error feedback on the *activation
