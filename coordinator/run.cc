@@ -396,12 +396,15 @@ int Run(const RunOptions& o) {
       rc = 1;
     } else {
       std::error_code ec;
-      if (setup->tokenizer) {
-        const std::string tok = job.tokenizer.empty() ? model_dir + "/tokenizer.model" : core::ResolveRelative(job_path, job.tokenizer);
-        fs::copy_file(tok, o.export_dir + "/tokenizer.model", fs::copy_options::overwrite_existing, ec);
+      if (setup->tokenizer)
+        fs::copy_file(setup->tokenizer_path, o.export_dir + "/tokenizer.model", fs::copy_options::overwrite_existing, ec);
+      if (ec) {
+        std::cerr << "meridian run: export failed: " << setup->tokenizer_path << ": cannot copy: " << ec.message() << "\n";
+        rc = 1;
+      } else {
+        std::printf("exported the model to %s (model.safetensors + config.json%s)\n", o.export_dir.c_str(),
+                    setup->tokenizer ? " + tokenizer.model" : "");
       }
-      std::printf("exported the model to %s (model.safetensors + config.json%s)\n", o.export_dir.c_str(),
-                  setup->tokenizer ? " + tokenizer.model" : "");
     }
   }
   if (const data::Dataset* d = setup->data.dataset(); d && !d->held_out().empty() && o.eval_examples > 0) {

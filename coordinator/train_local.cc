@@ -43,11 +43,8 @@ int RunTrainLocal(const TrainLocalOptions& o) {
   const std::string model_dir = core::ResolveRelative(o.job_path, setup->job.model);
   std::error_code ec;
   fs::copy_file(model_dir + "/config.json", o.out_dir + "/config.json", fs::copy_options::overwrite_existing, ec);
-  if (!ec && setup->tokenizer) {
-    const std::string tok = setup->job.tokenizer.empty() ? model_dir + "/tokenizer.model"
-                                                         : core::ResolveRelative(o.job_path, setup->job.tokenizer);
-    fs::copy_file(tok, o.out_dir + "/tokenizer.model", fs::copy_options::overwrite_existing, ec);
-  }
+  if (!ec && setup->tokenizer)
+    fs::copy_file(setup->tokenizer_path, o.out_dir + "/tokenizer.model", fs::copy_options::overwrite_existing, ec);
   if (ec) {
     std::cerr << "meridian train-local: writing " << o.out_dir << ": " << ec.message() << "\n";
     return 1;

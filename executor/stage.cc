@@ -139,7 +139,8 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
   const int M = setup_.micro_batches, mbs = setup_.micro_batch_size, seq = setup_.job.sequence_length;
   const int64_t d = setup_.model.shape.hidden_size;
   const std::vector<int64_t> hidden = {mbs, seq, d};
-  const double normaliser = setup_.data.StepTargets(step, M, mbs, seq);
+  // Only the last stage computes the loss, so only it needs the step's count of counted targets.
+  const double normaliser = model_->has_head() ? setup_.data.StepTargets(step, M, mbs, seq) : 1.0;
   for (auto& [n, p] : model_->parameters())
     if (p.grad().defined()) p.mutable_grad() = torch::Tensor();
   struct Stash {

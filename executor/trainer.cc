@@ -172,6 +172,7 @@ absl::StatusOr<JobSetup> PrepareJob(const core::JobSpec& job, const std::string&
   if (!dataset.ok())
     return absl::InvalidArgumentError(absl::StrCat(job_path, ": job.data: ", dataset.status().message()));
   s.tokenizer = std::shared_ptr<const data::Tokenizer>(std::move(*tok));
+  s.tokenizer_path = tok_path;
   s.data = TrainingData(std::shared_ptr<const data::Dataset>(std::move(*dataset)), job.global_batch);
   return s;
 }

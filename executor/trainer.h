@@ -92,6 +92,7 @@ struct JobSetup {
   TrainingData data;
   // The tokenizer when the job trains on text (null for synthetic data).
   std::shared_ptr<const data::Tokenizer> tokenizer;
+  std::string tokenizer_path;  // where `tokenizer` was read from
   // The model directory's weights (model.safetensors or model.safetensors.index.json) when it has them:
   // training starts from them instead of the seeded initialisation.
   std::string weights;
