@@ -12,11 +12,16 @@ absl::StatusOr<EvalResult> EvaluateExactMatch(const JobSetup& setup,
     return absl::FailedPreconditionError("the job has no held-out instruction examples (job.data must be JSONL "
                                          "and job.eval_fraction > 0)");
   const LlamaConfig& c = setup.model;
-  auto built = BuildStageModel(setup, 0, c.num_ops() - 1, device);
-  if (!built.ok()) return built.status();
-  StageModel& model = **built;
-  if (!parameters.empty())
-    if (absl::Status s = model.Load(parameters); !s.ok()) return s;
+  std::unique_ptr<StageModel> owned;
+  if (parameters.empty()) {  // the job's initial model: the directory's weights or the seeded initialisation
+    auto built = BuildStageModel(setup, 0, c.num_ops() - 1, device);
+    if (!built.ok()) return built.status();
+    owned = std::move(*built);
+  } else {  // given weights replace every parameter: no need to read the directory's
+    owned = std::make_unique<StageModel>(c, 0, c.num_ops() - 1, setup.job.seed, device);
+    if (absl::Status s = owned->Load(parameters); !s.ok()) return s;
+  }
+  StageModel& model = *owned;
   torch::NoGradGuard ng;
   const data::Tokenizer& tok = *setup.tokenizer;
   const int context = std::max(setup.job.sequence_length, 1);
