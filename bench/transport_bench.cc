@@ -3,6 +3,7 @@
 //  2. streaming goodput over an emulated WAN link (tbf + latency relay in network namespaces) against
 //     iperf3 over the same link. Needs root for (2).
 //   build/bench/transport_bench [--mbit 100] [--rtt-ms 40]
+//   (as root the WAN part adds stream goodput against iperf3 and the link probe's accuracy)
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -89,6 +90,22 @@ int main(int argc, char** argv) {
   relay1.ReadLine(5s);
   relay2.ReadLine(5s);
   std::this_thread::sleep_for(500ms);
+  // Link probe accuracy, on the fresh link as the coordinator probes it before a run (the figures go into
+  // profile.json): both directions and the RTT against the emulated link. Targets: bandwidth within 15% of the tbf rate, RTT within 20% of the relay's.
+  testing::Process probe((*wan)->Exec("a") + Bin("meridian-peertool") + " probe --certs " + certs +
+                         " --self a --peer b --address " + addr + ":17400 --seconds 3");
+  probe.Wait(120s);
+  auto pj = nlohmann::json::parse(probe.ReadAll(5s), nullptr, false);
+  if (pj.is_discarded() || !pj.contains("links")) {
+    std::fprintf(stderr, "probe failed\n");
+    return 1;
+  }
+  const double fwd = pj["links"][0]["bandwidth_bytes_per_second"], rev = pj["links"][1]["bandwidth_bytes_per_second"];
+  const double rtt = pj["rtt_seconds"];
+  std::printf("| probe over %.0f Mbit/s, %.0f ms RTT | %.1f / %.1f Mbit/s, %.1f ms | configured %.0f Mbit/s, %.0f ms | "
+              "%.2f / %.2f, %.2f |\n",
+              mbit, rtt_ms, fwd * 8 / 1e6, rev * 8 / 1e6, rtt * 1e3, mbit, rtt_ms, fwd * 8 / 1e6 / mbit,
+              rev * 8 / 1e6 / mbit, rtt * 1e3 / rtt_ms);
   testing::Process iperf((*wan)->Exec("a") + "iperf3 -c " + addr + " -p 17401 -t 10 -J");
   iperf.Wait(60s);
   auto ij = nlohmann::json::parse(iperf.ReadAll(5s), nullptr, false);
