@@ -134,6 +134,11 @@ int main(int argc, char** argv) {
   coordinator::AddEvalOptions(eval, &eval_options);
   eval->callback([&] { rc = coordinator::RunEval(eval_options); });
 
+  coordinator::ExportOptions export_options;
+  auto* exp = app.add_subcommand("export", "Write a run's trained stage shards as one HF model directory");
+  coordinator::AddExportOptions(exp, &export_options);
+  exp->callback([&] { rc = coordinator::RunExport(export_options); });
+
   auto* tokenizer = app.add_subcommand("tokenizer", "SentencePiece tokenizers");
   tokenizer->require_subcommand(1);
   coordinator::TokenizerOptions tokenizer_options;

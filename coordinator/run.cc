@@ -19,6 +19,7 @@
 #include "coordinator/coordinator.h"
 #include "core/safetensors.h"
 #include "executor/evaluate.h"
+#include "executor/export.h"
 #include "executor/trainer.h"
 #include "partitioner/planner.h"
 #include "rpc/credentials.h"
@@ -53,41 +54,16 @@ void AddRunOptions(CLI::App* cmd, RunOptions* o) {
                   "After training, write the whole model there as HF safetensors + config.json, whatever the partition");
 }
 
-absl::Status ExportModel(const std::string& weights_dir, const std::string& config_path, const std::string& out_dir) {
-  core::SafetensorsFile merged;
-  for (const auto& e : fs::directory_iterator(weights_dir)) {
-    if (e.path().extension() != ".safetensors") continue;
-    auto f = core::ReadSafetensors(e.path().string());
-    if (!f.ok()) return f.status();
-    for (auto& [name, t] : f->tensors)
-      if (!merged.tensors.emplace(name, std::move(t)).second)
-        return absl::DataLossError(absl::StrCat("tensor '", name, "' appears in two stage shards"));
-  }
-  if (merged.tensors.empty()) return absl::NotFoundError(absl::StrCat(weights_dir, ": no stage shards to export"));
-  merged.metadata["format"] = "pt";
-  fs::create_directories(out_dir);
-  if (absl::Status s = core::WriteSafetensors(out_dir + "/model.safetensors", merged); !s.ok()) return s;
-  std::error_code ec;
-  fs::copy_file(config_path, out_dir + "/config.json", fs::copy_options::overwrite_existing, ec);
-  if (ec) return absl::InternalError(absl::StrCat(config_path, ": cannot copy: ", ec.message()));
-  return absl::OkStatus();
-}
-
 namespace {
 
 // Held-out exact match of the initial model and of the trained one (the stage shards in RUN/weights);
 // prints one line and writes RUN/eval.json.
 absl::Status Evaluate(const executor::JobSetup& setup, const std::string& run_dir, int max_examples) {
-  std::map<std::string, torch::Tensor> trained;
-  for (const auto& e : fs::directory_iterator(run_dir + "/weights")) {
-    if (e.path().extension() != ".safetensors") continue;
-    auto shard = executor::LoadParameters(e.path().string());
-    if (!shard.ok()) return shard.status();
-    trained.merge(*shard);
-  }
+  auto trained = executor::LoadStageShards(run_dir + "/weights");
+  if (!trained.ok()) return trained.status();
   auto before = executor::EvaluateExactMatch(setup, {}, torch::kCPU, max_examples);
   if (!before.ok()) return before.status();
-  auto after = executor::EvaluateExactMatch(setup, trained, torch::kCPU, max_examples);
+  auto after = executor::EvaluateExactMatch(setup, *trained, torch::kCPU, max_examples);
   if (!after.ok()) return after.status();
   std::printf("held-out exact match: %.1f%% before -> %.1f%% after training (%d examples)\n", 100 * before->accuracy(),
               100 * after->accuracy(), after->examples);
@@ -389,22 +365,16 @@ int Run(const RunOptions& o) {
               coord.progress().loss, run_dir.c_str());
   coord.StopAll();
   int rc = 0;
-  const std::string model_dir = core::ResolveRelative(job_path, job.model);
   if (!o.export_dir.empty()) {
-    if (absl::Status s = ExportModel(run_dir + "/weights", model_dir + "/config.json", o.export_dir); !s.ok()) {
+    auto trained = executor::LoadStageShards(run_dir + "/weights");
+    absl::Status s = trained.ok() ? executor::ExportHfModel(*setup, *trained, o.export_dir) : trained.status();
+    if (!s.ok()) {
       std::cerr << "meridian run: export failed: " << s.message() << "\n";
       rc = 1;
     } else {
-      std::error_code ec;
-      if (setup->tokenizer)
-        fs::copy_file(setup->tokenizer_path, o.export_dir + "/tokenizer.model", fs::copy_options::overwrite_existing, ec);
-      if (ec) {
-        std::cerr << "meridian run: export failed: " << setup->tokenizer_path << ": cannot copy: " << ec.message() << "\n";
-        rc = 1;
-      } else {
-        std::printf("exported the model to %s (model.safetensors + config.json%s)\n", o.export_dir.c_str(),
-                    setup->tokenizer ? " + tokenizer.model" : "");
-      }
+      std::printf("exported the model to %s (model.safetensors + config.json%s%s)\n", o.export_dir.c_str(),
+                  setup->tokenizer ? " + tokenizer.model" : "",
+                  setup->job.lora.enabled ? "; LoRA merged, PEFT adapter in adapter/" : "");
     }
   }
   if (const data::Dataset* d = setup->data.dataset(); d && !d->held_out().empty() && o.eval_examples > 0) {

@@ -26,9 +26,6 @@ struct RunOptions {
   int eval_examples = 200;          // JSONL jobs: held-out examples scored before and after (0: none)
 };
 
-// Merges the stage shards in `weights_dir` into OUT/model.safetensors and copies the model's config.json:
-// the whole model in HF layout whatever the partition. Errors name the shard or tensor.
-absl::Status ExportModel(const std::string& weights_dir, const std::string& config_path, const std::string& out_dir);
 void AddRunOptions(CLI::App* cmd, RunOptions* options);
 int Run(const RunOptions& options);
 

@@ -8,6 +8,7 @@
 
 #include "data/data.h"
 #include "executor/evaluate.h"
+#include "executor/export.h"
 #include "executor/trainer.h"
 #include "nlohmann/json.hpp"
 
@@ -16,7 +17,10 @@ namespace meridian::coordinator {
 void AddTrainLocalOptions(CLI::App* cmd, TrainLocalOptions* o) {
   cmd->add_option("JOB", o->job_path, "Job spec (YAML with a 'job' section)")->required();
   cmd->add_option("--steps", o->steps, "Optimizer steps (default: the job's)")->check(CLI::Range(1, 100000000));
-  cmd->add_option("--out", o->out_dir, "HF model directory to write: model.safetensors, config.json, tokenizer.model")->required();
+  cmd->add_option("--out", o->out_dir,
+                  "HF model directory to write: model.safetensors, config.json, tokenizer.model (LoRA jobs: the "
+                  "merged model, and the PEFT adapter in DIR/adapter)")
+      ->required();
   cmd->add_option("--device", o->device, "cpu or cuda:N");
 }
 
@@ -34,19 +38,9 @@ int RunTrainLocal(const TrainLocalOptions& o) {
     std::cerr << "meridian train-local: " << r.status().message() << "\n";
     return 1;
   }
-  if (auto s = executor::SaveParameters(o.out_dir + "/model.safetensors", r->parameters); !s.ok()) {
-    std::cerr << "meridian train-local: " << s.message() << "\n";
-    return 1;
-  }
-  // Make DIR a complete HF model directory: the config and, for text jobs, the tokenizer.
-  namespace fs = std::filesystem;
-  const std::string model_dir = core::ResolveRelative(o.job_path, setup->job.model);
-  std::error_code ec;
-  fs::copy_file(model_dir + "/config.json", o.out_dir + "/config.json", fs::copy_options::overwrite_existing, ec);
-  if (!ec && setup->tokenizer)
-    fs::copy_file(setup->tokenizer_path, o.out_dir + "/tokenizer.model", fs::copy_options::overwrite_existing, ec);
-  if (ec) {
-    std::cerr << "meridian train-local: writing " << o.out_dir << ": " << ec.message() << "\n";
+  // DIR becomes a complete HF model directory (under LoRA: merged model + PEFT adapter in DIR/adapter).
+  if (absl::Status s = executor::ExportHfModel(*setup, r->parameters, o.out_dir); !s.ok()) {
+    std::cerr << "meridian train-local: writing " << o.out_dir << ": " << s.message() << "\n";
     return 1;
   }
   return 0;
@@ -55,7 +49,8 @@ int RunTrainLocal(const TrainLocalOptions& o) {
 void AddEvalOptions(CLI::App* cmd, EvalOptions* o) {
   cmd->add_option("JOB", o->job_path, "Job spec whose data is JSONL instructions with a held-out split")->required();
   cmd->add_option("--weights", o->weights,
-                  "model.safetensors (or a directory holding it); default: the job's initial model");
+                  "model.safetensors, a PEFT adapter_model.safetensors (LoRA jobs), or a directory holding one; "
+                  "default: the job's initial model");
   cmd->add_option("--max", o->max_examples, "Evaluate at most this many held-out examples (0: all)")
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--show", o->show, "Print this many examples with the generated answer")->check(CLI::NonNegativeNumber);
@@ -71,14 +66,13 @@ int RunEval(const EvalOptions& o) {
   }
   std::map<std::string, torch::Tensor> params;
   if (!o.weights.empty()) {
-    std::string path = o.weights;
-    if (std::filesystem::is_directory(path)) path += "/model.safetensors";
-    auto w = executor::LoadWeights(path, {});
+    auto w = executor::LoadWeightsForEval(std::move(*setup), o.weights);
     if (!w.ok()) {
       std::cerr << "meridian eval: --weights: " << w.status().message() << "\n";
       return 2;
     }
-    params = std::move(*w);
+    *setup = std::move(w->first);
+    params = std::move(w->second);
   }
   torch::Device device = o.device == "cpu" ? torch::Device(torch::kCPU) : torch::Device(o.device);
   auto r = executor::EvaluateExactMatch(*setup, params, device, o.max_examples);
@@ -98,6 +92,31 @@ int RunEval(const EvalOptions& o) {
       j["samples"].push_back({{"prompt", s.prompt}, {"expected", s.expected}, {"generated", s.generated}, {"correct", s.correct}});
     std::ofstream(o.json_out) << j.dump(2) << "\n";
   }
+  return 0;
+}
+
+void AddExportOptions(CLI::App* cmd, ExportOptions* o) {
+  cmd->add_option("JOB", o->job_path, "The job spec the run trained")->required();
+  cmd->add_option("--weights", o->weights_dir, "The run's stage shards (RUN/weights)")->required();
+  cmd->add_option("--out", o->out_dir, "HF model directory to write")->required();
+}
+
+int RunExport(const ExportOptions& o) {
+  auto setup = executor::LoadJob(o.job_path);
+  if (!setup.ok()) {
+    std::cerr << "meridian export: " << setup.status().message() << "\n";
+    return 2;
+  }
+  auto trained = executor::LoadStageShards(o.weights_dir);
+  if (!trained.ok()) {
+    std::cerr << "meridian export: --weights: " << trained.status().message() << "\n";
+    return 2;
+  }
+  if (absl::Status s = executor::ExportHfModel(*setup, *trained, o.out_dir); !s.ok()) {
+    std::cerr << "meridian export: " << s.message() << "\n";
+    return 1;
+  }
+  std::printf("exported to %s\n", o.out_dir.c_str());
   return 0;
 }
 

@@ -1,8 +1,11 @@
 // Model tools that run in this process:
 // - `meridian train-local JOB.yaml --steps K --out DIR`: the single-process reference trainer, which every
 //   distributed run must match (same model, data and seed). DIR becomes an HF model directory:
-//   model.safetensors, config.json and (for text jobs) tokenizer.model.
-// - `meridian eval JOB.yaml [--weights PATH]`: held-out exact-match accuracy of a model on the job's data.
+//   model.safetensors, config.json and (for text jobs) tokenizer.model; LoRA jobs also write the PEFT
+//   adapter in DIR/adapter.
+// - `meridian eval JOB.yaml [--weights PATH]`: held-out exact-match accuracy of a model (or of a PEFT
+//   adapter on the job's base model) on the job's data.
+// - `meridian export JOB.yaml --weights RUN/weights --out DIR`: a run's stage shards as an HF directory.
 // - `meridian tokenizer train --input FILE... --vocab-size N --out DIR`: a SentencePiece tokenizer.
 #ifndef MERIDIAN_COORDINATOR_TRAIN_LOCAL_H_
 #define MERIDIAN_COORDINATOR_TRAIN_LOCAL_H_
@@ -30,6 +33,13 @@ struct EvalOptions {
 };
 void AddEvalOptions(CLI::App* cmd, EvalOptions* options);
 int RunEval(const EvalOptions& options);
+
+struct ExportOptions {
+  std::string job_path, weights_dir, out_dir;
+};
+void AddExportOptions(CLI::App* cmd, ExportOptions* options);
+// Returns 0, 1 when writing fails, 2 on invalid input.
+int RunExport(const ExportOptions& options);
 
 struct TokenizerOptions {
   std::vector<std::string> inputs;

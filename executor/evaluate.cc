@@ -13,10 +13,14 @@ absl::StatusOr<EvalResult> EvaluateExactMatch(const JobSetup& setup,
                                          "and job.eval_fraction > 0)");
   const LlamaConfig& c = setup.model;
   std::unique_ptr<StageModel> owned;
-  if (parameters.empty()) {  // the job's initial model: the directory's weights or the seeded initialisation
+  if (parameters.empty() || setup.job.lora.enabled) {
+    // The job's initial model (the directory's weights or the seeded initialisation); under LoRA the
+    // base that the given adapters apply to.
     auto built = BuildStageModel(setup, 0, c.num_ops() - 1, device);
     if (!built.ok()) return built.status();
     owned = std::move(*built);
+    if (!parameters.empty())
+      if (absl::Status s = owned->Load(parameters); !s.ok()) return s;
   } else {  // given weights replace every parameter: no need to read the directory's
     owned = std::make_unique<StageModel>(c, 0, c.num_ops() - 1, setup.job.seed, device);
     if (absl::Status s = owned->Load(parameters); !s.ok()) return s;

@@ -27,7 +27,8 @@ struct EvalResult {
 };
 
 // Generates greedily for up to `max_examples` (0: all) held-out examples of `setup`'s JSONL data with the
-// whole model: `parameters` by HF name, or the job's initial weights (model directory or seeded
+// whole model: `parameters` (the trained parameters by name: every weight, or under job.lora the
+// adapters, applied to the job's base model), or the job's initial model (model directory or seeded
 // initialisation) when `parameters` is empty. Generation stops at EOS or after the expected response's
 // token count + 8. FailedPrecondition when the job has no held-out instruction examples.
 absl::StatusOr<EvalResult> EvaluateExactMatch(const JobSetup& setup,

@@ -102,7 +102,8 @@ int RunJoined(const ExecutorOptions& o, const v1::RegisterResponse& reg, v1::Coo
       if (!setup.ok()) {
         rep.set_error(std::string(setup.status().message()));
       } else {
-        auto prof = ProfileModel(setup->model, setup->micro_batch_size, setup->job.sequence_length, o.site, device);
+        auto prof = ProfileModel(setup->model, setup->micro_batch_size, setup->job.sequence_length, o.site, device, 5,
+                                  setup->job.lora);
         if (!prof.ok()) {
           rep.set_error(std::string(prof.status().message()));
         } else {

@@ -103,5 +103,95 @@ TEST(Trainer, ScheduleAndLearningRate) {
   EXPECT_NEAR(LearningRate(o, 100, 100), 0.1, 1e-12);
 }
 
+
+// LoRA: only the adapters train, the model starts as the base model, and the forward pass with adapters
+// equals the forward pass of the merged weights (W + alpha/r B A) -- which checks both.
+const char kLoraConfig[] = R"({"vocab_size": 40, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+  "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": false})";
+
+core::LoraSpec Lora(double dropout = 0) {
+  core::LoraSpec l;
+  l.enabled = true;
+  l.r = 4;
+  l.alpha = 8;
+  l.dropout = dropout;
+  l.target_modules = {"q_proj", "v_proj", "down_proj"};
+  return l;
+}
+
+TEST(Lora, OnlyAdaptersTrainAndTheMergedModelComputesTheSameFunction) {
+  auto cfg = ParseLlamaConfigText(kLoraConfig, "config.json");
+  ASSERT_TRUE(cfg.ok()) << cfg.status();
+  StageModel base(*cfg, 0, cfg->num_ops() - 1, 9, torch::kCPU);
+  StageModel lora(*cfg, 0, cfg->num_ops() - 1, 9, torch::kCPU, Lora());
+  // Adapters on 3 projections x 2 layers, A and B each, named as PEFT names them (without its prefix).
+  ASSERT_EQ(lora.parameters().size(), 12u);
+  for (const auto& [name, p] : lora.parameters()) {
+    EXPECT_THAT(name, ::testing::MatchesRegex(
+                          R"(model\.layers\.[01]\.(self_attn\.[qv]_proj|mlp\.down_proj)\.lora_[AB]\.weight)"));
+    EXPECT_TRUE(p.requires_grad()) << name;
+  }
+  EXPECT_EQ(lora.param("model.layers.1.self_attn.q_proj.lora_A.weight").sizes(), (std::vector<int64_t>{4, 32}));
+  EXPECT_EQ(lora.param("model.layers.1.mlp.down_proj.lora_B.weight").sizes(), (std::vector<int64_t>{32, 4}));
+  ASSERT_EQ(lora.base_parameters().size(), base.parameters().size());
+  for (const auto& [name, p] : lora.base_parameters()) EXPECT_FALSE(p.requires_grad()) << name;
+
+  auto tokens = SyntheticData{3, 40}.MicroBatch(0, 0, 2, 10).slice(1, 0, 10).contiguous();
+  // B starts at zero: the LoRA model is the base model.
+  EXPECT_TRUE(torch::equal(lora.Forward(tokens), base.Forward(tokens)));
+
+  // Give B values, then compare with the base model loaded with the merged weights.
+  auto original = base.Forward(tokens);
+  {
+    torch::NoGradGuard ng;
+    for (auto& [name, p] : lora.parameters())
+      if (name.find("lora_B") != std::string::npos) p.normal_(0, 0.05);
+  }
+  auto merged = lora.MergedWeights();
+  ASSERT_EQ(merged.size(), base.parameters().size());
+  const double scale = 8.0 / 4;
+  auto& w = lora.param("model.layers.0.self_attn.q_proj.weight");
+  auto& a = lora.param("model.layers.0.self_attn.q_proj.lora_A.weight");
+  auto& b = lora.param("model.layers.0.self_attn.q_proj.lora_B.weight");
+  EXPECT_TRUE(torch::allclose(merged.at("model.layers.0.self_attn.q_proj.weight"),
+                              w.detach() + scale * torch::matmul(b.detach(), a.detach()), 1e-6, 1e-7));
+  EXPECT_TRUE(torch::equal(merged.at("model.layers.0.self_attn.k_proj.weight"),
+                           lora.param("model.layers.0.self_attn.k_proj.weight").detach()));
+  ASSERT_TRUE(base.Load(merged).ok());
+  auto got = lora.Forward(tokens), want = base.Forward(tokens);
+  EXPECT_GT((got - original).abs().max().item<double>(), 1e-4);  // the adapters change the function
+  EXPECT_LE((got - want).norm().item<double>() / want.norm().item<double>(), 1e-5);
+
+  // Backward: gradients on the adapters only.
+  auto loss = CrossEntropySum(lora.Forward(tokens), tokens, static_cast<double>(tokens.numel()));
+  loss.backward();
+  for (const auto& [name, p] : lora.parameters()) EXPECT_TRUE(p.grad().defined()) << name;
+  for (const auto& [name, p] : lora.base_parameters()) EXPECT_FALSE(p.grad().defined()) << name;
+}
+
+TEST(Lora, DropoutMasksDependOnTheSequenceNotOnTheMicroBatching) {
+  auto cfg = ParseLlamaConfigText(kLoraConfig, "config.json");
+  ASSERT_TRUE(cfg.ok()) << cfg.status();
+  StageModel m(*cfg, 0, cfg->num_ops() - 1, 9, torch::kCPU, Lora(0.5));
+  {
+    torch::NoGradGuard ng;
+    for (auto& [name, p] : m.parameters())
+      if (name.find("lora_B") != std::string::npos) p.normal_(0, 0.05);
+  }
+  torch::NoGradGuard ng;
+  auto tokens = SyntheticData{3, 40}.MicroBatch(0, 0, 2, 10).slice(1, 0, 10).contiguous();
+  const TrainContext both{5, 2};
+  auto together = m.Forward(tokens, &both);
+  EXPECT_TRUE(torch::equal(together, m.Forward(tokens, &both)));  // deterministic
+  // The same two sequences as two micro-batches of one: the same masks.
+  const TrainContext first{5, 2}, second{5, 3};
+  auto apart = torch::cat({m.Forward(tokens.slice(0, 0, 1), &first), m.Forward(tokens.slice(0, 1, 2), &second)});
+  EXPECT_LE((together - apart).abs().max().item<double>(), 1e-5);
+  // Another step draws other masks; evaluation (no context) uses none.
+  const TrainContext later{6, 2};
+  EXPECT_GT((m.Forward(tokens, &later) - together).abs().max().item<double>(), 1e-4);
+  EXPECT_GT((m.Forward(tokens) - together).abs().max().item<double>(), 1e-4);
+}
+
 }  // namespace
 }  // namespace meridian::executor

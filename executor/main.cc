@@ -113,7 +113,8 @@ int RunProfile(const executor::ExecutorOptions& o, const std::string& job_path, 
     return 2;
   }
   torch::Device device(o.device == "cpu" ? torch::Device(torch::kCPU) : torch::Device(o.device));
-  auto prof = executor::ProfileModel(setup->model, setup->micro_batch_size, setup->job.sequence_length, o.site, device);
+  auto prof = executor::ProfileModel(setup->model, setup->micro_batch_size, setup->job.sequence_length, o.site, device, 5,
+                                  setup->job.lora);
   if (!prof.ok()) {
     std::cerr << "meridian-executor: " << prof.status().message() << "\n";
     return 1;

@@ -54,7 +54,7 @@ double AvailableMemoryBytes(torch::Device device) {
 }
 
 absl::StatusOr<OpProfile> ProfileModel(const LlamaConfig& c, int mbs, int seq, const std::string& site_name,
-                                       torch::Device device, int repeats) {
+                                       torch::Device device, int repeats, const core::LoraSpec& lora) {
   if (repeats < 1) return absl::InvalidArgumentError("repeats must be at least 1");
   OpProfile out;
   partitioner::LlamaGraphOptions go;
@@ -63,6 +63,7 @@ absl::StatusOr<OpProfile> ProfileModel(const LlamaConfig& c, int mbs, int seq, c
   go.weight_bytes = 4;     // fp32 weights
   go.gradient_bytes = 4;   // fp32 gradients
   go.optimizer_bytes = 8;  // Adam m and v in fp32
+  if (lora.enabled) go.gradient_bytes = go.optimizer_bytes = 0;  // frozen base; adapters are negligible
   go.activation_bytes = 4;
   out.graph = partitioner::BuildLlamaGraph(c.shape, go);
   out.site.name = site_name;
@@ -77,7 +78,7 @@ absl::StatusOr<OpProfile> ProfileModel(const LlamaConfig& c, int mbs, int seq, c
       out.site.op_seconds[OpName(c, op)] = 0;
       continue;
     }
-    StageModel m(c, op, op, 1, device);
+    StageModel m(c, op, op, 1, device, lora);
     std::vector<double> times;
     for (int r = 0; r <= repeats; ++r) {
       torch::Tensor in = op == 0 ? inputs : torch::randn(hidden, torch::TensorOptions().device(device)).requires_grad_(true);
@@ -86,7 +87,7 @@ absl::StatusOr<OpProfile> ProfileModel(const LlamaConfig& c, int mbs, int seq, c
       auto y = m.Forward(in);
       if (op == c.num_ops() - 1) {
         CrossEntropySum(y, targets, static_cast<double>(targets.numel())).backward();
-      } else {
+      } else if (y.requires_grad()) {  // under LoRA the embedding needs no backward pass
         y.backward(torch::ones_like(y));
       }
       Sync(device);

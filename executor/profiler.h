@@ -18,9 +18,12 @@ struct OpProfile {
   partitioner::SiteProfile site;       // name, measured flops_per_second, memory_bytes, op_seconds
 };
 
-// `repeats` timed forward+backward passes per op after one warm-up; the median is kept.
+// `repeats` timed forward+backward passes per op after one warm-up; the median is kept. With `lora`
+// enabled the ops are timed as LoRA trains them (frozen weights: no weight gradients) and the graph's
+// memory counts no gradients or optimizer state for the base weights.
 absl::StatusOr<OpProfile> ProfileModel(const LlamaConfig& config, int micro_batch_size, int sequence_length,
-                                       const std::string& site_name, torch::Device device, int repeats = 5);
+                                       const std::string& site_name, torch::Device device, int repeats = 5,
+                                       const core::LoraSpec& lora = {});
 
 // fp32 matrix-multiply throughput of the device (FLOP/s), the median of a few n x n products.
 double MeasureGemmFlops(torch::Device device, int n = 512, int repeats = 5);

@@ -160,7 +160,8 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
         if (!in.ok()) return in.status();
         s.input = in->requires_grad_(true);
       }
-      auto out = model_->Forward(s.input);
+      const TrainContext ctx{step, static_cast<int64_t>(mb) * mbs};
+      auto out = model_->Forward(s.input, &ctx);
       if (model_->has_head()) {
         s.output = CrossEntropySum(out, batch.targets.to(device_), normaliser);
         loss_sum += s.output.item<double>();
@@ -174,12 +175,14 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
       stash[mb] = std::move(s);
     } else {
       Stash& s = stash[mb];
+      // Under LoRA the first stages may hold no adapter before the first one: their output then needs no
+      // gradient and their backward pass is only the receipt of the gradient.
       if (model_->has_head()) {
-        s.output.backward();
+        if (s.output.requires_grad()) s.output.backward();
       } else {
         auto g = Receive(a_.next_site, {a_.job_id, step, mb, a_.stage + 1, v1::BACKWARD, 0}, hidden);
         if (!g.ok()) return g.status();
-        s.output.backward(*g);
+        if (s.output.requires_grad()) s.output.backward(*g);
       }
       if (!model_->has_embed()) {
         if (auto st = Send(to_prev_.get(), a_.prev_site, {a_.job_id, step, mb, a_.stage, v1::BACKWARD, 0},

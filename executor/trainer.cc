@@ -141,14 +141,12 @@ absl::StatusOr<JobSetup> PrepareJob(const core::JobSpec& job, const std::string&
   auto cfg = LoadLlamaConfig(model_dir + "/config.json");
   if (!cfg.ok()) return absl::InvalidArgumentError(absl::StrCat(job_path, ": job.model: ", cfg.status().message()));
   s.model = *cfg;
+  s.model_dir = model_dir;
   s.micro_batches = job.micro_batches > 0 ? job.micro_batches : std::min(job.global_batch, 4);
   if (job.global_batch % s.micro_batches != 0)
     return absl::InvalidArgumentError(absl::StrCat(job_path, ": job.micro_batches ", s.micro_batches,
                                                    " does not divide job.global_batch ", job.global_batch));
   s.micro_batch_size = job.global_batch / s.micro_batches;
-  if (job.lora.enabled)  // parsed by the spec, not trained yet: refuse rather than train every parameter
-    return absl::UnimplementedError(absl::StrCat(job_path, ": job.lora: LoRA adapters are not implemented yet; remove "
-                                                 "the section (or set enabled: false) to fine-tune every parameter"));
   namespace fs = std::filesystem;
   for (const char* name : {"model.safetensors.index.json", "model.safetensors"})
     if (fs::exists(fs::path(model_dir) / name)) {
@@ -204,7 +202,10 @@ absl::StatusOr<TrainResult> TrainLocal(const JobSetup& setup, int steps, torch::
     double loss_sum = 0;
     for (int m = 0; m < setup.micro_batches; ++m) {
       auto batch = setup.data.MicroBatch(step, m, setup.micro_batch_size, seq);
-      auto loss = CrossEntropySum(model.Forward(batch.inputs.to(device)), batch.targets.to(device), normaliser);
+      const TrainContext ctx{step, static_cast<int64_t>(m) * setup.micro_batch_size};
+      auto loss = CrossEntropySum(model.Forward(batch.inputs.to(device), &ctx), batch.targets.to(device), normaliser);
+      if (!loss.requires_grad())
+        return absl::InvalidArgumentError("job.lora.target_modules: no projection of the model has an adapter");
       loss.backward();
       loss_sum += loss.item<double>();
     }
@@ -220,13 +221,14 @@ absl::StatusOr<TrainResult> TrainLocal(const JobSetup& setup, int steps, torch::
 absl::StatusOr<std::unique_ptr<StageModel>> BuildStageModel(const JobSetup& setup, int first_op, int last_op,
                                                             torch::Device device) {
   if (absl::Status s = CheckSlice(setup.model, first_op, last_op); !s.ok()) return s;
-  auto model = std::make_unique<StageModel>(setup.model, first_op, last_op, setup.job.seed, device);
+  auto model = std::make_unique<StageModel>(setup.model, first_op, last_op, setup.job.seed, device, setup.job.lora);
   if (setup.weights.empty()) return model;
   std::vector<std::string> names;
-  for (const auto& [name, p] : model->parameters()) names.push_back(name);
+  for (const auto& [name, p] : model->base_parameters()) names.push_back(name);
   auto w = LoadWeights(setup.weights, names);
   if (!w.ok()) return w.status();
-  if (absl::Status s = model->Load(*w); !s.ok()) return absl::InvalidArgumentError(absl::StrCat(setup.weights, ": ", s.message()));
+  if (absl::Status s = model->LoadBase(*w); !s.ok())
+    return absl::InvalidArgumentError(absl::StrCat(setup.weights, ": ", s.message()));
   return model;
 }
 

@@ -88,6 +88,7 @@ double ClipByGlobalNorm(const std::vector<std::pair<std::string, torch::Tensor>>
 
 struct JobSetup {
   LlamaConfig model;
+  std::string model_dir;  // the job's model directory (config.json, weights, tokenizer.model)
   core::JobSpec job;
   TrainingData data;
   // The tokenizer when the job trains on text (null for synthetic data).
@@ -110,6 +111,7 @@ absl::StatusOr<JobSetup> LoadJob(const std::string& job_path);
 
 struct TrainResult {
   std::vector<double> losses;  // mean loss of each step
+  // The trained parameters (StageModel::parameters()): every weight, or the LoRA adapters.
   std::map<std::string, torch::Tensor> parameters;
 };
 
@@ -119,7 +121,8 @@ absl::StatusOr<TrainResult> TrainLocal(const JobSetup& setup, int steps, torch::
                                        const std::function<void(int, double)>& on_step = nullptr);
 
 // Builds the slice [first_op, last_op] of the job's model: seeded initialisation, then the model
-// directory's weights when it has them (only the tensors of the slice are read).
+// directory's weights when it has them (only the tensors of the slice are read); with job.lora, adapters
+// on the target modules and frozen base weights.
 absl::StatusOr<std::unique_ptr<StageModel>> BuildStageModel(const JobSetup& setup, int first_op, int last_op,
                                                             torch::Device device);
 

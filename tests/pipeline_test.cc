@@ -219,6 +219,34 @@ TEST_F(PipelineTest, InstructionFineTuningFromPretrainedWeightsMatchesTheSingleP
   auto j = partitioner_json::Load((dir_ / "eval.json").string());
   EXPECT_EQ(j["examples"], 4);  // 10% of 40
   EXPECT_EQ(j["samples"].size(), 4u);
+
+  // LoRA on the same job: `meridian eval` of the PEFT adapter (applied to the job's base) generates what
+  // the merged export generates; an adapter given to a job without job.lora is refused naming it.
+  const std::string lora_job = (dir_ / "ft-lora.yaml").string();
+  {
+    std::ifstream in(job);
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    std::ofstream(lora_job) << text << "  lora: {r: 4, alpha: 16, target_modules: [q_proj, v_proj, up_proj]}\n";
+  }
+  Process lt(Bin("meridian") + " train-local " + lora_job + " --steps 3 --out " + (dir_ / "lora").string() + " 2>&1");
+  std::string lt_out = lt.ReadAll(120s);
+  ASSERT_EQ(lt.Wait(60s), 0) << lt_out;
+  auto eval_json = [&](const std::string& job_path, const std::string& weights, const std::string& out) {
+    Process e(Bin("meridian") + " eval " + job_path + " --weights " + weights + " --json " + out + " 2>&1");
+    std::string text = e.ReadAll(60s);
+    EXPECT_EQ(e.Wait(30s), 0) << text;
+    return partitioner_json::Load(out);
+  };
+  auto with_adapter = eval_json(lora_job, (dir_ / "lora" / "adapter").string(), (dir_ / "eval-adapter.json").string());
+  auto with_merged = eval_json(job, (dir_ / "lora").string(), (dir_ / "eval-merged.json").string());
+  ASSERT_EQ(with_adapter["samples"].size(), 4u);
+  ASSERT_EQ(with_merged["samples"].size(), 4u);
+  for (int i = 0; i < 4; ++i)
+    EXPECT_EQ(with_adapter["samples"][i]["generated"], with_merged["samples"][i]["generated"]) << i;
+  Process bad(Bin("meridian") + " eval " + job + " --weights " + (dir_ / "lora" / "adapter").string() + " 2>&1");
+  std::string bad_out = bad.ReadAll(60s);
+  EXPECT_EQ(bad.Wait(30s), 2);
+  EXPECT_THAT(bad_out, HasSubstr("PEFT adapter but the job has no job.lora"));
 }
 
 // The same job with a tokenizer whose vocabulary exceeds the model's, or data that does not parse: the
@@ -231,12 +259,66 @@ TEST_F(PipelineTest, BadTextJobsFailNamingTheFileAndField) {
   EXPECT_EQ(p.Wait(30s), 2);
   EXPECT_NE(out.find("job.tokenizer"), std::string::npos) << out;
   EXPECT_NE(out.find("nope.model"), std::string::npos) << out;
-  // LoRA is parsed but not trained yet: refused, never silently replaced by full fine-tuning.
-  std::ofstream(dir_ / "lora.yaml") << "job:\n  model: model\n  lora: {r: 4}\n";
-  Process l(Bin("meridian") + " train-local " + (dir_ / "lora.yaml").string() + " --out " + (dir_ / "x").string() + " 2>&1");
-  std::string lout = l.ReadAll(60s);
-  EXPECT_EQ(l.Wait(30s), 2);
-  EXPECT_NE(lout.find("job.lora"), std::string::npos) << lout;
+}
+
+// LoRA across 3 executors -- the first holds only the embedding, so no adapter, and only receives its
+// gradients -- with adapter dropout: the adapters equal the single-process trainer's; the base weights
+// stay as they were; the export holds the merged model and the adapter in PEFT's layout, the same from
+// `meridian export` of the run's shards as from train-local.
+TEST_F(PipelineTest, LoraAdaptersAcrossExecutorsMatchTheSingleProcessTrainerAndExportInPeftLayout) {
+  Reference(Job("pre", 1));  // a "pre-trained" base model: one full step from the seeded initialisation
+  fs::rename(dir_ / "local", dir_ / "base");
+  std::string job = Job("lora", 3);
+  {
+    std::ifstream in(job);
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    text.replace(text.find("model: model"), 12, "model: base");
+    std::ofstream(job) << text << "  lora: {r: 4, alpha: 8, dropout: 0.1, target_modules: [q_proj, v_proj, down_proj]}\n";
+  }
+  std::vector<double> ref_losses, dist_losses;
+  auto merged = Reference(job, &ref_losses);
+  ASSERT_EQ(ref_losses.size(), 3u);
+  auto adapter = core::ReadSafetensors((dir_ / "local" / "adapter" / "adapter_model.safetensors").string());
+  ASSERT_TRUE(adapter.ok()) << adapter.status();
+  std::map<std::string, core::Tensor> want;
+  for (const auto& [key, t] : adapter->tensors) {
+    ASSERT_EQ(key.rfind("base_model.model.model.layers.", 0), 0u) << key;  // PEFT's key names
+    want[key.substr(std::string("base_model.model.").size())] = t;
+  }
+  EXPECT_EQ(want.size(), 12u);  // A and B for 3 projections x 2 layers
+  auto config = partitioner_json::Load((dir_ / "local" / "adapter" / "adapter_config.json").string());
+  EXPECT_EQ(config["peft_type"], "LORA");
+  EXPECT_EQ(config["task_type"], "CAUSAL_LM");
+  EXPECT_EQ(config["r"], 4);
+  EXPECT_EQ(config["lora_alpha"], 8.0);
+  EXPECT_EQ(config["target_modules"], nlohmann::json({"q_proj", "v_proj", "down_proj"}));
+
+  ExpectClose(Distributed(job, {{0, 0}, {1, 2}, {3, 5}}, "identity", "identity", &dist_losses), want);
+  ASSERT_EQ(dist_losses.size(), 3u);
+  for (int i = 0; i < 3; ++i) EXPECT_NEAR(dist_losses[i], ref_losses[i], 1e-4 * ref_losses[i]);
+
+  // The merged model: the base where no adapter is, the base plus the update on the target projections.
+  auto base = core::ReadSafetensors((dir_ / "base" / "model.safetensors").string());
+  ASSERT_TRUE(base.ok()) << base.status();
+  ASSERT_EQ(merged.size(), base->tensors.size());
+  for (const auto& [name, t] : base->tensors) {
+    ASSERT_TRUE(merged.count(name)) << name;
+    const bool target = name.find("q_proj") != std::string::npos || name.find("v_proj") != std::string::npos ||
+                        name.find("down_proj") != std::string::npos;
+    if (target) EXPECT_GT(testing::RelativeL2(merged.at(name), t), 1e-6) << name;
+    else EXPECT_EQ(merged.at(name).bytes, t.bytes) << name;
+  }
+
+  // `meridian export` of the run's stage shards writes the same model and adapter.
+  Process ex(Bin("meridian") + " export " + job + " --weights " + (dir_ / "dist3").string() + " --out " +
+             (dir_ / "exported").string() + " 2>&1");
+  std::string ex_out = ex.ReadAll(60s);
+  ASSERT_EQ(ex.Wait(30s), 0) << ex_out;
+  auto exported = core::ReadSafetensors((dir_ / "exported" / "model.safetensors").string());
+  ASSERT_TRUE(exported.ok()) << exported.status();
+  ExpectClose(exported->tensors, merged);
+  EXPECT_TRUE(fs::exists(dir_ / "exported" / "adapter" / "adapter_model.safetensors"));
+  EXPECT_TRUE(fs::exists(dir_ / "exported" / "config.json"));
 }
 
 // int8 on both directions of the pipeline link. (Top-k with error feedback on the *activation
