@@ -497,6 +497,16 @@ std::string SiteList(const ClusterProfile& p, const std::vector<int>& s) {
 
 }  // namespace
 
+std::vector<int> EvenCuts(int ops, int stages) {
+  std::vector<int> last;
+  int end = -1;
+  for (int k = 0; k < stages; ++k) {
+    end += ops / stages + (k < ops % stages ? 1 : 0);
+    last.push_back(end);
+  }
+  return last;
+}
+
 std::vector<Codec> DefaultLinkCodecs() {
   return {{"identity", 1.0}, {"fp16", 0.5}, {"int8", (64.0 + 4.0) / 256.0}, {"int4", (32.0 + 4.0) / 256.0}};
 }
@@ -533,9 +543,30 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
   Plan plan;
   plan.micro_batches = o.micro_batches;
 
-  Candidate best = Heuristic(cm, ratio);
-  plan.method = "heuristic";
-  if (!o.force_heuristic && n <= o.exact_max_sites) {
+  Candidate best;
+  if (!o.fixed_sites.empty() || !o.fixed_last_ops.empty()) {
+    const size_t S = o.fixed_sites.size();
+    if (S != o.fixed_last_ops.size())
+      return absl::InvalidArgumentError("a fixed layout needs as many stage ends as sites");
+    std::vector<bool> seen(n, false);
+    for (size_t k = 0; k < S; ++k) {
+      const int s = o.fixed_sites[k], last = o.fixed_last_ops[k];
+      if (s < 0 || s >= n || seen[s]) return absl::InvalidArgumentError("a fixed layout names a site twice or out of range");
+      seen[s] = true;
+      if (last < (k ? o.fixed_last_ops[k - 1] + 1 : 0) || last >= N || (k + 1 == S && last != N - 1))
+        return absl::InvalidArgumentError("a fixed layout's stage ends must increase and end at the graph's last op");
+    }
+    best = {SearchCost(cm, o.fixed_sites, o.fixed_last_ops, ratio), o.fixed_sites, o.fixed_last_ops};
+    if (best.cost == kInf)
+      return absl::FailedPreconditionError("the fixed layout is infeasible: a stage exceeds its site's memory or "
+                                           "two neighbouring sites have no link");
+    plan.method = "fixed";
+    plan.notes.push_back("fixed layout given by the caller (no search)");
+  } else {
+    best = Heuristic(cm, ratio);
+    plan.method = "heuristic";
+  }
+  if (plan.method != "fixed" && !o.force_heuristic && n <= o.exact_max_sites) {
     double ub = best.cost == kInf ? kInf : best.cost;
     ExactResult ex = ExactSearch(cm, ratio, ub, o.exact_work_limit);
     if (ex.complete) {
@@ -549,7 +580,7 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
           "exact search stopped after %.3g transitions (limit %.3g); this is the heuristic's plan", ex.transitions,
           o.exact_work_limit));
     }
-  } else {
+  } else if (plan.method != "fixed") {
     plan.notes.push_back(absl::StrFormat(
         "heuristic search (%d sites > %d for exact search): K fastest sites for each K, ordered by speed or "
         "along the widest links, cuts by bottleneck bisection and local moves",

@@ -38,7 +38,16 @@ struct PlanOptions {
   int exact_max_sites = 8;
   bool force_heuristic = false;
   double exact_work_limit = 4e9;  // DP transitions; beyond it the heuristic's plan is kept, and said so
+  // When non-empty, no search: this pipeline -- fixed_sites[k] (indices into the profile's sites) runs
+  // stage k, which ends at op fixed_last_ops[k] -- is evaluated with the same cost model and returned as
+  // the plan (ablations and pinned layouts, e.g. `meridian run --split even`). Same sizes; the last
+  // entry of fixed_last_ops must be the graph's last op.
+  std::vector<int> fixed_sites, fixed_last_ops;
 };
+
+// The last op of each of `stages` stages that split `ops` ops into contiguous ranges of equal size (the
+// first ones one op longer when it does not divide). REQUIRES: 1 <= stages <= ops.
+std::vector<int> EvenCuts(int ops, int stages);
 
 struct StagePlan {
   std::vector<int> sites;              // indices into ClusterProfile::sites; more than one = replicas

@@ -209,6 +209,33 @@ TEST(Planner, FourTimesFasterSiteGetsAboutFourTimesTheWork) {
   EXPECT_EQ(slow_ops, 20);
 }
 
+// A fixed layout (the even-split ablation) is evaluated by the same cost model, not searched: the
+// 50/50 split of the previous case costs what the formula says, and more than the planned 80/20 split.
+TEST(Planner, FixedLayoutIsEvaluatedNotSearched) {
+  EXPECT_EQ(EvenCuts(100, 2), (std::vector<int>{49, 99}));
+  EXPECT_EQ(EvenCuts(18, 4), (std::vector<int>{4, 9, 13, 17}));
+  OpGraph g = Chain(100);
+  ClusterProfile p;
+  p.sites = {{"fast", 4e9, 1e12, {}}, {"slow", 1e9, 1e12, {}}};
+  LinkAll(&p, 1e10, 1e-4);
+  PlanOptions o;
+  o.micro_batches = 64;
+  auto planned = PlanPipeline(g, p, o);
+  ASSERT_TRUE(planned.ok()) << planned.status();
+  o.fixed_sites = {0, 1};
+  o.fixed_last_ops = EvenCuts(100, 2);
+  auto even = PlanPipeline(g, p, o);
+  ASSERT_TRUE(even.ok()) << even.status();
+  EXPECT_EQ(even->method, "fixed");
+  ASSERT_EQ(even->stages.size(), 2u);
+  EXPECT_EQ(even->stages[0].last_op, 49);
+  EXPECT_EQ(even->stages[1].site_names[0], "slow");
+  EXPECT_NEAR(even->predicted_step_seconds, FormulaCost(g, p, 64, 1.0, {0, 1}, {49, 99}), 1e-9);
+  EXPECT_GT(even->predicted_step_seconds, 1.5 * planned->predicted_step_seconds);
+  o.fixed_last_ops = {60, 50};
+  EXPECT_EQ(PlanPipeline(g, p, o).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(Planner, InfeasibleMemoryNamesWhatDoesNotFit) {
   OpGraph g = Chain(4);
   g.ops[2].param_bytes = 5e9;
