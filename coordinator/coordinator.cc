@@ -54,9 +54,18 @@ absl::StatusOr<std::optional<v1::Command>> Coordinator::NextCommand(const std::s
   return std::optional<v1::Command>(std::move(c));
 }
 
+void Coordinator::Requeue(const std::string& site, v1::Command c) {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    sites_[site].commands.push_front(std::move(c));
+  }
+  cv_.notify_all();
+}
+
 absl::Status Coordinator::Metrics(const v1::MetricsReport& r) {
   {
     std::lock_guard<std::mutex> l(mu_);
+    if (!r.job_id().empty() && r.job_id() != job_id_) return absl::OkStatus();  // an abandoned attempt
     if (r.step() > progress_.step) {
       progress_.step = r.step();
       progress_.loss = r.loss();
@@ -80,10 +89,21 @@ absl::Status Coordinator::Profile(const v1::ProfileReport& r) {
 absl::Status Coordinator::Done(const v1::StageDone& d) {
   {
     std::lock_guard<std::mutex> l(mu_);
+    if (!d.job_id().empty() && d.job_id() != job_id_) return absl::OkStatus();  // an abandoned attempt
     sites_[d.site()].done = d;
   }
   cv_.notify_all();
   return absl::OkStatus();
+}
+
+void Coordinator::BeginJob(const std::string& job_id) {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    job_id_ = job_id;
+    for (auto& [name, site] : sites_) site.done.reset();
+    progress_.step = -1;
+  }
+  cv_.notify_all();
 }
 
 void Coordinator::Send(const std::string& site, v1::Command c) {

@@ -47,11 +47,15 @@ class Coordinator : public rpc::CoordinatorHandler {
   absl::StatusOr<v1::HeartbeatResponse> Heartbeat(const v1::HeartbeatRequest& r) override;
   absl::StatusOr<std::optional<v1::Command>> NextCommand(const std::string& site,
                                                          std::chrono::milliseconds timeout) override;
+  void Requeue(const std::string& site, v1::Command command) override;
   absl::Status Metrics(const v1::MetricsReport& r) override;
   absl::Status Profile(const v1::ProfileReport& r) override;
   absl::Status Done(const v1::StageDone& d) override;
 
   // For the run loop.
+  // Starts an attempt at the job: forgets every site's StageDone and the progress step (the tokens
+  // count on); from now on Done and Metrics reports of other job ids are ignored.
+  void BeginJob(const std::string& job_id);
   void Send(const std::string& site, v1::Command c);
   void StopAll();
   // Waits until `pred` holds (called under the lock with the sites and the progress, on every change)
@@ -72,6 +76,7 @@ class Coordinator : public rpc::CoordinatorHandler {
   std::condition_variable cv_;
   std::map<std::string, Site> sites_;
   Progress progress_;
+  std::string job_id_;
   bool stopping_ = false;
 };
 

@@ -50,6 +50,13 @@ void AddRunOptions(CLI::App* cmd, RunOptions* o) {
   cmd->add_option("--eval-examples", o->eval_examples,
                   "Held-out examples scored by exact match before and after training (JSONL jobs; 0: none)")
       ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--profile-repeats", o->profile_repeats,
+                  "Timed forward+backward passes per operator when the sites measure the model (median kept)")
+      ->check(CLI::Range(1, 100));
+  cmd->add_option("--split", o->split,
+                  "planned: the partitioner's plan; even: the sites in the spec's order with equal op counts "
+                  "(an ablation; the job's compression still applies)")
+      ->check(CLI::IsMember({"planned", "even"}));
   cmd->add_option("--export", o->export_dir,
                   "After training, write the whole model there as HF safetensors + config.json, whatever the partition");
 }
@@ -217,6 +224,7 @@ int Run(const RunOptions& o) {
     p->set_job_yaml(job_yaml);
     p->set_job_dir(job_dir);
     p->set_probe_seconds(1.0);
+    p->set_repeats(o.profile_repeats);
     for (const auto& other : joined)
       if (other > site) {  // each pair once: the lexicographically smaller site probes both directions
         auto* peer = p->add_peers();
@@ -272,88 +280,154 @@ int Run(const RunOptions& o) {
   auto graph = partitioner::ParseGraphJson(graph_json, "graph.json from the executors");
   if (!graph.ok()) return fail(std::string(graph.status().message()));
 
-  // 3. Plan.
-  partitioner::PlanOptions po;
-  po.micro_batches = micro_batches;
-  po.adaptive_compression = job.compression.policy == "adaptive";
-  po.replication = false;  // stage replicas are not implemented in the executor yet
-  auto plan = partitioner::PlanPipeline(*graph, profile, po);
-  if (!plan.ok()) return fail(std::string(plan.status().message()));
-  std::cout << partitioner::PlanTable(*plan, *graph, profile) << std::flush;
-  std::ofstream(run_dir + "/plan.json") << partitioner::PlanJson(*plan, *graph);
-
-  // 4. Assign.
-  const auto& st = plan->stages;
-  std::set<std::string> used;
-  for (size_t k = 0; k < st.size(); ++k) {
-    v1::Command c;
-    auto* a = c.mutable_assign();
-    a->set_job_id(run_id);
-    a->set_stage(static_cast<int>(k));
-    a->set_num_stages(static_cast<int>(st.size()));
-    a->set_first_op(st[k].first_op);
-    a->set_last_op(st[k].last_op);
-    const std::string site = st[k].site_names[0];
-    used.insert(site);
-    if (k > 0) {
-      a->set_prev_site(st[k - 1].site_names[0]);
-      a->set_prev_address(snap[st[k - 1].site_names[0]].listen);
-      a->set_backward_codec(plan->links[k - 1].codec);
-    }
-    if (k + 1 < st.size()) {
-      a->set_next_site(st[k + 1].site_names[0]);
-      a->set_next_address(snap[st[k + 1].site_names[0]].listen);
-      a->set_forward_codec(plan->links[k].codec);
-    }
-    a->set_micro_batches(micro_batches);
-    a->set_job_yaml(job_yaml);
-    a->set_job_dir(job_dir);
-    a->set_steps(steps);
-    a->set_output_dir(run_dir + "/weights");
-    if (o.resume) a->set_resume_step(-1);  // each stage loads the newest intact checkpoint
-    coord.Send(site, c);
-  }
-  std::cout << "training: " << st.size() << " stages, " << steps << " steps"
-            << (o.resume ? ", resuming from the newest intact checkpoint" : "") << "\n" << std::flush;
-
-  // 5. Supervise.
+  // 3-5. Plan, assign, supervise. When a site is lost (no heartbeat for the spec's timeout), the others
+  // abandon the attempt; the coordinator re-plans over the sites left (on_failure: replan) or waits for
+  // the lost ones to rejoin (on_failure: wait), and every stage resumes from the newest intact
+  // checkpoint (job.checkpoint.dir must be storage every site reads, e.g. a shared mount).
+  std::set<std::string> lost;
+  std::optional<partitioner::Plan> plan;
+  bool resume = o.resume;
   const auto t0 = Clock::now();
-  int64_t shown = -1;
-  while (true) {
-    bool finished = coord.WaitFor(
-        [&](const auto& s, const auto&) {
-          for (const auto& u : used)
-            if (!s.at(u).done) return false;
-          return true;
-        },
-        Clock::now() + std::chrono::milliseconds(500));
-    auto p = coord.progress();
-    if (p.step > shown) {
-      shown = p.step;
-      double el = std::chrono::duration<double>(Clock::now() - t0).count();
-      std::printf("step %lld/%d  loss %.4f  %.0f tokens/s  %.2f s/step  ETA %.0f s\n", static_cast<long long>(p.step + 1),
-                  steps, p.loss, p.tokens / el, p.step_seconds, (steps - p.step - 1) * el / (p.step + 1));
-      std::fflush(stdout);
-      jsonl << nlohmann::json{{"step", p.step + 1}, {"loss", p.loss}, {"step_seconds", p.step_seconds},
-                              {"tokens", p.tokens}, {"elapsed_seconds", el}}.dump()
-            << std::endl;
+  for (int attempt = 0;; ++attempt) {
+    partitioner::ClusterProfile live;
+    for (const auto& site : profile.sites)
+      if (!lost.count(site.name)) live.sites.push_back(site);
+    for (const auto& l : profile.links)
+      if (!lost.count(l.from) && !lost.count(l.to)) live.links.push_back(l);
+    partitioner::PlanOptions po;
+    po.micro_batches = micro_batches;
+    po.adaptive_compression = job.compression.policy == "adaptive";
+    po.replication = false;  // stage replicas are not implemented in the executor yet
+    if (o.split == "even") {
+      const int n = std::min<int>(static_cast<int>(live.sites.size()), static_cast<int>(graph->ops.size()));
+      for (const auto& site : spec.sites)
+        for (size_t i = 0; i < live.sites.size(); ++i)
+          if (live.sites[i].name == site.name && static_cast<int>(po.fixed_sites.size()) < n)
+            po.fixed_sites.push_back(static_cast<int>(i));
+      po.fixed_last_ops =
+          partitioner::EvenCuts(static_cast<int>(graph->ops.size()), static_cast<int>(po.fixed_sites.size()));
     }
-    for (const auto& [name, s] : coord.Snapshot())
-      if (s.done && !s.done->error().empty()) {
+    auto planned = partitioner::PlanPipeline(*graph, live, po);
+    if (!planned.ok()) return fail(std::string(planned.status().message()));
+    plan = std::move(*planned);
+    std::cout << partitioner::PlanTable(*plan, *graph, live) << std::flush;
+    std::ofstream(run_dir + "/plan.json") << partitioner::PlanJson(*plan, *graph);
+
+    // 4. Assign.
+    const std::string job_id = attempt == 0 ? run_id : absl::StrCat(run_id, "-", attempt);
+    coord.BeginJob(job_id);
+    const auto& st = plan->stages;
+    std::set<std::string> used;
+    for (size_t k = 0; k < st.size(); ++k) {
+      v1::Command c;
+      auto* a = c.mutable_assign();
+      a->set_job_id(job_id);
+      a->set_stage(static_cast<int>(k));
+      a->set_num_stages(static_cast<int>(st.size()));
+      a->set_first_op(st[k].first_op);
+      a->set_last_op(st[k].last_op);
+      const std::string site = st[k].site_names[0];
+      used.insert(site);
+      if (k > 0) {
+        a->set_prev_site(st[k - 1].site_names[0]);
+        a->set_prev_address(snap[st[k - 1].site_names[0]].listen);
+        a->set_backward_codec(plan->links[k - 1].codec);
+      }
+      if (k + 1 < st.size()) {
+        a->set_next_site(st[k + 1].site_names[0]);
+        a->set_next_address(snap[st[k + 1].site_names[0]].listen);
+        a->set_forward_codec(plan->links[k].codec);
+      }
+      a->set_micro_batches(micro_batches);
+      a->set_job_yaml(job_yaml);
+      a->set_job_dir(job_dir);
+      a->set_steps(steps);
+      a->set_output_dir(run_dir + "/weights");
+      if (resume) a->set_resume_step(-1);  // each stage loads the newest intact checkpoint
+      coord.Send(site, c);
+    }
+    std::cout << "training: " << st.size() << " stages, " << steps << " steps"
+              << (resume ? ", resuming from the newest intact checkpoint" : "") << "\n" << std::flush;
+
+    // 5. Supervise.
+    int64_t shown = -1;
+    std::string failure;  // why this attempt ended early
+    std::string failed_site;
+    while (true) {
+      bool finished = coord.WaitFor(
+          [&](const auto& s, const auto&) {
+            for (const auto& u : used)
+              if (!s.at(u).done) return false;
+            return true;
+          },
+          Clock::now() + std::chrono::milliseconds(500));
+      auto p = coord.progress();
+      if (p.step > shown) {
+        shown = p.step;
+        double el = std::chrono::duration<double>(Clock::now() - t0).count();
+        std::printf("step %lld/%d  loss %.4f  %.0f tokens/s  %.2f s/step  ETA %.0f s\n",
+                    static_cast<long long>(p.step + 1), steps, p.loss, p.tokens / el, p.step_seconds,
+                    p.step_seconds * (steps - p.step - 1));
+        std::fflush(stdout);
+        jsonl << nlohmann::json{{"step", p.step + 1}, {"loss", p.loss}, {"step_seconds", p.step_seconds},
+                                {"tokens", p.tokens}, {"elapsed_seconds", el}, {"attempt", attempt}}.dump()
+              << std::endl;
+      }
+      for (const auto& [name, s] : coord.Snapshot())
+        if (s.done && !s.done->error().empty() && failure.empty()) {
+          failure = s.done->error();
+          failed_site = name;
+        }
+      if (!failure.empty()) {
         // A stage fails when a neighbour dies; give heartbeats the time to name the site that died.
         const auto until = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                               std::chrono::duration<double>(spec.heartbeat_timeout_seconds + 1));
         while (Clock::now() < until && coord.Silent().empty()) std::this_thread::sleep_for(std::chrono::milliseconds(200));
-        if (auto silent = coord.Silent(); !silent.empty())
-          return fail(absl::StrCat("site '", silent[0], "' stopped answering (no heartbeat for ",
-                                   spec.heartbeat_timeout_seconds, " s); then site '", name, "' failed: ",
-                                   s.done->error()));
-        return fail(absl::StrCat("site '", name, "' failed: ", s.done->error()));
+        break;
       }
-    if (finished) break;
-    if (auto silent = coord.Silent(); !silent.empty())
-      return fail(absl::StrCat("site '", silent[0], "' stopped answering (no heartbeat for ",
-                               spec.heartbeat_timeout_seconds, " s)"));
+      if (finished) break;
+      if (!coord.Silent().empty()) {
+        failure = "no heartbeat";
+        break;
+      }
+    }
+    if (failure.empty()) break;  // every stage finished
+
+    auto silent = coord.Silent();
+    if (silent.empty()) return fail(absl::StrCat("site '", failed_site, "' failed: ", failure));
+    std::string names_lost;
+    for (const auto& n : silent) names_lost += (names_lost.empty() ? "'" : ", '") + n + "'";
+    const std::string what = absl::StrCat("site ", names_lost, " stopped answering (no heartbeat for ",
+                                          spec.heartbeat_timeout_seconds, " s)",
+                                          failed_site.empty() ? "" : absl::StrCat("; then site '", failed_site,
+                                                                                  "' failed: ", failure));
+    std::cout << "lost: " << what << "\n" << std::flush;
+    if (job.checkpoint.interval <= 0)
+      return fail(absl::StrCat(what, ". The job has no checkpoints (job.checkpoint.interval), so nothing to "
+                               "resume from; set one to survive lost sites"));
+    // The survivors abandon the attempt when their neighbours' streams break (or at the step timeout).
+    const auto drain = Clock::now() + std::chrono::seconds(75);
+    coord.WaitFor(
+        [&](const auto& s, const auto&) {
+          for (const auto& u : used)
+            if (!s.at(u).done && std::find(silent.begin(), silent.end(), u) == silent.end()) return false;
+          return true;
+        },
+        drain);
+    if (spec.on_failure == "wait") {
+      std::cout << "recovery: waiting for " << names_lost << " to rejoin (on_failure: wait)\n" << std::flush;
+      while (!coord.Silent().empty()) std::this_thread::sleep_for(std::chrono::milliseconds(500));
+      std::cout << "recovery: " << names_lost << " answering again; resuming from the newest intact checkpoint\n"
+                << std::flush;
+      snap = coord.Snapshot();  // a restarted executor may listen elsewhere
+    } else {
+      for (const auto& n : silent) lost.insert(n);
+      if (lost.size() >= profile.sites.size()) return fail(absl::StrCat(what, "; no site left"));
+      std::cout << "recovery: re-planning over the " << profile.sites.size() - lost.size()
+                << " sites left and resuming from the newest intact checkpoint\n"
+                << std::flush;
+    }
+    resume = true;
   }
   int64_t wire = 0, raw = 0;
   for (const auto& [name, s] : coord.Snapshot())

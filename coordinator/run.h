@@ -22,6 +22,8 @@ struct RunOptions {
   double join_timeout_seconds = 0;  // 0: wait for the sites indefinitely
   int micro_batches = 0;            // 0: the job's
   std::string export_dir;           // non-empty: consolidated HF export after training
+  int profile_repeats = 5;          // timed passes per op in the sites' model measurement
+  std::string split = "planned";    // "even": sites in spec order, equal op counts (ablation)
   bool resume = false;              // stages start from the newest intact checkpoint
   int eval_examples = 200;          // JSONL jobs: held-out examples scored before and after (0: none)
 };

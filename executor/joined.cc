@@ -5,6 +5,7 @@
 #include <atomic>
 #include <chrono>
 #include <iostream>
+#include <optional>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -56,9 +57,11 @@ int RunJoined(const ExecutorOptions& o, const v1::RegisterResponse& reg, v1::Coo
   std::atomic<bool> done{false};
   std::string state = "idle";
   std::mutex state_mu;
-  // Heartbeats; losing the coordinator for `timeout` ends the process.
+  // Heartbeats; the coordinator not answering for `timeout` of trying ends the process. The clock starts
+  // at the first failed attempt, not at the last success: a process that was itself stopped (SIGSTOP, a
+  // suspended VM) gets a full timeout to reach the coordinator again when it resumes.
   std::thread heart([&] {
-    auto last_ok = Clock::now();
+    std::optional<Clock::time_point> failing_since;
     while (!done) {
       v1::HeartbeatRequest req;
       req.set_site(o.site);
@@ -70,9 +73,15 @@ int RunJoined(const ExecutorOptions& o, const v1::RegisterResponse& reg, v1::Coo
       grpc::ClientContext ctx;
       ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(interval * 1000)));
       v1::HeartbeatResponse resp;
-      if (stub->Heartbeat(&ctx, req, &resp).ok()) {
-        last_ok = Clock::now();
-      } else if (Clock::now() - last_ok > std::chrono::duration<double>(timeout)) {
+      grpc::Status hs = stub->Heartbeat(&ctx, req, &resp);
+      if (hs.ok()) {
+        if (failing_since) std::cerr << "meridian-executor: the coordinator answers heartbeats again\n";
+        failing_since.reset();
+      } else if (!failing_since) {
+        failing_since = Clock::now();
+        std::cerr << "meridian-executor: heartbeat failed (" << hs.error_message() << "); retrying for " << timeout
+                  << " s\n";
+      } else if (Clock::now() - *failing_since > std::chrono::duration<double>(timeout)) {
         std::cerr << "meridian-executor: lost the coordinator (no heartbeat answered for " << timeout
                   << " s); stopping\n";
         std::_Exit(1);
@@ -86,146 +95,160 @@ int RunJoined(const ExecutorOptions& o, const v1::RegisterResponse& reg, v1::Coo
   };
   torch::Device device(o.device == "cpu" ? torch::Device(torch::kCPU) : torch::Device(o.device));
   int rc = 0;
-  grpc::ClientContext cctx;
-  v1::CommandStreamRequest creq;
-  creq.set_site(o.site);
-  auto reader = stub->Commands(&cctx, creq);
-  v1::Command cmd;
-  while (reader->Read(&cmd)) {
-    if (cmd.has_stop()) break;
-    if (cmd.has_profile()) {
-      set_state("profiling");
-      const auto& p = cmd.profile();
-      v1::ProfileReport rep;
-      rep.set_site(o.site);
-      auto setup = JobFromText(p.job_yaml(), p.job_dir());
-      if (!setup.ok()) {
-        rep.set_error(std::string(setup.status().message()));
-      } else {
-        auto prof = ProfileModel(setup->model, setup->micro_batch_size, setup->job.sequence_length, o.site, device, 5,
-                                  setup->job.lora);
-        if (!prof.ok()) {
-          rep.set_error(std::string(prof.status().message()));
+  bool stopped = false;
+  while (!stopped) {
+    grpc::ClientContext cctx;
+    v1::CommandStreamRequest creq;
+    creq.set_site(o.site);
+    auto reader = stub->Commands(&cctx, creq);
+    v1::Command cmd;
+    while (reader->Read(&cmd)) {
+      if (cmd.has_stop()) {
+        stopped = true;
+        break;
+      }
+      if (cmd.has_profile()) {
+        set_state("profiling");
+        const auto& p = cmd.profile();
+        v1::ProfileReport rep;
+        rep.set_site(o.site);
+        auto setup = JobFromText(p.job_yaml(), p.job_dir());
+        if (!setup.ok()) {
+          rep.set_error(std::string(setup.status().message()));
         } else {
-          partitioner::ClusterProfile one;
-          one.sites.push_back(prof->site);
-          rep.set_site_profile_json(nlohmann::json::parse(partitioner::ProfileToJson(one))["sites"][0].dump());
-          rep.set_graph_json(partitioner::GraphToJson(prof->graph));
-          nlohmann::json links = nlohmann::json::array();
-          for (const auto& peer : p.peers()) {
-            auto client = rpc::PeerClient::Create(o.certs, o.site, peer.site(), peer.address());
-            if (!client.ok()) {
-              rep.set_error(std::string(client.status().message()));
+          auto prof = ProfileModel(setup->model, setup->micro_batch_size, setup->job.sequence_length, o.site, device,
+                                   p.repeats() > 0 ? p.repeats() : 5,
+                                    setup->job.lora);
+          if (!prof.ok()) {
+            rep.set_error(std::string(prof.status().message()));
+          } else {
+            partitioner::ClusterProfile one;
+            one.sites.push_back(prof->site);
+            rep.set_site_profile_json(nlohmann::json::parse(partitioner::ProfileToJson(one))["sites"][0].dump());
+            rep.set_graph_json(partitioner::GraphToJson(prof->graph));
+            nlohmann::json links = nlohmann::json::array();
+            for (const auto& peer : p.peers()) {
+              auto client = rpc::PeerClient::Create(o.certs, o.site, peer.site(), peer.address());
+              if (!client.ok()) {
+                rep.set_error(std::string(client.status().message()));
+                break;
+              }
+              rpc::ProbeOptions po;
+              po.bulk_bytes = 1 << 20;
+              auto first = rpc::ProbeLink(**client, po);
+              if (first.ok()) {
+                po.bulk_bytes = std::clamp<int64_t>(
+                    static_cast<int64_t>(first->forward_bytes_per_second * std::max(0.2, p.probe_seconds())), 1 << 20,
+                    256 << 20);
+                first = rpc::ProbeLink(**client, po);
+              }
+              if (!first.ok()) {
+                rep.set_error(absl::StrCat("probing the link to '", peer.site(), "': ", first.status().message()));
+                break;
+              }
+              links.push_back({{"from", o.site}, {"to", peer.site()},
+                               {"bandwidth_bytes_per_second", first->forward_bytes_per_second},
+                               {"latency_seconds", first->rtt_seconds / 2}});
+              links.push_back({{"from", peer.site()}, {"to", o.site},
+                               {"bandwidth_bytes_per_second", first->reverse_bytes_per_second},
+                               {"latency_seconds", first->rtt_seconds / 2}});
+            }
+            rep.set_links_json(links.dump());
+          }
+        }
+        grpc::Status s = Call([&](auto* c, const auto& r, auto* a) { return stub->ReportProfile(c, r, a); }, rep, 30);
+        if (!s.ok()) std::cerr << "meridian-executor: cannot report the profile: " << s.error_message() << "\n";
+        set_state("idle");
+        continue;
+      }
+      if (cmd.has_assign()) {
+        set_state("training");
+        const auto& pa = cmd.assign();
+        v1::StageDone result;
+        result.set_site(o.site);
+        result.set_job_id(pa.job_id());
+        auto setup = JobFromText(pa.job_yaml(), pa.job_dir());
+        absl::Status failure;
+        if (!setup.ok()) failure = setup.status();
+        if (failure.ok() && pa.micro_batches() > 0) {
+          if (setup->job.global_batch % pa.micro_batches() != 0)
+            failure = absl::InvalidArgumentError("micro-batches do not divide the global batch");
+          setup->micro_batches = pa.micro_batches();
+          setup->micro_batch_size = setup->job.global_batch / pa.micro_batches();
+        }
+        StageAssignment a;
+        a.job_id = pa.job_id();
+        a.stage = pa.stage();
+        a.num_stages = pa.num_stages();
+        a.first_op = pa.first_op();
+        a.last_op = pa.last_op();
+        a.prev_site = pa.prev_site();
+        a.next_site = pa.next_site();
+        a.prev_address = pa.prev_address();
+        a.next_address = pa.next_address();
+        if (!pa.forward_codec().empty()) a.forward_codec = pa.forward_codec();
+        if (!pa.backward_codec().empty()) a.backward_codec = pa.backward_codec();
+        if (failure.ok()) failure = CheckSlice(setup->model, a.first_op, a.last_op);
+        if (failure.ok()) {
+          StageWorker worker(*setup, a, &inbox, o.certs, o.site, device, std::chrono::seconds(60));
+          const std::string ckpt_dir = core::ResolveRelative(pa.job_dir() + "/job.yaml", setup->job.checkpoint.dir);
+          const int interval = setup->job.checkpoint.interval;
+          int start = 0;
+          if (pa.resume_step() != 0) {  // -1: the newest intact checkpoint
+            auto c = LoadLatestCheckpoint(ckpt_dir);
+            if (!c.ok()) failure = c.status();
+            else if (failure = worker.Restore(*c); failure.ok()) start = static_cast<int>(c->step);
+          }
+          if (failure.ok()) failure = worker.Connect();
+          const int steps = pa.steps() > 0 ? pa.steps() : setup->job.steps;
+          for (int i = start; failure.ok() && i < steps; ++i) {
+            auto t0 = Clock::now();
+            auto loss = worker.Step(i, setup->job.steps);  // the schedule spans the job, whatever this run covers
+            if (!loss.ok()) {
+              failure = loss.status();
               break;
             }
-            rpc::ProbeOptions po;
-            po.bulk_bytes = 1 << 20;
-            auto first = rpc::ProbeLink(**client, po);
-            if (first.ok()) {
-              po.bulk_bytes = std::clamp<int64_t>(
-                  static_cast<int64_t>(first->forward_bytes_per_second * std::max(0.2, p.probe_seconds())), 1 << 20,
-                  256 << 20);
-              first = rpc::ProbeLink(**client, po);
+            step = i;
+            if (a.stage == 0) {
+              v1::MetricsReport m;
+              m.set_site(o.site);
+              m.set_job_id(a.job_id);
+              m.set_step(i);
+              m.set_loss(loss->value_or(0));
+              m.set_step_seconds(std::chrono::duration<double>(Clock::now() - t0).count());
+              m.set_tokens(static_cast<int64_t>(setup->job.global_batch) * setup->job.sequence_length);
+              m.set_wire_bytes(worker.wire_bytes());
+              m.set_raw_bytes(worker.raw_bytes());
+              (void)Call([&](auto* c, const auto& r, auto* ack) { return stub->ReportMetrics(c, r, ack); }, m, 10);
             }
-            if (!first.ok()) {
-              rep.set_error(absl::StrCat("probing the link to '", peer.site(), "': ", first.status().message()));
-              break;
-            }
-            links.push_back({{"from", o.site}, {"to", peer.site()},
-                             {"bandwidth_bytes_per_second", first->forward_bytes_per_second},
-                             {"latency_seconds", first->rtt_seconds / 2}});
-            links.push_back({{"from", peer.site()}, {"to", o.site},
-                             {"bandwidth_bytes_per_second", first->reverse_bytes_per_second},
-                             {"latency_seconds", first->rtt_seconds / 2}});
+            if (interval > 0 && (i + 1) % interval == 0) failure = worker.SaveCheckpoint(ckpt_dir, i + 1);
           }
-          rep.set_links_json(links.dump());
+          if (failure.ok()) failure = worker.Finish();
+          if (failure.ok() && !pa.output_dir().empty())
+            failure = SaveParameters(absl::StrCat(pa.output_dir(), "/stage-", a.stage, ".safetensors"), worker.Parameters());
+          result.set_steps(step + 1);
+          result.set_wire_bytes(worker.wire_bytes());
+          result.set_raw_bytes(worker.raw_bytes());
         }
+        if (!failure.ok()) {
+          result.set_error(std::string(failure.message()));
+          std::cerr << "meridian-executor: " << failure.message() << "\n";
+          rc = 1;
+        }
+        set_state(failure.ok() ? "done" : "failed");
+        (void)Call([&](auto* c, const auto& r, auto* ack) { return stub->ReportDone(c, r, ack); }, result, 10);
+        continue;
       }
-      grpc::Status s = Call([&](auto* c, const auto& r, auto* a) { return stub->ReportProfile(c, r, a); }, rep, 30);
-      if (!s.ok()) std::cerr << "meridian-executor: cannot report the profile: " << s.error_message() << "\n";
-      set_state("idle");
-      continue;
     }
-    if (cmd.has_assign()) {
-      set_state("training");
-      const auto& pa = cmd.assign();
-      v1::StageDone result;
-      result.set_site(o.site);
-      auto setup = JobFromText(pa.job_yaml(), pa.job_dir());
-      absl::Status failure;
-      if (!setup.ok()) failure = setup.status();
-      if (failure.ok() && pa.micro_batches() > 0) {
-        if (setup->job.global_batch % pa.micro_batches() != 0)
-          failure = absl::InvalidArgumentError("micro-batches do not divide the global batch");
-        setup->micro_batches = pa.micro_batches();
-        setup->micro_batch_size = setup->job.global_batch / pa.micro_batches();
-      }
-      StageAssignment a;
-      a.job_id = pa.job_id();
-      a.stage = pa.stage();
-      a.num_stages = pa.num_stages();
-      a.first_op = pa.first_op();
-      a.last_op = pa.last_op();
-      a.prev_site = pa.prev_site();
-      a.next_site = pa.next_site();
-      a.prev_address = pa.prev_address();
-      a.next_address = pa.next_address();
-      if (!pa.forward_codec().empty()) a.forward_codec = pa.forward_codec();
-      if (!pa.backward_codec().empty()) a.backward_codec = pa.backward_codec();
-      if (failure.ok()) failure = CheckSlice(setup->model, a.first_op, a.last_op);
-      if (failure.ok()) {
-        StageWorker worker(*setup, a, &inbox, o.certs, o.site, device, std::chrono::seconds(60));
-        const std::string ckpt_dir = core::ResolveRelative(pa.job_dir() + "/job.yaml", setup->job.checkpoint.dir);
-        const int interval = setup->job.checkpoint.interval;
-        int start = 0;
-        if (pa.resume_step() != 0) {  // -1: the newest intact checkpoint
-          auto c = LoadLatestCheckpoint(ckpt_dir);
-          if (!c.ok()) failure = c.status();
-          else if (failure = worker.Restore(*c); failure.ok()) start = static_cast<int>(c->step);
-        }
-        if (failure.ok()) failure = worker.Connect();
-        const int steps = pa.steps() > 0 ? pa.steps() : setup->job.steps;
-        for (int i = start; failure.ok() && i < steps; ++i) {
-          auto t0 = Clock::now();
-          auto loss = worker.Step(i, setup->job.steps);  // the schedule spans the job, whatever this run covers
-          if (!loss.ok()) {
-            failure = loss.status();
-            break;
-          }
-          step = i;
-          if (a.stage == 0) {
-            v1::MetricsReport m;
-            m.set_site(o.site);
-            m.set_step(i);
-            m.set_loss(loss->value_or(0));
-            m.set_step_seconds(std::chrono::duration<double>(Clock::now() - t0).count());
-            m.set_tokens(static_cast<int64_t>(setup->job.global_batch) * setup->job.sequence_length);
-            m.set_wire_bytes(worker.wire_bytes());
-            m.set_raw_bytes(worker.raw_bytes());
-            (void)Call([&](auto* c, const auto& r, auto* ack) { return stub->ReportMetrics(c, r, ack); }, m, 10);
-          }
-          if (interval > 0 && (i + 1) % interval == 0) failure = worker.SaveCheckpoint(ckpt_dir, i + 1);
-        }
-        if (failure.ok()) failure = worker.Finish();
-        if (failure.ok() && !pa.output_dir().empty())
-          failure = SaveParameters(absl::StrCat(pa.output_dir(), "/stage-", a.stage, ".safetensors"), worker.Parameters());
-        result.set_steps(step + 1);
-        result.set_wire_bytes(worker.wire_bytes());
-        result.set_raw_bytes(worker.raw_bytes());
-      }
-      if (!failure.ok()) {
-        result.set_error(std::string(failure.message()));
-        std::cerr << "meridian-executor: " << failure.message() << "\n";
-        rc = 1;
-      }
-      set_state(failure.ok() ? "done" : "failed");
-      (void)Call([&](auto* c, const auto& r, auto* ack) { return stub->ReportDone(c, r, ack); }, result, 10);
-      continue;
-    }
+    cctx.TryCancel();
+    grpc::Status ended = reader->Finish();
+    if (stopped) break;
+    // The stream broke without a stop (this process was suspended, a network blip): open it again. When the
+    // coordinator is really gone, the heartbeat thread ends the process.
+    std::cerr << "meridian-executor: the command stream ended (" << ended.error_message() << "); reconnecting\n";
+    std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int64_t>(interval * 1000)));
   }
   done = true;
-  cctx.TryCancel();
-  (void)reader->Finish();
   heart.join();
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(10));
   return rc;

@@ -58,7 +58,10 @@ grpc::Status CoordinatorService::Commands(grpc::ServerContext* ctx, const v1::Co
     auto c = handler_->NextCommand(req->site(), std::chrono::milliseconds(200));
     if (!c.ok()) return ToGrpc(c.status());
     if (!c->has_value()) continue;
-    if (!writer->Write(**c)) return {grpc::StatusCode::UNAVAILABLE, absl::StrCat("site '", req->site(), "' went away")};
+    if (!writer->Write(**c)) {
+      handler_->Requeue(req->site(), std::move(**c));
+      return {grpc::StatusCode::UNAVAILABLE, absl::StrCat("site '", req->site(), "' went away")};
+    }
     if ((*c)->has_stop()) break;
   }
   return grpc::Status::OK;

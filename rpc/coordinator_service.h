@@ -28,6 +28,9 @@ class CoordinatorHandler {
   // again), or an error that ends the stream.
   virtual absl::StatusOr<std::optional<v1::Command>> NextCommand(const std::string& site,
                                                                  std::chrono::milliseconds timeout) = 0;
+  // A command NextCommand gave out could not be written to the site's stream (it went away): it goes
+  // back to the front of the site's queue, for the site's next stream.
+  virtual void Requeue(const std::string& site, v1::Command command) = 0;
   virtual absl::Status Metrics(const v1::MetricsReport& report) = 0;
   virtual absl::Status Profile(const v1::ProfileReport& report) = 0;
   virtual absl::Status Done(const v1::StageDone& done) = 0;

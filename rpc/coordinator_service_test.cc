@@ -38,6 +38,7 @@ class CountingHandler : public CoordinatorHandler {
     c.set_stop(true);
     return std::optional<v1::Command>(c);
   }
+  void Requeue(const std::string&, v1::Command) override { ++calls; }
   absl::Status Metrics(const v1::MetricsReport&) override {
     ++calls;
     return absl::OkStatus();

@@ -39,10 +39,10 @@ void TensorInbox::Deliver(const std::string& peer, const TensorKey& key, std::ve
   cv_.notify_all();
 }
 
-void TensorInbox::FailPeer(const std::string& peer, const std::string& why) {
+void TensorInbox::FailPeer(const std::string& peer, const std::string& why, const std::string& job_id) {
   {
     std::lock_guard<std::mutex> l(mu_);
-    failed_[peer] = why;
+    failed_[peer] = {why, job_id};
   }
   cv_.notify_all();
 }
@@ -62,9 +62,9 @@ absl::StatusOr<std::vector<uint8_t>> TensorInbox::Wait(const std::string& peer, 
       frames_.erase(it);
       return f;
     }
-    if (auto f = failed_.find(peer); f != failed_.end())
+    if (auto f = failed_.find(peer); f != failed_.end() && (f->second.second.empty() || f->second.second == key.job_id))
       return absl::UnavailableError(absl::StrCat("peer '", peer, "' failed while waiting for ", key.ToString(), ": ",
-                                                 f->second));
+                                                 f->second.first));
     if (cv_.wait_until(l, deadline) == std::cv_status::timeout && std::chrono::steady_clock::now() >= deadline)
       return absl::DeadlineExceededError(
           absl::StrCat("no ", key.ToString(), " from peer '", peer, "' before the deadline"));
@@ -103,12 +103,14 @@ grpc::Status PeerService::Stream(grpc::ServerContext* ctx, grpc::ServerReader<v1
   std::map<TensorKey, Partial> partial;
   int64_t frames = 0;
   v1::TensorChunk c;
+  std::string job;  // the job this stream carries (unknown until its first chunk)
   auto fail = [&](grpc::StatusCode code, const std::string& msg) {
-    inbox_->FailPeer(peer, msg);
+    inbox_->FailPeer(peer, msg, job);
     return grpc::Status(code, msg);
   };
   while (reader->Read(&c)) {
     TensorKey key = KeyOf(c);
+    if (key.direction != v1::PROBE) job = key.job_id;
     if (c.frame_bytes() <= 0 || c.frame_bytes() > kMaxFrameBytes)
       return fail(grpc::StatusCode::INVALID_ARGUMENT,
                   absl::StrCat("peer '", peer, "' sent ", key.ToString(), " with frame size ", c.frame_bytes()));

@@ -46,7 +46,9 @@ class TensorInbox {
   // Stores a complete frame from `peer`.
   void Deliver(const std::string& peer, const TensorKey& key, std::vector<uint8_t> frame);
   // Marks `peer` failed: current and later waits for its tensors return Unavailable naming it and `why`.
-  void FailPeer(const std::string& peer, const std::string& why);
+  // With `job_id`, only waits for that job's tensors fail (a stream of an abandoned attempt that breaks
+  // late must not fail the attempt that replaced it).
+  void FailPeer(const std::string& peer, const std::string& why, const std::string& job_id = "");
   // Clears a failure (the peer reconnected).
   void ClearPeer(const std::string& peer);
   // Waits until the frame for `key` from `peer` arrives and removes it. Errors: DeadlineExceeded naming the
@@ -59,7 +61,7 @@ class TensorInbox {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::map<std::pair<std::string, TensorKey>, std::vector<uint8_t>> frames_;
-  std::map<std::string, std::string> failed_;
+  std::map<std::string, std::pair<std::string, std::string>> failed_;  // peer -> (why, job id or "" for all)
 };
 
 // The Peer service. Only callers whose certificate CN is in `allowed_peers` are served; others get
