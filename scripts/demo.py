@@ -20,113 +20,16 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from emulation import Emulation, sh  # noqa: E402
+
 SITES = [("fast", 1.0), ("medium", 0.6), ("slow", 0.4)]
 LINKS = [("fast", "medium", 100), ("medium", "slow", 100), ("fast", "slow", 20)]  # Mbit/s, both ways
 RTT_MS = 40
-PREFIX = "mrdemo"
-
-
-def sh(cmd, check=True):
-    return subprocess.run(cmd, shell=True, check=check, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-class Emulation:
-    """Namespaces, links, relays and CPU quotas (root), or plain loopback."""
-
-    def __init__(self, bin_dir):
-        self.root = os.geteuid() == 0
-        self.bin = bin_dir
-        self.procs = []
-        self.cgroups = self.root and os.path.isdir("/sys/fs/cgroup/cpu")
-        self.coordinator = "127.0.0.1:7600"
-        if not self.root:
-            print("notice: not root: sites run on loopback without WAN emulation or CPU quotas")
-            return
-        self.teardown()
-        # Control plane: a bridge in the root namespace, one unshaped veth per site.
-        sh(f"ip link add {PREFIX}br type bridge && ip addr add 10.213.200.254/24 dev {PREFIX}br && "
-           f"ip link set {PREFIX}br up")
-        self.coordinator = "10.213.200.254:7600"
-        for i, (s, _) in enumerate(SITES, start=1):
-            ns = f"{PREFIX}-{s}"
-            sh(f"ip netns add {ns} && ip netns exec {ns} ip link set lo up")
-            # The site's public address, the one its peers dial (through the link between them).
-            sh(f"ip netns exec {ns} ip addr add 10.213.100.{i}/32 dev lo")
-            sh(f"ip link add {PREFIX}c{i} type veth peer name {PREFIX}d{i} && ip link set {PREFIX}c{i} master {PREFIX}br && "
-               f"ip link set {PREFIX}c{i} up && ip link set {PREFIX}d{i} netns {ns} && "
-               f"ip netns exec {ns} ip addr add 10.213.200.{i}/24 dev {PREFIX}d{i} && ip netns exec {ns} ip link set {PREFIX}d{i} up")
-        index = {s: i for i, (s, _) in enumerate(SITES, start=1)}
-        for k, (a, b, mbit) in enumerate(LINKS, start=1):
-            va, vb = f"{PREFIX}{k}a", f"{PREFIX}{k}b"
-            sh(f"ip link add {va} type veth peer name {vb}")
-            for v, s, host, other in ((va, a, 1, b), (vb, b, 2, a)):
-                ns = f"{PREFIX}-{s}"
-                burst = max(16384, int(mbit * 1e6 / 8 * 0.002))
-                sh(f"ip link set {v} netns {ns} && ip netns exec {ns} ip addr add 10.213.{k}.{host}/24 dev {v} && "
-                   f"ip netns exec {ns} ip link set {v} up && "
-                   f"ip netns exec {ns} tc qdisc add dev {v} root tbf rate {mbit}mbit burst {burst} latency 200ms && "
-                   f"ip netns exec {ns} ip route add 10.213.100.{index[other]}/32 via 10.213.{k}.{3 - host} dev {v}")
-        if self.cgroups:
-            for s, quota in SITES:
-                g = f"/sys/fs/cgroup/cpu/{PREFIX}-{s}"
-                os.makedirs(g, exist_ok=True)
-                # A 10 ms period throttles finely enough that short operators feel the quota too.
-                open(f"{g}/cpu.cfs_period_us", "w").write("10000")
-                open(f"{g}/cpu.cfs_quota_us", "w").write(str(int(quota * 10000)))
-        else:
-            print("notice: no cgroup v1 cpu controller: sites run at full speed")
-
-    def wrap(self, site, cmd):
-        if not self.root:
-            return cmd
-        # Join the CPU cgroup first: `ip netns exec` mounts a fresh /sys without the cgroup tree.
-        netns = f"ip netns exec {PREFIX}-{site} {cmd}"
-        if not self.cgroups:
-            return netns
-        return f"sh -c 'echo $$ > /sys/fs/cgroup/cpu/{PREFIX}-{site}/cgroup.procs && exec {netns}'"
-
-    def start(self, site, cmd, log):
-        out = subprocess.PIPE if log is None else open(log, "w")
-        p = subprocess.Popen(self.wrap(site, cmd) if site else cmd, shell=True, stdout=out, stderr=subprocess.STDOUT,
-                             start_new_session=True, text=True)
-        self.procs.append(p)
-        return p
-
-    def site_addresses(self, i, site):
-        """(listen, advertise) of a site's executor, and starts its latency relay when emulating."""
-        port = 7600 + i
-        if not self.root:
-            return f"127.0.0.1:{port}", f"127.0.0.1:{port}"
-        public = f"10.213.100.{i}:17600"
-        self.start(site, f"{self.bin}/meridian-wanrelay --listen {public} --target 127.0.0.1:{port} "
-                         f"--delay-ms {RTT_MS / 2}", os.devnull)
-        return f"127.0.0.1:{port}", public
-
-    def teardown(self):
-        for s, _ in SITES:
-            sh(f"ip netns del {PREFIX}-{s}", check=False)
-            if self.cgroups and os.path.isdir(f"/sys/fs/cgroup/cpu/{PREFIX}-{s}"):
-                try:
-                    os.rmdir(f"/sys/fs/cgroup/cpu/{PREFIX}-{s}")
-                except OSError:
-                    pass
-        sh(f"ip link del {PREFIX}br", check=False)
-
-    def close(self):
-        for p in self.procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
-        if self.root:
-            time.sleep(0.2)
-            self.teardown()
 
 
 def svg_curve(losses, path):
@@ -165,7 +68,7 @@ def main():
     print("-- building the base model and tokenizer (examples/llm-finetune/build_base.sh)", flush=True)
     subprocess.run(["bash", os.path.join(example, "build_base.sh"), os.path.join(run, "work"), str(a.pretrain_steps)],
                    check=True, env=dict(os.environ, MERIDIAN_BIN=bin_dir))
-    emu = Emulation(bin_dir)
+    emu = Emulation(bin_dir, SITES, LINKS, RTT_MS)
     try:
         spec = os.path.join(run, "cluster.yaml")
         addresses = {}

@@ -1,0 +1,460 @@
+#!/usr/bin/python3
+"""Every benchmark from one entry point; rewrites bench/RESULTS.md (run through bench/run.sh, as root).
+
+End to end (issue #9): a 34M-parameter LLaMA (d_model 512, 8 layers, 8 heads, SwiGLU 1408, vocab 8192,
+sequence 256), 48 sequences per optimizer step, three sites at CPU quotas 1.0 / 0.6 / 0.4 of a core
+(one thread each), every pair of sites joined by an emulated WAN link (tbf, both ways) at 100 Mbit/s
+and then at 20 Mbit/s, 40 ms RTT (meridian-wanrelay). Systems, on the same data (Meridian's synthetic
+language; bench/ddp_gloo.py regenerates it bit for bit) from the same initial weights:
+  - Meridian as planned, adaptive compression;
+  - Meridian with an even split (equal op counts, spec order) and no compression (ablation);
+  - PyTorch DistributedDataParallel over Gloo, one rank per site, gradient accumulation chosen by a
+    sweep at the first link speed (bench/ddp_gloo.py).
+The compute bound is the sum over sites of the tokens/s `meridian train-local` reaches on the whole
+model at the site's quota, all three measured at once as they run in the pipeline.
+
+Components: build/bench/partitioner_bench, compression_bench, transport_bench (100 and 20 Mbit/s).
+
+Usage: bench/run_all.py [--build build] [--out runs/bench] [--steps 6] [--ddp-steps 2]
+                        [--results bench/RESULTS.md] [--only e2e|components] [--tiny]
+--tiny shrinks the model and batch (a smoke test of the script, minutes instead of half an hour); its
+figures are not the benchmark's and it writes RESULTS to runs/bench/RESULTS-tiny.md.
+"""
+import argparse
+import datetime
+import json
+import os
+import re
+import selectors
+import shutil
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "scripts"))
+sys.path.insert(0, HERE)
+from emulation import Emulation, sh  # noqa: E402
+import ddp_gloo  # noqa: E402
+
+SITES = [("fast", 1.0), ("medium", 0.6), ("slow", 0.4)]
+RTT_MS = 40
+SPEEDS = [100, 20]
+PY = "/usr/bin/python3"
+
+MODEL = {"vocab_size": 8192, "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8,
+         "num_attention_heads": 8, "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+         "tie_word_embeddings": False}
+TINY = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "tie_word_embeddings": False}
+OPT = {"lr": 3e-3, "weight_decay": 0.01, "warmup_steps": 2, "min_lr_ratio": 0.1, "grad_clip": 1.0}
+
+
+def log(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def job_yaml(path, steps, global_batch, micro_batches, seq, seed, compression):
+    with open(path, "w") as f:
+        f.write(f"job:\n  model: model\n  data: synthetic\n  steps: {steps}\n  global_batch: {global_batch}\n"
+                f"  micro_batches: {micro_batches}\n  sequence_length: {seq}\n  seed: {seed}\n"
+                f"  optimizer: {{name: adamw, lr: {OPT['lr']}, weight_decay: {OPT['weight_decay']}, "
+                f"warmup_steps: {OPT['warmup_steps']}, min_lr_ratio: {OPT['min_lr_ratio']}, "
+                f"grad_clip: {OPT['grad_clip']}}}\n  compression: {compression}\n")
+
+
+def link_bytes(emu):
+    """Bytes sent on every emulated WAN link so far (tx of the link interfaces, all namespaces)."""
+    if not emu.root:
+        return 0
+    total = 0
+    for s, _ in SITES:
+        out = sh(f"ip netns exec {emu.prefix}-{s} cat /proc/net/dev", check=False).stdout
+        for line in out.splitlines():
+            name, _, rest = line.partition(":")
+            name = name.strip()
+            if re.fullmatch(rf"{emu.prefix}\d+[ab]", name):
+                total += int(rest.split()[8])
+    return total
+
+
+def component(cmd, timeout=900):
+    log(f"component: {cmd}")
+    t0 = time.time()
+    r = subprocess.run(cmd, shell=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    return {"command": cmd, "output": r.stdout.strip(), "rc": r.returncode, "seconds": time.time() - t0}
+
+
+def compute_bound(emu, bin_dir, work, global_batch, micro_batches, seq, seed, steps=3):
+    """tokens/s of each site training the whole model alone at its quota (all three at once)."""
+    job = os.path.join(work, "alone.yaml")
+    job_yaml(job, 100, global_batch, micro_batches, seq, seed, "{policy: fixed}")
+    procs = {}
+    for s, _ in SITES:
+        procs[s] = emu.start(s, f"{bin_dir}/meridian train-local {job} --steps {steps} --out {work}/alone-{s}", None)
+    stamps = {s: [] for s, _ in SITES}
+    sel = selectors.DefaultSelector()
+    for s, p in procs.items():
+        sel.register(p.stdout, selectors.EVENT_READ, s)
+    open_streams = len(procs)
+    while open_streams:
+        for key, _ in sel.select():
+            line = key.fileobj.readline()
+            if not line:
+                sel.unregister(key.fileobj)
+                open_streams -= 1
+            elif line.startswith("step "):
+                stamps[key.data].append(time.time())
+    rates = {}
+    for s, p in procs.items():
+        if p.wait() != 0 or len(stamps[s]) < 2:
+            raise SystemExit(f"train-local at site {s} failed")
+        # After the first step (warm-up): the mean of the later steps.
+        t = stamps[s]
+        rates[s] = global_batch * seq * (len(t) - 1) / (t[-1] - t[0])
+    return rates
+
+
+def run_meridian(emu, bin_dir, work, name, job, steps, split, repeats):
+    run = os.path.join(work, name)
+    shutil.rmtree(run, ignore_errors=True)
+    os.makedirs(run)
+    spec = os.path.join(work, "cluster.yaml")
+    before = after = link_bytes(emu)
+    coord = emu.start(None, f"{bin_dir}/meridian run {spec} {job} --run-dir {run} --join-timeout 120 --steps {steps} "
+                            f"--split {split} --eval-examples 0 --profile-repeats {repeats}", None)
+    time.sleep(0.5)
+    for i, (s, _) in enumerate(SITES, start=1):
+        listen, advertise = emu.addresses[s]
+        emu.start(s, f"{bin_dir}/meridian-executor --coordinator {emu.coordinator} --site {s} "
+                     f"--certs {work}/certs --listen {listen} --advertise {advertise}", os.path.join(run, f"executor-{s}.log"))
+    out = []
+    for line in coord.stdout:
+        out.append(line)
+        # Link bytes while training (the profile's link probes before it are not the system's traffic).
+        if line.startswith("training:"):
+            before = link_bytes(emu)
+        elif line.startswith("done:"):
+            after = link_bytes(emu)
+    rc = coord.wait()
+    open(os.path.join(run, "coordinator.log"), "w").write("".join(out))
+    emu.stop_executors()
+    if rc != 0:
+        tail = "".join(out[-20:])
+        raise SystemExit(f"meridian run ({name}) failed ({rc}):\n{tail}")
+    metrics = [json.loads(l) for l in open(os.path.join(run, "metrics.jsonl"))]
+    plan = json.load(open(os.path.join(run, "plan.json")))
+    done = next((l for l in out if l.startswith("done:")), "")
+    m = re.search(r"([\d.]+) MB on the links, (\d+)% of uncompressed", done)
+    first, last = metrics[0], metrics[-1]
+    if len(metrics) >= 2 and last["step"] > first["step"]:
+        # From the end of the first step (warm-up) to the end of the last.
+        steady = (last["elapsed_seconds"] - first["elapsed_seconds"]) / (last["step"] - first["step"])
+        tps = (last["tokens"] - first["tokens"]) / (last["elapsed_seconds"] - first["elapsed_seconds"])
+    else:  # steps shorter than the coordinator's progress interval: the whole run, warm-up included
+        d = re.search(r"done: (\d+) steps in ([\d.]+) s", done)
+        steady = float(d.group(2)) / int(d.group(1))
+        tps = last["tokens"] / float(d.group(2))
+    return {
+        "name": name,
+        "losses": {x["step"]: x["loss"] for x in metrics},
+        "tokens_per_second": tps,
+        "step_seconds": steady,
+        "predicted_step_seconds": plan["predicted_step_seconds"],
+        "payload_mb": float(m.group(1)) if m else None,
+        "payload_percent": int(m.group(2)) if m else None,
+        "wire_bytes": after - before,
+        "steps": steps,
+        "plan": ", ".join(f"{st['sites'][0]} ops {st['first_op']}-{st['last_op']}" for st in plan["stages"]),
+        "codecs": ", ".join(l["codec"] for l in plan["links"]) or "none",
+    }
+
+
+def run_ddp(emu, work, model_dir, steps, total_steps, global_batch, meridian_mbs, seq, seed, accum):
+    before = link_bytes(emu)
+    port = 29600 + accum
+    store = f"{emu.public_ip(1)}:{port}"
+    procs = []
+    for r, (s, _) in enumerate(SITES):
+        cmd = (f"{PY} {HERE}/ddp_gloo.py --rank {r} --world {len(SITES)} --store {store} --bind {emu.public_ip(r + 1)} "
+               f"--model {model_dir} --steps {steps} --total-steps {total_steps} --global-batch {global_batch} "
+               f"--accum {accum} --meridian-mbs {meridian_mbs} --seq {seq} --seed {seed} --lr {OPT['lr']} "
+               f"--weight-decay {OPT['weight_decay']} --warmup-steps {OPT['warmup_steps']} "
+               f"--min-lr-ratio {OPT['min_lr_ratio']} --grad-clip {OPT['grad_clip']}")
+        procs.append(emu.start(s, cmd, None if r == 0 else os.path.join(work, f"ddp-{s}.log")))
+    lines = [json.loads(l) for l in procs[0].stdout if l.startswith("{")]
+    for p in procs:
+        if p.wait() != 0:
+            raise SystemExit(f"DDP-Gloo (accum {accum}) failed; see {work}/ddp-*.log")
+    emu.forget(procs)
+    timed = lines[1:] if len(lines) > 1 else lines  # the first step includes warm-up
+    secs = sum(x["seconds"] for x in timed) / len(timed)
+    return {"name": f"ddp-gloo accum {accum}", "accum": accum, "losses": {x["step"] + 1: x["loss"] for x in lines},
+            "step_seconds": secs, "tokens_per_second": global_batch * seq / secs,
+            "wire_bytes": link_bytes(emu) - before, "steps": len(lines)}
+
+
+class BenchEmulation(Emulation):
+    def __init__(self, bin_dir, mbit):
+        links = [("fast", "medium", mbit), ("medium", "slow", mbit), ("fast", "slow", mbit)]
+        super().__init__(bin_dir, SITES, links, RTT_MS, prefix="mrbench", net=214, port_base=7700)
+        self.addresses = {s: self.site_addresses(i, s) for i, (s, _) in enumerate(SITES, start=1)}
+        self.executors = []
+
+    def public_ip(self, i):
+        return f"10.{self.net}.100.{i}" if self.root else "127.0.0.1"
+
+    def start(self, site, cmd, log_path):
+        p = super().start(site, cmd, log_path)
+        if site is not None and "meridian-executor" in cmd:
+            self.executors.append(p)
+        return p
+
+    def stop_executors(self):
+        for p in self.executors:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, 9)
+                p.wait()
+        self.forget(self.executors)
+        self.executors = []
+
+    def forget(self, procs):
+        self.procs = [p for p in self.procs if p not in procs]
+
+
+def svg_chart(results, bound, path):
+    """Grouped bars: tokens/s per system at each link speed, the compute bound as a line."""
+    systems = [("meridian", "Meridian (planned, adaptive)", "#1f77b4"),
+               ("even", "Meridian even split, no compression", "#aec7e8"),
+               ("ddp", "PyTorch DDP-Gloo", "#ff7f0e")]
+    w, h, pad = 720, 380, 60
+    top = max([bound] + [results[s][k]["tokens_per_second"] for s in results for k, _, _ in systems]) * 1.15
+    y = lambda v: h - pad - v / top * (h - 2 * pad)  # noqa: E731
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">',
+             f'<rect width="{w}" height="{h}" fill="white"/>',
+             f'<text x="{w / 2}" y="22" text-anchor="middle" font-size="14">tokens/s, 34M LLaMA, 3 sites '
+             f'(quotas 1.0/0.6/0.4), 40 ms RTT</text>',
+             f'<line x1="{pad}" y1="{h - pad}" x2="{w - 20}" y2="{h - pad}" stroke="black"/>',
+             f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{h - pad}" stroke="black"/>']
+    group_w = (w - pad - 40) / len(results)
+    bar_w = group_w / (len(systems) + 1)
+    for g, speed in enumerate(results):
+        x0 = pad + 10 + g * group_w
+        for i, (key, _, color) in enumerate(systems):
+            v = results[speed][key]["tokens_per_second"]
+            x = x0 + i * bar_w
+            parts.append(f'<rect x="{x:.1f}" y="{y(v):.1f}" width="{bar_w - 4:.1f}" height="{h - pad - y(v):.1f}" fill="{color}"/>')
+            parts.append(f'<text x="{x + bar_w / 2 - 2:.1f}" y="{y(v) - 4:.1f}" text-anchor="middle">{v:.0f}</text>')
+        parts.append(f'<text x="{x0 + 1.5 * bar_w:.1f}" y="{h - pad + 18}" text-anchor="middle">{speed} Mbit/s links</text>')
+    parts.append(f'<line x1="{pad}" y1="{y(bound):.1f}" x2="{w - 20}" y2="{y(bound):.1f}" stroke="#2ca02c" '
+                 f'stroke-dasharray="6,4" stroke-width="2"/>')
+    parts.append(f'<text x="{w - 24}" y="{y(bound) - 6:.1f}" text-anchor="end" fill="#2ca02c">compute bound {bound:.0f}</text>')
+    for i, (_, label, color) in enumerate(systems):
+        parts.append(f'<rect x="{pad + 10 + i * 220}" y="{h - 24}" width="12" height="12" fill="{color}"/>'
+                     f'<text x="{pad + 26 + i * 220}" y="{h - 14}">{label}</text>')
+    parts.append("</svg>\n")
+    open(path, "w").write("".join(parts))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--build", default="build")
+    ap.add_argument("--out", default="runs/bench")
+    ap.add_argument("--steps", type=int, default=3, help="steps of the planned Meridian runs (the first is warm-up)")
+    ap.add_argument("--even-steps", type=int, default=2, help="steps of the even-split runs (the first is warm-up)")
+    ap.add_argument("--ddp-steps", type=int, default=2, help="DDP steps per run (the first is warm-up)")
+    ap.add_argument("--profile-repeats", type=int, default=2, help="meridian run --profile-repeats")
+    ap.add_argument("--results", default="bench/RESULTS.md")
+    ap.add_argument("--only", choices=["e2e", "components"])
+    ap.add_argument("--tiny", action="store_true")
+    a = ap.parse_args()
+    t_start = time.time()
+    bin_dir = os.path.abspath(os.path.join(a.build, "bin"))
+    work = os.path.abspath(a.out)
+    os.makedirs(work, exist_ok=True)
+    os.environ.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    if a.tiny and a.results == "bench/RESULTS.md":
+        a.results = os.path.join(work, "RESULTS-tiny.md")
+    cfg = TINY if a.tiny else MODEL
+    seq, global_batch = (32, 12) if a.tiny else (256, 48)
+    micro_batches = global_batch  # one sequence per micro-batch: the smallest pipeline bubble
+    seed = 20261201
+    info = {"date": datetime.date.today().isoformat(), "command": " ".join(["bench/run.sh"] + sys.argv[1:]),
+            "cpu": sh("lscpu | sed -n 's/^Model name: *//p'", check=False).stdout.strip()}
+
+    comps = {}
+    if a.only != "e2e":
+        b = os.path.join(a.build, "bench")
+        comps["partitioner"] = component(f"{b}/partitioner_bench --benchmark_min_time=0.2")
+        comps["compression"] = component(f"taskset -c 0 {b}/compression_bench")
+        for mbit in SPEEDS:
+            comps[f"transport{mbit}"] = component(f"{b}/transport_bench --mbit {mbit} --rtt-ms {RTT_MS}")
+
+    e2e = None
+    if a.only != "components":
+        model_dir = os.path.join(work, "model")
+        os.makedirs(model_dir, exist_ok=True)
+        json.dump(cfg, open(os.path.join(model_dir, "config.json"), "w"), indent=2)
+        weights = ddp_gloo.initial_weights(cfg, seed)
+        params = sum(t.numel() for t in weights.values())
+        ddp_gloo.write_safetensors(os.path.join(model_dir, "model.safetensors"), weights)
+        adaptive, identity = os.path.join(work, "adaptive.yaml"), os.path.join(work, "identity.yaml")
+        job_yaml(adaptive, a.steps, global_batch, micro_batches, seq, seed, "{policy: adaptive, error_feedback: true}")
+        job_yaml(identity, a.steps, global_batch, micro_batches, seq, seed,
+                 "{policy: fixed, activations: identity, gradients: identity}")
+        e2e = {"params": params, "seq": seq, "global_batch": global_batch, "micro_batches": micro_batches,
+               "speeds": {}, "bound": None}
+        best_accum = None
+        for mbit in SPEEDS:
+            log(f"emulating 3 sites, {mbit} Mbit/s links, {RTT_MS} ms RTT")
+            emu = BenchEmulation(bin_dir, mbit)
+            try:
+                spec = os.path.join(work, "cluster.yaml")
+                with open(spec, "w") as f:
+                    f.write(f"cluster: bench\ncoordinator: {{address: {emu.coordinator}}}\n"
+                            f"security: {{certs: certs}}\nheartbeat: {{interval: 1s, timeout: 20s}}\nsites:\n")
+                    for s, q in SITES:
+                        f.write(f"  - {{name: {s}, address: {emu.addresses[s][1]}, emulation: {{cpu_quota: {q}}}}}\n")
+                sh(f"{bin_dir}/meridian certs init --spec {spec} --out {work}/certs --force")
+                if e2e["bound"] is None:
+                    log("compute bound: each site trains the whole model alone at its quota")
+                    rates = compute_bound(emu, bin_dir, work, 4, 4, seq, seed)
+                    e2e["bound_sites"] = rates
+                    e2e["bound"] = sum(rates.values())
+                    log(f"  {rates} -> {e2e['bound']:.0f} tokens/s")
+                r = {}
+                log("Meridian, planned, adaptive compression")
+                r["meridian"] = run_meridian(emu, bin_dir, work, f"meridian-{mbit}", adaptive, a.steps, "planned",
+                                             a.profile_repeats)
+                log(f"  {r['meridian']['tokens_per_second']:.0f} tokens/s")
+                log("Meridian, even split, no compression")
+                r["even"] = run_meridian(emu, bin_dir, work, f"even-{mbit}", identity, a.even_steps, "even",
+                                         a.profile_repeats)
+                log(f"  {r['even']['tokens_per_second']:.0f} tokens/s")
+                per_rank = global_batch // len(SITES)
+                if best_accum is None:
+                    sweep = []
+                    for accum in (1, 4):
+                        if per_rank % accum:
+                            continue
+                        log(f"DDP-Gloo, accumulation {accum}")
+                        sweep.append(run_ddp(emu, work, model_dir, a.ddp_steps, a.steps, global_batch, 1, seq, seed, accum))
+                        log(f"  {sweep[-1]['tokens_per_second']:.0f} tokens/s")
+                    best = max(sweep, key=lambda x: x["tokens_per_second"])
+                    best_accum = best["accum"]
+                    e2e["ddp_sweep"] = [(x["accum"], x["tokens_per_second"]) for x in sweep]
+                    r["ddp"] = best
+                else:
+                    log(f"DDP-Gloo, accumulation {best_accum}")
+                    r["ddp"] = run_ddp(emu, work, model_dir, a.ddp_steps, a.steps, global_batch, 1, seq, seed, best_accum)
+                    log(f"  {r['ddp']['tokens_per_second']:.0f} tokens/s")
+                e2e["speeds"][mbit] = r
+            finally:
+                emu.close()
+        svg_chart(e2e["speeds"], e2e["bound"], os.path.join(os.path.dirname(os.path.abspath(a.results)), "e2e.svg"))
+    json.dump({"info": info, "components": comps, "e2e": e2e}, open(os.path.join(work, "results.json"), "w"),
+              indent=2, default=str)
+    write_results(a.results, info, comps, e2e, time.time() - t_start, root=os.geteuid() == 0)
+    log(f"wrote {a.results} ({time.time() - t_start:.0f} s in all)")
+
+
+def loss_at(x, step):
+    return f"{x['losses'][step]:.4f}" if step in x["losses"] else "-"
+
+
+def pct(x):
+    return f"{100 * x:.0f}%"
+
+
+def write_results(path, info, comps, e2e, seconds, root):
+    L = ["# Benchmark results", "",
+         f"Written by `{info['command']}` on {info['date']} ({info['cpu']}, 2 cores, no GPU), in {seconds / 60:.1f} "
+         "minutes. Every figure below comes from that run; each section names the command that measured it.", ""]
+    if not root:
+        L += ["**Not run as root: no WAN emulation and no CPU quotas; these figures do not measure what the "
+              "sections describe.**", ""]
+    if e2e:
+        b = e2e["bound"]
+        L += ["## End to end: Meridian against PyTorch DDP-Gloo", "",
+              f"A LLaMA-architecture model of {e2e['params'] / 1e6:.1f}M parameters (config in "
+              "`bench/run_all.py`), sequence length "
+              f"{e2e['seq']}, {e2e['global_batch']} sequences per optimizer step for every system (Meridian: "
+              f"{e2e['micro_batches']} micro-batches of one sequence), the same synthetic data and initial weights; "
+              "three sites in network namespaces at CPU quotas 1.0 / 0.6 / 0.4 of a core, one thread each; every "
+              f"pair of sites joined by a tbf link at the given rate, {RTT_MS} ms RTT through meridian-wanrelay.",
+              "",
+              f"Compute bound: {b:.0f} tokens/s = " + " + ".join(f"{v:.0f} ({s})" for s, v in e2e["bound_sites"].items())
+              + ", each site training the whole model alone (`meridian train-local`, micro-batches of one sequence) "
+              "at its quota, all three at once. (Issue #9 quotes about 830 tokens/s for this bound; this machine's "
+              "cores reach about 17-19 GFLOP/s in libtorch's fp32 GEMM (`meridian run` prints each site's), and "
+              "training costs about 6 x 34M FLOP per token, so one full core trains about 90 tokens/s: the bound "
+              "measured here is the one to hold the systems to.)", "",
+              "| link | system | tokens/s | of compute bound | step (s) | predicted step (s) | bytes on the wire per step | payload vs uncompressed | loss after step " + str(min(min(max(x["losses"]) for x in r.values()) for r in e2e["speeds"].values())) + " | loss after the last step |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+        common = min(min(max(x["losses"]) for x in r.values()) for r in e2e["speeds"].values())
+        for mbit, r in e2e["speeds"].items():
+            for key, label in (("meridian", "Meridian, planned + adaptive"), ("even", "Meridian, even split, identity"),
+                               ("ddp", f"DDP-Gloo, accumulation {r['ddp']['accum']}")):
+                x = r[key]
+                pred = f"{x['predicted_step_seconds']:.1f}" if "predicted_step_seconds" in x else "-"
+                payload = f"{x['payload_percent']}%" if x.get("payload_percent") is not None else "-"
+                L.append(f"| {mbit} Mbit/s | {label} | {x['tokens_per_second']:.0f} | {pct(x['tokens_per_second'] / b)} | "
+                         f"{x['step_seconds']:.1f} | {pred} | {x['wire_bytes'] / max(1, x['steps']) / 1e6:.1f} MB | {payload} | "
+                         f"{loss_at(x, common)} | {x['losses'][max(x['losses'])]:.4f} (step {max(x['losses'])}) |")
+        L += ["", "![tokens/s per system and link speed against the compute bound](e2e.svg)", "",
+              "Targets and how they came out:", ""]
+        for mbit, r in e2e["speeds"].items():
+            m, ev, d = r["meridian"], r["even"], r["ddp"]
+            util = m["tokens_per_second"] / b
+            common = min(max(m["losses"]), max(ev["losses"]), max(d["losses"]))
+            lm, le = m["losses"].get(common, float("nan")), ev["losses"].get(common, float("nan"))
+            loss_gap = abs(lm - le) / le
+            pred_err = (m["predicted_step_seconds"] - m["step_seconds"]) / m["step_seconds"]
+            L.append(f"- {mbit} Mbit/s: utilisation {pct(util)} of the compute bound (target >= 90%: "
+                     f"{'met' if util >= 0.9 else f'missed by {100 * (0.9 - util):.0f} points'}); loss after "
+                     f"{common} steps {lm:.4f} against {le:.4f} uncompressed (DDP-Gloo: "
+                     f"{d['losses'].get(common, float('nan')):.4f}) "
+                     f"({100 * loss_gap:.2f}% apart, target within 2%: {'met' if loss_gap <= 0.02 else 'missed'}); "
+                     f"predicted step {m['predicted_step_seconds']:.1f} s against {m['step_seconds']:.1f} s measured "
+                     f"({100 * pred_err:+.0f}%, target within 10%: {'met' if abs(pred_err) <= 0.1 else 'missed'}); "
+                     f"{m['tokens_per_second'] / d['tokens_per_second']:.1f}x DDP-Gloo's tokens/s, "
+                     f"{m['tokens_per_second'] / ev['tokens_per_second']:.1f}x the even uncompressed split's. "
+                     f"Plan: {m['plan']}; link codecs: {m['codecs']}.")
+        if e2e.get("ddp_sweep"):
+            L += ["", "DDP-Gloo's gradient accumulation was chosen by a sweep at the first link speed: " +
+                  ", ".join(f"{acc} micro-batch(es) per rank: {tps:.0f} tokens/s" for acc, tps in e2e["ddp_sweep"]) + "."]
+        L += ["", "How to read it:", "",
+              "- tokens/s is measured after the first step (warm-up) from the coordinator's metrics "
+              "(Meridian) or rank 0's step times (DDP). Loss columns compare the systems at equal tokens: "
+              "the data and initial weights are identical (bench/ddp_gloo.py regenerates Meridian's synthetic "
+              "sequences bit for bit and was checked to reproduce `meridian train-local`'s losses).",
+              "- Bytes on the wire are the tx counters of the emulated link interfaces (TLS, HTTP/2 and TCP "
+              "included); 'payload vs uncompressed' is Meridian's own count of tensor bytes after/before its codecs.",
+              "- DDP-Gloo connects ranks directly, so its traffic crosses the rate-limited links but not the "
+              "latency relay (this machine's tc has no netem): it runs without the 40 ms RTT, which favours it.",
+              "- Few steps are run (the whole suite must fit in 30 minutes on 2 cores), so the loss comparison "
+              "is early in training.", ""]
+    if comps:
+        L += ["## Components", ""]
+        titles = {"partitioner": "Partitioner (targets: a 256-site x 1024-op plan in < 2 s)",
+                  "compression": "Compression codecs on one core (targets: int8 encode+decode >= 50% of memcpy, "
+                                 "top-1% encode >= 20%)",
+                  "transport100": "Transport and link probe, 100 Mbit/s (targets: stream goodput >= 0.9 of iperf3 "
+                                  "over the same link; probe within 15% of the rate and 20% of the RTT)",
+                  "transport20": "Transport and link probe, 20 Mbit/s"}
+        for key, c in comps.items():
+            L += [f"### {titles.get(key, key)}", "", f"Command: `{c['command']}` ({c['seconds']:.0f} s"
+                  + (f", exit status {c['rc']}" if c["rc"] else "") + ")", "", "```", c["output"], "```", ""]
+        L += ["Notes: the heuristic's worst-case gap comes from instances where the optimum uses a slower site "
+              "with far better links, which its \"K fastest sites\" candidate sets do not contain. Over loopback "
+              "the TLS stream is CPU-bound in gRPC's HTTP/2 framing and message copies, not in AES. The probe "
+              "reads low right after a saturating stream over the same relay; the coordinator probes links "
+              "before traffic.", ""]
+    open(path, "w").write("\n".join(L))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Sites and WAN links on one machine, for the demo and the benchmarks.
+
+As root, each site gets its own network namespace and a CPU quota (cgroup v1 cpu controller, a 10 ms
+period); site pairs are joined by veth links rate-limited with tbf in both directions, and each site's
+executor is reached through meridian-wanrelay, which adds the RTT (tc here has no netem). The
+coordinator is reached over an unshaped bridge. Addresses: site i listens for peers on 10.NET.100.i
+(routed over the links), reaches the coordinator at 10.NET.200.254. Without root everything runs on
+loopback at full speed, and the class says so.
+"""
+import os
+import signal
+import subprocess
+import time
+
+
+def sh(cmd, check=True):
+    return subprocess.run(cmd, shell=True, check=check, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+class Emulation:
+    """Namespaces, links, relays and CPU quotas (root), or plain loopback."""
+
+    def __init__(self, bin_dir, sites, links, rtt_ms, prefix="mrdemo", net=213, port_base=7600):
+        """sites: [(name, cpu quota)]; links: [(site, site, Mbit/s)], both ways; rtt_ms: added by relays.
+        `net` picks the 10.NET.0.0/16 addresses and `prefix` the interface/namespace names, so two
+        emulations (the demo and a benchmark) do not collide."""
+        self.sites, self.links, self.rtt_ms, self.prefix, self.net, self.port_base = sites, links, rtt_ms, prefix, net, port_base
+        self.root = os.geteuid() == 0
+        prefix = self.prefix
+        self.bin = bin_dir
+        self.procs = []
+        self.cgroups = self.root and os.path.isdir("/sys/fs/cgroup/cpu")
+        self.coordinator = f"127.0.0.1:{port_base}"
+        if not self.root:
+            print("notice: not root: sites run on loopback without WAN emulation or CPU quotas")
+            return
+        self.teardown()
+        # Control plane: a bridge in the root namespace, one unshaped veth per site.
+        sh(f"ip link add {prefix}br type bridge && ip addr add 10.{net}.200.254/24 dev {prefix}br && "
+           f"ip link set {prefix}br up")
+        self.coordinator = f"10.{net}.200.254:{port_base}"
+        for i, (s, _) in enumerate(sites, start=1):
+            ns = f"{prefix}-{s}"
+            sh(f"ip netns add {ns} && ip netns exec {ns} ip link set lo up")
+            # The site's public address, the one its peers dial (through the link between them).
+            sh(f"ip netns exec {ns} ip addr add 10.{net}.100.{i}/32 dev lo")
+            sh(f"ip link add {prefix}c{i} type veth peer name {prefix}d{i} && ip link set {prefix}c{i} master {prefix}br && "
+               f"ip link set {prefix}c{i} up && ip link set {prefix}d{i} netns {ns} && "
+               f"ip netns exec {ns} ip addr add 10.{net}.200.{i}/24 dev {prefix}d{i} && ip netns exec {ns} ip link set {prefix}d{i} up")
+        index = {s: i for i, (s, _) in enumerate(sites, start=1)}
+        for k, (a, b, mbit) in enumerate(links, start=1):
+            va, vb = f"{prefix}{k}a", f"{prefix}{k}b"
+            sh(f"ip link add {va} type veth peer name {vb}")
+            for v, s, host, other in ((va, a, 1, b), (vb, b, 2, a)):
+                ns = f"{prefix}-{s}"
+                burst = max(16384, int(mbit * 1e6 / 8 * 0.002))
+                sh(f"ip link set {v} netns {ns} && ip netns exec {ns} ip addr add 10.{net}.{k}.{host}/24 dev {v} && "
+                   f"ip netns exec {ns} ip link set {v} up && "
+                   f"ip netns exec {ns} tc qdisc add dev {v} root tbf rate {mbit}mbit burst {burst} latency 200ms && "
+                   f"ip netns exec {ns} ip route add 10.{net}.100.{index[other]}/32 via 10.{net}.{k}.{3 - host} dev {v}")
+        if self.cgroups:
+            for s, quota in sites:
+                g = f"/sys/fs/cgroup/cpu/{prefix}-{s}"
+                os.makedirs(g, exist_ok=True)
+                # A 10 ms period throttles finely enough that short operators feel the quota too.
+                open(f"{g}/cpu.cfs_period_us", "w").write("10000")
+                open(f"{g}/cpu.cfs_quota_us", "w").write(str(int(quota * 10000)))
+        else:
+            print("notice: no cgroup v1 cpu controller: sites run at full speed")
+
+    def wrap(self, site, cmd):
+        prefix = self.prefix
+        if not self.root:
+            return cmd
+        # Join the CPU cgroup first: `ip netns exec` mounts a fresh /sys without the cgroup tree.
+        netns = f"ip netns exec {prefix}-{site} {cmd}"
+        if not self.cgroups:
+            return netns
+        return f"sh -c 'echo $$ > /sys/fs/cgroup/cpu/{prefix}-{site}/cgroup.procs && exec {netns}'"
+
+    def start(self, site, cmd, log):
+        out = subprocess.PIPE if log is None else open(log, "w")
+        p = subprocess.Popen(self.wrap(site, cmd) if site else cmd, shell=True, stdout=out, stderr=subprocess.STDOUT,
+                             start_new_session=True, text=True)
+        self.procs.append(p)
+        return p
+
+    def site_addresses(self, i, site):
+        """(listen, advertise) of a site's executor, and starts its latency relay when emulating."""
+        port = self.port_base + i
+        if not self.root:
+            return f"127.0.0.1:{port}", f"127.0.0.1:{port}"
+        public = f"10.{self.net}.100.{i}:17600"
+        self.start(site, f"{self.bin}/meridian-wanrelay --listen {public} --target 127.0.0.1:{port} "
+                         f"--delay-ms {self.rtt_ms / 2}", os.devnull)
+        return f"127.0.0.1:{port}", public
+
+    def teardown(self):
+        prefix = self.prefix
+        for s, _ in self.sites:
+            sh(f"ip netns del {prefix}-{s}", check=False)
+            if self.cgroups and os.path.isdir(f"/sys/fs/cgroup/cpu/{prefix}-{s}"):
+                try:
+                    os.rmdir(f"/sys/fs/cgroup/cpu/{prefix}-{s}")
+                except OSError:
+                    pass
+        sh(f"ip link del {prefix}br", check=False)
+
+    def close(self):
+        for p in self.procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+        if self.root:
+            time.sleep(0.2)
+            self.teardown()
