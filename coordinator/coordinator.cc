@@ -1,6 +1,14 @@
 #include "coordinator/coordinator.h"
 
+#include <filesystem>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 
 namespace meridian::coordinator {
 
@@ -18,6 +26,7 @@ absl::StatusOr<v1::RegisterResponse> Coordinator::Register(const v1::RegisterReq
     s.device = r.device();
     s.state = "idle";
     s.last_heartbeat = Clock::now();
+    LogSite(r.site(), absl::StrCat("joined: listens on ", r.listen_address(), ", device ", r.device()));
     resp.set_cluster(spec_.name);
     resp.set_run_id(run_id_);
     resp.set_heartbeat_interval_seconds(spec_.heartbeat_interval_seconds);
@@ -34,6 +43,9 @@ absl::StatusOr<v1::HeartbeatResponse> Coordinator::Heartbeat(const v1::Heartbeat
     std::lock_guard<std::mutex> l(mu_);
     Site& s = sites_[r.site()];
     if (!s.registered) return absl::FailedPreconditionError(absl::StrCat("site '", r.site(), "' has not registered"));
+    const double silent_for = std::chrono::duration<double>(Clock::now() - s.last_heartbeat).count();
+    if (silent_for > spec_.heartbeat_timeout_seconds)
+      LogSite(r.site(), absl::StrFormat("heartbeats again after %.1f s of silence", silent_for));
     s.last_heartbeat = Clock::now();
     s.state = r.state();
     s.step = r.step();
@@ -57,6 +69,7 @@ absl::StatusOr<std::optional<v1::Command>> Coordinator::NextCommand(const std::s
 void Coordinator::Requeue(const std::string& site, v1::Command c) {
   {
     std::lock_guard<std::mutex> l(mu_);
+    LogSite(site, "a command could not be delivered (the stream broke); queued again");
     sites_[site].commands.push_front(std::move(c));
   }
   cv_.notify_all();
@@ -66,7 +79,15 @@ absl::Status Coordinator::Metrics(const v1::MetricsReport& r) {
   {
     std::lock_guard<std::mutex> l(mu_);
     if (!r.job_id().empty() && r.job_id() != job_id_) return absl::OkStatus();  // an abandoned attempt
-    if (r.step() > progress_.step) {
+    LogSite(r.site(), r.stage() == 0
+                          ? absl::StrFormat("step %d: loss %.4f, %.2f s (%.2f s computing), %d bytes sent (%d uncompressed)",
+                                            r.step() + 1, r.loss(), r.step_seconds(), r.compute_seconds(), r.wire_bytes(),
+                                            r.raw_bytes())
+                          : absl::StrFormat("step %d: %.2f s (%.2f s computing), %d bytes sent (%d uncompressed)",
+                                            r.step() + 1, r.step_seconds(), r.compute_seconds(), r.wire_bytes(),
+                                            r.raw_bytes()));
+    sites_[r.site()].metrics = r;
+    if (r.stage() == 0 && r.step() > progress_.step) {
       progress_.step = r.step();
       progress_.loss = r.loss();
       progress_.step_seconds = r.step_seconds();
@@ -81,6 +102,8 @@ absl::Status Coordinator::Profile(const v1::ProfileReport& r) {
   {
     std::lock_guard<std::mutex> l(mu_);
     sites_[r.site()].profile = r;
+    LogSite(r.site(), r.error().empty() ? "measured its device, the model per op and its links"
+                                        : absl::StrCat("measuring failed: ", r.error()));
   }
   cv_.notify_all();
   return absl::OkStatus();
@@ -89,18 +112,76 @@ absl::Status Coordinator::Profile(const v1::ProfileReport& r) {
 absl::Status Coordinator::Done(const v1::StageDone& d) {
   {
     std::lock_guard<std::mutex> l(mu_);
-    if (!d.job_id().empty() && d.job_id() != job_id_) return absl::OkStatus();  // an abandoned attempt
+    if (!d.job_id().empty() && d.job_id() != job_id_) {
+      LogSite(d.site(), absl::StrCat("abandoned attempt ", d.job_id(), " ended", d.error().empty() ? "" : ": ", d.error()));
+      return absl::OkStatus();
+    }
     sites_[d.site()].done = d;
+    LogSite(d.site(), d.error().empty() ? absl::StrCat("finished: ", d.steps(), " steps")
+                                        : absl::StrCat("failed after ", d.steps(), " steps: ", d.error()));
   }
   cv_.notify_all();
   return absl::OkStatus();
+}
+
+void Coordinator::SetRunInfo(std::string profile_json, std::string graph_json, std::string plan_json) {
+  std::lock_guard<std::mutex> l(mu_);
+  profile_json_ = std::move(profile_json);
+  graph_json_ = std::move(graph_json);
+  plan_json_ = std::move(plan_json);
+}
+
+void Coordinator::SetLogDir(const std::string& dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  std::lock_guard<std::mutex> l(log_mu_);
+  log_dir_ = dir;
+}
+
+void Coordinator::LogSite(const std::string& site, const std::string& text) {
+  std::lock_guard<std::mutex> l(log_mu_);
+  if (log_dir_.empty()) return;
+  std::ofstream(log_dir_ + "/" + site + ".log", std::ios::app)
+      << absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ", absl::Now(), absl::UTCTimeZone()) << " " << text << "\n";
+}
+
+absl::StatusOr<v1::InspectResponse> Coordinator::Inspect() {
+  std::lock_guard<std::mutex> l(mu_);
+  v1::InspectResponse r;
+  nlohmann::json sites = nlohmann::json::array();
+  const auto now = Clock::now();
+  for (const auto& [name, s] : sites_) {
+    const double age = std::chrono::duration<double>(now - s.last_heartbeat).count();
+    sites.push_back({{"name", name},
+                     {"registered", s.registered},
+                     {"state", s.registered ? s.state : "not joined"},
+                     {"step", s.step + 1},
+                     {"heartbeat_age_seconds", s.registered ? age : -1.0},
+                     {"answering", s.registered && age <= spec_.heartbeat_timeout_seconds},
+                     {"listen", s.listen},
+                     {"device", s.device}});
+  }
+  nlohmann::json status = {{"cluster", spec_.name},
+                           {"run_id", run_id_},
+                           {"job_id", job_id_},
+                           {"progress",
+                            {{"step", progress_.step + 1},
+                             {"loss", progress_.loss},
+                             {"step_seconds", progress_.step_seconds},
+                             {"tokens", progress_.tokens}}},
+                           {"sites", sites}};
+  r.set_status_json(status.dump(2));
+  r.set_profile_json(profile_json_);
+  r.set_graph_json(graph_json_);
+  r.set_plan_json(plan_json_);
+  return r;
 }
 
 void Coordinator::BeginJob(const std::string& job_id) {
   {
     std::lock_guard<std::mutex> l(mu_);
     job_id_ = job_id;
-    for (auto& [name, site] : sites_) site.done.reset();
+    for (auto& [name, site] : sites_) site.done.reset(), site.metrics.reset();
     progress_.step = -1;
   }
   cv_.notify_all();
@@ -109,6 +190,16 @@ void Coordinator::BeginJob(const std::string& job_id) {
 void Coordinator::Send(const std::string& site, v1::Command c) {
   {
     std::lock_guard<std::mutex> l(mu_);
+    if (c.has_assign()) {
+      const auto& a = c.assign();
+      LogSite(site, absl::StrCat("assigned stage ", a.stage() + 1, "/", a.num_stages(), " (ops ", a.first_op(), "-",
+                                 a.last_op(), ") of job ", a.job_id(),
+                                 a.prev_site().empty() ? "" : absl::StrCat(", after '", a.prev_site(), "'"),
+                                 a.next_site().empty() ? "" : absl::StrCat(", before '", a.next_site(), "'"),
+                                 a.resume_step() != 0 ? ", resuming from the newest checkpoint" : ""));
+    } else if (c.has_profile()) {
+      LogSite(site, "asked to measure its device, the model and its links");
+    }
     sites_[site].commands.push_back(std::move(c));
   }
   cv_.notify_all();

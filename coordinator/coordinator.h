@@ -33,6 +33,7 @@ class Coordinator : public rpc::CoordinatorHandler {
     std::deque<v1::Command> commands;
     std::optional<v1::ProfileReport> profile;
     std::optional<v1::StageDone> done;
+    std::optional<v1::MetricsReport> metrics;  // the latest of the current attempt
   };
   struct Progress {
     int64_t step = -1;
@@ -51,8 +52,16 @@ class Coordinator : public rpc::CoordinatorHandler {
   absl::Status Metrics(const v1::MetricsReport& r) override;
   absl::Status Profile(const v1::ProfileReport& r) override;
   absl::Status Done(const v1::StageDone& d) override;
+  absl::StatusOr<v1::InspectResponse> Inspect() override;
 
   // For the run loop.
+  // What Inspect reports besides the live state: the run's profile, graph and current plan (JSON).
+  void SetRunInfo(std::string profile_json, std::string graph_json, std::string plan_json);
+  // Per-site logs: from now on every event about a site (join, heartbeats lost and back, measurements,
+  // assignments, progress of the stage that reports it, completion or failure) is appended with a UTC
+  // timestamp to DIR/<site>.log. Also used by the run loop for its own decisions about a site.
+  void SetLogDir(const std::string& dir);
+  void LogSite(const std::string& site, const std::string& text);
   // Starts an attempt at the job: forgets every site's StageDone and the progress step (the tokens
   // count on); from now on Done and Metrics reports of other job ids are ignored.
   void BeginJob(const std::string& job_id);
@@ -77,6 +86,9 @@ class Coordinator : public rpc::CoordinatorHandler {
   std::map<std::string, Site> sites_;
   Progress progress_;
   std::string job_id_;
+  std::string profile_json_, graph_json_, plan_json_;
+  std::string log_dir_;  // guarded by log_mu_
+  std::mutex log_mu_;    // taken after mu_ when both are held
   bool stopping_ = false;
 };
 

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "coordinator/doctor.h"
+#include "coordinator/inspect.h"
 #include "coordinator/plan_command.h"
 #include "coordinator/run.h"
 #include "coordinator/train_local.h"
@@ -133,6 +134,16 @@ int main(int argc, char** argv) {
   auto* eval = app.add_subcommand("eval", "Held-out exact-match accuracy of a model on a job's instruction data");
   coordinator::AddEvalOptions(eval, &eval_options);
   eval->callback([&] { rc = coordinator::RunEval(eval_options); });
+
+  coordinator::InspectOptions status_options;
+  auto* status = app.add_subcommand("status", "Progress and every site's state of a running job");
+  coordinator::AddStatusOptions(status, &status_options);
+  status->callback([&] { rc = coordinator::RunStatus(status_options); });
+
+  coordinator::InspectOptions profile_options;
+  auto* profile = app.add_subcommand("profile", "The measured profile (profile.json) of a running job's cluster");
+  coordinator::AddProfileOptions(profile, &profile_options);
+  profile->callback([&] { rc = coordinator::RunProfile(profile_options); });
 
   coordinator::ExportOptions export_options;
   auto* exp = app.add_subcommand("export", "Write a run's trained stage shards as one HF model directory");

@@ -6,14 +6,19 @@
 #include <iostream>
 #include <sstream>
 
+#include "coordinator/inspect.h"
 #include "partitioner/model.h"
 #include "partitioner/planner.h"
 
 namespace meridian::coordinator {
 
 void AddPlanOptions(CLI::App* cmd, PlanCommandOptions* o) {
-  cmd->add_option("--graph", o->graph_path, "Operator graph (graph.json)")->required();
-  cmd->add_option("--profile", o->profile_path, "Cluster profile (profile.json)")->required();
+  cmd->add_option("--graph", o->graph_path, "Operator graph (graph.json); required unless --live");
+  cmd->add_option("--profile", o->profile_path, "Cluster profile (profile.json); required unless --live");
+  cmd->add_flag("--live", o->live, "Plan over a running coordinator's measured profile and model graph");
+  cmd->add_option("--coordinator", o->coordinator, "With --live: HOST:PORT of the running coordinator");
+  cmd->add_option("--certs", o->certs_dir, "With --live: the cluster's certificate directory");
+  cmd->add_option("--as", o->identity, "With --live: identity to present (default: coordinator)");
   cmd->add_option("--micro-batches", o->micro_batches, "Micro-batches per step (M)")->check(CLI::Range(1, 1 << 16));
   cmd->add_option_function<double>(
          "--ratio", [o](const double& r) { o->ratio = r, o->ratio_given = true; },
@@ -28,12 +33,36 @@ void AddPlanOptions(CLI::App* cmd, PlanCommandOptions* o) {
 }
 
 int RunPlanCommand(const PlanCommandOptions& o) {
-  auto graph = partitioner::LoadGraphFile(o.graph_path);
+  absl::StatusOr<partitioner::OpGraph> graph;
+  absl::StatusOr<partitioner::ClusterProfile> profile;
+  if (o.live) {
+    if (o.coordinator.empty() || o.certs_dir.empty()) {
+      std::cerr << "meridian plan: --live needs --coordinator HOST:PORT and --certs DIR\n";
+      return 2;
+    }
+    auto run = InspectCoordinator(o.coordinator, o.certs_dir, o.identity);
+    if (!run.ok()) {
+      std::cerr << "meridian plan: " << run.status().message() << "\n";
+      return run.status().code() == absl::StatusCode::kFailedPrecondition ? 2 : 1;
+    }
+    if (run->profile_json.empty() || run->graph_json.empty()) {
+      std::cerr << "meridian plan: coordinator at " << o.coordinator << ": the sites have not been measured yet\n";
+      return 1;
+    }
+    graph = partitioner::ParseGraphJson(run->graph_json, "graph.json from " + o.coordinator);
+    profile = partitioner::ParseProfileJson(run->profile_json, "profile.json from " + o.coordinator);
+  } else {
+    if (o.graph_path.empty() || o.profile_path.empty()) {
+      std::cerr << "meridian plan: --graph and --profile are required (or --live)\n";
+      return 2;
+    }
+    graph = partitioner::LoadGraphFile(o.graph_path);
+    profile = partitioner::LoadProfileFile(o.profile_path);
+  }
   if (!graph.ok()) {
     std::cerr << "meridian plan: " << graph.status().message() << "\n";
     return 2;
   }
-  auto profile = partitioner::LoadProfileFile(o.profile_path);
   if (!profile.ok()) {
     std::cerr << "meridian plan: " << profile.status().message() << "\n";
     return 2;

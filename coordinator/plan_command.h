@@ -20,11 +20,15 @@ struct PlanCommandOptions {
   bool json = false;
   bool no_replication = false;
   bool force_heuristic = false;
+  // --live: plan over a running coordinator's measured profile and graph instead of files.
+  bool live = false;
+  std::string coordinator, certs_dir, identity = "coordinator";
 };
 
 // Registers the flags of `meridian plan` on `cmd`.
 void AddPlanOptions(CLI::App* cmd, PlanCommandOptions* options);
-// Runs it: prints the table (or JSON) to stdout. Returns 0, or 2 for bad input files or no feasible plan.
+// Runs it: prints the table (or JSON) to stdout. Returns 0, 1 when a live coordinator cannot be reached,
+// or 2 for bad input files or no feasible plan.
 int RunPlanCommand(const PlanCommandOptions& options);
 
 struct GraphCommandOptions {

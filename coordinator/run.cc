@@ -132,6 +132,7 @@ int Run(const RunOptions& o) {
   std::mt19937_64 rng(std::random_device{}());
   const std::string run_id = absl::StrFormat("%016x", rng());
   Coordinator coord(spec, run_id);
+  coord.SetLogDir(run_dir + "/sites");  // one log per site: RUN/sites/<site>.log
   std::set<std::string> names;
   for (const auto& s : spec.sites) names.insert(s.name);
   rpc::CoordinatorService service(names, &coord);
@@ -166,9 +167,22 @@ int Run(const RunOptions& o) {
                       "meridian_tokens_total ", p.tokens, "\n",
                       "# HELP meridian_site_up Whether a site is registered and heartbeating.\n# TYPE meridian_site_up gauge\n");
       auto silent = coord.Silent();
-      for (const auto& [name, st] : coord.Snapshot())
+      const auto sites = coord.Snapshot();
+      for (const auto& [name, st] : sites)
         absl::StrAppend(&body, "meridian_site_up{site=\"", name, "\"} ",
                         st.registered && std::find(silent.begin(), silent.end(), name) == silent.end() ? 1 : 0, "\n");
+      absl::StrAppend(&body, "# HELP meridian_site_compute_seconds Compute time of the site's stage in its last step.\n",
+                      "# TYPE meridian_site_compute_seconds gauge\n");
+      for (const auto& [name, st] : sites)
+        if (st.metrics) absl::StrAppend(&body, "meridian_site_compute_seconds{site=\"", name, "\"} ", st.metrics->compute_seconds(), "\n");
+      absl::StrAppend(&body, "# HELP meridian_site_sent_bytes Bytes the site's stage sent to its neighbours in this attempt.\n",
+                      "# TYPE meridian_site_sent_bytes gauge\n");
+      for (const auto& [name, st] : sites)
+        if (st.metrics) absl::StrAppend(&body, "meridian_site_sent_bytes{site=\"", name, "\"} ", st.metrics->wire_bytes(), "\n");
+      absl::StrAppend(&body, "# HELP meridian_site_uncompressed_bytes What those bytes were before compression.\n",
+                      "# TYPE meridian_site_uncompressed_bytes gauge\n");
+      for (const auto& [name, st] : sites)
+        if (st.metrics) absl::StrAppend(&body, "meridian_site_uncompressed_bytes{site=\"", name, "\"} ", st.metrics->raw_bytes(), "\n");
       res.set_content(body, "text/plain; version=0.0.4");
     });
     if (!metrics_http.bind_to_port("0.0.0.0", spec.metrics_port)) {
@@ -311,7 +325,9 @@ int Run(const RunOptions& o) {
     if (!planned.ok()) return fail(std::string(planned.status().message()));
     plan = std::move(*planned);
     std::cout << partitioner::PlanTable(*plan, *graph, live) << std::flush;
-    std::ofstream(run_dir + "/plan.json") << partitioner::PlanJson(*plan, *graph);
+    const std::string plan_json = partitioner::PlanJson(*plan, *graph);
+    std::ofstream(run_dir + "/plan.json") << plan_json;
+    coord.SetRunInfo(partitioner::ProfileToJson(live), graph_json, plan_json);
 
     // 4. Assign.
     const std::string job_id = attempt == 0 ? run_id : absl::StrCat(run_id, "-", attempt);
@@ -365,12 +381,28 @@ int Run(const RunOptions& o) {
       if (p.step > shown) {
         shown = p.step;
         double el = std::chrono::duration<double>(Clock::now() - t0).count();
-        std::printf("step %lld/%d  loss %.4f  %.0f tokens/s  %.2f s/step  ETA %.0f s\n",
+        // The slowest site (most compute in its latest step) and the bytes the stages sent this attempt.
+        std::string slowest;
+        double slowest_seconds = 0;
+        int64_t wire = 0, raw = 0;
+        for (const auto& [name, s] : coord.Snapshot()) {
+          if (!s.metrics || !used.count(name)) continue;
+          wire += s.metrics->wire_bytes();
+          raw += s.metrics->raw_bytes();
+          if (s.metrics->compute_seconds() > slowest_seconds) slowest = name, slowest_seconds = s.metrics->compute_seconds();
+        }
+        std::printf("step %lld/%d  loss %.4f  %.0f tokens/s  %.2f s/step  ETA %.0f s  slowest %s (%.2f s compute)  "
+                    "WAN %.1f MB (%.0f%% of uncompressed)\n",
                     static_cast<long long>(p.step + 1), steps, p.loss, p.tokens / el, p.step_seconds,
-                    p.step_seconds * (steps - p.step - 1));
+                    p.step_seconds * (steps - p.step - 1), slowest.empty() ? "-" : slowest.c_str(), slowest_seconds,
+                    wire / 1e6, raw ? 100.0 * wire / raw : 100.0);
         std::fflush(stdout);
-        jsonl << nlohmann::json{{"step", p.step + 1}, {"loss", p.loss}, {"step_seconds", p.step_seconds},
-                                {"tokens", p.tokens}, {"elapsed_seconds", el}, {"attempt", attempt}}.dump()
+        jsonl << nlohmann::json{{"step", p.step + 1},        {"loss", p.loss},
+                                {"step_seconds", p.step_seconds}, {"tokens", p.tokens},
+                                {"elapsed_seconds", el},       {"attempt", attempt},
+                                {"slowest_site", slowest},     {"slowest_compute_seconds", slowest_seconds},
+                                {"wire_bytes", wire},          {"raw_bytes", raw}}
+                     .dump()
               << std::endl;
       }
       for (const auto& [name, s] : coord.Snapshot())
@@ -402,6 +434,9 @@ int Run(const RunOptions& o) {
                                           failed_site.empty() ? "" : absl::StrCat("; then site '", failed_site,
                                                                                   "' failed: ", failure));
     std::cout << "lost: " << what << "\n" << std::flush;
+    for (const auto& n : silent)
+      coord.LogSite(n, absl::StrCat("lost: no heartbeat for ", spec.heartbeat_timeout_seconds, " s; ",
+                                    spec.on_failure == "wait" ? "waiting for it" : "re-planning without it"));
     if (job.checkpoint.interval <= 0)
       return fail(absl::StrCat(what, ". The job has no checkpoints (job.checkpoint.interval), so nothing to "
                                "resume from; set one to survive lost sites"));

@@ -209,7 +209,7 @@ int RunJoined(const ExecutorOptions& o, const v1::RegisterResponse& reg, v1::Coo
               break;
             }
             step = i;
-            if (a.stage == 0) {
+            {  // every stage reports its compute time and bytes; stage 0 also the loss
               v1::MetricsReport m;
               m.set_site(o.site);
               m.set_job_id(a.job_id);
@@ -219,6 +219,8 @@ int RunJoined(const ExecutorOptions& o, const v1::RegisterResponse& reg, v1::Coo
               m.set_tokens(static_cast<int64_t>(setup->job.global_batch) * setup->job.sequence_length);
               m.set_wire_bytes(worker.wire_bytes());
               m.set_raw_bytes(worker.raw_bytes());
+              m.set_compute_seconds(worker.last_compute_seconds());
+              m.set_stage(a.stage);
               (void)Call([&](auto* c, const auto& r, auto* ack) { return stub->ReportMetrics(c, r, ack); }, m, 10);
             }
             if (interval > 0 && (i + 1) % interval == 0) failure = worker.SaveCheckpoint(ckpt_dir, i + 1);

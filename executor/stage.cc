@@ -143,6 +143,12 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
   const double normaliser = model_->has_head() ? setup_.data.StepTargets(step, M, mbs, seq) : 1.0;
   for (auto& [n, p] : model_->parameters())
     if (p.grad().defined()) p.mutable_grad() = torch::Tensor();
+  compute_seconds_ = 0;
+  auto timed = [this](auto&& fn) {
+    const auto t0 = Clock::now();
+    fn();
+    compute_seconds_ += std::chrono::duration<double>(Clock::now() - t0).count();
+  };
   struct Stash {
     torch::Tensor input, output;
   };
@@ -161,11 +167,15 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
         s.input = in->requires_grad_(true);
       }
       const TrainContext ctx{step, static_cast<int64_t>(mb) * mbs};
-      auto out = model_->Forward(s.input, &ctx);
-      if (model_->has_head()) {
-        s.output = CrossEntropySum(out, batch.targets.to(device_), normaliser);
-        loss_sum += s.output.item<double>();
-      } else {
+      torch::Tensor out;
+      timed([&] {
+        out = model_->Forward(s.input, &ctx);
+        if (model_->has_head()) {
+          s.output = CrossEntropySum(out, batch.targets.to(device_), normaliser);
+          loss_sum += s.output.item<double>();
+        }
+      });
+      if (!model_->has_head()) {
         s.output = out;
         if (auto st = Send(to_next_.get(), a_.next_site, {a_.job_id, step, mb, a_.stage, v1::FORWARD, 0}, out,
                            fwd_codec_, nullptr);
@@ -178,11 +188,11 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
       // Under LoRA the first stages may hold no adapter before the first one: their output then needs no
       // gradient and their backward pass is only the receipt of the gradient.
       if (model_->has_head()) {
-        if (s.output.requires_grad()) s.output.backward();
+        if (s.output.requires_grad()) timed([&] { s.output.backward(); });
       } else {
         auto g = Receive(a_.next_site, {a_.job_id, step, mb, a_.stage + 1, v1::BACKWARD, 0}, hidden);
         if (!g.ok()) return g.status();
-        if (s.output.requires_grad()) s.output.backward(*g);
+        if (s.output.requires_grad()) timed([&] { s.output.backward(*g); });
       }
       if (!model_->has_embed()) {
         if (auto st = Send(to_prev_.get(), a_.prev_site, {a_.job_id, step, mb, a_.stage, v1::BACKWARD, 0},
@@ -229,8 +239,10 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
   if (a_.stage < a_.num_stages - 1)
     if (absl::Status s = send_pair(to_next_.get(), a_.next_site, v1::CONTROL, square, loss); !s.ok())
       return Annotate(s, Where());
-  ClipByGlobalNorm(model_->parameters(), square, setup_.job.optimizer.grad_clip);
-  opt_.Step(model_->parameters(), LearningRate(setup_.job.optimizer, step, total_steps));
+  timed([&] {
+    ClipByGlobalNorm(model_->parameters(), square, setup_.job.optimizer.grad_clip);
+    opt_.Step(model_->parameters(), LearningRate(setup_.job.optimizer, step, total_steps));
+  });
   if (model_->has_head()) return std::optional<double>(loss_sum);
   if (a_.stage == 0) return std::optional<double>(loss);  // the last stage's loss, relayed with the norm
   return std::optional<double>();

@@ -54,6 +54,9 @@ class StageWorker {
   // Loads this stage's parameters and moments by name from a checkpoint of any partition.
   absl::Status Restore(const Checkpoint& checkpoint);
   int64_t wire_bytes() const { return wire_bytes_; }
+  // Seconds the last Step spent computing (forward, loss, backward, clipping, optimizer): the step's time
+  // without waiting for neighbours or encoding and sending.
+  double last_compute_seconds() const { return compute_seconds_; }
   int64_t raw_bytes() const { return raw_bytes_; }
 
  private:
@@ -77,6 +80,7 @@ class StageWorker {
   std::unique_ptr<rpc::PeerClient> prev_client_, next_client_;
   std::unique_ptr<rpc::PeerClient::OutStream> to_prev_, to_next_;
   int64_t wire_bytes_ = 0, raw_bytes_ = 0;
+  double compute_seconds_ = 0;
 };
 
 }  // namespace meridian::executor

@@ -84,4 +84,18 @@ grpc::Status CoordinatorService::ReportDone(grpc::ServerContext* ctx, const v1::
   return ToGrpc(handler_->Done(*req));
 }
 
+grpc::Status CoordinatorService::Inspect(grpc::ServerContext* ctx, const v1::InspectRequest*,
+                                         v1::InspectResponse* resp) {
+  const std::string cn = PeerCommonName(*ctx);
+  if (cn.empty()) return {grpc::StatusCode::UNAUTHENTICATED, "no verified client certificate"};
+  if (cn != "coordinator" && !sites_.count(cn))
+    return {grpc::StatusCode::PERMISSION_DENIED,
+            absl::StrCat("certificate '", cn, "' is neither the coordinator's nor a site's of this cluster")};
+  ++handled_;
+  auto r = handler_->Inspect();
+  if (!r.ok()) return ToGrpc(r.status());
+  *resp = *r;
+  return grpc::Status::OK;
+}
+
 }  // namespace meridian::rpc

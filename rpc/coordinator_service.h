@@ -34,6 +34,7 @@ class CoordinatorHandler {
   virtual absl::Status Metrics(const v1::MetricsReport& report) = 0;
   virtual absl::Status Profile(const v1::ProfileReport& report) = 0;
   virtual absl::Status Done(const v1::StageDone& done) = 0;
+  virtual absl::StatusOr<v1::InspectResponse> Inspect() = 0;
 };
 
 class CoordinatorService final : public v1::Coordinator::Service {
@@ -47,6 +48,8 @@ class CoordinatorService final : public v1::Coordinator::Service {
   grpc::Status ReportMetrics(grpc::ServerContext* ctx, const v1::MetricsReport* req, v1::MetricsAck* resp) override;
   grpc::Status ReportProfile(grpc::ServerContext* ctx, const v1::ProfileReport* req, v1::MetricsAck* resp) override;
   grpc::Status ReportDone(grpc::ServerContext* ctx, const v1::StageDone* req, v1::MetricsAck* resp) override;
+  // Read-only; allowed to the "coordinator" identity and to every site.
+  grpc::Status Inspect(grpc::ServerContext* ctx, const v1::InspectRequest* req, v1::InspectResponse* resp) override;
 
   // Calls that reached the handler (tests check that rejected calls never do).
   int64_t handled_calls() const { return handled_.load(); }

@@ -39,6 +39,10 @@ class CountingHandler : public CoordinatorHandler {
     return std::optional<v1::Command>(c);
   }
   void Requeue(const std::string&, v1::Command) override { ++calls; }
+  absl::StatusOr<v1::InspectResponse> Inspect() override {
+    ++calls;
+    return v1::InspectResponse();
+  }
   absl::Status Metrics(const v1::MetricsReport&) override {
     ++calls;
     return absl::OkStatus();

@@ -295,6 +295,68 @@ TEST_F(CoordinatorTest, StoppedSiteIsDetectedAndWithOnFailureWaitTheRunResumesWh
   ExpectWeightsOfTheReference(dir_);
 }
 
+// A running job seen from outside: `meridian status` (progress, every site answering and training),
+// `meridian profile` (the measured profile.json), `meridian plan --live` (a plan over it), an identity
+// without a certificate refused naming the file; and a log per site in RUN/sites.
+TEST_F(CoordinatorTest, StatusProfileLivePlanAndSiteLogsOfARunningJob) {
+  SetSteps(400);
+  auto coord = Coordinator();
+  std::this_thread::sleep_for(500ms);
+  auto a = Executor("a"), b = Executor("b"), c = Executor("c");
+  std::string log;
+  ASSERT_TRUE(ReadUntilStep(coord.get(), 20, &log)) << log;
+  const std::string where = " --coordinator 127.0.0.1:" + std::to_string(coord_port_) + " --certs " + (dir_ / "certs").string();
+  Process status(Bin("meridian") + " status" + where + " --json 2>&1");
+  std::string status_out = status.ReadAll(20s);
+  ASSERT_EQ(status.Wait(10s), 0) << status_out;
+  auto j = nlohmann::json::parse(status_out, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << status_out;
+  EXPECT_EQ(j["cluster"], "t");
+  EXPECT_GE(j["progress"]["step"].get<int>(), 20);
+  ASSERT_EQ(j["sites"].size(), 3u);
+  for (const auto& site : j["sites"]) {
+    EXPECT_TRUE(site["answering"].get<bool>()) << site.dump();
+    EXPECT_EQ(site["state"], "training") << site.dump();
+  }
+  Process table(Bin("meridian") + " status" + where + " 2>&1");
+  std::string table_out = table.ReadAll(20s);
+  ASSERT_EQ(table.Wait(10s), 0) << table_out;
+  EXPECT_THAT(table_out, HasSubstr("cluster t, run "));
+  Process profile(Bin("meridian") + " profile" + where + " --out " + (dir_ / "live-profile.json").string() + " 2>&1");
+  std::string profile_out = profile.ReadAll(20s);
+  ASSERT_EQ(profile.Wait(10s), 0) << profile_out;
+  auto pj = nlohmann::json::parse(std::ifstream(dir_ / "live-profile.json"), nullptr, false);
+  EXPECT_EQ(pj["sites"].size(), 3u) << pj.dump();
+  EXPECT_EQ(pj["links"].size(), 6u) << pj.dump();
+  Process plan(Bin("meridian") + " plan --live" + where + " --micro-batches 4 2>&1");
+  std::string plan_out = plan.ReadAll(20s);
+  ASSERT_EQ(plan.Wait(10s), 0) << plan_out;
+  EXPECT_THAT(plan_out, HasSubstr("predicted step time"));
+  Process stranger(Bin("meridian") + " status" + where + " --as zed 2>&1");
+  std::string stranger_out = stranger.ReadAll(20s);
+  EXPECT_EQ(stranger.Wait(10s), 2) << stranger_out;
+  EXPECT_THAT(stranger_out, HasSubstr("zed"));
+  log += coord->ReadAll(120s);
+  ASSERT_EQ(coord->Wait(60s), 0) << log;
+  // The progress line names the slowest site and the bytes on the links; so does metrics.jsonl.
+  EXPECT_THAT(log, ::testing::ContainsRegex("step [0-9]+/400 .* slowest [abc] \\([0-9.]+ s compute\\)  WAN [0-9.]+ MB"));
+  std::ifstream jl(dir_ / "run" / "metrics.jsonl");
+  nlohmann::json last;
+  for (std::string l; std::getline(jl, l);) last = nlohmann::json::parse(l, nullptr, false);
+  ASSERT_TRUE(last.is_object());
+  EXPECT_THAT(last["slowest_site"].get<std::string>(), ::testing::AnyOf("a", "b", "c"));
+  EXPECT_GT(last["wire_bytes"].get<double>(), 0);
+  EXPECT_GT(last["raw_bytes"].get<double>(), 0);
+  for (const char* s : {"a", "b", "c"}) {
+    std::ifstream in(dir_ / "run" / "sites" / (std::string(s) + ".log"));
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    EXPECT_THAT(text, HasSubstr("joined: listens on 127.0.0.1:")) << s;
+    EXPECT_THAT(text, HasSubstr("measured its device")) << s;
+    EXPECT_THAT(text, HasSubstr("assigned stage")) << s;
+    EXPECT_THAT(text, HasSubstr("finished: 400 steps")) << s;
+  }
+}
+
 // A killed coordinator: the executors stop cleanly within 10 s.
 TEST_F(CoordinatorTest, CoordinatorLossStopsExecutorsWithinTenSeconds) {
   SetSteps(100000);
