@@ -3,6 +3,9 @@
 #include <grpcpp/grpcpp.h>
 
 #include <atomic>
+#include <mutex>
+#include <deque>
+#include <condition_variable>
 #include <chrono>
 #include <iostream>
 #include <optional>
@@ -28,6 +31,56 @@ grpc::Status Call(Fn fn, const Req& req, double seconds) {
   v1::MetricsAck ack;
   return fn(&ctx, req, &ack);
 }
+
+// Sends metrics reports to the coordinator from its own thread, in order, so the training loop never
+// waits on the coordinator (whose answer may take a poll interval). Flush() waits until every queued
+// report was sent (or failed); reports are best-effort. Thread-safe.
+class MetricsReporter {
+ public:
+  explicit MetricsReporter(v1::Coordinator::Stub* stub) : stub_(stub), thread_([this] { Loop(); }) {}
+  ~MetricsReporter() {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  void Post(v1::MetricsReport m) {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      queue_.push_back(std::move(m));
+    }
+    cv_.notify_all();
+  }
+  void Flush() {
+    std::unique_lock<std::mutex> l(mu_);
+    cv_.wait(l, [&] { return queue_.empty() && !sending_; });
+  }
+
+ private:
+  void Loop() {
+    std::unique_lock<std::mutex> l(mu_);
+    while (true) {
+      cv_.wait(l, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping, nothing left
+      v1::MetricsReport m = std::move(queue_.front());
+      queue_.pop_front();
+      sending_ = true;
+      l.unlock();
+      (void)Call([&](auto* c, const auto& r, auto* ack) { return stub_->ReportMetrics(c, r, ack); }, m, 10);
+      l.lock();
+      sending_ = false;
+      cv_.notify_all();
+    }
+  }
+  v1::Coordinator::Stub* stub_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<v1::MetricsReport> queue_;
+  bool sending_ = false, stop_ = false;
+  std::thread thread_;
+};
 
 absl::StatusOr<JobSetup> JobFromText(const std::string& yaml, const std::string& dir) {
   const std::string path = dir + "/job.yaml";  // relative paths in the job resolve against its directory
@@ -61,7 +114,8 @@ int RunJoined(const ExecutorOptions& o, const v1::RegisterResponse& reg, v1::Coo
   // at the first failed attempt, not at the last success: a process that was itself stopped (SIGSTOP, a
   // suspended VM) gets a full timeout to reach the coordinator again when it resumes.
   std::thread heart([&] {
-    std::optional<Clock::time_point> failing_since;
+    bool failing = false;
+    Clock::time_point failing_since;
     while (!done) {
       v1::HeartbeatRequest req;
       req.set_site(o.site);
@@ -75,13 +129,14 @@ int RunJoined(const ExecutorOptions& o, const v1::RegisterResponse& reg, v1::Coo
       v1::HeartbeatResponse resp;
       grpc::Status hs = stub->Heartbeat(&ctx, req, &resp);
       if (hs.ok()) {
-        if (failing_since) std::cerr << "meridian-executor: the coordinator answers heartbeats again\n";
-        failing_since.reset();
-      } else if (!failing_since) {
+        if (failing) std::cerr << "meridian-executor: the coordinator answers heartbeats again\n";
+        failing = false;
+      } else if (!failing) {
+        failing = true;
         failing_since = Clock::now();
         std::cerr << "meridian-executor: heartbeat failed (" << hs.error_message() << "); retrying for " << timeout
                   << " s\n";
-      } else if (Clock::now() - *failing_since > std::chrono::duration<double>(timeout)) {
+      } else if (Clock::now() - failing_since > std::chrono::duration<double>(timeout)) {
         std::cerr << "meridian-executor: lost the coordinator (no heartbeat answered for " << timeout
                   << " s); stopping\n";
         std::_Exit(1);
@@ -95,6 +150,7 @@ int RunJoined(const ExecutorOptions& o, const v1::RegisterResponse& reg, v1::Coo
   };
   torch::Device device(o.device == "cpu" ? torch::Device(torch::kCPU) : torch::Device(o.device));
   int rc = 0;
+  MetricsReporter reporter(stub);
   bool stopped = false;
   while (!stopped) {
     grpc::ClientContext cctx;
@@ -221,7 +277,7 @@ int RunJoined(const ExecutorOptions& o, const v1::RegisterResponse& reg, v1::Coo
               m.set_raw_bytes(worker.raw_bytes());
               m.set_compute_seconds(worker.last_compute_seconds());
               m.set_stage(a.stage);
-              (void)Call([&](auto* c, const auto& r, auto* ack) { return stub->ReportMetrics(c, r, ack); }, m, 10);
+              reporter.Post(std::move(m));
             }
             if (interval > 0 && (i + 1) % interval == 0) failure = worker.SaveCheckpoint(ckpt_dir, i + 1);
           }
@@ -237,6 +293,7 @@ int RunJoined(const ExecutorOptions& o, const v1::RegisterResponse& reg, v1::Coo
           std::cerr << "meridian-executor: " << failure.message() << "\n";
           rc = 1;
         }
+        reporter.Flush();  // the coordinator sees every step's report before the stage's end
         set_state(failure.ok() ? "done" : "failed");
         (void)Call([&](auto* c, const auto& r, auto* ack) { return stub->ReportDone(c, r, ack); }, result, 10);
         continue;
