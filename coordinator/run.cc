@@ -418,7 +418,9 @@ int Run(const RunOptions& o) {
         break;
       }
       if (finished) break;
-      if (!coord.Silent().empty()) {
+      bool stage_silent = false;  // a silent spare site does not interrupt the attempt
+      for (const auto& n : coord.Silent()) stage_silent |= used.count(n) > 0;
+      if (stage_silent) {
         failure = "no heartbeat";
         break;
       }
