@@ -334,11 +334,7 @@ def main():
             emu = BenchEmulation(bin_dir, mbit)
             try:
                 spec = os.path.join(work, "cluster.yaml")
-                with open(spec, "w") as f:
-                    f.write(f"cluster: bench\ncoordinator: {{address: {emu.coordinator}}}\n"
-                            f"security: {{certs: certs}}\nheartbeat: {{interval: 1s, timeout: 20s}}\nsites:\n")
-                    for s, q in SITES:
-                        f.write(f"  - {{name: {s}, address: {emu.addresses[s][1]}, emulation: {{cpu_quota: {q}}}}}\n")
+                emu.write_spec(spec, "bench", emu.addresses, heartbeat_timeout_s=20)
                 sh(f"{bin_dir}/meridian certs init --spec {spec} --out {work}/certs --force")
                 if e2e["bound"] is None:
                     log("compute bound: each site trains the whole model alone at its quota")

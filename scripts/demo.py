@@ -74,11 +74,7 @@ def main():
         addresses = {}
         for i, (s, _) in enumerate(SITES, start=1):
             addresses[s] = emu.site_addresses(i, s)
-        with open(spec, "w") as f:
-            f.write(f"cluster: demo\ncoordinator: {{address: {emu.coordinator}, metrics_port: 9600}}\n"
-                    f"security: {{certs: certs}}\nheartbeat: {{interval: 1s, timeout: 6s}}\nsites:\n")
-            for s, q in SITES:
-                f.write(f"  - {{name: {s}, address: {addresses[s][1]}, emulation: {{cpu_quota: {q}}}}}\n")
+        emu.write_spec(spec, "demo", addresses, heartbeat_timeout_s=6, metrics_port=9600)
         sh(f"{bin_dir}/meridian certs init --spec {spec} --out {certs} --force")
         steps = f" --steps {a.steps}" if a.steps else ""
         coord = emu.start(None, f"{bin_dir}/meridian run {spec} {job} --run-dir {run} --export {run}/export "
