@@ -311,7 +311,7 @@ int Run(const RunOptions& o) {
     partitioner::PlanOptions po;
     po.micro_batches = micro_batches;
     po.adaptive_compression = job.compression.policy == "adaptive";
-    po.replication = false;  // stage replicas are not implemented in the executor yet
+    po.replication = job.replication && o.split != "even";
     if (o.split == "even") {
       const int n = std::min<int>(static_cast<int>(live.sites.size()), static_cast<int>(graph->ops.size()));
       for (const auto& site : spec.sites)
@@ -334,33 +334,61 @@ int Run(const RunOptions& o) {
     coord.BeginJob(job_id);
     const auto& st = plan->stages;
     std::set<std::string> used;
+    // Codecs: the plan's (adaptive), the job's (fixed), or none.
+    auto fixed = [&](const std::string& codec) {  // the job's top-k fraction goes with a top-k codec
+      return codec.rfind("topk", 0) == 0 ? absl::StrCat(codec, ":k=", job.compression.topk_fraction) : codec;
+    };
+    auto link_codec = [&](size_t link) {
+      if (job.compression.policy == "fixed") return fixed(job.compression.activations);
+      if (job.compression.policy == "none") return std::string("identity");
+      return plan->links[link].codec;
+    };
+    auto gradient_codec = [&](size_t k) {
+      if (job.compression.policy == "fixed") return fixed(job.compression.gradients);
+      if (job.compression.policy == "none" || st[k].gradient_codec.empty()) return std::string("identity");
+      return st[k].gradient_codec;
+    };
+    auto group = [&](size_t k, v1::StageSites* g) {
+      for (size_t i = 0; i < st[k].site_names.size(); ++i) {
+        auto* p = g->add_sites();
+        p->set_site(st[k].site_names[i]);
+        p->set_address(snap[st[k].site_names[i]].listen);
+        g->add_micro_batches(st[k].micro_batches[i]);
+      }
+    };
     for (size_t k = 0; k < st.size(); ++k) {
-      v1::Command c;
-      auto* a = c.mutable_assign();
-      a->set_job_id(job_id);
-      a->set_stage(static_cast<int>(k));
-      a->set_num_stages(static_cast<int>(st.size()));
-      a->set_first_op(st[k].first_op);
-      a->set_last_op(st[k].last_op);
-      const std::string site = st[k].site_names[0];
-      used.insert(site);
-      if (k > 0) {
-        a->set_prev_site(st[k - 1].site_names[0]);
-        a->set_prev_address(snap[st[k - 1].site_names[0]].listen);
-        a->set_backward_codec(plan->links[k - 1].codec);
+      for (const auto& site : st[k].site_names) {  // every replica of the stage gets the same assignment
+        v1::Command c;
+        auto* a = c.mutable_assign();
+        a->set_job_id(job_id);
+        a->set_stage(static_cast<int>(k));
+        a->set_num_stages(static_cast<int>(st.size()));
+        a->set_first_op(st[k].first_op);
+        a->set_last_op(st[k].last_op);
+        used.insert(site);
+        for (const auto& r : st[k].site_names) a->add_replicas(r);
+        group(k, a->mutable_this_stage());
+        a->set_gradient_codec(gradient_codec(k));
+        if (k > 0) {
+          a->set_prev_site(st[k - 1].site_names[0]);
+          a->set_prev_address(snap[st[k - 1].site_names[0]].listen);
+          a->set_backward_codec(link_codec(k - 1));
+          group(k - 1, a->mutable_prev_stage());
+        }
+        if (k + 1 < st.size()) {
+          a->set_next_site(st[k + 1].site_names[0]);
+          a->set_next_address(snap[st[k + 1].site_names[0]].listen);
+          a->set_forward_codec(link_codec(k));
+          group(k + 1, a->mutable_next_stage());
+        }
+        a->set_micro_batches(micro_batches);
+        a->set_job_yaml(job_yaml);
+        a->set_job_dir(job_dir);
+        a->set_steps(steps);
+        a->set_output_dir(run_dir + "/weights");
+        if (resume) a->set_resume_step(-1);  // each stage loads the newest intact checkpoint
+        coord.Send(site, c);
       }
-      if (k + 1 < st.size()) {
-        a->set_next_site(st[k + 1].site_names[0]);
-        a->set_next_address(snap[st[k + 1].site_names[0]].listen);
-        a->set_forward_codec(plan->links[k].codec);
-      }
-      a->set_micro_batches(micro_batches);
-      a->set_job_yaml(job_yaml);
-      a->set_job_dir(job_dir);
-      a->set_steps(steps);
-      a->set_output_dir(run_dir + "/weights");
-      if (resume) a->set_resume_step(-1);  // each stage loads the newest intact checkpoint
-      coord.Send(site, c);
     }
     std::cout << "training: " << st.size() << " stages, " << steps << " steps"
               << (resume ? ", resuming from the newest intact checkpoint" : "") << "\n" << std::flush;

@@ -244,6 +244,19 @@ int RunJoined(const ExecutorOptions& o, const v1::RegisterResponse& reg, v1::Coo
         a.next_address = pa.next_address();
         if (!pa.forward_codec().empty()) a.forward_codec = pa.forward_codec();
         if (!pa.backward_codec().empty()) a.backward_codec = pa.backward_codec();
+        if (!pa.gradient_codec().empty()) a.gradient_codec = pa.gradient_codec();
+        if (pa.bucket_bytes() > 0) a.bucket_bytes = pa.bucket_bytes();
+        for (auto [from, to] : {std::pair<const v1::StageSites*, StageSites*>{&pa.prev_stage(), &a.prev_replicas},
+                                {&pa.this_stage(), &a.replicas},
+                                {&pa.next_stage(), &a.next_replicas}}) {
+          for (const auto& site : from->sites()) {
+            to->sites.push_back(site.site());
+            to->addresses.push_back(site.address());
+          }
+          to->micro_batches.assign(from->micro_batches().begin(), from->micro_batches().end());
+        }
+        if (failure.ok() && !compression::CodecSpec::Parse(a.gradient_codec).ok())
+          failure = absl::InvalidArgumentError(absl::StrCat("gradient_codec '", a.gradient_codec, "' is not a codec"));
         if (failure.ok()) failure = CheckSlice(setup->model, a.first_op, a.last_op);
         if (failure.ok()) {
           StageWorker worker(*setup, a, &inbox, o.certs, o.site, device, std::chrono::seconds(60));
@@ -279,10 +292,11 @@ int RunJoined(const ExecutorOptions& o, const v1::RegisterResponse& reg, v1::Coo
               m.set_stage(a.stage);
               reporter.Post(std::move(m));
             }
-            if (interval > 0 && (i + 1) % interval == 0) failure = worker.SaveCheckpoint(ckpt_dir, i + 1);
+            if (interval > 0 && (i + 1) % interval == 0 && worker.writes_shard())
+              failure = worker.SaveCheckpoint(ckpt_dir, i + 1);
           }
           if (failure.ok()) failure = worker.Finish();
-          if (failure.ok() && !pa.output_dir().empty())
+          if (failure.ok() && !pa.output_dir().empty() && worker.writes_shard())
             failure = SaveParameters(absl::StrCat(pa.output_dir(), "/stage-", a.stage, ".safetensors"), worker.Parameters());
           result.set_steps(step + 1);
           result.set_wire_bytes(worker.wire_bytes());

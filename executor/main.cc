@@ -59,6 +59,9 @@ int RunStatic(const executor::ExecutorOptions& o, const std::string& assignment_
   std::set<std::string> allowed;
   if (!a->prev_site.empty()) allowed.insert(a->prev_site);
   if (!a->next_site.empty()) allowed.insert(a->next_site);
+  for (const auto* g : {&a->prev_replicas, &a->replicas, &a->next_replicas})
+    for (const auto& site : g->sites)
+      if (site != o.site) allowed.insert(site);
   rpc::PeerService service(o.site, allowed, &inbox);
   auto started = rpc::StartMtlsServer(o.certs, o.site, o.listen, {&service});
   if (!started.ok()) {
@@ -91,15 +94,18 @@ int RunStatic(const executor::ExecutorOptions& o, const std::string& assignment_
     auto loss = worker.Step(step, setup->job.steps);  // the schedule spans the job, whatever this run covers
     if (!loss.ok()) return fail(loss.status());
     if (loss->has_value()) std::cout << "step " << step << " loss " << **loss << std::endl;
-    if (interval > 0 && (step + 1) % interval == 0)
+    if (interval > 0 && (step + 1) % interval == 0 && worker.writes_shard())
       if (auto s = worker.SaveCheckpoint(ckpt_dir, step + 1); !s.ok()) return fail(s);
   }
   if (auto s = worker.Finish(); !s.ok()) return fail(s);
-  if (!out_dir.empty()) {
+  if (!out_dir.empty() && worker.writes_shard()) {
     std::string path = absl::StrCat(out_dir, "/stage-", a->stage, ".safetensors");
     if (auto s = executor::SaveParameters(path, worker.Parameters()); !s.ok()) return fail(s);
   }
   std::cout << "wire bytes " << worker.wire_bytes() << " raw bytes " << worker.raw_bytes() << std::endl;
+  std::cout << "replica sync wire bytes " << worker.replica_wire_bytes() << " raw bytes " << worker.replica_raw_bytes()
+            << " buckets " << worker.replica_buckets() << " sent during backward "
+            << worker.replica_buckets_during_backward() << std::endl;
   // Let the neighbours finish their streams to us before the server goes away.
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(30));
   return 0;

@@ -1,11 +1,14 @@
 #include "executor/stage.h"
 
 #include <cmath>
+#include <algorithm>
 #include <cstring>
+#include <set>
 
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "partitioner/planner.h"
 
 namespace meridian::executor {
 namespace {
@@ -44,17 +47,89 @@ absl::StatusOr<StageAssignment> ParseAssignmentJson(const std::string& text, con
   for (auto [k, out] : {std::pair<const char*, int*>{"stage", &a.stage}, {"num_stages", &a.num_stages},
                         {"first_op", &a.first_op}, {"last_op", &a.last_op}})
     if (auto s = num(k, out, true); !s.ok()) return s;
+  if (auto s = str("gradient_codec", &a.gradient_codec); !s.ok()) return s;
+  if (j.contains("bucket_bytes")) {
+    if (!j["bucket_bytes"].is_number_integer() || j["bucket_bytes"].get<int64_t>() < 1)
+      return absl::InvalidArgumentError(absl::StrCat(path, ": bucket_bytes: expected a positive integer"));
+    a.bucket_bytes = j["bucket_bytes"].get<int64_t>();
+  }
+  // "replicas", "prev_replicas", "next_replicas": [{"site": S, "address": A, "micro_batches": N}, ...]
+  for (auto [k, group] : {std::pair<const char*, StageSites*>{"replicas", &a.replicas},
+                          {"prev_replicas", &a.prev_replicas}, {"next_replicas", &a.next_replicas}}) {
+    if (!j.contains(k)) continue;
+    if (!j[k].is_array() || j[k].empty())
+      return absl::InvalidArgumentError(absl::StrCat(path, ": ", k, ": expected a non-empty list of sites"));
+    bool shares = j[k][0].is_object() && j[k][0].contains("micro_batches");
+    for (size_t i = 0; i < j[k].size(); ++i) {
+      const auto& e = j[k][i];
+      const std::string where = absl::StrCat(path, ": ", k, "[", i, "]");
+      if (!e.is_object() || !e.contains("site") || !e["site"].is_string())
+        return absl::InvalidArgumentError(absl::StrCat(where, ": expected {\"site\": ..., \"address\": ...}"));
+      group->sites.push_back(e["site"].get<std::string>());
+      group->addresses.push_back(e.contains("address") && e["address"].is_string() ? e["address"].get<std::string>() : "");
+      if (shares != e.contains("micro_batches"))
+        return absl::InvalidArgumentError(absl::StrCat(where, ": micro_batches: give it for every site or none"));
+      if (shares) {
+        if (!e["micro_batches"].is_number_integer() || e["micro_batches"].get<int64_t>() < 0 ||
+            e["micro_batches"].get<int64_t>() > 65536)
+          return absl::InvalidArgumentError(absl::StrCat(where, ": micro_batches: expected a non-negative integer"));
+        group->micro_batches.push_back(e["micro_batches"].get<int>());
+      }
+    }
+  }
   if (a.num_stages < 1 || a.stage >= a.num_stages)
     return absl::InvalidArgumentError(absl::StrCat(path, ": stage ", a.stage, " of ", a.num_stages));
-  if ((a.stage > 0) != !a.prev_site.empty() || (a.stage > 0) != !a.prev_address.empty())
-    return absl::InvalidArgumentError(absl::StrCat(path, ": prev_site/prev_address are required exactly when stage > 0"));
-  if ((a.stage < a.num_stages - 1) != !a.next_site.empty() || (a.stage < a.num_stages - 1) != !a.next_address.empty())
-    return absl::InvalidArgumentError(absl::StrCat(path, ": next_site/next_address are required exactly when a later stage exists"));
-  for (const std::string* c : {&a.forward_codec, &a.backward_codec}) {
+  const bool has_prev = !a.prev_replicas.sites.empty() || (!a.prev_site.empty() && !a.prev_address.empty());
+  const bool has_next = !a.next_replicas.sites.empty() || (!a.next_site.empty() && !a.next_address.empty());
+  if ((a.stage > 0) != has_prev || (a.prev_replicas.sites.empty() && a.prev_site.empty() != a.prev_address.empty()))
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": prev_site/prev_address (or prev_replicas) are required exactly when stage > 0"));
+  if ((a.stage < a.num_stages - 1) != has_next ||
+      (a.next_replicas.sites.empty() && a.next_site.empty() != a.next_address.empty()))
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, ": next_site/next_address (or next_replicas) are required exactly when a later stage exists"));
+  for (const std::string* c : {&a.forward_codec, &a.backward_codec, &a.gradient_codec}) {
     auto spec = compression::CodecSpec::Parse(*c);
     if (!spec.ok()) return absl::InvalidArgumentError(absl::StrCat(path, ": ", spec.status().message()));
   }
   return a;
+}
+
+absl::Status ResolveReplicas(StageAssignment* a, const std::string& self, int micro_batches) {
+  if (a->replicas.sites.empty()) a->replicas = {{self}, {""}, {}};
+  if (a->prev_replicas.sites.empty() && a->stage > 0) a->prev_replicas = {{a->prev_site}, {a->prev_address}, {}};
+  if (a->next_replicas.sites.empty() && a->stage + 1 < a->num_stages)
+    a->next_replicas = {{a->next_site}, {a->next_address}, {}};
+  std::set<std::string> seen;
+  for (auto [name, g] : {std::pair<const char*, StageSites*>{"replicas", &a->replicas},
+                         {"prev_replicas", &a->prev_replicas}, {"next_replicas", &a->next_replicas}}) {
+    if (g->sites.empty()) continue;
+    g->addresses.resize(g->sites.size());
+    if (g->micro_batches.empty())
+      g->micro_batches = partitioner::ShareMicroBatches(micro_batches, std::vector<double>(g->sites.size(), 0.0));
+    if (g->micro_batches.size() != g->sites.size())
+      return absl::InvalidArgumentError(absl::StrCat("assignment: ", name, ": ", g->micro_batches.size(),
+                                                     " micro-batch shares for ", g->sites.size(), " sites"));
+    int sum = 0;
+    for (int m : g->micro_batches) {
+      if (m < 0) return absl::InvalidArgumentError(absl::StrCat("assignment: ", name, ": a negative micro-batch share"));
+      sum += m;
+    }
+    if (sum != micro_batches)
+      return absl::InvalidArgumentError(absl::StrCat("assignment: ", name, ": the sites' micro-batch shares sum to ",
+                                                     sum, ", but a step has ", micro_batches, " micro-batches"));
+    for (size_t i = 0; i < g->sites.size(); ++i) {
+      if (!seen.insert(g->sites[i]).second)
+        return absl::InvalidArgumentError(absl::StrCat("assignment: ", name, ": site '", g->sites[i],
+                                                       "' appears twice in the stage and its neighbours"));
+      if (g->sites[i] != self && g->addresses[i].empty())
+        return absl::InvalidArgumentError(absl::StrCat("assignment: ", name, ": site '", g->sites[i], "' has no address"));
+    }
+  }
+  if (std::find(a->replicas.sites.begin(), a->replicas.sites.end(), self) == a->replicas.sites.end())
+    return absl::InvalidArgumentError(
+        absl::StrCat("assignment: replicas: this site '", self, "' is not among the stage's sites"));
+  return absl::OkStatus();
 }
 
 std::vector<std::pair<char, int>> OneFOneBSchedule(int stage, int num_stages, int micro_batches) {
@@ -76,50 +151,89 @@ StageWorker::StageWorker(JobSetup setup, StageAssignment a, rpc::TensorInbox* in
       device_(device), timeout_(step_timeout), opt_(setup_.job.optimizer),
       fwd_codec_(*compression::CodecSpec::Parse(a_.forward_codec)),
       bwd_codec_(*compression::CodecSpec::Parse(a_.backward_codec)) {
+  auto grad_codec = compression::CodecSpec::Parse(a_.gradient_codec);
+  if (grad_codec.ok()) grad_codec_ = *grad_codec;
+  else init_status_ = Annotate(grad_codec.status(), absl::StrCat(Where(), ": gradient_codec"));
+  if (absl::Status s = ResolveReplicas(&a_, self_, setup_.micro_batches); !s.ok() && init_status_.ok())
+    init_status_ = Annotate(s, Where());
+  if (init_status_.ok()) {
+    replica_ = static_cast<int>(std::find(a_.replicas.sites.begin(), a_.replicas.sites.end(), self_) -
+                                a_.replicas.sites.begin());
+    owner_ = partitioner::MicroBatchOwners(a_.replicas.micro_batches);
+    if (!a_.prev_replicas.sites.empty()) prev_owner_ = partitioner::MicroBatchOwners(a_.prev_replicas.micro_batches);
+    if (!a_.next_replicas.sites.empty()) next_owner_ = partitioner::MicroBatchOwners(a_.next_replicas.micro_batches);
+  }
   auto built = BuildStageModel(setup_, a_.first_op, a_.last_op, device_);
   if (built.ok()) {
     model_ = std::move(*built);
   } else {  // reported by Connect(); the seeded model keeps the other methods well-defined
-    init_status_ = Annotate(built.status(), Where());
+    if (init_status_.ok()) init_status_ = Annotate(built.status(), Where());
     model_ = std::make_unique<StageModel>(setup_.model, a_.first_op, a_.last_op, setup_.job.seed, device_);
   }
   if (!bwd_codec_.lossless() && setup_.job.compression.error_feedback)
-    bwd_ef_ = std::make_unique<compression::ErrorFeedback>(bwd_codec_);
+    for (const auto& site : a_.prev_replicas.sites)
+      bwd_ef_[site] = std::make_unique<compression::ErrorFeedback>(bwd_codec_);
 }
 
-std::string StageWorker::Where() const { return absl::StrCat("stage ", a_.stage, " (site '", self_, "')"); }
+std::string StageWorker::Where() const {
+  return a_.replicas.sites.size() > 1
+             ? absl::StrCat("stage ", a_.stage, " replica ", replica_, " (site '", self_, "')")
+             : absl::StrCat("stage ", a_.stage, " (site '", self_, "')");
+}
+
+absl::Status StageWorker::OpenStream(const std::string& site, const std::string& address,
+                                     std::map<std::string, std::unique_ptr<rpc::PeerClient::OutStream>>* into) {
+  auto& client = clients_[site];
+  if (!client) {
+    auto c = rpc::PeerClient::Create(certs_, self_, site, address);
+    if (!c.ok()) return Annotate(c.status(), Where());
+    client = std::move(*c);
+  }
+  auto s = client->OpenStream(std::chrono::hours(24 * 30), timeout_);
+  if (!s.ok()) return Annotate(s.status(), Where());
+  (*into)[site] = std::move(*s);
+  return absl::OkStatus();
+}
 
 absl::Status StageWorker::Connect() {
   if (!init_status_.ok()) return init_status_;
-  if (a_.stage > 0) {
-    auto c = rpc::PeerClient::Create(certs_, self_, a_.prev_site, a_.prev_address);
-    if (!c.ok()) return Annotate(c.status(), Where());
-    prev_client_ = std::move(*c);
-    auto s = prev_client_->OpenStream(std::chrono::hours(24 * 30), timeout_);
-    if (!s.ok()) return Annotate(s.status(), Where());
-    to_prev_ = std::move(*s);
-  }
-  if (a_.stage < a_.num_stages - 1) {
-    auto c = rpc::PeerClient::Create(certs_, self_, a_.next_site, a_.next_address);
-    if (!c.ok()) return Annotate(c.status(), Where());
-    next_client_ = std::move(*c);
-    auto s = next_client_->OpenStream(std::chrono::hours(24 * 30), timeout_);
-    if (!s.ok()) return Annotate(s.status(), Where());
-    to_next_ = std::move(*s);
+  for (const StageSites* g : {&a_.prev_replicas, &a_.next_replicas})
+    for (size_t i = 0; i < g->sites.size(); ++i)
+      if (absl::Status s = OpenStream(g->sites[i], g->addresses[i], &streams_); !s.ok()) return s;
+  const StageSites& R = a_.replicas;
+  if (R.sites.size() > 1) {
+    std::map<std::string, rpc::PeerClient::OutStream*> scatter, gather;
+    for (size_t i = 0; i < R.sites.size(); ++i) {
+      if (R.sites[i] == self_) continue;
+      if (absl::Status s = OpenStream(R.sites[i], R.addresses[i], &streams_); !s.ok()) return s;
+      if (absl::Status s = OpenStream(R.sites[i], R.addresses[i], &replica_streams_); !s.ok()) return s;
+      scatter[R.sites[i]] = streams_[R.sites[i]].get();
+      gather[R.sites[i]] = replica_streams_[R.sites[i]].get();
+    }
+    GradientAverager::Options o;
+    o.job_id = a_.job_id;
+    o.stage = a_.stage;
+    o.sites = R.sites;
+    o.self = replica_;
+    o.codec = grad_codec_;
+    o.error_feedback = setup_.job.compression.error_feedback;
+    o.bucket_bytes = a_.bucket_bytes;
+    o.timeout = timeout_;
+    o.where = Where();
+    averager_ = std::make_unique<GradientAverager>(o, model_->parameters(), inbox_, scatter, gather);
   }
   return absl::OkStatus();
 }
 
-absl::Status StageWorker::Send(rpc::PeerClient::OutStream* stream, const std::string& peer, const rpc::TensorKey& key,
-                               const torch::Tensor& t, const compression::CodecSpec& codec,
-                               compression::ErrorFeedback* ef) {
+absl::Status StageWorker::Send(const std::string& peer, const rpc::TensorKey& key, const torch::Tensor& t,
+                               const compression::CodecSpec& codec, compression::ErrorFeedback* ef) {
   auto c = t.detach().to(torch::kCPU, torch::kFloat32).contiguous();
   core::TensorView v{core::DType::kFloat32, std::vector<int64_t>(c.sizes().begin(), c.sizes().end()), c.data_ptr<float>()};
   absl::StatusOr<std::vector<uint8_t>> frame = ef ? ef->Encode(v) : compression::Encode(v, codec);
   if (!frame.ok()) return Annotate(frame.status(), absl::StrCat(Where(), ": encoding ", key.ToString()));
   raw_bytes_ += static_cast<int64_t>(v.nbytes());
   wire_bytes_ += static_cast<int64_t>(frame->size());
-  absl::Status s = stream->Send(key, *frame);
+  absl::Status s = streams_.at(peer)->Send(key, *frame);
   if (!s.ok()) return Annotate(s, Where());
   return absl::OkStatus();
 }
@@ -152,9 +266,24 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
   struct Stash {
     torch::Tensor input, output;
   };
+  // This replica's part of the stage's 1F1B order: the entries of the micro-batches it owns.
+  std::vector<std::pair<char, int>> schedule;
+  for (auto e : OneFOneBSchedule(a_.stage, a_.num_stages, M))
+    if (owner_[e.second] == replica_) schedule.push_back(e);
+  int last_backward = -1;
+  for (int i = 0; i < static_cast<int>(schedule.size()); ++i)
+    if (schedule[i].first == 'B') last_backward = i;
+  const std::string* prev = nullptr;  // the previous / next stage's site of the current micro-batch
+  const std::string* next = nullptr;
+  // The averager sends from the backward pass on: count its bytes from here.
+  const int64_t sync_wire0 = averager_ ? averager_->wire_bytes() : 0, sync_raw0 = averager_ ? averager_->raw_bytes() : 0;
+  if (averager_) averager_->BeginStep(step);
   std::map<int, Stash> stash;
   double loss_sum = 0;
-  for (auto [kind, mb] : OneFOneBSchedule(a_.stage, a_.num_stages, M)) {
+  for (int i = 0; i < static_cast<int>(schedule.size()); ++i) {
+    const auto [kind, mb] = schedule[i];
+    if (!model_->has_embed()) prev = &a_.prev_replicas.sites[prev_owner_[mb]];
+    if (!model_->has_head()) next = &a_.next_replicas.sites[next_owner_[mb]];
     if (kind == 'F') {
       Stash s;
       TrainingData::Batch batch;
@@ -162,7 +291,7 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
       if (model_->has_embed()) {
         s.input = batch.inputs.to(device_);
       } else {
-        auto in = Receive(a_.prev_site, {a_.job_id, step, mb, a_.stage - 1, v1::FORWARD, 0}, hidden);
+        auto in = Receive(*prev, {a_.job_id, step, mb, a_.stage - 1, v1::FORWARD, 0}, hidden);
         if (!in.ok()) return in.status();
         s.input = in->requires_grad_(true);
       }
@@ -177,43 +306,56 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
       });
       if (!model_->has_head()) {
         s.output = out;
-        if (auto st = Send(to_next_.get(), a_.next_site, {a_.job_id, step, mb, a_.stage, v1::FORWARD, 0}, out,
-                           fwd_codec_, nullptr);
-            !st.ok())
+        if (auto st = Send(*next, {a_.job_id, step, mb, a_.stage, v1::FORWARD, 0}, out, fwd_codec_, nullptr); !st.ok())
           return st;
       }
       stash[mb] = std::move(s);
     } else {
       Stash& s = stash[mb];
+      // The replica's last backward pass produces the step's final gradients: the averager's hooks send
+      // them bucket by bucket while the pass goes on.
+      if (averager_ && i == last_backward) averager_->CaptureNextBackward();
       // Under LoRA the first stages may hold no adapter before the first one: their output then needs no
       // gradient and their backward pass is only the receipt of the gradient.
       if (model_->has_head()) {
         if (s.output.requires_grad()) timed([&] { s.output.backward(); });
       } else {
-        auto g = Receive(a_.next_site, {a_.job_id, step, mb, a_.stage + 1, v1::BACKWARD, 0}, hidden);
+        auto g = Receive(*next, {a_.job_id, step, mb, a_.stage + 1, v1::BACKWARD, 0}, hidden);
         if (!g.ok()) return g.status();
         if (s.output.requires_grad()) timed([&] { s.output.backward(*g); });
       }
       if (!model_->has_embed()) {
-        if (auto st = Send(to_prev_.get(), a_.prev_site, {a_.job_id, step, mb, a_.stage, v1::BACKWARD, 0},
-                           s.input.grad(), bwd_codec_, bwd_ef_.get());
+        if (auto st = Send(*prev, {a_.job_id, step, mb, a_.stage, v1::BACKWARD, 0}, s.input.grad(), bwd_codec_,
+                           bwd_ef_.count(*prev) ? bwd_ef_[*prev].get() : nullptr);
             !st.ok())
           return st;
       }
       stash.erase(mb);
     }
   }
-  // Global gradient norm: partial sums flow from the last stage to the first, the total back again.
-  // The values travel as float64 pairs [square sum, loss] in identity frames.
-  auto send_pair = [&](rpc::PeerClient::OutStream* stream, const std::string& peer, v1::Direction dir, double x,
-                       double loss) {
+  if (averager_) {
+    if (absl::Status s = averager_->Finish(); !s.ok()) return s;
+    replica_wire_bytes_ += averager_->wire_bytes() - sync_wire0;
+    replica_raw_bytes_ += averager_->raw_bytes() - sync_raw0;
+    wire_bytes_ += averager_->wire_bytes() - sync_wire0;
+    raw_bytes_ += averager_->raw_bytes() - sync_raw0;
+    replica_buckets_ = averager_->buckets_synced();
+    replica_buckets_during_backward_ = averager_->buckets_during_backward();
+  }
+  // Global gradient norm and the step's loss. Replica 0 of each stage takes part for its stage: partial
+  // sums flow from the last stage to the first, the total back again to every replica. The values
+  // travel as float64 pairs [square sum, loss] in identity frames, with micro_batch -1 along the
+  // pipeline, -2 for a last-stage replica's loss to its replica 0, -3 from stage 0's replica 0 to its
+  // replicas.
+  auto send_pair = [&](rpc::PeerClient::OutStream* stream, int tag, double x, double loss) {
     double v[2] = {x, loss};
     core::TensorView view{core::DType::kUInt8, {16}, v};
     auto frame = compression::Encode(view, compression::CodecSpec{});
-    return stream->Send({a_.job_id, step, -1, a_.stage, dir, 0}, *frame);
+    absl::Status s = stream->Send({a_.job_id, step, tag, a_.stage, v1::CONTROL, 0}, *frame);
+    return s.ok() ? s : Annotate(s, Where());
   };
-  auto recv_pair = [&](const std::string& peer, int from_stage, v1::Direction dir) -> absl::StatusOr<std::pair<double, double>> {
-    auto f = inbox_->Wait(peer, {a_.job_id, step, -1, from_stage, dir, 0}, Clock::now() + timeout_);
+  auto recv_pair = [&](const std::string& peer, int from_stage, int tag) -> absl::StatusOr<std::pair<double, double>> {
+    auto f = inbox_->Wait(peer, {a_.job_id, step, tag, from_stage, v1::CONTROL, 0}, Clock::now() + timeout_);
     if (!f.ok()) return Annotate(f.status(), Where());
     auto t = compression::Decode(f->data(), f->size());
     if (!t.ok() || t->bytes.size() != 16)
@@ -222,38 +364,59 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
     std::memcpy(v, t->bytes.data(), 16);
     return std::make_pair(v[0], v[1]);
   };
-  double square = GradSquareSum(model_->parameters()), loss = loss_sum;
-  if (a_.stage < a_.num_stages - 1) {
-    auto r = recv_pair(a_.next_site, a_.stage + 1, v1::CONTROL);
-    if (!r.ok()) return r.status();
-    square += r->first;
-    loss = r->second;
-  }
-  if (a_.stage > 0) {
-    if (absl::Status s = send_pair(to_prev_.get(), a_.prev_site, v1::CONTROL, square, loss); !s.ok())
-      return Annotate(s, Where());
-    auto total = recv_pair(a_.prev_site, a_.stage - 1, v1::CONTROL);
+  const auto& R = a_.replicas.sites;
+  const bool first = a_.stage == 0, last = a_.stage == a_.num_stages - 1;
+  double square = 0, loss = loss_sum;
+  if (replica_ == 0) {
+    if (last)  // the other replicas' losses, in replica order
+      for (size_t j = 1; j < R.size(); ++j) {
+        auto r = recv_pair(R[j], a_.stage, -2);
+        if (!r.ok()) return r.status();
+        loss += r->second;
+      }
+    square = GradSquareSum(model_->parameters());
+    if (!last) {
+      auto r = recv_pair(a_.next_replicas.sites[0], a_.stage + 1, -1);
+      if (!r.ok()) return r.status();
+      square += r->first;
+      loss = r->second;
+    }
+    if (!first) {
+      if (absl::Status s = send_pair(streams_.at(a_.prev_replicas.sites[0]).get(), -1, square, loss); !s.ok()) return s;
+      auto total = recv_pair(a_.prev_replicas.sites[0], a_.stage - 1, -1);
+      if (!total.ok()) return total.status();
+      square = total->first;
+      loss = total->second;
+    }
+    if (!last)
+      for (const auto& site : a_.next_replicas.sites)
+        if (absl::Status s = send_pair(streams_.at(site).get(), -1, square, loss); !s.ok()) return s;
+    if (first)
+      for (size_t j = 1; j < R.size(); ++j)
+        if (absl::Status s = send_pair(replica_streams_.at(R[j]).get(), -3, square, loss); !s.ok()) return s;
+  } else {
+    if (last)
+      if (absl::Status s = send_pair(replica_streams_.at(R[0]).get(), -2, 0, loss_sum); !s.ok()) return s;
+    auto total = first ? recv_pair(R[0], a_.stage, -3) : recv_pair(a_.prev_replicas.sites[0], a_.stage - 1, -1);
     if (!total.ok()) return total.status();
     square = total->first;
+    loss = total->second;
   }
-  if (a_.stage < a_.num_stages - 1)
-    if (absl::Status s = send_pair(to_next_.get(), a_.next_site, v1::CONTROL, square, loss); !s.ok())
-      return Annotate(s, Where());
   timed([&] {
     ClipByGlobalNorm(model_->parameters(), square, setup_.job.optimizer.grad_clip);
     opt_.Step(model_->parameters(), LearningRate(setup_.job.optimizer, step, total_steps));
   });
-  if (model_->has_head()) return std::optional<double>(loss_sum);
-  if (a_.stage == 0) return std::optional<double>(loss);  // the last stage's loss, relayed with the norm
+  if (first || last) return std::optional<double>(loss);
   return std::optional<double>();
 }
 
 absl::Status StageWorker::Finish() {
-  for (auto* s : {to_prev_.get(), to_next_.get()}) {
-    if (!s) continue;
-    auto r = s->Finish();
-    if (!r.ok()) return Annotate(r.status(), Where());
-  }
+  averager_.reset();  // its streams close below
+  for (auto* streams : {&streams_, &replica_streams_})
+    for (auto& [site, s] : *streams) {
+      auto r = s->Finish();
+      if (!r.ok()) return Annotate(r.status(), Where());
+    }
   return absl::OkStatus();
 }
 

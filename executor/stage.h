@@ -15,10 +15,18 @@
 #include "absl/status/statusor.h"
 #include "compression/codec.h"
 #include "executor/checkpoint.h"
+#include "executor/replica_sync.h"
 #include "executor/trainer.h"
 #include "rpc/peer.h"
 
 namespace meridian::executor {
+
+// The sites that run one stage, in replica order, and how many of each step's micro-batches each runs
+// (micro-batch m runs on site partitioner::MicroBatchOwners(micro_batches)[m]).
+struct StageSites {
+  std::vector<std::string> sites, addresses;
+  std::vector<int> micro_batches;  // per site; empty: shared equally
+};
 
 // What a stage needs to know about its place in the plan (the coordinator's StageAssignment, or a JSON
 // file in static mode: docs/executor.md).
@@ -29,25 +37,41 @@ struct StageAssignment {
   std::string prev_site, next_site, prev_address, next_address;
   std::string forward_codec = "identity";   // activations to the next stage
   std::string backward_codec = "identity";  // gradients to the previous stage
+  // Replicas (data parallel across sites). Empty `replicas`: this site alone; empty prev_replicas /
+  // next_replicas: the single prev_site / next_site. A stage's replicas sum their gradients each step.
+  StageSites replicas, prev_replicas, next_replicas;
+  std::string gradient_codec = "identity";  // replica gradient sync
+  int64_t bucket_bytes = 4 << 20;           // replica gradient buckets
 };
 absl::StatusOr<StageAssignment> ParseAssignmentJson(const std::string& text, const std::string& path);
 
-// 1F1B order for stage k of S with M micro-batches: ('F', m) and ('B', m) entries.
+// Fills the defaults of `a` for site `self` with `micro_batches` per step (the groups above from the
+// single-site fields, equal shares) and checks it: `self` among the replicas, shares summing to the
+// step's micro-batches, an address for every other site, no site in two groups. Errors name the field.
+absl::Status ResolveReplicas(StageAssignment* a, const std::string& self, int micro_batches);
+
+// 1F1B order for stage k of S with M micro-batches: ('F', m) and ('B', m) entries. A replica of a
+// stage runs the entries of its own micro-batches in this order: each replica's order is then a
+// subsequence of a deadlock-free single-pipeline order, so the replicated pipeline cannot deadlock.
 std::vector<std::pair<char, int>> OneFOneBSchedule(int stage, int num_stages, int micro_batches);
 
 class StageWorker {
  public:
   StageWorker(JobSetup setup, StageAssignment assignment, rpc::TensorInbox* inbox, std::string certs_dir,
               std::string self, torch::Device device, std::chrono::seconds step_timeout);
-  // Opens the streams to the neighbours (they may still be starting: waited for up to the timeout).
+  // Opens the streams to the neighbours' sites and to this stage's other replicas (they may still be
+  // starting: waited for up to the timeout).
   // First reports a failure to load the model directory's weights for this slice, if there was one.
   absl::Status Connect();
-  // Runs optimizer step `step` of `total_steps`. Returns the step's mean loss on the last stage, nullopt
-  // elsewhere. Every error names the stage, the peer and the tensor involved.
+  // Runs optimizer step `step` of `total_steps`: this replica's micro-batches under 1F1B, the replicas'
+  // gradient sum, the global gradient norm, AdamW. Returns the step's mean loss on the first and last
+  // stages, nullopt elsewhere. Every error names the stage, the peer and the tensor involved.
   absl::StatusOr<std::optional<double>> Step(int64_t step, int64_t total_steps);
   // Closes the outgoing streams (waits for the neighbours' acknowledgements).
   absl::Status Finish();
   std::map<std::string, torch::Tensor> Parameters() const;
+  // Replica 0 of each stage writes the stage's checkpoint shards and weights (all replicas hold the same).
+  bool writes_shard() const { return replica_ == 0; }
   // Writes this stage's shard of the checkpoint after `steps_done` steps (parameters and AdamW moments).
   // The error-feedback residual is not saved: a resumed lossy link starts with an empty one.
   absl::Status SaveCheckpoint(const std::string& dir, int64_t steps_done) const;
@@ -58,12 +82,20 @@ class StageWorker {
   // without waiting for neighbours or encoding and sending.
   double last_compute_seconds() const { return compute_seconds_; }
   int64_t raw_bytes() const { return raw_bytes_; }
+  // Of wire_bytes()/raw_bytes(): what the replica gradient sync sent.
+  int64_t replica_wire_bytes() const { return replica_wire_bytes_; }
+  int64_t replica_raw_bytes() const { return replica_raw_bytes_; }
+  // Replica gradient buckets synchronised so far, and how many were sent while backward still ran.
+  int64_t replica_buckets() const { return replica_buckets_; }
+  int64_t replica_buckets_during_backward() const { return replica_buckets_during_backward_; }
 
  private:
-  absl::Status Send(rpc::PeerClient::OutStream* stream, const std::string& peer, const rpc::TensorKey& key,
-                    const torch::Tensor& t, const compression::CodecSpec& codec, compression::ErrorFeedback* ef);
+  absl::Status Send(const std::string& peer, const rpc::TensorKey& key, const torch::Tensor& t,
+                    const compression::CodecSpec& codec, compression::ErrorFeedback* ef);
   absl::StatusOr<torch::Tensor> Receive(const std::string& peer, const rpc::TensorKey& key,
                                         const std::vector<int64_t>& shape);
+  absl::Status OpenStream(const std::string& site, const std::string& address,
+                          std::map<std::string, std::unique_ptr<rpc::PeerClient::OutStream>>* into);
   std::string Where() const;
 
   JobSetup setup_;
@@ -75,11 +107,17 @@ class StageWorker {
   std::unique_ptr<StageModel> model_;
   absl::Status init_status_;
   AdamW opt_;
-  compression::CodecSpec fwd_codec_, bwd_codec_;
-  std::unique_ptr<compression::ErrorFeedback> bwd_ef_;
-  std::unique_ptr<rpc::PeerClient> prev_client_, next_client_;
-  std::unique_ptr<rpc::PeerClient::OutStream> to_prev_, to_next_;
-  int64_t wire_bytes_ = 0, raw_bytes_ = 0;
+  compression::CodecSpec fwd_codec_, bwd_codec_, grad_codec_;
+  int replica_ = 0;                                  // this site's index in a_.replicas
+  std::vector<int> owner_, prev_owner_, next_owner_;  // per micro-batch: the replica that runs it
+  std::map<std::string, std::unique_ptr<compression::ErrorFeedback>> bwd_ef_;  // per previous-stage site
+  std::map<std::string, std::unique_ptr<rpc::PeerClient>> clients_;
+  // Neighbours' sites, and this stage's other replicas (gradient scatter); the replicas' second streams
+  // (gradient sums, loss and norm messages).
+  std::map<std::string, std::unique_ptr<rpc::PeerClient::OutStream>> streams_, replica_streams_;
+  std::unique_ptr<GradientAverager> averager_;  // with more than one replica
+  int64_t wire_bytes_ = 0, raw_bytes_ = 0, replica_wire_bytes_ = 0, replica_raw_bytes_ = 0;
+  int64_t replica_buckets_ = 0, replica_buckets_during_backward_ = 0;
   double compute_seconds_ = 0;
 };
 

@@ -130,13 +130,21 @@ Evaluation Evaluate(const CostModel& cm, const Layout& L, const PlanOptions& o, 
   for (int k = 0; k < S; ++k) {
     int a = k == 0 ? 0 : L.last[k - 1] + 1, b = L.last[k];
     if (a > b) return e;
-    double rate = 0;
+    // Replicas share the micro-batches in proportion to speed (ShareMicroBatches); the stage's time per
+    // micro-batch is its slowest replica's share of the step, spread over the M micro-batches.
+    std::vector<double> times;
     for (int s : L.sites[k]) {
       if (!cm.Fits(s, a, b, S - k)) return e;
-      double t = cm.StageTime(s, a, b);
-      rate += t > 0 ? 1.0 / t : kInf;
+      times.push_back(cm.StageTime(s, a, b));
     }
-    e.t[k] = rate == kInf ? 0.0 : 1.0 / rate;
+    if (times.size() == 1) {
+      e.t[k] = times[0];
+    } else {
+      const std::vector<int> share = ShareMicroBatches(M, times);
+      double slowest = 0;
+      for (size_t i = 0; i < times.size(); ++i) slowest = std::max(slowest, share[i] * times[i]);
+      e.t[k] = slowest / M;
+    }
     e.memory[k] = cm.Memory(a, b, S - k);
     max_t = std::max(max_t, e.t[k]);
   }
@@ -170,32 +178,38 @@ Evaluation Evaluate(const CostModel& cm, const Layout& L, const PlanOptions& o, 
   }
   double sum_t = std::accumulate(e.t.begin(), e.t.end(), 0.0);
   double bottleneck = std::max(max_t, max_c);
-  // Replica gradient sync: ring all-reduce over the replicas, in the order listed.
+  // Replica gradient sync: the executors' reduce-scatter + all-gather (docs/executor.md). Each of the two
+  // phases sends 1/r of the gradients to every other replica; a site's sends share its uplink, so a phase
+  // lasts as long as the slowest site's sends, plus the worst latency.
   for (int k = 0; k < S; ++k) {
     const auto& R = L.sites[k];
     int r = static_cast<int>(R.size());
     if (r < 2) continue;
     int a = k == 0 ? 0 : L.last[k - 1] + 1, b = L.last[k];
     double grad = o.gradient_bytes_fraction * cm.ParamBytes(a, b);
-    double min_bw = kInf, max_lat = 0;
-    for (int i = 0; i < r; ++i) {
-      int u = R[i], v = R[(i + 1) % r];
-      if (!cm.Linked(u, v)) return e;
-      min_bw = std::min(min_bw, std::min(cm.Bandwidth(u, v), cm.Bandwidth(v, u)));
-      max_lat = std::max(max_lat, std::max(cm.Latency(u, v), cm.Latency(v, u)));
+    double inv_bw = 0, max_lat = 0;  // max over sites of sum over peers of 1 / bandwidth
+    for (int u : R) {
+      double sum = 0;
+      for (int v : R) {
+        if (u == v) continue;
+        if (!cm.Linked(u, v)) return e;
+        sum += 1.0 / cm.Bandwidth(u, v);
+        max_lat = std::max(max_lat, cm.Latency(u, v));
+      }
+      inv_bw = std::max(inv_bw, sum);
     }
-    auto ring = [&](double ratio) { return 2.0 * (r - 1) / r * ratio * grad / min_bw + 2.0 * (r - 1) * max_lat; };
+    auto sync = [&](double ratio) { return 2.0 * (ratio * grad / r * inv_bw + max_lat); };
     if (!o.adaptive_compression) {
-      e.allreduce[k] = ring(1.0);
+      e.allreduce[k] = sync(1.0);
     } else {
       int pick = static_cast<int>(o.gradient_codecs.size()) - 1;
       for (int i = 0; i < static_cast<int>(o.gradient_codecs.size()); ++i)
-        if (ring(o.gradient_codecs[i].ratio) <= e.t[k]) {
+        if (sync(o.gradient_codecs[i].ratio) <= e.t[k]) {
           pick = i;
           break;
         }
       e.grad_codec[k] = pick;
-      e.allreduce[k] = ring(o.gradient_codecs[pick].ratio);
+      e.allreduce[k] = sync(o.gradient_codecs[pick].ratio);
     }
   }
   e.fill = sum_t + sum_c;
@@ -507,12 +521,49 @@ std::vector<int> EvenCuts(int ops, int stages) {
   return last;
 }
 
+std::vector<int> ShareMicroBatches(int micro_batches, const std::vector<double>& seconds) {
+  const int r = static_cast<int>(seconds.size());
+  std::vector<double> rate(r, 1.0);
+  bool all_zero = true;
+  for (double s : seconds) all_zero &= s <= 0;
+  if (!all_zero)
+    for (int i = 0; i < r; ++i) rate[i] = seconds[i] > 0 ? 1.0 / seconds[i] : 0.0;
+  const double total = std::accumulate(rate.begin(), rate.end(), 0.0);
+  std::vector<int> counts(r, 0);
+  std::vector<std::pair<double, int>> remainder;  // (-fraction, index): largest first, earlier on ties
+  int given = 0;
+  for (int i = 0; i < r; ++i) {
+    const double exact = total > 0 ? micro_batches * rate[i] / total : 0.0;
+    counts[i] = static_cast<int>(std::floor(exact));
+    given += counts[i];
+    remainder.push_back({-(exact - counts[i]), i});
+  }
+  std::sort(remainder.begin(), remainder.end());
+  for (int j = 0; given < micro_batches; ++j, ++given) ++counts[remainder[j % r].second];
+  return counts;
+}
+
+std::vector<int> MicroBatchOwners(const std::vector<int>& counts) {
+  const int total = std::accumulate(counts.begin(), counts.end(), 0);
+  std::vector<int> owner, current(counts.size(), 0);
+  for (int m = 0; m < total; ++m) {
+    int pick = -1;
+    for (size_t i = 0; i < counts.size(); ++i) {
+      current[i] += counts[i];
+      if (counts[i] > 0 && (pick < 0 || current[i] > current[pick])) pick = static_cast<int>(i);
+    }
+    current[pick] -= total;
+    owner.push_back(pick);
+  }
+  return owner;
+}
+
 std::vector<Codec> DefaultLinkCodecs() {
   return {{"identity", 1.0}, {"fp16", 0.5}, {"int8", (64.0 + 4.0) / 256.0}, {"int4", (32.0 + 4.0) / 256.0}};
 }
 
 std::vector<Codec> DefaultGradientCodecs() {
-  return {{"identity", 1.0}, {"bf16", 0.5}, {"int8", (64.0 + 4.0) / 256.0}, {"topk-1%", 0.01 * 8.0 / 4.0}};
+  return {{"identity", 1.0}, {"bf16", 0.5}, {"int8", (64.0 + 4.0) / 256.0}, {"topk:k=0.01", 0.01 * 8.0 / 4.0}};
 }
 
 double ReferenceStepTime(const OpGraph& graph, const ClusterProfile& profile, int micro_batches, double ratio,
@@ -657,6 +708,13 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
     st.first_op = k == 0 ? 0 : layout.last[k - 1] + 1;
     st.last_op = layout.last[k];
     st.compute_seconds = ev.t[k];
+    if (st.sites.size() == 1) {
+      st.micro_batches = {plan.micro_batches};
+    } else {
+      std::vector<double> times;
+      for (int s : st.sites) times.push_back(cm.StageTime(s, st.first_op, st.last_op));
+      st.micro_batches = ShareMicroBatches(plan.micro_batches, times);
+    }
     st.memory_bytes = ev.memory[k];
     st.memory_available_bytes = kInf;
     for (int s : st.sites) st.memory_available_bytes = std::min(st.memory_available_bytes, profile.sites[s].memory_bytes);
@@ -736,8 +794,10 @@ std::string PlanTable(const Plan& plan, const OpGraph& graph, const ClusterProfi
     out += absl::StrFormat("%-5d %-22s %-34s %9.4g s %22s %9.2f / %7.2f GiB\n", k + 1, absl::StrJoin(s.site_names, "+"),
                            ops, s.compute_seconds, link, gib(s.memory_bytes), gib(s.memory_available_bytes));
     if (s.sites.size() > 1)
-      out += absl::StrFormat("      replicas sync gradients by ring all-reduce: %.4g s per step (%s)\n",
-                             s.allreduce_seconds, s.gradient_codec);
+      out += absl::StrFormat(
+          "      replicas run %s of the %d micro-batches and average gradients (reduce-scatter + all-gather): "
+          "%.4g s per step (%s)\n",
+          absl::StrJoin(s.micro_batches, "/"), plan.micro_batches, s.allreduce_seconds, s.gradient_codec);
   }
   out += absl::StrFormat("\nbottleneck:            %s\n", plan.bottleneck);
   out += absl::StrFormat("predicted step time:   %.4g s  (fill+drain %.4g s + steady %.4g s%s)\n",
@@ -763,7 +823,8 @@ std::string PlanJson(const Plan& plan, const OpGraph& graph) {
                {"compute_seconds", s.compute_seconds},
                {"memory_bytes", s.memory_bytes},
                {"memory_available_bytes", s.memory_available_bytes},
-               {"allreduce_seconds", s.allreduce_seconds}};
+               {"allreduce_seconds", s.allreduce_seconds},
+               {"micro_batches", s.micro_batches}};
     if (!s.gradient_codec.empty()) js["gradient_codec"] = s.gradient_codec;
     stages.push_back(js);
   }

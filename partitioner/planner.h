@@ -49,11 +49,23 @@ struct PlanOptions {
 // first ones one op longer when it does not divide). REQUIRES: 1 <= stages <= ops.
 std::vector<int> EvenCuts(int ops, int stages);
 
+// How the M micro-batches of a step are shared among the replicas of a stage whose per-micro-batch
+// seconds are `seconds` (one entry per replica): in proportion to speed, rounded by largest remainder
+// (ties to the earlier replica). The counts sum to M; a replica may get 0 when M is small.
+// REQUIRES: micro_batches >= 0, seconds non-empty, every entry > 0 (or all 0: equal shares).
+std::vector<int> ShareMicroBatches(int micro_batches, const std::vector<double>& seconds);
+
+// owner[m] = the replica (index into `counts`) that runs micro-batch m, for per-replica counts: smooth
+// weighted round robin, so each replica's micro-batches are spread over the step rather than bunched
+// (replica 0 first on ties). Every site computes the same owners from the same counts.
+std::vector<int> MicroBatchOwners(const std::vector<int>& counts);
+
 struct StagePlan {
   std::vector<int> sites;              // indices into ClusterProfile::sites; more than one = replicas
   std::vector<std::string> site_names;
   int first_op = 0, last_op = 0;       // inclusive range in topological order
-  double compute_seconds = 0;          // per micro-batch (replicas: aggregate throughput)
+  std::vector<int> micro_batches;      // per site of `sites`: micro-batches it runs each step (sum = M)
+  double compute_seconds = 0;          // per micro-batch (replicas: slowest share / M)
   double memory_bytes = 0;             // needed on each of its sites
   double memory_available_bytes = 0;   // smallest among its sites
   double allreduce_seconds = 0;        // replica gradient sync per step (0 without replicas)

@@ -7,7 +7,10 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <numeric>
 #include <random>
+
+#include <nlohmann/json.hpp>
 
 namespace meridian::partitioner {
 namespace {
@@ -328,6 +331,51 @@ TEST(Planner, ReplicationUsesSpareSitesAndPricesTheAllReduce) {
   auto none = PlanPipeline(heavy, slow, o);
   ASSERT_TRUE(none.ok());
   for (const auto& s : none->stages) EXPECT_EQ(s.sites.size(), 1u);
+}
+
+TEST(Planner, ReplicasShareMicroBatchesInProportionToSpeed) {
+  EXPECT_EQ(ShareMicroBatches(8, {1.0, 1.0}), (std::vector<int>{4, 4}));
+  EXPECT_EQ(ShareMicroBatches(8, {1.0, 3.0}), (std::vector<int>{6, 2}));
+  EXPECT_EQ(ShareMicroBatches(3, {1.0, 1.0}), (std::vector<int>{2, 1}));  // ties to the earlier replica
+  EXPECT_EQ(ShareMicroBatches(1, {2.0, 1.0, 1.0}), (std::vector<int>{0, 1, 0}));
+  EXPECT_EQ(ShareMicroBatches(4, {0.0, 0.0}), (std::vector<int>{2, 2}));
+  for (int M : {1, 2, 5, 7, 16, 33}) {
+    auto c = ShareMicroBatches(M, {0.3, 0.7, 1.1});
+    EXPECT_EQ(std::accumulate(c.begin(), c.end(), 0), M) << M;
+    EXPECT_GE(c[0], c[1]);
+    EXPECT_GE(c[1], c[2]);
+  }
+  // Owners: each replica gets exactly its count, interleaved.
+  EXPECT_EQ(MicroBatchOwners({2, 2}), (std::vector<int>{0, 1, 0, 1}));
+  EXPECT_EQ(MicroBatchOwners({3, 1}), (std::vector<int>{0, 0, 1, 0}));
+  EXPECT_EQ(MicroBatchOwners({0, 3}), (std::vector<int>{1, 1, 1}));
+  auto owners = MicroBatchOwners({5, 2, 1});
+  ASSERT_EQ(owners.size(), 8u);
+  EXPECT_EQ(std::count(owners.begin(), owners.end(), 0), 5);
+  EXPECT_EQ(std::count(owners.begin(), owners.end(), 1), 2);
+  EXPECT_EQ(std::count(owners.begin(), owners.end(), 2), 1);
+}
+
+TEST(Planner, ReplicatedStagesCarryTheirSharesAndPriceTheSlowestShare) {
+  // One op; a is three times as fast as b: with 8 micro-batches a runs 6 and b 2, and the stage's time
+  // per micro-batch is max(6 x 1, 2 x 3) / 8 = 0.75 s.
+  OpGraph g = Chain(1, 1e9, 1e3);
+  ClusterProfile p;
+  p.sites = {{"a", 1e9, 1e12, {}}, {"b", 1e9 / 3, 1e12, {}}};
+  LinkAll(&p, 1e12, 0);
+  PlanOptions o;
+  o.micro_batches = 8;
+  o.replication = true;
+  auto plan = PlanPipeline(g, p, o);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_EQ(plan->stages.size(), 1u);
+  ASSERT_EQ(plan->stages[0].site_names, (std::vector<std::string>{"a", "b"}));
+  EXPECT_EQ(plan->stages[0].micro_batches, (std::vector<int>{6, 2}));
+  const double t_a = 3e9 / 1e9;  // (forward + backward FLOPs) / a's FLOP/s, per micro-batch
+  EXPECT_NEAR(plan->stages[0].compute_seconds, 6 * t_a / 8, 1e-9);
+  auto j = nlohmann::json::parse(PlanJson(*plan, g));
+  EXPECT_EQ(j["stages"][0]["micro_batches"], nlohmann::json({6, 2}));
+  EXPECT_THAT(PlanTable(*plan, g, p), HasSubstr("replicas run 6/2 of the 8 micro-batches"));
 }
 
 TEST(Planner, AdaptiveCompressionOnlyCompressesSlowLinks) {

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <regex>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -42,6 +43,7 @@ const char kConfig[] = R"({"vocab_size": 64, "hidden_size": 32, "intermediate_si
 
 struct Stage {
   int first, last;
+  std::vector<int> shares = {};  // replicas: micro-batches per step of each site (empty: one site)
 };
 
 class PipelineTest : public ::testing::Test {
@@ -55,7 +57,7 @@ class PipelineTest : public ::testing::Test {
     core::ClusterSpec spec;
     spec.name = "pipe";
     spec.coordinator = {"127.0.0.1", 1};
-    for (const char* s : {"a", "b", "c"}) spec.sites.push_back({s, {"127.0.0.1", 2}});
+    for (const char* s : {"a", "b", "c", "d"}) spec.sites.push_back({s, {"127.0.0.1", 2}});
     std::vector<std::string> w;
     ASSERT_TRUE(core::InitClusterCerts(spec, (dir_ / "certs").string(), {}, &w).ok());
     ::setenv("OPENBLAS_NUM_THREADS", "1", 1);
@@ -92,37 +94,58 @@ class PipelineTest : public ::testing::Test {
     return l;
   }
 
-  // Runs one executor process per stage; returns the merged final parameters and the loss log.
+  // Runs one executor process per site (one per stage, or one per replica: sites a, b, c, d in order);
+  // returns the merged final parameters and the loss log. `logs` gets every process's output.
   std::map<std::string, core::Tensor> Distributed(const std::string& job, const std::vector<Stage>& stages,
                                                   const std::string& fwd, const std::string& bwd,
                                                   std::vector<double>* losses, const std::string& extra = "",
-                                                  std::string* log = nullptr) {
-    const char* names[] = {"a", "b", "c"};
+                                                  std::string* log = nullptr, const std::string& grad = "identity",
+                                                  std::vector<std::string>* logs = nullptr) {
+    const char* names[] = {"a", "b", "c", "d"};
+    std::vector<std::vector<int>> site_of(stages.size());  // indices into names
     std::vector<int> ports;
-    for (size_t k = 0; k < stages.size(); ++k) ports.push_back(FreePort());
+    for (size_t k = 0; k < stages.size(); ++k)
+      for (size_t r = 0; r < std::max<size_t>(1, stages[k].shares.size()); ++r) {
+        site_of[k].push_back(static_cast<int>(ports.size()));
+        ports.push_back(FreePort());
+      }
+    auto group = [&](size_t k) {
+      std::string g = "[";
+      for (size_t r = 0; r < site_of[k].size(); ++r) {
+        const int i = site_of[k][r];
+        g += std::string(r ? ", " : "") + "{\"site\": \"" + names[i] + "\", \"address\": \"127.0.0.1:" +
+             std::to_string(ports[i]) + "\"" +
+             (stages[k].shares.empty() ? "" : ", \"micro_batches\": " + std::to_string(stages[k].shares[r])) + "}";
+      }
+      return g + "]";
+    };
     std::vector<std::unique_ptr<Process>> procs;
     fs::path out = dir_ / ("dist" + std::to_string(stages.size()));
+    fs::remove_all(out);  // this run must not read an earlier run's shards
+    fs::create_directories(out);
     for (size_t k = 0; k < stages.size(); ++k) {
       std::string a = "{\"stage\": " + std::to_string(k) + ", \"num_stages\": " + std::to_string(stages.size()) +
                       ", \"first_op\": " + std::to_string(stages[k].first) + ", \"last_op\": " +
                       std::to_string(stages[k].last) + ", \"forward_codec\": \"" + fwd +
-                      "\", \"backward_codec\": \"" + bwd + "\"";
-      if (k > 0)
-        a += std::string(", \"prev_site\": \"") + names[k - 1] + "\", \"prev_address\": \"127.0.0.1:" +
-             std::to_string(ports[k - 1]) + "\"";
-      if (k + 1 < stages.size())
-        a += std::string(", \"next_site\": \"") + names[k + 1] + "\", \"next_address\": \"127.0.0.1:" +
-             std::to_string(ports[k + 1]) + "\"";
+                      "\", \"backward_codec\": \"" + bwd + "\", \"gradient_codec\": \"" + grad +
+                      "\", \"replicas\": " + group(k) + assignment_extra_;
+      if (k > 0) a += ", \"prev_replicas\": " + group(k - 1);
+      if (k + 1 < stages.size()) a += ", \"next_replicas\": " + group(k + 1);
       std::string apath = (out.string() + "-assign" + std::to_string(k) + ".json");
-      fs::create_directories(out);
       std::ofstream(apath) << a << "}";
-      procs.push_back(std::make_unique<Process>(Bin("meridian-executor") + " --site " + names[k] + " --certs " +
-                                                (dir_ / "certs").string() + " --listen 127.0.0.1:" +
-                                                std::to_string(ports[k]) + " --assignment " + apath + " --job " + job +
-                                                " --out " + out.string() + " " + extra + " 2>&1"));
+      for (int i : site_of[k])
+        procs.push_back(std::make_unique<Process>(Bin("meridian-executor") + " --site " + names[i] + " --certs " +
+                                                  (dir_ / "certs").string() + " --listen 127.0.0.1:" +
+                                                  std::to_string(ports[i]) + " --assignment " + apath + " --job " +
+                                                  job + " --out " + out.string() + " " + extra + " 2>&1"));
     }
     std::string log0 = procs[0]->ReadAll(300s);
     if (log) *log = log0;
+    if (logs) logs->push_back(log0);
+    for (size_t i = 1; i < procs.size(); ++i) {
+      std::string more = procs[i]->ReadAll(300s);
+      if (logs) logs->push_back(more);
+    }
     for (auto& p : procs) EXPECT_EQ(p->Wait(120s), 0);
     if (losses) *losses = Losses(log0);  // stage 0 prints the loss relayed from the last stage
     std::map<std::string, core::Tensor> merged;
@@ -144,6 +167,7 @@ class PipelineTest : public ::testing::Test {
   }
 
   fs::path dir_;
+  std::string assignment_extra_;  // more assignment JSON fields, e.g. ", \"bucket_bytes\": 4096"
 };
 
 TEST_F(PipelineTest, OneTwoAndThreeExecutorsMatchTheSingleProcessTrainer) {
@@ -319,6 +343,71 @@ TEST_F(PipelineTest, LoraAdaptersAcrossExecutorsMatchTheSingleProcessTrainerAndE
   ExpectClose(exported->tensors, merged);
   EXPECT_TRUE(fs::exists(dir_ / "exported" / "adapter" / "adapter_model.safetensors"));
   EXPECT_TRUE(fs::exists(dir_ / "exported" / "config.json"));
+
+  // Replicated stages (a+b run layer 0, c+d layer 1, each pair sharing the micro-batches 2/2 and 3/1):
+  // the same adapters, and the replicas exchange only adapter gradients -- with two replicas each sends
+  // exactly its stage's adapter bytes per step (the other's half of every bucket, then its own half summed).
+  std::vector<std::string> logs;
+  ExpectClose(Distributed(job, {{0, 2, {2, 2}}, {3, 5, {3, 1}}}, "identity", "identity", nullptr, "", nullptr,
+                          "identity", &logs),
+              want);
+  ASSERT_EQ(logs.size(), 4u);
+  int64_t adapter_bytes[2] = {0, 0};
+  for (const auto& [name, t] : want) adapter_bytes[name.find("layers.0.") != std::string::npos ? 0 : 1] += t.bytes.size();
+  for (int i = 0; i < 4; ++i) {
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(logs[i], m, std::regex("replica sync wire bytes (\\d+) raw bytes (\\d+)"))) << logs[i];
+    EXPECT_EQ(std::stoll(m[2]), 3 * adapter_bytes[i / 2]) << "site " << "abcd"[i];
+  }
+}
+
+// Stage replicas (data parallel across sites) train exactly what one site does: a replicated pipeline
+// stage, replicated first and last stages with uneven shares, and plain data parallelism (one stage on
+// two sites). The replicas' gradient sums must also keep them identical, or later steps would differ.
+TEST_F(PipelineTest, ReplicatedStagesMatchTheSingleProcessTrainer) {
+  std::string job = Job("job", 4);
+  std::vector<double> ref_losses, losses;
+  auto want = Reference(job, &ref_losses);
+  ExpectClose(Distributed(job, {{0, 5, {1, 3}}}, "identity", "identity", &losses), want);
+  ASSERT_EQ(losses.size(), 4u);
+  for (int i = 0; i < 4; ++i) EXPECT_NEAR(losses[i], ref_losses[i], 1e-5 * ref_losses[i]);
+  ExpectClose(Distributed(job, {{0, 1}, {2, 3, {2, 2}}, {4, 5}}, "identity", "identity", nullptr), want);
+  std::vector<std::string> logs;
+  ExpectClose(Distributed(job, {{0, 2, {3, 1}}, {3, 5, {2, 2}}}, "identity", "identity", &losses, "", nullptr,
+                          "identity", &logs),
+              want);
+  for (int i = 0; i < 4; ++i) EXPECT_NEAR(losses[i], ref_losses[i], 1e-5 * ref_losses[i]);
+  // The second replica of stage 0 printed the same losses: it received them with the gradient norm.
+  EXPECT_EQ(Losses(logs[1]), losses);
+  // A site that runs no micro-batch still takes part (its gradients are zeros).
+  ExpectClose(Distributed(job, {{0, 2}, {3, 5, {4, 0}}}, "identity", "identity", nullptr), want);
+  // Small buckets: most are complete, and sent, while the replica's last backward pass still runs.
+  assignment_extra_ = ", \"bucket_bytes\": 4096";
+  logs.clear();
+  ExpectClose(Distributed(job, {{0, 5, {2, 2}}}, "identity", "identity", nullptr, "", nullptr, "identity", &logs),
+              want);
+  for (const auto& log : logs) {
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(log, m, std::regex("buckets (\\d+) sent during backward (\\d+)"))) << log;
+    const int64_t buckets = std::stoll(m[1]), overlapped = std::stoll(m[2]);
+    EXPECT_GE(buckets, 4 * 10);  // 4 steps, the 21 tensors (about 60 KB) in 4 KB buckets
+    EXPECT_GE(overlapped, buckets - 4 * 2) << "only the last buckets of each step may wait for Finish";
+  }
+}
+
+// Lossy replica gradient sync (int8, and top-k with error feedback) stays within 2% of the exact loss.
+TEST_F(PipelineTest, CompressedReplicaGradientsStayWithinTwoPercentOfTheIdentityLoss) {
+  std::string job = Job("job", 8);
+  std::vector<double> exact, int8, topk;
+  Distributed(job, {{0, 2, {2, 2}}, {3, 5}}, "identity", "identity", &exact);
+  Distributed(job, {{0, 2, {2, 2}}, {3, 5}}, "identity", "identity", &int8, "", nullptr, "int8");
+  Distributed(job, {{0, 2, {2, 2}}, {3, 5}}, "identity", "identity", &topk, "", nullptr, "topk:k=0.1");
+  ASSERT_EQ(exact.size(), 8u);
+  ASSERT_EQ(int8.size(), 8u);
+  ASSERT_EQ(topk.size(), 8u);
+  EXPECT_LT(exact.back(), exact.front());  // it trains
+  EXPECT_NEAR(int8.back(), exact.back(), 0.02 * exact.back());
+  EXPECT_NEAR(topk.back(), exact.back(), 0.02 * exact.back());
 }
 
 // int8 on both directions of the pipeline link. (Top-k with error feedback on the *activation
