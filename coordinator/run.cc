@@ -57,6 +57,11 @@ void AddRunOptions(CLI::App* cmd, RunOptions* o) {
                   "planned: the partitioner's plan; even: the sites in the spec's order with equal op counts "
                   "(an ablation; the job's compression still applies)")
       ->check(CLI::IsMember({"planned", "even"}));
+  cmd->add_option("--plan", o->plan_path,
+                  "Train this layout instead of planning: a plan.json (`meridian plan --json`, a run's plan.json, "
+                  "or hand-written) whose stages give their sites (the first runs the stage, the others replicate "
+                  "it) and last_op; shares, codecs and the prediction come from this run's measurements")
+      ->excludes(cmd->get_option("--split"));
   cmd->add_option("--export", o->export_dir,
                   "After training, write the whole model there as HF safetensors + config.json, whatever the partition");
 }
@@ -115,6 +120,26 @@ int Run(const RunOptions& o) {
   const std::string certs = core::ResolveRelative(o.cluster_path, spec.certs_dir);
   const std::string job_dir = fs::absolute(fs::path(job_path)).parent_path().string();
   const std::string job_yaml = ReadAll(job_path);
+  std::vector<partitioner::PinnedStage> pinned;  // --plan: read now, so a bad file fails before any join
+  if (!o.plan_path.empty()) {
+    if (!fs::exists(o.plan_path)) {
+      std::cerr << "meridian run: --plan " << o.plan_path << ": no such file\n";
+      return 2;
+    }
+    auto layout = partitioner::ParsePlanLayout(ReadAll(o.plan_path), o.plan_path);
+    if (!layout.ok()) {
+      std::cerr << "meridian run: " << layout.status().message() << "\n";
+      return 2;
+    }
+    for (const auto& st : *layout)
+      for (const auto& site : st.sites)
+        if (std::none_of(spec.sites.begin(), spec.sites.end(), [&](const auto& s) { return s.name == site; })) {
+          std::cerr << "meridian run: " << o.plan_path << ": site '" << site << "' is not in the cluster spec "
+                    << o.cluster_path << "\n";
+          return 2;
+        }
+    pinned = std::move(*layout);
+  }
   // The job as the executors will read it: model config, tokenizer and data must load here too, so a bad
   // path fails now rather than after every site has joined.
   auto setup = executor::LoadJob(job_path);
@@ -320,6 +345,34 @@ int Run(const RunOptions& o) {
             po.fixed_sites.push_back(static_cast<int>(i));
       po.fixed_last_ops =
           partitioner::EvenCuts(static_cast<int>(graph->ops.size()), static_cast<int>(po.fixed_sites.size()));
+    }
+    if (!pinned.empty()) {
+      auto index = [&](const std::string& name) {
+        for (size_t i = 0; i < live.sites.size(); ++i)
+          if (live.sites[i].name == name) return static_cast<int>(i);
+        return -1;
+      };
+      std::string missing;
+      for (const auto& st : pinned)
+        for (const auto& site : st.sites)
+          if (index(site) < 0 && missing.empty()) missing = site;
+      if (!missing.empty()) {
+        std::cout << "plan: the pinned plan (" << o.plan_path << ") uses site '" << missing
+                  << "', which is lost; planning over the sites left\n";
+        pinned.clear();
+      } else {
+        if (pinned.back().last_op != static_cast<int>(graph->ops.size()) - 1)
+          return fail(absl::StrCat(o.plan_path, ": the last stage ends at op ", pinned.back().last_op,
+                                   ", but the job's model has ", graph->ops.size(), " ops (0-",
+                                   graph->ops.size() - 1, ")"));
+        po.replication = false;
+        for (const auto& st : pinned) {
+          po.fixed_sites.push_back(index(st.sites[0]));
+          po.fixed_last_ops.push_back(st.last_op);
+          po.fixed_replicas.emplace_back();
+          for (size_t r = 1; r < st.sites.size(); ++r) po.fixed_replicas.back().push_back(index(st.sites[r]));
+        }
+      }
     }
     auto planned = partitioner::PlanPipeline(*graph, live, po);
     if (!planned.ok()) return fail(std::string(planned.status().message()));

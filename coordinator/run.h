@@ -24,6 +24,7 @@ struct RunOptions {
   std::string export_dir;           // non-empty: consolidated HF export after training
   int profile_repeats = 5;          // timed passes per op in the sites' model measurement
   std::string split = "planned";    // "even": sites in spec order, equal op counts (ablation)
+  std::string plan_path;            // non-empty: train this plan.json's layout (sites, replicas, cuts)
   bool resume = false;              // stages start from the newest intact checkpoint
   int eval_examples = 200;          // JSONL jobs: held-out examples scored before and after (0: none)
 };

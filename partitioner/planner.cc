@@ -6,6 +6,7 @@
 #include <limits>
 #include <map>
 #include <numeric>
+#include <set>
 
 #include <nlohmann/json.hpp>
 
@@ -558,6 +559,38 @@ std::vector<int> MicroBatchOwners(const std::vector<int>& counts) {
   return owner;
 }
 
+absl::StatusOr<std::vector<PinnedStage>> ParsePlanLayout(const std::string& text, const std::string& path) {
+  auto j = nlohmann::json::parse(text, nullptr, false);
+  if (j.is_discarded() || !j.is_object()) return absl::InvalidArgumentError(absl::StrCat(path, ": not a JSON object"));
+  if (!j.contains("stages") || !j["stages"].is_array() || j["stages"].empty())
+    return absl::InvalidArgumentError(absl::StrCat(path, ": stages: expected a non-empty list"));
+  std::vector<PinnedStage> out;
+  std::set<std::string> seen;
+  for (size_t k = 0; k < j["stages"].size(); ++k) {
+    const auto& st = j["stages"][k];
+    const std::string where = absl::StrCat(path, ": stages[", k, "]");
+    PinnedStage p;
+    if (!st.is_object() || !st.contains("sites") || !st["sites"].is_array() || st["sites"].empty())
+      return absl::InvalidArgumentError(absl::StrCat(where, ".sites: expected a non-empty list of site names"));
+    for (const auto& site : st["sites"]) {
+      if (!site.is_string()) return absl::InvalidArgumentError(absl::StrCat(where, ".sites: expected site names"));
+      if (!seen.insert(site.get<std::string>()).second)
+        return absl::InvalidArgumentError(absl::StrCat(where, ".sites: site '", site.get<std::string>(),
+                                                       "' appears in more than one place"));
+      p.sites.push_back(site.get<std::string>());
+    }
+    if (!st.contains("last_op") || !st["last_op"].is_number_integer() || st["last_op"].get<int64_t>() < 0 ||
+        st["last_op"].get<int64_t>() > (1 << 24))
+      return absl::InvalidArgumentError(absl::StrCat(where, ".last_op: expected a non-negative integer"));
+    p.last_op = st["last_op"].get<int>();
+    if (!out.empty() && p.last_op <= out.back().last_op)
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ".last_op: ", p.last_op, " does not follow the previous stage's ", out.back().last_op));
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
 std::vector<Codec> DefaultLinkCodecs() {
   return {{"identity", 1.0}, {"fp16", 0.5}, {"int8", (64.0 + 4.0) / 256.0}, {"int4", (32.0 + 4.0) / 256.0}};
 }
@@ -571,6 +604,34 @@ double ReferenceStepTime(const OpGraph& graph, const ClusterProfile& profile, in
   CostModel cm(graph, profile, micro_batches);
   if (sites.empty() || sites.size() != last_ops.size() || last_ops.back() != cm.ops() - 1) return kInf;
   return SearchCost(cm, sites, last_ops, ratio);
+}
+
+// Adds sites unused by `layout`, one at a time, as a replica of the stage where it lowers the predicted
+// step time most, while any does; `ev` is kept as the layout's evaluation.
+void ReplicateGreedily(const CostModel& cm, const PlanOptions& o, const OpGraph& graph, Layout* layout,
+                       Evaluation* ev) {
+  const int n = cm.sites();
+  std::vector<bool> used(n, false);
+  for (const auto& R : layout->sites)
+    for (int s : R) used[s] = true;
+  while (true) {
+    double best_total = ev->total;
+    Layout best_layout;
+    for (int s = 0; s < n; ++s) {
+      if (used[s]) continue;
+      for (size_t k = 0; k < layout->sites.size(); ++k) {
+        Layout trial = *layout;
+        trial.sites[k].push_back(s);
+        Evaluation te = Evaluate(cm, trial, o, graph);
+        if (te.total < best_total * (1 - 1e-9)) best_total = te.total, best_layout = trial;
+      }
+    }
+    if (!(best_total < ev->total * (1 - 1e-9))) return;
+    *layout = best_layout;
+    for (const auto& R : layout->sites)
+      for (int s : R) used[s] = true;
+    *ev = Evaluate(cm, *layout, o, graph);
+  }
 }
 
 absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& profile, const PlanOptions& o) {
@@ -607,6 +668,13 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
       if (last < (k ? o.fixed_last_ops[k - 1] + 1 : 0) || last >= N || (k + 1 == S && last != N - 1))
         return absl::InvalidArgumentError("a fixed layout's stage ends must increase and end at the graph's last op");
     }
+    if (o.fixed_replicas.size() > S) return absl::InvalidArgumentError("fixed replicas for more stages than the layout has");
+    for (const auto& R : o.fixed_replicas)
+      for (int s : R) {
+        if (s < 0 || s >= n || seen[s])
+          return absl::InvalidArgumentError("a fixed layout names a site twice or out of range");
+        seen[s] = true;
+      }
     best = {SearchCost(cm, o.fixed_sites, o.fixed_last_ops, ratio), o.fixed_sites, o.fixed_last_ops};
     if (best.cost == kInf)
       return absl::FailedPreconditionError("the fixed layout is infeasible: a stage exceeds its site's memory or "
@@ -670,34 +738,41 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
   Layout layout;
   for (int s : best.order) layout.sites.push_back({s});
   layout.last = best.last;
-  PlanOptions eval_options = o;
-  Evaluation ev = Evaluate(cm, layout, eval_options, graph);
+  if (plan.method == "fixed")
+    for (size_t k = 0; k < o.fixed_replicas.size(); ++k)
+      for (int s : o.fixed_replicas[k]) layout.sites[k].push_back(s);
+  Evaluation ev = Evaluate(cm, layout, o, graph);
+  if (ev.total == kInf)
+    return absl::FailedPreconditionError("the fixed layout is infeasible: a replica exceeds its site's memory or two "
+                                         "of a stage's sites have no link");
 
-  // Replication: greedily add an unused site as a replica of the stage where it helps most.
-  if (o.replication) {
-    std::vector<bool> used(n, false);
-    for (int s : best.order) used[s] = true;
-    for (bool improved = true; improved;) {
-      improved = false;
-      double best_total = ev.total;
-      Layout best_layout;
-      for (int s = 0; s < n; ++s) {
-        if (used[s]) continue;
-        for (size_t k = 0; k < layout.sites.size(); ++k) {
-          Layout trial = layout;
-          trial.sites[k].push_back(s);
-          Evaluation te = Evaluate(cm, trial, eval_options, graph);
-          if (te.total < best_total * (1 - 1e-9)) best_total = te.total, best_layout = trial;
-        }
-      }
-      if (best_total < ev.total * (1 - 1e-9)) {
-        layout = best_layout;
-        for (const auto& R : layout.sites)
-          for (int s : R) used[s] = true;
-        ev = Evaluate(cm, layout, eval_options, graph);
-        improved = true;
-      }
+  // Replication: greedily add unused sites as replicas where they help most. The best pure pipeline may
+  // use every site, so shallower pipelines on the fastest sites are tried too, each with its replicas.
+  if (o.replication && plan.method != "fixed") {
+    const double pipeline_total = ev.total;
+    const size_t pipeline_stages = layout.sites.size();
+    ReplicateGreedily(cm, o, graph, &layout, &ev);
+    std::vector<int> by_speed(n);
+    std::iota(by_speed.begin(), by_speed.end(), 0);
+    std::stable_sort(by_speed.begin(), by_speed.end(),
+                     [&](int a, int b) { return cm.WholeModelTime(a) < cm.WholeModelTime(b); });
+    for (int K = 1; K < std::min({n, N + 1, 17}); ++K) {
+      Candidate c = CutOrder(cm, std::vector<int>(by_speed.begin(), by_speed.begin() + K), ratio);
+      if (c.cost == kInf) continue;
+      Layout trial;
+      for (int site : c.order) trial.sites.push_back({site});
+      trial.last = c.last;
+      Evaluation te = Evaluate(cm, trial, o, graph);
+      ReplicateGreedily(cm, o, graph, &trial, &te);
+      if (te.total < ev.total * (1 - 1e-9)) layout = trial, ev = te;
     }
+    int replicas = 0;
+    for (const auto& R : layout.sites) replicas += static_cast<int>(R.size()) - 1;
+    if (replicas > 0)
+      plan.notes.push_back(absl::StrFormat(
+          "%d stage(s) with %d replica site(s): predicted %.4g s per step against %.4g s for the best pipeline "
+          "without replicas (%d stage(s))",
+          layout.sites.size(), replicas, ev.total, pipeline_total, pipeline_stages));
   }
 
   const int S = static_cast<int>(layout.sites.size());

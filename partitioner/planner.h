@@ -43,7 +43,19 @@ struct PlanOptions {
   // the plan (ablations and pinned layouts, e.g. `meridian run --split even`). Same sizes; the last
   // entry of fixed_last_ops must be the graph's last op.
   std::vector<int> fixed_sites, fixed_last_ops;
+  // With a fixed layout: more sites (indices) that replicate stage k, or empty; at most one entry per stage.
+  std::vector<std::vector<int>> fixed_replicas;
 };
+
+// A pipeline layout read from a plan.json (`meridian plan --json`, a run's plan.json, or one written by
+// hand): per stage, its sites (the first runs the stage, the others replicate it) and its last op.
+struct PinnedStage {
+  std::vector<std::string> sites;
+  int last_op = 0;
+};
+// Errors name `path` and the field: not JSON, no "stages", a stage without sites or last_op, a site named
+// twice, last ops that do not increase.
+absl::StatusOr<std::vector<PinnedStage>> ParsePlanLayout(const std::string& text, const std::string& path);
 
 // The last op of each of `stages` stages that split `ops` ops into contiguous ranges of equal size (the
 // first ones one op longer when it does not divide). REQUIRES: 1 <= stages <= ops.

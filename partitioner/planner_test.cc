@@ -378,6 +378,33 @@ TEST(Planner, ReplicatedStagesCarryTheirSharesAndPriceTheSlowestShare) {
   EXPECT_THAT(PlanTable(*plan, g, p), HasSubstr("replicas run 6/2 of the 8 micro-batches"));
 }
 
+TEST(Planner, ReplicasReplacePipelineStagesWhenThatIsFaster) {
+  // Three equal sites on fast links, 6 micro-batches of an 18 s model: a 3-stage pipeline takes
+  // (M + S - 1) x 6 s = 48 s per step; one stage on all three sites (data parallel, 2 micro-batches
+  // each) takes 2 x 18 s = 36 s. That must be found although the best pure pipeline uses every site.
+  OpGraph g = Chain(6, 1e9, 1e3);
+  ClusterProfile p;
+  p.sites = {{"a", 1e9, 1e12, {}}, {"b", 1e9, 1e12, {}}, {"c", 1e9, 1e12, {}}};
+  LinkAll(&p, 1e10, 1e-5);
+  PlanOptions o;
+  o.micro_batches = 6;
+  auto pipeline = PlanPipeline(g, p, o);
+  ASSERT_TRUE(pipeline.ok());
+  EXPECT_EQ(pipeline->stages.size(), 3u);
+  o.replication = true;
+  auto plan = PlanPipeline(g, p, o);
+  ASSERT_TRUE(plan.ok());
+  int sites = 0, replicated = 0;
+  for (const auto& s : plan->stages) sites += static_cast<int>(s.sites.size()), replicated += s.sites.size() > 1;
+  EXPECT_EQ(sites, 3);
+  EXPECT_GE(replicated, 1);
+  EXPECT_LT(plan->stages.size(), 3u);
+  EXPECT_LT(plan->predicted_step_seconds, 0.9 * pipeline->predicted_step_seconds);
+  bool explained = false;
+  for (const auto& n : plan->notes) explained |= n.find("without replicas") != std::string::npos;
+  EXPECT_TRUE(explained);
+}
+
 TEST(Planner, AdaptiveCompressionOnlyCompressesSlowLinks) {
   OpGraph g = Chain(3, 1e9, 8e6);
   ClusterProfile p;

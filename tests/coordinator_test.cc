@@ -171,6 +171,50 @@ TEST_F(CoordinatorTest, ResumedRunEndsWhereAnUninterruptedOneWould) {
   for (const auto& [name, t] : want->tensors) EXPECT_LE(testing::RelativeL2(got[name], t), 1e-5) << name;
 }
 
+// A pinned layout (--plan) with a replicated stage: sites a and b both run ops 0-2 and sum their gradients,
+// c runs ops 3-5. The coordinator assigns both replicas, only replica 0 writes shards, and the weights equal
+// the single-process trainer's. Bad plan files fail before any site joins, naming the file and field.
+TEST_F(CoordinatorTest, PinnedPlanWithAReplicatedStageMatchesTheReference) {
+  SetSteps(4);
+  std::ofstream(dir_ / "job.yaml", std::ios::app) << "  checkpoint: {dir: ckpt, interval: 2}\n";
+  std::ofstream(dir_ / "bad-plan.json") << R"({"stages": [{"sites": ["a", "zz"], "last_op": 5}]})";
+  Process bad(Bin("meridian") + " run " + (dir_ / "cluster.yaml").string() + " " + (dir_ / "job.yaml").string() +
+              " --plan " + (dir_ / "bad-plan.json").string() + " 2>&1");
+  std::string bad_out = bad.ReadAll(20s);
+  EXPECT_EQ(bad.Wait(10s), 2) << bad_out;
+  EXPECT_THAT(bad_out, HasSubstr("bad-plan.json: site 'zz' is not in the cluster spec"));
+  std::ofstream(dir_ / "bad-plan2.json") << R"({"stages": [{"sites": ["a"], "last_op": 3}, {"sites": ["b", "a"], "last_op": 5}]})";
+  Process bad2(Bin("meridian") + " run " + (dir_ / "cluster.yaml").string() + " " + (dir_ / "job.yaml").string() +
+               " --plan " + (dir_ / "bad-plan2.json").string() + " 2>&1");
+  bad_out = bad2.ReadAll(20s);
+  EXPECT_EQ(bad2.Wait(10s), 2) << bad_out;
+  EXPECT_THAT(bad_out, HasSubstr("stages[1].sites: site 'a' appears in more than one place"));
+
+  std::ofstream(dir_ / "plan.json") << R"({"stages": [{"sites": ["a", "b"], "last_op": 2}, {"sites": ["c"], "last_op": 5}]})";
+  auto coord = Coordinator("--plan " + (dir_ / "plan.json").string());
+  std::this_thread::sleep_for(500ms);
+  auto a = Executor("a"), b = Executor("b"), c = Executor("c");
+  std::string log = coord->ReadAll(180s);
+  ASSERT_EQ(coord->Wait(30s), 0) << log;
+  EXPECT_THAT(log, HasSubstr("replicas run 2/2 of the 4 micro-batches"));
+  EXPECT_THAT(log, HasSubstr("done: 4 steps"));
+  for (auto* e : {a.get(), b.get(), c.get()}) EXPECT_EQ(e->Wait(30s), 0);
+  std::ifstream pj(dir_ / "run" / "plan.json");
+  auto plan = nlohmann::json::parse(pj, nullptr, false);
+  ASSERT_FALSE(plan.is_discarded());
+  EXPECT_EQ(plan["stages"][0]["sites"], nlohmann::json({"a", "b"}));
+  EXPECT_EQ(plan["stages"][0]["micro_batches"], nlohmann::json({2, 2}));
+  EXPECT_TRUE(fs::exists(dir_ / "ckpt" / "step-4" / "stage-0.json"));
+  EXPECT_TRUE(fs::exists(dir_ / "ckpt" / "step-4" / "stage-1.json"));
+  Process ref(Bin("meridian") + " train-local " + (dir_ / "job.yaml").string() + " --out " + (dir_ / "local").string());
+  ASSERT_EQ(ref.Wait(120s), 0);
+  auto want = core::ReadSafetensors((dir_ / "local" / "model.safetensors").string());
+  ASSERT_TRUE(want.ok());
+  auto got = testing::MergeShards(dir_ / "run" / "weights");
+  ASSERT_EQ(got.size(), want->tensors.size());
+  for (const auto& [name, t] : want->tensors) EXPECT_LE(testing::RelativeL2(got[name], t), 1e-5) << name;
+}
+
 TEST_F(CoordinatorTest, JoinsThatCannotSucceedFailFastWithOneMessage) {
   SetSteps(1);
   auto coord = Coordinator();

@@ -491,6 +491,32 @@ TEST_F(PipelineTest, PeerKilledMidRunFailsTheOtherStageNamingIt) {
   EXPECT_THAT(err, HasSubstr("peer 'b'"));
 }
 
+// Data parallel on two sites; b dies mid-run: a's step fails within the deadline naming its replica.
+TEST_F(PipelineTest, ReplicaKilledMidRunFailsTheOtherReplicaNamingIt) {
+  std::string job = Job("job", 100000);
+  int pa = FreePort(), pb = FreePort();
+  std::string assignment = (dir_ / "dp.json").string();
+  std::ofstream(assignment) << R"({"stage": 0, "num_stages": 1, "first_op": 0, "last_op": 5, "replicas": [)"
+                            << R"({"site": "a", "address": "127.0.0.1:)" << pa << R"("}, {"site": "b", "address": "127.0.0.1:)"
+                            << pb << R"("}]})";
+  auto run = [&](const char* site, int port) {
+    return std::make_unique<Process>(Bin("meridian-executor") + " --site " + site + " --certs " + (dir_ / "certs").string() +
+                                     " --listen 127.0.0.1:" + std::to_string(port) + " --assignment " + assignment +
+                                     " --job " + job + " --step-timeout 8 2>&1");
+  };
+  auto a = run("a", pa);
+  auto b = run("b", pb);
+  ASSERT_THAT(a->ReadLine(60s), HasSubstr("step 0 loss"));
+  b->Kill(SIGKILL);
+  auto t0 = std::chrono::steady_clock::now();
+  int rc = a->Wait(30s);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 15s);
+  EXPECT_EQ(rc, 1);
+  std::string err = a->ReadAll(5s);
+  EXPECT_THAT(err, HasSubstr("stage 0 replica 0 (site 'a')"));
+  EXPECT_THAT(err, HasSubstr("'b'"));
+}
+
 TEST_F(PipelineTest, WrongShapeAndCorruptFramesFailNamingPeerAndStage) {
   std::string job = Job("job", 2);
   for (bool corrupt : {false, true}) {
