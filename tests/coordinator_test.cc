@@ -293,9 +293,13 @@ void ExpectWeightsOfTheReference(const fs::path& dir) {
 // kill -9 of an executor mid-run: detected by heartbeats within 10 s, the run re-plans over the two
 // sites left, every stage resumes from the newest checkpoint, and the final weights are those of an
 // uninterrupted run (identity codec).
+//
+// Replicas re-associate the fp32 gradient sum, which drifts from the single-process trainer by about 1e-5
+// over 400 steps (docs/executor.md), so these long runs plan without them (a pipeline is bit-identical to
+// the reference); KilledReplicaIsReplannedAround... covers recovery with replicas over fewer steps.
 TEST_F(CoordinatorTest, KilledExecutorIsReplannedAroundAndTheRunEndsWhereAnUninterruptedOneWould) {
   SetSteps(400);  // long enough (several seconds) to kill a site mid-run
-  std::ofstream(dir_ / "job.yaml", std::ios::app) << "  checkpoint: {dir: ckpt, interval: 20}\n";
+  std::ofstream(dir_ / "job.yaml", std::ios::app) << "  checkpoint: {dir: ckpt, interval: 20}\n  replication: false\n";
   auto coord = Coordinator();
   std::this_thread::sleep_for(500ms);
   auto a = Executor("a"), b = Executor("b"), c = Executor("c");
@@ -322,12 +326,44 @@ TEST_F(CoordinatorTest, KilledExecutorIsReplannedAroundAndTheRunEndsWhereAnUnint
   ExpectWeightsOfTheReference(dir_);
 }
 
+// A pinned plan with a replicated first stage (a + b | c); b is killed mid-run: the coordinator names it,
+// plans over a and c (the pinned plan uses a lost site), and every stage resumes from the newest
+// checkpoint, ending where an uninterrupted run would.
+TEST_F(CoordinatorTest, KilledReplicaIsReplannedAroundAndTheRunEndsWhereAnUninterruptedOneWould) {
+  SetSteps(120);
+  std::ofstream(dir_ / "job.yaml", std::ios::app) << "  checkpoint: {dir: ckpt, interval: 10}\n";
+  std::ofstream(dir_ / "plan.json") << R"({"stages": [{"sites": ["a", "b"], "last_op": 2}, {"sites": ["c"], "last_op": 5}]})";
+  auto coord = Coordinator("--plan " + (dir_ / "plan.json").string());
+  std::this_thread::sleep_for(500ms);
+  auto a = Executor("a"), b = Executor("b"), c = Executor("c");
+  std::string log;
+  ASSERT_TRUE(ReadUntilStep(coord.get(), 20, &log)) << log;
+  ASSERT_EQ(coord->Wait(1ms), -1) << log;
+  EXPECT_THAT(log, HasSubstr("replicas run 2/2 of the 4 micro-batches"));
+  b->Kill(SIGKILL);  // every later step needs b's gradient slices
+  const auto t0 = std::chrono::steady_clock::now();
+  std::string lost = ReadUntil(coord.get(), "lost: ", &log);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
+  EXPECT_THAT(lost, HasSubstr("site 'b' stopped answering"));
+  log += coord->ReadAll(60s);
+  const int rc = coord->Wait(60s);
+  log += coord->ReadAll(1s);
+  ASSERT_EQ(rc, 0) << log;
+  EXPECT_THAT(log, HasSubstr("uses site 'b', which is lost; planning over the sites left"));
+  EXPECT_THAT(log, HasSubstr("resuming from the newest intact checkpoint"));
+  EXPECT_THAT(log, HasSubstr("done: 120 steps"));
+  auto plan = nlohmann::json::parse(std::ifstream(dir_ / "run" / "plan.json"), nullptr, false);
+  for (const auto& st : plan["stages"])
+    for (const auto& site : st["sites"]) EXPECT_NE(site, "b") << plan.dump();
+  ExpectWeightsOfTheReference(dir_);
+}
+
 // A site stopped (SIGSTOP) for 3x the heartbeat timeout is detected; with on_failure: wait the run
 // waits for it, and once it answers again every stage (on all three sites) resumes from the newest
 // checkpoint and ends where an uninterrupted run would.
 TEST_F(CoordinatorTest, StoppedSiteIsDetectedAndWithOnFailureWaitTheRunResumesWhenItAnswers) {
-  SetSteps(400);
-  std::ofstream(dir_ / "job.yaml", std::ios::app) << "  checkpoint: {dir: ckpt, interval: 20}\n";
+  SetSteps(400);  // without replicas, as above
+  std::ofstream(dir_ / "job.yaml", std::ios::app) << "  checkpoint: {dir: ckpt, interval: 20}\n  replication: false\n";
   std::ofstream(dir_ / "cluster.yaml", std::ios::app) << "on_failure: wait\n";
   auto coord = Coordinator();
   std::this_thread::sleep_for(500ms);
@@ -377,7 +413,8 @@ TEST_F(CoordinatorTest, StatusProfileLivePlanAndSiteLogsOfARunningJob) {
   std::set<std::string> used;  // the planner may leave a site spare: it is idle
   const auto plan_json = nlohmann::json::parse(std::ifstream(dir_ / "run" / "plan.json"), nullptr, false);
   ASSERT_FALSE(plan_json.is_discarded());
-  for (const auto& st : plan_json["stages"]) used.insert(st["sites"][0].get<std::string>());
+  for (const auto& st : plan_json["stages"])
+    for (const auto& site : st["sites"]) used.insert(site.get<std::string>());  // replicas train too
   ASSERT_FALSE(used.empty());
   for (const auto& site : j["sites"]) {
     EXPECT_TRUE(site["answering"].get<bool>()) << site.dump();
