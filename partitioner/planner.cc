@@ -596,7 +596,10 @@ std::vector<Codec> DefaultLinkCodecs() {
 }
 
 std::vector<Codec> DefaultGradientCodecs() {
-  return {{"identity", 1.0}, {"bf16", 0.5}, {"int8", (64.0 + 4.0) / 256.0}, {"topk:k=0.01", 0.01 * 8.0 / 4.0}};
+  // No top-k: with AdamW, top-1% (error feedback) left the loss twice the exact run's after 30 steps and
+  // top-10% 7% above it, while int8 stayed within 0.1% (docs/cost-model.md). Top-k stays available
+  // through compression.policy: fixed.
+  return {{"identity", 1.0}, {"bf16", 0.5}, {"int8", (64.0 + 4.0) / 256.0}};
 }
 
 double ReferenceStepTime(const OpGraph& graph, const ClusterProfile& profile, int micro_batches, double ratio,

@@ -21,7 +21,7 @@ struct Codec {
 // Activation/gradient codecs between stages, lightest first (ratios for float32 tensors with the
 // compression library's frame layout: int8 and int4 carry one float32 scale per block of 64).
 std::vector<Codec> DefaultLinkCodecs();
-// Codecs for replica gradient sync, lightest first (top-k keeps 1% as index+value pairs).
+// Codecs for replica gradient sync, lightest first (no top-k: see DefaultGradientCodecs in planner.cc).
 std::vector<Codec> DefaultGradientCodecs();
 
 struct PlanOptions {

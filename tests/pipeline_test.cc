@@ -395,19 +395,25 @@ TEST_F(PipelineTest, ReplicatedStagesMatchTheSingleProcessTrainer) {
   }
 }
 
-// Lossy replica gradient sync (int8, and top-k with error feedback) stays within 2% of the exact loss.
+// Lossy replica gradient sums stay close to the exact loss: int8 activations and gradients on the
+// pipeline link with int8 replica sums (the adaptive policy's strongest choices) over 30 steps, and top-k
+// (10%, error feedback) replica sums over 8 steps. (Top-k over 30 steps measured 7% above the exact
+// loss: docs/cost-model.md.)
 TEST_F(PipelineTest, CompressedReplicaGradientsStayWithinTwoPercentOfTheIdentityLoss) {
-  std::string job = Job("job", 8);
-  std::vector<double> exact, int8, topk;
-  Distributed(job, {{0, 2, {2, 2}}, {3, 5}}, "identity", "identity", &exact);
-  Distributed(job, {{0, 2, {2, 2}}, {3, 5}}, "identity", "identity", &int8, "", nullptr, "int8");
-  Distributed(job, {{0, 2, {2, 2}}, {3, 5}}, "identity", "identity", &topk, "", nullptr, "topk:k=0.1");
-  ASSERT_EQ(exact.size(), 8u);
-  ASSERT_EQ(int8.size(), 8u);
-  ASSERT_EQ(topk.size(), 8u);
+  std::string job = Job("job", 30);
+  std::vector<double> exact, int8;
+  Distributed(job, {{0, 2, {2, 2}}, {3, 5, {2, 2}}}, "identity", "identity", &exact);
+  Distributed(job, {{0, 2, {2, 2}}, {3, 5, {2, 2}}}, "int8", "int8", &int8, "", nullptr, "int8");
+  ASSERT_EQ(exact.size(), 30u);
+  ASSERT_EQ(int8.size(), 30u);
   EXPECT_LT(exact.back(), exact.front());  // it trains
   EXPECT_NEAR(int8.back(), exact.back(), 0.02 * exact.back());
-  EXPECT_NEAR(topk.back(), exact.back(), 0.02 * exact.back());
+  std::string short_job = Job("short", 8);
+  std::vector<double> short_exact, topk;
+  Distributed(short_job, {{0, 2, {2, 2}}, {3, 5}}, "identity", "identity", &short_exact);
+  Distributed(short_job, {{0, 2, {2, 2}}, {3, 5}}, "int8", "identity", &topk, "", nullptr, "topk:k=0.1");
+  ASSERT_EQ(topk.size(), 8u);
+  EXPECT_NEAR(topk.back(), short_exact.back(), 0.02 * short_exact.back());
 }
 
 // int8 on both directions of the pipeline link. (Top-k with error feedback on the *activation
