@@ -3,9 +3,12 @@
 #include <algorithm>
 #include <chrono>
 #include <fstream>
+#include <iostream>
 #include <sstream>
 
+#include "absl/strings/str_cat.h"
 #include "executor/trainer.h"
+#include "gpu/probe.h"
 
 namespace meridian::executor {
 namespace {
@@ -68,7 +71,23 @@ absl::StatusOr<OpProfile> ProfileModel(const LlamaConfig& c, int mbs, int seq, c
   out.graph = partitioner::BuildLlamaGraph(c.shape, go);
   out.site.name = site_name;
   out.site.flops_per_second = MeasureGemmFlops(device);
+  out.site.gemm_flops_per_second["libtorch_fp32"] = out.site.flops_per_second;
   out.site.memory_bytes = AvailableMemoryBytes(device);
+  if (device.is_cuda()) {  // cuBLAS directly, and the device's own memory
+    auto g = gpu::MeasureCublasGemm(device.index() < 0 ? 0 : device.index());
+    if (g.ok()) {
+      out.site.gemm_flops_per_second["cublas_fp32"] = g->fp32_flops_per_second;
+      out.site.gemm_flops_per_second["cublas_tf32"] = g->tf32_flops_per_second;
+      out.site.gemm_flops_per_second["cublas_bf16"] = g->bf16_flops_per_second;
+      out.site.memory_bytes = g->free_memory_bytes;
+    } else if (g.status().code() == absl::StatusCode::kFailedPrecondition && !gpu::Available()) {
+      // libtorch has CUDA but this build of Meridian was configured without the toolkit.
+      std::cerr << "meridian-executor: " << g.status().message() << "; the profile has libtorch's GEMM only\n";
+    } else {
+      return absl::Status(g.status().code(), absl::StrCat("measuring ", device.str(), " through cuBLAS: ",
+                                                          g.status().message()));
+    }
+  }
   SyntheticData data{1, c.shape.vocab_size};
   auto tokens = data.MicroBatch(0, 0, mbs, seq).to(device);
   auto inputs = tokens.slice(1, 0, seq), targets = tokens.slice(1, 1, seq + 1);

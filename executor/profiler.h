@@ -20,7 +20,9 @@ struct OpProfile {
 
 // `repeats` timed forward+backward passes per op after one warm-up; the median is kept. With `lora`
 // enabled the ops are timed as LoRA trains them (frozen weights: no weight gradients) and the graph's
-// memory counts no gradients or optimizer state for the base weights.
+// memory counts no gradients or optimizer state for the base weights. On a CUDA device the profile also
+// holds cuBLAS's GEMM throughputs (FP32, TF32, BF16), measured directly (gpu/probe.h), and the device's
+// free memory; an error of that probe fails the profile, naming the device.
 absl::StatusOr<OpProfile> ProfileModel(const LlamaConfig& config, int micro_batch_size, int sequence_length,
                                        const std::string& site_name, torch::Device device, int repeats = 5,
                                        const core::LoraSpec& lora = {});
@@ -28,7 +30,8 @@ absl::StatusOr<OpProfile> ProfileModel(const LlamaConfig& config, int micro_batc
 // fp32 matrix-multiply throughput of the device (FLOP/s), the median of a few n x n products.
 double MeasureGemmFlops(torch::Device device, int n = 512, int repeats = 5);
 
-// Memory available to a stage on this device: MemAvailable on CPU.
+// Memory available to a stage on this device: MemAvailable on CPU. (On CUDA, ProfileModel replaces it
+// by the device's free memory from the cuBLAS probe, gpu/probe.h.)
 double AvailableMemoryBytes(torch::Device device);
 
 }  // namespace meridian::executor

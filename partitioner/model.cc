@@ -140,7 +140,8 @@ absl::StatusOr<ClusterProfile> ParseProfileJson(const std::string& text, const s
     const json& s = (*sites)[i];
     std::string ctx = absl::StrCat("sites[", i, "]");
     if (!s.is_object()) return Bad(path, ctx, "expected an object");
-    RETURN_IF(OnlyKeys(s, {"name", "flops_per_second", "memory_bytes", "op_seconds", "device"}, path, ctx));
+    RETURN_IF(OnlyKeys(s, {"name", "flops_per_second", "memory_bytes", "op_seconds", "device", "gemm_flops_per_second"},
+                       path, ctx));
     SiteProfile sp;
     RETURN_IF(String(s, "name", path, ctx, &sp.name));
     if (!names.insert(sp.name).second) return Bad(path, ctx + ".name", absl::StrCat("duplicate site '", sp.name, "'"));
@@ -153,6 +154,16 @@ absl::StatusOr<ClusterProfile> ParseProfileJson(const std::string& text, const s
         if (!it->is_number() || !std::isfinite(it->get<double>()) || it->get<double>() < 0)
           return Bad(path, absl::StrCat(ctx, ".op_seconds.", it.key()), "must be a non-negative number");
         sp.op_seconds[it.key()] = it->get<double>();
+      }
+    }
+    auto gf = s.find("gemm_flops_per_second");
+    if (gf != s.end()) {
+      if (!gf->is_object())
+        return Bad(path, ctx + ".gemm_flops_per_second", "expected an object of path -> FLOP/s");
+      for (auto it = gf->begin(); it != gf->end(); ++it) {
+        if (!it->is_number() || !std::isfinite(it->get<double>()) || it->get<double>() < 0)
+          return Bad(path, absl::StrCat(ctx, ".gemm_flops_per_second.", it.key()), "must be a non-negative number");
+        sp.gemm_flops_per_second[it.key()] = it->get<double>();
       }
     }
     p.sites.push_back(std::move(sp));
@@ -212,6 +223,7 @@ std::string ProfileToJson(const ClusterProfile& p) {
   for (const auto& s : p.sites) {
     json js = {{"name", s.name}, {"flops_per_second", s.flops_per_second}, {"memory_bytes", s.memory_bytes}};
     if (!s.op_seconds.empty()) js["op_seconds"] = s.op_seconds;
+    if (!s.gemm_flops_per_second.empty()) js["gemm_flops_per_second"] = s.gemm_flops_per_second;
     sites.push_back(js);
   }
   for (const auto& l : p.links)

@@ -33,6 +33,9 @@ struct SiteProfile {
   double flops_per_second = 0;
   double memory_bytes = 0;
   std::map<std::string, double> op_seconds;  // measured forward+backward seconds; overrides FLOPs
+  // Measured GEMM throughputs by path, informational ("libtorch_fp32"; on CUDA builds "cublas_fp32",
+  // "cublas_tf32", "cublas_bf16"): the planner uses op_seconds and flops_per_second.
+  std::map<std::string, double> gemm_flops_per_second;
 };
 
 // One direction of a link. latency_seconds is one-way.

@@ -47,7 +47,8 @@ TEST(GraphJson, ErrorsNameTheField) {
 
 TEST(ProfileJson, ParsesAndValidates) {
   auto p = ParseProfileJson(R"({"sites": [{"name": "a", "flops_per_second": 1e12, "memory_bytes": 8e9, "op_seconds": {"x": 0.1}},
-                                          {"name": "b", "flops_per_second": 5e11, "memory_bytes": 8e9}],
+                                          {"name": "b", "flops_per_second": 5e11, "memory_bytes": 8e9,
+                                           "gemm_flops_per_second": {"libtorch_fp32": 4e11, "cublas_bf16": 9e14}}],
                                "links": [{"from": "a", "to": "b", "bandwidth_bytes_per_second": 1.25e7, "latency_seconds": 0.02}]})",
                             "p.json");
   ASSERT_TRUE(p.ok()) << p.status();
@@ -55,6 +56,11 @@ TEST(ProfileJson, ParsesAndValidates) {
   auto again = ParseProfileJson(ProfileToJson(*p), "again.json");
   ASSERT_TRUE(again.ok());
   EXPECT_EQ(again->links[0].latency_seconds, 0.02);
+  EXPECT_EQ(again->sites[1].gemm_flops_per_second.at("cublas_bf16"), 9e14);
+  EXPECT_THAT(Err(ParseProfileJson(R"({"sites": [{"name": "a", "flops_per_second": 1, "memory_bytes": 1,
+                                                  "gemm_flops_per_second": {"cublas_fp32": "fast"}}]})",
+                                   "p.json").status()),
+              HasSubstr("sites[0].gemm_flops_per_second.cublas_fp32: must be a non-negative number"));
   EXPECT_THAT(Err(ParseProfileJson(R"({"sites": [{"name": "a", "flops_per_second": 0, "memory_bytes": 1}]})", "p.json").status()),
               HasSubstr("sites[0].flops_per_second: must be a positive number"));
   EXPECT_THAT(Err(ParseProfileJson(R"({"sites": [{"name": "a", "flops_per_second": 1, "memory_bytes": 1}],

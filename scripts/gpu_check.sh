@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds and runs the compression library's GPU tests and kernel benchmarks on a GPU machine, in one
+# Builds and runs the compression library's GPU tests and kernel benchmarks, and the cuBLAS probe
+# (gpu/: GEMM throughput through cuBLAS directly, with a correctness check) on a GPU machine, in one
 # call (a few minutes). The GPU machine need not have Debian's -dev packages: run `--prepare` here
 # first, which downloads the few it needs into .gpudeps/ (ignored by git), and carry that folder.
 #   here:        bash scripts/gpu_check.sh --prepare
@@ -27,5 +28,7 @@ LOG=gpu-check.log
   build-gpu/compression/cuda/compression_gpu_test
   build-gpu/compression/compression_test --gtest_brief=1
   build-gpu/compression/cuda/compression_gpu_bench
+  build-gpu/gpu/gpu_probe_test
+  build-gpu/bin/meridian-gpu-probe 0 8192
 } 2>&1 | tee "$LOG"
 [[ -n ${OUT:-} ]] && cp "$LOG" "$OUT/" || true
