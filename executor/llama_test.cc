@@ -1,5 +1,6 @@
 // The libtorch LLaMA against an independent Python implementation (tests/llama_oracle.py, python3-torch).
 #include "executor/llama.h"
+#include "executor/replica_sync.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -194,4 +195,29 @@ TEST(Lora, DropoutMasksDependOnTheSequenceNotOnTheMicroBatching) {
 }
 
 }  // namespace
+// The averager's step protocol on its own (one replica: nothing crosses the network): a step abandoned
+// midway can be followed by a new one, Finish without a step is refused, and a completed step leaves each
+// parameter's final gradient (accumulated .grad plus the captured last pass) in .grad.
+TEST(GradientAverager, StepsCanBeAbandonedAndFinishSetsTheFinalGradient) {
+  torch::Tensor w = torch::ones({3, 2}, torch::requires_grad());
+  rpc::TensorInbox inbox;
+  GradientAverager::Options o;
+  o.sites = {"a"};
+  o.where = "stage 0 (site 'a')";
+  GradientAverager avg(o, {{"w", w}}, &inbox, {}, {});
+  EXPECT_EQ(avg.Finish().code(), absl::StatusCode::kFailedPrecondition);
+  avg.BeginStep(0);
+  avg.BeginStep(1);  // the first step was abandoned (its threads are ended, not leaked)
+  avg.Abort();
+  EXPECT_EQ(avg.Finish().code(), absl::StatusCode::kFailedPrecondition);
+  avg.BeginStep(2);
+  (w * 2).sum().backward();  // an earlier micro-batch: accumulated, not captured
+  avg.CaptureNextBackward();
+  (w * 3).sum().backward();  // the last pass: captured by the hook as 2 + 3
+  ASSERT_TRUE(avg.Finish().ok());
+  EXPECT_TRUE(torch::allclose(w.grad(), torch::full({3, 2}, 5.0)));
+  EXPECT_EQ(avg.buckets_synced(), 1);
+  EXPECT_EQ(avg.buckets_during_backward(), 1);
+}
+
 }  // namespace meridian::executor

@@ -77,8 +77,8 @@ absl::StatusOr<OpProfile> ProfileModel(const LlamaConfig& c, int mbs, int seq, c
     auto g = gpu::MeasureCublasGemm(device.index() < 0 ? 0 : device.index());
     if (g.ok()) {
       out.site.gemm_flops_per_second["cublas_fp32"] = g->fp32_flops_per_second;
-      out.site.gemm_flops_per_second["cublas_tf32"] = g->tf32_flops_per_second;
-      out.site.gemm_flops_per_second["cublas_bf16"] = g->bf16_flops_per_second;
+      if (g->tf32_flops_per_second > 0) out.site.gemm_flops_per_second["cublas_tf32"] = g->tf32_flops_per_second;
+      if (g->bf16_flops_per_second > 0) out.site.gemm_flops_per_second["cublas_bf16"] = g->bf16_flops_per_second;
       out.site.memory_bytes = g->free_memory_bytes;
     } else if (g.status().code() == absl::StatusCode::kFailedPrecondition && !gpu::Available()) {
       // libtorch has CUDA but this build of Meridian was configured without the toolkit.

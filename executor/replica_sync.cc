@@ -66,7 +66,15 @@ void GradientAverager::Stop() {
   if (reduce_thread_.joinable()) reduce_thread_.join();
 }
 
+void GradientAverager::Abort() {
+  Stop();
+  std::lock_guard<std::mutex> l(mu_);
+  in_step_ = false;
+  capturing_ = false;
+}
+
 void GradientAverager::BeginStep(int64_t step) {
+  if (scatter_thread_.joinable() || reduce_thread_.joinable()) Abort();
   std::lock_guard<std::mutex> l(mu_);
   step_ = step;
   capturing_ = false;
@@ -243,6 +251,7 @@ void GradientAverager::ReduceLoop() {
 absl::Status GradientAverager::Finish() {
   {
     std::lock_guard<std::mutex> l(mu_);
+    if (!in_step_) return absl::FailedPreconditionError(absl::StrCat(o_.where, ": replica gradient sync: no step begun"));
     for (int i = 0; i < static_cast<int>(params_.size()); ++i)
       if (!captured_[i]) MarkLocked(i, params_[i].second.grad(), false);
     capturing_ = false;

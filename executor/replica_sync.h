@@ -52,7 +52,9 @@ class GradientAverager {
     compression::CodecSpec codec;    // for both phases
     bool error_feedback = true;      // residuals per (bucket, peer) when the codec is lossy
     int64_t bucket_bytes = 4 << 20;
-    std::chrono::seconds timeout{60};  // per received slice
+    // Per received slice. A replica may wait for its peers' whole step (a replica with no micro-batch
+    // starts waiting at once), so this is a step-level bound; a dead peer fails the wait at once.
+    std::chrono::seconds timeout{60};
     std::string where;                 // "stage K (site 'x')", for errors
   };
   // `params`: the stage's trained parameters in the model's order (hooks are registered on them).
@@ -63,13 +65,18 @@ class GradientAverager {
                    std::map<std::string, rpc::PeerClient::OutStream*> gather);
   ~GradientAverager();  // ends a step in progress (its threads give up within a fraction of a second)
 
-  // Starts step `step`'s exchange threads. REQUIRES: no step in progress.
+  // Starts step `step`'s exchange threads (ending a step still in progress first).
   void BeginStep(int64_t step);
+  // Ends a step in progress without completing it (the stage's step failed): its threads give up
+  // within a fraction of a second and are joined. No-op without a step in progress.
+  void Abort();
   // The next backward pass is this replica's last in the step: its gradients are final.
   void CaptureNextBackward();
   // Completes the step: parameters that received no gradient this step contribute zeros (a replica may
   // run no micro-batch); waits for the exchange; sets every parameter's .grad to the sum over the replicas.
-  // Errors name the stage, the replica site and the bucket.
+  // Errors name the stage, the replica site and the bucket; FailedPrecondition without BeginStep.
+  // (A parameter that no replica gave a gradient gets zeros, which AdamW then steps, unlike a
+  // gradient left undefined on one site; every trained parameter of the LLaMA slices gets one.)
   absl::Status Finish();
 
   int64_t wire_bytes() const { return wire_bytes_.load(); }  // sent so far, compressed

@@ -218,7 +218,8 @@ absl::Status StageWorker::Connect() {
     o.codec = grad_codec_;
     o.error_feedback = setup_.job.compression.error_feedback;
     o.bucket_bytes = a_.bucket_bytes;
-    o.timeout = timeout_;
+    // A replica waits for its peers' whole step: each of their receives may take up to timeout_.
+    o.timeout = timeout_ * (2 * setup_.micro_batches + 2);
     o.where = Where();
     averager_ = std::make_unique<GradientAverager>(o, model_->parameters(), inbox_, scatter, gather);
   }
@@ -278,6 +279,13 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
   // The averager sends from the backward pass on: count its bytes from here.
   const int64_t sync_wire0 = averager_ ? averager_->wire_bytes() : 0, sync_raw0 = averager_ ? averager_->raw_bytes() : 0;
   if (averager_) averager_->BeginStep(step);
+  // A step that fails before the gradient sum completes ends the averager's step too.
+  struct AbortOnExit {
+    GradientAverager* averager;
+    ~AbortOnExit() {
+      if (averager) averager->Abort();
+    }
+  } abort_on_exit{averager_.get()};
   std::map<int, Stash> stash;
   double loss_sum = 0;
   for (int i = 0; i < static_cast<int>(schedule.size()); ++i) {
@@ -334,7 +342,9 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
     }
   }
   if (averager_) {
-    if (absl::Status s = averager_->Finish(); !s.ok()) return s;
+    absl::Status finished = averager_->Finish();
+    abort_on_exit.averager = nullptr;  // Finish joined the threads, successful or not
+    if (!finished.ok()) return finished;
     replica_wire_bytes_ += averager_->wire_bytes() - sync_wire0;
     replica_raw_bytes_ += averager_->raw_bytes() - sync_raw0;
     wire_bytes_ += averager_->wire_bytes() - sync_wire0;

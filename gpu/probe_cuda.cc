@@ -107,6 +107,9 @@ absl::Status CheckCublasGemm(int device, int n) {
 }
 
 absl::StatusOr<GemmMeasurement> MeasureCublasGemm(int device, int n, int repeats) {
+  if (n < 1 || n > 65536 || repeats < 1)
+    return absl::InvalidArgumentError(absl::StrCat("cuBLAS probe: n must be in [1, 65536] and repeats >= 1 (got ", n,
+                                                   ", ", repeats, ")"));
   RETURN_IF_ERROR(CheckCublasGemm(device));
   Session s;
   RETURN_IF_ERROR(Open(device, &s));
@@ -140,13 +143,19 @@ absl::StatusOr<GemmMeasurement> MeasureCublasGemm(int device, int n, int repeats
   };
   auto fp32 = time(CUDA_R_32F, CUBLAS_COMPUTE_32F);
   if (!fp32.ok()) return fp32.status();
-  auto tf32 = time(CUDA_R_32F, CUBLAS_COMPUTE_32F_FAST_TF32);
+  // TF32 and BF16 tensor cores exist from compute capability 8.0 (Ampere) on; older devices report 0.
+  const bool tensor_cores = prop.major >= 8;
+  absl::StatusOr<double> tf32 = 0.0;
+  if (tensor_cores) tf32 = time(CUDA_R_32F, CUBLAS_COMPUTE_32F_FAST_TF32);
   if (!tf32.ok()) return tf32.status();
   // BF16 inputs (0.5) in the first half of the same buffers; only throughput matters.
-  std::vector<uint16_t> bf(static_cast<size_t>(n) * n, 0x3F00);
-  for (void* p : {*a, *b})
-    RETURN_IF_ERROR(Cuda(cudaMemcpy(p, bf.data(), bf.size() * 2, cudaMemcpyHostToDevice), "cudaMemcpy"));
-  auto bf16 = time(CUDA_R_16BF, CUBLAS_COMPUTE_32F);
+  absl::StatusOr<double> bf16 = 0.0;
+  if (tensor_cores) {
+    std::vector<uint16_t> bf(static_cast<size_t>(n) * n, 0x3F00);
+    for (void* p : {*a, *b})
+      RETURN_IF_ERROR(Cuda(cudaMemcpy(p, bf.data(), bf.size() * 2, cudaMemcpyHostToDevice), "cudaMemcpy"));
+    bf16 = time(CUDA_R_16BF, CUBLAS_COMPUTE_32F);
+  }
   if (!bf16.ok()) return bf16.status();
   m.fp32_flops_per_second = *fp32;
   m.tf32_flops_per_second = *tf32;
