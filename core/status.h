@@ -9,9 +9,20 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+
+namespace meridian::core {
+
+// `s` with `prefix` and ": " put before its message (same code): adds where an error happened, e.g.
+// Annotate(s, "stage 1 (site 'b')"). REQUIRES: !s.ok().
+inline absl::Status Annotate(const absl::Status& s, const std::string& prefix) {
+  return absl::Status(s.code(), prefix + ": " + std::string(s.message()));
+}
+
+}  // namespace meridian::core
 
 // Returns from the enclosing function when `expr` (an absl::Status) is not OK.
 #define MERIDIAN_RETURN_IF_ERROR(expr)                    \

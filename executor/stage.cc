@@ -8,16 +8,15 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "core/status.h"
 #include "partitioner/planner.h"
 
 namespace meridian::executor {
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using core::Annotate;
 
-absl::Status Annotate(const absl::Status& s, const std::string& prefix) {
-  return absl::Status(s.code(), absl::StrCat(prefix, ": ", s.message()));
-}
+using Clock = std::chrono::steady_clock;
 
 }  // namespace
 

@@ -83,6 +83,17 @@ class CoordinatorTest : public ::testing::Test {
   std::map<std::string, int> ports_;
 };
 
+// The final weights of `meridian run` (its stage shards) against `meridian train-local` of the same job.
+void ExpectWeightsOfTheReference(const fs::path& dir) {
+  Process ref(Bin("meridian") + " train-local " + (dir / "job.yaml").string() + " --out " + (dir / "local").string());
+  ASSERT_EQ(ref.Wait(120s), 0);
+  auto want = core::ReadSafetensors((dir / "local" / "model.safetensors").string());
+  ASSERT_TRUE(want.ok());
+  auto got = testing::MergeShards(dir / "run" / "weights");
+  ASSERT_EQ(got.size(), want->tensors.size());
+  for (const auto& [name, t] : want->tensors) EXPECT_LE(testing::RelativeL2(got[name], t), 1e-5) << name;
+}
+
 TEST_F(CoordinatorTest, JoinProfilePlanTrainMatchesTheReference) {
   SetSteps(3);
   const int metrics_port = FreePort();
@@ -163,13 +174,7 @@ TEST_F(CoordinatorTest, ResumedRunEndsWhereAnUninterruptedOneWould) {
   std::string log = coord->ReadAll(180s);
   ASSERT_EQ(coord->Wait(30s), 0) << log;
   EXPECT_THAT(log, HasSubstr("resuming from the newest intact checkpoint"));
-  Process ref(Bin("meridian") + " train-local " + (dir_ / "job.yaml").string() + " --out " + (dir_ / "local").string());
-  ASSERT_EQ(ref.Wait(120s), 0);
-  auto want = core::ReadSafetensors((dir_ / "local" / "model.safetensors").string());
-  ASSERT_TRUE(want.ok());
-  auto got = testing::MergeShards(dir_ / "run" / "weights");
-  ASSERT_EQ(got.size(), want->tensors.size());
-  for (const auto& [name, t] : want->tensors) EXPECT_LE(testing::RelativeL2(got[name], t), 1e-5) << name;
+  ExpectWeightsOfTheReference(dir_);
 }
 
 // A pinned layout (--plan) with a replicated stage: sites a and b both run ops 0-2 and sum their gradients,
@@ -208,13 +213,7 @@ TEST_F(CoordinatorTest, PinnedPlanWithAReplicatedStageMatchesTheReference) {
   EXPECT_EQ(plan["stages"][0]["micro_batches"][0].get<int>() + plan["stages"][0]["micro_batches"][1].get<int>(), 4);
   EXPECT_TRUE(fs::exists(dir_ / "ckpt" / "step-4" / "stage-0.json"));
   EXPECT_TRUE(fs::exists(dir_ / "ckpt" / "step-4" / "stage-1.json"));
-  Process ref(Bin("meridian") + " train-local " + (dir_ / "job.yaml").string() + " --out " + (dir_ / "local").string());
-  ASSERT_EQ(ref.Wait(120s), 0);
-  auto want = core::ReadSafetensors((dir_ / "local" / "model.safetensors").string());
-  ASSERT_TRUE(want.ok());
-  auto got = testing::MergeShards(dir_ / "run" / "weights");
-  ASSERT_EQ(got.size(), want->tensors.size());
-  for (const auto& [name, t] : want->tensors) EXPECT_LE(testing::RelativeL2(got[name], t), 1e-5) << name;
+  ExpectWeightsOfTheReference(dir_);
 }
 
 TEST_F(CoordinatorTest, JoinsThatCannotSucceedFailFastWithOneMessage) {
@@ -279,17 +278,6 @@ std::string LastStageSite(const fs::path& dir) {
   auto plan = nlohmann::json::parse(std::ifstream(dir / "run" / "plan.json"), nullptr, false);
   if (plan.is_discarded() || plan["stages"].empty()) return "";
   return plan["stages"].back()["sites"][0].get<std::string>();
-}
-
-// The final weights of `meridian run` (its stage shards) against `meridian train-local` of the same job.
-void ExpectWeightsOfTheReference(const fs::path& dir) {
-  Process ref(Bin("meridian") + " train-local " + (dir / "job.yaml").string() + " --out " + (dir / "local").string());
-  ASSERT_EQ(ref.Wait(120s), 0);
-  auto want = core::ReadSafetensors((dir / "local" / "model.safetensors").string());
-  ASSERT_TRUE(want.ok());
-  auto got = testing::MergeShards(dir / "run" / "weights");
-  ASSERT_EQ(got.size(), want->tensors.size());
-  for (const auto& [name, t] : want->tensors) EXPECT_LE(testing::RelativeL2(got[name], t), 1e-5) << name;
 }
 
 // kill -9 of an executor mid-run: detected by heartbeats within 10 s, the run re-plans over the two
