@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <fstream>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -88,6 +89,7 @@ class Coordinator : public rpc::CoordinatorHandler {
   std::string job_id_;
   std::string profile_json_, graph_json_, plan_json_;
   std::string log_dir_;  // guarded by log_mu_
+  std::map<std::string, std::ofstream> log_files_;  // by site, guarded by log_mu_; lines are flushed
   std::mutex log_mu_;    // taken after mu_ when both are held
   bool stopping_ = false;
 };
