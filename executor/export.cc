@@ -87,13 +87,8 @@ absl::StatusOr<std::pair<JobSetup, std::map<std::string, torch::Tensor>>> LoadWe
   std::error_code ec;
   std::string file = path;
   if (fs::is_directory(path, ec)) {
-    for (const char* name : {"model.safetensors.index.json", "model.safetensors", "adapter_model.safetensors",
-                             "adapter/adapter_model.safetensors"})
-      if (fs::exists(fs::path(path) / name, ec)) {
-        file = (fs::path(path) / name).string();
-        break;
-      }
-    if (file == path)
+    file = FindWeightsFile(path, /*adapters=*/true);
+    if (file.empty())
       return absl::NotFoundError(absl::StrCat(path, ": holds no model.safetensors, model.safetensors.index.json or "
                                               "adapter_model.safetensors"));
   }

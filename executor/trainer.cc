@@ -134,6 +134,17 @@ double ClipByGlobalNorm(const std::vector<std::pair<std::string, torch::Tensor>>
   return norm;
 }
 
+std::string FindWeightsFile(const std::string& dir, bool adapters) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  for (const char* name : {"model.safetensors.index.json", "model.safetensors", "adapter_model.safetensors",
+                           "adapter/adapter_model.safetensors"}) {
+    if (!adapters && std::string(name).find("adapter") != std::string::npos) break;
+    if (fs::exists(fs::path(dir) / name, ec)) return (fs::path(dir) / name).string();
+  }
+  return "";
+}
+
 absl::StatusOr<JobSetup> PrepareJob(const core::JobSpec& job, const std::string& job_path) {
   JobSetup s;
   s.job = job;
@@ -147,12 +158,7 @@ absl::StatusOr<JobSetup> PrepareJob(const core::JobSpec& job, const std::string&
     return absl::InvalidArgumentError(absl::StrCat(job_path, ": job.micro_batches ", s.micro_batches,
                                                    " does not divide job.global_batch ", job.global_batch));
   s.micro_batch_size = job.global_batch / s.micro_batches;
-  namespace fs = std::filesystem;
-  for (const char* name : {"model.safetensors.index.json", "model.safetensors"})
-    if (fs::exists(fs::path(model_dir) / name)) {
-      s.weights = (fs::path(model_dir) / name).string();
-      break;
-    }
+  s.weights = FindWeightsFile(model_dir);
   if (job.data.empty() || job.data == "synthetic") {
     s.data = TrainingData(SyntheticData{job.seed, s.model.shape.vocab_size});
     return s;
