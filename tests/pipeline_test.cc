@@ -139,14 +139,12 @@ class PipelineTest : public ::testing::Test {
                                                   std::to_string(ports[i]) + " --assignment " + apath + " --job " +
                                                   job + " --out " + out.string() + " " + extra + " 2>&1"));
     }
-    std::string log0 = procs[0]->ReadAll(300s);
+    std::vector<std::string> outputs;
+    for (auto& p : procs) outputs.push_back(p->ReadAll(300s));
+    const std::string& log0 = outputs[0];
     if (log) *log = log0;
-    if (logs) logs->push_back(log0);
-    for (size_t i = 1; i < procs.size(); ++i) {
-      std::string more = procs[i]->ReadAll(300s);
-      if (logs) logs->push_back(more);
-    }
-    for (auto& p : procs) EXPECT_EQ(p->Wait(120s), 0);
+    if (logs) *logs = outputs;
+    for (size_t i = 0; i < procs.size(); ++i) EXPECT_EQ(procs[i]->Wait(120s), 0) << "executor " << i << ":\n" << outputs[i];
     if (losses) *losses = Losses(log0);  // stage 0 prints the loss relayed from the last stage
     std::map<std::string, core::Tensor> merged;
     for (size_t k = 0; k < stages.size(); ++k) {
