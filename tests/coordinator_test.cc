@@ -280,6 +280,20 @@ std::string LastStageSite(const fs::path& dir) {
   return plan["stages"].back()["sites"][0].get<std::string>();
 }
 
+// Kills `victim` (site `site`) with SIGKILL, expects the coordinator to report it lost within 10 s naming
+// it, then reads the coordinator's output to its end (appended to *log); returns its exit status.
+int KillAndAwaitTheRunsEnd(Process* coord, Process* victim, const std::string& site, std::string* log) {
+  victim->Kill(SIGKILL);
+  const auto t0 = std::chrono::steady_clock::now();
+  std::string lost = ReadUntil(coord, "lost: ", log);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
+  EXPECT_THAT(lost, HasSubstr("site '" + site + "' stopped answering"));
+  *log += coord->ReadAll(60s);
+  const int rc = coord->Wait(60s);
+  *log += coord->ReadAll(1s);
+  return rc;
+}
+
 // kill -9 of an executor mid-run: detected by heartbeats within 10 s, the run re-plans over the two
 // sites left, every stage resumes from the newest checkpoint, and the final weights are those of an
 // uninterrupted run (identity codec).
@@ -299,15 +313,7 @@ TEST_F(CoordinatorTest, KilledExecutorIsReplannedAroundAndTheRunEndsWhereAnUnint
   const std::string victim = LastStageSite(dir_);
   std::map<std::string, Process*> executors = {{"a", a.get()}, {"b", b.get()}, {"c", c.get()}};
   ASSERT_TRUE(executors.count(victim)) << victim;
-  executors[victim]->Kill(SIGKILL);
-  const auto t0 = std::chrono::steady_clock::now();
-  std::string lost = ReadUntil(coord.get(), "lost: ", &log);
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
-  EXPECT_THAT(lost, HasSubstr("site '" + victim + "' stopped answering"));
-  log += coord->ReadAll(60s);
-  const int rc = coord->Wait(60s);
-  log += coord->ReadAll(1s);
-  ASSERT_EQ(rc, 0) << log;
+  ASSERT_EQ(KillAndAwaitTheRunsEnd(coord.get(), executors[victim], victim, &log), 0) << log;
   EXPECT_THAT(log, HasSubstr("recovery: re-planning over the 2 sites left"));
   EXPECT_THAT(log, HasSubstr("resuming from the newest intact checkpoint"));
   EXPECT_THAT(log, HasSubstr("done: 400 steps"));
@@ -330,15 +336,8 @@ TEST_F(CoordinatorTest, KilledReplicaIsReplannedAroundAndTheRunEndsWhereAnUninte
   ASSERT_TRUE(ReadUntilStep(coord.get(), 20, &log)) << log;
   ASSERT_EQ(coord->Wait(1ms), -1) << log;
   EXPECT_THAT(log, ContainsRegex("replicas run [0-4]/[0-4] of the 4 micro-batches"));  // shares follow measured speed
-  b->Kill(SIGKILL);  // every later step needs b's gradient slices
-  const auto t0 = std::chrono::steady_clock::now();
-  std::string lost = ReadUntil(coord.get(), "lost: ", &log);
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
-  EXPECT_THAT(lost, HasSubstr("site 'b' stopped answering"));
-  log += coord->ReadAll(60s);
-  const int rc = coord->Wait(60s);
-  log += coord->ReadAll(1s);
-  ASSERT_EQ(rc, 0) << log;
+  // Every later step needs b's gradient slices.
+  ASSERT_EQ(KillAndAwaitTheRunsEnd(coord.get(), b.get(), "b", &log), 0) << log;
   EXPECT_THAT(log, HasSubstr("uses site 'b', which is lost; planning over the sites left"));
   EXPECT_THAT(log, HasSubstr("resuming from the newest intact checkpoint"));
   EXPECT_THAT(log, HasSubstr("done: 120 steps"));
