@@ -1,7 +1,8 @@
 // The adaptive compression policy: for one link and one tensor, the least lossy codec from a menu whose
 // transfer hides behind the compute it overlaps with (FusionLLM's AdaTopK: compress only slow links).
-// The partitioner (when pricing links) and the executors (when sending) call this same function.
-// Pure; thread-safe.
+// The planner (partitioner/planner.cc) applies the same rule with its own torch-free ratio tables, which
+// leave top-k out: measured with AdamW it trails the exact loss early in training (docs/cost-model.md);
+// executors send with the codec the plan names. Pure; thread-safe.
 #ifndef MERIDIAN_COMPRESSION_POLICY_H_
 #define MERIDIAN_COMPRESSION_POLICY_H_
 

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <numeric>
 #include <regex>
 #include <thread>
 
@@ -394,9 +395,7 @@ TEST_F(PipelineTest, ReplicatedStagesMatchTheSingleProcessTrainer) {
 }
 
 // Lossy replica gradient sums stay close to the exact loss: int8 activations and gradients on the
-// pipeline link with int8 replica sums (the adaptive policy's strongest choices) over 30 steps, and top-k
-// (10%, error feedback) replica sums over 8 steps. (Top-k over 30 steps measured 7% above the exact
-// loss: docs/cost-model.md.)
+// pipeline link with int8 replica sums (the adaptive policy's strongest choices) over 30 steps.
 TEST_F(PipelineTest, CompressedReplicaGradientsStayWithinTwoPercentOfTheIdentityLoss) {
   std::string job = Job("job", 30);
   std::vector<double> exact, int8;
@@ -406,17 +405,45 @@ TEST_F(PipelineTest, CompressedReplicaGradientsStayWithinTwoPercentOfTheIdentity
   ASSERT_EQ(int8.size(), 30u);
   EXPECT_LT(exact.back(), exact.front());  // it trains
   EXPECT_NEAR(int8.back(), exact.back(), 0.02 * exact.back());
-  std::string short_job = Job("short", 8);
-  std::vector<double> short_exact, topk;
-  Distributed(short_job, {{0, 2, {2, 2}}, {3, 5}}, "identity", "identity", &short_exact);
-  Distributed(short_job, {{0, 2, {2, 2}}, {3, 5}}, "int8", "identity", &topk, "", nullptr, "topk:k=0.1");
-  ASSERT_EQ(topk.size(), 8u);
-  EXPECT_NEAR(topk.back(), short_exact.back(), 0.02 * short_exact.back());
 }
 
-// int8 on both directions of the pipeline link. (Top-k with error feedback on the *activation
-// gradients* of this link measured 1.935 against 1.672 at k = 10%: 16% worse, so the adaptive policy's
-// menus keep top-k for replica gradient sync, where error feedback is sound; see docs/executor.md.)
+// The mean loss of the last `n` steps. One step's loss is one batch of 64 tokens, a tenth of them random
+// (ln 64 each), so it swings by tens of percent from step to step; both runs see the same batches.
+double TailMean(const std::vector<double>& losses, size_t n) {
+  EXPECT_GE(losses.size(), n);
+  n = std::min(n, losses.size());
+  return std::accumulate(losses.end() - n, losses.end(), 0.0) / static_cast<double>(n);
+}
+
+// int8 activations, int8 activation gradients and top-k (10%) replica gradient sums with error feedback
+// (two replicated stages, 2/2 shares): over 200 steps the loss stays within 2% of the identity run; the
+// same run without error feedback does not (measured with the last 20 steps' mean loss, seeds 7-10:
+// error feedback -0.7%..+0.4%, without it +3.1%/+4.2% for seeds 7/8). Error feedback pays back what
+// top-k delays, so early on it lags: +7% after 30 steps, measured and documented in docs/cost-model.md.
+TEST_F(PipelineTest, TopkReplicaGradientsWithErrorFeedbackStayWithinTwoPercentOfTheIdentityLoss) {
+  const int steps = 200;
+  std::string job = Job("job", steps);
+  const std::vector<Stage> stages = {{0, 2, {2, 2}}, {3, 5, {2, 2}}};
+  std::vector<double> exact, topk, topk_without_feedback;
+  Distributed(job, stages, "identity", "identity", &exact);
+  Distributed(job, stages, "int8", "int8", &topk, "", nullptr, "topk:k=0.1");
+  ASSERT_EQ(exact.size(), static_cast<size_t>(steps));
+  ASSERT_EQ(topk.size(), static_cast<size_t>(steps));
+  EXPECT_LT(TailMean(exact, 20), 0.5 * exact.front());  // it trains
+  EXPECT_NEAR(TailMean(topk, 20), TailMean(exact, 20), 0.02 * TailMean(exact, 20));
+  // The comparison can fail: without error feedback top-k's dropped mass is lost for good.
+  std::string no_feedback = Job("no_feedback", steps);
+  std::ifstream in(no_feedback);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  text.replace(text.find("compression: {"), 14, "compression: {error_feedback: false, ");
+  std::ofstream(no_feedback) << text;
+  Distributed(no_feedback, stages, "int8", "int8", &topk_without_feedback, "", nullptr, "topk:k=0.1");
+  EXPECT_GT(TailMean(topk_without_feedback, 20), 1.02 * TailMean(exact, 20));
+}
+
+// int8 on both directions of the pipeline link. (Top-k on the *activation gradients* of this link misses
+// 2%: at k = 10% with error feedback, +4.2%..+9.6% after 200 steps (last 20 steps' mean loss, seeds 7-10)
+// and 16% after 30 steps; see docs/executor.md. The adaptive policy never chooses it.)
 TEST_F(PipelineTest, Int8LinksStayWithinTwoPercentOfTheIdentityLoss) {
   const int steps = 30;
   std::string job = Job("job", steps);
