@@ -8,7 +8,10 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <map>
+#include <optional>
 #include <random>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -91,261 +94,324 @@ absl::Status Evaluate(const executor::JobSetup& setup, const std::string& run_di
   return absl::OkStatus();
 }
 
-}  // namespace
 
-int Run(const RunOptions& o) {
+// The Prometheus text of /metrics (a stock Prometheus scrapes it): step, loss, step time, tokens, and per
+// site whether it is up, its stage's compute time and the bytes it sent. Thread-safe (reads `coord`).
+std::string MetricsText(Coordinator& coord) {
+  auto p = coord.progress();
+  std::string body;
+  absl::StrAppend(&body, "# HELP meridian_step Last completed optimizer step.\n# TYPE meridian_step gauge\n",
+                  "meridian_step ", p.step + 1, "\n# HELP meridian_loss Training loss of the last step.\n",
+                  "# TYPE meridian_loss gauge\nmeridian_loss ", p.loss, "\n",
+                  "# HELP meridian_step_seconds Duration of the last step.\n# TYPE meridian_step_seconds gauge\n",
+                  "meridian_step_seconds ", p.step_seconds, "\n",
+                  "# HELP meridian_tokens_total Tokens trained on.\n# TYPE meridian_tokens_total counter\n",
+                  "meridian_tokens_total ", p.tokens, "\n",
+                  "# HELP meridian_site_up Whether a site is registered and heartbeating.\n# TYPE meridian_site_up gauge\n");
+  auto silent = coord.Silent();
+  const auto sites = coord.Snapshot();
+  for (const auto& [name, st] : sites)
+    absl::StrAppend(&body, "meridian_site_up{site=\"", name, "\"} ",
+                    st.registered && std::find(silent.begin(), silent.end(), name) == silent.end() ? 1 : 0, "\n");
+  absl::StrAppend(&body, "# HELP meridian_site_compute_seconds Compute time of the site's stage in its last step.\n",
+                  "# TYPE meridian_site_compute_seconds gauge\n");
+  for (const auto& [name, st] : sites)
+    if (st.metrics) absl::StrAppend(&body, "meridian_site_compute_seconds{site=\"", name, "\"} ", st.metrics->compute_seconds(), "\n");
+  absl::StrAppend(&body, "# HELP meridian_site_sent_bytes Bytes the site's stage sent to its neighbours in this attempt.\n",
+                  "# TYPE meridian_site_sent_bytes gauge\n");
+  for (const auto& [name, st] : sites)
+    if (st.metrics) absl::StrAppend(&body, "meridian_site_sent_bytes{site=\"", name, "\"} ", st.metrics->wire_bytes(), "\n");
+  absl::StrAppend(&body, "# HELP meridian_site_uncompressed_bytes What those bytes were before compression.\n",
+                  "# TYPE meridian_site_uncompressed_bytes gauge\n");
+  for (const auto& [name, st] : sites)
+    if (st.metrics) absl::StrAppend(&body, "meridian_site_uncompressed_bytes{site=\"", name, "\"} ", st.metrics->raw_bytes(), "\n");
+  return body;
+}
+
+// What a run reads before anything listens, validated: the specs, the pinned layout (--plan) and the job
+// as the executors will load it (model config, tokenizer, data), so that bad input fails before any join.
+struct RunInputs {
+  core::ClusterSpec spec;
+  core::JobSpec job;
+  std::string job_path, job_dir, job_yaml, certs, run_dir;
+  int steps = 0, micro_batches = 0;
+  std::vector<partitioner::PinnedStage> pinned;  // --plan's stages; empty: plan
+  std::optional<executor::JobSetup> setup;
+};
+
+// Loads and checks the inputs and creates the run directory. On bad input prints every problem (naming
+// the file and field) and returns nullopt: `meridian run` exits 2.
+std::optional<RunInputs> LoadInputs(const RunOptions& o) {
   auto cluster = core::LoadSpecFile(o.cluster_path);
   if (!cluster.errors.empty()) {
     for (const auto& d : cluster.errors) std::cerr << d.ToString() << "\n";
-    return 2;
+    return std::nullopt;
   }
   if (!cluster.spec->cluster) {
     std::cerr << "meridian run: " << o.cluster_path << ": not a cluster spec (no 'sites')\n";
-    return 2;
+    return std::nullopt;
   }
-  std::string job_path = o.job_path.empty() ? o.cluster_path : o.job_path;
-  auto job_file = core::LoadSpecFile(job_path);
+  RunInputs in;
+  in.job_path = o.job_path.empty() ? o.cluster_path : o.job_path;
+  auto job_file = core::LoadSpecFile(in.job_path);
   if (!job_file.errors.empty()) {
     for (const auto& d : job_file.errors) std::cerr << d.ToString() << "\n";
-    return 2;
+    return std::nullopt;
   }
   if (!job_file.spec->job) {
-    std::cerr << "meridian run: " << job_path << ": no 'job' section (pass a job spec)\n";
-    return 2;
+    std::cerr << "meridian run: " << in.job_path << ": no 'job' section (pass a job spec)\n";
+    return std::nullopt;
   }
-  const core::ClusterSpec& spec = *cluster.spec->cluster;
-  const core::JobSpec& job = *job_file.spec->job;
-  const int steps = o.steps > 0 ? o.steps : job.steps;
-  const int micro_batches = o.micro_batches > 0 ? o.micro_batches : (job.micro_batches > 0 ? job.micro_batches : 4);
-  const std::string certs = core::ResolveRelative(o.cluster_path, spec.certs_dir);
-  const std::string job_dir = fs::absolute(fs::path(job_path)).parent_path().string();
-  const std::string job_yaml = ReadAll(job_path);
-  std::vector<partitioner::PinnedStage> pinned;  // --plan: read now, so a bad file fails before any join
+  in.spec = *cluster.spec->cluster;
+  in.job = *job_file.spec->job;
+  in.steps = o.steps > 0 ? o.steps : in.job.steps;
+  in.micro_batches = o.micro_batches > 0 ? o.micro_batches : (in.job.micro_batches > 0 ? in.job.micro_batches : 4);
+  in.certs = core::ResolveRelative(o.cluster_path, in.spec.certs_dir);
+  in.job_dir = fs::absolute(fs::path(in.job_path)).parent_path().string();
+  in.job_yaml = ReadAll(in.job_path);
   if (!o.plan_path.empty()) {
     if (!fs::exists(o.plan_path)) {
       std::cerr << "meridian run: --plan " << o.plan_path << ": no such file\n";
-      return 2;
+      return std::nullopt;
     }
     auto layout = partitioner::ParsePlanLayout(ReadAll(o.plan_path), o.plan_path);
     if (!layout.ok()) {
       std::cerr << "meridian run: " << layout.status().message() << "\n";
-      return 2;
+      return std::nullopt;
     }
     for (const auto& st : *layout)
       for (const auto& site : st.sites)
-        if (std::none_of(spec.sites.begin(), spec.sites.end(), [&](const auto& s) { return s.name == site; })) {
+        if (std::none_of(in.spec.sites.begin(), in.spec.sites.end(), [&](const auto& s) { return s.name == site; })) {
           std::cerr << "meridian run: " << o.plan_path << ": site '" << site << "' is not in the cluster spec "
                     << o.cluster_path << "\n";
-          return 2;
+          return std::nullopt;
         }
-    pinned = std::move(*layout);
+    in.pinned = std::move(*layout);
   }
-  // The job as the executors will read it: model config, tokenizer and data must load here too, so a bad
-  // path fails now rather than after every site has joined.
-  auto setup = executor::LoadJob(job_path);
+  auto setup = executor::LoadJob(in.job_path);
   if (!setup.ok()) {
     std::cerr << "meridian run: " << setup.status().message() << "\n";
-    return 2;
+    return std::nullopt;
   }
-  if (const data::Dataset* d = setup->data.dataset())
+  in.setup = std::move(*setup);
+  if (const data::Dataset* d = in.setup->data.dataset())
     std::cout << "data: " << d->train_examples() << (d->instruction() ? " training examples" : " documents") << ", "
-              << d->train_tokens() << " tokens in " << d->num_sequences() << " sequences of " << job.sequence_length
+              << d->train_tokens() << " tokens in " << d->num_sequences() << " sequences of " << in.job.sequence_length
               << (d->held_out().empty() ? "" : absl::StrCat("; ", d->held_out().size(), " held out")) << "\n";
   fs::create_directories(o.run_dir);
-  const std::string run_dir = fs::absolute(o.run_dir).string();
+  in.run_dir = fs::absolute(o.run_dir).string();
+  return in;
+}
 
-  std::mt19937_64 rng(std::random_device{}());
-  const std::string run_id = absl::StrFormat("%016x", rng());
-  Coordinator coord(spec, run_id);
-  coord.SetLogDir(run_dir + "/sites");  // one log per site: RUN/sites/<site>.log
+std::set<std::string> SiteNames(const core::ClusterSpec& spec) {
   std::set<std::string> names;
   for (const auto& s : spec.sites) names.insert(s.name);
-  rpc::CoordinatorService service(names, &coord);
-  auto started = rpc::StartMtlsServer(certs, "coordinator", spec.coordinator.ToString(), {&service});
-  if (!started.ok()) {
-    const bool bad_certs = started.status().code() != absl::StatusCode::kUnavailable;
-    std::cerr << "meridian run: " << started.status().message()
-              << (bad_certs ? " (create the certificates with `meridian certs init`)" : "") << "\n";
-    return bad_certs ? 2 : 1;
-  }
-  std::unique_ptr<grpc::Server> server = std::move(*started);
-  std::cout << "coordinator for cluster '" << spec.name << "' listening on " << spec.coordinator.ToString()
-            << " (run " << run_id << ")\njoin each site with:\n";
-  for (const auto& s : spec.sites)
-    std::cout << "  meridian-executor --coordinator " << spec.coordinator.ToString() << " --site " << s.name
-              << " --certs " << certs << " --listen " << s.address.ToString() << " --device " << s.devices.front()
-              << "\n";
-  std::cout << std::flush;
-  // Prometheus text metrics (a stock Prometheus scrapes /metrics) and a JSONL log of every step.
-  httplib::Server metrics_http;
-  std::thread metrics_thread;
-  if (spec.metrics_port > 0) {
-    metrics_http.Get("/metrics", [&](const httplib::Request&, httplib::Response& res) {
-      auto p = coord.progress();
-      std::string body;
-      absl::StrAppend(&body, "# HELP meridian_step Last completed optimizer step.\n# TYPE meridian_step gauge\n",
-                      "meridian_step ", p.step + 1, "\n# HELP meridian_loss Training loss of the last step.\n",
-                      "# TYPE meridian_loss gauge\nmeridian_loss ", p.loss, "\n",
-                      "# HELP meridian_step_seconds Duration of the last step.\n# TYPE meridian_step_seconds gauge\n",
-                      "meridian_step_seconds ", p.step_seconds, "\n",
-                      "# HELP meridian_tokens_total Tokens trained on.\n# TYPE meridian_tokens_total counter\n",
-                      "meridian_tokens_total ", p.tokens, "\n",
-                      "# HELP meridian_site_up Whether a site is registered and heartbeating.\n# TYPE meridian_site_up gauge\n");
-      auto silent = coord.Silent();
-      const auto sites = coord.Snapshot();
-      for (const auto& [name, st] : sites)
-        absl::StrAppend(&body, "meridian_site_up{site=\"", name, "\"} ",
-                        st.registered && std::find(silent.begin(), silent.end(), name) == silent.end() ? 1 : 0, "\n");
-      absl::StrAppend(&body, "# HELP meridian_site_compute_seconds Compute time of the site's stage in its last step.\n",
-                      "# TYPE meridian_site_compute_seconds gauge\n");
-      for (const auto& [name, st] : sites)
-        if (st.metrics) absl::StrAppend(&body, "meridian_site_compute_seconds{site=\"", name, "\"} ", st.metrics->compute_seconds(), "\n");
-      absl::StrAppend(&body, "# HELP meridian_site_sent_bytes Bytes the site's stage sent to its neighbours in this attempt.\n",
-                      "# TYPE meridian_site_sent_bytes gauge\n");
-      for (const auto& [name, st] : sites)
-        if (st.metrics) absl::StrAppend(&body, "meridian_site_sent_bytes{site=\"", name, "\"} ", st.metrics->wire_bytes(), "\n");
-      absl::StrAppend(&body, "# HELP meridian_site_uncompressed_bytes What those bytes were before compression.\n",
-                      "# TYPE meridian_site_uncompressed_bytes gauge\n");
-      for (const auto& [name, st] : sites)
-        if (st.metrics) absl::StrAppend(&body, "meridian_site_uncompressed_bytes{site=\"", name, "\"} ", st.metrics->raw_bytes(), "\n");
-      res.set_content(body, "text/plain; version=0.0.4");
-    });
-    if (!metrics_http.bind_to_port("0.0.0.0", spec.metrics_port)) {
-      std::cerr << "meridian run: cannot serve /metrics on port " << spec.metrics_port << "\n";
-      return 1;
-    }
-    metrics_thread = std::thread([&] { metrics_http.listen_after_bind(); });
-  }
-  struct MetricsStop {
-    httplib::Server* http;
-    std::thread* t;
-    ~MetricsStop() {
-      http->stop();
-      if (t->joinable()) t->join();
-    }
-  } metrics_stop{&metrics_http, &metrics_thread};
-  std::ofstream jsonl(run_dir + "/metrics.jsonl", std::ios::app);
+  return names;
+}
 
-  auto fail = [&](const std::string& msg) {
+// One `meridian run` once its inputs are loaded: serves the coordinator service (and /metrics), waits for
+// the sites to join, has them profile, then plans, assigns and supervises attempts until the job finishes,
+// re-planning (or waiting) when a site is lost. Driven by one thread (Main's caller); the coordinator's
+// gRPC handler threads reach it only through `coord_`, which is thread-safe.
+class RunDriver {
+ public:
+  RunDriver(const RunOptions& o, RunInputs in)
+      : o_(o),
+        in_(std::move(in)),
+        run_id_(absl::StrFormat("%016x", std::mt19937_64(std::random_device{}())())),
+        coord_(in_.spec, run_id_),
+        service_(SiteNames(in_.spec), &coord_) {}
+  ~RunDriver() {  // /metrics reads coord_: stop it before the members go
+    metrics_http_.stop();
+    if (metrics_thread_.joinable()) metrics_thread_.join();
+  }
+
+  // The run's exit code: 0 trained (and exported and evaluated as asked), 1 failed, 2 bad certificates.
+  int Main() {
+    if (int rc = StartServices(); rc != 0) return rc;
+    if (absl::Status s = Join(); !s.ok()) return Fail(s.message());
+    if (absl::Status s = Profile(); !s.ok()) return Fail(s.message());
+    // Plan, assign, supervise. When a site is lost (no heartbeat for the spec's timeout), the others
+    // abandon the attempt; the coordinator re-plans over the sites left (on_failure: replan) or waits for
+    // the lost ones to rejoin (on_failure: wait), and every stage resumes from the newest intact
+    // checkpoint (job.checkpoint.dir must be storage every site reads, e.g. a shared mount).
+    resume_ = o_.resume;
+    t0_ = Clock::now();
+    for (int attempt = 0;; ++attempt) {
+      if (absl::Status s = PlanAttempt(); !s.ok()) return Fail(s.message());
+      const std::set<std::string> used = Assign(attempt);
+      const AttemptEnd end = Supervise(attempt, used);
+      if (end.failure.empty()) break;  // every stage finished
+      if (absl::Status s = Recover(end, used); !s.ok()) return Fail(s.message());
+      resume_ = true;
+    }
+    return Finish();
+  }
+
+ private:
+  // Why an attempt ended early: a stage's error (and its site), or "no heartbeat"; empty: it finished.
+  struct AttemptEnd {
+    std::string failure, failed_site;
+  };
+
+  // Starts the coordinator's gRPC service, prints the join commands and serves /metrics. 0, or the exit
+  // code: 2 for certificates that do not load, 1 when an address or port is taken.
+  int StartServices() {
+    coord_.SetLogDir(in_.run_dir + "/sites");  // one log per site: RUN/sites/<site>.log
+    const core::ClusterSpec& spec = in_.spec;
+    auto started = rpc::StartMtlsServer(in_.certs, "coordinator", spec.coordinator.ToString(), {&service_});
+    if (!started.ok()) {
+      const bool bad_certs = started.status().code() != absl::StatusCode::kUnavailable;
+      std::cerr << "meridian run: " << started.status().message()
+                << (bad_certs ? " (create the certificates with `meridian certs init`)" : "") << "\n";
+      return bad_certs ? 2 : 1;
+    }
+    server_ = std::move(*started);
+    std::cout << "coordinator for cluster '" << spec.name << "' listening on " << spec.coordinator.ToString()
+              << " (run " << run_id_ << ")\njoin each site with:\n";
+    for (const auto& s : spec.sites)
+      std::cout << "  meridian-executor --coordinator " << spec.coordinator.ToString() << " --site " << s.name
+                << " --certs " << in_.certs << " --listen " << s.address.ToString() << " --device "
+                << s.devices.front() << "\n";
+    std::cout << std::flush;
+    if (spec.metrics_port > 0) {
+      metrics_http_.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+        res.set_content(MetricsText(coord_), "text/plain; version=0.0.4");
+      });
+      if (!metrics_http_.bind_to_port("0.0.0.0", spec.metrics_port)) {
+        std::cerr << "meridian run: cannot serve /metrics on port " << spec.metrics_port << "\n";
+        return 1;
+      }
+      metrics_thread_ = std::thread([this] { metrics_http_.listen_after_bind(); });
+    }
+    jsonl_.open(in_.run_dir + "/metrics.jsonl", std::ios::app);  // a JSONL log of every step
+    return 0;
+  }
+
+  // Prints `msg`, stops every executor and the service; returns the exit code 1.
+  int Fail(absl::string_view msg) {
     std::cerr << "meridian run: " << msg << "\n";
-    coord.StopAll();
+    coord_.StopAll();
     std::this_thread::sleep_for(std::chrono::milliseconds(500));
-    server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
     return 1;
-  };
+  }
 
-  // 1. Join.
-  const size_t need = spec.min_sites > 0 ? static_cast<size_t>(spec.min_sites) : spec.sites.size();
-  const auto join_deadline = o.join_timeout_seconds > 0
-                                 ? Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(o.join_timeout_seconds * 1000))
-                                 : Clock::time_point::max();
-  auto registered = [](const std::map<std::string, Coordinator::Site>& s) {
-    size_t n = 0;
-    for (const auto& [k, v] : s) n += v.registered;
-    return n;
-  };
-  if (!coord.WaitFor([&](const auto& s, const auto&) { return registered(s) >= need; }, join_deadline)) {
-    std::string missing;
-    for (const auto& [k, v] : coord.Snapshot())
-      if (!v.registered) missing += " " + k;
-    return fail(absl::StrCat("sites did not join in time:", missing));
+  // 1. Waits (up to --join-timeout) for min_sites (default: all) sites to register.
+  absl::Status Join() {
+    const size_t need = in_.spec.min_sites > 0 ? static_cast<size_t>(in_.spec.min_sites) : in_.spec.sites.size();
+    const auto deadline =
+        o_.join_timeout_seconds > 0
+            ? Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(o_.join_timeout_seconds * 1000))
+            : Clock::time_point::max();
+    auto registered = [](const std::map<std::string, Coordinator::Site>& s) {
+      size_t n = 0;
+      for (const auto& [k, v] : s) n += v.registered;
+      return n;
+    };
+    if (!coord_.WaitFor([&](const auto& s, const auto&) { return registered(s) >= need; }, deadline)) {
+      std::string missing;
+      for (const auto& [k, v] : coord_.Snapshot())
+        if (!v.registered) missing += " " + k;
+      return absl::UnavailableError(absl::StrCat("sites did not join in time:", missing));
+    }
+    for (const auto& [k, v] : coord_.Snapshot())
+      if (v.registered) joined_.push_back(k);
+    std::cout << joined_.size() << " sites joined; measuring devices, the model and the links\n" << std::flush;
+    return absl::OkStatus();
   }
-  std::vector<std::string> joined;
-  for (const auto& [k, v] : coord.Snapshot())
-    if (v.registered) joined.push_back(k);
-  std::cout << joined.size() << " sites joined; measuring devices, the model and the links\n" << std::flush;
 
-  // 2. Profile: every site measures its device, the model per op and its links to the others.
-  auto snap = coord.Snapshot();
-  for (const auto& site : joined) {
-    v1::Command c;
-    auto* p = c.mutable_profile();
-    p->set_job_yaml(job_yaml);
-    p->set_job_dir(job_dir);
-    p->set_probe_seconds(1.0);
-    p->set_repeats(o.profile_repeats);
-    for (const auto& other : joined)
-      if (other > site) {  // each pair once: the lexicographically smaller site probes both directions
-        auto* peer = p->add_peers();
-        peer->set_site(other);
-        peer->set_address(snap[other].listen);
-      }
-    coord.Send(site, c);
+  // 2. Every joined site measures its device, the model per op and its links to the others; the spec's
+  // link overrides replace measurements. Writes RUN/profile.json and RUN/graph.json.
+  absl::Status Profile() {
+    snap_ = coord_.Snapshot();
+    for (const auto& site : joined_) {
+      v1::Command c;
+      auto* p = c.mutable_profile();
+      p->set_job_yaml(in_.job_yaml);
+      p->set_job_dir(in_.job_dir);
+      p->set_probe_seconds(1.0);
+      p->set_repeats(o_.profile_repeats);
+      for (const auto& other : joined_)
+        if (other > site) {  // each pair once: the lexicographically smaller site probes both directions
+          auto* peer = p->add_peers();
+          peer->set_site(other);
+          peer->set_address(snap_[other].listen);
+        }
+      coord_.Send(site, c);
+    }
+    auto all_profiled = [&](const auto& s, const auto&) {
+      for (const auto& k : joined_)
+        if (!s.at(k).profile) return false;
+      return true;
+    };
+    while (!coord_.WaitFor(all_profiled, Clock::now() + std::chrono::seconds(1))) {
+      if (auto silent = coord_.Silent(); !silent.empty())
+        return absl::UnavailableError(absl::StrCat("site '", silent[0], "' stopped answering"));
+    }
+    for (const auto& [name, s] : coord_.Snapshot()) {
+      if (!s.profile) continue;
+      if (!s.profile->error().empty())
+        return absl::InternalError(absl::StrCat("site '", name, "' could not profile: ", s.profile->error()));
+      auto one = partitioner::ParseProfileJson(absl::StrCat("{\"sites\": [", s.profile->site_profile_json(), "]}"),
+                                               absl::StrCat("profile of site '", name, "'"));
+      if (!one.ok()) return one.status();
+      profile_.sites.push_back(one->sites[0]);
+      graph_json_ = s.profile->graph_json();
+      auto links = nlohmann::json::parse(s.profile->links_json(), nullptr, false);
+      if (links.is_array())
+        for (const auto& l : links)
+          profile_.links.push_back({l["from"], l["to"], l["bandwidth_bytes_per_second"], l["latency_seconds"]});
+    }
+    for (const auto& l : in_.spec.links) {
+      if (!l.override_measurement) continue;
+      for (auto& pl : profile_.links)
+        if ((pl.from == l.from && pl.to == l.to) || (l.symmetric && pl.from == l.to && pl.to == l.from)) {
+          if (l.bandwidth_bytes_per_second) pl.bandwidth_bytes_per_second = *l.bandwidth_bytes_per_second;
+          if (l.rtt_seconds) pl.latency_seconds = *l.rtt_seconds / 2;
+        }
+    }
+    for (const auto& site : profile_.sites) {
+      double model = 0;
+      for (const auto& [op, secs] : site.op_seconds) model += secs;
+      std::printf("  site %-10s %8.1f GFLOP/s GEMM, model forward+backward %8.1f ms per micro-batch\n",
+                  site.name.c_str(), site.flops_per_second / 1e9, model * 1e3);
+    }
+    for (const auto& l : profile_.links)
+      std::printf("  link %-10s -> %-10s %8.1f Mbit/s, %6.1f ms one way\n", l.from.c_str(), l.to.c_str(),
+                  l.bandwidth_bytes_per_second * 8 / 1e6, l.latency_seconds * 1e3);
+    std::fflush(stdout);
+    std::ofstream(in_.run_dir + "/profile.json") << partitioner::ProfileToJson(profile_);
+    std::ofstream(in_.run_dir + "/graph.json") << graph_json_;
+    auto graph = partitioner::ParseGraphJson(graph_json_, "graph.json from the executors");
+    if (!graph.ok()) return graph.status();
+    graph_ = std::move(*graph);
+    return absl::OkStatus();
   }
-  auto all_profiled = [&](const auto& s, const auto&) {
-    for (const auto& k : joined)
-      if (!s.at(k).profile) return false;
-    return true;
-  };
-  while (!coord.WaitFor(all_profiled, Clock::now() + std::chrono::seconds(1))) {
-    if (auto silent = coord.Silent(); !silent.empty()) return fail(absl::StrCat("site '", silent[0], "' stopped answering"));
-  }
-  partitioner::ClusterProfile profile;
-  std::string graph_json;
-  for (const auto& [name, s] : coord.Snapshot()) {
-    if (!s.profile) continue;
-    if (!s.profile->error().empty()) return fail(absl::StrCat("site '", name, "' could not profile: ", s.profile->error()));
-    auto one = partitioner::ParseProfileJson(absl::StrCat("{\"sites\": [", s.profile->site_profile_json(), "]}"),
-                                             absl::StrCat("profile of site '", name, "'"));
-    if (!one.ok()) return fail(std::string(one.status().message()));
-    profile.sites.push_back(one->sites[0]);
-    graph_json = s.profile->graph_json();
-    auto links = nlohmann::json::parse(s.profile->links_json(), nullptr, false);
-    if (links.is_array())
-      for (const auto& l : links)
-        profile.links.push_back({l["from"], l["to"], l["bandwidth_bytes_per_second"], l["latency_seconds"]});
-  }
-  // Link overrides from the spec replace measurements.
-  for (const auto& l : spec.links) {
-    if (!l.override_measurement) continue;
-    for (auto& pl : profile.links)
-      if ((pl.from == l.from && pl.to == l.to) || (l.symmetric && pl.from == l.to && pl.to == l.from)) {
-        if (l.bandwidth_bytes_per_second) pl.bandwidth_bytes_per_second = *l.bandwidth_bytes_per_second;
-        if (l.rtt_seconds) pl.latency_seconds = *l.rtt_seconds / 2;
-      }
-  }
-  for (const auto& site : profile.sites) {
-    double model = 0;
-    for (const auto& [op, secs] : site.op_seconds) model += secs;
-    std::printf("  site %-10s %8.1f GFLOP/s GEMM, model forward+backward %8.1f ms per micro-batch\n", site.name.c_str(),
-                site.flops_per_second / 1e9, model * 1e3);
-  }
-  for (const auto& l : profile.links)
-    std::printf("  link %-10s -> %-10s %8.1f Mbit/s, %6.1f ms one way\n", l.from.c_str(), l.to.c_str(),
-                l.bandwidth_bytes_per_second * 8 / 1e6, l.latency_seconds * 1e3);
-  std::fflush(stdout);
-  std::ofstream(run_dir + "/profile.json") << partitioner::ProfileToJson(profile);
-  std::ofstream(run_dir + "/graph.json") << graph_json;
-  auto graph = partitioner::ParseGraphJson(graph_json, "graph.json from the executors");
-  if (!graph.ok()) return fail(std::string(graph.status().message()));
 
-  // 3-5. Plan, assign, supervise. When a site is lost (no heartbeat for the spec's timeout), the others
-  // abandon the attempt; the coordinator re-plans over the sites left (on_failure: replan) or waits for
-  // the lost ones to rejoin (on_failure: wait), and every stage resumes from the newest intact
-  // checkpoint (job.checkpoint.dir must be storage every site reads, e.g. a shared mount).
-  std::set<std::string> lost;
-  std::optional<partitioner::Plan> plan;
-  bool resume = o.resume;
-  const auto t0 = Clock::now();
-  for (int attempt = 0;; ++attempt) {
+  // 3. Plans over the sites not lost: the partitioner's plan, the --split even ablation, or --plan's pinned
+  // layout (dropped, with a message, once it names a lost site). Prints the table, writes RUN/plan.json.
+  absl::Status PlanAttempt() {
+    const core::JobSpec& job = in_.job;
+    const int ops = static_cast<int>(graph_.ops.size());
     partitioner::ClusterProfile live;
-    for (const auto& site : profile.sites)
-      if (!lost.count(site.name)) live.sites.push_back(site);
-    for (const auto& l : profile.links)
-      if (!lost.count(l.from) && !lost.count(l.to)) live.links.push_back(l);
+    for (const auto& site : profile_.sites)
+      if (!lost_.count(site.name)) live.sites.push_back(site);
+    for (const auto& l : profile_.links)
+      if (!lost_.count(l.from) && !lost_.count(l.to)) live.links.push_back(l);
     partitioner::PlanOptions po;
-    po.micro_batches = micro_batches;
+    po.micro_batches = in_.micro_batches;
     po.adaptive_compression = job.compression.policy == "adaptive";
-    po.replication = job.replication && o.split != "even";
-    if (o.split == "even") {
-      const int n = std::min<int>(static_cast<int>(live.sites.size()), static_cast<int>(graph->ops.size()));
-      for (const auto& site : spec.sites)
+    po.replication = job.replication && o_.split != "even";
+    if (o_.split == "even") {
+      const int n = std::min<int>(static_cast<int>(live.sites.size()), ops);
+      for (const auto& site : in_.spec.sites)
         for (size_t i = 0; i < live.sites.size(); ++i)
           if (live.sites[i].name == site.name && static_cast<int>(po.fixed_sites.size()) < n)
             po.fixed_sites.push_back(static_cast<int>(i));
-      po.fixed_last_ops =
-          partitioner::EvenCuts(static_cast<int>(graph->ops.size()), static_cast<int>(po.fixed_sites.size()));
+      po.fixed_last_ops = partitioner::EvenCuts(ops, static_cast<int>(po.fixed_sites.size()));
     }
+    std::vector<partitioner::PinnedStage>& pinned = in_.pinned;
     if (!pinned.empty()) {
       auto index = [&](const std::string& name) {
         for (size_t i = 0; i < live.sites.size(); ++i)
@@ -357,14 +423,14 @@ int Run(const RunOptions& o) {
         for (const auto& site : st.sites)
           if (index(site) < 0 && missing.empty()) missing = site;
       if (!missing.empty()) {
-        std::cout << "plan: the pinned plan (" << o.plan_path << ") uses site '" << missing
+        std::cout << "plan: the pinned plan (" << o_.plan_path << ") uses site '" << missing
                   << "', which is lost; planning over the sites left\n";
         pinned.clear();
       } else {
-        if (pinned.back().last_op != static_cast<int>(graph->ops.size()) - 1)
-          return fail(absl::StrCat(o.plan_path, ": the last stage ends at op ", pinned.back().last_op,
-                                   ", but the job's model has ", graph->ops.size(), " ops (0-",
-                                   graph->ops.size() - 1, ")"));
+        if (pinned.back().last_op != ops - 1)
+          return absl::InvalidArgumentError(absl::StrCat(o_.plan_path, ": the last stage ends at op ",
+                                                         pinned.back().last_op, ", but the job's model has ", ops,
+                                                         " ops (0-", ops - 1, ")"));
         po.replication = false;
         for (const auto& st : pinned) {
           po.fixed_sites.push_back(index(st.sites[0]));
@@ -374,18 +440,22 @@ int Run(const RunOptions& o) {
         }
       }
     }
-    auto planned = partitioner::PlanPipeline(*graph, live, po);
-    if (!planned.ok()) return fail(std::string(planned.status().message()));
-    plan = std::move(*planned);
-    std::cout << partitioner::PlanTable(*plan, *graph, live) << std::flush;
-    const std::string plan_json = partitioner::PlanJson(*plan, *graph);
-    std::ofstream(run_dir + "/plan.json") << plan_json;
-    coord.SetRunInfo(partitioner::ProfileToJson(live), graph_json, plan_json);
+    auto planned = partitioner::PlanPipeline(graph_, live, po);
+    if (!planned.ok()) return planned.status();
+    plan_ = std::move(*planned);
+    std::cout << partitioner::PlanTable(*plan_, graph_, live) << std::flush;
+    const std::string plan_json = partitioner::PlanJson(*plan_, graph_);
+    std::ofstream(in_.run_dir + "/plan.json") << plan_json;
+    coord_.SetRunInfo(partitioner::ProfileToJson(live), graph_json_, plan_json);
+    return absl::OkStatus();
+  }
 
-    // 4. Assign.
-    const std::string job_id = attempt == 0 ? run_id : absl::StrCat(run_id, "-", attempt);
-    coord.BeginJob(job_id);
-    const auto& st = plan->stages;
+  // 4. Sends every site of the plan (every replica of every stage) its assignment; returns those sites.
+  std::set<std::string> Assign(int attempt) {
+    const core::JobSpec& job = in_.job;
+    const std::string job_id = attempt == 0 ? run_id_ : absl::StrCat(run_id_, "-", attempt);
+    coord_.BeginJob(job_id);
+    const auto& st = plan_->stages;
     std::set<std::string> used;
     // Codecs: the plan's (adaptive), the job's (fixed), or none.
     auto fixed = [&](const std::string& codec) {  // the job's top-k fraction goes with a top-k codec
@@ -394,7 +464,7 @@ int Run(const RunOptions& o) {
     auto link_codec = [&](size_t link) {
       if (job.compression.policy == "fixed") return fixed(job.compression.activations);
       if (job.compression.policy == "none") return std::string("identity");
-      return plan->links[link].codec;
+      return plan_->links[link].codec;
     };
     auto gradient_codec = [&](size_t k) {
       if (job.compression.policy == "fixed") return fixed(job.compression.gradients);
@@ -405,7 +475,7 @@ int Run(const RunOptions& o) {
       for (size_t i = 0; i < st[k].site_names.size(); ++i) {
         auto* p = g->add_sites();
         p->set_site(st[k].site_names[i]);
-        p->set_address(snap[st[k].site_names[i]].listen);
+        p->set_address(snap_[st[k].site_names[i]].listen);
         g->add_micro_batches(st[k].micro_batches[i]);
       }
     };
@@ -424,108 +494,122 @@ int Run(const RunOptions& o) {
         a->set_gradient_codec(gradient_codec(k));
         if (k > 0) {
           a->set_prev_site(st[k - 1].site_names[0]);
-          a->set_prev_address(snap[st[k - 1].site_names[0]].listen);
+          a->set_prev_address(snap_[st[k - 1].site_names[0]].listen);
           a->set_backward_codec(link_codec(k - 1));
           group(k - 1, a->mutable_prev_stage());
         }
         if (k + 1 < st.size()) {
           a->set_next_site(st[k + 1].site_names[0]);
-          a->set_next_address(snap[st[k + 1].site_names[0]].listen);
+          a->set_next_address(snap_[st[k + 1].site_names[0]].listen);
           a->set_forward_codec(link_codec(k));
           group(k + 1, a->mutable_next_stage());
         }
-        a->set_micro_batches(micro_batches);
-        a->set_job_yaml(job_yaml);
-        a->set_job_dir(job_dir);
-        a->set_steps(steps);
-        a->set_output_dir(run_dir + "/weights");
-        if (resume) a->set_resume_step(-1);  // each stage loads the newest intact checkpoint
-        coord.Send(site, c);
+        a->set_micro_batches(in_.micro_batches);
+        a->set_job_yaml(in_.job_yaml);
+        a->set_job_dir(in_.job_dir);
+        a->set_steps(in_.steps);
+        a->set_output_dir(in_.run_dir + "/weights");
+        if (resume_) a->set_resume_step(-1);  // each stage loads the newest intact checkpoint
+        coord_.Send(site, c);
       }
     }
-    std::cout << "training: " << st.size() << " stages, " << steps << " steps"
-              << (resume ? ", resuming from the newest intact checkpoint" : "") << "\n" << std::flush;
+    std::cout << "training: " << st.size() << " stages, " << in_.steps << " steps"
+              << (resume_ ? ", resuming from the newest intact checkpoint" : "") << "\n" << std::flush;
+    return used;
+  }
 
-    // 5. Supervise.
+  // 5. Reports each step (progress line and RUN/metrics.jsonl) until every site in `used` is done, a stage
+  // reports an error, or a site in `used` stops heartbeating.
+  AttemptEnd Supervise(int attempt, const std::set<std::string>& used) {
     int64_t shown = -1;
-    std::string failure;  // why this attempt ended early
-    std::string failed_site;
+    AttemptEnd end;
     while (true) {
-      bool finished = coord.WaitFor(
+      bool finished = coord_.WaitFor(
           [&](const auto& s, const auto&) {
             for (const auto& u : used)
               if (!s.at(u).done) return false;
             return true;
           },
           Clock::now() + std::chrono::milliseconds(500));
-      auto p = coord.progress();
+      auto p = coord_.progress();
       if (p.step > shown) {
         shown = p.step;
-        double el = std::chrono::duration<double>(Clock::now() - t0).count();
-        // The slowest site (most compute in its latest step) and the bytes the stages sent this attempt.
-        std::string slowest;
-        double slowest_seconds = 0;
-        int64_t wire = 0, raw = 0;
-        for (const auto& [name, s] : coord.Snapshot()) {
-          if (!s.metrics || !used.count(name)) continue;
-          wire += s.metrics->wire_bytes();
-          raw += s.metrics->raw_bytes();
-          if (s.metrics->compute_seconds() > slowest_seconds) slowest = name, slowest_seconds = s.metrics->compute_seconds();
-        }
-        std::printf("step %lld/%d  loss %.4f  %.0f tokens/s  %.2f s/step  ETA %.0f s  slowest %s (%.2f s compute)  "
-                    "WAN %.1f MB (%.0f%% of uncompressed)\n",
-                    static_cast<long long>(p.step + 1), steps, p.loss, p.tokens / el, p.step_seconds,
-                    p.step_seconds * (steps - p.step - 1), slowest.empty() ? "-" : slowest.c_str(), slowest_seconds,
-                    wire / 1e6, raw ? 100.0 * wire / raw : 100.0);
-        std::fflush(stdout);
-        jsonl << nlohmann::json{{"step", p.step + 1},        {"loss", p.loss},
-                                {"step_seconds", p.step_seconds}, {"tokens", p.tokens},
-                                {"elapsed_seconds", el},       {"attempt", attempt},
-                                {"slowest_site", slowest},     {"slowest_compute_seconds", slowest_seconds},
-                                {"wire_bytes", wire},          {"raw_bytes", raw}}
-                     .dump()
-              << std::endl;
+        ReportStep(attempt, used, p);
       }
-      for (const auto& [name, s] : coord.Snapshot())
-        if (s.done && !s.done->error().empty() && failure.empty()) {
-          failure = s.done->error();
-          failed_site = name;
+      for (const auto& [name, s] : coord_.Snapshot())
+        if (s.done && !s.done->error().empty() && end.failure.empty()) {
+          end.failure = s.done->error();
+          end.failed_site = name;
         }
-      if (!failure.empty()) {
+      if (!end.failure.empty()) {
         // A stage fails when a neighbour dies; give heartbeats the time to name the site that died.
         const auto until = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                              std::chrono::duration<double>(spec.heartbeat_timeout_seconds + 1));
-        while (Clock::now() < until && coord.Silent().empty()) std::this_thread::sleep_for(std::chrono::milliseconds(200));
-        break;
+                                              std::chrono::duration<double>(in_.spec.heartbeat_timeout_seconds + 1));
+        while (Clock::now() < until && coord_.Silent().empty())
+          std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        return end;
       }
-      if (finished) break;
-      bool stage_silent = false;  // a silent spare site does not interrupt the attempt
-      for (const auto& n : coord.Silent()) stage_silent |= used.count(n) > 0;
-      if (stage_silent) {
-        failure = "no heartbeat";
-        break;
-      }
+      if (finished) return end;
+      for (const auto& n : coord_.Silent())
+        if (used.count(n)) {  // a silent spare site does not interrupt the attempt
+          end.failure = "no heartbeat";
+          return end;
+        }
     }
-    if (failure.empty()) break;  // every stage finished
+  }
 
-    auto silent = coord.Silent();
-    if (silent.empty()) return fail(absl::StrCat("site '", failed_site, "' failed: ", failure));
+  // The progress line: the slowest site (most compute in its latest step) and the bytes the stages sent in
+  // this attempt; the same as one JSON line of RUN/metrics.jsonl.
+  void ReportStep(int attempt, const std::set<std::string>& used, const Coordinator::Progress& p) {
+    const double el = std::chrono::duration<double>(Clock::now() - t0_).count();
+    std::string slowest;
+    double slowest_seconds = 0;
+    int64_t wire = 0, raw = 0;
+    for (const auto& [name, s] : coord_.Snapshot()) {
+      if (!s.metrics || !used.count(name)) continue;
+      wire += s.metrics->wire_bytes();
+      raw += s.metrics->raw_bytes();
+      if (s.metrics->compute_seconds() > slowest_seconds) slowest = name, slowest_seconds = s.metrics->compute_seconds();
+    }
+    std::printf("step %lld/%d  loss %.4f  %.0f tokens/s  %.2f s/step  ETA %.0f s  slowest %s (%.2f s compute)  "
+                "WAN %.1f MB (%.0f%% of uncompressed)\n",
+                static_cast<long long>(p.step + 1), in_.steps, p.loss, p.tokens / el, p.step_seconds,
+                p.step_seconds * (in_.steps - p.step - 1), slowest.empty() ? "-" : slowest.c_str(), slowest_seconds,
+                wire / 1e6, raw ? 100.0 * wire / raw : 100.0);
+    std::fflush(stdout);
+    jsonl_ << nlohmann::json{{"step", p.step + 1},        {"loss", p.loss},
+                             {"step_seconds", p.step_seconds}, {"tokens", p.tokens},
+                             {"elapsed_seconds", el},       {"attempt", attempt},
+                             {"slowest_site", slowest},     {"slowest_compute_seconds", slowest_seconds},
+                             {"wire_bytes", wire},          {"raw_bytes", raw}}
+                  .dump()
+           << std::endl;
+  }
+
+  // After an attempt that ended early: names the lost sites, lets the survivors abandon the attempt, then
+  // waits for the lost sites (on_failure: wait) or drops them (replan). An error when no site was lost
+  // (a stage failed on its own), the job has no checkpoints, or no site is left.
+  absl::Status Recover(const AttemptEnd& end, const std::set<std::string>& used) {
+    const core::ClusterSpec& spec = in_.spec;
+    auto silent = coord_.Silent();
+    if (silent.empty()) return absl::InternalError(absl::StrCat("site '", end.failed_site, "' failed: ", end.failure));
     std::string names_lost;
     for (const auto& n : silent) names_lost += (names_lost.empty() ? "'" : ", '") + n + "'";
-    const std::string what = absl::StrCat("site ", names_lost, " stopped answering (no heartbeat for ",
-                                          spec.heartbeat_timeout_seconds, " s)",
-                                          failed_site.empty() ? "" : absl::StrCat("; then site '", failed_site,
-                                                                                  "' failed: ", failure));
+    const std::string what =
+        absl::StrCat("site ", names_lost, " stopped answering (no heartbeat for ", spec.heartbeat_timeout_seconds,
+                     " s)",
+                     end.failed_site.empty() ? "" : absl::StrCat("; then site '", end.failed_site, "' failed: ", end.failure));
     std::cout << "lost: " << what << "\n" << std::flush;
     for (const auto& n : silent)
-      coord.LogSite(n, absl::StrCat("lost: no heartbeat for ", spec.heartbeat_timeout_seconds, " s; ",
-                                    spec.on_failure == "wait" ? "waiting for it" : "re-planning without it"));
-    if (job.checkpoint.interval <= 0)
-      return fail(absl::StrCat(what, ". The job has no checkpoints (job.checkpoint.interval), so nothing to "
-                               "resume from; set one to survive lost sites"));
+      coord_.LogSite(n, absl::StrCat("lost: no heartbeat for ", spec.heartbeat_timeout_seconds, " s; ",
+                                     spec.on_failure == "wait" ? "waiting for it" : "re-planning without it"));
+    if (in_.job.checkpoint.interval <= 0)
+      return absl::FailedPreconditionError(absl::StrCat(
+          what, ". The job has no checkpoints (job.checkpoint.interval), so nothing to resume from; set one to "
+                "survive lost sites"));
     // The survivors abandon the attempt when their neighbours' streams break (or at the step timeout).
     const auto drain = Clock::now() + std::chrono::seconds(75);
-    coord.WaitFor(
+    coord_.WaitFor(
         [&](const auto& s, const auto&) {
           for (const auto& u : used)
             if (!s.at(u).done && std::find(silent.begin(), silent.end(), u) == silent.end()) return false;
@@ -534,50 +618,85 @@ int Run(const RunOptions& o) {
         drain);
     if (spec.on_failure == "wait") {
       std::cout << "recovery: waiting for " << names_lost << " to rejoin (on_failure: wait)\n" << std::flush;
-      while (!coord.Silent().empty()) std::this_thread::sleep_for(std::chrono::milliseconds(500));
+      while (!coord_.Silent().empty()) std::this_thread::sleep_for(std::chrono::milliseconds(500));
       std::cout << "recovery: " << names_lost << " answering again; resuming from the newest intact checkpoint\n"
                 << std::flush;
-      snap = coord.Snapshot();  // a restarted executor may listen elsewhere
+      snap_ = coord_.Snapshot();  // a restarted executor may listen elsewhere
     } else {
-      for (const auto& n : silent) lost.insert(n);
-      if (lost.size() >= profile.sites.size()) return fail(absl::StrCat(what, "; no site left"));
-      std::cout << "recovery: re-planning over the " << profile.sites.size() - lost.size()
+      for (const auto& n : silent) lost_.insert(n);
+      if (lost_.size() >= profile_.sites.size()) return absl::UnavailableError(absl::StrCat(what, "; no site left"));
+      std::cout << "recovery: re-planning over the " << profile_.sites.size() - lost_.size()
                 << " sites left and resuming from the newest intact checkpoint\n"
                 << std::flush;
     }
-    resume = true;
+    return absl::OkStatus();
   }
-  int64_t wire = 0, raw = 0;
-  for (const auto& [name, s] : coord.Snapshot())
-    if (s.done) wire += s.done->wire_bytes(), raw += s.done->raw_bytes();
-  double el = std::chrono::duration<double>(Clock::now() - t0).count();
-  std::printf("done: %d steps in %.1f s (%.2f s/step, predicted %.2f); %.1f MB on the links, %.0f%% of uncompressed; "
-              "final loss %.4f; weights in %s/weights\n",
-              steps, el, el / steps, plan->predicted_step_seconds, wire / 1e6, raw ? 100.0 * wire / raw : 100.0,
-              coord.progress().loss, run_dir.c_str());
-  coord.StopAll();
-  int rc = 0;
-  if (!o.export_dir.empty()) {
-    auto trained = executor::LoadStageShards(run_dir + "/weights");
-    absl::Status s = trained.ok() ? executor::ExportHfModel(*setup, *trained, o.export_dir) : trained.status();
-    if (!s.ok()) {
-      std::cerr << "meridian run: export failed: " << s.message() << "\n";
-      rc = 1;
-    } else {
-      std::printf("exported the model to %s (model.safetensors + config.json%s%s)\n", o.export_dir.c_str(),
-                  setup->tokenizer ? " + tokenizer.model" : "",
-                  setup->job.lora.enabled ? "; LoRA merged, PEFT adapter in adapter/" : "");
+
+  // After training: the summary line, stops the executors, --export, held-out evaluation; the exit code.
+  int Finish() {
+    int64_t wire = 0, raw = 0;
+    for (const auto& [name, s] : coord_.Snapshot())
+      if (s.done) wire += s.done->wire_bytes(), raw += s.done->raw_bytes();
+    const double el = std::chrono::duration<double>(Clock::now() - t0_).count();
+    std::printf(
+        "done: %d steps in %.1f s (%.2f s/step, predicted %.2f); %.1f MB on the links, %.0f%% of uncompressed; "
+        "final loss %.4f; weights in %s/weights\n",
+        in_.steps, el, el / in_.steps, plan_->predicted_step_seconds, wire / 1e6, raw ? 100.0 * wire / raw : 100.0,
+        coord_.progress().loss, in_.run_dir.c_str());
+    coord_.StopAll();
+    int rc = 0;
+    const executor::JobSetup& setup = *in_.setup;
+    if (!o_.export_dir.empty()) {
+      auto trained = executor::LoadStageShards(in_.run_dir + "/weights");
+      absl::Status s = trained.ok() ? executor::ExportHfModel(setup, *trained, o_.export_dir) : trained.status();
+      if (!s.ok()) {
+        std::cerr << "meridian run: export failed: " << s.message() << "\n";
+        rc = 1;
+      } else {
+        std::printf("exported the model to %s (model.safetensors + config.json%s%s)\n", o_.export_dir.c_str(),
+                    setup.tokenizer ? " + tokenizer.model" : "",
+                    setup.job.lora.enabled ? "; LoRA merged, PEFT adapter in adapter/" : "");
+      }
     }
-  }
-  if (const data::Dataset* d = setup->data.dataset(); d && !d->held_out().empty() && o.eval_examples > 0) {
-    if (absl::Status s = Evaluate(*setup, run_dir, o.eval_examples); !s.ok()) {
-      std::cerr << "meridian run: evaluation failed: " << s.message() << "\n";
-      rc = 1;
+    if (const data::Dataset* d = setup.data.dataset(); d && !d->held_out().empty() && o_.eval_examples > 0) {
+      if (absl::Status s = Evaluate(setup, in_.run_dir, o_.eval_examples); !s.ok()) {
+        std::cerr << "meridian run: evaluation failed: " << s.message() << "\n";
+        rc = 1;
+      }
     }
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    return rc;
   }
-  std::this_thread::sleep_for(std::chrono::milliseconds(500));
-  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  return rc;
+
+  const RunOptions& o_;
+  RunInputs in_;
+  const std::string run_id_;
+  Coordinator coord_;
+  rpc::CoordinatorService service_;
+  std::unique_ptr<grpc::Server> server_;
+  httplib::Server metrics_http_;
+  std::thread metrics_thread_;
+  std::ofstream jsonl_;
+
+  std::vector<std::string> joined_;                 // registered sites, by name
+  std::map<std::string, Coordinator::Site> snap_;   // the sites' listen addresses (refreshed after a wait)
+  partitioner::ClusterProfile profile_;             // every joined site's measurements
+  std::string graph_json_;
+  partitioner::OpGraph graph_;
+  std::set<std::string> lost_;                      // sites re-planned around (on_failure: replan)
+  std::optional<partitioner::Plan> plan_;           // the current attempt's
+  bool resume_ = false;                             // stages start from the newest intact checkpoint
+  Clock::time_point t0_;                            // training's start (first attempt)
+};
+
+}  // namespace
+
+int Run(const RunOptions& o) {
+  std::optional<RunInputs> in = LoadInputs(o);
+  if (!in) return 2;
+  RunDriver driver(o, std::move(*in));
+  return driver.Main();
 }
 
 }  // namespace meridian::coordinator
