@@ -168,5 +168,9 @@ int main(int argc, char** argv) {
     int code = app.exit(e);
     return code == 0 ? kExitOk : kExitInvalid;
   }
-  return rc;
+  // The command is done and its files are closed. Leave without exit()'s OpenSSL atexit cleanup and static
+  // destructors, which can race gRPC's own threads still tearing connections down (`meridian run`,
+  // `status`, `plan --live`) and abort.
+  std::fflush(nullptr);
+  std::_Exit(rc);
 }

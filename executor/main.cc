@@ -10,6 +10,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
@@ -135,6 +136,27 @@ int RunProfile(const executor::ExecutorOptions& o, const std::string& job_path, 
   return 0;
 }
 
+// Ends the process once its work is done and every file it wrote is closed: flushes stdio and leaves
+// with _Exit. A plain exit() would run OpenSSL's atexit cleanup and static destructors while gRPC may
+// still tear connections down on its own threads (when one of them drops gRPC's last reference,
+// grpc_shutdown finishes on a detached thread), a race that can end in abort().
+[[noreturn]] void Leave(int rc) {
+  std::fflush(nullptr);
+  std::_Exit(rc);
+}
+
+// Runs `body`, turning an exception that escaped it (a bug: errors are Status values) into a message and
+// exit code 1 rather than std::terminate.
+template <typename Body>
+int Guarded(Body body) {
+  try {
+    return body();
+  } catch (const std::exception& e) {
+    std::cerr << "meridian-executor: internal error: " << e.what() << "\n";
+    return 1;
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -183,13 +205,13 @@ int main(int argc, char** argv) {
     std::cerr << "meridian-executor: " << options.status().message() << "\n";
     return 2;
   }
-  if (!profile_job.empty()) return RunProfile(*options, profile_job, out.empty() ? "." : out);
+  if (!profile_job.empty()) Leave(Guarded([&] { return RunProfile(*options, profile_job, out.empty() ? "." : out); }));
   if (!assignment.empty()) {
     if (job.empty()) {
       std::cerr << "meridian-executor: --assignment needs --job JOB.yaml\n";
       return 2;
     }
-    return RunStatic(*options, assignment, job, out, steps, step_timeout, resume);
+    Leave(Guarded([&] { return RunStatic(*options, assignment, job, out, steps, step_timeout, resume); }));
   }
   auto creds = rpc::MakeChannelCredentials(options->certs, options->site);
   if (!creds.ok()) {
@@ -220,5 +242,5 @@ int main(int argc, char** argv) {
   }
   std::cout << "joined cluster '" << resp.cluster() << "' as site '" << options->site << "' (run " << resp.run_id()
             << ")" << std::endl;
-  return executor::RunJoined(*options, resp, stub.get());
+  Leave(Guarded([&] { return executor::RunJoined(*options, resp, stub.get()); }));
 }

@@ -82,6 +82,10 @@ void ConfigureServer(grpc::ServerBuilder* builder) {
   builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 2000);
   builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 2000);
+  // gRPC sets SO_REUSEPORT on Linux by default: a second process on the same port would bind too and the
+  // kernel would split connections between them (a site started twice, two tests handed one port).
+  // Binding a port in use must fail instead.
+  builder->AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
 }
 
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartMtlsServer(const std::string& certs_dir, const std::string& name,

@@ -32,12 +32,13 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
 // subjectAltName, so the TLS hostname check uses the site name whatever address is dialled.
 grpc::ChannelArguments PeerChannelArguments(const std::string& peer_name);
 
-// Message-size limits and keepalive policy matching PeerChannelArguments; call on every ServerBuilder.
+// Message-size limits and keepalive policy matching PeerChannelArguments, and no SO_REUSEPORT (a port in
+// use fails to bind); call on every ServerBuilder.
 void ConfigureServer(grpc::ServerBuilder* builder);
 
 // Builds and starts a gRPC server on `address` with NAME's mutual-TLS credentials, the policy of
-// ConfigureServer and `services`. Errors name the certificate file or the address. `port` receives the
-// bound port (useful with port 0).
+// ConfigureServer and `services`. Errors name the certificate file or the address (Unavailable when the
+// address is in use, also by another process). `port` receives the bound port (useful with port 0).
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartMtlsServer(const std::string& certs_dir, const std::string& name,
                                                               const std::string& address,
                                                               const std::vector<grpc::Service*>& services,

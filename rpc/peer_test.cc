@@ -68,6 +68,18 @@ class PeerTest : public ::testing::Test {
 };
 fs::path* PeerTest::dir_ = nullptr;
 
+// A port in use fails to bind, naming the address, instead of sharing the port (gRPC's default
+// SO_REUSEPORT would let both servers bind and split the connections between them).
+TEST_F(PeerTest, APortInUseFailsToBindNamingTheAddress) {
+  StartServer();
+  const std::string address = "127.0.0.1:" + std::to_string(port_);
+  PeerService other("b", std::set<std::string>{"a"}, &inbox_);
+  auto second = StartMtlsServer(dir_->string(), "b", address, {&other});
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(second.status().message()), HasSubstr(address));
+}
+
 TEST_F(PeerTest, FramesArriveByKeyIntact) {
   StartServer();
   auto client = Client("a");

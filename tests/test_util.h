@@ -9,6 +9,8 @@
 #include <cmath>
 #include <filesystem>
 #include <map>
+#include <mutex>
+#include <set>
 #include <string>
 
 #include "core/safetensors.h"
@@ -18,17 +20,23 @@ namespace meridian::testing {
 // A built binary of this tree (build/bin/NAME).
 inline std::string Bin(const std::string& name) { return std::string(MERIDIAN_TEST_BINARY_DIR) + "/bin/" + name; }
 
-// A loopback TCP port that was free a moment ago.
+// A loopback TCP port that was free a moment ago, and not handed out before by this process (the kernel
+// may give a just-closed port again; servers no longer share a port, so a duplicate would fail to bind).
 inline int FreePort() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t len = sizeof a;
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  close(fd);
-  return ntohs(a.sin_port);
+  static std::mutex mu;
+  static std::set<int> given;
+  std::lock_guard<std::mutex> lock(mu);
+  for (;;) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+    socklen_t len = sizeof a;
+    getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+    close(fd);
+    if (given.insert(ntohs(a.sin_port)).second) return ntohs(a.sin_port);
+  }
 }
 
 // ||a - b|| / ||b|| of two float32 tensors of the same size.
