@@ -131,6 +131,30 @@ void Coordinator::SetRunInfo(std::string profile_json, std::string graph_json, s
   plan_json_ = std::move(plan_json);
 }
 
+void Coordinator::SetFileDir(const std::string& dir) {
+  std::lock_guard<std::mutex> l(mu_);
+  file_dir_ = dir;
+}
+
+absl::StatusOr<std::string> Coordinator::FileDestination(const std::string& site, const std::string& job_id,
+                                                         const std::string& path) {
+  std::string dir;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (file_dir_.empty()) return absl::FailedPreconditionError("this coordinator keeps no files");
+    if (job_id != job_id_)
+      return absl::FailedPreconditionError(absl::StrCat("site '", site, "' sent ", path, " of attempt '", job_id,
+                                                        "', but the attempt now running is '", job_id_, "'"));
+    dir = file_dir_;
+  }
+  const std::filesystem::path dest = std::filesystem::path(dir) / path;
+  std::error_code ec;
+  std::filesystem::create_directories(dest.parent_path(), ec);
+  if (ec) return absl::InternalError(absl::StrCat("cannot create ", dest.parent_path().string(), ": ", ec.message()));
+  LogSite(site, absl::StrCat("sending ", path));
+  return dest.string();
+}
+
 void Coordinator::SetLogDir(const std::string& dir) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);

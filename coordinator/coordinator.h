@@ -54,8 +54,12 @@ class Coordinator : public rpc::CoordinatorHandler {
   absl::Status Profile(const v1::ProfileReport& r) override;
   absl::Status Done(const v1::StageDone& d) override;
   absl::StatusOr<v1::InspectResponse> Inspect() override;
+  absl::StatusOr<std::string> FileDestination(const std::string& site, const std::string& job_id,
+                                              const std::string& path) override;
 
   // For the run loop.
+  // The run directory: files the sites send (PutFile) are stored under it. Until set, none is accepted.
+  void SetFileDir(const std::string& dir);
   // What Inspect reports besides the live state: the run's profile, graph and current plan (JSON).
   void SetRunInfo(std::string profile_json, std::string graph_json, std::string plan_json);
   // Per-site logs: from now on every event about a site (join, heartbeats lost and back, measurements,
@@ -88,6 +92,7 @@ class Coordinator : public rpc::CoordinatorHandler {
   Progress progress_;
   std::string job_id_;
   std::string profile_json_, graph_json_, plan_json_;
+  std::string file_dir_;  // guarded by mu_
   std::string log_dir_;  // guarded by log_mu_
   std::map<std::string, std::ofstream> log_files_;  // by site, guarded by log_mu_; lines are flushed
   std::mutex log_mu_;    // taken after mu_ when both are held

@@ -258,6 +258,7 @@ class RunDriver {
   // code: 2 for certificates that do not load, 1 when an address or port is taken.
   int StartServices() {
     coord_.SetLogDir(in_.run_dir + "/sites");  // one log per site: RUN/sites/<site>.log
+    coord_.SetFileDir(in_.run_dir);            // the stages' final weights arrive in RUN/weights
     const core::ClusterSpec& spec = in_.spec;
     auto started = rpc::StartMtlsServer(in_.certs, "coordinator", spec.coordinator.ToString(), {&service_});
     if (!started.ok()) {
@@ -508,7 +509,7 @@ class RunDriver {
         a->set_job_yaml(in_.job_yaml);
         a->set_job_dir(in_.job_dir);
         a->set_steps(in_.steps);
-        a->set_output_dir(in_.run_dir + "/weights");
+        a->set_weights_to_coordinator(true);  // RUN/weights/stage-K.safetensors, through PutFile
         if (resume_) a->set_resume_step(-1);  // each stage loads the newest intact checkpoint
         coord_.Send(site, c);
       }

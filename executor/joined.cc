@@ -1,8 +1,13 @@
 #include "executor/joined.h"
 
 #include <grpcpp/grpcpp.h>
+#include <openssl/evp.h>
+#include <unistd.h>
 
 #include <atomic>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <mutex>
 #include <deque>
 #include <condition_variable>
@@ -30,6 +35,62 @@ grpc::Status Call(Fn fn, const Req& req, double seconds) {
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000)));
   v1::MetricsAck ack;
   return fn(&ctx, req, &ack);
+}
+
+// Sends this stage's final parameters to the coordinator's run directory as weights/stage-K.safetensors
+// (PutFile): serialised to a local temporary file, then streamed in 1 MiB chunks with the file's SHA-256.
+// The deadline allows 1 MB/s plus a minute. Errors name the coordinator's answer.
+absl::Status SendWeights(v1::Coordinator::Stub* stub, const std::string& site, const std::string& job_id, int stage,
+                         const std::map<std::string, torch::Tensor>& params) {
+  namespace fs = std::filesystem;
+  const fs::path tmp = fs::temp_directory_path() /
+                       absl::StrCat("meridian-", site, "-", ::getpid(), "-stage-", stage, ".safetensors");
+  struct Remove {
+    fs::path p;
+    ~Remove() { std::error_code ec; fs::remove(p, ec); }
+  } remove_tmp{tmp};
+  if (absl::Status s = SaveParameters(tmp.string(), params); !s.ok()) return s;
+  std::ifstream in(tmp, std::ios::binary);
+  if (!in) return absl::InternalError(absl::StrCat("cannot read back ", tmp.string()));
+  std::error_code ec;
+  const auto size = fs::file_size(tmp, ec);
+  const std::string path = absl::StrCat("weights/stage-", stage, ".safetensors");
+  std::unique_ptr<EVP_MD_CTX, void (*)(EVP_MD_CTX*)> md(EVP_MD_CTX_new(), EVP_MD_CTX_free);
+  if (!md || EVP_DigestInit_ex(md.get(), EVP_sha256(), nullptr) != 1) return absl::InternalError("cannot start SHA-256");
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60 + static_cast<int64_t>(size / 1000000)));
+  v1::FileAck ack;
+  auto writer = stub->PutFile(&ctx, &ack);
+  std::string buf(size_t{1} << 20, '\0');
+  bool first = true, sent = true;
+  while (sent) {
+    in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
+    const size_t n = static_cast<size_t>(in.gcount());
+    v1::FileChunk c;
+    if (first) c.set_site(site), c.set_job_id(job_id), c.set_path(path), first = false;
+    c.set_data(buf.data(), n);
+    EVP_DigestUpdate(md.get(), buf.data(), n);
+    const bool last = !in;
+    if (last) {
+      unsigned char d[EVP_MAX_MD_SIZE];
+      unsigned len = 0;
+      EVP_DigestFinal_ex(md.get(), d, &len);
+      static const char* digits = "0123456789abcdef";
+      std::string hex;
+      for (unsigned i = 0; i < len; ++i) hex += digits[d[i] >> 4], hex += digits[d[i] & 15];
+      c.set_sha256(hex);
+    }
+    sent = writer->Write(c);
+    if (last) break;
+  }
+  writer->WritesDone();
+  grpc::Status s = writer->Finish();
+  if (!s.ok())
+    return absl::UnavailableError(absl::StrCat("sending ", path, " (", size, " bytes) to the coordinator: ",
+                                               s.error_message()));
+  if (ack.bytes() != static_cast<int64_t>(size))
+    return absl::DataLossError(absl::StrCat("the coordinator stored ", ack.bytes(), " bytes of ", path, ", not ", size));
+  return absl::OkStatus();
 }
 
 // Sends metrics reports to the coordinator from its own thread, in order, so the training loop never
@@ -296,8 +357,13 @@ int RunJoined(const ExecutorOptions& o, const v1::RegisterResponse& reg, v1::Coo
               failure = worker.SaveCheckpoint(ckpt_dir, i + 1);
           }
           if (failure.ok()) failure = worker.Finish();
-          if (failure.ok() && !pa.output_dir().empty() && worker.writes_shard())
-            failure = SaveParameters(absl::StrCat(pa.output_dir(), "/stage-", a.stage, ".safetensors"), worker.Parameters());
+          if (failure.ok() && worker.writes_shard()) {
+            if (pa.weights_to_coordinator())
+              failure = SendWeights(stub, o.site, a.job_id, a.stage, worker.Parameters());
+            else if (!pa.output_dir().empty())
+              failure = SaveParameters(absl::StrCat(pa.output_dir(), "/stage-", a.stage, ".safetensors"),
+                                       worker.Parameters());
+          }
           result.set_steps(step + 1);
           result.set_wire_bytes(worker.wire_bytes());
           result.set_raw_bytes(worker.raw_bytes());

@@ -1,5 +1,12 @@
 #include "rpc/coordinator_service.h"
 
+#include <openssl/evp.h>
+
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <regex>
+
 #include "absl/strings/str_cat.h"
 #include "core/version.h"
 #include "rpc/credentials.h"
@@ -9,6 +16,15 @@ namespace {
 
 grpc::Status ToGrpc(const absl::Status& s) {
   return {static_cast<grpc::StatusCode>(s.code()), std::string(s.message())};
+}
+
+constexpr size_t kMaxFileChunkBytes = size_t{4} << 20;
+
+std::string Hex(const unsigned char* d, unsigned n) {
+  static const char* digits = "0123456789abcdef";
+  std::string h;
+  for (unsigned i = 0; i < n; ++i) h += digits[d[i] >> 4], h += digits[d[i] & 15];
+  return h;
 }
 
 }  // namespace
@@ -95,6 +111,55 @@ grpc::Status CoordinatorService::Inspect(grpc::ServerContext* ctx, const v1::Ins
   auto r = handler_->Inspect();
   if (!r.ok()) return ToGrpc(r.status());
   *resp = *r;
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorService::PutFile(grpc::ServerContext* ctx, grpc::ServerReader<v1::FileChunk>* reader,
+                                        v1::FileAck* ack) {
+  v1::FileChunk chunk;
+  if (!reader->Read(&chunk)) return {grpc::StatusCode::INVALID_ARGUMENT, "PutFile: the stream carried no chunk"};
+  if (grpc::Status s = Authorise(ctx, chunk.site()); !s.ok()) return s;
+  const std::string site = chunk.site(), path = chunk.path();
+  static const std::regex kAccepted("weights/stage-[0-9]{1,6}\\.safetensors");
+  if (!std::regex_match(path, kAccepted))
+    return {grpc::StatusCode::INVALID_ARGUMENT,
+            absl::StrCat("PutFile from site '", site, "': path '", path,
+                         "' is not accepted (only weights/stage-K.safetensors)")};
+  auto dest = handler_->FileDestination(site, chunk.job_id(), path);
+  if (!dest.ok()) return ToGrpc(dest.status());
+  const std::string part = absl::StrCat(*dest, ".part-", site);
+  auto fail = [&](grpc::StatusCode code, const std::string& why) {
+    std::remove(part.c_str());
+    return grpc::Status(code, absl::StrCat("PutFile ", path, " from site '", site, "': ", why));
+  };
+  std::ofstream out(part, std::ios::binary | std::ios::trunc);
+  if (!out) return fail(grpc::StatusCode::INTERNAL, absl::StrCat("cannot write ", part));
+  std::unique_ptr<EVP_MD_CTX, void (*)(EVP_MD_CTX*)> md(EVP_MD_CTX_new(), EVP_MD_CTX_free);
+  if (!md || EVP_DigestInit_ex(md.get(), EVP_sha256(), nullptr) != 1)
+    return fail(grpc::StatusCode::INTERNAL, "cannot start SHA-256");
+  int64_t bytes = 0;
+  std::string want;
+  do {
+    if (chunk.data().size() > kMaxFileChunkBytes)
+      return fail(grpc::StatusCode::INVALID_ARGUMENT, absl::StrCat("a chunk of ", chunk.data().size(), " bytes (at most ",
+                                                                   kMaxFileChunkBytes, ")"));
+    out.write(chunk.data().data(), static_cast<std::streamsize>(chunk.data().size()));
+    EVP_DigestUpdate(md.get(), chunk.data().data(), chunk.data().size());
+    bytes += static_cast<int64_t>(chunk.data().size());
+    if (!chunk.sha256().empty()) want = chunk.sha256();
+  } while (reader->Read(&chunk));
+  out.close();
+  if (!out) return fail(grpc::StatusCode::INTERNAL, absl::StrCat("writing ", part, " failed"));
+  if (ctx->IsCancelled()) return fail(grpc::StatusCode::CANCELLED, absl::StrCat("cut off after ", bytes, " bytes"));
+  unsigned char d[EVP_MAX_MD_SIZE];
+  unsigned n = 0;
+  EVP_DigestFinal_ex(md.get(), d, &n);
+  if (want.empty()) return fail(grpc::StatusCode::DATA_LOSS, absl::StrCat("no SHA-256 after ", bytes, " bytes (cut off?)"));
+  if (Hex(d, n) != want)
+    return fail(grpc::StatusCode::DATA_LOSS, absl::StrCat("SHA-256 mismatch over ", bytes, " bytes"));
+  if (std::rename(part.c_str(), dest->c_str()) != 0)
+    return fail(grpc::StatusCode::INTERNAL, absl::StrCat("cannot rename ", part, " to ", *dest));
+  ack->set_bytes(bytes);
   return grpc::Status::OK;
 }
 

@@ -35,6 +35,11 @@ class CoordinatorHandler {
   virtual absl::Status Profile(const v1::ProfileReport& report) = 0;
   virtual absl::Status Done(const v1::StageDone& done) = 0;
   virtual absl::StatusOr<v1::InspectResponse> Inspect() = 0;
+  // Where `site`'s file `path` (relative to the run directory, already checked by the service) of attempt
+  // `job_id` is to be stored: an absolute path whose directory exists. FailedPrecondition for an attempt
+  // that is over or a coordinator that keeps no files.
+  virtual absl::StatusOr<std::string> FileDestination(const std::string& site, const std::string& job_id,
+                                                      const std::string& path) = 0;
 };
 
 class CoordinatorService final : public v1::Coordinator::Service {
@@ -50,6 +55,11 @@ class CoordinatorService final : public v1::Coordinator::Service {
   grpc::Status ReportDone(grpc::ServerContext* ctx, const v1::StageDone* req, v1::MetricsAck* resp) override;
   // Read-only; allowed to the "coordinator" identity and to every site.
   grpc::Status Inspect(grpc::ServerContext* ctx, const v1::InspectRequest* req, v1::InspectResponse* resp) override;
+  // Writes the stream to FileDestination's path + ".part-SITE", checks the size bound and the SHA-256,
+  // then renames it into place; a refused or broken upload leaves nothing. Paths other than
+  // "weights/stage-K.safetensors" are refused (InvalidArgument) before the handler is asked.
+  grpc::Status PutFile(grpc::ServerContext* ctx, grpc::ServerReader<v1::FileChunk>* reader,
+                       v1::FileAck* ack) override;
 
   // Calls that reached the handler (tests check that rejected calls never do).
   int64_t handled_calls() const { return handled_.load(); }

@@ -7,8 +7,13 @@
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
+#include <openssl/evp.h>
+
 #include <array>
 #include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
 
 #include "core/certs.h"
 #include "rpc/credentials.h"
@@ -55,7 +60,15 @@ class CountingHandler : public CoordinatorHandler {
     ++calls;
     return absl::OkStatus();
   }
+  absl::StatusOr<std::string> FileDestination(const std::string&, const std::string& job_id,
+                                              const std::string& path) override {
+    ++calls;
+    if (job_id != "job-1") return absl::FailedPreconditionError("attempt '" + job_id + "' is over");
+    fs::create_directories(fs::path(store) / fs::path(path).parent_path());
+    return (fs::path(store) / path).string();
+  }
   std::atomic<int> calls{0};
+  std::string store;
 };
 
 std::pair<int, std::string> Shell(const std::string& cmd) {
@@ -80,6 +93,7 @@ class CoordinatorAuthTest : public ::testing::Test {
     ASSERT_TRUE(core::InitClusterCerts(spec, (dir_ / "ours").string(), {}, &w).ok());
     spec.name = "other";
     ASSERT_TRUE(core::InitClusterCerts(spec, (dir_ / "theirs").string(), {}, &w).ok());
+    handler_.store = (dir_ / "store").string();
     service_ = std::make_unique<CoordinatorService>(std::set<std::string>{"a", "b"}, &handler_);
     grpc::ServerBuilder builder;
     ConfigureServer(&builder);
@@ -152,6 +166,91 @@ TEST_F(CoordinatorAuthTest, OpensslSeesTls13AndARequiredClientCertificate) {
   EXPECT_THAT(out, ::testing::AnyOf(HasSubstr("Requested Signature Algorithms"),
                                     HasSubstr("Acceptable client certificate CA names")));
   EXPECT_EQ(handler_.calls.load(), 0);
+}
+
+// Uploads `data` as `path` with `site`'s certificate (claiming `claimed`), in chunks of `chunk` bytes;
+// `sha` empty: the data's true SHA-256; "none": no checksum sent.
+grpc::Status Upload(const fs::path& certs, int port, const std::string& site, const std::string& claimed,
+                    const std::string& job_id, const std::string& path, const std::string& data, size_t chunk,
+                    std::string sha = "", v1::FileAck* ack_out = nullptr) {
+  auto creds = MakeChannelCredentials(certs.string(), site);
+  EXPECT_TRUE(creds.ok()) << creds.status();
+  auto stub = v1::Coordinator::NewStub(
+      grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(port), *creds, PeerChannelArguments("coordinator")));
+  if (sha.empty()) {
+    unsigned char d[EVP_MAX_MD_SIZE];
+    unsigned n = 0;
+    EVP_Digest(data.data(), data.size(), d, &n, EVP_sha256(), nullptr);
+    std::ostringstream hex;
+    for (unsigned i = 0; i < n; ++i) hex << std::hex << (d[i] >> 4) << (d[i] & 15);
+    sha = hex.str();
+  }
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  v1::FileAck ack;
+  auto writer = stub->PutFile(&ctx, &ack);
+  for (size_t off = 0; off == 0 || off < data.size(); off += chunk) {
+    v1::FileChunk c;
+    if (off == 0) c.set_site(claimed), c.set_job_id(job_id), c.set_path(path);
+    c.set_data(data.substr(off, chunk));
+    if (off + chunk >= data.size() && sha != "none") c.set_sha256(sha);
+    if (!writer->Write(c)) break;
+  }
+  writer->WritesDone();
+  grpc::Status s = writer->Finish();
+  if (ack_out) *ack_out = ack;
+  return s;
+}
+
+// A site sends a file of the run to the coordinator: it appears whole, with the bytes sent, only at the
+// accepted path, only under the sender's own name and attempt, and only when its SHA-256 matches.
+TEST_F(CoordinatorAuthTest, PutFileStoresTheWholeFileOrNothing) {
+  std::string data(10 * 1000 * 1000 + 7, '\0');
+  std::mt19937 rng(5);
+  for (auto& c : data) c = static_cast<char>(rng());
+  const fs::path stored = dir_ / "store" / "weights" / "stage-1.safetensors";
+  v1::FileAck ack;
+  grpc::Status ok = Upload(dir_ / "ours", port_, "a", "a", "job-1", "weights/stage-1.safetensors", data, 1 << 20, "", &ack);
+  ASSERT_TRUE(ok.ok()) << ok.error_message();
+  EXPECT_EQ(ack.bytes(), static_cast<int64_t>(data.size()));
+  std::ifstream in(stored, std::ios::binary);
+  std::string back((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_TRUE(back == data) << "stored " << back.size() << " bytes";
+  fs::remove(stored);
+  auto nothing_left = [&] {
+    size_t files = 0;
+    if (fs::exists(dir_ / "store"))
+      for (const auto& e : fs::recursive_directory_iterator(dir_ / "store")) files += e.is_regular_file();
+    return files == 0;
+  };
+
+  grpc::Status bad = Upload(dir_ / "ours", port_, "a", "a", "job-1", "weights/stage-1.safetensors", data, 1 << 20,
+                            std::string(64, '0'));
+  EXPECT_EQ(bad.error_code(), grpc::StatusCode::DATA_LOSS);
+  EXPECT_THAT(bad.error_message(), HasSubstr("SHA-256 mismatch"));
+  EXPECT_THAT(bad.error_message(), HasSubstr("site 'a'"));
+  EXPECT_TRUE(nothing_left());
+  grpc::Status cut = Upload(dir_ / "ours", port_, "a", "a", "job-1", "weights/stage-1.safetensors", data, 1 << 20, "none");
+  EXPECT_EQ(cut.error_code(), grpc::StatusCode::DATA_LOSS);
+  EXPECT_TRUE(nothing_left());
+  grpc::Status stale = Upload(dir_ / "ours", port_, "a", "a", "job-0", "weights/stage-1.safetensors", data, 1 << 20);
+  EXPECT_EQ(stale.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_TRUE(nothing_left());
+  grpc::Status big = Upload(dir_ / "ours", port_, "a", "a", "job-1", "weights/stage-1.safetensors", data, 5 << 20);
+  EXPECT_NE(big.error_code(), grpc::StatusCode::OK);  // over the 4 MiB chunk bound (or the 8 MiB message limit)
+  EXPECT_TRUE(nothing_left());
+
+  const int before = handler_.calls.load();
+  for (const char* path : {"../escape", "weights/../../escape", "/etc/passwd", "weights/stage-1.safetensors.x",
+                           "checkpoints/step-1/stage-0.json", ""}) {
+    grpc::Status s = Upload(dir_ / "ours", port_, "a", "a", "job-1", path, "x", 1);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << path;
+  }
+  // The certificate of site b cannot send as site a.
+  grpc::Status other = Upload(dir_ / "ours", port_, "b", "a", "job-1", "weights/stage-1.safetensors", "x", 1);
+  EXPECT_EQ(other.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(handler_.calls.load(), before);
+  EXPECT_TRUE(nothing_left());
 }
 
 }  // namespace

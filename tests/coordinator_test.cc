@@ -138,6 +138,19 @@ TEST_F(CoordinatorTest, JoinProfilePlanTrainMatchesTheReference) {
   ASSERT_TRUE(want.ok());
   auto got = testing::MergeShards(dir_ / "run" / "weights");
   ASSERT_EQ(got.size(), want->tensors.size());
+  // Every shard came through the coordinator (PutFile), not a shared directory: one "sending" line per
+  // shard in the site logs, and no partial upload left.
+  int shards = 0, sent = 0;
+  for (const auto& e : fs::directory_iterator(dir_ / "run" / "weights")) {
+    EXPECT_EQ(e.path().extension(), ".safetensors") << e.path();
+    ++shards;
+  }
+  for (const char* site : {"a", "b", "c"}) {
+    std::ifstream in(dir_ / "run" / "sites" / (std::string(site) + ".log"));
+    for (std::string l; std::getline(in, l);) sent += l.find("sending weights/stage-") != std::string::npos;
+  }
+  EXPECT_GE(shards, 1);
+  EXPECT_EQ(sent, shards);
   // The consolidated export holds the same tensors, with the model's config.
   auto exported = core::ReadSafetensors((dir_ / "export" / "model.safetensors").string());
   ASSERT_TRUE(exported.ok()) << exported.status();
