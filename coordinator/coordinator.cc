@@ -155,6 +155,21 @@ absl::StatusOr<std::string> Coordinator::FileDestination(const std::string& site
   return dest.string();
 }
 
+absl::StatusOr<std::string> Coordinator::FileSource(const std::string& site, const std::string& path) {
+  std::string dir;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (file_dir_.empty()) return absl::FailedPreconditionError("this coordinator keeps no files");
+    dir = file_dir_;
+  }
+  const std::filesystem::path src = std::filesystem::path(dir) / path;
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(src, ec))
+    return absl::NotFoundError(absl::StrCat("site '", site, "' asked for ", path, ", which the coordinator does not have"));
+  LogSite(site, absl::StrCat("fetching ", path));
+  return src.string();
+}
+
 void Coordinator::SetLogDir(const std::string& dir) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);

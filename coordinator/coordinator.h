@@ -56,6 +56,7 @@ class Coordinator : public rpc::CoordinatorHandler {
   absl::StatusOr<v1::InspectResponse> Inspect() override;
   absl::StatusOr<std::string> FileDestination(const std::string& site, const std::string& job_id,
                                               const std::string& path) override;
+  absl::StatusOr<std::string> FileSource(const std::string& site, const std::string& path) override;
 
   // For the run loop.
   // The run directory: files the sites send (PutFile) are stored under it. Until set, none is accepted.

@@ -21,6 +21,7 @@
 #include "absl/strings/str_format.h"
 #include "coordinator/coordinator.h"
 #include "core/safetensors.h"
+#include "executor/checkpoint.h"
 #include "executor/evaluate.h"
 #include "executor/export.h"
 #include "executor/trainer.h"
@@ -239,6 +240,7 @@ class RunDriver {
     t0_ = Clock::now();
     for (int attempt = 0;; ++attempt) {
       if (absl::Status s = PlanAttempt(); !s.ok()) return Fail(s.message());
+      if (absl::Status s = FindResumePoint(); !s.ok()) return Fail(s.message());
       const std::set<std::string> used = Assign(attempt);
       const AttemptEnd end = Supervise(attempt, used);
       if (end.failure.empty()) break;  // every stage finished
@@ -451,6 +453,26 @@ class RunDriver {
     return absl::OkStatus();
   }
 
+  // Where the stages resume, when they do: with job.checkpoint.store: shared each loads the newest intact
+  // checkpoint of the shared directory itself (step -1); with store: coordinator the coordinator picks the
+  // newest complete, intact step of RUN/checkpoints and names its files, which the stages fetch.
+  absl::Status FindResumePoint() {
+    resume_step_ = resume_ ? -1 : 0;
+    resume_files_.clear();
+    if (!resume_ || in_.job.checkpoint.store != "coordinator") return absl::OkStatus();
+    std::string skipped;
+    auto found = executor::FindLatestCheckpoint(in_.run_dir + "/checkpoints", &skipped);
+    if (!found.ok())
+      return absl::NotFoundError(absl::StrCat("cannot resume: ", found.status().message(),
+                                              " (job.checkpoint.store: coordinator keeps checkpoints in RUN/checkpoints)"));
+    if (!skipped.empty()) std::cout << "checkpoints skipped: " << skipped << "\n";
+    resume_step_ = found->step;
+    for (const auto& f : found->files) resume_files_.push_back(absl::StrCat("checkpoints/step-", found->step, "/", f));
+    std::cout << "resuming from step " << found->step << " of the coordinator's checkpoints (" << found->path << ")\n"
+              << std::flush;
+    return absl::OkStatus();
+  }
+
   // 4. Sends every site of the plan (every replica of every stage) its assignment; returns those sites.
   std::set<std::string> Assign(int attempt) {
     const core::JobSpec& job = in_.job;
@@ -510,7 +532,9 @@ class RunDriver {
         a->set_job_dir(in_.job_dir);
         a->set_steps(in_.steps);
         a->set_weights_to_coordinator(true);  // RUN/weights/stage-K.safetensors, through PutFile
-        if (resume_) a->set_resume_step(-1);  // each stage loads the newest intact checkpoint
+        a->set_checkpoints_to_coordinator(job.checkpoint.store == "coordinator");
+        if (resume_) a->set_resume_step(resume_step_);  // -1: each stage loads the newest intact checkpoint
+        for (const auto& f : resume_files_) a->add_resume_files(f);
         coord_.Send(site, c);
       }
     }
@@ -687,7 +711,9 @@ class RunDriver {
   partitioner::OpGraph graph_;
   std::set<std::string> lost_;                      // sites re-planned around (on_failure: replan)
   std::optional<partitioner::Plan> plan_;           // the current attempt's
-  bool resume_ = false;                             // stages start from the newest intact checkpoint
+  bool resume_ = false;                             // stages start from a checkpoint
+  int64_t resume_step_ = 0;                         // FindResumePoint's: -1 newest in the shared directory
+  std::vector<std::string> resume_files_;           // store: coordinator: the files of resume_step_
   Clock::time_point t0_;                            // training's start (first attempt)
 };
 

@@ -436,8 +436,9 @@ void ParseJob(Checker& c, const YAML::Node& n, JobSpec* j) {
   }
   if (YAML::Node o = n["checkpoint"]; o.IsDefined() && !o.IsNull()) {
     const std::string oc = "job.checkpoint";
-    if (c.Map(o, oc, {"dir", "interval", "keep"})) {
+    if (c.Map(o, oc, {"dir", "interval", "keep", "store"})) {
       c.String(o, "dir", oc, false, &j->checkpoint.dir);
+      c.Choice(o, "store", oc, {"shared", "coordinator"}, &j->checkpoint.store);
       c.IntAs(o, "interval", oc, false, 0, 100000000, &j->checkpoint.interval);
       c.IntAs(o, "keep", oc, false, 1, 1000, &j->checkpoint.keep);
     }

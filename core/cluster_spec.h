@@ -79,6 +79,10 @@ struct CheckpointSpec {
   std::string dir = "checkpoints";  // relative to the spec file's directory
   int interval = 50;                // steps; 0 disables
   int keep = 3;
+  // "shared": every site writes and reads `dir` (storage every site reads, for recovery). "coordinator":
+  // each stage sends its shards to the coordinator (RUN/checkpoints) and a resumed stage fetches the
+  // checkpoint from there; `dir` is not used by joined executors.
+  std::string store = "shared";
 };
 
 struct LoraSpec {

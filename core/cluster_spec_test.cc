@@ -184,6 +184,8 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"job_missing_model", "job:\n  steps: 3\n", "missing required key 'model'", 2},
         BadCase{"job_micro_not_divisor", "job:\n  model: m\n  global_batch: 10\n  micro_batches: 3\n", "does not divide", 4},
         BadCase{"job_bad_optimizer", "job:\n  model: m\n  optimizer: {name: lion}\n", "'lion' is not one of adamw, sgd", 3},
+        BadCase{"job_bad_checkpoint_store", "job:\n  model: m\n  checkpoint: {interval: 2, store: s3}\n",
+                "'s3' is not one of shared, coordinator", 3},
         BadCase{"job_bad_codec", "job:\n  model: m\n  compression: {policy: fixed, activations: int3}\n", "'int3' is not one of", 3},
         BadCase{"job_bad_lora_target", "job:\n  model: m\n  lora: {r: 8, target_modules: [attn]}\n", "each entry must be one of", 3},
         BadCase{"job_lr_zero", "job:\n  model: m\n  optimizer: {lr: 0}\n", "must be greater than 0", 3},

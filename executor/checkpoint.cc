@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -62,7 +63,10 @@ absl::Status WriteCheckpoint(const std::string& dir, int64_t step, int stage, in
   return WriteText(absl::StrCat(sdir, "/stage-", stage, ".json"), j.dump(1));
 }
 
-absl::StatusOr<Checkpoint> LoadLatestCheckpoint(const std::string& dir, std::string* skipped) {
+namespace {
+
+// The step directories under `dir`, newest first.
+absl::StatusOr<std::vector<std::pair<int64_t, fs::path>>> StepDirs(const std::string& dir) {
   std::vector<std::pair<int64_t, fs::path>> steps;
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(dir, ec)) {
@@ -75,50 +79,87 @@ absl::StatusOr<Checkpoint> LoadLatestCheckpoint(const std::string& dir, std::str
   }
   if (ec) return absl::NotFoundError(absl::StrCat(dir, ": no checkpoints (", ec.message(), ")"));
   std::sort(steps.rbegin(), steps.rend());
+  return steps;
+}
+
+// The stage JSONs of step directory `path` by stage, when they make a complete checkpoint whose shards
+// match their SHA-256; otherwise nullopt, with the reason appended to `why`.
+std::optional<std::map<int, nlohmann::json>> IntactStages(const fs::path& path, std::string* why) {
+  // Find the stage count from any stage JSON, then require all of them.
+  int num_stages = -1;
+  bool mixed = false;
+  std::map<int, nlohmann::json> metas;
+  for (const auto& e : fs::directory_iterator(path)) {
+    if (e.path().extension() != ".json") continue;
+    std::ifstream in(e.path());
+    auto j = nlohmann::json::parse(in, nullptr, false);
+    if (j.is_discarded() || !j.contains("stage") || !j.contains("num_stages") || !j["stage"].is_number_integer() ||
+        !j["num_stages"].is_number_integer() || !j.contains("sha256") || !j.contains("shard") ||
+        !j["shard"].is_string() || !j["sha256"].is_string())
+      continue;
+    // Shards of two partitions in one step directory (a resumed run re-cut the model and died while
+    // writing) do not make a checkpoint.
+    if (num_stages >= 0 && j["num_stages"].get<int>() != num_stages) mixed = true;
+    num_stages = j["num_stages"].get<int>();
+    metas[j["stage"].get<int>()] = j;
+  }
+  if (mixed) {
+    absl::StrAppend(why, path.string(), ": shards of different partitions; ");
+    return std::nullopt;
+  }
+  if (num_stages <= 0 || static_cast<int>(metas.size()) != num_stages) {
+    absl::StrAppend(why, path.string(), ": incomplete (", metas.size(), " of ", std::max(num_stages, 0), " stages); ");
+    return std::nullopt;
+  }
+  for (const auto& [k, meta] : metas) {
+    const std::string shard = (path / meta["shard"].get<std::string>()).string();
+    std::ifstream in(shard, std::ios::binary);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    if ((!in.good() && !in.eof()) || Sha256(ss.str()) != meta["sha256"].get<std::string>()) {
+      absl::StrAppend(why, shard, ": checksum mismatch (truncated or corrupt); ");
+      return std::nullopt;
+    }
+  }
+  return metas;
+}
+
+}  // namespace
+
+absl::StatusOr<CheckpointFiles> FindLatestCheckpoint(const std::string& dir, std::string* skipped) {
+  auto steps = StepDirs(dir);
+  if (!steps.ok()) return steps.status();
   std::string why;
-  for (const auto& [step, path] : steps) {
-    // Find the stage count from any stage JSON, then require all of them.
-    int num_stages = -1;
-    bool mixed = false;
-    std::map<int, nlohmann::json> metas;
-    for (const auto& e : fs::directory_iterator(path)) {
-      if (e.path().extension() != ".json") continue;
-      std::ifstream in(e.path());
-      auto j = nlohmann::json::parse(in, nullptr, false);
-      if (j.is_discarded() || !j.contains("stage") || !j.contains("num_stages") || !j["stage"].is_number_integer() ||
-          !j["num_stages"].is_number_integer() || !j.contains("sha256") || !j.contains("shard"))
-        continue;
-      // Shards of two partitions in one step directory (a resumed run re-cut the model and died while
-      // writing) do not make a checkpoint.
-      if (num_stages >= 0 && j["num_stages"].get<int>() != num_stages) mixed = true;
-      num_stages = j["num_stages"].get<int>();
-      metas[j["stage"].get<int>()] = j;
+  for (const auto& [step, path] : *steps) {
+    auto metas = IntactStages(path, &why);
+    if (!metas) continue;
+    CheckpointFiles f;
+    f.step = step;
+    f.path = path.string();
+    for (const auto& [k, meta] : *metas) {
+      f.files.push_back(meta["shard"].get<std::string>());
+      f.files.push_back(absl::StrCat("stage-", k, ".json"));
     }
-    if (mixed) {
-      absl::StrAppend(&why, path.string(), ": shards of different partitions; ");
-      continue;
-    }
-    if (num_stages <= 0 || static_cast<int>(metas.size()) != num_stages) {
-      absl::StrAppend(&why, path.string(), ": incomplete (", metas.size(), " of ", std::max(num_stages, 0),
-                      " stages); ");
-      continue;
-    }
+    if (skipped) *skipped = why;
+    return f;
+  }
+  if (skipped) *skipped = why;
+  return absl::NotFoundError(absl::StrCat(dir, ": no complete, intact checkpoint", why.empty() ? "" : ": ", why));
+}
+
+absl::StatusOr<Checkpoint> LoadLatestCheckpoint(const std::string& dir, std::string* skipped) {
+  auto steps = StepDirs(dir);
+  if (!steps.ok()) return steps.status();
+  std::string why;
+  for (const auto& [step, path] : *steps) {
+    auto metas = IntactStages(path, &why);
+    if (!metas) continue;
     Checkpoint c;
     c.step = step;
     c.path = path.string();
     bool ok = true;
-    for (const auto& [k, meta] : metas) {
-      const std::string shard = (path / meta["shard"].get<std::string>()).string();
-      std::ifstream in(shard, std::ios::binary);
-      std::stringstream ss;
-      ss << in.rdbuf();
-      if (!in.good() && !in.eof()) ok = false;
-      if (!ok || Sha256(ss.str()) != meta["sha256"].get<std::string>()) {
-        absl::StrAppend(&why, shard, ": checksum mismatch (truncated or corrupt); ");
-        ok = false;
-        break;
-      }
-      auto tensors = LoadParameters(shard);
+    for (const auto& [k, meta] : *metas) {
+      auto tensors = LoadParameters((path / meta["shard"].get<std::string>()).string());
       if (!tensors.ok()) {
         absl::StrAppend(&why, tensors.status().message(), "; ");
         ok = false;

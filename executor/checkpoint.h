@@ -10,6 +10,7 @@
 
 #include <map>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 
@@ -18,6 +19,15 @@ namespace meridian::executor {
 // Writes stage `stage` of `num_stages` for `step` (the number of completed steps). Thread-compatible.
 absl::Status WriteCheckpoint(const std::string& dir, int64_t step, int stage, int num_stages,
                              const std::map<std::string, torch::Tensor>& tensors);
+
+// The newest complete and intact checkpoint under `dir`, found as LoadLatestCheckpoint finds it (every
+// stage's JSON present, every shard's SHA-256 matching) without loading its tensors.
+struct CheckpointFiles {
+  int64_t step = 0;
+  std::string path;                // DIR/step-S
+  std::vector<std::string> files;  // in it: each stage's shard, then its JSON
+};
+absl::StatusOr<CheckpointFiles> FindLatestCheckpoint(const std::string& dir, std::string* skipped = nullptr);
 
 struct Checkpoint {
   int64_t step = 0;

@@ -37,51 +37,50 @@ grpc::Status Call(Fn fn, const Req& req, double seconds) {
   return fn(&ctx, req, &ack);
 }
 
-// Sends this stage's final parameters to the coordinator's run directory as weights/stage-K.safetensors
-// (PutFile): serialised to a local temporary file, then streamed in 1 MiB chunks with the file's SHA-256.
-// The deadline allows 1 MB/s plus a minute. Errors name the coordinator's answer.
-absl::Status SendWeights(v1::Coordinator::Stub* stub, const std::string& site, const std::string& job_id, int stage,
-                         const std::map<std::string, torch::Tensor>& params) {
+std::string HexDigest(EVP_MD_CTX* md) {
+  unsigned char d[EVP_MAX_MD_SIZE];
+  unsigned len = 0;
+  EVP_DigestFinal_ex(md, d, &len);
+  static const char* digits = "0123456789abcdef";
+  std::string hex;
+  for (unsigned i = 0; i < len; ++i) hex += digits[d[i] >> 4], hex += digits[d[i] & 15];
+  return hex;
+}
+
+using Md = std::unique_ptr<EVP_MD_CTX, void (*)(EVP_MD_CTX*)>;
+Md NewSha256() {
+  Md md(EVP_MD_CTX_new(), EVP_MD_CTX_free);
+  if (md && EVP_DigestInit_ex(md.get(), EVP_sha256(), nullptr) != 1) md.reset();
+  return md;
+}
+
+// Sends the local file `local` to the coordinator's run directory as `path` (PutFile), in 1 MiB chunks
+// with the file's SHA-256. The deadline allows 1 MB/s plus a minute. Errors name the file and the
+// coordinator's answer.
+absl::Status SendFile(v1::Coordinator::Stub* stub, const std::string& site, const std::string& job_id,
+                      const std::string& local, const std::string& path) {
   namespace fs = std::filesystem;
-  const fs::path tmp = fs::temp_directory_path() /
-                       absl::StrCat("meridian-", site, "-", ::getpid(), "-stage-", stage, ".safetensors");
-  struct Remove {
-    fs::path p;
-    ~Remove() { std::error_code ec; fs::remove(p, ec); }
-  } remove_tmp{tmp};
-  if (absl::Status s = SaveParameters(tmp.string(), params); !s.ok()) return s;
-  std::ifstream in(tmp, std::ios::binary);
-  if (!in) return absl::InternalError(absl::StrCat("cannot read back ", tmp.string()));
+  std::ifstream in(local, std::ios::binary);
   std::error_code ec;
-  const auto size = fs::file_size(tmp, ec);
-  const std::string path = absl::StrCat("weights/stage-", stage, ".safetensors");
-  std::unique_ptr<EVP_MD_CTX, void (*)(EVP_MD_CTX*)> md(EVP_MD_CTX_new(), EVP_MD_CTX_free);
-  if (!md || EVP_DigestInit_ex(md.get(), EVP_sha256(), nullptr) != 1) return absl::InternalError("cannot start SHA-256");
+  const auto size = fs::file_size(local, ec);
+  if (!in || ec) return absl::InternalError(absl::StrCat("cannot read ", local));
+  Md md = NewSha256();
+  if (!md) return absl::InternalError("cannot start SHA-256");
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60 + static_cast<int64_t>(size / 1000000)));
   v1::FileAck ack;
   auto writer = stub->PutFile(&ctx, &ack);
   std::string buf(size_t{1} << 20, '\0');
-  bool first = true, sent = true;
-  while (sent) {
+  for (bool first = true;; first = false) {
     in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
     const size_t n = static_cast<size_t>(in.gcount());
     v1::FileChunk c;
-    if (first) c.set_site(site), c.set_job_id(job_id), c.set_path(path), first = false;
+    if (first) c.set_site(site), c.set_job_id(job_id), c.set_path(path);
     c.set_data(buf.data(), n);
     EVP_DigestUpdate(md.get(), buf.data(), n);
     const bool last = !in;
-    if (last) {
-      unsigned char d[EVP_MAX_MD_SIZE];
-      unsigned len = 0;
-      EVP_DigestFinal_ex(md.get(), d, &len);
-      static const char* digits = "0123456789abcdef";
-      std::string hex;
-      for (unsigned i = 0; i < len; ++i) hex += digits[d[i] >> 4], hex += digits[d[i] & 15];
-      c.set_sha256(hex);
-    }
-    sent = writer->Write(c);
-    if (last) break;
+    if (last) c.set_sha256(HexDigest(md.get()));
+    if (!writer->Write(c) || last) break;
   }
   writer->WritesDone();
   grpc::Status s = writer->Finish();
@@ -91,6 +90,64 @@ absl::Status SendWeights(v1::Coordinator::Stub* stub, const std::string& site, c
   if (ack.bytes() != static_cast<int64_t>(size))
     return absl::DataLossError(absl::StrCat("the coordinator stored ", ack.bytes(), " bytes of ", path, ", not ", size));
   return absl::OkStatus();
+}
+
+// Fetches `path` of the coordinator's run directory (GetFile) into the local file `local`, checking the
+// SHA-256 the coordinator sends with the last chunk.
+absl::Status FetchFile(v1::Coordinator::Stub* stub, const std::string& site, const std::string& path,
+                       const std::string& local) {
+  std::filesystem::create_directories(std::filesystem::path(local).parent_path());
+  std::ofstream out(local, std::ios::binary | std::ios::trunc);
+  if (!out) return absl::InternalError(absl::StrCat("cannot write ", local));
+  Md md = NewSha256();
+  if (!md) return absl::InternalError("cannot start SHA-256");
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::hours(1));
+  v1::FileRequest req;
+  req.set_site(site);
+  req.set_path(path);
+  auto reader = stub->GetFile(&ctx, req);
+  v1::FileChunk c;
+  std::string want;
+  int64_t bytes = 0;
+  while (reader->Read(&c)) {
+    out.write(c.data().data(), static_cast<std::streamsize>(c.data().size()));
+    EVP_DigestUpdate(md.get(), c.data().data(), c.data().size());
+    bytes += static_cast<int64_t>(c.data().size());
+    if (!c.sha256().empty()) want = c.sha256();
+  }
+  grpc::Status s = reader->Finish();
+  out.close();
+  if (!s.ok()) return absl::UnavailableError(absl::StrCat("fetching ", path, " from the coordinator: ", s.error_message()));
+  if (!out) return absl::InternalError(absl::StrCat("writing ", local, " failed"));
+  if (want.empty() || HexDigest(md.get()) != want)
+    return absl::DataLossError(absl::StrCat("fetching ", path, " from the coordinator: SHA-256 mismatch over ", bytes,
+                                            " bytes"));
+  return absl::OkStatus();
+}
+
+// A directory of this process's own under the system's temporary directory, removed with this object.
+struct ScratchDir {
+  explicit ScratchDir(const std::string& name)
+      : path(std::filesystem::temp_directory_path() / absl::StrCat("meridian-", ::getpid(), "-", name)) {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+  ~ScratchDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+  std::filesystem::path path;
+};
+
+// Sends this stage's final parameters to the coordinator's run directory as weights/stage-K.safetensors.
+absl::Status SendWeights(v1::Coordinator::Stub* stub, const std::string& site, const std::string& job_id, int stage,
+                         const std::map<std::string, torch::Tensor>& params) {
+  ScratchDir tmp(absl::StrCat(site, "-weights"));
+  std::filesystem::create_directories(tmp.path);
+  const std::string local = (tmp.path / "stage.safetensors").string();
+  if (absl::Status s = SaveParameters(local, params); !s.ok()) return s;
+  return SendFile(stub, site, job_id, local, absl::StrCat("weights/stage-", stage, ".safetensors"));
 }
 
 // Sends metrics reports to the coordinator from its own thread, in order, so the training loop never
@@ -321,13 +378,36 @@ int RunJoined(const ExecutorOptions& o, const v1::RegisterResponse& reg, v1::Coo
         if (failure.ok()) failure = CheckSlice(setup->model, a.first_op, a.last_op);
         if (failure.ok()) {
           StageWorker worker(*setup, a, &inbox, o.certs, o.site, device, std::chrono::seconds(60));
-          const std::string ckpt_dir = core::ResolveRelative(pa.job_dir() + "/job.yaml", setup->job.checkpoint.dir);
+          // Checkpoints: job.checkpoint.dir (store: shared), or a scratch directory whose shards go to the
+          // coordinator (store: coordinator), from which a resumed stage fetches the step it is given.
+          const bool via_coordinator = pa.checkpoints_to_coordinator();
+          ScratchDir scratch(absl::StrCat(o.site, "-checkpoints"));
+          const std::string ckpt_dir =
+              via_coordinator ? (scratch.path / "out").string()
+                              : core::ResolveRelative(pa.job_dir() + "/job.yaml", setup->job.checkpoint.dir);
           const int interval = setup->job.checkpoint.interval;
           int start = 0;
-          if (pa.resume_step() != 0) {  // -1: the newest intact checkpoint
-            auto c = LoadLatestCheckpoint(ckpt_dir);
-            if (!c.ok()) failure = c.status();
-            else if (failure = worker.Restore(*c); failure.ok()) start = static_cast<int>(c->step);
+          if (pa.resume_step() != 0) {  // -1: the newest intact checkpoint; S > 0: step S (from the coordinator)
+            std::string from = ckpt_dir;
+            if (via_coordinator) {
+              from = (scratch.path / "in").string();
+              for (const auto& f : pa.resume_files()) {
+                if (f.rfind("checkpoints/", 0) != 0) {
+                  failure = absl::InvalidArgumentError(absl::StrCat("resume file '", f, "' is not under checkpoints/"));
+                  break;
+                }
+                failure = FetchFile(stub, o.site, f, (scratch.path / "in" / f.substr(12)).string());
+                if (!failure.ok()) break;
+              }
+            }
+            if (failure.ok()) {
+              auto c = LoadLatestCheckpoint(from);
+              if (!c.ok()) failure = c.status();
+              else if (via_coordinator && c->step != pa.resume_step())
+                failure = absl::DataLossError(absl::StrCat("the checkpoint fetched from the coordinator is step ",
+                                                           c->step, ", not the step ", pa.resume_step(), " assigned"));
+              else if (failure = worker.Restore(*c); failure.ok()) start = static_cast<int>(c->step);
+            }
           }
           if (failure.ok()) failure = worker.Connect();
           const int steps = pa.steps() > 0 ? pa.steps() : setup->job.steps;
@@ -353,8 +433,20 @@ int RunJoined(const ExecutorOptions& o, const v1::RegisterResponse& reg, v1::Coo
               m.set_stage(a.stage);
               reporter.Post(std::move(m));
             }
-            if (interval > 0 && (i + 1) % interval == 0 && worker.writes_shard())
+            if (interval > 0 && (i + 1) % interval == 0 && worker.writes_shard()) {
               failure = worker.SaveCheckpoint(ckpt_dir, i + 1);
+              if (failure.ok() && via_coordinator) {  // the shard first, its JSON last (it vouches for the shard)
+                const std::string step_dir = absl::StrCat(ckpt_dir, "/step-", i + 1);
+                for (const char* ext : {".safetensors", ".json"}) {
+                  const std::string name = absl::StrCat("stage-", a.stage, ext);
+                  failure = SendFile(stub, o.site, a.job_id, step_dir + "/" + name,
+                                     absl::StrCat("checkpoints/step-", i + 1, "/", name));
+                  if (!failure.ok()) break;
+                }
+                std::error_code ec;
+                std::filesystem::remove_all(step_dir, ec);
+              }
+            }
           }
           if (failure.ok()) failure = worker.Finish();
           if (failure.ok() && worker.writes_shard()) {

@@ -20,6 +20,16 @@ grpc::Status ToGrpc(const absl::Status& s) {
 
 constexpr size_t kMaxFileChunkBytes = size_t{4} << 20;
 
+// The files sites may send (PutFile) and fetch (GetFile), relative to the run directory.
+bool IsCheckpointFile(const std::string& path) {
+  static const std::regex kCheckpoint("checkpoints/step-[0-9]{1,9}/stage-[0-9]{1,6}\\.(safetensors|json)");
+  return std::regex_match(path, kCheckpoint);
+}
+bool IsRunFile(const std::string& path) {
+  static const std::regex kWeights("weights/stage-[0-9]{1,6}\\.safetensors");
+  return std::regex_match(path, kWeights) || IsCheckpointFile(path);
+}
+
 std::string Hex(const unsigned char* d, unsigned n) {
   static const char* digits = "0123456789abcdef";
   std::string h;
@@ -120,11 +130,11 @@ grpc::Status CoordinatorService::PutFile(grpc::ServerContext* ctx, grpc::ServerR
   if (!reader->Read(&chunk)) return {grpc::StatusCode::INVALID_ARGUMENT, "PutFile: the stream carried no chunk"};
   if (grpc::Status s = Authorise(ctx, chunk.site()); !s.ok()) return s;
   const std::string site = chunk.site(), path = chunk.path();
-  static const std::regex kAccepted("weights/stage-[0-9]{1,6}\\.safetensors");
-  if (!std::regex_match(path, kAccepted))
+  if (!IsRunFile(path))
     return {grpc::StatusCode::INVALID_ARGUMENT,
             absl::StrCat("PutFile from site '", site, "': path '", path,
-                         "' is not accepted (only weights/stage-K.safetensors)")};
+                         "' is not accepted (only weights/stage-K.safetensors and "
+                         "checkpoints/step-S/stage-K.safetensors or .json)")};
   auto dest = handler_->FileDestination(site, chunk.job_id(), path);
   if (!dest.ok()) return ToGrpc(dest.status());
   const std::string part = absl::StrCat(*dest, ".part-", site);
@@ -161,6 +171,41 @@ grpc::Status CoordinatorService::PutFile(grpc::ServerContext* ctx, grpc::ServerR
     return fail(grpc::StatusCode::INTERNAL, absl::StrCat("cannot rename ", part, " to ", *dest));
   ack->set_bytes(bytes);
   return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorService::GetFile(grpc::ServerContext* ctx, const v1::FileRequest* req,
+                                        grpc::ServerWriter<v1::FileChunk>* writer) {
+  if (grpc::Status s = Authorise(ctx, req->site()); !s.ok()) return s;
+  if (!IsCheckpointFile(req->path()))
+    return {grpc::StatusCode::INVALID_ARGUMENT,
+            absl::StrCat("GetFile from site '", req->site(), "': path '", req->path(),
+                         "' is not accepted (only checkpoints/step-S/stage-K.safetensors or .json)")};
+  auto src = handler_->FileSource(req->site(), req->path());
+  if (!src.ok()) return ToGrpc(src.status());
+  std::ifstream in(*src, std::ios::binary);
+  if (!in) return {grpc::StatusCode::NOT_FOUND, absl::StrCat("GetFile: cannot read ", req->path())};
+  std::unique_ptr<EVP_MD_CTX, void (*)(EVP_MD_CTX*)> md(EVP_MD_CTX_new(), EVP_MD_CTX_free);
+  if (!md || EVP_DigestInit_ex(md.get(), EVP_sha256(), nullptr) != 1)
+    return {grpc::StatusCode::INTERNAL, "cannot start SHA-256"};
+  std::string buf(size_t{1} << 20, '\0');
+  for (;;) {
+    in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
+    const size_t n = static_cast<size_t>(in.gcount());
+    if (in.bad()) return {grpc::StatusCode::INTERNAL, absl::StrCat("GetFile: reading ", req->path(), " failed")};
+    v1::FileChunk c;
+    c.set_path(req->path());
+    c.set_data(buf.data(), n);
+    EVP_DigestUpdate(md.get(), buf.data(), n);
+    const bool last = !in;
+    if (last) {
+      unsigned char d[EVP_MAX_MD_SIZE];
+      unsigned len = 0;
+      EVP_DigestFinal_ex(md.get(), d, &len);
+      c.set_sha256(Hex(d, len));
+    }
+    if (!writer->Write(c)) return {grpc::StatusCode::UNAVAILABLE, absl::StrCat("site '", req->site(), "' went away")};
+    if (last) return grpc::Status::OK;
+  }
 }
 
 }  // namespace meridian::rpc

@@ -40,6 +40,9 @@ class CoordinatorHandler {
   // that is over or a coordinator that keeps no files.
   virtual absl::StatusOr<std::string> FileDestination(const std::string& site, const std::string& job_id,
                                                       const std::string& path) = 0;
+  // The stored file `path` (relative to the run directory, already checked by the service) that `site`
+  // asks for: an absolute path. NotFound when there is no such file.
+  virtual absl::StatusOr<std::string> FileSource(const std::string& site, const std::string& path) = 0;
 };
 
 class CoordinatorService final : public v1::Coordinator::Service {
@@ -57,9 +60,13 @@ class CoordinatorService final : public v1::Coordinator::Service {
   grpc::Status Inspect(grpc::ServerContext* ctx, const v1::InspectRequest* req, v1::InspectResponse* resp) override;
   // Writes the stream to FileDestination's path + ".part-SITE", checks the size bound and the SHA-256,
   // then renames it into place; a refused or broken upload leaves nothing. Paths other than
-  // "weights/stage-K.safetensors" are refused (InvalidArgument) before the handler is asked.
+  // "weights/stage-K.safetensors" and "checkpoints/step-S/stage-K.{safetensors,json}" are refused
+  // (InvalidArgument) before the handler is asked.
   grpc::Status PutFile(grpc::ServerContext* ctx, grpc::ServerReader<v1::FileChunk>* reader,
                        v1::FileAck* ack) override;
+  // Streams FileSource's file in 1 MiB chunks, the SHA-256 with the last. Only checkpoint paths.
+  grpc::Status GetFile(grpc::ServerContext* ctx, const v1::FileRequest* req,
+                       grpc::ServerWriter<v1::FileChunk>* writer) override;
 
   // Calls that reached the handler (tests check that rejected calls never do).
   int64_t handled_calls() const { return handled_.load(); }

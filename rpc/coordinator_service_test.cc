@@ -67,6 +67,11 @@ class CountingHandler : public CoordinatorHandler {
     fs::create_directories(fs::path(store) / fs::path(path).parent_path());
     return (fs::path(store) / path).string();
   }
+  absl::StatusOr<std::string> FileSource(const std::string&, const std::string& path) override {
+    ++calls;
+    if (!fs::exists(fs::path(store) / path)) return absl::NotFoundError("no " + path);
+    return (fs::path(store) / path).string();
+  }
   std::atomic<int> calls{0};
   std::string store;
 };
@@ -242,7 +247,7 @@ TEST_F(CoordinatorAuthTest, PutFileStoresTheWholeFileOrNothing) {
 
   const int before = handler_.calls.load();
   for (const char* path : {"../escape", "weights/../../escape", "/etc/passwd", "weights/stage-1.safetensors.x",
-                           "checkpoints/step-1/stage-0.json", ""}) {
+                           "checkpoints/step-1/../stage-0.json", "checkpoints/x/stage-0.json", ""}) {
     grpc::Status s = Upload(dir_ / "ours", port_, "a", "a", "job-1", path, "x", 1);
     EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << path;
   }
@@ -251,6 +256,51 @@ TEST_F(CoordinatorAuthTest, PutFileStoresTheWholeFileOrNothing) {
   EXPECT_EQ(other.error_code(), grpc::StatusCode::PERMISSION_DENIED);
   EXPECT_EQ(handler_.calls.load(), before);
   EXPECT_TRUE(nothing_left());
+}
+
+// A site fetches a checkpoint file back: the same bytes with their SHA-256; only checkpoint paths, only
+// files the coordinator has, only as itself.
+TEST_F(CoordinatorAuthTest, GetFileReturnsAStoredCheckpointFile) {
+  std::string data(3 * 1000 * 1000 + 11, '\0');
+  std::mt19937 rng(6);
+  for (auto& c : data) c = static_cast<char>(rng());
+  const std::string path = "checkpoints/step-4/stage-1.safetensors";
+  ASSERT_TRUE(Upload(dir_ / "ours", port_, "a", "a", "job-1", path, data, 1 << 20).ok());
+  auto fetch = [&](const std::string& site, const std::string& claimed, const std::string& p, std::string* out,
+                   std::string* sha) {
+    auto creds = MakeChannelCredentials((dir_ / "ours").string(), site);
+    auto stub = v1::Coordinator::NewStub(
+        grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(port_), *creds, PeerChannelArguments("coordinator")));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    v1::FileRequest req;
+    req.set_site(claimed);
+    req.set_path(p);
+    auto reader = stub->GetFile(&ctx, req);
+    v1::FileChunk c;
+    while (reader->Read(&c)) {
+      *out += c.data();
+      if (!c.sha256().empty()) *sha = c.sha256();
+    }
+    return reader->Finish();
+  };
+  std::string got, sha;
+  grpc::Status s = fetch("b", "b", path, &got, &sha);  // any site of the cluster may fetch
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_TRUE(got == data) << got.size() << " bytes";
+  unsigned char d[EVP_MAX_MD_SIZE];
+  unsigned n = 0;
+  EVP_Digest(data.data(), data.size(), d, &n, EVP_sha256(), nullptr);
+  std::ostringstream hex;
+  for (unsigned i = 0; i < n; ++i) hex << std::hex << (d[i] >> 4) << (d[i] & 15);
+  EXPECT_EQ(sha, hex.str());
+  got.clear();
+  EXPECT_EQ(fetch("b", "b", "checkpoints/step-5/stage-1.safetensors", &got, &sha).error_code(),
+            grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(fetch("b", "b", "weights/stage-1.safetensors", &got, &sha).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(fetch("b", "b", "checkpoints/step-4/../../x", &got, &sha).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(fetch("b", "a", path, &got, &sha).error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_TRUE(got.empty());
 }
 
 }  // namespace

@@ -360,6 +360,36 @@ TEST_F(CoordinatorTest, KilledReplicaIsReplannedAroundAndTheRunEndsWhereAnUninte
   ExpectWeightsOfTheReference(dir_);
 }
 
+// job.checkpoint.store: coordinator -- no storage shared by the sites: the stages send their checkpoint
+// shards to the coordinator (RUN/checkpoints) and never write job.checkpoint.dir; b is killed mid-run, the
+// coordinator picks the newest intact step it holds, and the stages of the new plan fetch it from there
+// and end where an uninterrupted run would.
+TEST_F(CoordinatorTest, CheckpointsKeptByTheCoordinatorCarryARunOverALostSite) {
+  SetSteps(120);
+  std::ofstream(dir_ / "job.yaml", std::ios::app)
+      << "  checkpoint: {dir: ckpt, interval: 10, store: coordinator}\n  replication: false\n";
+  std::ofstream(dir_ / "plan.json") << R"({"stages": [{"sites": ["a"], "last_op": 2}, {"sites": ["b"], "last_op": 5}]})";
+  auto coord = Coordinator("--plan " + (dir_ / "plan.json").string());
+  std::this_thread::sleep_for(500ms);
+  auto a = Executor("a"), b = Executor("b"), c = Executor("c");
+  std::string log;
+  ASSERT_TRUE(ReadUntilStep(coord.get(), 25, &log)) << log;
+  ASSERT_EQ(coord->Wait(1ms), -1) << log;
+  ASSERT_EQ(KillAndAwaitTheRunsEnd(coord.get(), b.get(), "b", &log), 0) << log;
+  EXPECT_THAT(log, ContainsRegex("resuming from step [1-9][0-9]* of the coordinator's checkpoints"));
+  EXPECT_THAT(log, HasSubstr("done: 120 steps"));
+  EXPECT_FALSE(fs::exists(dir_ / "ckpt")) << "a site wrote the shared checkpoint directory";
+  EXPECT_TRUE(fs::exists(dir_ / "run" / "checkpoints" / "step-10" / "stage-0.json"));
+  EXPECT_TRUE(fs::exists(dir_ / "run" / "checkpoints" / "step-10" / "stage-1.safetensors"));
+  int fetched = 0;
+  for (const char* site : {"a", "c"}) {
+    std::ifstream in(dir_ / "run" / "sites" / (std::string(site) + ".log"));
+    for (std::string l; std::getline(in, l);) fetched += l.find("fetching checkpoints/step-") != std::string::npos;
+  }
+  EXPECT_GE(fetched, 2);  // at least each stage's own shard and JSON
+  ExpectWeightsOfTheReference(dir_);
+}
+
 // A site stopped (SIGSTOP) for 3x the heartbeat timeout is detected; with on_failure: wait the run
 // waits for it, and once it answers again every stage (on all three sites) resumes from the newest
 // checkpoint and ends where an uninterrupted run would.
