@@ -560,6 +560,11 @@ class RunDriver {
       if (p.step > shown) {
         shown = p.step;
         ReportStep(attempt, used, p);
+        // The coordinator's checkpoint store keeps job.checkpoint.keep complete steps (the stages prune a
+        // shared directory themselves).
+        if (in_.job.checkpoint.store == "coordinator" && in_.job.checkpoint.interval > 0 &&
+            (p.step + 1) % in_.job.checkpoint.interval == 0)
+          executor::PruneCheckpoints(in_.run_dir + "/checkpoints", in_.job.checkpoint.keep, p.step + 1);
       }
       for (const auto& [name, s] : coord_.Snapshot())
         if (s.done && !s.done->error().empty() && end.failure.empty()) {

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 #include <optional>
+#include <set>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -125,6 +126,32 @@ std::optional<std::map<int, nlohmann::json>> IntactStages(const fs::path& path, 
 }
 
 }  // namespace
+
+int PruneCheckpoints(const std::string& dir, int keep, int64_t newest) {
+  auto steps = StepDirs(dir);
+  if (!steps.ok()) return 0;
+  int complete = 0, removed = 0;
+  for (const auto& [step, path] : *steps) {  // newest first
+    if (step > newest) continue;             // another run's
+    if (step < newest && complete >= keep) {
+      std::error_code ec;
+      removed += fs::remove_all(path, ec) > 0;
+      continue;
+    }
+    int num_stages = -1;
+    std::set<int> stages;
+    for (const auto& e : fs::directory_iterator(path)) {
+      if (e.path().extension() != ".json") continue;
+      std::ifstream in(e.path());
+      auto j = nlohmann::json::parse(in, nullptr, false);
+      if (j.is_discarded() || !j["stage"].is_number_integer() || !j["num_stages"].is_number_integer()) continue;
+      num_stages = j["num_stages"].get<int>();
+      stages.insert(j["stage"].get<int>());
+    }
+    complete += num_stages > 0 && static_cast<int>(stages.size()) == num_stages;
+  }
+  return removed;
+}
 
 absl::StatusOr<CheckpointFiles> FindLatestCheckpoint(const std::string& dir, std::string* skipped) {
   auto steps = StepDirs(dir);

@@ -29,6 +29,13 @@ struct CheckpointFiles {
 };
 absl::StatusOr<CheckpointFiles> FindLatestCheckpoint(const std::string& dir, std::string* skipped = nullptr);
 
+// After step `step`'s checkpoint: keeps the newest `keep` complete step directories under `dir` up to
+// `step` (every stage's JSON present; shards are not hashed) and removes the older step directories,
+// complete or not. `step` itself stays whatever its state (stages may still be writing it), and so does
+// every step above it (another run's: this run will overwrite or never reach them). Returns how many
+// directories were removed. REQUIRES: keep >= 1. Call it from one writer per directory.
+int PruneCheckpoints(const std::string& dir, int keep, int64_t step);
+
 struct Checkpoint {
   int64_t step = 0;
   std::map<std::string, torch::Tensor> tensors;  // parameters and optimizer moments of every stage

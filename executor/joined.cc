@@ -435,6 +435,8 @@ int RunJoined(const ExecutorOptions& o, const v1::RegisterResponse& reg, v1::Coo
             }
             if (interval > 0 && (i + 1) % interval == 0 && worker.writes_shard()) {
               failure = worker.SaveCheckpoint(ckpt_dir, i + 1);
+              if (failure.ok() && !via_coordinator && a.stage == 0)  // one pruner per shared directory
+                PruneCheckpoints(ckpt_dir, setup->job.checkpoint.keep, i + 1);
               if (failure.ok() && via_coordinator) {  // the shard first, its JSON last (it vouches for the shard)
                 const std::string step_dir = absl::StrCat(ckpt_dir, "/step-", i + 1);
                 for (const char* ext : {".safetensors", ".json"}) {

@@ -1,5 +1,6 @@
 // The libtorch LLaMA against an independent Python implementation (tests/llama_oracle.py, python3-torch).
 #include "executor/llama.h"
+#include "executor/checkpoint.h"
 #include "executor/replica_sync.h"
 
 #include <gmock/gmock.h>
@@ -218,6 +219,39 @@ TEST(GradientAverager, StepsCanBeAbandonedAndFinishSetsTheFinalGradient) {
   EXPECT_TRUE(torch::allclose(w.grad(), torch::full({3, 2}, 5.0)));
   EXPECT_EQ(avg.buckets_synced(), 1);
   EXPECT_EQ(avg.buckets_during_backward(), 1);
+}
+
+
+// checkpoint.keep: the newest `keep` complete steps stay, newer incomplete ones (being written) stay,
+// everything older goes; FindLatestCheckpoint names the newest intact step's files.
+TEST(Checkpoints, PruneKeepsTheNewestCompleteStepsAndFindNamesTheNewestIntactOne) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("meridian_prune_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  auto t = [](float v) { return std::map<std::string, torch::Tensor>{{"w", torch::full({4}, v)}}; };
+  for (int step : {2, 4, 6, 8})
+    for (int stage = 0; stage < 2; ++stage)
+      if (step != 8 || stage == 0) ASSERT_TRUE(WriteCheckpoint(dir.string(), step, stage, 2, t(step)).ok());
+  fs::create_directories(dir / "step-1");   // an old, incomplete attempt
+  fs::create_directories(dir / "step-90");  // another run's, above the step just written
+  EXPECT_EQ(PruneCheckpoints(dir.string(), 2, 8), 2);
+  for (int step : {1, 2}) EXPECT_FALSE(fs::exists(dir / ("step-" + std::to_string(step)))) << step;
+  for (int step : {4, 6, 8, 90}) EXPECT_TRUE(fs::exists(dir / ("step-" + std::to_string(step)))) << step;
+  fs::remove(dir / "step-90");
+  // Pruning after step 4 touches nothing above step 4, and only step 4 is left at or below it.
+  EXPECT_EQ(PruneCheckpoints(dir.string(), 2, 4), 0);
+  auto found = FindLatestCheckpoint(dir.string());
+  ASSERT_TRUE(found.ok()) << found.status();
+  EXPECT_EQ(found->step, 6);  // step 8 is incomplete
+  EXPECT_EQ(found->files, (std::vector<std::string>{"stage-0.safetensors", "stage-0.json", "stage-1.safetensors",
+                                                    "stage-1.json"}));
+  fs::resize_file(dir / "step-6" / "stage-1.safetensors", 10);  // corrupt: the step before is the newest intact
+  std::string skipped;
+  found = FindLatestCheckpoint(dir.string(), &skipped);
+  ASSERT_TRUE(found.ok());
+  EXPECT_EQ(found->step, 4);
+  EXPECT_THAT(skipped, ::testing::HasSubstr("checksum mismatch"));
+  fs::remove_all(dir);
 }
 
 }  // namespace meridian::executor

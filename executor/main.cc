@@ -95,8 +95,10 @@ int RunStatic(const executor::ExecutorOptions& o, const std::string& assignment_
     auto loss = worker.Step(step, setup->job.steps);  // the schedule spans the job, whatever this run covers
     if (!loss.ok()) return fail(loss.status());
     if (loss->has_value()) std::cout << "step " << step << " loss " << **loss << std::endl;
-    if (interval > 0 && (step + 1) % interval == 0 && worker.writes_shard())
+    if (interval > 0 && (step + 1) % interval == 0 && worker.writes_shard()) {
       if (auto s = worker.SaveCheckpoint(ckpt_dir, step + 1); !s.ok()) return fail(s);
+      if (a->stage == 0) executor::PruneCheckpoints(ckpt_dir, setup->job.checkpoint.keep, step + 1);  // one pruner
+    }
   }
   if (auto s = worker.Finish(); !s.ok()) return fail(s);
   if (!out_dir.empty() && worker.writes_shard()) {
