@@ -1,5 +1,6 @@
 #include "coordinator/coordinator.h"
 
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 
@@ -136,30 +137,69 @@ void Coordinator::SetFileDir(const std::string& dir) {
   file_dir_ = dir;
 }
 
-absl::StatusOr<std::string> Coordinator::FileDestination(const std::string& site, const std::string& job_id,
-                                                         const std::string& path) {
+void Coordinator::SetFileWriters(std::map<std::string, int> writers, int64_t max_step, int64_t max_bytes) {
+  std::lock_guard<std::mutex> l(mu_);
+  file_writers_ = std::move(writers);
+  file_max_step_ = max_step;
+  file_max_bytes_ = max_bytes;
+}
+
+absl::StatusOr<rpc::CoordinatorHandler::FileGrant> Coordinator::FileDestination(const std::string& site,
+                                                                               const std::string& job_id,
+                                                                               const std::string& path) {
+  // The service admits only weights/stage-K.safetensors and checkpoints/step-S/stage-K.{safetensors,json}.
+  long long step = 0;
+  int stage = -1;
+  if (std::sscanf(path.c_str(), "weights/stage-%d.", &stage) != 1 &&
+      std::sscanf(path.c_str(), "checkpoints/step-%lld/stage-%d.", &step, &stage) != 2)
+    return absl::InvalidArgumentError(absl::StrCat("site '", site, "': ", path, " names no stage"));
+  FileGrant grant;
   std::string dir;
   {
     std::lock_guard<std::mutex> l(mu_);
-    if (file_dir_.empty()) return absl::FailedPreconditionError("this coordinator keeps no files");
+    if (file_dir_.empty())
+      return absl::FailedPreconditionError(absl::StrCat("site '", site, "' sent ", path, ", but this coordinator keeps no files"));
     if (job_id != job_id_)
       return absl::FailedPreconditionError(absl::StrCat("site '", site, "' sent ", path, " of attempt '", job_id,
                                                         "', but the attempt now running is '", job_id_, "'"));
+    auto w = file_writers_.find(site);
+    if (w == file_writers_.end())
+      return absl::PermissionDeniedError(absl::StrCat("site '", site, "' sent ", path, ", but it writes no stage's files in attempt '", job_id_, "'"));
+    if (w->second != stage)
+      return absl::PermissionDeniedError(absl::StrCat("site '", site, "' sent ", path, ", but it writes stage ", w->second,
+                                                      "'s files, not stage ", stage, "'s"));
+    if (step > file_max_step_)
+      return absl::InvalidArgumentError(absl::StrCat("site '", site, "' sent ", path, ", a step beyond the job's ", file_max_step_));
     dir = file_dir_;
+    grant.max_bytes = file_max_bytes_;
   }
   const std::filesystem::path dest = std::filesystem::path(dir) / path;
   std::error_code ec;
   std::filesystem::create_directories(dest.parent_path(), ec);
-  if (ec) return absl::InternalError(absl::StrCat("cannot create ", dest.parent_path().string(), ": ", ec.message()));
-  LogSite(site, absl::StrCat("sending ", path));
-  return dest.string();
+  if (ec)
+    return absl::InternalError(absl::StrCat("site '", site, "' sent ", path, ": cannot create ", dest.parent_path().string(), ": ", ec.message()));
+  grant.path = dest.string();
+  return grant;
+}
+
+absl::Status Coordinator::FileComplete(const std::string& site, const std::string& job_id, const std::string& path,
+                                       int64_t bytes) {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (job_id != job_id_)
+      return absl::FailedPreconditionError(absl::StrCat("site '", site, "' sent ", path, " of attempt '", job_id,
+                                                        "', which ended while it arrived"));
+  }
+  LogSite(site, absl::StrCat("sent ", path, " (", bytes, " bytes)"));
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::string> Coordinator::FileSource(const std::string& site, const std::string& path) {
   std::string dir;
   {
     std::lock_guard<std::mutex> l(mu_);
-    if (file_dir_.empty()) return absl::FailedPreconditionError("this coordinator keeps no files");
+    if (file_dir_.empty())
+      return absl::FailedPreconditionError(absl::StrCat("site '", site, "' asked for ", path, ", but this coordinator keeps no files"));
     dir = file_dir_;
   }
   const std::filesystem::path src = std::filesystem::path(dir) / path;
@@ -223,6 +263,7 @@ void Coordinator::BeginJob(const std::string& job_id) {
   {
     std::lock_guard<std::mutex> l(mu_);
     job_id_ = job_id;
+    file_writers_.clear();
     for (auto& [name, site] : sites_) site.done.reset(), site.metrics.reset();
     progress_.step = -1;
   }

@@ -54,13 +54,19 @@ class Coordinator : public rpc::CoordinatorHandler {
   absl::Status Profile(const v1::ProfileReport& r) override;
   absl::Status Done(const v1::StageDone& d) override;
   absl::StatusOr<v1::InspectResponse> Inspect() override;
-  absl::StatusOr<std::string> FileDestination(const std::string& site, const std::string& job_id,
-                                              const std::string& path) override;
+  absl::StatusOr<FileGrant> FileDestination(const std::string& site, const std::string& job_id,
+                                            const std::string& path) override;
+  absl::Status FileComplete(const std::string& site, const std::string& job_id, const std::string& path,
+                            int64_t bytes) override;
   absl::StatusOr<std::string> FileSource(const std::string& site, const std::string& path) override;
 
   // For the run loop.
   // The run directory: files the sites send (PutFile) are stored under it. Until set, none is accepted.
   void SetFileDir(const std::string& dir);
+  // Who may send files in the attempt begun with BeginJob: `writers` maps a site to the stage whose
+  // weights and checkpoint shards it writes (replica 0 of it); checkpoint steps up to `max_step`; files up
+  // to `max_bytes`. BeginJob clears it.
+  void SetFileWriters(std::map<std::string, int> writers, int64_t max_step, int64_t max_bytes);
   // What Inspect reports besides the live state: the run's profile, graph and current plan (JSON).
   void SetRunInfo(std::string profile_json, std::string graph_json, std::string plan_json);
   // Per-site logs: from now on every event about a site (join, heartbeats lost and back, measurements,
@@ -68,8 +74,8 @@ class Coordinator : public rpc::CoordinatorHandler {
   // timestamp to DIR/<site>.log. Also used by the run loop for its own decisions about a site.
   void SetLogDir(const std::string& dir);
   void LogSite(const std::string& site, const std::string& text);
-  // Starts an attempt at the job: forgets every site's StageDone and the progress step (the tokens
-  // count on); from now on Done and Metrics reports of other job ids are ignored.
+  // Starts an attempt at the job: forgets every site's StageDone, the progress step (the tokens count on)
+  // and who may send files; from now on Done and Metrics reports of other job ids are ignored.
   void BeginJob(const std::string& job_id);
   void Send(const std::string& site, v1::Command c);
   void StopAll();
@@ -93,7 +99,9 @@ class Coordinator : public rpc::CoordinatorHandler {
   Progress progress_;
   std::string job_id_;
   std::string profile_json_, graph_json_, plan_json_;
-  std::string file_dir_;  // guarded by mu_
+  std::string file_dir_;  // guarded by mu_, as the three below
+  std::map<std::string, int> file_writers_;
+  int64_t file_max_step_ = 0, file_max_bytes_ = 0;
   std::string log_dir_;  // guarded by log_mu_
   std::map<std::string, std::ofstream> log_files_;  // by site, guarded by log_mu_; lines are flushed
   std::mutex log_mu_;    // taken after mu_ when both are held

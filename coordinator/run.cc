@@ -50,7 +50,9 @@ void AddRunOptions(CLI::App* cmd, RunOptions* o) {
   cmd->add_option("--steps", o->steps, "Optimizer steps (default: the job's)")->check(CLI::Range(1, 100000000));
   cmd->add_option("--join-timeout", o->join_timeout_seconds, "Seconds to wait for the sites (0: forever)");
   cmd->add_option("--micro-batches", o->micro_batches, "Micro-batches per step (default: the job's)");
-  cmd->add_flag("--resume", o->resume, "Continue from the newest intact checkpoint of job.checkpoint.dir");
+  cmd->add_flag("--resume", o->resume,
+                "Continue from the newest intact checkpoint (of job.checkpoint.dir, or of RUN/checkpoints with "
+                "job.checkpoint.store: coordinator)");
   cmd->add_option("--eval-examples", o->eval_examples,
                   "Held-out examples scored by exact match before and after training (JSONL jobs; 0: none)")
       ->check(CLI::NonNegativeNumber);
@@ -235,7 +237,8 @@ class RunDriver {
     // Plan, assign, supervise. When a site is lost (no heartbeat for the spec's timeout), the others
     // abandon the attempt; the coordinator re-plans over the sites left (on_failure: replan) or waits for
     // the lost ones to rejoin (on_failure: wait), and every stage resumes from the newest intact
-    // checkpoint (job.checkpoint.dir must be storage every site reads, e.g. a shared mount).
+    // checkpoint: of job.checkpoint.dir, which must then be storage every site reads (e.g. a shared mount),
+    // or of RUN/checkpoints with job.checkpoint.store: coordinator.
     resume_ = o_.resume;
     t0_ = Clock::now();
     for (int attempt = 0;; ++attempt) {
@@ -467,7 +470,11 @@ class RunDriver {
                                               " (job.checkpoint.store: coordinator keeps checkpoints in RUN/checkpoints)"));
     if (!skipped.empty()) std::cout << "checkpoints skipped: " << skipped << "\n";
     resume_step_ = found->step;
-    for (const auto& f : found->files) resume_files_.push_back(absl::StrCat("checkpoints/step-", found->step, "/", f));
+    const std::string step_dir = fs::path(found->path).filename().string();  // "step-S"
+    for (const auto& f : found->files) resume_files_.push_back(absl::StrCat("checkpoints/", step_dir, "/", f));
+    std::string problems;
+    executor::RemoveCheckpointsAbove(in_.run_dir + "/checkpoints", found->step, &problems);
+    if (!problems.empty()) std::cout << "checkpoints: " << problems << "\n";
     std::cout << "resuming from step " << found->step << " of the coordinator's checkpoints (" << found->path << ")\n"
               << std::flush;
     return absl::OkStatus();
@@ -502,6 +509,15 @@ class RunDriver {
         g->add_micro_batches(st[k].micro_batches[i]);
       }
     };
+    // Replica 0 of each stage sends its weights and checkpoint shards. A shard holds at most the model's
+    // training state (weights and AdamW moments, within param_bytes + optimizer_bytes of the graph), plus
+    // its header: twice that bounds any file a site may send.
+    std::map<std::string, int> writers;
+    for (size_t k = 0; k < st.size(); ++k) writers[st[k].site_names[0]] = static_cast<int>(k);
+    double state_bytes = 0;
+    for (const auto& op : graph_.ops) state_bytes += op.param_bytes + op.optimizer_bytes;
+    coord_.SetFileWriters(std::move(writers), in_.job.steps,
+                          static_cast<int64_t>(2 * state_bytes) + (int64_t{64} << 20));
     for (size_t k = 0; k < st.size(); ++k) {
       for (const auto& site : st[k].site_names) {  // every replica of the stage gets the same assignment
         v1::Command c;
@@ -539,7 +555,10 @@ class RunDriver {
       }
     }
     std::cout << "training: " << st.size() << " stages, " << in_.steps << " steps"
-              << (resume_ ? ", resuming from the newest intact checkpoint" : "") << "\n" << std::flush;
+              << (!resume_ ? ""
+                  : resume_step_ > 0 ? absl::StrCat(", resuming from step ", resume_step_, " (the coordinator's checkpoints)")
+                                     : ", resuming from the newest intact checkpoint")
+              << "\n" << std::flush;
     return used;
   }
 
@@ -562,9 +581,15 @@ class RunDriver {
         ReportStep(attempt, used, p);
         // The coordinator's checkpoint store keeps job.checkpoint.keep complete steps (the stages prune a
         // shared directory themselves).
-        if (in_.job.checkpoint.store == "coordinator" && in_.job.checkpoint.interval > 0 &&
-            (p.step + 1) % in_.job.checkpoint.interval == 0)
-          executor::PruneCheckpoints(in_.run_dir + "/checkpoints", in_.job.checkpoint.keep, p.step + 1);
+        if (in_.job.checkpoint.store == "coordinator" && in_.job.checkpoint.interval > 0) {
+          const int64_t newest = (p.step + 1) / in_.job.checkpoint.interval * in_.job.checkpoint.interval;
+          if (newest > pruned_at_) {  // steps seen every 500 ms: some multiples of the interval pass unseen
+            pruned_at_ = newest;
+            std::string problems;
+            executor::PruneCheckpoints(in_.run_dir + "/checkpoints", in_.job.checkpoint.keep, newest, &problems);
+            if (!problems.empty()) std::cout << "checkpoints: " << problems << "\n";
+          }
+        }
       }
       for (const auto& [name, s] : coord_.Snapshot())
         if (s.done && !s.done->error().empty() && end.failure.empty()) {
@@ -719,6 +744,7 @@ class RunDriver {
   bool resume_ = false;                             // stages start from a checkpoint
   int64_t resume_step_ = 0;                         // FindResumePoint's: -1 newest in the shared directory
   std::vector<std::string> resume_files_;           // store: coordinator: the files of resume_step_
+  int64_t pruned_at_ = 0;                           // the newest step the store was last pruned after
   Clock::time_point t0_;                            // training's start (first attempt)
 };
 

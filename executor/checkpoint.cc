@@ -2,7 +2,12 @@
 
 #include <openssl/evp.h>
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <optional>
@@ -29,6 +34,17 @@ std::string Sha256(const std::string& data) {
   return hex;
 }
 
+// Flushes `path`'s data to the device (before it is renamed into place, so a crash leaves the old file
+// or the whole new one).
+absl::Status SyncFile(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  if (fd < 0) return absl::InternalError(absl::StrCat(path, ": cannot open to sync: ", std::strerror(errno)));
+  const int rc = ::fsync(fd);
+  ::close(fd);
+  if (rc != 0) return absl::InternalError(absl::StrCat(path, ": fsync failed: ", std::strerror(errno)));
+  return absl::OkStatus();
+}
+
 absl::Status WriteText(const std::string& path, const std::string& text) {
   std::string tmp = path + ".tmp";
   {
@@ -37,6 +53,7 @@ absl::Status WriteText(const std::string& path, const std::string& text) {
     out.flush();
     if (!out) return absl::InternalError(absl::StrCat(tmp, ": cannot write"));
   }
+  if (absl::Status s = SyncFile(tmp); !s.ok()) return s;
   std::error_code ec;
   fs::rename(tmp, path, ec);
   if (ec) return absl::InternalError(absl::StrCat(path, ": cannot rename into place: ", ec.message()));
@@ -53,6 +70,7 @@ absl::Status WriteCheckpoint(const std::string& dir, int64_t step, int stage, in
   if (ec) return absl::InternalError(absl::StrCat(sdir, ": cannot create: ", ec.message()));
   const std::string shard = absl::StrCat(sdir, "/stage-", stage, ".safetensors");
   if (absl::Status s = SaveParameters(shard, tensors); !s.ok()) return s;
+  if (absl::Status s = SyncFile(shard); !s.ok()) return s;
   std::ifstream in(shard, std::ios::binary);
   std::stringstream ss;
   ss << in.rdbuf();
@@ -72,10 +90,12 @@ absl::StatusOr<std::vector<std::pair<int64_t, fs::path>>> StepDirs(const std::st
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(dir, ec)) {
     const std::string name = e.path().filename().string();
-    if (e.is_directory() && name.rfind("step-", 0) == 0) {
+    std::error_code kind;
+    if (e.is_directory(kind) && name.rfind("step-", 0) == 0) {
       char* end = nullptr;
       long long n = std::strtoll(name.c_str() + 5, &end, 10);
-      if (*end == '\0') steps.push_back({n, e.path()});
+      // Only canonical names ("step-7", not "step-007"): a step has one directory.
+      if (*end == '\0' && n > 0 && name == absl::StrCat("step-", n)) steps.push_back({n, e.path()});
     }
   }
   if (ec) return absl::NotFoundError(absl::StrCat(dir, ": no checkpoints (", ec.message(), ")"));
@@ -83,26 +103,35 @@ absl::StatusOr<std::vector<std::pair<int64_t, fs::path>>> StepDirs(const std::st
   return steps;
 }
 
-// The stage JSONs of step directory `path` by stage, when they make a complete checkpoint whose shards
-// match their SHA-256; otherwise nullopt, with the reason appended to `why`.
-std::optional<std::map<int, nlohmann::json>> IntactStages(const fs::path& path, std::string* why) {
-  // Find the stage count from any stage JSON, then require all of them.
+// The stage JSONs of step directory `path` by stage, when they make a complete checkpoint: objects with
+// integer stage in [0, num_stages), one partition (the same num_stages), every stage present, each naming
+// its shard "stage-K.safetensors" -- and, with `hash`, every shard matching its SHA-256. Otherwise
+// nullopt, with the reason appended to `why`.
+std::optional<std::map<int, nlohmann::json>> IntactStages(const fs::path& path, std::string* why, bool hash) {
   int num_stages = -1;
   bool mixed = false;
   std::map<int, nlohmann::json> metas;
-  for (const auto& e : fs::directory_iterator(path)) {
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(path, ec)) {
     if (e.path().extension() != ".json") continue;
     std::ifstream in(e.path());
     auto j = nlohmann::json::parse(in, nullptr, false);
-    if (j.is_discarded() || !j.contains("stage") || !j.contains("num_stages") || !j["stage"].is_number_integer() ||
-        !j["num_stages"].is_number_integer() || !j.contains("sha256") || !j.contains("shard") ||
-        !j["shard"].is_string() || !j["sha256"].is_string())
+    if (j.is_discarded() || !j.is_object() || !j.contains("stage") || !j.contains("num_stages") ||
+        !j["stage"].is_number_integer() || !j["num_stages"].is_number_integer() || !j.contains("sha256") ||
+        !j.contains("shard") || !j["shard"].is_string() || !j["sha256"].is_string())
+      continue;
+    const int stage = j["stage"].get<int>(), n = j["num_stages"].get<int>();
+    if (n <= 0 || stage < 0 || stage >= n || j["shard"].get<std::string>() != absl::StrCat("stage-", stage, ".safetensors"))
       continue;
     // Shards of two partitions in one step directory (a resumed run re-cut the model and died while
     // writing) do not make a checkpoint.
-    if (num_stages >= 0 && j["num_stages"].get<int>() != num_stages) mixed = true;
-    num_stages = j["num_stages"].get<int>();
-    metas[j["stage"].get<int>()] = j;
+    if (num_stages >= 0 && n != num_stages) mixed = true;
+    num_stages = n;
+    metas[stage] = j;
+  }
+  if (ec) {
+    absl::StrAppend(why, path.string(), ": cannot list (", ec.message(), "); ");
+    return std::nullopt;
   }
   if (mixed) {
     absl::StrAppend(why, path.string(), ": shards of different partitions; ");
@@ -112,6 +141,7 @@ std::optional<std::map<int, nlohmann::json>> IntactStages(const fs::path& path, 
     absl::StrAppend(why, path.string(), ": incomplete (", metas.size(), " of ", std::max(num_stages, 0), " stages); ");
     return std::nullopt;
   }
+  if (!hash) return metas;
   for (const auto& [k, meta] : metas) {
     const std::string shard = (path / meta["shard"].get<std::string>()).string();
     std::ifstream in(shard, std::ios::binary);
@@ -127,28 +157,35 @@ std::optional<std::map<int, nlohmann::json>> IntactStages(const fs::path& path, 
 
 }  // namespace
 
-int PruneCheckpoints(const std::string& dir, int keep, int64_t newest) {
+int PruneCheckpoints(const std::string& dir, int keep, int64_t newest, std::string* problems) {
   auto steps = StepDirs(dir);
   if (!steps.ok()) return 0;
   int complete = 0, removed = 0;
+  std::string why;
   for (const auto& [step, path] : *steps) {  // newest first
     if (step > newest) continue;             // another run's
     if (step < newest && complete >= keep) {
       std::error_code ec;
-      removed += fs::remove_all(path, ec) > 0;
+      fs::remove_all(path, ec);
+      if (ec && problems) absl::StrAppend(problems, path.string(), ": cannot remove (", ec.message(), "); ");
+      removed += !ec;
       continue;
     }
-    int num_stages = -1;
-    std::set<int> stages;
-    for (const auto& e : fs::directory_iterator(path)) {
-      if (e.path().extension() != ".json") continue;
-      std::ifstream in(e.path());
-      auto j = nlohmann::json::parse(in, nullptr, false);
-      if (j.is_discarded() || !j["stage"].is_number_integer() || !j["num_stages"].is_number_integer()) continue;
-      num_stages = j["num_stages"].get<int>();
-      stages.insert(j["stage"].get<int>());
-    }
-    complete += num_stages > 0 && static_cast<int>(stages.size()) == num_stages;
+    complete += IntactStages(path, &why, /*hash=*/false).has_value();
+  }
+  return removed;
+}
+
+int RemoveCheckpointsAbove(const std::string& dir, int64_t newest, std::string* problems) {
+  auto steps = StepDirs(dir);
+  if (!steps.ok()) return 0;
+  int removed = 0;
+  for (const auto& [step, path] : *steps) {
+    if (step <= newest) continue;
+    std::error_code ec;
+    fs::remove_all(path, ec);
+    if (ec && problems) absl::StrAppend(problems, path.string(), ": cannot remove (", ec.message(), "); ");
+    removed += !ec;
   }
   return removed;
 }
@@ -158,7 +195,7 @@ absl::StatusOr<CheckpointFiles> FindLatestCheckpoint(const std::string& dir, std
   if (!steps.ok()) return steps.status();
   std::string why;
   for (const auto& [step, path] : *steps) {
-    auto metas = IntactStages(path, &why);
+    auto metas = IntactStages(path, &why, /*hash=*/true);
     if (!metas) continue;
     CheckpointFiles f;
     f.step = step;
@@ -179,7 +216,7 @@ absl::StatusOr<Checkpoint> LoadLatestCheckpoint(const std::string& dir, std::str
   if (!steps.ok()) return steps.status();
   std::string why;
   for (const auto& [step, path] : *steps) {
-    auto metas = IntactStages(path, &why);
+    auto metas = IntactStages(path, &why, /*hash=*/true);
     if (!metas) continue;
     Checkpoint c;
     c.step = step;

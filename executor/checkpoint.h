@@ -30,11 +30,17 @@ struct CheckpointFiles {
 absl::StatusOr<CheckpointFiles> FindLatestCheckpoint(const std::string& dir, std::string* skipped = nullptr);
 
 // After step `step`'s checkpoint: keeps the newest `keep` complete step directories under `dir` up to
-// `step` (every stage's JSON present; shards are not hashed) and removes the older step directories,
-// complete or not. `step` itself stays whatever its state (stages may still be writing it), and so does
-// every step above it (another run's: this run will overwrite or never reach them). Returns how many
-// directories were removed. REQUIRES: keep >= 1. Call it from one writer per directory.
-int PruneCheckpoints(const std::string& dir, int keep, int64_t step);
+// `step` (complete as FindLatestCheckpoint requires, but shards are not hashed) and removes the older
+// step directories, complete or not. `step` itself stays whatever its state (stages may still be
+// writing it), and so does every step above it (another run's: this run will overwrite or never reach
+// them). Returns how many directories were removed; directories it could not remove are named in
+// `problems`. REQUIRES: keep >= 1. Call it from one writer per directory.
+int PruneCheckpoints(const std::string& dir, int keep, int64_t step, std::string* problems = nullptr);
+
+// Removes every step directory above `step` under `dir`: after resuming from `step`, what an abandoned
+// attempt left there (perhaps of another partition) would otherwise mix with the steps this run writes
+// again. Returns how many were removed; directories it could not remove are named in `problems`.
+int RemoveCheckpointsAbove(const std::string& dir, int64_t step, std::string* problems = nullptr);
 
 struct Checkpoint {
   int64_t step = 0;

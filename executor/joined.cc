@@ -5,9 +5,13 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <mutex>
 #include <deque>
 #include <condition_variable>
@@ -63,9 +67,9 @@ absl::Status SendFile(v1::Coordinator::Stub* stub, const std::string& site, cons
   std::ifstream in(local, std::ios::binary);
   std::error_code ec;
   const auto size = fs::file_size(local, ec);
-  if (!in || ec) return absl::InternalError(absl::StrCat("cannot read ", local));
+  if (!in || ec) return absl::InternalError(absl::StrCat("cannot read ", local, ec ? ": " + ec.message() : ""));
   Md md = NewSha256();
-  if (!md) return absl::InternalError("cannot start SHA-256");
+  if (!md) return absl::InternalError(absl::StrCat("sending ", path, ": cannot start SHA-256"));
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60 + static_cast<int64_t>(size / 1000000)));
   v1::FileAck ack;
@@ -74,6 +78,11 @@ absl::Status SendFile(v1::Coordinator::Stub* stub, const std::string& site, cons
   for (bool first = true;; first = false) {
     in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
     const size_t n = static_cast<size_t>(in.gcount());
+    if (in.bad()) {  // never send a checksum of part of the file
+      ctx.TryCancel();
+      (void)writer->Finish();
+      return absl::InternalError(absl::StrCat("sending ", path, ": reading ", local, " failed"));
+    }
     v1::FileChunk c;
     if (first) c.set_site(site), c.set_job_id(job_id), c.set_path(path);
     c.set_data(buf.data(), n);
@@ -96,11 +105,13 @@ absl::Status SendFile(v1::Coordinator::Stub* stub, const std::string& site, cons
 // SHA-256 the coordinator sends with the last chunk.
 absl::Status FetchFile(v1::Coordinator::Stub* stub, const std::string& site, const std::string& path,
                        const std::string& local) {
-  std::filesystem::create_directories(std::filesystem::path(local).parent_path());
+  std::error_code ec;
+  std::filesystem::create_directories(std::filesystem::path(local).parent_path(), ec);
+  if (ec) return absl::InternalError(absl::StrCat("fetching ", path, ": cannot create the directory of ", local, ": ", ec.message()));
   std::ofstream out(local, std::ios::binary | std::ios::trunc);
-  if (!out) return absl::InternalError(absl::StrCat("cannot write ", local));
+  if (!out) return absl::InternalError(absl::StrCat("fetching ", path, ": cannot write ", local));
   Md md = NewSha256();
-  if (!md) return absl::InternalError("cannot start SHA-256");
+  if (!md) return absl::InternalError(absl::StrCat("fetching ", path, ": cannot start SHA-256"));
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::hours(1));
   v1::FileRequest req;
@@ -126,25 +137,71 @@ absl::Status FetchFile(v1::Coordinator::Stub* stub, const std::string& site, con
   return absl::OkStatus();
 }
 
-// A directory of this process's own under the system's temporary directory, removed with this object.
+// A fresh directory of this process's own (mkdtemp) under the system's temporary directory, made by
+// Create() and removed with this object.
 struct ScratchDir {
-  explicit ScratchDir(const std::string& name)
-      : path(std::filesystem::temp_directory_path() / absl::StrCat("meridian-", ::getpid(), "-", name)) {
+  explicit ScratchDir(std::string name) : name(std::move(name)) {}
+  absl::Status Create() {
     std::error_code ec;
-    std::filesystem::remove_all(path, ec);
+    const std::filesystem::path base = std::filesystem::temp_directory_path(ec);
+    if (ec) return absl::InternalError(absl::StrCat("no temporary directory: ", ec.message()));
+    std::string pattern = (base / absl::StrCat("meridian-", name, "-XXXXXX")).string();
+    if (::mkdtemp(pattern.data()) == nullptr)
+      return absl::InternalError(absl::StrCat("cannot create a directory like ", pattern, ": ", std::strerror(errno)));
+    path = pattern;
+    return absl::OkStatus();
   }
   ~ScratchDir() {
     std::error_code ec;
-    std::filesystem::remove_all(path, ec);
+    if (!path.empty()) std::filesystem::remove_all(path, ec);
   }
+  std::string name;
   std::filesystem::path path;
+};
+
+// Sends checkpoint steps to the coordinator on a thread of its own, so training goes on while a shard
+// crosses the coordinator's link: the shard, then its JSON (which vouches for it); then the local copy
+// is removed. One step at a time: Start waits for the previous step's upload. Thread-compatible: used by
+// the stage thread only; the destructor waits for the upload in flight.
+class CheckpointUploader {
+ public:
+  CheckpointUploader(v1::Coordinator::Stub* stub, std::string site, std::string job_id)
+      : stub_(stub), site_(std::move(site)), job_id_(std::move(job_id)) {}
+  ~CheckpointUploader() { (void)Wait(); }
+  // Waits for the previous upload and returns its error, if any (then nothing new starts); else starts
+  // sending `step_dir`'s files of `stage` as checkpoints/step-S/.
+  absl::Status Start(const std::string& step_dir, int64_t step, int stage) {
+    if (absl::Status s = Wait(); !s.ok()) return s;
+    pending_ = std::async(std::launch::async, [this, step_dir, step, stage] {
+      absl::Status s;
+      for (const char* ext : {".safetensors", ".json"}) {
+        const std::string name = absl::StrCat("stage-", stage, ext);
+        s = SendFile(stub_, site_, job_id_, step_dir + "/" + name, absl::StrCat("checkpoints/step-", step, "/", name));
+        if (!s.ok()) break;
+      }
+      std::error_code ec;
+      std::filesystem::remove_all(step_dir, ec);
+      return s;
+    });
+    return absl::OkStatus();
+  }
+  // Waits for the upload in flight; its result (OK when none).
+  absl::Status Wait() {
+    if (!pending_.valid()) return absl::OkStatus();
+    return pending_.get();
+  }
+
+ private:
+  v1::Coordinator::Stub* stub_;
+  const std::string site_, job_id_;
+  std::future<absl::Status> pending_;
 };
 
 // Sends this stage's final parameters to the coordinator's run directory as weights/stage-K.safetensors.
 absl::Status SendWeights(v1::Coordinator::Stub* stub, const std::string& site, const std::string& job_id, int stage,
                          const std::map<std::string, torch::Tensor>& params) {
   ScratchDir tmp(absl::StrCat(site, "-weights"));
-  std::filesystem::create_directories(tmp.path);
+  if (absl::Status s = tmp.Create(); !s.ok()) return s;
   const std::string local = (tmp.path / "stage.safetensors").string();
   if (absl::Status s = SaveParameters(local, params); !s.ok()) return s;
   return SendFile(stub, site, job_id, local, absl::StrCat("weights/stage-", stage, ".safetensors"));
@@ -382,12 +439,14 @@ int RunJoined(const ExecutorOptions& o, const v1::RegisterResponse& reg, v1::Coo
           // coordinator (store: coordinator), from which a resumed stage fetches the step it is given.
           const bool via_coordinator = pa.checkpoints_to_coordinator();
           ScratchDir scratch(absl::StrCat(o.site, "-checkpoints"));
+          if (via_coordinator) failure = scratch.Create();
           const std::string ckpt_dir =
               via_coordinator ? (scratch.path / "out").string()
                               : core::ResolveRelative(pa.job_dir() + "/job.yaml", setup->job.checkpoint.dir);
           const int interval = setup->job.checkpoint.interval;
+          CheckpointUploader uploader(stub, o.site, a.job_id);
           int start = 0;
-          if (pa.resume_step() != 0) {  // -1: the newest intact checkpoint; S > 0: step S (from the coordinator)
+          if (failure.ok() && pa.resume_step() != 0) {  // -1: the newest intact checkpoint; S > 0: step S
             std::string from = ckpt_dir;
             if (via_coordinator) {
               from = (scratch.path / "in").string();
@@ -403,10 +462,16 @@ int RunJoined(const ExecutorOptions& o, const v1::RegisterResponse& reg, v1::Coo
             if (failure.ok()) {
               auto c = LoadLatestCheckpoint(from);
               if (!c.ok()) failure = c.status();
-              else if (via_coordinator && c->step != pa.resume_step())
-                failure = absl::DataLossError(absl::StrCat("the checkpoint fetched from the coordinator is step ",
+              else if (pa.resume_step() > 0 && c->step != pa.resume_step())
+                failure = absl::DataLossError(absl::StrCat("the newest intact checkpoint in ", from, " is step ",
                                                            c->step, ", not the step ", pa.resume_step(), " assigned"));
               else if (failure = worker.Restore(*c); failure.ok()) start = static_cast<int>(c->step);
+            }
+            // What an abandoned attempt left above the resumed step would mix with the steps written again.
+            if (failure.ok() && !via_coordinator && a.stage == 0 && worker.writes_shard()) {
+              std::string problems;
+              RemoveCheckpointsAbove(ckpt_dir, start, &problems);
+              if (!problems.empty()) std::cerr << "meridian-executor: checkpoints: " << problems << "\n";
             }
           }
           if (failure.ok()) failure = worker.Connect();
@@ -437,19 +502,11 @@ int RunJoined(const ExecutorOptions& o, const v1::RegisterResponse& reg, v1::Coo
               failure = worker.SaveCheckpoint(ckpt_dir, i + 1);
               if (failure.ok() && !via_coordinator && a.stage == 0)  // one pruner per shared directory
                 PruneCheckpoints(ckpt_dir, setup->job.checkpoint.keep, i + 1);
-              if (failure.ok() && via_coordinator) {  // the shard first, its JSON last (it vouches for the shard)
-                const std::string step_dir = absl::StrCat(ckpt_dir, "/step-", i + 1);
-                for (const char* ext : {".safetensors", ".json"}) {
-                  const std::string name = absl::StrCat("stage-", a.stage, ext);
-                  failure = SendFile(stub, o.site, a.job_id, step_dir + "/" + name,
-                                     absl::StrCat("checkpoints/step-", i + 1, "/", name));
-                  if (!failure.ok()) break;
-                }
-                std::error_code ec;
-                std::filesystem::remove_all(step_dir, ec);
-              }
+              if (failure.ok() && via_coordinator)
+                failure = uploader.Start(absl::StrCat(ckpt_dir, "/step-", i + 1), i + 1, a.stage);
             }
           }
+          if (absl::Status s = uploader.Wait(); failure.ok()) failure = s;
           if (failure.ok()) failure = worker.Finish();
           if (failure.ok() && worker.writes_shard()) {
             if (pa.weights_to_coordinator())

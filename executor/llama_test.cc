@@ -229,9 +229,12 @@ TEST(Checkpoints, PruneKeepsTheNewestCompleteStepsAndFindNamesTheNewestIntactOne
   const fs::path dir = fs::temp_directory_path() / ("meridian_prune_" + std::to_string(::getpid()));
   fs::remove_all(dir);
   auto t = [](float v) { return std::map<std::string, torch::Tensor>{{"w", torch::full({4}, v)}}; };
-  for (int step : {2, 4, 6, 8})
-    for (int stage = 0; stage < 2; ++stage)
-      if (step != 8 || stage == 0) ASSERT_TRUE(WriteCheckpoint(dir.string(), step, stage, 2, t(step)).ok());
+  for (int step : {2, 4, 6, 8}) {
+    for (int stage = 0; stage < 2; ++stage) {
+      if (step == 8 && stage == 1) continue;  // step 8: only stage 0 has written yet
+      ASSERT_TRUE(WriteCheckpoint(dir.string(), step, stage, 2, t(step)).ok());
+    }
+  }
   fs::create_directories(dir / "step-1");   // an old, incomplete attempt
   fs::create_directories(dir / "step-90");  // another run's, above the step just written
   EXPECT_EQ(PruneCheckpoints(dir.string(), 2, 8), 2);

@@ -89,6 +89,11 @@ int RunStatic(const executor::ExecutorOptions& o, const std::string& assignment_
     if (auto s = worker.Restore(*c); !s.ok()) return fail(s);
     start = static_cast<int>(c->step);
     std::cout << "resuming after step " << start << " from " << c->path << std::endl;
+    if (a->stage == 0 && worker.writes_shard()) {  // what an abandoned run left above it would mix in
+      std::string problems;
+      executor::RemoveCheckpointsAbove(ckpt_dir, start, &problems);
+      if (!problems.empty()) std::cerr << "meridian-executor: checkpoints: " << problems << "\n";
+    }
   }
   if (auto s = worker.Connect(); !s.ok()) return fail(s);
   for (int step = start; step < steps; ++step) {

@@ -1,6 +1,8 @@
 #include "rpc/coordinator_service.h"
 
+#include <fcntl.h>
 #include <openssl/evp.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <fstream>
@@ -22,7 +24,7 @@ constexpr size_t kMaxFileChunkBytes = size_t{4} << 20;
 
 // The files sites may send (PutFile) and fetch (GetFile), relative to the run directory.
 bool IsCheckpointFile(const std::string& path) {
-  static const std::regex kCheckpoint("checkpoints/step-[0-9]{1,9}/stage-[0-9]{1,6}\\.(safetensors|json)");
+  static const std::regex kCheckpoint("checkpoints/step-[1-9][0-9]{0,8}/stage-[0-9]{1,6}\\.(safetensors|json)");
   return std::regex_match(path, kCheckpoint);
 }
 bool IsRunFile(const std::string& path) {
@@ -127,7 +129,9 @@ grpc::Status CoordinatorService::Inspect(grpc::ServerContext* ctx, const v1::Ins
 grpc::Status CoordinatorService::PutFile(grpc::ServerContext* ctx, grpc::ServerReader<v1::FileChunk>* reader,
                                         v1::FileAck* ack) {
   v1::FileChunk chunk;
-  if (!reader->Read(&chunk)) return {grpc::StatusCode::INVALID_ARGUMENT, "PutFile: the stream carried no chunk"};
+  if (!reader->Read(&chunk))
+    return {grpc::StatusCode::INVALID_ARGUMENT,
+            absl::StrCat("PutFile from '", PeerCommonName(*ctx), "': the stream carried no chunk")};
   if (grpc::Status s = Authorise(ctx, chunk.site()); !s.ok()) return s;
   const std::string site = chunk.site(), path = chunk.path();
   if (!IsRunFile(path))
@@ -135,9 +139,11 @@ grpc::Status CoordinatorService::PutFile(grpc::ServerContext* ctx, grpc::ServerR
             absl::StrCat("PutFile from site '", site, "': path '", path,
                          "' is not accepted (only weights/stage-K.safetensors and "
                          "checkpoints/step-S/stage-K.safetensors or .json)")};
-  auto dest = handler_->FileDestination(site, chunk.job_id(), path);
-  if (!dest.ok()) return ToGrpc(dest.status());
-  const std::string part = absl::StrCat(*dest, ".part-", site);
+  const std::string job_id = chunk.job_id();
+  auto grant = handler_->FileDestination(site, job_id, path);
+  if (!grant.ok()) return ToGrpc(grant.status());
+  const std::string dest = grant->path;
+  const std::string part = absl::StrCat(dest, ".part-", site, "-", uploads_.fetch_add(1));
   auto fail = [&](grpc::StatusCode code, const std::string& why) {
     std::remove(part.c_str());
     return grpc::Status(code, absl::StrCat("PutFile ", path, " from site '", site, "': ", why));
@@ -150,12 +156,18 @@ grpc::Status CoordinatorService::PutFile(grpc::ServerContext* ctx, grpc::ServerR
   int64_t bytes = 0;
   std::string want;
   do {
+    if (!want.empty()) return fail(grpc::StatusCode::INVALID_ARGUMENT, "a chunk after the one with the SHA-256");
     if (chunk.data().size() > kMaxFileChunkBytes)
       return fail(grpc::StatusCode::INVALID_ARGUMENT, absl::StrCat("a chunk of ", chunk.data().size(), " bytes (at most ",
                                                                    kMaxFileChunkBytes, ")"));
+    if (chunk.data().empty() && chunk.sha256().empty() && bytes > 0)
+      return fail(grpc::StatusCode::INVALID_ARGUMENT, "an empty chunk before the last");
+    bytes += static_cast<int64_t>(chunk.data().size());
+    if (bytes > grant->max_bytes)
+      return fail(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                  absl::StrCat("more than the ", grant->max_bytes, " bytes such a file may have"));
     out.write(chunk.data().data(), static_cast<std::streamsize>(chunk.data().size()));
     EVP_DigestUpdate(md.get(), chunk.data().data(), chunk.data().size());
-    bytes += static_cast<int64_t>(chunk.data().size());
     if (!chunk.sha256().empty()) want = chunk.sha256();
   } while (reader->Read(&chunk));
   out.close();
@@ -167,8 +179,16 @@ grpc::Status CoordinatorService::PutFile(grpc::ServerContext* ctx, grpc::ServerR
   if (want.empty()) return fail(grpc::StatusCode::DATA_LOSS, absl::StrCat("no SHA-256 after ", bytes, " bytes (cut off?)"));
   if (Hex(d, n) != want)
     return fail(grpc::StatusCode::DATA_LOSS, absl::StrCat("SHA-256 mismatch over ", bytes, " bytes"));
-  if (std::rename(part.c_str(), dest->c_str()) != 0)
-    return fail(grpc::StatusCode::INTERNAL, absl::StrCat("cannot rename ", part, " to ", *dest));
+  {  // on the device before it is renamed into place
+    const int fd = ::open(part.c_str(), O_RDONLY);
+    const bool synced = fd >= 0 && ::fsync(fd) == 0;
+    if (fd >= 0) ::close(fd);
+    if (!synced) return fail(grpc::StatusCode::INTERNAL, absl::StrCat("cannot sync ", part));
+  }
+  if (absl::Status s = handler_->FileComplete(site, job_id, path, bytes); !s.ok())
+    return fail(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+  if (std::rename(part.c_str(), dest.c_str()) != 0)
+    return fail(grpc::StatusCode::INTERNAL, absl::StrCat("cannot rename ", part, " to ", dest));
   ack->set_bytes(bytes);
   return grpc::Status::OK;
 }
@@ -183,15 +203,18 @@ grpc::Status CoordinatorService::GetFile(grpc::ServerContext* ctx, const v1::Fil
   auto src = handler_->FileSource(req->site(), req->path());
   if (!src.ok()) return ToGrpc(src.status());
   std::ifstream in(*src, std::ios::binary);
-  if (!in) return {grpc::StatusCode::NOT_FOUND, absl::StrCat("GetFile: cannot read ", req->path())};
+  if (!in)
+    return {grpc::StatusCode::NOT_FOUND, absl::StrCat("GetFile from site '", req->site(), "': cannot read ", req->path())};
   std::unique_ptr<EVP_MD_CTX, void (*)(EVP_MD_CTX*)> md(EVP_MD_CTX_new(), EVP_MD_CTX_free);
   if (!md || EVP_DigestInit_ex(md.get(), EVP_sha256(), nullptr) != 1)
-    return {grpc::StatusCode::INTERNAL, "cannot start SHA-256"};
+    return {grpc::StatusCode::INTERNAL, absl::StrCat("GetFile ", req->path(), ": cannot start SHA-256")};
   std::string buf(size_t{1} << 20, '\0');
   for (;;) {
     in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
     const size_t n = static_cast<size_t>(in.gcount());
-    if (in.bad()) return {grpc::StatusCode::INTERNAL, absl::StrCat("GetFile: reading ", req->path(), " failed")};
+    if (in.bad())
+      return {grpc::StatusCode::INTERNAL,
+              absl::StrCat("GetFile from site '", req->site(), "': reading ", req->path(), " failed")};
     v1::FileChunk c;
     c.set_path(req->path());
     c.set_data(buf.data(), n);

@@ -35,11 +35,21 @@ class CoordinatorHandler {
   virtual absl::Status Profile(const v1::ProfileReport& report) = 0;
   virtual absl::Status Done(const v1::StageDone& done) = 0;
   virtual absl::StatusOr<v1::InspectResponse> Inspect() = 0;
-  // Where `site`'s file `path` (relative to the run directory, already checked by the service) of attempt
-  // `job_id` is to be stored: an absolute path whose directory exists. FailedPrecondition for an attempt
-  // that is over or a coordinator that keeps no files.
-  virtual absl::StatusOr<std::string> FileDestination(const std::string& site, const std::string& job_id,
-                                                      const std::string& path) = 0;
+  // Where `site`'s file `path` (relative to the run directory, its form already checked by the service) of
+  // attempt `job_id` is to be stored -- an absolute path whose directory exists -- and how large it may
+  // be. PermissionDenied when `site` does not write that file in the attempt running, FailedPrecondition
+  // for an attempt that is over or a coordinator that keeps no files, InvalidArgument for a step the job
+  // never reaches.
+  struct FileGrant {
+    std::string path;
+    int64_t max_bytes = 0;
+  };
+  virtual absl::StatusOr<FileGrant> FileDestination(const std::string& site, const std::string& job_id,
+                                                    const std::string& path) = 0;
+  // The file arrived whole (`bytes`, SHA-256 checked) and is about to be renamed into place; an error (the
+  // attempt ended meanwhile) discards it.
+  virtual absl::Status FileComplete(const std::string& site, const std::string& job_id, const std::string& path,
+                                    int64_t bytes) = 0;
   // The stored file `path` (relative to the run directory, already checked by the service) that `site`
   // asks for: an absolute path. NotFound when there is no such file.
   virtual absl::StatusOr<std::string> FileSource(const std::string& site, const std::string& path) = 0;
@@ -58,8 +68,9 @@ class CoordinatorService final : public v1::Coordinator::Service {
   grpc::Status ReportDone(grpc::ServerContext* ctx, const v1::StageDone* req, v1::MetricsAck* resp) override;
   // Read-only; allowed to the "coordinator" identity and to every site.
   grpc::Status Inspect(grpc::ServerContext* ctx, const v1::InspectRequest* req, v1::InspectResponse* resp) override;
-  // Writes the stream to FileDestination's path + ".part-SITE", checks the size bound and the SHA-256,
-  // then renames it into place; a refused or broken upload leaves nothing. Paths other than
+  // Writes the stream to a temporary file beside FileDestination's path, within its size bound, checks the
+  // SHA-256, syncs it, asks FileComplete, then renames it into place; a refused or broken upload leaves
+  // no file. Paths other than
   // "weights/stage-K.safetensors" and "checkpoints/step-S/stage-K.{safetensors,json}" are refused
   // (InvalidArgument) before the handler is asked.
   grpc::Status PutFile(grpc::ServerContext* ctx, grpc::ServerReader<v1::FileChunk>* reader,
@@ -76,6 +87,7 @@ class CoordinatorService final : public v1::Coordinator::Service {
   std::set<std::string> sites_;
   CoordinatorHandler* handler_;
   std::atomic<int64_t> handled_{0};
+  std::atomic<int64_t> uploads_{0};  // names each upload's temporary file
 };
 
 }  // namespace meridian::rpc

@@ -60,12 +60,17 @@ class CountingHandler : public CoordinatorHandler {
     ++calls;
     return absl::OkStatus();
   }
-  absl::StatusOr<std::string> FileDestination(const std::string&, const std::string& job_id,
-                                              const std::string& path) override {
+  absl::StatusOr<FileGrant> FileDestination(const std::string& site, const std::string& job_id,
+                                            const std::string& path) override {
     ++calls;
     if (job_id != "job-1") return absl::FailedPreconditionError("attempt '" + job_id + "' is over");
+    if (site == "b") return absl::PermissionDeniedError("site 'b' writes no stage's files");
     fs::create_directories(fs::path(store) / fs::path(path).parent_path());
-    return (fs::path(store) / path).string();
+    return FileGrant{(fs::path(store) / path).string(), 12 * 1000 * 1000};
+  }
+  absl::Status FileComplete(const std::string&, const std::string&, const std::string&, int64_t) override {
+    ++calls;
+    return absl::OkStatus();
   }
   absl::StatusOr<std::string> FileSource(const std::string&, const std::string& path) override {
     ++calls;
@@ -243,6 +248,13 @@ TEST_F(CoordinatorAuthTest, PutFileStoresTheWholeFileOrNothing) {
   EXPECT_TRUE(nothing_left());
   grpc::Status big = Upload(dir_ / "ours", port_, "a", "a", "job-1", "weights/stage-1.safetensors", data, 5 << 20);
   EXPECT_NE(big.error_code(), grpc::StatusCode::OK);  // over the 4 MiB chunk bound (or the 8 MiB message limit)
+  EXPECT_TRUE(nothing_left());
+  grpc::Status large = Upload(dir_ / "ours", port_, "a", "a", "job-1", "weights/stage-1.safetensors",
+                              data + std::string(3 * 1000 * 1000, 'x'), 1 << 20);
+  EXPECT_EQ(large.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);  // over the 12 MB the handler grants
+  EXPECT_TRUE(nothing_left());
+  grpc::Status not_a_writer = Upload(dir_ / "ours", port_, "b", "b", "job-1", "weights/stage-1.safetensors", data, 1 << 20);
+  EXPECT_EQ(not_a_writer.error_code(), grpc::StatusCode::PERMISSION_DENIED);
   EXPECT_TRUE(nothing_left());
 
   const int before = handler_.calls.load();

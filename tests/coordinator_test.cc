@@ -138,7 +138,7 @@ TEST_F(CoordinatorTest, JoinProfilePlanTrainMatchesTheReference) {
   ASSERT_TRUE(want.ok());
   auto got = testing::MergeShards(dir_ / "run" / "weights");
   ASSERT_EQ(got.size(), want->tensors.size());
-  // Every shard came through the coordinator (PutFile), not a shared directory: one "sending" line per
+  // Every shard came through the coordinator (PutFile), not a shared directory: one "sent" line per
   // shard in the site logs, and no partial upload left.
   int shards = 0, sent = 0;
   for (const auto& e : fs::directory_iterator(dir_ / "run" / "weights")) {
@@ -147,7 +147,7 @@ TEST_F(CoordinatorTest, JoinProfilePlanTrainMatchesTheReference) {
   }
   for (const char* site : {"a", "b", "c"}) {
     std::ifstream in(dir_ / "run" / "sites" / (std::string(site) + ".log"));
-    for (std::string l; std::getline(in, l);) sent += l.find("sending weights/stage-") != std::string::npos;
+    for (std::string l; std::getline(in, l);) sent += l.find("sent weights/stage-") != std::string::npos;
   }
   EXPECT_GE(shards, 1);
   EXPECT_EQ(sent, shards);

@@ -1,0 +1,58 @@
+// The coordinator's state machine without a network: who may send and fetch the run's files.
+#include "coordinator/coordinator.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+namespace meridian::coordinator {
+namespace {
+
+namespace fs = std::filesystem;
+
+TEST(CoordinatorFiles, OnlyEachStagesWriterSendsItsOwnFilesOfTheRunningAttempt) {
+  const fs::path dir = fs::temp_directory_path() / ("meridian_coordfiles_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  core::ClusterSpec spec;
+  spec.name = "t";
+  spec.sites = {{"a", {"127.0.0.1", 2}}, {"b", {"127.0.0.1", 3}}, {"c", {"127.0.0.1", 4}}};
+  Coordinator c(spec, "run");
+  EXPECT_EQ(c.FileDestination("a", "j1", "weights/stage-0.safetensors").status().code(),
+            absl::StatusCode::kFailedPrecondition);  // no run directory yet
+  c.SetFileDir(dir.string());
+  c.BeginJob("j1");
+  c.SetFileWriters({{"a", 0}, {"b", 1}}, 100, 1000);
+  auto ok = c.FileDestination("a", "j1", "weights/stage-0.safetensors");
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->path, (dir / "weights" / "stage-0.safetensors").string());
+  EXPECT_EQ(ok->max_bytes, 1000);
+  EXPECT_TRUE(fs::is_directory(dir / "weights"));
+  auto ckpt = c.FileDestination("b", "j1", "checkpoints/step-100/stage-1.json");
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  EXPECT_EQ(c.FileDestination("a", "j1", "weights/stage-1.safetensors").status().code(),
+            absl::StatusCode::kPermissionDenied);  // b's stage
+  EXPECT_EQ(c.FileDestination("c", "j1", "weights/stage-0.safetensors").status().code(),
+            absl::StatusCode::kPermissionDenied);  // a spare site
+  EXPECT_EQ(c.FileDestination("a", "j0", "weights/stage-0.safetensors").status().code(),
+            absl::StatusCode::kFailedPrecondition);  // another attempt
+  EXPECT_EQ(c.FileDestination("a", "j1", "checkpoints/step-101/stage-0.json").status().code(),
+            absl::StatusCode::kInvalidArgument);  // beyond the job's steps
+  EXPECT_TRUE(c.FileComplete("a", "j1", "weights/stage-0.safetensors", 10).ok());
+  // A new attempt: the old one's uploads are refused, and nobody writes until told.
+  c.BeginJob("j2");
+  EXPECT_EQ(c.FileComplete("a", "j1", "weights/stage-0.safetensors", 10).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(c.FileDestination("a", "j2", "weights/stage-0.safetensors").status().code(),
+            absl::StatusCode::kPermissionDenied);
+  // Fetching: only what the coordinator has.
+  EXPECT_EQ(c.FileSource("c", "checkpoints/step-100/stage-1.json").status().code(), absl::StatusCode::kNotFound);
+  std::ofstream(dir / "checkpoints" / "step-100" / "stage-1.json") << "{}";
+  auto src = c.FileSource("c", "checkpoints/step-100/stage-1.json");
+  ASSERT_TRUE(src.ok()) << src.status();
+  EXPECT_EQ(*src, (dir / "checkpoints" / "step-100" / "stage-1.json").string());
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace meridian::coordinator
