@@ -190,53 +190,62 @@ int RemoveCheckpointsAbove(const std::string& dir, int64_t newest, std::string* 
   return removed;
 }
 
-absl::StatusOr<CheckpointFiles> FindLatestCheckpoint(const std::string& dir, std::string* skipped) {
+namespace {
+
+// Calls `use(step, path, stages)` on the complete, intact step directories under `dir`, newest first,
+// until it returns a value; `use` may refuse a step (nullopt) after appending why to its last argument.
+template <typename T, typename Use>
+absl::StatusOr<T> FromNewestIntact(const std::string& dir, std::string* skipped, Use use) {
   auto steps = StepDirs(dir);
   if (!steps.ok()) return steps.status();
   std::string why;
   for (const auto& [step, path] : *steps) {
     auto metas = IntactStages(path, &why, /*hash=*/true);
     if (!metas) continue;
-    CheckpointFiles f;
-    f.step = step;
-    f.path = path.string();
-    for (const auto& [k, meta] : *metas) {
-      f.files.push_back(meta["shard"].get<std::string>());
-      f.files.push_back(absl::StrCat("stage-", k, ".json"));
-    }
+    std::optional<T> got = use(step, path, *metas, &why);
+    if (!got) continue;
     if (skipped) *skipped = why;
-    return f;
+    return std::move(*got);
   }
   if (skipped) *skipped = why;
   return absl::NotFoundError(absl::StrCat(dir, ": no complete, intact checkpoint", why.empty() ? "" : ": ", why));
 }
 
+}  // namespace
+
+absl::StatusOr<CheckpointFiles> FindLatestCheckpoint(const std::string& dir, std::string* skipped) {
+  return FromNewestIntact<CheckpointFiles>(
+      dir, skipped,
+      [](int64_t step, const fs::path& path, const std::map<int, nlohmann::json>& metas, std::string*) {
+        CheckpointFiles f;
+        f.step = step;
+        f.path = path.string();
+        for (const auto& [k, meta] : metas) {
+          f.files.push_back(meta["shard"].get<std::string>());
+          f.files.push_back(absl::StrCat("stage-", k, ".json"));
+        }
+        return std::optional<CheckpointFiles>(std::move(f));
+      });
+}
+
 absl::StatusOr<Checkpoint> LoadLatestCheckpoint(const std::string& dir, std::string* skipped) {
-  auto steps = StepDirs(dir);
-  if (!steps.ok()) return steps.status();
-  std::string why;
-  for (const auto& [step, path] : *steps) {
-    auto metas = IntactStages(path, &why, /*hash=*/true);
-    if (!metas) continue;
-    Checkpoint c;
-    c.step = step;
-    c.path = path.string();
-    bool ok = true;
-    for (const auto& [k, meta] : *metas) {
-      auto tensors = LoadParameters((path / meta["shard"].get<std::string>()).string());
-      if (!tensors.ok()) {
-        absl::StrAppend(&why, tensors.status().message(), "; ");
-        ok = false;
-        break;
-      }
-      c.tensors.insert(tensors->begin(), tensors->end());
-    }
-    if (!ok) continue;
-    if (skipped) *skipped = why;
-    return c;
-  }
-  if (skipped) *skipped = why;
-  return absl::NotFoundError(absl::StrCat(dir, ": no complete, intact checkpoint", why.empty() ? "" : ": ", why));
+  return FromNewestIntact<Checkpoint>(
+      dir, skipped,
+      [](int64_t step, const fs::path& path, const std::map<int, nlohmann::json>& metas,
+         std::string* why) -> std::optional<Checkpoint> {
+        Checkpoint c;
+        c.step = step;
+        c.path = path.string();
+        for (const auto& [k, meta] : metas) {
+          auto tensors = LoadParameters((path / meta["shard"].get<std::string>()).string());
+          if (!tensors.ok()) {
+            absl::StrAppend(why, tensors.status().message(), "; ");
+            return std::nullopt;
+          }
+          c.tensors.insert(tensors->begin(), tensors->end());
+        }
+        return c;
+      });
 }
 
 }  // namespace meridian::executor

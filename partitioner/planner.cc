@@ -473,6 +473,19 @@ Candidate LocalSearch(const CostModel& cm, double ratio, Candidate best) {
   return best;
 }
 
+// The site of `candidates`, not `taken` and linked with `from` both ways, with the widest link from it
+// (the narrower direction counts); -1 when there is none.
+int WidestLinkFrom(const CostModel& cm, int from, const std::vector<int>& candidates, const std::vector<bool>& taken) {
+  int pick = -1;
+  double best_bw = -1;
+  for (int s : candidates)
+    if (!taken[s] && cm.Linked(from, s)) {
+      const double bw = std::min(cm.Bandwidth(from, s), cm.Bandwidth(s, from));
+      if (bw > best_bw) best_bw = bw, pick = s;
+    }
+  return pick;
+}
+
 Candidate Heuristic(const CostModel& cm, double ratio) {
   const int n = cm.sites(), N = cm.ops();
   std::vector<int> by_speed(n);
@@ -491,13 +504,7 @@ Candidate Heuristic(const CostModel& cm, double ratio) {
     std::vector<bool> taken(n, false);
     taken[subset[0]] = true;
     for (int i = 1; i < K; ++i) {
-      int cur = chain.back(), pick = -1;
-      double best_bw = -1;
-      for (int s : subset)
-        if (!taken[s] && cm.Linked(cur, s)) {
-          double bw = std::min(cm.Bandwidth(cur, s), cm.Bandwidth(s, cur));
-          if (bw > best_bw) best_bw = bw, pick = s;
-        }
+      const int pick = WidestLinkFrom(cm, chain.back(), subset, taken);
       if (pick < 0) break;
       taken[pick] = true;
       chain.push_back(pick);
@@ -513,19 +520,15 @@ Candidate Heuristic(const CostModel& cm, double ratio) {
   // cut. They find pipelines of slower sites joined by fast links when the fast sites' links are slow,
   // which the sets above miss and single local-search moves cannot reach from them.
   constexpr int kChainStarts = 8, kChainDepth = 16;
+  std::vector<int> all(n);
+  std::iota(all.begin(), all.end(), 0);
   Candidate best_chain;
   for (int i = 0; i < std::min(n, kChainStarts); ++i) {
     std::vector<int> chain = {by_speed[i]};
     std::vector<bool> taken(n, false);
     taken[by_speed[i]] = true;
     while (static_cast<int>(chain.size()) < std::min({n, N, kChainDepth})) {
-      int cur = chain.back(), pick = -1;
-      double best_bw = -1;
-      for (int s = 0; s < n; ++s)
-        if (!taken[s] && cm.Linked(cur, s)) {
-          double bw = std::min(cm.Bandwidth(cur, s), cm.Bandwidth(s, cur));
-          if (bw > best_bw) best_bw = bw, pick = s;
-        }
+      const int pick = WidestLinkFrom(cm, chain.back(), all, taken);
       if (pick < 0) break;
       taken[pick] = true;
       chain.push_back(pick);
