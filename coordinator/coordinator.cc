@@ -182,13 +182,18 @@ absl::StatusOr<rpc::CoordinatorHandler::FileGrant> Coordinator::FileDestination(
   return grant;
 }
 
-absl::Status Coordinator::FileComplete(const std::string& site, const std::string& job_id, const std::string& path,
-                                       int64_t bytes) {
+absl::Status Coordinator::FileCommit(const std::string& site, const std::string& job_id, const std::string& path,
+                                     const std::string& part, const std::string& dest, int64_t bytes) {
   {
-    std::lock_guard<std::mutex> l(mu_);
+    std::lock_guard<std::mutex> l(mu_);  // BeginJob takes it too: no file of an ended attempt lands after it
     if (job_id != job_id_)
       return absl::FailedPreconditionError(absl::StrCat("site '", site, "' sent ", path, " of attempt '", job_id,
                                                         "', which ended while it arrived"));
+    std::error_code ec;
+    std::filesystem::rename(part, dest, ec);
+    if (ec)
+      return absl::InternalError(absl::StrCat("site '", site, "' sent ", path, ": cannot rename ", part, " to ", dest,
+                                              ": ", ec.message()));
   }
   LogSite(site, absl::StrCat("sent ", path, " (", bytes, " bytes)"));
   return absl::OkStatus();

@@ -56,8 +56,8 @@ class Coordinator : public rpc::CoordinatorHandler {
   absl::StatusOr<v1::InspectResponse> Inspect() override;
   absl::StatusOr<FileGrant> FileDestination(const std::string& site, const std::string& job_id,
                                             const std::string& path) override;
-  absl::Status FileComplete(const std::string& site, const std::string& job_id, const std::string& path,
-                            int64_t bytes) override;
+  absl::Status FileCommit(const std::string& site, const std::string& job_id, const std::string& path,
+                          const std::string& part, const std::string& dest, int64_t bytes) override;
   absl::StatusOr<std::string> FileSource(const std::string& site, const std::string& path) override;
 
   // For the run loop.

@@ -39,10 +39,16 @@ TEST(CoordinatorFiles, OnlyEachStagesWriterSendsItsOwnFilesOfTheRunningAttempt) 
             absl::StatusCode::kFailedPrecondition);  // another attempt
   EXPECT_EQ(c.FileDestination("a", "j1", "checkpoints/step-101/stage-0.json").status().code(),
             absl::StatusCode::kInvalidArgument);  // beyond the job's steps
-  EXPECT_TRUE(c.FileComplete("a", "j1", "weights/stage-0.safetensors", 10).ok());
+  std::ofstream((dir / "part").string()) << "x";
+  EXPECT_TRUE(c.FileCommit("a", "j1", "weights/stage-0.safetensors", (dir / "part").string(), ok->path, 1).ok());
+  EXPECT_TRUE(fs::exists(ok->path));
+  EXPECT_FALSE(fs::exists(dir / "part"));
   // A new attempt: the old one's uploads are refused, and nobody writes until told.
   c.BeginJob("j2");
-  EXPECT_EQ(c.FileComplete("a", "j1", "weights/stage-0.safetensors", 10).code(), absl::StatusCode::kFailedPrecondition);
+  std::ofstream((dir / "part").string()) << "y";
+  EXPECT_EQ(c.FileCommit("a", "j1", "weights/stage-0.safetensors", (dir / "part").string(), ok->path, 1).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(fs::exists(dir / "part"));  // the service deletes it
   EXPECT_EQ(c.FileDestination("a", "j2", "weights/stage-0.safetensors").status().code(),
             absl::StatusCode::kPermissionDenied);
   // Fetching: only what the coordinator has.

@@ -243,8 +243,11 @@ class RunDriver {
     t0_ = Clock::now();
     for (int attempt = 0;; ++attempt) {
       if (absl::Status s = PlanAttempt(); !s.ok()) return Fail(s.message());
+      // A new attempt first: from now on no file of the one before lands (FindResumePoint cleans up).
+      const std::string job_id = attempt == 0 ? run_id_ : absl::StrCat(run_id_, "-", attempt);
+      coord_.BeginJob(job_id);
       if (absl::Status s = FindResumePoint(); !s.ok()) return Fail(s.message());
-      const std::set<std::string> used = Assign(attempt);
+      const std::set<std::string> used = Assign(job_id);
       const AttemptEnd end = Supervise(attempt, used);
       if (end.failure.empty()) break;  // every stage finished
       if (absl::Status s = Recover(end, used); !s.ok()) return Fail(s.message());
@@ -480,11 +483,10 @@ class RunDriver {
     return absl::OkStatus();
   }
 
-  // 4. Sends every site of the plan (every replica of every stage) its assignment; returns those sites.
-  std::set<std::string> Assign(int attempt) {
+  // 4. Sends every site of the plan (every replica of every stage) its assignment for attempt `job_id`
+  // (begun with BeginJob); returns those sites.
+  std::set<std::string> Assign(const std::string& job_id) {
     const core::JobSpec& job = in_.job;
-    const std::string job_id = attempt == 0 ? run_id_ : absl::StrCat(run_id_, "-", attempt);
-    coord_.BeginJob(job_id);
     const auto& st = plan_->stages;
     std::set<std::string> used;
     // Codecs: the plan's (adaptive), the job's (fixed), or none.
@@ -516,7 +518,7 @@ class RunDriver {
     for (size_t k = 0; k < st.size(); ++k) writers[st[k].site_names[0]] = static_cast<int>(k);
     double state_bytes = 0;
     for (const auto& op : graph_.ops) state_bytes += op.param_bytes + op.optimizer_bytes;
-    coord_.SetFileWriters(std::move(writers), in_.job.steps,
+    coord_.SetFileWriters(std::move(writers), in_.steps,
                           static_cast<int64_t>(2 * state_bytes) + (int64_t{64} << 20));
     for (size_t k = 0; k < st.size(); ++k) {
       for (const auto& site : st[k].site_names) {  // every replica of the stage gets the same assignment
@@ -549,7 +551,7 @@ class RunDriver {
         a->set_steps(in_.steps);
         a->set_weights_to_coordinator(true);  // RUN/weights/stage-K.safetensors, through PutFile
         a->set_checkpoints_to_coordinator(job.checkpoint.store == "coordinator");
-        if (resume_) a->set_resume_step(resume_step_);  // -1: each stage loads the newest intact checkpoint
+        a->set_resume_step(resume_step_);  // 0 afresh; -1 each stage loads the newest intact checkpoint; S
         for (const auto& f : resume_files_) a->add_resume_files(f);
         coord_.Send(site, c);
       }

@@ -18,6 +18,7 @@
 #include <memory>
 
 #include "absl/strings/str_cat.h"
+#include "core/files.h"
 #include "core/status.h"
 
 namespace meridian::core {
@@ -46,35 +47,6 @@ bool FileExists(const std::string& p) {
   return ::stat(p.c_str(), &st) == 0;
 }
 
-// Writes `data` to `path` through a temporary file, fsync and rename, with the given mode.
-absl::Status WriteFileAtomic(const std::string& path, const std::string& data, mode_t mode) {
-  std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, mode);
-  if (fd < 0) return absl::InternalError(absl::StrCat(tmp, ": cannot create: ", std::strerror(errno)));
-  ::fchmod(fd, mode);  // the umask must not widen or narrow what we ask for
-  size_t off = 0;
-  while (off < data.size()) {
-    ssize_t n = ::write(fd, data.data() + off, data.size() - off);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      int err = errno;
-      ::close(fd);
-      ::unlink(tmp.c_str());
-      return absl::InternalError(absl::StrCat(tmp, ": write failed: ", std::strerror(err)));
-    }
-    off += static_cast<size_t>(n);
-  }
-  if (::fsync(fd) != 0 || ::close(fd) != 0) {
-    ::unlink(tmp.c_str());
-    return absl::InternalError(absl::StrCat(path, ": cannot flush: ", std::strerror(errno)));
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    int err = errno;
-    ::unlink(tmp.c_str());
-    return absl::InternalError(absl::StrCat(path, ": cannot rename into place: ", std::strerror(err)));
-  }
-  return absl::OkStatus();
-}
 
 std::string BioToString(BIO* bio) {
   char* p = nullptr;

@@ -1,22 +1,15 @@
 #include "executor/checkpoint.h"
 
-#include <openssl/evp.h>
-
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <cerrno>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <optional>
 #include <set>
-#include <sstream>
 
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "core/files.h"
 #include "core/safetensors.h"
 #include "executor/trainer.h"
 
@@ -24,41 +17,6 @@ namespace meridian::executor {
 namespace {
 
 namespace fs = std::filesystem;
-
-std::string Sha256(const std::string& data) {
-  unsigned char md[EVP_MAX_MD_SIZE];
-  unsigned int n = 0;
-  EVP_Digest(data.data(), data.size(), md, &n, EVP_sha256(), nullptr);
-  std::string hex;
-  for (unsigned int i = 0; i < n; ++i) absl::StrAppend(&hex, absl::Hex(md[i], absl::kZeroPad2));
-  return hex;
-}
-
-// Flushes `path`'s data to the device (before it is renamed into place, so a crash leaves the old file
-// or the whole new one).
-absl::Status SyncFile(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY);
-  if (fd < 0) return absl::InternalError(absl::StrCat(path, ": cannot open to sync: ", std::strerror(errno)));
-  const int rc = ::fsync(fd);
-  ::close(fd);
-  if (rc != 0) return absl::InternalError(absl::StrCat(path, ": fsync failed: ", std::strerror(errno)));
-  return absl::OkStatus();
-}
-
-absl::Status WriteText(const std::string& path, const std::string& text) {
-  std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out << text;
-    out.flush();
-    if (!out) return absl::InternalError(absl::StrCat(tmp, ": cannot write"));
-  }
-  if (absl::Status s = SyncFile(tmp); !s.ok()) return s;
-  std::error_code ec;
-  fs::rename(tmp, path, ec);
-  if (ec) return absl::InternalError(absl::StrCat(path, ": cannot rename into place: ", ec.message()));
-  return absl::OkStatus();
-}
 
 }  // namespace
 
@@ -69,17 +27,15 @@ absl::Status WriteCheckpoint(const std::string& dir, int64_t step, int stage, in
   fs::create_directories(sdir, ec);
   if (ec) return absl::InternalError(absl::StrCat(sdir, ": cannot create: ", ec.message()));
   const std::string shard = absl::StrCat(sdir, "/stage-", stage, ".safetensors");
-  if (absl::Status s = SaveParameters(shard, tensors); !s.ok()) return s;
-  if (absl::Status s = SyncFile(shard); !s.ok()) return s;
-  std::ifstream in(shard, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
+  if (absl::Status s = SaveParameters(shard, tensors); !s.ok()) return s;  // written whole: tmp, fsync, rename
+  auto digest = core::Sha256OfFile(shard);
+  if (!digest.ok()) return digest.status();
   nlohmann::json names = nlohmann::json::array();
   for (const auto& [n, t] : tensors) names.push_back(n);
   nlohmann::json j = {{"step", step}, {"stage", stage}, {"num_stages", num_stages},
-                      {"shard", fs::path(shard).filename().string()}, {"sha256", Sha256(ss.str())},
+                      {"shard", fs::path(shard).filename().string()}, {"sha256", *digest},
                       {"tensors", names}};
-  return WriteText(absl::StrCat(sdir, "/stage-", stage, ".json"), j.dump(1));
+  return core::WriteFileAtomic(absl::StrCat(sdir, "/stage-", stage, ".json"), j.dump(1));
 }
 
 namespace {
@@ -144,10 +100,8 @@ std::optional<std::map<int, nlohmann::json>> IntactStages(const fs::path& path, 
   if (!hash) return metas;
   for (const auto& [k, meta] : metas) {
     const std::string shard = (path / meta["shard"].get<std::string>()).string();
-    std::ifstream in(shard, std::ios::binary);
-    std::stringstream ss;
-    ss << in.rdbuf();
-    if ((!in.good() && !in.eof()) || Sha256(ss.str()) != meta["sha256"].get<std::string>()) {
+    auto digest = core::Sha256OfFile(shard);
+    if (!digest.ok() || *digest != meta["sha256"].get<std::string>()) {
       absl::StrAppend(why, shard, ": checksum mismatch (truncated or corrupt); ");
       return std::nullopt;
     }
@@ -157,21 +111,30 @@ std::optional<std::map<int, nlohmann::json>> IntactStages(const fs::path& path, 
 
 }  // namespace
 
+namespace {
+
+// Removes one step directory; false (and `problems` says why) when it could not.
+bool RemoveStepDir(const fs::path& path, std::string* problems) {
+  std::error_code ec;
+  fs::remove_all(path, ec);
+  if (ec && problems) absl::StrAppend(problems, path.string(), ": cannot remove (", ec.message(), "); ");
+  return !ec;
+}
+
+}  // namespace
+
 int PruneCheckpoints(const std::string& dir, int keep, int64_t newest, std::string* problems) {
   auto steps = StepDirs(dir);
   if (!steps.ok()) return 0;
   int complete = 0, removed = 0;
-  std::string why;
+  std::string ignored;  // why a step is incomplete: not a problem here
   for (const auto& [step, path] : *steps) {  // newest first
     if (step > newest) continue;             // another run's
     if (step < newest && complete >= keep) {
-      std::error_code ec;
-      fs::remove_all(path, ec);
-      if (ec && problems) absl::StrAppend(problems, path.string(), ": cannot remove (", ec.message(), "); ");
-      removed += !ec;
+      removed += RemoveStepDir(path, problems);
       continue;
     }
-    complete += IntactStages(path, &why, /*hash=*/false).has_value();
+    complete += IntactStages(path, &ignored, /*hash=*/false).has_value();
   }
   return removed;
 }
@@ -180,13 +143,8 @@ int RemoveCheckpointsAbove(const std::string& dir, int64_t newest, std::string* 
   auto steps = StepDirs(dir);
   if (!steps.ok()) return 0;
   int removed = 0;
-  for (const auto& [step, path] : *steps) {
-    if (step <= newest) continue;
-    std::error_code ec;
-    fs::remove_all(path, ec);
-    if (ec && problems) absl::StrAppend(problems, path.string(), ": cannot remove (", ec.message(), "); ");
-    removed += !ec;
-  }
+  for (const auto& [step, path] : *steps)
+    if (step > newest) removed += RemoveStepDir(path, problems);
   return removed;
 }
 

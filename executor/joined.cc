@@ -1,7 +1,6 @@
 #include "executor/joined.h"
 
 #include <grpcpp/grpcpp.h>
-#include <openssl/evp.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -23,6 +22,7 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "core/files.h"
 #include "executor/profiler.h"
 #include "executor/stage.h"
 #include "rpc/credentials.h"
@@ -41,23 +41,6 @@ grpc::Status Call(Fn fn, const Req& req, double seconds) {
   return fn(&ctx, req, &ack);
 }
 
-std::string HexDigest(EVP_MD_CTX* md) {
-  unsigned char d[EVP_MAX_MD_SIZE];
-  unsigned len = 0;
-  EVP_DigestFinal_ex(md, d, &len);
-  static const char* digits = "0123456789abcdef";
-  std::string hex;
-  for (unsigned i = 0; i < len; ++i) hex += digits[d[i] >> 4], hex += digits[d[i] & 15];
-  return hex;
-}
-
-using Md = std::unique_ptr<EVP_MD_CTX, void (*)(EVP_MD_CTX*)>;
-Md NewSha256() {
-  Md md(EVP_MD_CTX_new(), EVP_MD_CTX_free);
-  if (md && EVP_DigestInit_ex(md.get(), EVP_sha256(), nullptr) != 1) md.reset();
-  return md;
-}
-
 // Sends the local file `local` to the coordinator's run directory as `path` (PutFile), in 1 MiB chunks
 // with the file's SHA-256. The deadline allows 1 MB/s plus a minute. Errors name the file and the
 // coordinator's answer.
@@ -68,8 +51,7 @@ absl::Status SendFile(v1::Coordinator::Stub* stub, const std::string& site, cons
   std::error_code ec;
   const auto size = fs::file_size(local, ec);
   if (!in || ec) return absl::InternalError(absl::StrCat("cannot read ", local, ec ? ": " + ec.message() : ""));
-  Md md = NewSha256();
-  if (!md) return absl::InternalError(absl::StrCat("sending ", path, ": cannot start SHA-256"));
+  core::Sha256 sha;
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60 + static_cast<int64_t>(size / 1000000)));
   v1::FileAck ack;
@@ -86,9 +68,9 @@ absl::Status SendFile(v1::Coordinator::Stub* stub, const std::string& site, cons
     v1::FileChunk c;
     if (first) c.set_site(site), c.set_job_id(job_id), c.set_path(path);
     c.set_data(buf.data(), n);
-    EVP_DigestUpdate(md.get(), buf.data(), n);
+    sha.Update(std::string_view(buf.data(), n));
     const bool last = !in;
-    if (last) c.set_sha256(HexDigest(md.get()));
+    if (last) c.set_sha256(sha.HexDigest());
     if (!writer->Write(c) || last) break;
   }
   writer->WritesDone();
@@ -110,8 +92,7 @@ absl::Status FetchFile(v1::Coordinator::Stub* stub, const std::string& site, con
   if (ec) return absl::InternalError(absl::StrCat("fetching ", path, ": cannot create the directory of ", local, ": ", ec.message()));
   std::ofstream out(local, std::ios::binary | std::ios::trunc);
   if (!out) return absl::InternalError(absl::StrCat("fetching ", path, ": cannot write ", local));
-  Md md = NewSha256();
-  if (!md) return absl::InternalError(absl::StrCat("fetching ", path, ": cannot start SHA-256"));
+  core::Sha256 sha;
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::hours(1));
   v1::FileRequest req;
@@ -123,7 +104,7 @@ absl::Status FetchFile(v1::Coordinator::Stub* stub, const std::string& site, con
   int64_t bytes = 0;
   while (reader->Read(&c)) {
     out.write(c.data().data(), static_cast<std::streamsize>(c.data().size()));
-    EVP_DigestUpdate(md.get(), c.data().data(), c.data().size());
+    sha.Update(c.data());
     bytes += static_cast<int64_t>(c.data().size());
     if (!c.sha256().empty()) want = c.sha256();
   }
@@ -131,7 +112,7 @@ absl::Status FetchFile(v1::Coordinator::Stub* stub, const std::string& site, con
   out.close();
   if (!s.ok()) return absl::UnavailableError(absl::StrCat("fetching ", path, " from the coordinator: ", s.error_message()));
   if (!out) return absl::InternalError(absl::StrCat("writing ", local, " failed"));
-  if (want.empty() || HexDigest(md.get()) != want)
+  if (want.empty() || sha.HexDigest() != want)
     return absl::DataLossError(absl::StrCat("fetching ", path, " from the coordinator: SHA-256 mismatch over ", bytes,
                                             " bytes"));
   return absl::OkStatus();
@@ -451,11 +432,12 @@ int RunJoined(const ExecutorOptions& o, const v1::RegisterResponse& reg, v1::Coo
             if (via_coordinator) {
               from = (scratch.path / "in").string();
               for (const auto& f : pa.resume_files()) {
-                if (f.rfind("checkpoints/", 0) != 0) {
+                const std::string kStore = "checkpoints/";
+                if (f.rfind(kStore, 0) != 0) {
                   failure = absl::InvalidArgumentError(absl::StrCat("resume file '", f, "' is not under checkpoints/"));
                   break;
                 }
-                failure = FetchFile(stub, o.site, f, (scratch.path / "in" / f.substr(12)).string());
+                failure = FetchFile(stub, o.site, f, (scratch.path / "in" / f.substr(kStore.size())).string());
                 if (!failure.ok()) break;
               }
             }

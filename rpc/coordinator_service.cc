@@ -1,8 +1,5 @@
 #include "rpc/coordinator_service.h"
 
-#include <fcntl.h>
-#include <openssl/evp.h>
-#include <unistd.h>
 
 #include <cstdio>
 #include <fstream>
@@ -10,6 +7,7 @@
 #include <regex>
 
 #include "absl/strings/str_cat.h"
+#include "core/files.h"
 #include "core/version.h"
 #include "rpc/credentials.h"
 
@@ -32,12 +30,6 @@ bool IsRunFile(const std::string& path) {
   return std::regex_match(path, kWeights) || IsCheckpointFile(path);
 }
 
-std::string Hex(const unsigned char* d, unsigned n) {
-  static const char* digits = "0123456789abcdef";
-  std::string h;
-  for (unsigned i = 0; i < n; ++i) h += digits[d[i] >> 4], h += digits[d[i] & 15];
-  return h;
-}
 
 }  // namespace
 
@@ -150,9 +142,7 @@ grpc::Status CoordinatorService::PutFile(grpc::ServerContext* ctx, grpc::ServerR
   };
   std::ofstream out(part, std::ios::binary | std::ios::trunc);
   if (!out) return fail(grpc::StatusCode::INTERNAL, absl::StrCat("cannot write ", part));
-  std::unique_ptr<EVP_MD_CTX, void (*)(EVP_MD_CTX*)> md(EVP_MD_CTX_new(), EVP_MD_CTX_free);
-  if (!md || EVP_DigestInit_ex(md.get(), EVP_sha256(), nullptr) != 1)
-    return fail(grpc::StatusCode::INTERNAL, "cannot start SHA-256");
+  core::Sha256 sha;
   int64_t bytes = 0;
   std::string want;
   do {
@@ -167,28 +157,18 @@ grpc::Status CoordinatorService::PutFile(grpc::ServerContext* ctx, grpc::ServerR
       return fail(grpc::StatusCode::RESOURCE_EXHAUSTED,
                   absl::StrCat("more than the ", grant->max_bytes, " bytes such a file may have"));
     out.write(chunk.data().data(), static_cast<std::streamsize>(chunk.data().size()));
-    EVP_DigestUpdate(md.get(), chunk.data().data(), chunk.data().size());
+    sha.Update(chunk.data());
     if (!chunk.sha256().empty()) want = chunk.sha256();
   } while (reader->Read(&chunk));
   out.close();
   if (!out) return fail(grpc::StatusCode::INTERNAL, absl::StrCat("writing ", part, " failed"));
   if (ctx->IsCancelled()) return fail(grpc::StatusCode::CANCELLED, absl::StrCat("cut off after ", bytes, " bytes"));
-  unsigned char d[EVP_MAX_MD_SIZE];
-  unsigned n = 0;
-  EVP_DigestFinal_ex(md.get(), d, &n);
   if (want.empty()) return fail(grpc::StatusCode::DATA_LOSS, absl::StrCat("no SHA-256 after ", bytes, " bytes (cut off?)"));
-  if (Hex(d, n) != want)
+  if (sha.HexDigest() != want)
     return fail(grpc::StatusCode::DATA_LOSS, absl::StrCat("SHA-256 mismatch over ", bytes, " bytes"));
-  {  // on the device before it is renamed into place
-    const int fd = ::open(part.c_str(), O_RDONLY);
-    const bool synced = fd >= 0 && ::fsync(fd) == 0;
-    if (fd >= 0) ::close(fd);
-    if (!synced) return fail(grpc::StatusCode::INTERNAL, absl::StrCat("cannot sync ", part));
-  }
-  if (absl::Status s = handler_->FileComplete(site, job_id, path, bytes); !s.ok())
+  if (absl::Status s = core::SyncFile(part); !s.ok()) return fail(grpc::StatusCode::INTERNAL, std::string(s.message()));
+  if (absl::Status s = handler_->FileCommit(site, job_id, path, part, dest, bytes); !s.ok())
     return fail(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
-  if (std::rename(part.c_str(), dest.c_str()) != 0)
-    return fail(grpc::StatusCode::INTERNAL, absl::StrCat("cannot rename ", part, " to ", dest));
   ack->set_bytes(bytes);
   return grpc::Status::OK;
 }
@@ -205,9 +185,7 @@ grpc::Status CoordinatorService::GetFile(grpc::ServerContext* ctx, const v1::Fil
   std::ifstream in(*src, std::ios::binary);
   if (!in)
     return {grpc::StatusCode::NOT_FOUND, absl::StrCat("GetFile from site '", req->site(), "': cannot read ", req->path())};
-  std::unique_ptr<EVP_MD_CTX, void (*)(EVP_MD_CTX*)> md(EVP_MD_CTX_new(), EVP_MD_CTX_free);
-  if (!md || EVP_DigestInit_ex(md.get(), EVP_sha256(), nullptr) != 1)
-    return {grpc::StatusCode::INTERNAL, absl::StrCat("GetFile ", req->path(), ": cannot start SHA-256")};
+  core::Sha256 sha;
   std::string buf(size_t{1} << 20, '\0');
   for (;;) {
     in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
@@ -218,14 +196,9 @@ grpc::Status CoordinatorService::GetFile(grpc::ServerContext* ctx, const v1::Fil
     v1::FileChunk c;
     c.set_path(req->path());
     c.set_data(buf.data(), n);
-    EVP_DigestUpdate(md.get(), buf.data(), n);
+    sha.Update(std::string_view(buf.data(), n));
     const bool last = !in;
-    if (last) {
-      unsigned char d[EVP_MAX_MD_SIZE];
-      unsigned len = 0;
-      EVP_DigestFinal_ex(md.get(), d, &len);
-      c.set_sha256(Hex(d, len));
-    }
+    if (last) c.set_sha256(sha.HexDigest());
     if (!writer->Write(c)) return {grpc::StatusCode::UNAVAILABLE, absl::StrCat("site '", req->site(), "' went away")};
     if (last) return grpc::Status::OK;
   }

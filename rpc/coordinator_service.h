@@ -46,10 +46,11 @@ class CoordinatorHandler {
   };
   virtual absl::StatusOr<FileGrant> FileDestination(const std::string& site, const std::string& job_id,
                                                     const std::string& path) = 0;
-  // The file arrived whole (`bytes`, SHA-256 checked) and is about to be renamed into place; an error (the
-  // attempt ended meanwhile) discards it.
-  virtual absl::Status FileComplete(const std::string& site, const std::string& job_id, const std::string& path,
-                                    int64_t bytes) = 0;
+  // The file arrived whole in `part` (`bytes`, SHA-256 checked, synced): renames it to `dest` (what
+  // FileDestination gave) if attempt `job_id` still runs -- atomically with respect to the start of another
+  // attempt -- else returns the error (the service then deletes `part`).
+  virtual absl::Status FileCommit(const std::string& site, const std::string& job_id, const std::string& path,
+                                  const std::string& part, const std::string& dest, int64_t bytes) = 0;
   // The stored file `path` (relative to the run directory, already checked by the service) that `site`
   // asks for: an absolute path. NotFound when there is no such file.
   virtual absl::StatusOr<std::string> FileSource(const std::string& site, const std::string& path) = 0;
@@ -69,8 +70,8 @@ class CoordinatorService final : public v1::Coordinator::Service {
   // Read-only; allowed to the "coordinator" identity and to every site.
   grpc::Status Inspect(grpc::ServerContext* ctx, const v1::InspectRequest* req, v1::InspectResponse* resp) override;
   // Writes the stream to a temporary file beside FileDestination's path, within its size bound, checks the
-  // SHA-256, syncs it, asks FileComplete, then renames it into place; a refused or broken upload leaves
-  // no file. Paths other than
+  // SHA-256, syncs it, then has FileCommit rename it into place; a refused or broken upload leaves no
+  // file. Paths other than
   // "weights/stage-K.safetensors" and "checkpoints/step-S/stage-K.{safetensors,json}" are refused
   // (InvalidArgument) before the handler is asked.
   grpc::Status PutFile(grpc::ServerContext* ctx, grpc::ServerReader<v1::FileChunk>* reader,

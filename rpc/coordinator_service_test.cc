@@ -68,8 +68,10 @@ class CountingHandler : public CoordinatorHandler {
     fs::create_directories(fs::path(store) / fs::path(path).parent_path());
     return FileGrant{(fs::path(store) / path).string(), 12 * 1000 * 1000};
   }
-  absl::Status FileComplete(const std::string&, const std::string&, const std::string&, int64_t) override {
+  absl::Status FileCommit(const std::string&, const std::string&, const std::string&, const std::string& part,
+                          const std::string& dest, int64_t) override {
     ++calls;
+    fs::rename(part, dest);
     return absl::OkStatus();
   }
   absl::StatusOr<std::string> FileSource(const std::string&, const std::string& path) override {

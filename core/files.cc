@@ -1,0 +1,93 @@
+#include "core/files.h"
+
+#include <fcntl.h>
+#include <openssl/evp.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <stdexcept>
+
+#include "absl/strings/str_cat.h"
+
+namespace meridian::core {
+
+absl::Status WriteFileAtomic(const std::string& path, std::string_view data, mode_t mode) {
+  std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, mode);
+  if (fd < 0) return absl::InternalError(absl::StrCat(tmp, ": cannot create: ", std::strerror(errno)));
+  ::fchmod(fd, mode);  // the umask must not widen or narrow what we ask for
+  size_t off = 0;
+  while (off < data.size()) {
+    ssize_t n = ::write(fd, data.data() + off, data.size() - off);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      int err = errno;
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      return absl::InternalError(absl::StrCat(tmp, ": write failed: ", std::strerror(err)));
+    }
+    off += static_cast<size_t>(n);
+  }
+  if (::fsync(fd) != 0 || ::close(fd) != 0) {
+    ::unlink(tmp.c_str());
+    return absl::InternalError(absl::StrCat(path, ": cannot flush: ", std::strerror(errno)));
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    int err = errno;
+    ::unlink(tmp.c_str());
+    return absl::InternalError(absl::StrCat(path, ": cannot rename into place: ", std::strerror(err)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SyncFile(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  if (fd < 0) return absl::InternalError(absl::StrCat(path, ": cannot open to sync: ", std::strerror(errno)));
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  if (rc != 0) return absl::InternalError(absl::StrCat(path, ": fsync failed: ", std::strerror(err)));
+  return absl::OkStatus();
+}
+
+Sha256::Sha256() : ctx_(EVP_MD_CTX_new()) {
+  if (!ctx_ || EVP_DigestInit_ex(ctx_, EVP_sha256(), nullptr) != 1) throw std::bad_alloc();
+}
+
+Sha256::~Sha256() { EVP_MD_CTX_free(ctx_); }
+
+void Sha256::Update(std::string_view data) { EVP_DigestUpdate(ctx_, data.data(), data.size()); }
+
+std::string Sha256::HexDigest() {
+  unsigned char d[EVP_MAX_MD_SIZE];
+  unsigned n = 0;
+  EVP_DigestFinal_ex(ctx_, d, &n);
+  static const char* digits = "0123456789abcdef";
+  std::string hex;
+  for (unsigned i = 0; i < n; ++i) hex += digits[d[i] >> 4], hex += digits[d[i] & 15];
+  return hex;
+}
+
+std::string Sha256Hex(std::string_view data) {
+  Sha256 h;
+  h.Update(data);
+  return h.HexDigest();
+}
+
+absl::StatusOr<std::string> Sha256OfFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
+  Sha256 h;
+  std::string buf(size_t{1} << 20, '\0');
+  while (in) {
+    in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
+    h.Update(std::string_view(buf.data(), static_cast<size_t>(in.gcount())));
+  }
+  if (in.bad()) return absl::DataLossError(absl::StrCat(path, ": read failed"));
+  return h.HexDigest();
+}
+
+}  // namespace meridian::core
