@@ -206,4 +206,51 @@ absl::StatusOr<Checkpoint> LoadLatestCheckpoint(const std::string& dir, std::str
       });
 }
 
+absl::StatusOr<std::vector<std::string>> ShardsHolding(const std::string& step_dir,
+                                                      const std::set<std::string>& wanted) {
+  std::string why;
+  auto metas = IntactStages(step_dir, &why, /*hash=*/false);
+  if (!metas) return absl::NotFoundError(absl::StrCat("no complete checkpoint: ", why));
+  std::vector<std::string> shards;
+  for (const auto& [k, meta] : *metas) {
+    bool holds = !meta.contains("tensors") || !meta["tensors"].is_array();  // unknown: fetch it
+    if (!holds)
+      for (const auto& t : meta["tensors"])
+        if (t.is_string() && wanted.count(t.get<std::string>())) {
+          holds = true;
+          break;
+        }
+    if (holds) shards.push_back(meta["shard"].get<std::string>());
+  }
+  return shards;
+}
+
+absl::StatusOr<Checkpoint> LoadCheckpointFor(const std::string& step_dir, const std::set<std::string>& wanted) {
+  const fs::path path(step_dir);
+  const std::string name = path.filename().string();
+  char* end = nullptr;
+  const long long step = name.rfind("step-", 0) == 0 ? std::strtoll(name.c_str() + 5, &end, 10) : 0;
+  if (step <= 0 || *end != '\0') return absl::InvalidArgumentError(absl::StrCat(step_dir, ": not a step-S directory"));
+  auto shards = ShardsHolding(step_dir, wanted);
+  if (!shards.ok()) return absl::Status(shards.status().code(), absl::StrCat(step_dir, ": ", shards.status().message()));
+  std::string why;
+  auto metas = IntactStages(path, &why, /*hash=*/false);
+  Checkpoint c;
+  c.step = step;
+  c.path = step_dir;
+  for (const auto& [k, meta] : *metas) {
+    const std::string shard = meta["shard"].get<std::string>();
+    if (std::find(shards->begin(), shards->end(), shard) == shards->end()) continue;
+    const std::string file = (path / shard).string();
+    auto digest = core::Sha256OfFile(file);
+    if (!digest.ok()) return digest.status();
+    if (*digest != meta["sha256"].get<std::string>())
+      return absl::DataLossError(absl::StrCat(file, ": checksum mismatch (truncated or corrupt)"));
+    auto tensors = LoadParameters(file);
+    if (!tensors.ok()) return tensors.status();
+    c.tensors.insert(tensors->begin(), tensors->end());
+  }
+  return c;
+}
+
 }  // namespace meridian::executor

@@ -9,6 +9,7 @@
 #include <torch/torch.h>
 
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -47,6 +48,14 @@ struct Checkpoint {
   std::map<std::string, torch::Tensor> tensors;  // parameters and optimizer moments of every stage
   std::string path;
 };
+
+// For one step directory whose stage JSONs are all present (its shards need not be): the shard files
+// holding any of `wanted` (by the JSONs' tensor lists), so a resuming stage fetches only those.
+absl::StatusOr<std::vector<std::string>> ShardsHolding(const std::string& step_dir, const std::set<std::string>& wanted);
+
+// Loads from step directory `step_dir` (e.g. DIR/step-S) the shards ShardsHolding names for `wanted`,
+// each checked against its SHA-256; the other shards may be absent. Errors name the step or the shard.
+absl::StatusOr<Checkpoint> LoadCheckpointFor(const std::string& step_dir, const std::set<std::string>& wanted);
 
 // The newest complete and intact checkpoint under `dir`: every stage's JSON present and every shard's
 // SHA-256 matching. A newer checkpoint that is incomplete or corrupt is skipped, and `skipped` says

@@ -31,6 +31,8 @@
 namespace meridian::executor {
 namespace {
 
+namespace fs = std::filesystem;
+
 using Clock = std::chrono::steady_clock;
 
 template <typename Req, typename Fn>
@@ -428,25 +430,44 @@ int RunJoined(const ExecutorOptions& o, const v1::RegisterResponse& reg, v1::Coo
           CheckpointUploader uploader(stub, o.site, a.job_id);
           int start = 0;
           if (failure.ok() && pa.resume_step() != 0) {  // -1: the newest intact checkpoint; S > 0: step S
-            std::string from = ckpt_dir;
+            absl::StatusOr<Checkpoint> c = absl::UnknownError("not loaded");
             if (via_coordinator) {
-              from = (scratch.path / "in").string();
+              // The step's JSONs first, then only the shards holding this stage's tensors.
+              const std::string kStore = "checkpoints/";
+              const fs::path in = scratch.path / "in";
+              std::string step_dir;
+              std::map<std::string, std::string> shard_paths;  // shard file name -> path in the store
               for (const auto& f : pa.resume_files()) {
-                const std::string kStore = "checkpoints/";
-                if (f.rfind(kStore, 0) != 0) {
+                if (f.rfind(kStore, 0) != 0 || f.find("..") != std::string::npos) {
                   failure = absl::InvalidArgumentError(absl::StrCat("resume file '", f, "' is not under checkpoints/"));
                   break;
                 }
-                failure = FetchFile(stub, o.site, f, (scratch.path / "in" / f.substr(kStore.size())).string());
+                const fs::path local = in / f.substr(kStore.size());
+                step_dir = local.parent_path().string();
+                if (local.extension() == ".json") failure = FetchFile(stub, o.site, f, local.string());
+                else shard_paths[local.filename().string()] = f;
                 if (!failure.ok()) break;
               }
+              const std::set<std::string> wanted = worker.CheckpointTensorNames();
+              absl::StatusOr<std::vector<std::string>> shards = absl::NotFoundError("no resume files");
+              if (failure.ok() && !step_dir.empty()) shards = ShardsHolding(step_dir, wanted);
+              if (failure.ok() && !shards.ok()) failure = shards.status();
+              for (size_t k = 0; failure.ok() && k < shards->size(); ++k) {
+                auto it = shard_paths.find((*shards)[k]);
+                if (it == shard_paths.end())
+                  failure = absl::InvalidArgumentError(absl::StrCat("the resume files name no ", (*shards)[k]));
+                else
+                  failure = FetchFile(stub, o.site, it->second, (fs::path(step_dir) / it->first).string());
+              }
+              if (failure.ok()) c = LoadCheckpointFor(step_dir, wanted);
+            } else {
+              c = LoadLatestCheckpoint(ckpt_dir);
             }
             if (failure.ok()) {
-              auto c = LoadLatestCheckpoint(from);
               if (!c.ok()) failure = c.status();
               else if (pa.resume_step() > 0 && c->step != pa.resume_step())
-                failure = absl::DataLossError(absl::StrCat("the newest intact checkpoint in ", from, " is step ",
-                                                           c->step, ", not the step ", pa.resume_step(), " assigned"));
+                failure = absl::DataLossError(absl::StrCat("the checkpoint loaded (", c->path, ") is step ", c->step,
+                                                           ", not the step ", pa.resume_step(), " assigned"));
               else if (failure = worker.Restore(*c); failure.ok()) start = static_cast<int>(c->step);
             }
             // What an abandoned attempt left above the resumed step would mix with the steps written again.

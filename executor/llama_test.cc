@@ -257,4 +257,34 @@ TEST(Checkpoints, PruneKeepsTheNewestCompleteStepsAndFindNamesTheNewestIntactOne
   fs::remove_all(dir);
 }
 
+
+// A resuming stage needs only the shards holding its tensors: ShardsHolding names them from the step's
+// JSONs, and LoadCheckpointFor loads them (hash-checked) while the others are absent.
+TEST(Checkpoints, AStageLoadsOnlyTheShardsHoldingItsTensors) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("meridian_shards_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  auto t = [](float v) { return torch::full({3}, v); };
+  ASSERT_TRUE(WriteCheckpoint(dir.string(), 5, 0, 2, {{"a.w", t(1)}, {"optim.m.a.w", t(2)}}).ok());
+  ASSERT_TRUE(WriteCheckpoint(dir.string(), 5, 1, 2, {{"b.w", t(3)}, {"optim.v.b.w", t(4)}}).ok());
+  const std::string step = (dir / "step-5").string();
+  auto shards = ShardsHolding(step, {"a.w", "optim.m.a.w", "optim.v.a.w"});
+  ASSERT_TRUE(shards.ok()) << shards.status();
+  EXPECT_EQ(*shards, std::vector<std::string>{"stage-0.safetensors"});
+  fs::remove(dir / "step-5" / "stage-1.safetensors");  // not fetched
+  auto c = LoadCheckpointFor(step, {"a.w", "optim.m.a.w"});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->step, 5);
+  EXPECT_TRUE(torch::equal(c->tensors.at("a.w"), t(1)));
+  EXPECT_EQ(c->tensors.count("b.w"), 0u);
+  auto missing = LoadCheckpointFor(step, {"b.w"});  // its shard is gone: named
+  ASSERT_FALSE(missing.ok());
+  EXPECT_THAT(std::string(missing.status().message()), ::testing::HasSubstr("stage-1.safetensors"));
+  fs::resize_file(dir / "step-5" / "stage-0.safetensors", 20);
+  EXPECT_EQ(LoadCheckpointFor(step, {"a.w"}).status().code(), absl::StatusCode::kDataLoss);
+  fs::remove(dir / "step-5" / "stage-1.json");  // a stage's JSON missing: no checkpoint at all
+  EXPECT_FALSE(ShardsHolding(step, {"a.w"}).ok());
+  fs::remove_all(dir);
+}
+
 }  // namespace meridian::executor

@@ -448,6 +448,12 @@ absl::Status StageWorker::Restore(const Checkpoint& c) {
   return absl::OkStatus();
 }
 
+std::set<std::string> StageWorker::CheckpointTensorNames() const {
+  std::set<std::string> names;
+  for (const auto& [n, p] : model_->parameters()) names.insert({n, "optim.m." + n, "optim.v." + n});
+  return names;
+}
+
 std::map<std::string, torch::Tensor> StageWorker::Parameters() const {
   std::map<std::string, torch::Tensor> out;
   for (const auto& [n, p] : model_->parameters()) out[n] = p.detach().cpu();

@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <map>
+#include <set>
 #include <memory>
 #include <optional>
 #include <string>
@@ -70,6 +71,8 @@ class StageWorker {
   // Closes the outgoing streams (waits for the neighbours' acknowledgements).
   absl::Status Finish();
   std::map<std::string, torch::Tensor> Parameters() const;
+  // The checkpoint tensors Restore uses: each trained parameter and its two AdamW moments, by name.
+  std::set<std::string> CheckpointTensorNames() const;
   // Replica 0 of each stage writes the stage's checkpoint shards and weights (all replicas hold the same).
   bool writes_shard() const { return replica_ == 0; }
   // Writes this stage's shard of the checkpoint after `steps_done` steps (parameters and AdamW moments).
