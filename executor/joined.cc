@@ -470,12 +470,7 @@ int RunJoined(const ExecutorOptions& o, const v1::RegisterResponse& reg, v1::Coo
                                                            ", not the step ", pa.resume_step(), " assigned"));
               else if (failure = worker.Restore(*c); failure.ok()) start = static_cast<int>(c->step);
             }
-            // What an abandoned attempt left above the resumed step would mix with the steps written again.
-            if (failure.ok() && !via_coordinator && a.stage == 0 && worker.writes_shard()) {
-              std::string problems;
-              RemoveCheckpointsAbove(ckpt_dir, start, &problems);
-              if (!problems.empty()) std::cerr << "meridian-executor: checkpoints: " << problems << "\n";
-            }
+            if (failure.ok() && !via_coordinator) worker.ForgetCheckpointsAfter(ckpt_dir, start);
           }
           if (failure.ok()) failure = worker.Connect();
           const int steps = pa.steps() > 0 ? pa.steps() : setup->job.steps;
@@ -502,9 +497,8 @@ int RunJoined(const ExecutorOptions& o, const v1::RegisterResponse& reg, v1::Coo
               reporter.Post(std::move(m));
             }
             if (interval > 0 && (i + 1) % interval == 0 && worker.writes_shard()) {
-              failure = worker.SaveCheckpoint(ckpt_dir, i + 1);
-              if (failure.ok() && !via_coordinator && a.stage == 0)  // one pruner per shared directory
-                PruneCheckpoints(ckpt_dir, setup->job.checkpoint.keep, i + 1);
+              // The coordinator prunes its store; a shared directory is pruned by stage 0's writer.
+              failure = worker.SaveCheckpoint(ckpt_dir, i + 1, via_coordinator ? 0 : setup->job.checkpoint.keep);
               if (failure.ok() && via_coordinator)
                 failure = uploader.Start(absl::StrCat(ckpt_dir, "/step-", i + 1), i + 1, a.stage);
             }

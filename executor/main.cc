@@ -89,11 +89,7 @@ int RunStatic(const executor::ExecutorOptions& o, const std::string& assignment_
     if (auto s = worker.Restore(*c); !s.ok()) return fail(s);
     start = static_cast<int>(c->step);
     std::cout << "resuming after step " << start << " from " << c->path << std::endl;
-    if (a->stage == 0 && worker.writes_shard()) {  // what an abandoned run left above it would mix in
-      std::string problems;
-      executor::RemoveCheckpointsAbove(ckpt_dir, start, &problems);
-      if (!problems.empty()) std::cerr << "meridian-executor: checkpoints: " << problems << "\n";
-    }
+    worker.ForgetCheckpointsAfter(ckpt_dir, start);
   }
   if (auto s = worker.Connect(); !s.ok()) return fail(s);
   for (int step = start; step < steps; ++step) {
@@ -101,8 +97,7 @@ int RunStatic(const executor::ExecutorOptions& o, const std::string& assignment_
     if (!loss.ok()) return fail(loss.status());
     if (loss->has_value()) std::cout << "step " << step << " loss " << **loss << std::endl;
     if (interval > 0 && (step + 1) % interval == 0 && worker.writes_shard()) {
-      if (auto s = worker.SaveCheckpoint(ckpt_dir, step + 1); !s.ok()) return fail(s);
-      if (a->stage == 0) executor::PruneCheckpoints(ckpt_dir, setup->job.checkpoint.keep, step + 1);  // one pruner
+      if (auto s = worker.SaveCheckpoint(ckpt_dir, step + 1, setup->job.checkpoint.keep); !s.ok()) return fail(s);
     }
   }
   if (auto s = worker.Finish(); !s.ok()) return fail(s);

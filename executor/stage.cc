@@ -3,6 +3,7 @@
 #include <cmath>
 #include <algorithm>
 #include <cstring>
+#include <iostream>
 #include <set>
 
 #include <nlohmann/json.hpp>
@@ -429,12 +430,24 @@ absl::Status StageWorker::Finish() {
   return absl::OkStatus();
 }
 
-absl::Status StageWorker::SaveCheckpoint(const std::string& dir, int64_t steps_done) const {
+absl::Status StageWorker::SaveCheckpoint(const std::string& dir, int64_t steps_done, int keep) const {
   std::map<std::string, torch::Tensor> all = Parameters();
   for (auto& [k, v] : opt_.ExportState()) all[k] = v;
   absl::Status s = WriteCheckpoint(dir, steps_done, a_.stage, a_.num_stages, all);
   if (!s.ok()) return Annotate(s, absl::StrCat(Where(), ": checkpoint"));
+  if (keep > 0 && a_.stage == 0 && writes_shard()) {
+    std::string problems;
+    PruneCheckpoints(dir, keep, steps_done, &problems);
+    if (!problems.empty()) std::cerr << "meridian-executor: " << Where() << ": checkpoints: " << problems << "\n";
+  }
   return absl::OkStatus();
+}
+
+void StageWorker::ForgetCheckpointsAfter(const std::string& dir, int64_t step) const {
+  if (a_.stage != 0 || !writes_shard()) return;
+  std::string problems;
+  RemoveCheckpointsAbove(dir, step, &problems);
+  if (!problems.empty()) std::cerr << "meridian-executor: " << Where() << ": checkpoints: " << problems << "\n";
 }
 
 absl::Status StageWorker::Restore(const Checkpoint& c) {

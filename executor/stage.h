@@ -76,8 +76,13 @@ class StageWorker {
   // Replica 0 of each stage writes the stage's checkpoint shards and weights (all replicas hold the same).
   bool writes_shard() const { return replica_ == 0; }
   // Writes this stage's shard of the checkpoint after `steps_done` steps (parameters and AdamW moments).
-  // The error-feedback residual is not saved: a resumed lossy link starts with an empty one.
-  absl::Status SaveCheckpoint(const std::string& dir, int64_t steps_done) const;
+  // The error-feedback residual is not saved: a resumed lossy link starts with an empty one. With
+  // `keep` > 0, stage 0's writer -- one pruner per directory -- then keeps the newest `keep` complete
+  // steps of `dir` (PruneCheckpoints; what it cannot remove goes to stderr).
+  absl::Status SaveCheckpoint(const std::string& dir, int64_t steps_done, int keep = 0) const;
+  // After resuming from step `step` of `dir`: stage 0's writer removes the step directories above it, so
+  // what an abandoned attempt left there cannot mix with the steps written again (RemoveCheckpointsAbove).
+  void ForgetCheckpointsAfter(const std::string& dir, int64_t step) const;
   // Loads this stage's parameters and moments by name from a checkpoint of any partition.
   absl::Status Restore(const Checkpoint& checkpoint);
   int64_t wire_bytes() const { return wire_bytes_; }
