@@ -80,6 +80,9 @@ int RunStatic(const executor::ExecutorOptions& o, const std::string& assignment_
   // Checkpoints: job.checkpoint.dir (relative to the job file) every job.checkpoint.interval steps.
   const std::string ckpt_dir = core::ResolveRelative(job_path, setup->job.checkpoint.dir);
   const int interval = setup->job.checkpoint.interval;
+  if (interval > 0 && setup->job.checkpoint.store == "coordinator")
+    std::cerr << "meridian-executor: " << job_path << ": job.checkpoint.store: coordinator needs `meridian run`; "
+              << "without a coordinator this stage keeps its checkpoints in " << ckpt_dir << "\n";
   int start = 0;
   if (resume) {
     std::string skipped;
