@@ -395,6 +395,11 @@ class RunDriver {
     auto graph = partitioner::ParseGraphJson(graph_json_, "graph.json from the executors");
     if (!graph.ok()) return graph.status();
     graph_ = std::move(*graph);
+    // A file a site sends holds at most the model's training state (weights and AdamW moments, within
+    // param_bytes + optimizer_bytes of the graph) plus its header: twice that bounds it.
+    double state_bytes = 0;
+    for (const auto& op : graph_.ops) state_bytes += op.param_bytes + op.optimizer_bytes;
+    max_file_bytes_ = static_cast<int64_t>(2 * state_bytes) + (int64_t{64} << 20);
     return absl::OkStatus();
   }
 
@@ -511,15 +516,10 @@ class RunDriver {
         g->add_micro_batches(st[k].micro_batches[i]);
       }
     };
-    // Replica 0 of each stage sends its weights and checkpoint shards. A shard holds at most the model's
-    // training state (weights and AdamW moments, within param_bytes + optimizer_bytes of the graph), plus
-    // its header: twice that bounds any file a site may send.
+    // Replica 0 of each stage sends its weights and checkpoint shards.
     std::map<std::string, int> writers;
     for (size_t k = 0; k < st.size(); ++k) writers[st[k].site_names[0]] = static_cast<int>(k);
-    double state_bytes = 0;
-    for (const auto& op : graph_.ops) state_bytes += op.param_bytes + op.optimizer_bytes;
-    coord_.SetFileWriters(std::move(writers), in_.steps,
-                          static_cast<int64_t>(2 * state_bytes) + (int64_t{64} << 20));
+    coord_.SetFileWriters(std::move(writers), in_.steps, max_file_bytes_);
     for (size_t k = 0; k < st.size(); ++k) {
       for (const auto& site : st[k].site_names) {  // every replica of the stage gets the same assignment
         v1::Command c;
@@ -741,6 +741,7 @@ class RunDriver {
   partitioner::ClusterProfile profile_;             // every joined site's measurements
   std::string graph_json_;
   partitioner::OpGraph graph_;
+  int64_t max_file_bytes_ = 0;                      // the largest file a site may send (from graph_)
   std::set<std::string> lost_;                      // sites re-planned around (on_failure: replan)
   std::optional<partitioner::Plan> plan_;           // the current attempt's
   bool resume_ = false;                             // stages start from a checkpoint

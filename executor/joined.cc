@@ -48,7 +48,6 @@ grpc::Status Call(Fn fn, const Req& req, double seconds) {
 // coordinator's answer.
 absl::Status SendFile(v1::Coordinator::Stub* stub, const std::string& site, const std::string& job_id,
                       const std::string& local, const std::string& path) {
-  namespace fs = std::filesystem;
   std::ifstream in(local, std::ios::binary);
   std::error_code ec;
   const auto size = fs::file_size(local, ec);
@@ -90,7 +89,7 @@ absl::Status SendFile(v1::Coordinator::Stub* stub, const std::string& site, cons
 absl::Status FetchFile(v1::Coordinator::Stub* stub, const std::string& site, const std::string& path,
                        const std::string& local) {
   std::error_code ec;
-  std::filesystem::create_directories(std::filesystem::path(local).parent_path(), ec);
+  fs::create_directories(fs::path(local).parent_path(), ec);
   if (ec) return absl::InternalError(absl::StrCat("fetching ", path, ": cannot create the directory of ", local, ": ", ec.message()));
   std::ofstream out(local, std::ios::binary | std::ios::trunc);
   if (!out) return absl::InternalError(absl::StrCat("fetching ", path, ": cannot write ", local));
@@ -126,7 +125,7 @@ struct ScratchDir {
   explicit ScratchDir(std::string name) : name(std::move(name)) {}
   absl::Status Create() {
     std::error_code ec;
-    const std::filesystem::path base = std::filesystem::temp_directory_path(ec);
+    const fs::path base = fs::temp_directory_path(ec);
     if (ec) return absl::InternalError(absl::StrCat("no temporary directory: ", ec.message()));
     std::string pattern = (base / absl::StrCat("meridian-", name, "-XXXXXX")).string();
     if (::mkdtemp(pattern.data()) == nullptr)
@@ -136,10 +135,10 @@ struct ScratchDir {
   }
   ~ScratchDir() {
     std::error_code ec;
-    if (!path.empty()) std::filesystem::remove_all(path, ec);
+    if (!path.empty()) fs::remove_all(path, ec);
   }
   std::string name;
-  std::filesystem::path path;
+  fs::path path;
 };
 
 // Sends checkpoint steps to the coordinator on a thread of its own, so training goes on while a shard
@@ -163,7 +162,7 @@ class CheckpointUploader {
         if (!s.ok()) break;
       }
       std::error_code ec;
-      std::filesystem::remove_all(step_dir, ec);
+      fs::remove_all(step_dir, ec);
       return s;
     });
     return absl::OkStatus();
