@@ -80,13 +80,13 @@ absl::Status Coordinator::Metrics(const v1::MetricsReport& r) {
   {
     std::lock_guard<std::mutex> l(mu_);
     if (!r.job_id().empty() && r.job_id() != job_id_) return absl::OkStatus();  // an abandoned attempt
-    LogSite(r.site(), r.stage() == 0
-                          ? absl::StrFormat("step %d: loss %.4f, %.2f s (%.2f s computing), %d bytes sent (%d uncompressed)",
-                                            r.step() + 1, r.loss(), r.step_seconds(), r.compute_seconds(), r.wire_bytes(),
-                                            r.raw_bytes())
-                          : absl::StrFormat("step %d: %.2f s (%.2f s computing), %d bytes sent (%d uncompressed)",
-                                            r.step() + 1, r.step_seconds(), r.compute_seconds(), r.wire_bytes(),
-                                            r.raw_bytes()));
+    const std::string parts = absl::StrFormat(
+        "%.2f s (%.2f s computing, %.2f s waiting, %.3f s blocked sending, %.3f s codecs), %d bytes sent (%d "
+        "uncompressed)",
+        r.step_seconds(), r.compute_seconds(), r.wait_seconds(), r.send_blocked_seconds(), r.codec_seconds(),
+        r.wire_bytes(), r.raw_bytes());
+    LogSite(r.site(), r.stage() == 0 ? absl::StrFormat("step %d: loss %.4f, %s", r.step() + 1, r.loss(), parts)
+                                     : absl::StrFormat("step %d: %s", r.step() + 1, parts));
     sites_[r.site()].metrics = r;
     if (r.stage() == 0 && r.step() > progress_.step) {
       progress_.step = r.step();

@@ -72,6 +72,7 @@ int RunPlanCommand(const PlanCommandOptions& o) {
   po.ratio = o.ratio;
   po.replication = !o.reference && !o.no_replication;
   po.adaptive_compression = !o.reference && !o.ratio_given;
+  po.deep_pipeline = !o.reference;
   po.force_heuristic = o.force_heuristic;
   auto plan = partitioner::PlanPipeline(*graph, *profile, po);
   if (!plan.ok()) {

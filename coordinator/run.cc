@@ -120,6 +120,20 @@ std::string MetricsText(Coordinator& coord) {
                   "# TYPE meridian_site_compute_seconds gauge\n");
   for (const auto& [name, st] : sites)
     if (st.metrics) absl::StrAppend(&body, "meridian_site_compute_seconds{site=\"", name, "\"} ", st.metrics->compute_seconds(), "\n");
+  for (auto [metric, help, get] :
+       {std::tuple<const char*, const char*, double (v1::MetricsReport::*)() const>{
+            "meridian_site_wait_seconds",
+            "Time the site's compute thread waited for a peer (inputs, gradients, norm, replica sums) in its last step.",
+            &v1::MetricsReport::wait_seconds},
+        {"meridian_site_send_blocked_seconds",
+         "Time the site's compute thread was blocked by a send (a full send queue) in its last step.",
+         &v1::MetricsReport::send_blocked_seconds},
+        {"meridian_site_codec_seconds", "Time the site's compute thread encoded and decoded frames in its last step.",
+         &v1::MetricsReport::codec_seconds}}) {
+    absl::StrAppend(&body, "# HELP ", metric, " ", help, "\n# TYPE ", metric, " gauge\n");
+    for (const auto& [name, st] : sites)
+      if (st.metrics) absl::StrAppend(&body, metric, "{site=\"", name, "\"} ", ((*st.metrics).*get)(), "\n");
+  }
   absl::StrAppend(&body, "# HELP meridian_site_sent_bytes Bytes the site's stage sent to its neighbours in this attempt.\n",
                   "# TYPE meridian_site_sent_bytes gauge\n");
   for (const auto& [name, st] : sites)
@@ -416,6 +430,7 @@ class RunDriver {
     partitioner::PlanOptions po;
     po.micro_batches = in_.micro_batches;
     po.adaptive_compression = job.compression.policy == "adaptive";
+    po.deep_pipeline = true;
     po.replication = job.replication && o_.split != "even";
     if (o_.split == "even") {
       const int n = std::min<int>(static_cast<int>(live.sites.size()), ops);
@@ -546,6 +561,7 @@ class RunDriver {
           group(k + 1, a->mutable_next_stage());
         }
         a->set_micro_batches(in_.micro_batches);
+        a->set_in_flight(st[k].in_flight);
         a->set_job_yaml(in_.job_yaml);
         a->set_job_dir(in_.job_dir);
         a->set_steps(in_.steps);
@@ -615,30 +631,44 @@ class RunDriver {
     }
   }
 
-  // The progress line: the slowest site (most compute in its latest step) and the bytes the stages sent in
-  // this attempt; the same as one JSON line of RUN/metrics.jsonl.
+  // The progress line: the slowest site (most compute in its latest step), the bytes the stages sent in
+  // this attempt, how long the slowest site waited for its peers and the longest any stage was blocked by
+  // a send; RUN/metrics.jsonl has the same and each stage's breakdown ("stages").
   void ReportStep(int attempt, const std::set<std::string>& used, const Coordinator::Progress& p) {
     const double el = std::chrono::duration<double>(Clock::now() - t0_).count();
     std::string slowest;
-    double slowest_seconds = 0;
+    double slowest_seconds = 0, slowest_wait = 0, most_blocked = 0;
     int64_t wire = 0, raw = 0;
+    // Each stage's latest step, broken down: compute, waiting for peers, blocked by sends, codecs.
+    nlohmann::json stages = nlohmann::json::array();
     for (const auto& [name, s] : coord_.Snapshot()) {
       if (!s.metrics || !used.count(name)) continue;
-      wire += s.metrics->wire_bytes();
-      raw += s.metrics->raw_bytes();
-      if (s.metrics->compute_seconds() > slowest_seconds) slowest = name, slowest_seconds = s.metrics->compute_seconds();
+      const v1::MetricsReport& m = *s.metrics;
+      wire += m.wire_bytes();
+      raw += m.raw_bytes();
+      if (m.compute_seconds() > slowest_seconds) slowest = name, slowest_seconds = m.compute_seconds(), slowest_wait = m.wait_seconds();
+      most_blocked = std::max(most_blocked, m.send_blocked_seconds());
+      stages.push_back({{"site", name},
+                        {"stage", m.stage()},
+                        {"step", m.step() + 1},
+                        {"step_seconds", m.step_seconds()},
+                        {"compute_seconds", m.compute_seconds()},
+                        {"wait_seconds", m.wait_seconds()},
+                        {"send_blocked_seconds", m.send_blocked_seconds()},
+                        {"codec_seconds", m.codec_seconds()}});
     }
     std::printf("step %lld/%d  loss %.4f  %.0f tokens/s  %.2f s/step  ETA %.0f s  slowest %s (%.2f s compute)  "
-                "WAN %.1f MB (%.0f%% of uncompressed)\n",
+                "WAN %.1f MB (%.0f%% of uncompressed)  waiting %.2f s  send-blocked %.3f s\n",
                 static_cast<long long>(p.step + 1), in_.steps, p.loss, p.tokens / el, p.step_seconds,
                 p.step_seconds * (in_.steps - p.step - 1), slowest.empty() ? "-" : slowest.c_str(), slowest_seconds,
-                wire / 1e6, raw ? 100.0 * wire / raw : 100.0);
+                wire / 1e6, raw ? 100.0 * wire / raw : 100.0, slowest_wait, most_blocked);
     std::fflush(stdout);
     jsonl_ << nlohmann::json{{"step", p.step + 1},        {"loss", p.loss},
                              {"step_seconds", p.step_seconds}, {"tokens", p.tokens},
                              {"elapsed_seconds", el},       {"attempt", attempt},
                              {"slowest_site", slowest},     {"slowest_compute_seconds", slowest_seconds},
-                             {"wire_bytes", wire},          {"raw_bytes", raw}}
+                             {"wire_bytes", wire},          {"raw_bytes", raw},
+                             {"stages", stages}}
                   .dump()
            << std::endl;
   }

@@ -403,6 +403,7 @@ int RunJoined(const ExecutorOptions& o, const v1::RegisterResponse& reg, v1::Coo
         if (!pa.backward_codec().empty()) a.backward_codec = pa.backward_codec();
         if (!pa.gradient_codec().empty()) a.gradient_codec = pa.gradient_codec();
         if (pa.bucket_bytes() > 0) a.bucket_bytes = pa.bucket_bytes();
+        a.in_flight = std::max(0, pa.in_flight());
         for (auto [from, to] : {std::pair<const v1::StageSites*, StageSites*>{&pa.prev_stage(), &a.prev_replicas},
                                 {&pa.this_stage(), &a.replicas},
                                 {&pa.next_stage(), &a.next_replicas}}) {
@@ -492,6 +493,9 @@ int RunJoined(const ExecutorOptions& o, const v1::RegisterResponse& reg, v1::Coo
               m.set_wire_bytes(worker.wire_bytes());
               m.set_raw_bytes(worker.raw_bytes());
               m.set_compute_seconds(worker.last_compute_seconds());
+              m.set_wait_seconds(worker.last_wait_seconds());
+              m.set_send_blocked_seconds(worker.last_send_blocked_seconds());
+              m.set_codec_seconds(worker.last_codec_seconds());
               m.set_stage(a.stage);
               reporter.Post(std::move(m));
             }

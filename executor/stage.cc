@@ -19,6 +19,10 @@ using core::Annotate;
 
 using Clock = std::chrono::steady_clock;
 
+// Bytes a neighbour's send queue holds before the compute thread waits for it: many micro-batches of
+// activations at the sizes Meridian trains, and a bound on what one stage holds for a slow link.
+constexpr int64_t kSendQueueBytes = int64_t{256} << 20;
+
 }  // namespace
 
 absl::StatusOr<StageAssignment> ParseAssignmentJson(const std::string& text, const std::string& path) {
@@ -47,6 +51,7 @@ absl::StatusOr<StageAssignment> ParseAssignmentJson(const std::string& text, con
   for (auto [k, out] : {std::pair<const char*, int*>{"stage", &a.stage}, {"num_stages", &a.num_stages},
                         {"first_op", &a.first_op}, {"last_op", &a.last_op}})
     if (auto s = num(k, out, true); !s.ok()) return s;
+  if (auto s = num("in_flight", &a.in_flight, false); !s.ok()) return s;
   if (auto s = str("gradient_codec", &a.gradient_codec); !s.ok()) return s;
   if (j.contains("bucket_bytes")) {
     if (!j["bucket_bytes"].is_number_integer() || j["bucket_bytes"].get<int64_t>() < 1)
@@ -132,19 +137,6 @@ absl::Status ResolveReplicas(StageAssignment* a, const std::string& self, int mi
   return absl::OkStatus();
 }
 
-std::vector<std::pair<char, int>> OneFOneBSchedule(int stage, int num_stages, int micro_batches) {
-  const int warmup = std::min(num_stages - stage - 1, micro_batches);
-  std::vector<std::pair<char, int>> s;
-  int f = 0, b = 0;
-  for (; f < warmup; ++f) s.push_back({'F', f});
-  while (f < micro_batches) {
-    s.push_back({'F', f++});
-    s.push_back({'B', b++});
-  }
-  while (b < micro_batches) s.push_back({'B', b++});
-  return s;
-}
-
 StageWorker::StageWorker(JobSetup setup, StageAssignment a, rpc::TensorInbox* inbox, std::string certs_dir,
                          std::string self, torch::Device device, std::chrono::seconds step_timeout)
     : setup_(std::move(setup)), a_(std::move(a)), inbox_(inbox), certs_(std::move(certs_dir)), self_(std::move(self)),
@@ -198,8 +190,11 @@ absl::Status StageWorker::OpenStream(const std::string& site, const std::string&
 absl::Status StageWorker::Connect() {
   if (!init_status_.ok()) return init_status_;
   for (const StageSites* g : {&a_.prev_replicas, &a_.next_replicas})
-    for (size_t i = 0; i < g->sites.size(); ++i)
-      if (absl::Status s = OpenStream(g->sites[i], g->addresses[i], &streams_); !s.ok()) return s;
+    for (size_t i = 0; i < g->sites.size(); ++i) {
+      std::map<std::string, std::unique_ptr<rpc::PeerClient::OutStream>> opened;
+      if (absl::Status s = OpenStream(g->sites[i], g->addresses[i], &opened); !s.ok()) return s;
+      senders_[g->sites[i]] = std::make_unique<rpc::QueuedSender>(std::move(opened.begin()->second), kSendQueueBytes);
+    }
   const StageSites& R = a_.replicas;
   if (R.sites.size() > 1) {
     std::map<std::string, rpc::PeerClient::OutStream*> scatter, gather;
@@ -228,23 +223,29 @@ absl::Status StageWorker::Connect() {
 
 absl::Status StageWorker::Send(const std::string& peer, const rpc::TensorKey& key, const torch::Tensor& t,
                                const compression::CodecSpec& codec, compression::ErrorFeedback* ef) {
+  const auto t0 = Clock::now();
   auto c = t.detach().to(torch::kCPU, torch::kFloat32).contiguous();
   core::TensorView v{core::DType::kFloat32, std::vector<int64_t>(c.sizes().begin(), c.sizes().end()), c.data_ptr<float>()};
   absl::StatusOr<std::vector<uint8_t>> frame = ef ? ef->Encode(v) : compression::Encode(v, codec);
+  codec_seconds_ += std::chrono::duration<double>(Clock::now() - t0).count();
   if (!frame.ok()) return Annotate(frame.status(), absl::StrCat(Where(), ": encoding ", key.ToString()));
   raw_bytes_ += static_cast<int64_t>(v.nbytes());
   wire_bytes_ += static_cast<int64_t>(frame->size());
-  absl::Status s = streams_.at(peer)->Send(key, *frame);
+  absl::Status s = senders_.at(peer)->Send(key, std::move(*frame), &send_blocked_seconds_);
   if (!s.ok()) return Annotate(s, Where());
   return absl::OkStatus();
 }
 
 absl::StatusOr<torch::Tensor> StageWorker::Receive(const std::string& peer, const rpc::TensorKey& key,
                                                    const std::vector<int64_t>& shape) {
-  auto frame = inbox_->Wait(peer, key, Clock::now() + timeout_);
+  const auto t0 = Clock::now();
+  auto frame = inbox_->Wait(peer, key, t0 + timeout_);
+  const auto t1 = Clock::now();
+  wait_seconds_ += std::chrono::duration<double>(t1 - t0).count();
   if (!frame.ok()) return Annotate(frame.status(), Where());
   auto t = torch::empty(shape, torch::kFloat32);
   absl::Status s = compression::DecodeInto(frame->data(), frame->size(), core::DType::kFloat32, shape, t.data_ptr<float>());
+  codec_seconds_ += std::chrono::duration<double>(Clock::now() - t1).count();
   if (!s.ok())
     return Annotate(s, absl::StrCat(Where(), ": ", key.ToString(), " from peer '", peer, "'"));
   return t.to(device_);
@@ -258,7 +259,7 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
   const double normaliser = model_->has_head() ? setup_.data.StepTargets(step, M, mbs, seq) : 1.0;
   for (auto& [n, p] : model_->parameters())
     if (p.grad().defined()) p.mutable_grad() = torch::Tensor();
-  compute_seconds_ = 0;
+  compute_seconds_ = wait_seconds_ = send_blocked_seconds_ = codec_seconds_ = 0;
   auto timed = [this](auto&& fn) {
     const auto t0 = Clock::now();
     fn();
@@ -269,7 +270,7 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
   };
   // This replica's part of the stage's 1F1B order: the entries of the micro-batches it owns.
   std::vector<std::pair<char, int>> schedule;
-  for (auto e : OneFOneBSchedule(a_.stage, a_.num_stages, M))
+  for (auto e : partitioner::PipelineSchedule(a_.stage, a_.num_stages, M, a_.in_flight))
     if (owner_[e.second] == replica_) schedule.push_back(e);
   int last_backward = -1;
   for (int i = 0; i < static_cast<int>(schedule.size()); ++i)
@@ -342,7 +343,9 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
     }
   }
   if (averager_) {
+    const auto t0 = Clock::now();
     absl::Status finished = averager_->Finish();
+    wait_seconds_ += std::chrono::duration<double>(Clock::now() - t0).count();
     abort_on_exit.averager = nullptr;  // Finish joined the threads, successful or not
     if (!finished.ok()) return finished;
     replica_wire_bytes_ += averager_->wire_bytes() - sync_wire0;
@@ -357,15 +360,27 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
   // travel as float64 pairs [square sum, loss] in identity frames, with micro_batch -1 along the
   // pipeline, -2 for a last-stage replica's loss to its replica 0, -3 from stage 0's replica 0 to its
   // replicas.
-  auto send_pair = [&](rpc::PeerClient::OutStream* stream, int tag, double x, double loss) {
+  // To a neighbour through its queue (behind the activations and gradients already queued for it), to a
+  // replica directly on its stream (the averager has finished with it).
+  auto send_pair = [&](const std::string& site, bool replica, int tag, double x, double loss) {
     double v[2] = {x, loss};
     core::TensorView view{core::DType::kUInt8, {16}, v};
     auto frame = compression::Encode(view, compression::CodecSpec{});
-    absl::Status s = stream->Send({a_.job_id, step, tag, a_.stage, v1::CONTROL, 0}, *frame);
+    const rpc::TensorKey key{a_.job_id, step, tag, a_.stage, v1::CONTROL, 0};
+    absl::Status s;
+    if (replica) {
+      const auto t0 = Clock::now();
+      s = replica_streams_.at(site)->Send(key, *frame);
+      send_blocked_seconds_ += std::chrono::duration<double>(Clock::now() - t0).count();
+    } else {
+      s = senders_.at(site)->Send(key, std::move(*frame), &send_blocked_seconds_);
+    }
     return s.ok() ? s : Annotate(s, Where());
   };
   auto recv_pair = [&](const std::string& peer, int from_stage, int tag) -> absl::StatusOr<std::pair<double, double>> {
-    auto f = inbox_->Wait(peer, {a_.job_id, step, tag, from_stage, v1::CONTROL, 0}, Clock::now() + timeout_);
+    const auto t0 = Clock::now();
+    auto f = inbox_->Wait(peer, {a_.job_id, step, tag, from_stage, v1::CONTROL, 0}, t0 + timeout_);
+    wait_seconds_ += std::chrono::duration<double>(Clock::now() - t0).count();
     if (!f.ok()) return Annotate(f.status(), Where());
     auto t = compression::Decode(f->data(), f->size());
     if (!t.ok() || t->bytes.size() != 16)
@@ -392,7 +407,7 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
       loss = r->second;
     }
     if (!first) {
-      if (absl::Status s = send_pair(streams_.at(a_.prev_replicas.sites[0]).get(), -1, square, loss); !s.ok()) return s;
+      if (absl::Status s = send_pair(a_.prev_replicas.sites[0], false, -1, square, loss); !s.ok()) return s;
       auto total = recv_pair(a_.prev_replicas.sites[0], a_.stage - 1, -1);
       if (!total.ok()) return total.status();
       square = total->first;
@@ -400,13 +415,13 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
     }
     if (!last)
       for (const auto& site : a_.next_replicas.sites)
-        if (absl::Status s = send_pair(streams_.at(site).get(), -1, square, loss); !s.ok()) return s;
+        if (absl::Status s = send_pair(site, false, -1, square, loss); !s.ok()) return s;
     if (first)
       for (size_t j = 1; j < R.size(); ++j)
-        if (absl::Status s = send_pair(replica_streams_.at(R[j]).get(), -3, square, loss); !s.ok()) return s;
+        if (absl::Status s = send_pair(R[j], true, -3, square, loss); !s.ok()) return s;
   } else {
     if (last)
-      if (absl::Status s = send_pair(replica_streams_.at(R[0]).get(), -2, 0, loss_sum); !s.ok()) return s;
+      if (absl::Status s = send_pair(R[0], true, -2, 0, loss_sum); !s.ok()) return s;
     auto total = first ? recv_pair(R[0], a_.stage, -3) : recv_pair(a_.prev_replicas.sites[0], a_.stage - 1, -1);
     if (!total.ok()) return total.status();
     square = total->first;
@@ -422,6 +437,10 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
 
 absl::Status StageWorker::Finish() {
   averager_.reset();  // its streams close below
+  for (auto& [site, sender] : senders_) {  // what is still queued goes out first
+    auto r = sender->Finish();
+    if (!r.ok()) return Annotate(r.status(), Where());
+  }
   for (auto* streams : {&streams_, &replica_streams_})
     for (auto& [site, s] : *streams) {
       auto r = s->Finish();

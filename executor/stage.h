@@ -18,6 +18,7 @@
 #include "executor/checkpoint.h"
 #include "executor/replica_sync.h"
 #include "executor/trainer.h"
+#include "partitioner/schedule.h"
 #include "rpc/peer.h"
 
 namespace meridian::executor {
@@ -43,6 +44,9 @@ struct StageAssignment {
   StageSites replicas, prev_replicas, next_replicas;
   std::string gradient_codec = "identity";  // replica gradient sync
   int64_t bucket_bytes = 4 << 20;           // replica gradient buckets
+  // Micro-batches this stage keeps in flight (partitioner::PipelineSchedule); 0: 1F1B's num_stages - stage.
+  // The stages of a pipeline must not increase it from one stage to the next (the planner's never do).
+  int in_flight = 0;
 };
 absl::StatusOr<StageAssignment> ParseAssignmentJson(const std::string& text, const std::string& path);
 
@@ -51,11 +55,11 @@ absl::StatusOr<StageAssignment> ParseAssignmentJson(const std::string& text, con
 // step's micro-batches, an address for every other site, no site in two groups. Errors name the field.
 absl::Status ResolveReplicas(StageAssignment* a, const std::string& self, int micro_batches);
 
-// 1F1B order for stage k of S with M micro-batches: ('F', m) and ('B', m) entries. A replica of a
-// stage runs the entries of its own micro-batches in this order: each replica's order is then a
-// subsequence of a deadlock-free single-pipeline order, so the replicated pipeline cannot deadlock.
-std::vector<std::pair<char, int>> OneFOneBSchedule(int stage, int num_stages, int micro_batches);
-
+// Runs one stage's part of each step: partitioner::PipelineSchedule(stage, num_stages, M, in_flight).
+// A replica of a stage runs the entries of its own micro-batches in that order: each replica's order is
+// then a subsequence of a deadlock-free single-pipeline order, so the replicated pipeline cannot
+// deadlock. Sends to the neighbouring stages go through a rpc::QueuedSender per neighbour: the compute
+// thread encodes a tensor and queues its frame, and waits only when that neighbour's queue is full.
 class StageWorker {
  public:
   StageWorker(JobSetup setup, StageAssignment assignment, rpc::TensorInbox* inbox, std::string certs_dir,
@@ -89,6 +93,12 @@ class StageWorker {
   // Seconds the last Step spent computing (forward, loss, backward, clipping, optimizer): the step's time
   // without waiting for neighbours or encoding and sending.
   double last_compute_seconds() const { return compute_seconds_; }
+  // Of the last Step, seconds the compute thread spent idle waiting for a peer (activations, gradients,
+  // the gradient-norm exchange, the replicas' gradient sum); blocked by a send (a full send queue, the
+  // replicas' small control messages); and encoding and decoding frames.
+  double last_wait_seconds() const { return wait_seconds_; }
+  double last_send_blocked_seconds() const { return send_blocked_seconds_; }
+  double last_codec_seconds() const { return codec_seconds_; }
   int64_t raw_bytes() const { return raw_bytes_; }
   // Of wire_bytes()/raw_bytes(): what the replica gradient sync sent.
   int64_t replica_wire_bytes() const { return replica_wire_bytes_; }
@@ -123,10 +133,11 @@ class StageWorker {
   // Neighbours' sites, and this stage's other replicas (gradient scatter); the replicas' second streams
   // (gradient sums, loss and norm messages).
   std::map<std::string, std::unique_ptr<rpc::PeerClient::OutStream>> streams_, replica_streams_;
+  std::map<std::string, std::unique_ptr<rpc::QueuedSender>> senders_;  // to the neighbours' sites
   std::unique_ptr<GradientAverager> averager_;  // with more than one replica
   int64_t wire_bytes_ = 0, raw_bytes_ = 0, replica_wire_bytes_ = 0, replica_raw_bytes_ = 0;
   int64_t replica_buckets_ = 0, replica_buckets_during_backward_ = 0;
-  double compute_seconds_ = 0;
+  double compute_seconds_ = 0, wait_seconds_ = 0, send_blocked_seconds_ = 0, codec_seconds_ = 0;
 };
 
 }  // namespace meridian::executor

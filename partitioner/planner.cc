@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "partitioner/schedule.h"
 
 namespace meridian::partitioner {
 namespace {
@@ -219,6 +220,70 @@ Evaluation Evaluate(const CostModel& cm, const Layout& L, const PlanOptions& o, 
   e.total = e.fill + e.steady + e.sync;
   (void)g;
   return e;
+}
+
+// The per-stage and per-link times of an evaluated layout, as the schedule simulator takes them: each
+// stage's time per micro-batch split into forward and backward by its ops' FLOPs, each direction of a
+// link at its codec's bytes over the worst pair of the two stages' sites.
+PipelineTimes TimesOf(const CostModel& cm, const Layout& L, const Evaluation& ev, const PlanOptions& o,
+                      const OpGraph& g) {
+  PipelineTimes t;
+  const int S = static_cast<int>(L.sites.size());
+  t.micro_batches = cm.micro_batches();
+  for (int k = 0; k < S; ++k) {
+    const int a = k == 0 ? 0 : L.last[k - 1] + 1, b = L.last[k];
+    double f = 0, all = 0;
+    for (int i = a; i <= b; ++i) f += g.ops[i].forward_flops, all += g.ops[i].forward_flops + g.ops[i].backward_flops;
+    const double share = all > 0 ? f / all : 1.0 / 3.0;
+    t.forward_seconds.push_back(ev.t[k] * share);
+    t.backward_seconds.push_back(ev.t[k] * (1 - share));
+  }
+  for (int k = 0; k + 1 < S; ++k) {
+    const double ratio = ev.link_codec[k] >= 0 ? o.link_codecs[ev.link_codec[k]].ratio : o.ratio;
+    const double x = ratio * cm.CutBytes(L.last[k]);
+    double fx = 0, fl = 0, bx = 0, bl = 0;
+    for (int a : L.sites[k])
+      for (int b : L.sites[k + 1]) {
+        fx = std::max(fx, x / cm.Bandwidth(a, b));
+        fl = std::max(fl, cm.Latency(a, b));
+        bx = std::max(bx, x / cm.Bandwidth(b, a));
+        bl = std::max(bl, cm.Latency(b, a));
+      }
+    t.forward_transfer_seconds.push_back(fx);
+    t.forward_latency_seconds.push_back(fl);
+    t.backward_transfer_seconds.push_back(bx);
+    t.backward_latency_seconds.push_back(bl);
+  }
+  return t;
+}
+
+// A layout's schedule: each stage's in-flight depth (ChooseInFlight, within what its sites' memory holds)
+// and the simulated step, plus the replicas' gradient sync.
+struct SimulatedLayout {
+  double total = kInf;
+  std::vector<int> in_flight;
+  SimulatedStep step;
+};
+
+SimulatedLayout SimulateLayout(const CostModel& cm, const Layout& L, const Evaluation& ev, const PlanOptions& o,
+                               const OpGraph& g) {
+  SimulatedLayout r;
+  if (ev.total == kInf) return r;
+  const int S = static_cast<int>(L.sites.size()), M = cm.micro_batches();
+  std::vector<int> cap(S);
+  for (int k = 0; k < S; ++k) {
+    const int a = k == 0 ? 0 : L.last[k - 1] + 1, b = L.last[k];
+    int d = std::min(M, S - k);
+    while (d < M && std::all_of(L.sites[k].begin(), L.sites[k].end(), [&](int s) { return cm.Fits(s, a, b, d + 1); }))
+      ++d;
+    cap[k] = d;
+  }
+  PipelineTimes t = TimesOf(cm, L, ev, o, g);
+  r.in_flight = ChooseInFlight(t, cap);
+  t.in_flight = r.in_flight;
+  r.step = SimulatePipeline(t);
+  r.total = r.step.step_seconds + ev.sync;
+  return r;
 }
 
 // The link ratio used while searching: the fixed ratio, or the strongest codec when adaptive (the
@@ -790,8 +855,12 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
 
   // Replication: greedily add unused sites as replicas where they help most. The best pure pipeline may
   // use every site, so shallower pipelines on the fastest sites are tried too, each with its replicas.
+  // What a layout is predicted to take: the simulated schedule with deep_pipeline, else the formula.
+  auto predicted = [&](const Layout& L, const Evaluation& e) {
+    return o.deep_pipeline ? SimulateLayout(cm, L, e, o, graph).total : e.total;
+  };
   if (o.replication && plan.method != "fixed") {
-    const double pipeline_total = ev.total;
+    const double pipeline_total = predicted(layout, ev);
     const size_t pipeline_stages = layout.sites.size();
     ReplicateGreedily(cm, o, graph, &layout, &ev);
     std::vector<int> by_speed(n);
@@ -806,7 +875,7 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
       trial.last = c.last;
       Evaluation te = Evaluate(cm, trial, o, graph);
       ReplicateGreedily(cm, o, graph, &trial, &te);
-      if (te.total < ev.total * (1 - 1e-9)) layout = trial, ev = te;
+      if (predicted(trial, te) < predicted(layout, ev) * (1 - 1e-9)) layout = trial, ev = te;
     }
     int replicas = 0;
     for (const auto& R : layout.sites) replicas += static_cast<int>(R.size()) - 1;
@@ -814,8 +883,10 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
       plan.notes.push_back(absl::StrFormat(
           "%d stage(s) with %d replica site(s): predicted %.4g s per step against %.4g s for the best pipeline "
           "without replicas (%d stage(s))",
-          layout.sites.size(), replicas, ev.total, pipeline_total, pipeline_stages));
+          layout.sites.size(), replicas, predicted(layout, ev), pipeline_total, pipeline_stages));
   }
+  SimulatedLayout sim;
+  if (o.deep_pipeline) sim = SimulateLayout(cm, layout, ev, o, graph);
 
   const int S = static_cast<int>(layout.sites.size());
   for (int k = 0; k < S; ++k) {
@@ -833,6 +904,13 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
       st.micro_batches = ShareMicroBatches(plan.micro_batches, times);
     }
     st.memory_bytes = ev.memory[k];
+    st.in_flight = std::min(plan.micro_batches, S - k);
+    if (o.deep_pipeline) {
+      st.in_flight = sim.in_flight[k];
+      st.memory_bytes = cm.Memory(st.first_op, st.last_op, st.in_flight);
+      st.busy_seconds = sim.step.busy_seconds[k];
+      st.wait_seconds = sim.step.wait_seconds[k];
+    }
     st.memory_available_bytes = kInf;
     for (int s : st.sites) st.memory_available_bytes = std::min(st.memory_available_bytes, profile.sites[s].memory_bytes);
     st.allreduce_seconds = ev.allreduce[k];
@@ -858,6 +936,11 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
   plan.fill_drain_seconds = ev.fill;
   plan.steady_seconds = ev.steady;
   plan.sync_seconds = ev.sync;
+  plan.formula_step_seconds = ev.total;
+  if (o.deep_pipeline) {
+    plan.simulated = true;
+    plan.predicted_step_seconds = sim.total;
+  }
   double rate = 0;
   for (int s = 0; s < n; ++s) rate += 1.0 / cm.WholeModelTime(s);
   plan.compute_bound_seconds = o.micro_batches / rate;
@@ -917,9 +1000,25 @@ std::string PlanTable(const Plan& plan, const OpGraph& graph, const ClusterProfi
           absl::StrJoin(s.micro_batches, "/"), plan.micro_batches, s.allreduce_seconds, s.gradient_codec);
   }
   out += absl::StrFormat("\nbottleneck:            %s\n", plan.bottleneck);
-  out += absl::StrFormat("predicted step time:   %.4g s  (fill+drain %.4g s + steady %.4g s%s)\n",
-                         plan.predicted_step_seconds, plan.fill_drain_seconds, plan.steady_seconds,
-                         plan.sync_seconds > 0 ? absl::StrFormat(" + sync %.4g s", plan.sync_seconds) : "");
+  std::vector<int> depth, depth_1f1b;
+  for (size_t k = 0; k < plan.stages.size(); ++k) {
+    depth.push_back(plan.stages[k].in_flight);
+    depth_1f1b.push_back(std::min<int>(plan.micro_batches, static_cast<int>(plan.stages.size() - k)));
+  }
+  out += absl::StrFormat("in flight per stage:   %s micro-batches%s\n", absl::StrJoin(depth, " / "),
+                         depth == depth_1f1b ? " (1F1B)"
+                                             : absl::StrCat(" (1F1B: ", absl::StrJoin(depth_1f1b, " / "),
+                                                            "; deeper where the round trip needs it)"));
+  const std::string terms = absl::StrFormat(
+      "fill+drain %.4g s + steady %.4g s%s", plan.fill_drain_seconds, plan.steady_seconds,
+      plan.sync_seconds > 0 ? absl::StrFormat(" + sync %.4g s", plan.sync_seconds) : "");
+  if (plan.simulated)
+    out += absl::StrFormat("predicted step time:   %.4g s  (simulated schedule%s; steady-state formula %.4g s: %s)\n",
+                           plan.predicted_step_seconds,
+                           plan.sync_seconds > 0 ? absl::StrFormat(" + sync %.4g s", plan.sync_seconds) : "",
+                           plan.formula_step_seconds, terms);
+  else
+    out += absl::StrFormat("predicted step time:   %.4g s  (%s)\n", plan.predicted_step_seconds, terms);
   out += absl::StrFormat("compute bound:         %.4g s  (all sites' throughput, no communication)\n",
                          plan.compute_bound_seconds);
   out += absl::StrFormat("efficiency:            %.1f%% of the compute bound\n",
@@ -941,7 +1040,9 @@ std::string PlanJson(const Plan& plan, const OpGraph& graph) {
                {"memory_bytes", s.memory_bytes},
                {"memory_available_bytes", s.memory_available_bytes},
                {"allreduce_seconds", s.allreduce_seconds},
-               {"micro_batches", s.micro_batches}};
+               {"micro_batches", s.micro_batches},
+               {"in_flight", s.in_flight}};
+    if (plan.simulated) js["simulated_busy_seconds"] = s.busy_seconds, js["simulated_wait_seconds"] = s.wait_seconds;
     if (!s.gradient_codec.empty()) js["gradient_codec"] = s.gradient_codec;
     stages.push_back(js);
   }
@@ -953,6 +1054,8 @@ std::string PlanJson(const Plan& plan, const OpGraph& graph) {
             {"fill_drain_seconds", plan.fill_drain_seconds},
             {"steady_seconds", plan.steady_seconds},
             {"sync_seconds", plan.sync_seconds},
+            {"simulated", plan.simulated},
+            {"formula_step_seconds", plan.formula_step_seconds},
             {"micro_batches", plan.micro_batches},
             {"method", plan.method},
             {"bottleneck", plan.bottleneck},

@@ -31,6 +31,11 @@ struct PlanOptions {
   // Extensions; both off gives exactly the reference model.
   bool replication = false;           // data-parallel replicas of stages on otherwise unused sites
   bool adaptive_compression = false;  // per link, the lightest codec that keeps the link off the critical path
+  // Each stage keeps as many micro-batches in flight as its round trip needs (within its memory), and
+  // the step is predicted by simulating the executors' schedule over the plan (schedule.h) rather than
+  // by the steady-state formula; layouts with fewer stages or more replicas are compared by that
+  // simulation too. Off: 1F1B's depth and the formula.
+  bool deep_pipeline = false;
   std::vector<Codec> link_codecs = DefaultLinkCodecs();
   std::vector<Codec> gradient_codecs = DefaultGradientCodecs();
   double gradient_bytes_fraction = 0.5;  // gradient bytes = this * param_bytes (param_bytes = weights + grads)
@@ -82,6 +87,11 @@ struct StagePlan {
   double memory_available_bytes = 0;   // smallest among its sites
   double allreduce_seconds = 0;        // replica gradient sync per step (0 without replicas)
   std::string gradient_codec;          // codec for that sync
+  // Micro-batches the stage keeps in flight (forward passes run whose backward pass has not): 1F1B's
+  // S - k, or more with deep_pipeline (PipelineSchedule in schedule.h). memory_bytes counts them.
+  int in_flight = 0;
+  // From the simulated schedule (deep_pipeline; else 0): seconds per step the stage computes and waits.
+  double busy_seconds = 0, wait_seconds = 0;
 };
 
 struct LinkPlan {
@@ -101,6 +111,10 @@ struct Plan {
   double steady_seconds = 0;       // (M - 1) * bottleneck
   double sync_seconds = 0;         // slowest replica all-reduce
   double compute_bound_seconds = 0;
+  // With deep_pipeline: predicted_step_seconds is the simulated schedule's step plus sync_seconds, and
+  // formula_step_seconds is the steady-state formula's (fill_drain + steady + sync) for the same plan.
+  bool simulated = false;
+  double formula_step_seconds = 0;
   std::string bottleneck;          // e.g. "stage 2 compute (oregon)"
   std::string method;              // "exact" or "heuristic"
   std::vector<std::string> notes;  // explanations: method, unused sites, compression choices

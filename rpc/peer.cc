@@ -238,11 +238,91 @@ absl::StatusOr<int64_t> PeerClient::OutStream::Finish() {
   return ack_.frames_received();
 }
 
+void PeerClient::OutStream::Cancel() { ctx_->TryCancel(); }
+
 PeerClient::OutStream::~OutStream() {
   if (!finished_ && writer_) {
     ctx_->TryCancel();
     (void)writer_->Finish();
   }
+}
+
+// ---- QueuedSender ----
+
+QueuedSender::QueuedSender(std::unique_ptr<PeerClient::OutStream> stream, int64_t max_queued_bytes)
+    : stream_(std::move(stream)), max_bytes_(std::max<int64_t>(max_queued_bytes, 1)) {
+  thread_ = std::thread([this] { Run(); });
+}
+
+QueuedSender::~QueuedSender() {
+  bool finished;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    stop_ = true;
+    finished = finished_;
+  }
+  cv_.notify_all();
+  if (!finished) stream_->Cancel();  // unblocks a write held by flow control
+  thread_.join();
+}
+
+void QueuedSender::Run() {
+  std::unique_lock<std::mutex> l(mu_);
+  while (true) {
+    cv_.wait(l, [&] { return stop_ || !queue_.empty(); });
+    if (queue_.empty()) return;  // stopped with nothing left to send
+    if (stop_ && !finished_) return;
+    auto [key, frame] = std::move(queue_.front());
+    queue_.pop_front();
+    writing_ = true;
+    l.unlock();
+    absl::Status s = stream_->Send(key, frame);
+    l.lock();
+    writing_ = false;
+    queued_bytes_ -= static_cast<int64_t>(frame.size());
+    if (!s.ok() && error_.ok()) {
+      error_ = s;
+      for (const auto& q : queue_) queued_bytes_ -= static_cast<int64_t>(q.second.size());
+      queue_.clear();
+    }
+    cv_.notify_all();
+  }
+}
+
+absl::Status QueuedSender::Send(const TensorKey& key, std::vector<uint8_t> frame, double* blocked_seconds) {
+  std::unique_lock<std::mutex> l(mu_);
+  const auto t0 = std::chrono::steady_clock::now();
+  const int64_t n = static_cast<int64_t>(frame.size());
+  cv_.wait(l, [&] { return !error_.ok() || queued_bytes_ == 0 || queued_bytes_ + n <= max_bytes_; });
+  if (blocked_seconds) *blocked_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (!error_.ok()) return error_;
+  if (finished_) return absl::FailedPreconditionError("the queued sender was finished");
+  queue_.emplace_back(key, std::move(frame));
+  queued_bytes_ += n;
+  l.unlock();
+  cv_.notify_all();
+  return absl::OkStatus();
+}
+
+absl::Status QueuedSender::Flush() {
+  std::unique_lock<std::mutex> l(mu_);
+  cv_.wait(l, [&] { return !error_.ok() || (queue_.empty() && !writing_); });
+  return error_;
+}
+
+absl::StatusOr<int64_t> QueuedSender::Finish() {
+  if (absl::Status s = Flush(); !s.ok()) return s;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (finished_) return absl::FailedPreconditionError("the queued sender was already finished");
+    finished_ = true;
+  }
+  return stream_->Finish();
+}
+
+int64_t QueuedSender::queued_bytes() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return queued_bytes_;
 }
 
 absl::StatusOr<double> PeerClient::EchoSeconds(int payload_bytes, std::chrono::milliseconds deadline) {

@@ -11,11 +11,13 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <set>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -101,6 +103,8 @@ class PeerClient {
     absl::Status Send(const TensorKey& key, const std::vector<uint8_t>& frame);
     // Closes the stream and waits for the receiver's acknowledgement (frames received).
     absl::StatusOr<int64_t> Finish();
+    // Cancels the stream: a Send blocked in another thread returns with an error. Thread-safe.
+    void Cancel();
     ~OutStream();
 
    private:
@@ -127,6 +131,42 @@ class PeerClient {
   std::string peer_, address_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Peer::Stub> stub_;
+};
+
+// Sends the frames of one OutStream from a thread of its own, so that the caller -- a stage's compute
+// thread -- never waits for the network, HTTP/2 flow control or TLS unless `max_queued_bytes` are already
+// queued (then back-pressure reaches it, and the time it waited is reported). Frames go out in the order
+// given. The first failed send is sticky: every later Send, Flush and Finish returns it, naming the peer.
+// Thread-safe; meant for one producer.
+class QueuedSender {
+ public:
+  QueuedSender(std::unique_ptr<PeerClient::OutStream> stream, int64_t max_queued_bytes);
+  // Cancels the stream if Finish was not called (frames still queued are dropped) and joins the thread.
+  ~QueuedSender();
+  QueuedSender(const QueuedSender&) = delete;
+  QueuedSender& operator=(const QueuedSender&) = delete;
+
+  // Queues `frame` for `key`. Blocks only while the queue already holds max_queued_bytes (a larger frame
+  // waits for an empty queue); adds the seconds it blocked to *blocked_seconds when given.
+  absl::Status Send(const TensorKey& key, std::vector<uint8_t> frame, double* blocked_seconds = nullptr);
+  // Waits until every queued frame has been handed to gRPC.
+  absl::Status Flush();
+  // Flushes, then closes the stream and waits for the receiver's acknowledgement (frames received).
+  absl::StatusOr<int64_t> Finish();
+  // Bytes queued and not yet handed to gRPC.
+  int64_t queued_bytes() const;
+
+ private:
+  void Run();
+  std::unique_ptr<PeerClient::OutStream> stream_;
+  const int64_t max_bytes_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::pair<TensorKey, std::vector<uint8_t>>> queue_;
+  int64_t queued_bytes_ = 0;  // including the frame being written
+  bool writing_ = false, stop_ = false, finished_ = false;
+  absl::Status error_;
+  std::thread thread_;
 };
 
 // Link measurements between this process and one peer, in profile.json's link format.

@@ -5,7 +5,9 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <filesystem>
+#include <future>
 #include <random>
 #include <thread>
 
@@ -209,6 +211,107 @@ TEST_F(PeerTest, ProbeMeasuresLoopback) {
   EXPECT_LT(m->rtt_seconds, 0.05);
   EXPECT_GT(m->forward_bytes_per_second, 50e6);  // loopback TLS: far above any WAN
   EXPECT_GT(m->reverse_bytes_per_second, 50e6);
+}
+
+// A Peer service that holds every stream unread until released: the sender's HTTP/2 window fills and
+// its writes block, as on a link slower than the sender.
+class StalledPeer final : public v1::Peer::Service {
+ public:
+  grpc::Status Stream(grpc::ServerContext*, grpc::ServerReader<v1::TensorChunk>* reader, v1::StreamAck* ack) override {
+    released_.wait();
+    v1::TensorChunk c;
+    int64_t frames = 0;
+    while (reader->Read(&c))
+      if (c.offset() + static_cast<int64_t>(c.data().size()) == c.frame_bytes()) ++frames;
+    ack->set_frames_received(frames);
+    return grpc::Status::OK;
+  }
+  void Release() {
+    std::call_once(once_, [this] { release_.set_value(); });
+  }
+  ~StalledPeer() { Release(); }
+
+ private:
+  std::once_flag once_;
+  std::promise<void> release_;
+  std::shared_future<void> released_ = release_.get_future().share();
+};
+
+TEST_F(PeerTest, QueuedSenderDeliversInOrderAndAcknowledges) {
+  StartServer();
+  auto stream = Client("a")->OpenStream(std::chrono::seconds(30));
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  QueuedSender sender(std::move(*stream), 64 << 20);
+  std::vector<std::vector<uint8_t>> sent;
+  double blocked = 0;
+  for (int mb = 0; mb < 6; ++mb) {
+    sent.push_back(Frame(50000 + mb * 1000));
+    ASSERT_TRUE(sender.Send({"job", 1, mb, 0, v1::FORWARD, 0}, sent.back(), &blocked).ok());
+  }
+  auto acked = sender.Finish();
+  ASSERT_TRUE(acked.ok()) << acked.status();
+  EXPECT_EQ(*acked, 6);
+  EXPECT_EQ(sender.queued_bytes(), 0);
+  for (int mb = 0; mb < 6; ++mb) {
+    auto f = inbox_.Wait("a", {"job", 1, mb, 0, v1::FORWARD, 0}, Clock::now() + std::chrono::seconds(5));
+    ASSERT_TRUE(f.ok()) << f.status();
+    EXPECT_EQ(*f, sent[mb]);
+  }
+}
+
+TEST_F(PeerTest, QueuedSenderDoesNotBlockItsCallerOnAStalledLink) {
+  StalledPeer stalled;  // released at the latest when the test ends (before the server below is destroyed)
+  int port = 0;
+  auto server = StartMtlsServer(dir_->string(), "b", "127.0.0.1:0", {&stalled}, &port);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto client = *PeerClient::Create(dir_->string(), "a", "b", "127.0.0.1:" + std::to_string(port));
+  auto stream = client->OpenStream(std::chrono::seconds(60));
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  // 24 MiB into a receiver that reads nothing: far beyond any HTTP/2 window, within the queue's bound.
+  QueuedSender sender(std::move(*stream), 32 << 20);
+  const auto big = Frame(2 << 20, "identity");  // 8 MiB
+  double blocked = 0;
+  for (int mb = 0; mb < 3; ++mb) {
+    absl::Status sent = sender.Send({"job", 1, mb, 0, v1::FORWARD, 0}, big, &blocked);
+    if (!sent.ok()) stalled.Release();
+    ASSERT_TRUE(sent.ok()) << sent;
+  }
+  // The link is still holding most of it: the caller went on regardless.
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_GT(sender.queued_bytes(), int64_t{16} << 20);
+  // A queue at its bound passes the back-pressure on: this send returns only once the link moves.
+  std::atomic<bool> released{false};
+  std::thread release([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    released = true;
+    stalled.Release();
+  });
+  absl::Status sent = sender.Send({"job", 1, 3, 0, v1::FORWARD, 0}, big, &blocked);
+  EXPECT_TRUE(released.load());
+  release.join();
+  ASSERT_TRUE(sent.ok()) << sent;
+  auto acked = sender.Finish();
+  ASSERT_TRUE(acked.ok()) << acked.status();
+  EXPECT_EQ(*acked, 4);
+  (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+}
+
+TEST_F(PeerTest, QueuedSenderErrorIsStickyAndNamesThePeer) {
+  StartServer();
+  auto stream = Client("a")->OpenStream(std::chrono::seconds(10));
+  QueuedSender sender(std::move(*stream), 4 << 20);
+  ASSERT_TRUE(sender.Send({"job", 0, 0, 0, v1::FORWARD, 0}, Frame(1000)).ok());
+  ASSERT_TRUE(sender.Flush().ok());
+  server_->Shutdown(std::chrono::system_clock::now());
+  server_.reset();
+  absl::Status s;
+  auto big = Frame(1 << 20, "identity");
+  for (int i = 0; i < 50 && s.ok(); ++i) s = sender.Send({"job", 0, i + 1, 0, v1::FORWARD, 0}, big);
+  if (s.ok()) s = sender.Flush();
+  ASSERT_FALSE(s.ok());
+  EXPECT_THAT(std::string(s.message()), HasSubstr("peer 'b'"));
+  EXPECT_FALSE(sender.Send({"job", 0, 99, 0, v1::FORWARD, 0}, Frame(10)).ok());
+  EXPECT_FALSE(sender.Finish().ok());
 }
 
 }  // namespace

@@ -1,0 +1,180 @@
+#include "partitioner/schedule.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+namespace meridian::partitioner {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+int DefaultInFlight(const PipelineTimes& t, int k) {
+  const int S = static_cast<int>(t.forward_seconds.size());
+  return t.in_flight.empty() ? S - k : t.in_flight[k];
+}
+
+}  // namespace
+
+std::vector<std::pair<char, int>> PipelineSchedule(int stage, int num_stages, int micro_batches, int in_flight) {
+  if (in_flight <= 0) in_flight = num_stages - stage;
+  in_flight = std::max(1, std::min(in_flight, micro_batches));
+  const int warmup = std::min(in_flight - 1, micro_batches);
+  std::vector<std::pair<char, int>> s;
+  s.reserve(2 * static_cast<size_t>(std::max(micro_batches, 0)));
+  int f = 0, b = 0;
+  for (; f < warmup; ++f) s.push_back({'F', f});
+  while (f < micro_batches) {
+    s.push_back({'F', f++});
+    s.push_back({'B', b++});
+  }
+  while (b < micro_batches) s.push_back({'B', b++});
+  return s;
+}
+
+bool InFlightIsDeadlockFree(const std::vector<int>& in_flight) {
+  for (size_t k = 0; k < in_flight.size(); ++k) {
+    if (in_flight[k] < 1) return false;
+    if (k + 1 < in_flight.size() && in_flight[k + 1] > in_flight[k]) return false;
+  }
+  return true;
+}
+
+SimulatedStep SimulatePipeline(const PipelineTimes& t) {
+  const int S = static_cast<int>(t.forward_seconds.size());
+  const int M = t.micro_batches;
+  SimulatedStep r;
+  r.busy_seconds.assign(S, 0.0);
+  r.wait_seconds.assign(S, 0.0);
+  r.finish_seconds.assign(S, 0.0);
+  r.forward_link_busy_seconds.assign(std::max(S - 1, 0), 0.0);
+  r.backward_link_busy_seconds.assign(std::max(S - 1, 0), 0.0);
+  r.passes.assign(S, {});
+  std::vector<std::vector<std::pair<char, int>>> order(S);
+  for (int k = 0; k < S; ++k) order[k] = PipelineSchedule(k, S, M, DefaultInFlight(t, k));
+  // Arrival time of stage k's input for micro-batch m (activation; stage 0: 0) and of its gradient.
+  std::vector<std::vector<double>> act(S, std::vector<double>(M, kInf)), grad(S, std::vector<double>(M, kInf));
+  for (int m = 0; m < M; ++m) act[0][m] = 0;
+  std::vector<double> free_at(S, 0.0), fwd_link(std::max(S - 1, 0), 0.0), bwd_link(std::max(S - 1, 0), 0.0);
+  std::vector<double> forward_done(S * static_cast<size_t>(M), kInf);
+  std::vector<size_t> next(S, 0);
+  const auto send_cost = [&](int k) { return t.send_seconds.empty() ? 0.0 : t.send_seconds[k]; };
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (int k = 0; k < S; ++k) {
+      while (next[k] < order[k].size()) {
+        const auto [kind, m] = order[k][next[k]];
+        double ready;
+        if (kind == 'F') ready = act[k][m];
+        else ready = k == S - 1 ? forward_done[k * static_cast<size_t>(M) + m] : grad[k][m];
+        if (ready == kInf) break;
+        const double start = std::max(free_at[k], ready);
+        if (!r.passes[k].empty()) r.wait_seconds[k] += start - free_at[k];
+        double work = kind == 'F' ? t.forward_seconds[k] : t.backward_seconds[k];
+        const bool sends = kind == 'F' ? k + 1 < S : k > 0;
+        if (sends) work += send_cost(k);
+        const double end = start + work;
+        r.busy_seconds[k] += work;
+        free_at[k] = end;
+        r.passes[k].push_back({kind, m, start, end});
+        if (kind == 'F') {
+          forward_done[k * static_cast<size_t>(M) + m] = end;
+          if (k + 1 < S) {
+            const double go = std::max(end, fwd_link[k]);
+            fwd_link[k] = go + t.forward_transfer_seconds[k];
+            r.forward_link_busy_seconds[k] += t.forward_transfer_seconds[k];
+            act[k + 1][m] = fwd_link[k] + t.forward_latency_seconds[k];
+          }
+        } else if (k > 0) {
+          const double go = std::max(end, bwd_link[k - 1]);
+          bwd_link[k - 1] = go + t.backward_transfer_seconds[k - 1];
+          r.backward_link_busy_seconds[k - 1] += t.backward_transfer_seconds[k - 1];
+          grad[k - 1][m] = bwd_link[k - 1] + t.backward_latency_seconds[k - 1];
+        }
+        ++next[k];
+        progress = true;
+      }
+    }
+  }
+  for (int k = 0; k < S; ++k)
+    if (next[k] < order[k].size()) r.deadlocked = true;
+  if (r.deadlocked) {
+    r.step_seconds = kInf;
+    return r;
+  }
+  for (int k = 0; k < S; ++k) r.finish_seconds[k] = free_at[k];
+  // The gradient norm: partial sums from the last stage to the first, the total back to every stage.
+  double up = S ? r.finish_seconds[S - 1] : 0.0;
+  for (int k = S - 2; k >= 0; --k) up = std::max(r.finish_seconds[k], up + t.backward_latency_seconds[k]);
+  double down = up, end = up;
+  for (int k = 1; k < S; ++k) {
+    down += t.forward_latency_seconds[k - 1];
+    end = std::max(end, down);
+  }
+  r.step_seconds = end;
+  return r;
+}
+
+std::vector<int> ChooseInFlight(const PipelineTimes& t, const std::vector<int>& max_in_flight) {
+  const int S = static_cast<int>(t.forward_seconds.size());
+  const int M = t.micro_batches;
+  std::vector<int> lo(S), hi(S), d(S);
+  for (int k = 0; k < S; ++k) {
+    hi[k] = std::max(1, std::min(max_in_flight[k], M));
+    lo[k] = std::max(1, std::min(S - k, hi[k]));
+  }
+  // The steady pace: the slowest stage's passes or the slowest link direction.
+  double pace = 0;
+  for (int k = 0; k < S; ++k) {
+    double sends = t.send_seconds.empty() ? 0.0 : t.send_seconds[k] * ((k + 1 < S) + (k > 0));
+    pace = std::max(pace, t.forward_seconds[k] + t.backward_seconds[k] + sends);
+  }
+  for (int k = 0; k + 1 < S; ++k)
+    pace = std::max({pace, t.forward_transfer_seconds[k], t.backward_transfer_seconds[k]});
+  // Round trip of a micro-batch from stage k's forward pass to its gradient's return, plus the pass.
+  for (int k = 0; k < S; ++k) {
+    double trip = t.forward_seconds[k] + t.backward_seconds[k];
+    for (int j = k; j + 1 < S; ++j)
+      trip += t.forward_transfer_seconds[j] + t.forward_latency_seconds[j] + t.backward_transfer_seconds[j] +
+              t.backward_latency_seconds[j] + t.forward_seconds[j + 1] + t.backward_seconds[j + 1];
+    const int need = pace > 0 ? static_cast<int>(std::ceil(trip / pace - 1e-9)) : 1;
+    d[k] = std::clamp(need, lo[k], hi[k]);
+  }
+  for (int k = 1; k < S; ++k) d[k] = std::min(d[k], d[k - 1]);  // never increasing along the pipeline
+  PipelineTimes trial = t;
+  auto cost = [&](const std::vector<int>& depth) {
+    trial.in_flight = depth;
+    return SimulatePipeline(trial).step_seconds;
+  };
+  double best = cost(d);
+  // Coordinate descent: each stage's depth within what its neighbours allow, for the shortest step.
+  for (int round = 0; round < 3; ++round) {
+    bool improved = false;
+    for (int k = 0; k < S; ++k) {
+      const int from = std::max(lo[k], k + 1 < S ? d[k + 1] : 1);
+      const int to = std::min(hi[k], k > 0 ? d[k - 1] : hi[k]);
+      for (int v = from; v <= to; ++v) {
+        if (v == d[k]) continue;
+        std::vector<int> c = d;
+        c[k] = v;
+        if (const double x = cost(c); x < best * (1 - 1e-9)) best = x, d = c, improved = true;
+      }
+    }
+    if (!improved) break;
+  }
+  // Then as shallow as costs at most kDepthTolerance over that step: memory, and fewer stashed
+  // activations, are worth more than a step shorter by a fraction of a percent. Last stage first: each
+  // stage's depth bounds the previous one's from below.
+  constexpr double kDepthTolerance = 0.005;
+  const double limit = best * (1 + kDepthTolerance);
+  for (int k = S - 1; k >= 0; --k)
+    while (d[k] > std::max(lo[k], k + 1 < S ? d[k + 1] : 1)) {
+      std::vector<int> c = d;
+      --c[k];
+      if (cost(c) > limit) break;
+      d = c;
+    }
+  return d;
+}
+
+}  // namespace meridian::partitioner

@@ -1,0 +1,76 @@
+// Pipeline schedules and their event simulation: which forward and backward passes a stage runs in
+// which order, how many micro-batches it keeps in flight, and how long a step of such a schedule takes
+// over given stage and link times. Shared by the planner (which chooses each stage's depth and predicts
+// the step from the simulation) and the executor (which runs PipelineSchedule). Pure functions,
+// thread-safe; docs/cost-model.md describes the model.
+#ifndef MERIDIAN_PARTITIONER_SCHEDULE_H_
+#define MERIDIAN_PARTITIONER_SCHEDULE_H_
+
+#include <utility>
+#include <vector>
+
+namespace meridian::partitioner {
+
+// The order in which stage `stage` of `num_stages` runs the passes of `micro_batches` micro-batches:
+// ('F', m) and ('B', m) entries. The stage first runs in_flight - 1 forward passes (the warm-up), then
+// alternates one forward and one backward pass, then drains the backward passes; so at most `in_flight`
+// micro-batches have run forward without their backward pass yet. in_flight <= 0 means 1F1B's
+// num_stages - stage; it is clamped to [1, micro_batches].
+//
+// With sends that never block (the executor's queued senders) a pipeline whose stages run these orders
+// cannot deadlock when in_flight does not increase from one stage to the next (stage k waits for a
+// gradient that stage k + 1 produces after forward passes that stage k has already sent). 1F1B's
+// num_stages - stage is such a sequence; ChooseInFlight returns only such sequences.
+std::vector<std::pair<char, int>> PipelineSchedule(int stage, int num_stages, int micro_batches, int in_flight = 0);
+
+// True when `in_flight` (one entry per stage, each >= 1) never increases from a stage to the next.
+bool InFlightIsDeadlockFree(const std::vector<int>& in_flight);
+
+// What one step of a pipeline costs, per micro-batch. Stage k sends activations over link k (k -> k+1)
+// and receives gradients over it (k+1 -> k). Each direction of a link is a FIFO: a tensor starts when the
+// previous one has left, takes its transfer seconds, and arrives one latency later.
+struct PipelineTimes {
+  int micro_batches = 1;
+  std::vector<double> forward_seconds, backward_seconds;  // per stage
+  // Per stage, compute-thread seconds per tensor sent (encoding, and on CPU sites the TLS and gRPC work
+  // of the send): added to the pass that produces the tensor. Empty: none.
+  std::vector<double> send_seconds;
+  std::vector<double> forward_transfer_seconds, backward_transfer_seconds;  // per link (S - 1 entries)
+  std::vector<double> forward_latency_seconds, backward_latency_seconds;    // per link, one way
+  std::vector<int> in_flight;  // per stage; empty: 1F1B (num_stages - stage)
+};
+
+struct SimulatedStep {
+  bool deadlocked = false;      // the schedules wait on each other (in_flight increases somewhere)
+  double step_seconds = 0;      // to the end of the gradient-norm exchange (before the optimizer step)
+  std::vector<double> busy_seconds;     // per stage: forward, backward and send work
+  std::vector<double> wait_seconds;     // per stage: idle between its first pass and its last
+  std::vector<double> finish_seconds;   // per stage: end of its last pass
+  std::vector<double> forward_link_busy_seconds, backward_link_busy_seconds;  // per link
+  // Per stage, the passes in the order they ran: (kind, micro-batch, start, end).
+  struct Pass {
+    char kind;
+    int micro_batch;
+    double start, end;
+  };
+  std::vector<std::vector<Pass>> passes;
+};
+
+// Simulates one step: every stage runs PipelineSchedule(k, S, M, in_flight[k]) in order, a pass starting
+// when the stage is free and its input (activation or gradient) has arrived. Then the gradient norm
+// travels from the last stage to the first and back (latency only), as the executors exchange it.
+// REQUIRES: the vectors sized as documented above (S >= 1 stages).
+SimulatedStep SimulatePipeline(const PipelineTimes& times);
+
+// Chooses each stage's in-flight depth: enough micro-batches to cover the stage's round trip (its own
+// pass, every later hop's transfers and latencies both ways, the later stages' passes) at the pipeline's
+// steady pace, as a TCP window covers the bandwidth-delay product; at least 1F1B's num_stages - k, at
+// most `max_in_flight[k]` (memory) and the micro-batches, never increasing along the pipeline; then
+// deepened or made shallower stage by stage while the simulated step gets shorter; finally made as
+// shallow as it can be for at most 0.5% more simulated step (memory is worth more than that).
+// REQUIRES: max_in_flight[k] >= num_stages - k (1F1B fits), sizes as in PipelineTimes.
+std::vector<int> ChooseInFlight(const PipelineTimes& times, const std::vector<int>& max_in_flight);
+
+}  // namespace meridian::partitioner
+
+#endif  // MERIDIAN_PARTITIONER_SCHEDULE_H_
