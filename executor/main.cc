@@ -18,6 +18,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "core/version.h"
 #include "executor/joined.h"
 #include "executor/options.h"
@@ -96,9 +97,16 @@ int RunStatic(const executor::ExecutorOptions& o, const std::string& assignment_
   }
   if (auto s = worker.Connect(); !s.ok()) return fail(s);
   for (int step = start; step < steps; ++step) {
+    const auto t0 = std::chrono::steady_clock::now();
     auto loss = worker.Step(step, setup->job.steps);  // the schedule spans the job, whatever this run covers
     if (!loss.ok()) return fail(loss.status());
     if (loss->has_value()) std::cout << "step " << step << " loss " << **loss << std::endl;
+    std::cout << absl::StrFormat(
+                     "timing step %d: %.4f s, computing %.4f s, waiting %.4f s, blocked sending %.4f s, codecs %.4f s",
+                     step, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
+                     worker.last_compute_seconds(), worker.last_wait_seconds(), worker.last_send_blocked_seconds(),
+                     worker.last_codec_seconds())
+              << std::endl;
     if (interval > 0 && (step + 1) % interval == 0 && worker.writes_shard()) {
       if (auto s = worker.SaveCheckpoint(ckpt_dir, step + 1, setup->job.checkpoint.keep); !s.ok()) return fail(s);
     }

@@ -19,10 +19,6 @@ using core::Annotate;
 
 using Clock = std::chrono::steady_clock;
 
-// Bytes a neighbour's send queue holds before the compute thread waits for it: many micro-batches of
-// activations at the sizes Meridian trains, and a bound on what one stage holds for a slow link.
-constexpr int64_t kSendQueueBytes = int64_t{256} << 20;
-
 }  // namespace
 
 absl::StatusOr<StageAssignment> ParseAssignmentJson(const std::string& text, const std::string& path) {
@@ -53,6 +49,11 @@ absl::StatusOr<StageAssignment> ParseAssignmentJson(const std::string& text, con
     if (auto s = num(k, out, true); !s.ok()) return s;
   if (auto s = num("in_flight", &a.in_flight, false); !s.ok()) return s;
   if (auto s = str("gradient_codec", &a.gradient_codec); !s.ok()) return s;
+  if (j.contains("send_queue_bytes")) {
+    if (!j["send_queue_bytes"].is_number_integer() || j["send_queue_bytes"].get<int64_t>() < 1)
+      return absl::InvalidArgumentError(absl::StrCat(path, ": send_queue_bytes: expected a positive integer"));
+    a.send_queue_bytes = j["send_queue_bytes"].get<int64_t>();
+  }
   if (j.contains("bucket_bytes")) {
     if (!j["bucket_bytes"].is_number_integer() || j["bucket_bytes"].get<int64_t>() < 1)
       return absl::InvalidArgumentError(absl::StrCat(path, ": bucket_bytes: expected a positive integer"));
@@ -193,7 +194,7 @@ absl::Status StageWorker::Connect() {
     for (size_t i = 0; i < g->sites.size(); ++i) {
       std::map<std::string, std::unique_ptr<rpc::PeerClient::OutStream>> opened;
       if (absl::Status s = OpenStream(g->sites[i], g->addresses[i], &opened); !s.ok()) return s;
-      senders_[g->sites[i]] = std::make_unique<rpc::QueuedSender>(std::move(opened.begin()->second), kSendQueueBytes);
+      senders_[g->sites[i]] = std::make_unique<rpc::QueuedSender>(std::move(opened.begin()->second), a_.send_queue_bytes);
     }
   const StageSites& R = a_.replicas;
   if (R.sites.size() > 1) {

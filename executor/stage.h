@@ -47,6 +47,9 @@ struct StageAssignment {
   // Micro-batches this stage keeps in flight (partitioner::PipelineSchedule); 0: 1F1B's num_stages - stage.
   // The stages of a pipeline must not increase it from one stage to the next (the planner's never do).
   int in_flight = 0;
+  // Bytes each neighbour's send queue holds before the compute thread waits (rpc::QueuedSender): a bound
+  // on what this stage keeps for a slow link. 1 makes every send wait for the previous one to be written.
+  int64_t send_queue_bytes = int64_t{256} << 20;
 };
 absl::StatusOr<StageAssignment> ParseAssignmentJson(const std::string& text, const std::string& path);
 

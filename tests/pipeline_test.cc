@@ -18,6 +18,7 @@
 #include "core/safetensors.h"
 #include "tests/process.h"
 #include "tests/test_util.h"
+#include "tests/wan/harness.h"
 
 namespace meridian {
 namespace {
@@ -45,6 +46,7 @@ const char kConfig[] = R"({"vocab_size": 64, "hidden_size": 32, "intermediate_si
 struct Stage {
   int first, last;
   std::vector<int> shares = {};  // replicas: micro-batches per step of each site (empty: one site)
+  int in_flight = 0;             // micro-batches in flight (0: 1F1B's)
 };
 
 class PipelineTest : public ::testing::Test {
@@ -130,6 +132,7 @@ class PipelineTest : public ::testing::Test {
                       std::to_string(stages[k].last) + ", \"forward_codec\": \"" + fwd +
                       "\", \"backward_codec\": \"" + bwd + "\", \"gradient_codec\": \"" + grad +
                       "\", \"replicas\": " + group(k) + assignment_extra_;
+      if (stages[k].in_flight > 0) a += ", \"in_flight\": " + std::to_string(stages[k].in_flight);
       if (k > 0) a += ", \"prev_replicas\": " + group(k - 1);
       if (k + 1 < stages.size()) a += ", \"next_replicas\": " + group(k + 1);
       std::string apath = (out.string() + "-assign" + std::to_string(k) + ".json");
@@ -176,6 +179,84 @@ TEST_F(PipelineTest, OneTwoAndThreeExecutorsMatchTheSingleProcessTrainer) {
   ExpectClose(Distributed(job, {{0, 5}}, "identity", "identity", nullptr), want);
   ExpectClose(Distributed(job, {{0, 2}, {3, 5}}, "identity", "identity", nullptr), want);
   ExpectClose(Distributed(job, {{0, 1}, {2, 3}, {4, 5}}, "identity", "identity", nullptr), want);
+}
+
+// Stages that keep more micro-batches in flight than 1F1B (the planner's depth for long round trips) run
+// another order of the same passes: the result still equals the single-process trainer.
+TEST_F(PipelineTest, DeeperPipelinesMatchTheSingleProcessTrainer) {
+  std::string job = Job("job", 4);
+  auto want = Reference(job);
+  ExpectClose(Distributed(job, {{0, 1, {}, 4}, {2, 3, {}, 3}, {4, 5, {}, 1}}, "identity", "identity", nullptr), want);
+  ExpectClose(Distributed(job, {{0, 2, {}, 4}, {3, 5, {}, 1}}, "identity", "identity", nullptr), want);
+  // Replicas of a deep stage run their micro-batches in the same order.
+  ExpectClose(Distributed(job, {{0, 2, {2, 2}, 4}, {3, 5, {}, 1}}, "identity", "identity", nullptr), want);
+}
+
+// Stage 0's activations cross a 2 Mbit/s link (tbf in test namespaces), with all four micro-batches of a
+// step in flight (a deep pipeline puts a step's activations on the link at once): the link sets the
+// pace, yet the compute thread never waits for it -- it queues each frame and goes on, and waits only
+// for gradients.
+// With a queue of one byte (every send waits until the one before it was written, as sends did before
+// queued senders) the same stage is blocked sending for much of its step: the measurement tells them apart.
+TEST_F(PipelineTest, SendsOverASlowLinkDoNotBlockTheComputeThread) {
+  if (!testing::IsRoot()) GTEST_SKIP() << "WAN emulation needs root (network namespaces and tc); not root";
+  auto wan = testing::WanHarness::Create({"a", "b"}, {{"a", "b", 2, 0}});
+  ASSERT_TRUE(wan.ok()) << wan.status();
+  // The data is scaled down from a real model's (64 KiB of activations per micro-batch instead of many
+  // MiB), so the sending site's TCP buffers are too (the namespace's own sysctl), or they would hold a
+  // whole step and no send could ever block.
+  ASSERT_EQ(std::system(((*wan)->Exec("a") + "sysctl -q -w net.ipv4.tcp_wmem='4096 16384 65536'").c_str()), 0);
+  const std::string job = Job("slow", 4, "identity", "identity", 512);
+  int port = 17600;
+  // Returns stage 0's seconds blocked sending and its step seconds, summed over the steps.
+  auto run = [&](int64_t queue_bytes) -> std::pair<double, double> {
+    const std::string a = (*wan)->Address("a", "b") + ":" + std::to_string(port++);
+    const std::string b = (*wan)->Address("b", "a") + ":" + std::to_string(port++);
+    const std::string certs = (dir_ / "certs").string();
+    std::ofstream(dir_ / "s0.json") << "{\"stage\": 0, \"num_stages\": 2, \"first_op\": 0, \"last_op\": 2, "
+                                       "\"in_flight\": 4, \"next_site\": \"b\", \"next_address\": \""
+                                    << b << "\", \"send_queue_bytes\": " << queue_bytes << "}";
+    std::ofstream(dir_ / "s1.json") << "{\"stage\": 1, \"num_stages\": 2, \"first_op\": 3, \"last_op\": 5, "
+                                       "\"prev_site\": \"a\", \"prev_address\": \""
+                                    << a << "\"}";
+    Process p0((*wan)->Exec("a") + Bin("meridian-executor") + " --site a --certs " + certs + " --listen " + a +
+               " --assignment " + (dir_ / "s0.json").string() + " --job " + job + " 2>&1");
+    Process p1((*wan)->Exec("b") + Bin("meridian-executor") + " --site b --certs " + certs + " --listen " + b +
+               " --assignment " + (dir_ / "s1.json").string() + " --job " + job + " 2>&1");
+    const std::string out0 = p0.ReadAll(300s), out1 = p1.ReadAll(300s);
+    EXPECT_EQ(p0.Wait(60s), 0) << out0;
+    EXPECT_EQ(p1.Wait(60s), 0) << out1;
+    std::regex line(R"(timing step \d+: ([0-9.]+) s, computing [0-9.]+ s, waiting [0-9.]+ s, blocked sending ([0-9.]+) s)");
+    double blocked = 0, step = 0;
+    int steps = 0;
+    for (std::sregex_iterator it(out0.begin(), out0.end(), line), end; it != end; ++it, ++steps) {
+      step += std::stod((*it)[1]);
+      blocked += std::stod((*it)[2]);
+    }
+    EXPECT_EQ(steps, 4) << out0;
+    return {blocked, step};
+  };
+  const auto [queued_blocked, queued_step] = run(int64_t{256} << 20);
+  const auto [sync_blocked, sync_step] = run(1);
+  RecordProperty("queued_blocked_fraction", std::to_string(queued_blocked / queued_step));
+  RecordProperty("one_byte_queue_blocked_fraction", std::to_string(sync_blocked / sync_step));
+  EXPECT_LT(queued_blocked, 0.01 * queued_step) << "blocked " << queued_blocked << " s of " << queued_step << " s";
+  EXPECT_GT(sync_blocked, 0.2 * sync_step) << "blocked " << sync_blocked << " s of " << sync_step << " s";
+}
+
+TEST_F(PipelineTest, AnAssignmentWithABadDepthOrQueueIsRefusedNamingTheField) {
+  std::string job = Job("job", 1);
+  fs::path apath = dir_ / "bad.json";
+  for (const char* field : {"\"in_flight\": -1", "\"in_flight\": \"deep\"", "\"send_queue_bytes\": 0"}) {
+    std::ofstream(apath) << "{\"stage\": 0, \"num_stages\": 1, \"first_op\": 0, \"last_op\": 5, " << field << "}";
+    Process p(Bin("meridian-executor") + " --site a --certs " + (dir_ / "certs").string() +
+              " --listen 127.0.0.1:" + std::to_string(FreePort()) + " --assignment " + apath.string() + " --job " +
+              job + " 2>&1");
+    std::string out = p.ReadAll(60s);
+    EXPECT_EQ(p.Wait(30s), 2) << out;
+    EXPECT_THAT(out, HasSubstr(std::string(field).substr(1, std::string(field).find('"', 1) - 1))) << out;
+    EXPECT_THAT(out, HasSubstr(apath.string()));
+  }
 }
 
 // Text data end to end: a SentencePiece tokenizer (meridian tokenizer train), brief pre-training on plain
