@@ -23,9 +23,11 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 // Precomputed per-site and per-cut quantities for O(1) evaluation of any stage or link.
 class CostModel {
  public:
-  CostModel(const OpGraph& g, const ClusterProfile& p, int micro_batches)
+  // `pipelined_links`: a deep pipeline covers every link's latency with micro-batches in flight, so a
+  // link paces the steady state by its transfer time alone (LinkSteady); else by transfer plus latency.
+  CostModel(const OpGraph& g, const ClusterProfile& p, int micro_batches, bool pipelined_links = false)
       : graph_(g), profile_(p), m_(micro_batches), n_(static_cast<int>(g.ops.size())),
-        sites_(static_cast<int>(p.sites.size())) {
+        sites_(static_cast<int>(p.sites.size())), pipelined_(pipelined_links) {
     time_prefix_.assign(sites_, std::vector<double>(n_ + 1, 0.0));
     for (int s = 0; s < sites_; ++s) {
       const SiteProfile& sp = p.sites[s];
@@ -83,6 +85,13 @@ class CostModel {
     if (!Linked(a, b)) return kInf;
     return std::max(lat_[a][b] + x / bw_[a][b], lat_[b][a] + x / bw_[b][a]);
   }
+  // What link a-b adds to the steady state per micro-batch: LinkCost, or with pipelined links the
+  // slower direction's transfer time only (+inf if they cannot be neighbours).
+  double LinkSteady(int a, int b, double x) const {
+    if (!pipelined_) return LinkCost(a, b, x);
+    if (!Linked(a, b)) return kInf;
+    return std::max(x / bw_[a][b], x / bw_[b][a]);
+  }
   double Bandwidth(int a, int b) const { return bw_[a][b]; }
   double Latency(int a, int b) const { return lat_[a][b]; }
   // Memory of ops [a, b] when the stage is `from_end` stages from the end (1 = last stage).
@@ -100,6 +109,7 @@ class CostModel {
   const OpGraph& graph_;
   const ClusterProfile& profile_;
   int m_, n_, sites_;
+  bool pipelined_;
   std::vector<std::vector<double>> time_prefix_;
   std::vector<double> state_prefix_, act_prefix_, cut_bytes_;
   std::vector<std::vector<double>> bw_, lat_;
@@ -115,6 +125,7 @@ struct Evaluation {
   double total = kInf;
   double fill = 0, steady = 0, sync = 0;
   std::vector<double> t, c, allreduce, memory;
+  std::vector<double> pace;  // per link: what it adds to the steady state (CostModel::LinkSteady)
   std::vector<int> link_codec, grad_codec;  // indices into the menus; -1 = fixed ratio
 };
 
@@ -151,6 +162,7 @@ Evaluation Evaluate(const CostModel& cm, const Layout& L, const PlanOptions& o, 
     max_t = std::max(max_t, e.t[k]);
   }
   e.c.resize(std::max(S - 1, 0));
+  e.pace.resize(std::max(S - 1, 0));
   e.link_codec.assign(std::max(S - 1, 0), -1);
   double max_c = 0, sum_c = 0;
   for (int k = 0; k + 1 < S; ++k) {
@@ -161,21 +173,29 @@ Evaluation Evaluate(const CostModel& cm, const Layout& L, const PlanOptions& o, 
         for (int b : L.sites[k + 1]) worst = std::max(worst, cm.LinkCost(a, b, ratio * x));
       return worst;
     };
-    if (!o.adaptive_compression) {
-      e.c[k] = cost(o.ratio);
-    } else {
-      // The lightest codec whose link time stays within the compute bottleneck; else the strongest.
+    auto steady = [&](double ratio) {
+      double worst = 0;
+      for (int a : L.sites[k])
+        for (int b : L.sites[k + 1]) worst = std::max(worst, cm.LinkSteady(a, b, ratio * x));
+      return worst;
+    };
+    double ratio = o.ratio;
+    if (o.adaptive_compression) {
+      // The lightest codec whose steady-state link time stays within the compute bottleneck; else the
+      // strongest.
       int pick = static_cast<int>(o.link_codecs.size()) - 1;
       for (int i = 0; i < static_cast<int>(o.link_codecs.size()); ++i)
-        if (cost(o.link_codecs[i].ratio) <= max_t) {
+        if (steady(o.link_codecs[i].ratio) <= max_t) {
           pick = i;
           break;
         }
       e.link_codec[k] = pick;
-      e.c[k] = cost(o.link_codecs[pick].ratio);
+      ratio = o.link_codecs[pick].ratio;
     }
+    e.c[k] = cost(ratio);
+    e.pace[k] = steady(ratio);
     if (e.c[k] == kInf) return e;
-    max_c = std::max(max_c, e.c[k]);
+    max_c = std::max(max_c, e.pace[k]);
     sum_c += e.c[k];
   }
   double sum_t = std::accumulate(e.t.begin(), e.t.end(), 0.0);
@@ -286,6 +306,47 @@ SimulatedLayout SimulateLayout(const CostModel& cm, const Layout& L, const Evalu
   return r;
 }
 
+// With deep_pipeline and adaptive compression: the formula's codec choice keeps each link's transfer
+// within the slowest stage's pass, but a step's fill and drain also carry every transfer once, so with
+// few micro-batches a stronger codec can shorten the step. Each link, first to last, gets the lightest
+// codec of the menu whose simulated step is within 1% of the step with the strongest codec there (the
+// lighter the codec, the closer the training to identity's). Updates `ev` (codecs, link times, fill and
+// steady terms) and `sim`.
+void ChooseLinkCodecsBySimulation(const CostModel& cm, const Layout& L, const PlanOptions& o, const OpGraph& g,
+                                  Evaluation* ev, SimulatedLayout* sim) {
+  const int S = static_cast<int>(L.sites.size());
+  const int strongest = static_cast<int>(o.link_codecs.size()) - 1;
+  auto set = [&](Evaluation* e, int k, int codec) {
+    const double x = o.link_codecs[codec].ratio * cm.CutBytes(L.last[k]);
+    double c = 0, pace = 0;
+    for (int a : L.sites[k])
+      for (int b : L.sites[k + 1]) c = std::max(c, cm.LinkCost(a, b, x)), pace = std::max(pace, cm.LinkSteady(a, b, x));
+    e->link_codec[k] = codec;
+    e->c[k] = c;
+    e->pace[k] = pace;
+  };
+  for (int k = 0; k + 1 < S; ++k) {
+    Evaluation trial = *ev;
+    set(&trial, k, strongest);
+    const double limit = SimulateLayout(cm, L, trial, o, g).total * 1.01;
+    for (int codec = 0; codec <= strongest; ++codec) {
+      set(&trial, k, codec);
+      SimulatedLayout st = SimulateLayout(cm, L, trial, o, g);
+      if (st.total <= limit || codec == strongest) {
+        *ev = trial;
+        *sim = st;
+        break;
+      }
+    }
+  }
+  double sum = 0, mx = 0;
+  for (int k = 0; k < S; ++k) sum += ev->t[k], mx = std::max(mx, ev->t[k]);
+  for (int k = 0; k + 1 < S; ++k) sum += ev->c[k], mx = std::max(mx, ev->pace[k]);
+  ev->fill = sum;
+  ev->steady = (cm.micro_batches() - 1) * mx;
+  ev->total = ev->fill + ev->steady + ev->sync;
+}
+
 // The link ratio used while searching: the fixed ratio, or the strongest codec when adaptive (the
 // adaptive pass then relaxes each link to the lightest codec that keeps it off the critical path).
 double SearchRatio(const PlanOptions& o) {
@@ -310,7 +371,7 @@ double SearchCost(const CostModel& cm, const std::vector<int>& order, const std:
       double c = cm.LinkCost(order[k], order[k + 1], ratio * cm.CutBytes(b));
       if (c == kInf) return kInf;
       sum += c;
-      mx = std::max(mx, c);
+      mx = std::max(mx, cm.LinkSteady(order[k], order[k + 1], ratio * cm.CutBytes(b)));
     }
   }
   return sum + (M - 1) * mx;
@@ -331,6 +392,12 @@ struct ExactResult {
   double best = kInf;
   std::vector<int> order, last;
   double transitions = 0;
+  // The best pipeline with each number of stages that has one (by the formula), fewest stages first.
+  struct PerStages {
+    double cost = kInf;
+    std::vector<int> order, last;
+  };
+  std::vector<PerStages> by_stages;
 };
 
 ExactResult ExactSearch(const CostModel& cm, double ratio, double upper_bound, double work_limit) {
@@ -365,6 +432,7 @@ ExactResult ExactSearch(const CostModel& cm, double ratio, double upper_bound, d
           if (mask >> s2 & 1) continue;
           double c = cm.LinkCost(s2, s, ratio * cm.CutBytes(p - 1));
           if (c == kInf) continue;
+          const double pace = cm.LinkSteady(s2, s, ratio * cm.CutBytes(p - 1));
           const int64_t nmask = mask | (int64_t{1} << s2);
           for (int q = p - 1; q >= 0; --q) {
             if (!cm.Fits(s2, q, p - 1, used + 1)) break;
@@ -373,7 +441,7 @@ ExactResult ExactSearch(const CostModel& cm, double ratio, double upper_bound, d
             auto& nf = front[key(nmask, s2, q)];
             for (int32_t ei = 0; ei < static_cast<int32_t>(f.size()); ++ei) {
               const Entry& e = f[ei];
-              Entry ne{e.sum + t + c, std::max({e.mx, t, c}), key(mask, s, p), ei};
+              Entry ne{e.sum + t + c, std::max({e.mx, t, pace}), key(mask, s, p), ei};
               r.transitions += 1;
               if (ne.sum + (M - 1) * ne.mx > bound) continue;
               insert(nf, ne);
@@ -384,32 +452,47 @@ ExactResult ExactSearch(const CostModel& cm, double ratio, double upper_bound, d
       }
     }
   }
-  int64_t best_state = -1;
-  int32_t best_entry = -1;
-  for (int64_t mask = 1; mask < masks; ++mask)
+  // The best pipeline overall, and the best one for each number of stages (from the number of sites the
+  // state has used): deep_pipeline compares those by simulating their schedules.
+  std::vector<double> best_t(n + 1, kInf);
+  std::vector<int64_t> best_state(n + 1, -1);
+  std::vector<int32_t> best_entry(n + 1, -1);
+  for (int64_t mask = 1; mask < masks; ++mask) {
+    const int stages = __builtin_popcountll(static_cast<unsigned long long>(mask));
     for (int s = 0; s < n; ++s) {
       const auto& f = front[key(mask, s, 0)];
       for (int32_t i = 0; i < static_cast<int32_t>(f.size()); ++i) {
         double T = f[i].sum + (M - 1) * f[i].mx;
-        if (T < r.best) {
-          r.best = T;
-          best_state = key(mask, s, 0);
-          best_entry = i;
+        if (T < best_t[stages]) {
+          best_t[stages] = T;
+          best_state[stages] = key(mask, s, 0);
+          best_entry[stages] = i;
         }
       }
     }
+  }
   r.complete = true;
-  for (int64_t st = best_state; st >= 0;) {
-    int s = static_cast<int>((st / N) % n);
-    const Entry& e = front[st][best_entry];
-    r.order.push_back(s);
-    if (e.parent_state < 0) {
-      r.last.push_back(N - 1);
-      break;
+  auto path = [&](int64_t st, int32_t entry, std::vector<int>* order, std::vector<int>* last) {
+    while (st >= 0) {
+      int s = static_cast<int>((st / N) % n);
+      const Entry& e = front[st][entry];
+      order->push_back(s);
+      if (e.parent_state < 0) {
+        last->push_back(N - 1);
+        break;
+      }
+      last->push_back(static_cast<int>(e.parent_state % N) - 1);
+      entry = e.parent_entry;
+      st = e.parent_state;
     }
-    r.last.push_back(static_cast<int>(e.parent_state % N) - 1);
-    best_entry = e.parent_entry;
-    st = e.parent_state;
+  };
+  for (int k = 1; k <= n; ++k) {
+    if (best_state[k] < 0) continue;
+    ExactResult::PerStages c;
+    c.cost = best_t[k];
+    path(best_state[k], best_entry[k], &c.order, &c.last);
+    if (c.cost < r.best) r.best = c.cost, r.order = c.order, r.last = c.last;
+    r.by_stages.push_back(std::move(c));
   }
   return r;
 }
@@ -439,7 +522,7 @@ bool CutsForBottleneck(const CostModel& cm, const std::vector<int>& order, doubl
       return true;
     }
     if (k + 1 == K) return false;
-    while (b >= a && cm.LinkCost(s, order[k + 1], ratio * cm.CutBytes(b)) > B) --b;
+    while (b >= a && cm.LinkSteady(s, order[k + 1], ratio * cm.CutBytes(b)) > B) --b;
     if (b < a) return false;
     last->push_back(b);
     a = b + 1;
@@ -485,7 +568,7 @@ Candidate CutOrder(const CostModel& cm, const std::vector<int>& order, double ra
   for (int s : order) hi = std::max(hi, cm.WholeModelTime(s));
   for (int i = 0; i + 1 < N; ++i)
     for (size_t k = 0; k + 1 < order.size(); ++k) {
-      double c = cm.LinkCost(order[k], order[k + 1], ratio * cm.CutBytes(i));
+      double c = cm.LinkSteady(order[k], order[k + 1], ratio * cm.CutBytes(i));
       if (c != kInf) hi = std::max(hi, c);
     }
   std::vector<int> last;
@@ -755,13 +838,14 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
         return absl::InvalidArgumentError(
             absl::StrCat("profile: sites '", s.name, "'.op_seconds names op '", name, "', which the graph lacks"));
 
-  CostModel cm(graph, profile, o.micro_batches);
+  CostModel cm(graph, profile, o.micro_batches, o.deep_pipeline);
   const int n = cm.sites(), N = cm.ops();
   const double ratio = SearchRatio(o);
   Plan plan;
   plan.micro_batches = o.micro_batches;
 
   Candidate best;
+  std::vector<Candidate> alternatives;  // the exact search's best pipeline for each number of stages
   if (!o.fixed_sites.empty() || !o.fixed_last_ops.empty()) {
     const size_t S = o.fixed_sites.size();
     if (S != o.fixed_last_ops.size())
@@ -792,11 +876,14 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
     plan.method = "heuristic";
   }
   if (plan.method != "fixed" && !o.force_heuristic && n <= o.exact_max_sites) {
-    double ub = best.cost == kInf ? kInf : best.cost;
+    // With deep_pipeline the simulated step decides between the best pipelines of each number of stages,
+    // so those within half again of the best formula are kept too.
+    double ub = best.cost == kInf ? kInf : best.cost * (o.deep_pipeline ? 1.5 : 1.0);
     ExactResult ex = ExactSearch(cm, ratio, ub, o.exact_work_limit);
     if (ex.complete) {
       plan.method = "exact";
       if (ex.best < best.cost || best.cost == kInf) best = {ex.best, ex.order, ex.last};
+      for (const auto& c : ex.by_stages) alternatives.push_back({c.cost, c.order, c.last});
       plan.notes.push_back(absl::StrFormat(
           "exact search over every order of every subset of the %d sites and every cut (%.3g transitions)", n,
           ex.transitions));
@@ -859,6 +946,24 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
   auto predicted = [&](const Layout& L, const Evaluation& e) {
     return o.deep_pipeline ? SimulateLayout(cm, L, e, o, graph).total : e.total;
   };
+  if (o.deep_pipeline && alternatives.size() > 1) {
+    // The formula assumes every round trip covered; with few micro-batches a step's fill and drain carry
+    // the latencies, so a pipeline of fewer (or more) stages may simulate faster.
+    const size_t stages_before = layout.sites.size();
+    double current = predicted(layout, ev);
+    for (const Candidate& c : alternatives) {
+      Layout trial;
+      for (int site : c.order) trial.sites.push_back({site});
+      trial.last = c.last;
+      Evaluation te = Evaluate(cm, trial, o, graph);
+      if (const double x = predicted(trial, te); x < current * (1 - 1e-9)) layout = trial, ev = te, current = x;
+    }
+    if (layout.sites.size() != stages_before)
+      plan.notes.push_back(absl::StrFormat(
+          "%d stage(s) rather than the formula's %d: the simulated schedule (fill, drain and latencies with "
+          "%d micro-batches) is shorter",
+          layout.sites.size(), stages_before, o.micro_batches));
+  }
   if (o.replication && plan.method != "fixed") {
     const double pipeline_total = predicted(layout, ev);
     const size_t pipeline_stages = layout.sites.size();
@@ -886,7 +991,10 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
           layout.sites.size(), replicas, predicted(layout, ev), pipeline_total, pipeline_stages));
   }
   SimulatedLayout sim;
-  if (o.deep_pipeline) sim = SimulateLayout(cm, layout, ev, o, graph);
+  if (o.deep_pipeline) {
+    sim = SimulateLayout(cm, layout, ev, o, graph);
+    if (o.adaptive_compression) ChooseLinkCodecsBySimulation(cm, layout, o, graph, &ev, &sim);
+  }
 
   const int S = static_cast<int>(layout.sites.size());
   for (int k = 0; k < S; ++k) {
@@ -952,10 +1060,10 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
       worst = ev.t[k], plan.bottleneck = absl::StrFormat("stage %d compute (%s): %.4g s per micro-batch", k + 1,
                                                           SiteList(profile, layout.sites[k]), ev.t[k]);
   for (int k = 0; k + 1 < S; ++k)
-    if (ev.c[k] > worst)
-      worst = ev.c[k], plan.bottleneck = absl::StrFormat("link %d->%d (%s -> %s): %.4g s per micro-batch", k + 1,
+    if (ev.pace[k] > worst)
+      worst = ev.pace[k], plan.bottleneck = absl::StrFormat("link %d->%d (%s -> %s): %.4g s per micro-batch", k + 1,
                                                           k + 2, SiteList(profile, layout.sites[k]),
-                                                          SiteList(profile, layout.sites[k + 1]), ev.c[k]);
+                                                          SiteList(profile, layout.sites[k + 1]), ev.pace[k]);
   std::vector<bool> in_plan(n, false);
   for (const auto& R : layout.sites)
     for (int s : R) in_plan[s] = true;
@@ -966,9 +1074,14 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
           o.replication ? " (as a stage or a replica)" : ""));
   for (int k = 0; k + 1 < S; ++k)
     if (ev.link_codec[k] > 0)
-      plan.notes.push_back(absl::StrFormat("link %d->%d compressed with %s: lighter codecs would make it slower than "
-                                           "the slowest stage",
-                                           k + 1, k + 2, plan.links[k].codec));
+      plan.notes.push_back(
+          o.deep_pipeline
+              ? absl::StrFormat("link %d->%d compressed with %s: lighter codecs would lengthen the simulated step by "
+                                "more than 1%%",
+                                k + 1, k + 2, plan.links[k].codec)
+              : absl::StrFormat("link %d->%d compressed with %s: lighter codecs would make it slower than the slowest "
+                                "stage",
+                                k + 1, k + 2, plan.links[k].codec));
   return plan;
 }
 
