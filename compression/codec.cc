@@ -196,6 +196,42 @@ void DequantizeInt4(const uint8_t* payload, int64_t n, int block, float* out) {
   }
 }
 
+// int2: four levels per block, (2c - 3) / 3 of the block's absmax for code c in 0..3 (no zero: meant for
+// AQ-SGD's activation deltas, whose blocks rarely sit at zero); four codes a byte, element i at bits
+// 2 (i % 4), bits past the last element zero.
+absl::Status QuantizeInt2(const float* x, int64_t n, int block, uint8_t* payload) {
+  uint8_t* scales = payload;
+  uint8_t* q = payload + 4 * Blocks(n, block);
+  std::memset(q, 0, static_cast<size_t>((n + 3) / 4));
+  for (int64_t b0 = 0, bi = 0; b0 < n; b0 += block, ++bi) {
+    int64_t len = std::min<int64_t>(block, n - b0);
+    float amax;
+    if (!AbsMaxSse2(x + b0, len, &amax))
+      return absl::InvalidArgumentError(absl::StrCat("non-finite value in elements [", b0, ", ", b0 + len, ")"));
+    Put(scales + 4 * bi, amax / 3.0f);
+    float inv = amax > 0 ? 3.0f / amax : 0.0f;
+    for (int64_t i = 0; i < len; ++i) {
+      int c = static_cast<int>(__builtin_rintf((x[b0 + i] * inv + 3.0f) * 0.5f));
+      c = c < 0 ? 0 : (c > 3 ? 3 : c);
+      q[(b0 + i) / 4] |= static_cast<uint8_t>(c << (2 * ((b0 + i) % 4)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+void DequantizeInt2(const uint8_t* payload, int64_t n, int block, float* out) {
+  const uint8_t* scales = payload;
+  const uint8_t* q = payload + 4 * Blocks(n, block);
+  for (int64_t b0 = 0, bi = 0; b0 < n; b0 += block, ++bi) {
+    int64_t len = std::min<int64_t>(block, n - b0);
+    float s = Get<float>(scales + 4 * bi);
+    for (int64_t i = 0; i < len; ++i) {
+      int c = (q[(b0 + i) / 4] >> (2 * ((b0 + i) % 4))) & 3;
+      out[b0 + i] = static_cast<float>(2 * c - 3) * s;
+    }
+  }
+}
+
 bool ScalesValid(const uint8_t* scales, int64_t blocks) {
   for (int64_t i = 0; i < blocks; ++i) {
     float s = Get<float>(scales + 4 * i);
@@ -314,6 +350,7 @@ uint64_t RawPayloadSize(const Header& h, uint64_t index_bytes) {
     case CodecKind::kFp16: case CodecKind::kBf16: return static_cast<uint64_t>(n) * 2;
     case CodecKind::kInt8: return static_cast<uint64_t>(4 * Blocks(n, h.block) + n);
     case CodecKind::kInt4: return static_cast<uint64_t>(4 * Blocks(n, h.block) + (n + 1) / 2);
+    case CodecKind::kInt2: return static_cast<uint64_t>(4 * Blocks(n, h.block) + (n + 3) / 4);
     case CodecKind::kTopK: {
       uint64_t values = (h.flags & kFlagTopkInt8) ? static_cast<uint64_t>(4 * Blocks(h.count, h.block) + h.count)
                                                    : static_cast<uint64_t>(4 * h.count);
@@ -324,8 +361,10 @@ uint64_t RawPayloadSize(const Header& h, uint64_t index_bytes) {
 }
 
 absl::Status CheckSpec(const CodecSpec& s) {
-  if (static_cast<uint8_t>(s.kind) > static_cast<uint8_t>(CodecKind::kTopK))
+  if (static_cast<uint8_t>(s.kind) > static_cast<uint8_t>(CodecKind::kInt2))
     return absl::InvalidArgumentError("unknown codec");
+  if (s.delta && s.kind != CodecKind::kInt8 && s.kind != CodecKind::kInt4 && s.kind != CodecKind::kInt2)
+    return absl::InvalidArgumentError("only int8, int4 and int2 have delta variants (int8-delta, int4-delta, int2-delta)");
   if (s.block_size < 2 || s.block_size > 65536 || s.block_size % 2)
     return absl::InvalidArgumentError(absl::StrCat("block size ", s.block_size, " must be even and in [2, 65536]"));
   if (!(s.topk_fraction > 0 && s.topk_fraction <= 1) || s.topk_fraction < kMinTopkFraction)
@@ -384,6 +423,11 @@ absl::Status EncodeFloat(const float* x, const std::vector<int64_t>& shape, int6
       if (!s.ok()) return s;
       break;
     }
+    case CodecKind::kInt2: {
+      absl::Status s = QuantizeInt2(x, n, spec.block_size, p);
+      if (!s.ok()) return s;
+      break;
+    }
     case CodecKind::kTopK: {
       Put<uint64_t>(p, index_bytes);
       uint8_t* q = p + 8;
@@ -435,7 +479,7 @@ absl::StatusOr<Header> ParseHeader(const uint8_t* data, size_t size, const Decod
   if (std::memcmp(data, kMagic, 4) != 0) return Corrupt("not a Meridian frame (bad magic)");
   if (data[4] != kVersion) return Corrupt(absl::StrCat("unsupported frame version ", data[4]));
   Header h;
-  if (data[5] > static_cast<uint8_t>(CodecKind::kTopK)) return Corrupt(absl::StrCat("unknown codec ", data[5]));
+  if (data[5] > static_cast<uint8_t>(CodecKind::kInt2)) return Corrupt(absl::StrCat("unknown codec ", data[5]));
   h.kind = static_cast<CodecKind>(data[5]);
   h.dtype = static_cast<DType>(data[6]);
   if (core::DTypeSize(h.dtype) == 0) return Corrupt(absl::StrCat("unknown dtype ", data[6]));
@@ -447,7 +491,8 @@ absl::StatusOr<Header> ParseHeader(const uint8_t* data, size_t size, const Decod
   if (ndim > kMaxDims) return Corrupt(absl::StrCat(ndim, " dimensions (at most ", kMaxDims, ")"));
   if (data[9] || data[10] || data[11] || Get<uint32_t>(data + 52)) return Corrupt("reserved bytes are not zero");
   h.block = static_cast<int>(Get<uint32_t>(data + 12));
-  if ((h.kind == CodecKind::kInt8 || h.kind == CodecKind::kInt4 || (h.flags & kFlagTopkInt8)) &&
+  if ((h.kind == CodecKind::kInt8 || h.kind == CodecKind::kInt4 || h.kind == CodecKind::kInt2 ||
+       (h.flags & kFlagTopkInt8)) &&
       (h.block < 2 || h.block > 65536 || h.block % 2))
     return Corrupt(absl::StrCat("block size ", h.block));
   h.numel = Get<int64_t>(data + 16);
@@ -491,16 +536,24 @@ absl::StatusOr<CodecSpec> CodecSpec::Parse(const std::string& text) {
     t.resize(t.size() - 5);
   }
   std::string name = t.substr(0, t.find(':'));
+  if (name.size() > 6 && name.compare(name.size() - 6, 6, "-delta") == 0) {
+    s.delta = true;
+    name.resize(name.size() - 6);
+    if (name != "int8" && name != "int4" && name != "int2")
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown codec '", name, "-delta'; delta codecs are int8-delta, int4-delta and int2-delta"));
+  }
   if (name == "identity" || name == "none") s.kind = CodecKind::kIdentity;
   else if (name == "fp16") s.kind = CodecKind::kFp16;
   else if (name == "bf16") s.kind = CodecKind::kBf16;
   else if (name == "int8") s.kind = CodecKind::kInt8;
   else if (name == "int4") s.kind = CodecKind::kInt4;
+  else if (name == "int2") s.kind = CodecKind::kInt2;
   else if (name == "topk") s.kind = CodecKind::kTopK;
   else if (name == "topk-int8") s.kind = CodecKind::kTopK, s.topk_int8_values = true;
   else
     return absl::InvalidArgumentError(absl::StrCat("unknown codec '", name,
-                                                   "'; use identity, fp16, bf16, int8, int4, topk or topk-int8"));
+                                                   "'; use identity, fp16, bf16, int8, int4, int2, topk, topk-int8 or int8/int4/int2-delta"));
   size_t pos = t.find(':');
   while (pos != std::string::npos) {
     size_t next = t.find(':', pos + 1);
@@ -527,8 +580,9 @@ std::string CodecSpec::ToString() const {
     case CodecKind::kIdentity: s = "identity"; break;
     case CodecKind::kFp16: s = "fp16"; break;
     case CodecKind::kBf16: s = "bf16"; break;
-    case CodecKind::kInt8: s = absl::StrCat("int8:block=", block_size); break;
-    case CodecKind::kInt4: s = absl::StrCat("int4:block=", block_size); break;
+    case CodecKind::kInt8: s = absl::StrCat("int8", delta ? "-delta" : "", ":block=", block_size); break;
+    case CodecKind::kInt4: s = absl::StrCat("int4", delta ? "-delta" : "", ":block=", block_size); break;
+    case CodecKind::kInt2: s = absl::StrCat("int2", delta ? "-delta" : "", ":block=", block_size); break;
     case CodecKind::kTopK:
       s = absl::StrCat(topk_int8_values ? "topk-int8" : "topk", ":k=", topk_fraction);
       if (topk_int8_values) absl::StrAppend(&s, ":block=", block_size);
@@ -541,6 +595,10 @@ std::string CodecSpec::ToString() const {
 absl::Status EncodeTo(const core::TensorView& in, const CodecSpec& spec, std::vector<uint8_t>* frame) {
   absl::Status st = CheckSpec(spec);
   if (!st.ok()) return st;
+  if (spec.delta)
+    return absl::InvalidArgumentError(absl::StrCat(
+        spec.ToString(), " encodes each sequence against its previous activation: use a DeltaEncoder "
+        "(compression/activation_delta.h)"));
   if (in.shape.size() > kMaxDims) return absl::InvalidArgumentError(absl::StrCat("at most ", kMaxDims, " dimensions"));
   for (int64_t d : in.shape)
     if (d < 0) return absl::InvalidArgumentError("negative dimension");
@@ -635,6 +693,13 @@ absl::Status DecodePayload(const Header& h, const uint8_t* data, uint8_t* out_by
       for (int64_t i = 0; i < (n + 1) / 2; ++i)
         if ((q[i] & 15) == 0 || (q[i] >> 4) == 0) return Corrupt("int4 code out of range");
       DequantizeInt4(payload, n, h.block, f);
+      break;
+    }
+    case CodecKind::kInt2: {
+      if (!ScalesValid(payload, Blocks(n, h.block))) return Corrupt("NaN, infinite or negative scale");
+      const uint8_t* q = payload + 4 * Blocks(n, h.block);
+      if (n % 4 && (q[n / 4] >> (2 * (n % 4)))) return Corrupt("int2 bits beyond the tensor");
+      DequantizeInt2(payload, n, h.block, f);
       break;
     }
     case CodecKind::kTopK: {

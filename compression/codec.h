@@ -16,7 +16,7 @@
 namespace meridian::compression {
 
 // Values are part of the frame format: never renumber.
-enum class CodecKind : uint8_t { kIdentity = 0, kFp16 = 1, kBf16 = 2, kInt8 = 3, kInt4 = 4, kTopK = 5 };
+enum class CodecKind : uint8_t { kIdentity = 0, kFp16 = 1, kBf16 = 2, kInt8 = 3, kInt4 = 4, kTopK = 5, kInt2 = 6 };
 
 struct CodecSpec {
   CodecKind kind = CodecKind::kIdentity;
@@ -25,9 +25,14 @@ struct CodecSpec {
   bool topk_int8_values = false;
   bool zstd = false;            // compress the payload with zstd afterwards
   int zstd_level = 1;
+  // AQ-SGD activation deltas (int8, int4, int2 only): each training sequence's activation is sent as
+  // the quantised change against its previous reconstruction (activation_delta.h). Encode refuses
+  // such a spec: the previous reconstruction lives in a DeltaEncoder.
+  bool delta = false;
 
-  // Parses "identity", "fp16", "bf16", "int8", "int4", "topk", "topk-int8", with options
-  // ":block=N", ":k=F" and a "+zstd" suffix, e.g. "int4:block=32+zstd", "topk:k=0.001".
+  // Parses "identity", "fp16", "bf16", "int8", "int4", "int2", "topk", "topk-int8", and the delta
+  // codecs "int8-delta", "int4-delta", "int2-delta", with options ":block=N", ":k=F" and a "+zstd" suffix,
+  // e.g. "int4:block=32+zstd", "topk:k=0.001", "int2-delta".
   static absl::StatusOr<CodecSpec> Parse(const std::string& text);
   std::string ToString() const;
   bool lossless() const { return kind == CodecKind::kIdentity; }

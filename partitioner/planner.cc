@@ -946,6 +946,7 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
   auto predicted = [&](const Layout& L, const Evaluation& e) {
     return o.deep_pipeline ? SimulateLayout(cm, L, e, o, graph).total : e.total;
   };
+  size_t formula_stages = layout.sites.size();  // the formula's best pipeline, before any simulation
   if (o.deep_pipeline && alternatives.size() > 1) {
     // The formula assumes every round trip covered; with few micro-batches a step's fill and drain carry
     // the latencies, so a pipeline of fewer (or more) stages may simulate faster.
@@ -958,11 +959,7 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
       Evaluation te = Evaluate(cm, trial, o, graph);
       if (const double x = predicted(trial, te); x < current * (1 - 1e-9)) layout = trial, ev = te, current = x;
     }
-    if (layout.sites.size() != stages_before)
-      plan.notes.push_back(absl::StrFormat(
-          "%d stage(s) rather than the formula's %d: the simulated schedule (fill, drain and latencies with "
-          "%d micro-batches) is shorter",
-          layout.sites.size(), stages_before, o.micro_batches));
+    formula_stages = stages_before;
   }
   if (o.replication && plan.method != "fixed") {
     const double pipeline_total = predicted(layout, ev);
@@ -990,6 +987,11 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
           "without replicas (%d stage(s))",
           layout.sites.size(), replicas, predicted(layout, ev), pipeline_total, pipeline_stages));
   }
+  if (o.deep_pipeline && layout.sites.size() != formula_stages)
+    plan.notes.push_back(absl::StrFormat(
+        "%d stage(s) rather than the formula's best pipeline of %d: the simulated schedule (fill, drain and "
+        "latencies with %d micro-batches) is shorter",
+        layout.sites.size(), formula_stages, o.micro_batches));
   SimulatedLayout sim;
   if (o.deep_pipeline) {
     sim = SimulateLayout(cm, layout, ev, o, graph);
