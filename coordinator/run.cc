@@ -518,6 +518,13 @@ class RunDriver {
       if (job.compression.policy == "none") return std::string("identity");
       return plan_->links[link].codec;
     };
+    // Gradients to the previous stage: the link's codec, but AQ-SGD's deltas are for activations only:
+    // behind int8-delta the gradients go as int8, behind int4-delta and int2-delta as int4.
+    auto gradient_link_codec = [&](size_t link) {
+      std::string c = link_codec(link);
+      if (c.find("-delta") == std::string::npos) return c;
+      return std::string(c.rfind("int8", 0) == 0 ? "int8" : "int4");
+    };
     auto gradient_codec = [&](size_t k) {
       if (job.compression.policy == "fixed") return fixed(job.compression.gradients);
       if (job.compression.policy == "none" || st[k].gradient_codec.empty()) return std::string("identity");
@@ -551,7 +558,7 @@ class RunDriver {
         if (k > 0) {
           a->set_prev_site(st[k - 1].site_names[0]);
           a->set_prev_address(snap_[st[k - 1].site_names[0]].listen);
-          a->set_backward_codec(link_codec(k - 1));
+          a->set_backward_codec(gradient_link_codec(k - 1));
           group(k - 1, a->mutable_prev_stage());
         }
         if (k + 1 < st.size()) {

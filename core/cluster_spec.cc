@@ -424,12 +424,21 @@ void ParseJob(Checker& c, const YAML::Node& n, JobSpec* j) {
   }
   if (YAML::Node o = n["compression"]; o.IsDefined() && !o.IsNull()) {
     const std::string oc = "job.compression";
-    if (c.Map(o, oc, {"policy", "activations", "gradients", "topk_fraction", "error_feedback"})) {
+    if (c.Map(o, oc, {"policy", "activations", "gradients", "topk_fraction", "error_feedback", "activation_memory",
+                      "activation_spill"})) {
       CompressionSpec& cp = j->compression;
       c.Choice(o, "policy", oc, {"adaptive", "none", "fixed"}, &cp.policy);
-      const std::vector<const char*> codecs = {"identity", "fp16", "bf16", "int8", "int4", "topk", "topk-int8"};
-      c.Choice(o, "activations", oc, codecs, &cp.activations);
+      const std::vector<const char*> codecs = {"identity", "fp16", "bf16", "int8", "int4", "int2", "topk", "topk-int8"};
+      const std::vector<const char*> activation_codecs = {"identity", "fp16",      "bf16",       "int8",
+                                                          "int4",     "int2",      "topk",       "topk-int8",
+                                                          "int8-delta", "int4-delta", "int2-delta"};
+      c.Choice(o, "activations", oc, activation_codecs, &cp.activations);
       c.Choice(o, "gradients", oc, codecs, &cp.gradients);
+      std::optional<double> memory, spill;
+      c.Quantity(o, "activation_memory", oc, false, ParseBytes, &memory);
+      c.Quantity(o, "activation_spill", oc, false, ParseBytes, &spill);
+      if (memory) cp.activation_memory_bytes = *memory;
+      if (spill) cp.activation_spill_bytes = *spill;
       c.Double(o, "topk_fraction", oc, false, 0, 1, true, &cp.topk_fraction);
       c.Bool(o, "error_feedback", oc, &cp.error_feedback);
     }

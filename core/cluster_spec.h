@@ -73,6 +73,11 @@ struct CompressionSpec {
   std::string gradients = "topk";    // codec for replica gradient sync when policy=fixed
   double topk_fraction = 0.01;
   bool error_feedback = true;
+  // AQ-SGD (activations: int8-delta, int4-delta, int2-delta): each link's stored activations, per
+  // training sequence, in host memory up to activation_memory, then in a spill file up to
+  // activation_spill; beyond both, new sequences go as int8 without deltas.
+  double activation_memory_bytes = 2.0 * (1 << 30);
+  double activation_spill_bytes = 16.0 * (1 << 30);
 };
 
 struct CheckpointSpec {

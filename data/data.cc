@@ -223,14 +223,15 @@ const std::vector<int64_t>& Dataset::EpochOrder(int64_t epoch) const {
   return order_;
 }
 
-void Dataset::Sequence(int64_t index, int32_t* tokens, uint8_t* counted) const {
+int64_t Dataset::SequenceId(int64_t index) const {
   const int64_t n = num_sequences();
   const int64_t wrapped = ((index % n) + n) % n;
-  int64_t j;
-  {
-    std::lock_guard<std::mutex> l(mu_);
-    j = EpochOrder(index >= 0 ? index / n : 0)[wrapped];
-  }
+  std::lock_guard<std::mutex> l(mu_);
+  return EpochOrder(index >= 0 ? index / n : 0)[wrapped];
+}
+
+void Dataset::Sequence(int64_t index, int32_t* tokens, uint8_t* counted) const {
+  const int64_t j = SequenceId(index);
   const int64_t seq = options_.sequence_length;
   std::copy_n(packed_.begin() + j * seq, seq + 1, tokens);
   std::copy_n(counted_.begin() + j * seq + 1, seq, counted);

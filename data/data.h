@@ -76,6 +76,9 @@ class Dataset {
   // Training sequence `index` (0, 1, 2, ...; wraps into further epochs): tokens[sequence_length + 1]
   // and counted[sequence_length], where counted[i] says whether predicting tokens[i + 1] counts.
   void Sequence(int64_t index, int32_t* tokens, uint8_t* counted) const;
+  // Which packed sequence (0 .. num_sequences - 1) training sequence `index` is: the same number every
+  // epoch that visits it (AQ-SGD keys its stored activations by it).
+  int64_t SequenceId(int64_t index) const;
 
   const std::vector<Example>& held_out() const { return held_out_; }
   int64_t train_examples() const { return train_examples_; }

@@ -1,8 +1,11 @@
 #include "executor/stage.h"
 
+#include <unistd.h>
+
 #include <cmath>
 #include <algorithm>
 #include <cstring>
+#include <filesystem>
 #include <iostream>
 #include <set>
 
@@ -163,6 +166,10 @@ StageWorker::StageWorker(JobSetup setup, StageAssignment a, rpc::TensorInbox* in
     if (init_status_.ok()) init_status_ = Annotate(built.status(), Where());
     model_ = std::make_unique<StageModel>(setup_.model, a_.first_op, a_.last_op, setup_.job.seed, device_);
   }
+  if (bwd_codec_.delta && init_status_.ok())
+    init_status_ = absl::InvalidArgumentError(absl::StrCat(
+        Where(), ": backward_codec: ", a_.backward_codec,
+        " is an activation codec (AQ-SGD deltas); gradients use int8 or int4"));
   if (!bwd_codec_.lossless() && setup_.job.compression.error_feedback)
     for (const auto& site : a_.prev_replicas.sites)
       bwd_ef_[site] = std::make_unique<compression::ErrorFeedback>(bwd_codec_);
@@ -222,12 +229,37 @@ absl::Status StageWorker::Connect() {
   return absl::OkStatus();
 }
 
+compression::ActivationStore::Options StageWorker::DeltaStore(const std::string& peer, const char* side) const {
+  compression::ActivationStore::Options o;
+  o.memory_bytes = static_cast<int64_t>(setup_.job.compression.activation_memory_bytes);
+  o.spill_bytes = static_cast<int64_t>(setup_.job.compression.activation_spill_bytes);
+  std::error_code ec;
+  const std::string dir = !scratch_dir_.empty() ? scratch_dir_ : std::filesystem::temp_directory_path(ec).string();
+  o.spill_path = absl::StrCat(dir, "/meridian-", self_, "-", ::getpid(), "-stage", a_.stage, "-", side, "-", peer,
+                              ".activations");
+  return o;
+}
+
 absl::Status StageWorker::Send(const std::string& peer, const rpc::TensorKey& key, const torch::Tensor& t,
-                               const compression::CodecSpec& codec, compression::ErrorFeedback* ef) {
+                               const compression::CodecSpec& codec, compression::ErrorFeedback* ef,
+                               const std::vector<int64_t>* ids) {
   const auto t0 = Clock::now();
   auto c = t.detach().to(torch::kCPU, torch::kFloat32).contiguous();
   core::TensorView v{core::DType::kFloat32, std::vector<int64_t>(c.sizes().begin(), c.sizes().end()), c.data_ptr<float>()};
-  absl::StatusOr<std::vector<uint8_t>> frame = ef ? ef->Encode(v) : compression::Encode(v, codec);
+  absl::StatusOr<std::vector<uint8_t>> frame;
+  if (codec.delta) {
+    auto& enc = delta_out_[peer];
+    if (!enc) enc = std::make_unique<compression::DeltaEncoder>(codec, DeltaStore(peer, "to"));
+    frame = ids ? enc->Encode(v, *ids) : absl::InvalidArgumentError("a delta codec on a tensor without sequences");
+    if (enc->fell_back() && !said_delta_fallback_) {
+      said_delta_fallback_ = true;
+      std::cerr << "meridian-executor: " << Where() << ": the activation store for site '" << peer
+                << "' is full (job.compression.activation_memory and activation_spill): sequences not yet stored "
+                   "now go as int8, without deltas\n";
+    }
+  } else {
+    frame = ef ? ef->Encode(v) : compression::Encode(v, codec);
+  }
   codec_seconds_ += std::chrono::duration<double>(Clock::now() - t0).count();
   if (!frame.ok()) return Annotate(frame.status(), absl::StrCat(Where(), ": encoding ", key.ToString()));
   raw_bytes_ += static_cast<int64_t>(v.nbytes());
@@ -238,14 +270,22 @@ absl::Status StageWorker::Send(const std::string& peer, const rpc::TensorKey& ke
 }
 
 absl::StatusOr<torch::Tensor> StageWorker::Receive(const std::string& peer, const rpc::TensorKey& key,
-                                                   const std::vector<int64_t>& shape) {
+                                                   const std::vector<int64_t>& shape, const std::vector<int64_t>* ids) {
   const auto t0 = Clock::now();
   auto frame = inbox_->Wait(peer, key, t0 + timeout_);
   const auto t1 = Clock::now();
   wait_seconds_ += std::chrono::duration<double>(t1 - t0).count();
   if (!frame.ok()) return Annotate(frame.status(), Where());
   auto t = torch::empty(shape, torch::kFloat32);
-  absl::Status s = compression::DecodeInto(frame->data(), frame->size(), core::DType::kFloat32, shape, t.data_ptr<float>());
+  absl::Status s;
+  auto info = compression::InspectFrame(frame->data(), frame->size());
+  if (info.ok() && info->dtype == core::DType::kUInt8 && ids) {  // AQ-SGD deltas (activations only)
+    auto& dec = delta_in_[peer];
+    if (!dec) dec = std::make_unique<compression::DeltaDecoder>(DeltaStore(peer, "from"));
+    s = dec->DecodeInto(frame->data(), frame->size(), *ids, shape, t.data_ptr<float>());
+  } else {
+    s = compression::DecodeInto(frame->data(), frame->size(), core::DType::kFloat32, shape, t.data_ptr<float>());
+  }
   codec_seconds_ += std::chrono::duration<double>(Clock::now() - t1).count();
   if (!s.ok())
     return Annotate(s, absl::StrCat(Where(), ": ", key.ToString(), " from peer '", peer, "'"));
@@ -297,11 +337,13 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
     if (kind == 'F') {
       Stash s;
       TrainingData::Batch batch;
+      std::vector<int64_t> ids;  // the micro-batch's training sequences (AQ-SGD's keys)
       if (model_->has_embed() || model_->has_head()) batch = setup_.data.MicroBatch(step, mb, mbs, seq);
       if (model_->has_embed()) {
         s.input = batch.inputs.to(device_);
       } else {
-        auto in = Receive(*prev, {a_.job_id, step, mb, a_.stage - 1, v1::FORWARD, 0}, hidden);
+        ids = setup_.data.SequenceIds(step, mb, mbs);
+        auto in = Receive(*prev, {a_.job_id, step, mb, a_.stage - 1, v1::FORWARD, 0}, hidden, &ids);
         if (!in.ok()) return in.status();
         s.input = in->requires_grad_(true);
       }
@@ -316,7 +358,9 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
       });
       if (!model_->has_head()) {
         s.output = out;
-        if (auto st = Send(*next, {a_.job_id, step, mb, a_.stage, v1::FORWARD, 0}, out, fwd_codec_, nullptr); !st.ok())
+        if (fwd_codec_.delta && ids.empty()) ids = setup_.data.SequenceIds(step, mb, mbs);
+        if (auto st = Send(*next, {a_.job_id, step, mb, a_.stage, v1::FORWARD, 0}, out, fwd_codec_, nullptr, &ids);
+            !st.ok())
           return st;
       }
       stash[mb] = std::move(s);

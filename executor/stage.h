@@ -14,6 +14,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "compression/activation_delta.h"
 #include "compression/codec.h"
 #include "executor/checkpoint.h"
 #include "executor/replica_sync.h"
@@ -67,6 +68,9 @@ class StageWorker {
  public:
   StageWorker(JobSetup setup, StageAssignment assignment, rpc::TensorInbox* inbox, std::string certs_dir,
               std::string self, torch::Device device, std::chrono::seconds step_timeout);
+  // Where AQ-SGD's activation spill files go (delta codecs, compression/activation_delta.h); default: the
+  // system's temporary directory. Call before the first Step.
+  void set_scratch_dir(std::string dir) { scratch_dir_ = std::move(dir); }
   // Opens the streams to the neighbours' sites and to this stage's other replicas (they may still be
   // starting: waited for up to the timeout).
   // First reports a failure to load the model directory's weights for this slice, if there was one.
@@ -111,10 +115,14 @@ class StageWorker {
   int64_t replica_buckets_during_backward() const { return replica_buckets_during_backward_; }
 
  private:
+  // `ids`: the micro-batch's training sequences, one per row (activations under a delta codec).
   absl::Status Send(const std::string& peer, const rpc::TensorKey& key, const torch::Tensor& t,
-                    const compression::CodecSpec& codec, compression::ErrorFeedback* ef);
+                    const compression::CodecSpec& codec, compression::ErrorFeedback* ef,
+                    const std::vector<int64_t>* ids = nullptr);
+  // An activation message of AQ-SGD deltas (a byte frame) is decoded against `ids` with that peer's store.
   absl::StatusOr<torch::Tensor> Receive(const std::string& peer, const rpc::TensorKey& key,
-                                        const std::vector<int64_t>& shape);
+                                        const std::vector<int64_t>& shape, const std::vector<int64_t>* ids = nullptr);
+  compression::ActivationStore::Options DeltaStore(const std::string& peer, const char* side) const;
   absl::Status OpenStream(const std::string& site, const std::string& address,
                           std::map<std::string, std::unique_ptr<rpc::PeerClient::OutStream>>* into);
   std::string Where() const;
@@ -137,6 +145,11 @@ class StageWorker {
   // (gradient sums, loss and norm messages).
   std::map<std::string, std::unique_ptr<rpc::PeerClient::OutStream>> streams_, replica_streams_;
   std::map<std::string, std::unique_ptr<rpc::QueuedSender>> senders_;  // to the neighbours' sites
+  // AQ-SGD: per next-stage site, the activations it reconstructed; per previous-stage site, ours.
+  std::map<std::string, std::unique_ptr<compression::DeltaEncoder>> delta_out_;
+  std::map<std::string, std::unique_ptr<compression::DeltaDecoder>> delta_in_;
+  bool said_delta_fallback_ = false;
+  std::string scratch_dir_;
   std::unique_ptr<GradientAverager> averager_;  // with more than one replica
   int64_t wire_bytes_ = 0, raw_bytes_ = 0, replica_wire_bytes_ = 0, replica_raw_bytes_ = 0;
   int64_t replica_buckets_ = 0, replica_buckets_during_backward_ = 0;

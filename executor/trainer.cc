@@ -50,6 +50,15 @@ TrainingData::Batch TrainingData::MicroBatch(int64_t step, int micro_batch, int 
   return {t64.slice(1, 0, seq).contiguous(), targets};
 }
 
+std::vector<int64_t> TrainingData::SequenceIds(int64_t step, int micro_batch, int mbs) const {
+  std::vector<int64_t> ids(static_cast<size_t>(mbs));
+  // Synthetic micro-batches are drawn per (step, micro-batch): numbered as if a step held up to 2^20 rows.
+  const int64_t first = dataset_ ? step * global_batch_ + static_cast<int64_t>(micro_batch) * mbs
+                                 : (step << 20) + static_cast<int64_t>(micro_batch) * mbs;
+  for (int b = 0; b < mbs; ++b) ids[b] = dataset_ ? dataset_->SequenceId(first + b) : first + b;
+  return ids;
+}
+
 double TrainingData::StepTargets(int64_t step, int micro_batches, int mbs, int seq) const {
   if (!dataset_) return static_cast<double>(micro_batches) * mbs * seq;
   std::vector<int32_t> tokens(seq + 1);

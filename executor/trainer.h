@@ -50,6 +50,9 @@ class TrainingData {
   // The number of counted targets in the whole step: the loss normaliser, so the step's loss is the mean
   // over its counted targets whatever the micro-batching.
   double StepTargets(int64_t step, int micro_batches, int micro_batch_size, int seq_len) const;
+  // The training sequence of each row of micro-batch (step, micro_batch): a Dataset's packed sequence
+  // number, the same in every epoch; synthetic data never repeats, so its rows get numbers of their own.
+  std::vector<int64_t> SequenceIds(int64_t step, int micro_batch, int micro_batch_size) const;
   const data::Dataset* dataset() const { return dataset_.get(); }
 
  private:
