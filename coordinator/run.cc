@@ -431,6 +431,11 @@ class RunDriver {
     po.micro_batches = in_.micro_batches;
     po.adaptive_compression = job.compression.policy == "adaptive";
     po.deep_pipeline = true;
+    // AQ-SGD pays where sequences come back: the share of the run's sequence visits that revisit one.
+    if (const data::Dataset* d = in_.setup->data.dataset(); d && d->num_sequences() > 0) {
+      const double visits = static_cast<double>(in_.steps) * job.global_batch;
+      po.link_codecs = partitioner::DefaultLinkCodecs(std::max(0.0, 1.0 - d->num_sequences() / visits));
+    }
     po.replication = job.replication && o_.split != "even";
     if (o_.split == "even") {
       const int n = std::min<int>(static_cast<int>(live.sites.size()), ops);

@@ -81,16 +81,17 @@ class CostModel {
   double CutBytes(int p) const { return cut_bytes_[p]; }
   bool Linked(int a, int b) const { return bw_[a][b] > 0 && bw_[b][a] > 0; }
   // c_k for bytes x between sites a and b (both directions; +inf if they cannot be neighbours).
-  double LinkCost(int a, int b, double x) const {
+  // `xb`: the bytes going back (gradients), when they differ from the activations' `x`.
+  double LinkCost(int a, int b, double x, double xb = -1) const {
     if (!Linked(a, b)) return kInf;
-    return std::max(lat_[a][b] + x / bw_[a][b], lat_[b][a] + x / bw_[b][a]);
+    return std::max(lat_[a][b] + x / bw_[a][b], lat_[b][a] + (xb < 0 ? x : xb) / bw_[b][a]);
   }
   // What link a-b adds to the steady state per micro-batch: LinkCost, or with pipelined links the
   // slower direction's transfer time only (+inf if they cannot be neighbours).
-  double LinkSteady(int a, int b, double x) const {
-    if (!pipelined_) return LinkCost(a, b, x);
+  double LinkSteady(int a, int b, double x, double xb = -1) const {
+    if (!pipelined_) return LinkCost(a, b, x, xb);
     if (!Linked(a, b)) return kInf;
-    return std::max(x / bw_[a][b], x / bw_[b][a]);
+    return std::max(x / bw_[a][b], (xb < 0 ? x : xb) / bw_[b][a]);
   }
   double Bandwidth(int a, int b) const { return bw_[a][b]; }
   double Latency(int a, int b) const { return lat_[a][b]; }
@@ -167,33 +168,33 @@ Evaluation Evaluate(const CostModel& cm, const Layout& L, const PlanOptions& o, 
   double max_c = 0, sum_c = 0;
   for (int k = 0; k + 1 < S; ++k) {
     double x = cm.CutBytes(L.last[k]);
-    auto cost = [&](double ratio) {
+    auto cost = [&](const Codec& c) {
       double worst = 0;
       for (int a : L.sites[k])
-        for (int b : L.sites[k + 1]) worst = std::max(worst, cm.LinkCost(a, b, ratio * x));
+        for (int b : L.sites[k + 1]) worst = std::max(worst, cm.LinkCost(a, b, c.ratio * x, c.backward() * x));
       return worst;
     };
-    auto steady = [&](double ratio) {
+    auto steady = [&](const Codec& c) {
       double worst = 0;
       for (int a : L.sites[k])
-        for (int b : L.sites[k + 1]) worst = std::max(worst, cm.LinkSteady(a, b, ratio * x));
+        for (int b : L.sites[k + 1]) worst = std::max(worst, cm.LinkSteady(a, b, c.ratio * x, c.backward() * x));
       return worst;
     };
-    double ratio = o.ratio;
+    Codec codec{"", o.ratio};
     if (o.adaptive_compression) {
       // The lightest codec whose steady-state link time stays within the compute bottleneck; else the
       // strongest.
       int pick = static_cast<int>(o.link_codecs.size()) - 1;
       for (int i = 0; i < static_cast<int>(o.link_codecs.size()); ++i)
-        if (steady(o.link_codecs[i].ratio) <= max_t) {
+        if (steady(o.link_codecs[i]) <= max_t) {
           pick = i;
           break;
         }
       e.link_codec[k] = pick;
-      ratio = o.link_codecs[pick].ratio;
+      codec = o.link_codecs[pick];
     }
-    e.c[k] = cost(ratio);
-    e.pace[k] = steady(ratio);
+    e.c[k] = cost(codec);
+    e.pace[k] = steady(codec);
     if (e.c[k] == kInf) return e;
     max_c = std::max(max_c, e.pace[k]);
     sum_c += e.c[k];
@@ -259,14 +260,14 @@ PipelineTimes TimesOf(const CostModel& cm, const Layout& L, const Evaluation& ev
     t.backward_seconds.push_back(ev.t[k] * (1 - share));
   }
   for (int k = 0; k + 1 < S; ++k) {
-    const double ratio = ev.link_codec[k] >= 0 ? o.link_codecs[ev.link_codec[k]].ratio : o.ratio;
-    const double x = ratio * cm.CutBytes(L.last[k]);
+    const Codec codec = ev.link_codec[k] >= 0 ? o.link_codecs[ev.link_codec[k]] : Codec{"", o.ratio};
+    const double x = codec.ratio * cm.CutBytes(L.last[k]), xb = codec.backward() * cm.CutBytes(L.last[k]);
     double fx = 0, fl = 0, bx = 0, bl = 0;
     for (int a : L.sites[k])
       for (int b : L.sites[k + 1]) {
         fx = std::max(fx, x / cm.Bandwidth(a, b));
         fl = std::max(fl, cm.Latency(a, b));
-        bx = std::max(bx, x / cm.Bandwidth(b, a));
+        bx = std::max(bx, xb / cm.Bandwidth(b, a));
         bl = std::max(bl, cm.Latency(b, a));
       }
     t.forward_transfer_seconds.push_back(fx);
@@ -318,9 +319,11 @@ void ChooseLinkCodecsBySimulation(const CostModel& cm, const Layout& L, const Pl
   const int strongest = static_cast<int>(o.link_codecs.size()) - 1;
   auto set = [&](Evaluation* e, int k, int codec) {
     const double x = o.link_codecs[codec].ratio * cm.CutBytes(L.last[k]);
+    const double xb = o.link_codecs[codec].backward() * cm.CutBytes(L.last[k]);
     double c = 0, pace = 0;
     for (int a : L.sites[k])
-      for (int b : L.sites[k + 1]) c = std::max(c, cm.LinkCost(a, b, x)), pace = std::max(pace, cm.LinkSteady(a, b, x));
+      for (int b : L.sites[k + 1])
+        c = std::max(c, cm.LinkCost(a, b, x, xb)), pace = std::max(pace, cm.LinkSteady(a, b, x, xb));
     e->link_codec[k] = codec;
     e->c[k] = c;
     e->pace[k] = pace;
@@ -777,8 +780,18 @@ absl::StatusOr<std::vector<PinnedStage>> ParsePlanLayout(const std::string& text
   return out;
 }
 
-std::vector<Codec> DefaultLinkCodecs() {
-  return {{"identity", 1.0}, {"fp16", 0.5}, {"int8", (64.0 + 4.0) / 256.0}, {"int4", (32.0 + 4.0) / 256.0}};
+std::vector<Codec> DefaultLinkCodecs(double revisit_fraction) {
+  const double int8 = (64.0 + 4.0) / 256.0, int4 = (32.0 + 4.0) / 256.0, int2 = (16.0 + 4.0) / 256.0;
+  std::vector<Codec> menu = {{"identity", 1.0}, {"fp16", 0.5}, {"int8", int8}, {"int4", int4}};
+  const double f = std::clamp(revisit_fraction, 0.0, 1.0);
+  if (f > 0) {
+    menu.push_back({"int4-delta", (1 - f) * int8 + f * int4, int4});
+    menu.push_back({"int2-delta", (1 - f) * int8 + f * int2, int4});
+    // Lightest first; on equal bytes the delta codec, whose loss is closer to identity's (measured:
+    // int4-delta +0.2%, int4 +0.4%, int2-delta +1.4% after 200 steps; docs/cost-model.md).
+    std::stable_sort(menu.begin(), menu.end(), [](const Codec& a, const Codec& b) { return a.ratio > b.ratio; });
+  }
+  return menu;
 }
 
 std::vector<Codec> DefaultGradientCodecs() {

@@ -12,15 +12,21 @@
 
 namespace meridian::partitioner {
 
-// A compression choice for a link: name and ratio = compressed bytes / original bytes.
+// A compression choice for a link: name and ratio = compressed bytes / original bytes, for the
+// activations; the gradients sent back over the link use `gradient_ratio` (0: the same as `ratio`).
 struct Codec {
   std::string name;
   double ratio = 1.0;
+  double gradient_ratio = 0;
+  double backward() const { return gradient_ratio > 0 ? gradient_ratio : ratio; }
 };
 
 // Activation/gradient codecs between stages, lightest first (ratios for float32 tensors with the
-// compression library's frame layout: int8 and int4 carry one float32 scale per block of 64).
-std::vector<Codec> DefaultLinkCodecs();
+// compression library's frame layout: int8, int4 and int2 carry one float32 scale per block of 64).
+// With `revisit_fraction` > 0 -- the share of a job's sequence visits that come back to a sequence seen
+// before (fine-tuning epochs) -- the AQ-SGD codecs int4-delta and int2-delta join the menu at their
+// expected ratio (int8 on first visits, int4 or int2 after), their gradients priced as int4.
+std::vector<Codec> DefaultLinkCodecs(double revisit_fraction = 0);
 // Codecs for replica gradient sync, lightest first (no top-k: see DefaultGradientCodecs in planner.cc).
 std::vector<Codec> DefaultGradientCodecs();
 
