@@ -15,8 +15,14 @@ model at the site's quota, all three measured at once as they run in the pipelin
 
 Components: build/bench/partitioner_bench, compression_bench, transport_bench (100 and 20 Mbit/s).
 
+The WAN-bound regime (issue #16, `--only wan-bound`, also part of the full run): the same model at 2 and
+1 Mbit/s, 80 ms RTT, on a fine-tuning set that every step revisits: Meridian planned + adaptive, the same
+plan with identity codecs, DDP-Gloo (one step at 2 Mbit/s; at 1 Mbit/s computed from its measured
+all-reduce bytes and the measured goodput), and a 300-step convergence comparison of the chosen codecs
+against identity on a tiny model. It writes its own section of RESULTS.md, between markers.
+
 Usage: bench/run_all.py [--build build] [--out runs/bench] [--steps 6] [--ddp-steps 2]
-                        [--results bench/RESULTS.md] [--only e2e|components] [--tiny]
+                        [--results bench/RESULTS.md] [--only e2e|components|wan-bound] [--tiny]
 --tiny shrinks the model and batch (a smoke test of the script, minutes instead of half an hour); its
 figures are not the benchmark's and it writes RESULTS to runs/bench/RESULTS-tiny.md.
 """
@@ -116,14 +122,15 @@ def compute_bound(emu, bin_dir, work, global_batch, micro_batches, seq, seed, st
     return rates
 
 
-def run_meridian(emu, bin_dir, work, name, job, steps, split, repeats):
+def run_meridian(emu, bin_dir, work, name, job, steps, split, repeats, extra=""):
     run = os.path.join(work, name)
     shutil.rmtree(run, ignore_errors=True)
     os.makedirs(run)
     spec = os.path.join(work, "cluster.yaml")
     before = after = link_bytes(emu)
     coord = emu.start(None, f"{bin_dir}/meridian run {spec} {job} --run-dir {run} --join-timeout 120 --steps {steps} "
-                            f"--split {split} --eval-examples 0 --profile-repeats {repeats}", None)
+                            f"{'' if '--plan' in extra else f'--split {split} '}--eval-examples 0 "
+                            f"--profile-repeats {repeats} {extra}", None)
     time.sleep(0.5)
     for i, (s, _) in enumerate(SITES, start=1):
         listen, advertise = emu.addresses[s]
@@ -167,6 +174,7 @@ def run_meridian(emu, bin_dir, work, name, job, steps, split, repeats):
         # Newer coordinators report the slowest stage's compute time per step (no waiting, no sending).
         "slowest_compute_seconds": last.get("slowest_compute_seconds"),
         "slowest_site": last.get("slowest_site"),
+        "stages": last.get("stages"),  # each stage's compute / wait / send-blocked seconds in the last step
         "payload_mb": float(m.group(1)) if m else None,
         "payload_percent": int(m.group(2)) if m else None,
         "wire_bytes": after - before,
@@ -201,9 +209,9 @@ def run_ddp(emu, work, model_dir, steps, total_steps, global_batch, meridian_mbs
 
 
 class BenchEmulation(Emulation):
-    def __init__(self, bin_dir, mbit):
+    def __init__(self, bin_dir, mbit, rtt_ms=RTT_MS):
         links = [("fast", "medium", mbit), ("medium", "slow", mbit), ("fast", "slow", mbit)]
-        super().__init__(bin_dir, SITES, links, RTT_MS, prefix="mrbench", net=214, port_base=7700)
+        super().__init__(bin_dir, SITES, links, rtt_ms, prefix="mrbench", net=214, port_base=7700)
         self.addresses = {s: self.site_addresses(i, s) for i, (s, _) in enumerate(SITES, start=1)}
         self.executors = []
 
@@ -228,6 +236,219 @@ class BenchEmulation(Emulation):
 
     def forget(self, procs):
         self.procs = [p for p in self.procs if p not in procs]
+
+
+# ---- The WAN-bound regime (issue #16): links of 1-2 Mbit/s, 80 ms RTT ----
+
+WAN_SPEEDS = [2, 1]
+WAN_RTT_MS = 80
+WAN_BEGIN, WAN_END = "<!-- wan-bound:begin -->", "<!-- wan-bound:end -->"
+
+
+def fine_tuning_data(work, seq, global_batch):
+    """A fine-tuning set of about one step of sequences (the start of Debian's GPL-3 text), so that every
+    step after the first revisits every sequence, as epochs of a small fine-tune do; and its tokenizer."""
+    lic = "/usr/share/common-licenses"
+    text = "".join(open(os.path.join(lic, f), encoding="utf-8", errors="replace").read() + "\n\n"
+                   for f in ("GPL-3", "GPL-2", "LGPL-3", "Apache-2.0", "MPL-2.0", "Artistic"))
+    path = os.path.join(work, "wan-data.txt")
+    # About 4 characters per token with a 4000-piece vocabulary: one step's tokens.
+    open(path, "w").write(text[: int(global_batch * seq * 4)])
+    return path
+
+
+def run_static_pipeline(bin_dir, work, name, job, codecs, ops, steps):
+    """Three static executors on loopback (no WAN): returns the loss per step. codecs: per link (fwd, bwd)."""
+    out = os.path.join(work, name)
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    ports = [free_port() for _ in range(3)]
+    sites = ["a", "b", "c"]
+    cuts = [(0, ops // 3 - 1), (ops // 3, 2 * ops // 3 - 1), (2 * ops // 3, ops - 1)]
+    procs = []
+    for k in range(3):
+        a = {"stage": k, "num_stages": 3, "first_op": cuts[k][0], "last_op": cuts[k][1]}
+        if k > 0:
+            a.update(prev_site=sites[k - 1], prev_address=f"127.0.0.1:{ports[k - 1]}", backward_codec=codecs[k - 1][1])
+        if k < 2:
+            a.update(next_site=sites[k + 1], next_address=f"127.0.0.1:{ports[k + 1]}", forward_codec=codecs[k][0])
+        ap = os.path.join(out, f"assign{k}.json")
+        json.dump(a, open(ap, "w"))
+        procs.append(subprocess.Popen(
+            f"{bin_dir}/meridian-executor --site {sites[k]} --certs {work}/static-certs --listen 127.0.0.1:{ports[k]} "
+            f"--assignment {ap} --job {job} --steps {steps}", shell=True, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate()[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise SystemExit(f"static pipeline {name} failed:\n" + "\n".join(o[-2000:] for o in outs))
+    return {int(m.group(1)) + 1: float(m.group(2)) for m in re.finditer(r"^step (\d+) loss ([\d.]+)", outs[0], re.M)}
+
+
+def free_port():
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wan_bound(a, bin_dir, work, cfg, model_dir, weights_params):
+    """Meridian (planned, adaptive), the same plan with identity codecs, and DDP-Gloo at 2 and 1 Mbit/s."""
+    seq, global_batch = (32, 12) if a.tiny else (256, 48)
+    if a.tiny:  # steps of the tiny model are too short to time one at a time
+        a.wan_steps, a.wan_identity_steps = max(a.wan_steps, 8), max(a.wan_identity_steps, 8)
+    micro_batches = global_batch
+    seed = 20261201
+    res = {"params": weights_params, "seq": seq, "global_batch": global_batch, "rtt_ms": WAN_RTT_MS, "speeds": {}}
+    data = fine_tuning_data(work, seq, global_batch)
+    wdir = os.path.join(work, "wan-model")
+    shutil.rmtree(wdir, ignore_errors=True)
+    shutil.copytree(model_dir, wdir)
+    sh(f"{bin_dir}/meridian tokenizer train --input {data} --vocab-size {400 if a.tiny else 4000} --out {wdir}")
+    def job(path, steps, compression):
+        with open(path, "w") as f:
+            f.write(f"job:\n  model: wan-model\n  data: wan-data.txt\n  steps: {steps}\n  global_batch: {global_batch}\n"
+                    f"  micro_batches: {micro_batches}\n  sequence_length: {seq}\n  seed: {seed}\n"
+                    f"  optimizer: {{name: adamw, lr: {OPT['lr']}, weight_decay: {OPT['weight_decay']}, "
+                    f"warmup_steps: {OPT['warmup_steps']}, min_lr_ratio: {OPT['min_lr_ratio']}, "
+                    f"grad_clip: {OPT['grad_clip']}}}\n  compression: {compression}\n")
+        return path
+    adaptive = job(os.path.join(work, "wan-adaptive.yaml"), a.wan_steps, "{policy: adaptive, error_feedback: true}")
+    identity = job(os.path.join(work, "wan-identity.yaml"), a.wan_identity_steps, "{policy: none}")
+    for mbit in WAN_SPEEDS:
+        log(f"WAN-bound: 3 sites, {mbit} Mbit/s links, {WAN_RTT_MS} ms RTT")
+        emu = BenchEmulation(bin_dir, mbit, WAN_RTT_MS)
+        try:
+            spec = os.path.join(work, "cluster.yaml")
+            emu.write_spec(spec, "bench", emu.addresses, heartbeat_timeout_s=60)
+            sh(f"{bin_dir}/meridian certs init --spec {spec} --out {work}/certs --force")
+            if "bound" not in res:
+                log("compute bound: each site trains the whole model alone at its quota")
+                rates = compute_bound(emu, bin_dir, work, 4, 4, seq, seed)
+                res["bound_sites"], res["bound"] = rates, sum(rates.values())
+                log(f"  {rates} -> {res['bound']:.0f} tokens/s")
+            r = {}
+            log("Meridian, planned, adaptive compression")
+            r["meridian"] = run_meridian(emu, bin_dir, work, f"wan-meridian-{mbit}", adaptive, a.wan_steps, "planned",
+                                         a.profile_repeats)
+            log(f"  {r['meridian']['tokens_per_second']:.0f} tokens/s, codecs {r['meridian']['codecs']}")
+            plan = os.path.join(work, f"wan-meridian-{mbit}", "plan.json")
+            log("Meridian, the same plan, identity codecs")
+            r["identity"] = run_meridian(emu, bin_dir, work, f"wan-identity-{mbit}", identity, a.wan_identity_steps,
+                                         "planned", a.profile_repeats, extra=f"--plan {plan}")
+            log(f"  {r['identity']['tokens_per_second']:.0f} tokens/s")
+            prof = json.load(open(os.path.join(work, f"wan-meridian-{mbit}", "profile.json")))
+            r["goodput_bytes_per_second"] = sorted(l["bandwidth_bytes_per_second"] for l in prof["links"])[len(prof["links"]) // 2]
+            if mbit == WAN_SPEEDS[0]:
+                log("DDP-Gloo, one step (accumulation 4)")
+                r["ddp"] = run_ddp(emu, work, model_dir, 1, 1, global_batch, 1, seq, seed, 4)
+                log(f"  {r['ddp']['step_seconds']:.0f} s per step")
+            res["speeds"][mbit] = r
+        finally:
+            emu.close()
+    # DDP at the slower speed: its measured all-reduce bytes over that speed's measured link goodput.
+    fast, slow = res["speeds"][WAN_SPEEDS[0]], res["speeds"][WAN_SPEEDS[1]]
+    d = fast["ddp"]
+    per_rank = d["wire_bytes"] / len(SITES)
+    comm_fast = per_rank / fast["goodput_bytes_per_second"]
+    compute = max(0.0, d["step_seconds"] - comm_fast)
+    step_slow = compute + per_rank / slow["goodput_bytes_per_second"]
+    slow["ddp"] = {"name": "ddp-gloo (computed)", "computed": True, "step_seconds": step_slow,
+                   "tokens_per_second": global_batch * seq / step_slow, "wire_bytes": d["wire_bytes"], "steps": 1,
+                   "losses": {}}
+    # Convergence over the chosen codecs against identity: a small model, 300 steps, three stages.
+    codecs = [(l["codec"], "int8" if l["codec"].startswith("int8") else ("int4" if "-delta" in l["codec"] else l["codec"]))
+              for l in json.load(open(os.path.join(work, f"wan-meridian-{WAN_SPEEDS[-1]}", "plan.json")))["links"]]
+    while len(codecs) < 2:
+        codecs.append(codecs[-1] if codecs else ("identity", "identity"))
+    res["convergence"] = convergence(a, bin_dir, work, codecs[:2], data)
+    return res
+
+
+def convergence(a, bin_dir, work, codecs, data):
+    """The tiny model for 300 steps on the fine-tuning set, three stages: the chosen codecs against identity."""
+    cdir = os.path.join(work, "conv")
+    shutil.rmtree(cdir, ignore_errors=True)
+    os.makedirs(os.path.join(cdir, "model"))
+    json.dump(dict(TINY, vocab_size=1024), open(os.path.join(cdir, "model", "config.json"), "w"))
+    shutil.copy(data, os.path.join(cdir, "data.txt"))
+    sh(f"{bin_dir}/meridian tokenizer train --input {data} --vocab-size 1000 --out {cdir}/model")
+    spec = os.path.join(cdir, "cluster.yaml")
+    open(spec, "w").write("cluster: conv\ncoordinator: {address: 127.0.0.1:1}\nsecurity: {certs: certs}\nsites:\n"
+                          + "".join(f"  - {{name: {s}, address: 127.0.0.1:{2 + i}}}\n" for i, s in enumerate("abc")))
+    sh(f"{bin_dir}/meridian certs init --spec {spec} --out {cdir}/static-certs --force")
+    steps = 60 if a.tiny else 300
+    job = os.path.join(cdir, "job.yaml")
+    open(job, "w").write(f"job:\n  model: model\n  data: data.txt\n  steps: {steps}\n  global_batch: 8\n"
+                         "  micro_batches: 4\n  sequence_length: 64\n  seed: 5\n"
+                         "  optimizer: {name: adamw, lr: 0.003, warmup_steps: 10, grad_clip: 1.0}\n")
+    ops = 2 * TINY["num_hidden_layers"] + 2
+    log(f"convergence: {steps} steps, codecs {codecs} against identity")
+    chosen = run_static_pipeline(bin_dir, cdir, "chosen", job, codecs, ops, steps)
+    exact = run_static_pipeline(bin_dir, cdir, "identity", job, [("identity", "identity")] * 2, ops, steps)
+    tail = lambda l: sum(l[s] for s in range(steps - 19, steps + 1)) / 20  # noqa: E731
+    return {"steps": steps, "codecs": codecs, "chosen_tail": tail(chosen), "identity_tail": tail(exact),
+            "tokens_per_step": 8 * 64}
+
+
+def wan_section(w, command):
+    b = w["bound"]
+    L = [WAN_BEGIN, "## The WAN-bound regime: 2 and 1 Mbit/s links, 80 ms RTT", "",
+         f"Command: `{command}`. The model of the end-to-end section ({w['params'] / 1e6:.1f}M parameters), "
+         f"{w['global_batch']} sequences of {w['seq']} tokens per step in {w['global_batch']} micro-batches, "
+         "three sites at quotas 1.0 / 0.6 / 0.4, every pair joined at the given rate with an 80 ms RTT. The data is a "
+         "fine-tuning set of about one step of sequences (the start of Debian's GPL-3 text, SentencePiece with 4000 "
+         "pieces), so every step after the first revisits every sequence, as epochs of a fine-tune do; the first step "
+         "(first epoch, warm-up) is not timed.", "",
+         f"Compute bound: {b:.0f} tokens/s = " + " + ".join(f"{v:.0f} ({s})" for s, v in w["bound_sites"].items()) + ".", "",
+         "| link | system | tokens/s | of compute bound | step (s) | predicted step (s) | bytes on the wire per token | plan, codecs |",
+         "|---|---|---|---|---|---|---|---|"]
+    for mbit, r in w["speeds"].items():
+        for key, label in (("meridian", "Meridian, planned + adaptive"), ("identity", "Meridian, same plan, identity"),
+                           ("ddp", "DDP-Gloo, accumulation 4")):
+            x = r[key]
+            tokens = w["global_batch"] * w["seq"]
+            pred = f"{x['predicted_step_seconds']:.1f}" if "predicted_step_seconds" in x else "-"
+            label = label + (" (computed: measured all-reduce bytes / measured goodput)" if x.get("computed") else "")
+            L.append(f"| {mbit} Mbit/s | {label} | {x['tokens_per_second']:.0f} | {pct(x['tokens_per_second'] / b)} | "
+                     f"{x['step_seconds']:.1f} | {pred} | {x['wire_bytes'] / max(1, x['steps']) / tokens:.0f} B | "
+                     f"{x.get('plan', '-')}; {x.get('codecs', '-')} |")
+    L += ["", "Targets:", ""]
+    for mbit, r in w["speeds"].items():
+        m = r["meridian"]
+        util = m["tokens_per_second"] / b
+        target = 0.9 if mbit == WAN_SPEEDS[0] else 0.85
+        err = (m["predicted_step_seconds"] - m["step_seconds"]) / m["step_seconds"]
+        L.append(f"- {mbit} Mbit/s: {pct(util)} of the compute bound (target {pct(target)}: "
+                 f"{'met' if util >= target else f'missed by {100 * (target - util):.0f} points'}); predicted step "
+                 f"{m['predicted_step_seconds']:.1f} s against {m['step_seconds']:.1f} s ({100 * err:+.0f}%, target within "
+                 f"10%: {'met' if abs(err) <= 0.1 else 'missed'}); identity on the same plan "
+                 f"{r['identity']['tokens_per_second']:.0f} tokens/s; bytes on the wire per token "
+                 f"{m['wire_bytes'] / max(1, m['steps']) / (w['global_batch'] * w['seq']):.0f} against "
+                 f"{r['identity']['wire_bytes'] / max(1, r['identity']['steps']) / (w['global_batch'] * w['seq']):.0f} "
+                 f"with identity.")
+        if m.get("stages"):
+            L.append("  Per stage, last step: " + "; ".join(
+                f"{s['site']} computing {s['compute_seconds']:.1f} s, waiting {s['wait_seconds']:.1f} s, blocked "
+                f"sending {s['send_blocked_seconds']:.3f} s" for s in m["stages"]) + ".")
+    c = w["convergence"]
+    gap = (c["chosen_tail"] - c["identity_tail"]) / c["identity_tail"]
+    L += ["", f"Convergence (tiny model, {c['steps']} steps of 8 x 64 tokens on the same fine-tuning text, three "
+          f"static stages on loopback, codecs per link (activations, gradients) {c['codecs']}): mean loss of the last 20 "
+          f"steps {c['chosen_tail']:.4f} against {c['identity_tail']:.4f} with identity ({100 * gap:+.2f}%, target "
+          f"within 2%: {'met' if abs(gap) <= 0.02 else 'missed'}).", "", WAN_END, ""]
+    return "\n".join(L)
+
+
+def splice_wan_section(path, section):
+    """Replaces the wan-bound section of `path` (or appends it), leaving the rest as it was."""
+    old = open(path).read() if os.path.exists(path) else "# Benchmark results\n"
+    if WAN_BEGIN in old and WAN_END in old:
+        head, rest = old.split(WAN_BEGIN, 1)
+        tail = rest.split(WAN_END, 1)[1].lstrip("\n")
+        new = head + section + tail
+    else:
+        new = old.rstrip("\n") + "\n\n" + section
+    open(path, "w").write(new)
 
 
 def svg_chart(results, bound, path):
@@ -277,7 +498,9 @@ def main():
                          "speed, comma-separated; the fastest is used at the others. Default 4: a sweep of 1,4 "
                          "(bench/RESULTS.md, 2026-12-01) found it fastest, and each setting costs about 5 minutes")
     ap.add_argument("--results", default="bench/RESULTS.md")
-    ap.add_argument("--only", choices=["e2e", "components"])
+    ap.add_argument("--only", choices=["e2e", "components", "wan-bound"])
+    ap.add_argument("--wan-steps", type=int, default=4, help="steps of the WAN-bound planned runs (the first is warm-up)")
+    ap.add_argument("--wan-identity-steps", type=int, default=2, help="steps of the WAN-bound identity runs")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--from-json", help="only rewrite --results from a previous run's results.json (no measuring)")
     a = ap.parse_args()
@@ -307,6 +530,18 @@ def main():
             "cpu": sh("lscpu | sed -n 's/^Model name: *//p'", check=False).stdout.strip()}
 
     comps = {}
+    if a.only == "wan-bound":
+        model_dir = os.path.join(work, "model")
+        os.makedirs(model_dir, exist_ok=True)
+        json.dump(cfg, open(os.path.join(model_dir, "config.json"), "w"), indent=2)
+        weights = ddp_gloo.initial_weights(cfg, seed)
+        ddp_gloo.write_safetensors(os.path.join(model_dir, "model.safetensors"), weights)
+        w = wan_bound(a, bin_dir, work, cfg, model_dir, sum(t.numel() for t in weights.values()))
+        json.dump({"info": info, "wan_bound": w, "seconds": time.time() - t_start},
+                  open(os.path.join(work, "results-wan.json"), "w"), indent=2, default=str)
+        splice_wan_section(a.results, wan_section(w, info["command"]))
+        log(f"wrote the WAN-bound section of {a.results} ({time.time() - t_start:.0f} s in all)")
+        return
     if a.only != "e2e":
         b = os.path.join(a.build, "bench")
         comps["partitioner"] = component(f"{b}/partitioner_bench --benchmark_min_time=0.2")
@@ -372,9 +607,14 @@ def main():
             finally:
                 emu.close()
         svg_chart(e2e["speeds"], e2e["bound"], os.path.join(os.path.dirname(os.path.abspath(a.results)), "e2e.svg"))
-    json.dump({"info": info, "components": comps, "e2e": e2e, "seconds": time.time() - t_start},
+    wan = None
+    if a.only is None:
+        wan = wan_bound(a, bin_dir, work, cfg, os.path.join(work, "model"), e2e["params"])
+    json.dump({"info": info, "components": comps, "e2e": e2e, "wan_bound": wan, "seconds": time.time() - t_start},
               open(os.path.join(work, "results.json"), "w"), indent=2, default=str)
     write_results(a.results, info, comps, e2e, time.time() - t_start, root=os.geteuid() == 0)
+    if wan:
+        splice_wan_section(a.results, wan_section(wan, info["command"]))
     log(f"wrote {a.results} ({time.time() - t_start:.0f} s in all)")
 
 

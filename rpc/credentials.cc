@@ -60,15 +60,20 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
   return grpc::SslCredentials(o);
 }
 
+constexpr int kKeepaliveTimeMs = 2000, kKeepaliveTimeoutMs = 20000;
+
 grpc::ChannelArguments PeerChannelArguments(const std::string& peer_name) {
   grpc::ChannelArguments args;
   args.SetSslTargetNameOverride(peer_name);
   args.SetMaxReceiveMessageSize(8 << 20);
   args.SetMaxSendMessageSize(8 << 20);
   // Keepalive pings notice a peer that vanished without closing its connection (SIGSTOP, a cut link)
-  // within about 4 s, even on a stream that is idle.
-  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 2000);
-  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 2000);
+  // within about 22 s, even on a stream that is idle. gRPC also makes the timeout the socket's
+  // TCP_USER_TIMEOUT (data unacknowledged that long closes the connection), so it must outlast a slow,
+  // lossy link's retransmissions: 2 s broke link probes at 2 Mbit/s with 80 ms RTT. A lost site is
+  // detected sooner by the coordinator's heartbeats (heartbeat.timeout).
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, kKeepaliveTimeMs);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, kKeepaliveTimeoutMs);
   args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
   return args;
@@ -80,8 +85,8 @@ void ConfigureServer(grpc::ServerBuilder* builder) {
   // Accept the clients' 2 s keepalive pings (the default minimum interval would reject them).
   builder->AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
   builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
-  builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 2000);
-  builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 2000);
+  builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, kKeepaliveTimeMs);
+  builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, kKeepaliveTimeoutMs);
   // gRPC sets SO_REUSEPORT on Linux by default: a second process on the same port would bind too and the
   // kernel would split connections between them (a site started twice, two tests handed one port).
   // Binding a port in use must fail instead.

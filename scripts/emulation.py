@@ -91,8 +91,13 @@ class Emulation:
         if not self.root:
             return f"127.0.0.1:{port}", f"127.0.0.1:{port}"
         public = f"10.{self.net}.100.{i}:17600"
+        # The relay's queues hold what a WAN router would: the one-way delay's worth of the site's slowest
+        # link plus 200 ms (as tbf's queue). A deeper queue (its default 16 MiB) would hold minutes of data
+        # at 1-2 Mbit/s and delay every HTTP/2 ping behind it past gRPC's keepalive timeout.
+        rates = [mbit for a, b, mbit in self.links if site in (a, b)]
+        buffer = max(65536, int(min(rates) * 1e6 / 8 * (self.rtt_ms / 2000 + 0.2))) if rates else 16 << 20
         self.start(site, f"{self.bin}/meridian-wanrelay --listen {public} --target 127.0.0.1:{port} "
-                         f"--delay-ms {self.rtt_ms / 2}", os.devnull)
+                         f"--delay-ms {self.rtt_ms / 2} --buffer-bytes {buffer}", os.devnull)
         return f"127.0.0.1:{port}", public
 
     def write_spec(self, path, cluster, addresses, heartbeat_timeout_s, metrics_port=None):
