@@ -269,7 +269,8 @@ def run_static_pipeline(bin_dir, work, name, job, codecs, ops, steps):
     for k in range(3):
         a = {"stage": k, "num_stages": 3, "first_op": cuts[k][0], "last_op": cuts[k][1]}
         if k > 0:
-            a.update(prev_site=sites[k - 1], prev_address=f"127.0.0.1:{ports[k - 1]}", backward_codec=codecs[k - 1][1])
+            a.update(prev_site=sites[k - 1], prev_address=f"127.0.0.1:{ports[k - 1]}", backward_codec=codecs[k - 1][1],
+                     prev_forward_codec=codecs[k - 1][0])
         if k < 2:
             a.update(next_site=sites[k + 1], next_address=f"127.0.0.1:{ports[k + 1]}", forward_codec=codecs[k][0])
         ap = os.path.join(out, f"assign{k}.json")

@@ -141,7 +141,18 @@ absl::StatusOr<std::vector<uint8_t>> DeltaEncoder::Encode(const core::TensorView
   std::vector<float> base(static_cast<size_t>(row_elements)), change(static_cast<size_t>(row_elements)),
       back(static_cast<size_t>(row_elements));
   std::vector<uint8_t> inner;
+  struct Staged {
+    int64_t id;
+    uint32_t version;  // the row's version once stored
+    std::vector<float> row;
+    Mode mode;
+  };
+  std::vector<Staged> staged;
+  std::vector<std::vector<uint8_t>> row_frames;
   for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < r; ++j)
+      if (ids[j] == ids[r])
+        return absl::InvalidArgumentError(absl::StrCat("activation deltas: sequence ", ids[r], " twice in one tensor"));
     const float* row = in + r * row_elements;
     const core::TensorView view{core::DType::kFloat32, {row_elements}, nullptr};
     const uint32_t version = store_->Version(ids[r]);
@@ -166,16 +177,24 @@ absl::StatusOr<std::vector<uint8_t>> DeltaEncoder::Encode(const core::TensorView
           !s.ok())
         return s;
     }
-    auto stored = store_->Write(ids[r], version + 1, back.data());
+    staged.push_back({ids[r], version + 1, back, mode});
+    row_frames.push_back(std::move(inner));
+    inner = {};
+  }
+  // Every row encoded: only now do the reconstructions change, so a failed message leaves the two
+  // sides as they were. A new sequence that finds the store full goes direct (mode 2).
+  for (size_t r = 0; r < staged.size(); ++r) {
+    Staged& st = staged[r];
+    auto stored = store_->Write(st.id, st.version, st.row.data());
     if (!stored.ok()) return stored.status();
-    if (!*stored) mode = kDirect;  // only a new sequence can find the store full
-    (mode == kFresh ? stats_.fresh_rows : mode == kDelta ? stats_.delta_rows : stats_.direct_rows)++;
-    Append<int64_t>(&msg, ids[r]);
-    Append<uint8_t>(&msg, mode);
+    if (!*stored) st.mode = kDirect;
+    (st.mode == kFresh ? stats_.fresh_rows : st.mode == kDelta ? stats_.delta_rows : stats_.direct_rows)++;
+    Append<int64_t>(&msg, st.id);
+    Append<uint8_t>(&msg, st.mode);
     msg.insert(msg.end(), 3, 0);
-    Append<uint32_t>(&msg, mode == kDelta ? version : 0);
-    Append<uint64_t>(&msg, inner.size());
-    msg.insert(msg.end(), inner.begin(), inner.end());
+    Append<uint32_t>(&msg, st.mode == kDelta ? st.version - 1 : 0);
+    Append<uint64_t>(&msg, row_frames[r].size());
+    msg.insert(msg.end(), row_frames[r].begin(), row_frames[r].end());
   }
   return compression::Encode({core::DType::kUInt8, {static_cast<int64_t>(msg.size())}, msg.data()}, CodecSpec{});
 }
@@ -192,9 +211,26 @@ DeltaDecoder::DeltaDecoder(ActivationStore::Options store) : store_options_(std:
 
 absl::Status DeltaDecoder::DecodeInto(const uint8_t* frame, size_t size, const std::vector<int64_t>& ids,
                                       const std::vector<int64_t>& shape, float* out) {
-  auto outer = Decode(frame, size);
+  // What the receiver expects comes first: the message must fit it, whatever it claims.
+  int64_t numel = 1;
+  for (int64_t d : shape) numel *= d;
+  if (ids.empty() || shape.empty() || shape[0] != static_cast<int64_t>(ids.size()) ||
+      numel % static_cast<int64_t>(ids.size()) != 0)
+    return absl::InvalidArgumentError("activation deltas: the expected shape and sequence ids disagree");
+  const uint64_t expected_row = static_cast<uint64_t>(numel / static_cast<int64_t>(ids.size()));
+  // The largest message those rows can make (int8 inner frames, the largest codec used), so a frame
+  // cannot make the decoder allocate more; zstd is never used on the outer frame.
+  auto info = InspectFrame(frame, size);
+  if (!info.ok()) return info.status();
+  if (info->dtype != core::DType::kUInt8 || info->spec.kind != CodecKind::kIdentity || info->spec.zstd)
+    return Bad("not a plain byte frame (was the sender's codec a delta codec?)");
+  const uint64_t max_inner = 64 + 8 * expected_row + 4 * (expected_row / 2 + 1);
+  const uint64_t max_bytes = kHeader + ids.size() * (kRowHeader + max_inner);
+  if (info->frame_bytes > max_bytes + 128)
+    return absl::InvalidArgumentError(absl::StrCat("activation deltas: a message of ", info->frame_bytes,
+                                                   " bytes for ", ids.size(), " rows of ", expected_row, " elements"));
+  auto outer = Decode(frame, size, DecodeLimits{static_cast<int64_t>(max_bytes)});
   if (!outer.ok()) return outer.status();
-  if (outer->dtype != core::DType::kUInt8) return Bad("not a byte frame");
   const uint8_t* p = outer->bytes.data();
   const size_t n = outer->bytes.size();
   if (n < kHeader || std::memcmp(p, kMagic, 4) != 0) return Bad("no MRAD header (was the sender's codec a delta codec?)");
@@ -202,14 +238,10 @@ absl::Status DeltaDecoder::DecodeInto(const uint8_t* frame, size_t size, const s
   if (p[5] || p[6] || p[7]) return Bad("reserved bytes are not zero");
   const uint32_t rows = Get<uint32_t>(p + 8);
   const uint64_t row_elements = Get<uint64_t>(p + 12);
-  int64_t numel = 1;
-  for (int64_t d : shape) numel *= d;
-  if (shape.empty() || shape[0] != static_cast<int64_t>(ids.size()))
-    return absl::InvalidArgumentError("activation deltas: the expected shape and sequence ids disagree");
-  if (rows != ids.size() || static_cast<int64_t>(rows) * static_cast<int64_t>(row_elements) != numel)
+  if (rows != ids.size() || row_elements != expected_row)
     return absl::InvalidArgumentError(absl::StrCat("activation deltas: the message carries ", rows, " rows of ",
                                                    row_elements, " elements; expected ", ids.size(), " of ",
-                                                   ids.empty() ? 0 : numel / static_cast<int64_t>(ids.size())));
+                                                   expected_row));
   if (!store_) store_ = std::make_unique<ActivationStore>(store_options_, static_cast<int64_t>(row_elements));
   if (store_->row_elements() != static_cast<int64_t>(row_elements))
     return absl::InvalidArgumentError("activation deltas: the row size changed within a stream");

@@ -81,9 +81,10 @@ struct DeltaStats {
 class DeltaEncoder {
  public:
   DeltaEncoder(CodecSpec spec, ActivationStore::Options store);
-  // Encodes `x`, a float32 tensor whose first dimension has one row per sequence of `ids`. The shape
-  // (beyond the first dimension) must stay the same from call to call. Errors: InvalidArgument for a
-  // bad input (dtype, shape, ids, non-finite values), or the store's I/O error.
+  // Encodes `x`, a float32 tensor whose first dimension has one row per sequence of `ids` (no sequence
+  // twice). The shape (beyond the first dimension) must stay the same from call to call. The stored
+  // reconstructions change only once every row is encoded, so a failed call leaves them as they were.
+  // Errors: InvalidArgument for a bad input (dtype, shape, ids, non-finite values), or the store's I/O.
   absl::StatusOr<std::vector<uint8_t>> Encode(const core::TensorView& x, const std::vector<int64_t>& ids);
   // True once a row went as mode 2 (the store was full): the caller says so once.
   bool fell_back() const { return stats_.direct_rows > 0; }
@@ -104,9 +105,11 @@ class DeltaDecoder {
  public:
   explicit DeltaDecoder(ActivationStore::Options store);
   // Decodes a DeltaEncoder's message into `out` (a float32 tensor of `shape`, whose first dimension is
-  // ids.size()), checking that it carries exactly `ids` in order. Errors: DataLoss for a malformed
-  // message, or a delta whose base this decoder does not hold at that version (naming the sequence);
-  // InvalidArgument when the message's sequences or shape are not the expected ones.
+  // ids.size()), checking that it carries exactly `ids` in order. The message is checked against the
+  // expected shape before anything is allocated for it. Errors: DataLoss for a malformed message, or a
+  // delta whose base this decoder does not hold at that version (naming the sequence); InvalidArgument
+  // when the message's sequences, row size or length are not the expected ones; ResourceExhausted when
+  // the sender stored a sequence this decoder's store has no room for; Internal for the spill file's I/O.
   absl::Status DecodeInto(const uint8_t* frame, size_t size, const std::vector<int64_t>& ids,
                           const std::vector<int64_t>& shape, float* out);
   const ActivationStore* store() const { return store_.get(); }

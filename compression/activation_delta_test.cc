@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <cstring>
 #include <random>
 
 namespace meridian::compression {
@@ -106,6 +107,30 @@ TEST(ActivationDelta, AMissingBaseIsDetectedNamingTheSequence) {
   EXPECT_FALSE(other.DecodeInto(frame->data(), frame->size(), ids, {2, 64}, out.data()).ok());
   // A delta codec cannot be used without its encoder.
   EXPECT_FALSE(Encode({core::DType::kFloat32, {2, 64}, plain.data()}, *CodecSpec::Parse("int4-delta")).ok());
+}
+
+// A hostile peer's message cannot make the decoder allocate beyond what the expected rows need, nor
+// crash it: forged row sizes that overflow, empty messages, zstd-inflated frames are refused.
+TEST(ActivationDelta, ForgedMessagesAreRefusedBeforeAnyAllocation) {
+  std::vector<float> out(128);
+  auto forged = [](uint32_t rows, uint64_t row_elements, bool zstd) {
+    std::vector<uint8_t> msg = {'M', 'R', 'A', 'D', 1, 0, 0, 0};
+    msg.resize(8 + 12);
+    std::memcpy(msg.data() + 8, &rows, 4);
+    std::memcpy(msg.data() + 12, &row_elements, 8);
+    msg.resize(msg.size() + (zstd ? (64 << 20) : 0));  // zeros: zstd squeezes 64 MiB into a few KB
+    CodecSpec spec;
+    spec.zstd = zstd;
+    return *Encode({core::DType::kUInt8, {static_cast<int64_t>(msg.size())}, msg.data()}, spec);
+  };
+  DeltaDecoder dec(Memory(1 << 20));
+  for (const auto& f : {forged(2, (uint64_t{1} << 63) + 64, false), forged(0, 1ull << 40, false), forged(2, 64, true)}) {
+    absl::Status s = dec.DecodeInto(f.data(), f.size(), {1, 2}, {2, 64}, out.data());
+    EXPECT_FALSE(s.ok());
+  }
+  EXPECT_EQ(dec.store(), nullptr);  // nothing was stored, or sized, for them
+  std::vector<float> none;
+  EXPECT_FALSE(dec.DecodeInto(forged(0, 64, false).data(), 28, {}, {0, 64}, none.data()).ok());
 }
 
 TEST(ActivationDelta, RowsBeyondMemorySpillToAFileAndComeBack) {

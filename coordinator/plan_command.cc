@@ -28,6 +28,10 @@ void AddPlanOptions(CLI::App* cmd, PlanCommandOptions* o) {
                 "Reference cost model: no replication, the fixed --ratio (default 1) on every link");
   cmd->add_flag("--no-replication", o->no_replication, "Do not replicate stages on spare sites");
   cmd->add_flag("--heuristic", o->force_heuristic, "Use the heuristic even where exact search applies");
+  cmd->add_option("--revisit-fraction", o->revisit_fraction,
+                  "Share of the run's sequence visits that revisit a sequence (fine-tuning epochs): offers the "
+                  "AQ-SGD codecs int4-delta and int2-delta on the adaptive menu (meridian run computes it)")
+      ->check(CLI::Range(0.0, 1.0));
   cmd->add_flag("--json", o->json, "Print the plan as JSON");
   cmd->add_option("--dot", o->dot_path, "Also write the plan as Graphviz to this file");
 }
@@ -73,6 +77,7 @@ int RunPlanCommand(const PlanCommandOptions& o) {
   po.replication = !o.reference && !o.no_replication;
   po.adaptive_compression = !o.reference && !o.ratio_given;
   po.deep_pipeline = !o.reference;
+  if (o.revisit_fraction > 0) po.link_codecs = partitioner::DefaultLinkCodecs(o.revisit_fraction);
   po.force_heuristic = o.force_heuristic;
   auto plan = partitioner::PlanPipeline(*graph, *profile, po);
   if (!plan.ok()) {

@@ -26,6 +26,7 @@
 #include "executor/export.h"
 #include "executor/trainer.h"
 #include "partitioner/planner.h"
+#include "partitioner/schedule.h"
 #include "rpc/credentials.h"
 
 namespace meridian::coordinator {
@@ -476,6 +477,10 @@ class RunDriver {
     }
     auto planned = partitioner::PlanPipeline(graph_, live, po);
     if (!planned.ok()) return planned.status();
+    std::vector<int> depth;  // the executors' schedules deadlock if a later stage keeps more in flight
+    for (const auto& s : planned->stages) depth.push_back(s.in_flight);
+    if (!partitioner::InFlightIsDeadlockFree(depth))
+      return absl::InternalError("the plan's in-flight depths increase along the pipeline (a planner bug)");
     plan_ = std::move(*planned);
     std::cout << partitioner::PlanTable(*plan_, graph_, live) << std::flush;
     const std::string plan_json = partitioner::PlanJson(*plan_, graph_);
@@ -564,6 +569,7 @@ class RunDriver {
           a->set_prev_site(st[k - 1].site_names[0]);
           a->set_prev_address(snap_[st[k - 1].site_names[0]].listen);
           a->set_backward_codec(gradient_link_codec(k - 1));
+          a->set_prev_forward_codec(link_codec(k - 1));
           group(k - 1, a->mutable_prev_stage());
         }
         if (k + 1 < st.size()) {

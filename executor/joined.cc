@@ -401,6 +401,7 @@ int RunJoined(const ExecutorOptions& o, const v1::RegisterResponse& reg, v1::Coo
         a.next_address = pa.next_address();
         if (!pa.forward_codec().empty()) a.forward_codec = pa.forward_codec();
         if (!pa.backward_codec().empty()) a.backward_codec = pa.backward_codec();
+        if (!pa.prev_forward_codec().empty()) a.prev_forward_codec = pa.prev_forward_codec();
         if (!pa.gradient_codec().empty()) a.gradient_codec = pa.gradient_codec();
         if (pa.bucket_bytes() > 0) a.bucket_bytes = pa.bucket_bytes();
         a.in_flight = std::max(0, pa.in_flight());

@@ -45,7 +45,7 @@ absl::StatusOr<StageAssignment> ParseAssignmentJson(const std::string& text, con
   for (auto [k, out] : {std::pair<const char*, std::string*>{"job_id", &a.job_id}, {"prev_site", &a.prev_site},
                         {"next_site", &a.next_site}, {"prev_address", &a.prev_address},
                         {"next_address", &a.next_address}, {"forward_codec", &a.forward_codec},
-                        {"backward_codec", &a.backward_codec}})
+                        {"backward_codec", &a.backward_codec}, {"prev_forward_codec", &a.prev_forward_codec}})
     if (auto s = str(k, out); !s.ok()) return s;
   for (auto [k, out] : {std::pair<const char*, int*>{"stage", &a.stage}, {"num_stages", &a.num_stages},
                         {"first_op", &a.first_op}, {"last_op", &a.last_op}})
@@ -97,7 +97,7 @@ absl::StatusOr<StageAssignment> ParseAssignmentJson(const std::string& text, con
       (a.next_replicas.sites.empty() && a.next_site.empty() != a.next_address.empty()))
     return absl::InvalidArgumentError(absl::StrCat(
         path, ": next_site/next_address (or next_replicas) are required exactly when a later stage exists"));
-  for (const std::string* c : {&a.forward_codec, &a.backward_codec, &a.gradient_codec}) {
+  for (const std::string* c : {&a.forward_codec, &a.backward_codec, &a.gradient_codec, &a.prev_forward_codec}) {
     auto spec = compression::CodecSpec::Parse(*c);
     if (!spec.ok()) return absl::InvalidArgumentError(absl::StrCat(path, ": ", spec.status().message()));
   }
@@ -166,10 +166,17 @@ StageWorker::StageWorker(JobSetup setup, StageAssignment a, rpc::TensorInbox* in
     if (init_status_.ok()) init_status_ = Annotate(built.status(), Where());
     model_ = std::make_unique<StageModel>(setup_.model, a_.first_op, a_.last_op, setup_.job.seed, device_);
   }
-  if (bwd_codec_.delta && init_status_.ok())
+  for (auto [field, codec] : {std::pair<const char*, const compression::CodecSpec*>{"backward_codec", &bwd_codec_},
+                               {"gradient_codec", &grad_codec_}})
+    if (codec->delta && init_status_.ok())
+      init_status_ = absl::InvalidArgumentError(absl::StrCat(Where(), ": ", field, ": ", codec->ToString(),
+                                                             " is an activation codec (AQ-SGD deltas); gradients "
+                                                             "use int8 or int4"));
+  if (auto prev = compression::CodecSpec::Parse(a_.prev_forward_codec); prev.ok()) prev_delta_ = prev->delta;
+  if ((fwd_codec_.delta || prev_delta_) && !setup_.data.dataset() && init_status_.ok())
     init_status_ = absl::InvalidArgumentError(absl::StrCat(
-        Where(), ": backward_codec: ", a_.backward_codec,
-        " is an activation codec (AQ-SGD deltas); gradients use int8 or int4"));
+        Where(), ": AQ-SGD activation deltas need a data set whose sequences come back each epoch (job.data); "
+                 "synthetic data never repeats, so every sequence would be stored and none reused"));
   if (!bwd_codec_.lossless() && setup_.job.compression.error_feedback)
     for (const auto& site : a_.prev_replicas.sites)
       bwd_ef_[site] = std::make_unique<compression::ErrorFeedback>(bwd_codec_);
@@ -235,6 +242,10 @@ compression::ActivationStore::Options StageWorker::DeltaStore(const std::string&
   o.spill_bytes = static_cast<int64_t>(setup_.job.compression.activation_spill_bytes);
   std::error_code ec;
   const std::string dir = !scratch_dir_.empty() ? scratch_dir_ : std::filesystem::temp_directory_path(ec).string();
+  if (dir.empty()) {  // no spill file: beyond memory, sequences go direct
+    o.spill_bytes = 0;
+    return o;
+  }
   o.spill_path = absl::StrCat(dir, "/meridian-", self_, "-", ::getpid(), "-stage", a_.stage, "-", side, "-", peer,
                               ".activations");
   return o;
@@ -278,8 +289,7 @@ absl::StatusOr<torch::Tensor> StageWorker::Receive(const std::string& peer, cons
   if (!frame.ok()) return Annotate(frame.status(), Where());
   auto t = torch::empty(shape, torch::kFloat32);
   absl::Status s;
-  auto info = compression::InspectFrame(frame->data(), frame->size());
-  if (info.ok() && info->dtype == core::DType::kUInt8 && ids) {  // AQ-SGD deltas (activations only)
+  if (prev_delta_ && ids) {  // AQ-SGD deltas (activations only)
     auto& dec = delta_in_[peer];
     if (!dec) dec = std::make_unique<compression::DeltaDecoder>(DeltaStore(peer, "from"));
     s = dec->DecodeInto(frame->data(), frame->size(), *ids, shape, t.data_ptr<float>());
@@ -304,6 +314,9 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
   auto timed = [this](auto&& fn) {
     const auto t0 = Clock::now();
     fn();
+    // On a GPU the kernels run asynchronously: wait for them, or their time would show up in whatever
+    // next waits for the device (a send's copy to the host, counted as codec time).
+    if (device_.is_cuda()) torch::cuda::synchronize();
     compute_seconds_ += std::chrono::duration<double>(Clock::now() - t0).count();
   };
   struct Stash {
@@ -476,6 +489,9 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
     ClipByGlobalNorm(model_->parameters(), square, setup_.job.optimizer.grad_clip);
     opt_.Step(model_->parameters(), LearningRate(setup_.job.optimizer, step, total_steps));
   });
+  // A write that failed after its frame was queued fails this step, not a neighbour's wait later.
+  for (const auto& [site, sender] : senders_)
+    if (absl::Status s = sender->error(); !s.ok()) return Annotate(s, Where());
   if (first || last) return std::optional<double>(loss);
   return std::optional<double>();
 }

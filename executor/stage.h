@@ -44,6 +44,9 @@ struct StageAssignment {
   // next_replicas: the single prev_site / next_site. A stage's replicas sum their gradients each step.
   StageSites replicas, prev_replicas, next_replicas;
   std::string gradient_codec = "identity";  // replica gradient sync
+  // The previous stage's forward_codec: its activations arrive as AQ-SGD delta messages exactly when this
+  // is a delta codec (another frame is then refused, and so is a delta message otherwise).
+  std::string prev_forward_codec = "identity";
   int64_t bucket_bytes = 4 << 20;           // replica gradient buckets
   // Micro-batches this stage keeps in flight (partitioner::PipelineSchedule); 0: 1F1B's num_stages - stage.
   // The stages of a pipeline must not increase it from one stage to the next (the planner's never do).
@@ -69,14 +72,14 @@ class StageWorker {
   StageWorker(JobSetup setup, StageAssignment assignment, rpc::TensorInbox* inbox, std::string certs_dir,
               std::string self, torch::Device device, std::chrono::seconds step_timeout);
   // Where AQ-SGD's activation spill files go (delta codecs, compression/activation_delta.h); default: the
-  // system's temporary directory. Call before the first Step.
+  // system's temporary directory (TMPDIR). Call before the first Step.
   void set_scratch_dir(std::string dir) { scratch_dir_ = std::move(dir); }
   // Opens the streams to the neighbours' sites and to this stage's other replicas (they may still be
   // starting: waited for up to the timeout).
   // First reports a failure to load the model directory's weights for this slice, if there was one.
   absl::Status Connect();
-  // Runs optimizer step `step` of `total_steps`: this replica's micro-batches under 1F1B, the replicas'
-  // gradient sum, the global gradient norm, AdamW. Returns the step's mean loss on the first and last
+  // Runs optimizer step `step` of `total_steps`: this replica's micro-batches in the stage's schedule,
+  // the replicas' gradient sum, the global gradient norm, AdamW. Returns the step's mean loss on the first and last
   // stages, nullopt elsewhere. Every error names the stage, the peer and the tensor involved.
   absl::StatusOr<std::optional<double>> Step(int64_t step, int64_t total_steps);
   // Closes the outgoing streams (waits for the neighbours' acknowledgements).
@@ -141,14 +144,15 @@ class StageWorker {
   std::vector<int> owner_, prev_owner_, next_owner_;  // per micro-batch: the replica that runs it
   std::map<std::string, std::unique_ptr<compression::ErrorFeedback>> bwd_ef_;  // per previous-stage site
   std::map<std::string, std::unique_ptr<rpc::PeerClient>> clients_;
-  // Neighbours' sites, and this stage's other replicas (gradient scatter); the replicas' second streams
-  // (gradient sums, loss and norm messages).
+  // To this stage's other replicas: the first streams (gradient scatter), the second (gradient sums,
+  // loss and norm messages). The neighbours' streams are inside senders_.
   std::map<std::string, std::unique_ptr<rpc::PeerClient::OutStream>> streams_, replica_streams_;
   std::map<std::string, std::unique_ptr<rpc::QueuedSender>> senders_;  // to the neighbours' sites
   // AQ-SGD: per next-stage site, the activations it reconstructed; per previous-stage site, ours.
   std::map<std::string, std::unique_ptr<compression::DeltaEncoder>> delta_out_;
   std::map<std::string, std::unique_ptr<compression::DeltaDecoder>> delta_in_;
   bool said_delta_fallback_ = false;
+  bool prev_delta_ = false;  // the previous stage sends AQ-SGD delta messages (prev_forward_codec)
   std::string scratch_dir_;
   std::unique_ptr<GradientAverager> averager_;  // with more than one replica
   int64_t wire_bytes_ = 0, raw_bytes_ = 0, replica_wire_bytes_ = 0, replica_raw_bytes_ = 0;

@@ -310,9 +310,9 @@ SimulatedLayout SimulateLayout(const CostModel& cm, const Layout& L, const Evalu
 // With deep_pipeline and adaptive compression: the formula's codec choice keeps each link's transfer
 // within the slowest stage's pass, but a step's fill and drain also carry every transfer once, so with
 // few micro-batches a stronger codec can shorten the step. Each link, first to last, gets the lightest
-// codec of the menu whose simulated step is within 1% of the step with the strongest codec there (the
-// lighter the codec, the closer the training to identity's). Updates `ev` (codecs, link times, fill and
-// steady terms) and `sim`.
+// codec of the menu that keeps the simulated step within 1% of the step with the strongest codec on
+// every link (the lighter the codec, the closer the training to identity's). Updates `ev` (codecs, link
+// times, fill and steady terms) and `sim`.
 void ChooseLinkCodecsBySimulation(const CostModel& cm, const Layout& L, const PlanOptions& o, const OpGraph& g,
                                   Evaluation* ev, SimulatedLayout* sim) {
   const int S = static_cast<int>(L.sites.size());
@@ -328,20 +328,25 @@ void ChooseLinkCodecsBySimulation(const CostModel& cm, const Layout& L, const Pl
     e->c[k] = c;
     e->pace[k] = pace;
   };
-  for (int k = 0; k + 1 < S; ++k) {
-    Evaluation trial = *ev;
-    set(&trial, k, strongest);
-    const double limit = SimulateLayout(cm, L, trial, o, g).total * 1.01;
-    for (int codec = 0; codec <= strongest; ++codec) {
-      set(&trial, k, codec);
-      SimulatedLayout st = SimulateLayout(cm, L, trial, o, g);
-      if (st.total <= limit || codec == strongest) {
-        *ev = trial;
+  // Every link at the strongest codec sets the bar; then each link in turn, the later ones still at the
+  // strongest, relaxes to the lightest codec that keeps the whole step within 1% of that bar (a link
+  // relaxed alone against its own bar could leave an earlier link the bottleneck).
+  Evaluation trial = *ev;
+  for (int k = 0; k + 1 < S; ++k) set(&trial, k, strongest);
+  *sim = SimulateLayout(cm, L, trial, o, g);
+  const double limit = sim->total * 1.01;
+  for (int k = 0; k + 1 < S; ++k)
+    for (int codec = 0; codec < strongest; ++codec) {
+      Evaluation lighter = trial;
+      set(&lighter, k, codec);
+      SimulatedLayout st = SimulateLayout(cm, L, lighter, o, g);
+      if (st.total <= limit) {
+        trial = lighter;
         *sim = st;
         break;
       }
     }
-  }
+  *ev = trial;
   double sum = 0, mx = 0;
   for (int k = 0; k < S; ++k) sum += ev->t[k], mx = std::max(mx, ev->t[k]);
   for (int k = 0; k + 1 < S; ++k) sum += ev->c[k], mx = std::max(mx, ev->pace[k]);
@@ -960,6 +965,7 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
     return o.deep_pipeline ? SimulateLayout(cm, L, e, o, graph).total : e.total;
   };
   size_t formula_stages = layout.sites.size();  // the formula's best pipeline, before any simulation
+  size_t simulated_stages = formula_stages;     // the pipeline the simulation preferred among those
   if (o.deep_pipeline && alternatives.size() > 1) {
     // The formula assumes every round trip covered; with few micro-batches a step's fill and drain carry
     // the latencies, so a pipeline of fewer (or more) stages may simulate faster.
@@ -973,6 +979,7 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
       if (const double x = predicted(trial, te); x < current * (1 - 1e-9)) layout = trial, ev = te, current = x;
     }
     formula_stages = stages_before;
+    simulated_stages = layout.sites.size();
   }
   if (o.replication && plan.method != "fixed") {
     const double pipeline_total = predicted(layout, ev);
@@ -1000,7 +1007,7 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
           "without replicas (%d stage(s))",
           layout.sites.size(), replicas, predicted(layout, ev), pipeline_total, pipeline_stages));
   }
-  if (o.deep_pipeline && layout.sites.size() != formula_stages)
+  if (o.deep_pipeline && simulated_stages != formula_stages && layout.sites.size() == simulated_stages)
     plan.notes.push_back(absl::StrFormat(
         "%d stage(s) rather than the formula's best pipeline of %d: the simulated schedule (fill, drain and "
         "latencies with %d micro-batches) is shorter",

@@ -137,7 +137,7 @@ std::vector<int> ChooseInFlight(const PipelineTimes& t, const std::vector<int>& 
     for (int j = k; j + 1 < S; ++j)
       trip += t.forward_transfer_seconds[j] + t.forward_latency_seconds[j] + t.backward_transfer_seconds[j] +
               t.backward_latency_seconds[j] + t.forward_seconds[j + 1] + t.backward_seconds[j + 1];
-    const int need = pace > 0 ? static_cast<int>(std::ceil(trip / pace - 1e-9)) : 1;
+    const int need = pace > 0 ? static_cast<int>(std::min<double>(std::ceil(trip / pace - 1e-9), M)) : 1;
     d[k] = std::clamp(need, lo[k], hi[k]);
   }
   for (int k = 1; k < S; ++k) d[k] = std::min(d[k], d[k - 1]);  // never increasing along the pipeline

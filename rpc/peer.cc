@@ -320,6 +320,11 @@ absl::StatusOr<int64_t> QueuedSender::Finish() {
   return stream_->Finish();
 }
 
+absl::Status QueuedSender::error() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return error_;
+}
+
 int64_t QueuedSender::queued_bytes() const {
   std::lock_guard<std::mutex> l(mu_);
   return queued_bytes_;

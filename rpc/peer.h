@@ -2,7 +2,8 @@
 //
 // A sender opens one long-lived stream per neighbour (PeerClient::OpenStream) and writes each tensor
 // as a compression frame cut into chunks of at most kChunkBytes; gRPC's flow control gives
-// back-pressure (a Write blocks while the receiver is behind). The receiver (PeerService) reassembles
+// back-pressure (a Write blocks while the receiver is behind). A training stage writes through a
+// QueuedSender, so that the back-pressure holds the sender's thread and not the stage's compute thread. The receiver (PeerService) reassembles
 // the chunks, checks the frame's integrity (compression::InspectFrame validates header and checksum) and
 // hands it to a TensorInbox, where the training loop waits for it by key.
 #ifndef MERIDIAN_RPC_PEER_H_
@@ -155,6 +156,8 @@ class QueuedSender {
   absl::StatusOr<int64_t> Finish();
   // Bytes queued and not yet handed to gRPC.
   int64_t queued_bytes() const;
+  // The sticky error of a failed write, if any (OK otherwise); does not wait.
+  absl::Status error() const;
 
  private:
   void Run();

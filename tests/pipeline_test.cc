@@ -131,6 +131,7 @@ class PipelineTest : public ::testing::Test {
       std::string a = "{\"stage\": " + std::to_string(k) + ", \"num_stages\": " + std::to_string(stages.size()) +
                       ", \"first_op\": " + std::to_string(stages[k].first) + ", \"last_op\": " +
                       std::to_string(stages[k].last) + ", \"forward_codec\": \"" + fwd +
+                      "\", \"prev_forward_codec\": \"" + fwd +
                       "\", \"backward_codec\": \"" + bwd + "\", \"gradient_codec\": \"" + grad +
                       "\", \"replicas\": " + group(k) + assignment_extra_;
       if (stages[k].in_flight > 0) a += ", \"in_flight\": " + std::to_string(stages[k].in_flight);
