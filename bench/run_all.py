@@ -285,6 +285,13 @@ def run_static_pipeline(bin_dir, work, name, job, codecs, ops, steps):
     return {int(m.group(1)) + 1: float(m.group(2)) for m in re.finditer(r"^step (\d+) loss ([\d.]+)", outs[0], re.M)}
 
 
+def gradient_codec_behind(codec):
+    """The gradients' codec on a link whose activations use `codec` (as the coordinator assigns it)."""
+    if "-delta" not in codec:
+        return codec
+    return "int8" if codec.startswith("int8") else "int4"
+
+
 def free_port():
     import socket
     with socket.socket() as sock:
@@ -339,7 +346,10 @@ def wan_bound(a, bin_dir, work, cfg, model_dir, weights_params):
             log(f"  {r['identity']['tokens_per_second']:.0f} tokens/s")
             prof = json.load(open(os.path.join(work, f"wan-meridian-{mbit}", "profile.json")))
             r["goodput_bytes_per_second"] = sorted(l["bandwidth_bytes_per_second"] for l in prof["links"])[len(prof["links"]) // 2]
-            if mbit == WAN_SPEEDS[0]:
+            if mbit == WAN_SPEEDS[0] and a.wan_ddp_from:
+                r["ddp"] = dict(json.load(open(a.wan_ddp_from))["wan_bound"]["speeds"][str(mbit)]["ddp"], reused=a.wan_ddp_from)
+                log(f"DDP-Gloo: {r['ddp']['step_seconds']:.0f} s per step, from {a.wan_ddp_from}")
+            elif mbit == WAN_SPEEDS[0]:
                 log("DDP-Gloo, one step (accumulation 4)")
                 r["ddp"] = run_ddp(emu, work, model_dir, 1, 1, global_batch, 1, seq, seed, 4)
                 log(f"  {r['ddp']['step_seconds']:.0f} s per step")
@@ -356,9 +366,14 @@ def wan_bound(a, bin_dir, work, cfg, model_dir, weights_params):
     slow["ddp"] = {"name": "ddp-gloo (computed)", "computed": True, "step_seconds": step_slow,
                    "tokens_per_second": global_batch * seq / step_slow, "wire_bytes": d["wire_bytes"], "steps": 1,
                    "losses": {}}
-    # Convergence over the chosen codecs against identity: a small model, 300 steps, three stages.
-    codecs = [(l["codec"], "int8" if l["codec"].startswith("int8") else ("int4" if "-delta" in l["codec"] else l["codec"]))
-              for l in json.load(open(os.path.join(work, f"wan-meridian-{WAN_SPEEDS[-1]}", "plan.json")))["links"]]
+    # Convergence over the chosen codecs against identity: a small model, 300 steps, three stages, with
+    # the codecs of the slowest speed whose plan has links (a plan may keep one site alone).
+    codecs = []
+    for mbit in reversed(WAN_SPEEDS):
+        links = json.load(open(os.path.join(work, f"wan-meridian-{mbit}", "plan.json")))["links"]
+        if links:
+            codecs = [(l["codec"], gradient_codec_behind(l["codec"])) for l in links]
+            break
     while len(codecs) < 2:
         codecs.append(codecs[-1] if codecs else ("identity", "identity"))
     res["convergence"] = convergence(a, bin_dir, work, codecs[:2], data)
@@ -410,6 +425,8 @@ def wan_section(w, command):
             tokens = w["global_batch"] * w["seq"]
             pred = f"{x['predicted_step_seconds']:.1f}" if "predicted_step_seconds" in x else "-"
             label = label + (" (computed: measured all-reduce bytes / measured goodput)" if x.get("computed") else "")
+            label = label + (" (measured by an earlier run of this command, the same day: `--wan-ddp-from`)"
+                             if x.get("reused") else "")
             L.append(f"| {mbit} Mbit/s | {label} | {x['tokens_per_second']:.0f} | {pct(x['tokens_per_second'] / b)} | "
                      f"{x['step_seconds']:.1f} | {pred} | {x['wire_bytes'] / max(1, x['steps']) / tokens:.0f} B | "
                      f"{x.get('plan', '-')}; {x.get('codecs', '-')} |")
@@ -426,7 +443,7 @@ def wan_section(w, command):
                  f"{r['identity']['tokens_per_second']:.0f} tokens/s; bytes on the wire per token "
                  f"{m['wire_bytes'] / max(1, m['steps']) / (w['global_batch'] * w['seq']):.0f} against "
                  f"{r['identity']['wire_bytes'] / max(1, r['identity']['steps']) / (w['global_batch'] * w['seq']):.0f} "
-                 f"with identity.")
+                 f"with identity. The plan's bottleneck: {m.get('plan_bottleneck', '-')}.")
         if m.get("stages"):
             L.append("  Per stage, last step: " + "; ".join(
                 f"{s['site']} computing {s['compute_seconds']:.1f} s, waiting {s['wait_seconds']:.1f} s, blocked "
@@ -502,6 +519,8 @@ def main():
     ap.add_argument("--only", choices=["e2e", "components", "wan-bound"])
     ap.add_argument("--wan-steps", type=int, default=4, help="steps of the WAN-bound planned runs (the first is warm-up)")
     ap.add_argument("--wan-identity-steps", type=int, default=2, help="steps of the WAN-bound identity runs")
+    ap.add_argument("--wan-ddp-from", help="take DDP-Gloo's WAN-bound step from this earlier results-wan.json "
+                                           "instead of measuring it again (13 minutes at 2 Mbit/s); the table says so")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--from-json", help="only rewrite --results from a previous run's results.json (no measuring)")
     a = ap.parse_args()

@@ -353,17 +353,23 @@ int RunJoined(const ExecutorOptions& o, const v1::RegisterResponse& reg, v1::Coo
                 po.bulk_bytes = std::clamp<int64_t>(
                     static_cast<int64_t>(first->forward_bytes_per_second * std::max(0.2, p.probe_seconds())), 1 << 20,
                     256 << 20);
+                po.both_ways = true;
                 first = rpc::ProbeLink(**client, po);
               }
               if (!first.ok()) {
                 rep.set_error(absl::StrCat("probing the link to '", peer.site(), "': ", first.status().message()));
                 break;
               }
+              // A pipeline link carries both directions at once: its bandwidth is what each direction
+              // gets then (never more than alone).
+              auto loaded = [](double alone, double both) { return both > 0 ? std::min(alone, both) : alone; };
               links.push_back({{"from", o.site}, {"to", peer.site()},
-                               {"bandwidth_bytes_per_second", first->forward_bytes_per_second},
+                               {"bandwidth_bytes_per_second",
+                                loaded(first->forward_bytes_per_second, first->forward_loaded_bytes_per_second)},
                                {"latency_seconds", first->rtt_seconds / 2}});
               links.push_back({{"from", peer.site()}, {"to", o.site},
-                               {"bandwidth_bytes_per_second", first->reverse_bytes_per_second},
+                               {"bandwidth_bytes_per_second",
+                                loaded(first->reverse_bytes_per_second, first->reverse_loaded_bytes_per_second)},
                                {"latency_seconds", first->rtt_seconds / 2}});
             }
             rep.set_links_json(links.dump());

@@ -24,8 +24,8 @@ struct Codec {
 // Activation/gradient codecs between stages, lightest first (ratios for float32 tensors with the
 // compression library's frame layout: int8, int4 and int2 carry one float32 scale per block of 64).
 // With `revisit_fraction` > 0 -- the share of a job's sequence visits that come back to a sequence seen
-// before (fine-tuning epochs) -- the AQ-SGD codecs int4-delta and int2-delta join the menu at their
-// expected ratio (int8 on first visits, int4 or int2 after), their gradients priced as int4.
+// before (fine-tuning epochs) -- the AQ-SGD codec int4-delta joins the menu at its expected ratio (int8 on
+// first visits, int4 after), its gradients priced as int4 (int2-delta only with a fixed policy).
 std::vector<Codec> DefaultLinkCodecs(double revisit_fraction = 0);
 // Codecs for replica gradient sync, lightest first (no top-k: see DefaultGradientCodecs in planner.cc).
 std::vector<Codec> DefaultGradientCodecs();

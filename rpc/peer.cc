@@ -390,6 +390,21 @@ absl::StatusOr<LinkMeasurement> ProbeLink(PeerClient& client, const ProbeOptions
   auto rev = client.PullSeconds(o.bulk_bytes, o.deadline);
   if (!rev.ok()) return rev.status();
   m.reverse_bytes_per_second = o.bulk_bytes / std::max(*rev - m.rtt_seconds, *rev / 2);
+  if (!o.both_ways) return m;
+  // Both directions loaded at once: the pull on a thread of its own, the stream on this one.
+  absl::StatusOr<double> pulled = absl::UnknownError("not run");
+  std::thread puller([&] { pulled = client.PullSeconds(o.bulk_bytes, o.deadline); });
+  auto both = client.OpenStream(o.deadline);
+  absl::Status sent = both.ok() ? absl::OkStatus() : both.status();
+  const auto t1 = std::chrono::steady_clock::now();
+  if (sent.ok()) sent = (*both)->Send(key, payload);
+  if (sent.ok()) sent = (*both)->Finish().status();
+  const double loaded_fwd = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+  puller.join();
+  if (!sent.ok()) return sent;
+  if (!pulled.ok()) return pulled.status();
+  m.forward_loaded_bytes_per_second = o.bulk_bytes / std::max(loaded_fwd - m.rtt_seconds, loaded_fwd / 2);
+  m.reverse_loaded_bytes_per_second = o.bulk_bytes / std::max(*pulled - m.rtt_seconds, *pulled / 2);
   return m;
 }
 

@@ -161,6 +161,16 @@ class PipelineTest : public ::testing::Test {
     return merged;
   }
 
+  // dir_/model for text data: a SentencePiece tokenizer of `vocab` pieces trained on `text` (meridian
+  // tokenizer train) and the model config `config_json`.
+  void TextModel(const fs::path& text, int vocab, const std::string& config_json) {
+    Process tok(Bin("meridian") + " tokenizer train --input " + text.string() + " --vocab-size " +
+                std::to_string(vocab) + " --out " + (dir_ / "model").string() + " 2>&1");
+    std::string out = tok.ReadAll(60s);
+    ASSERT_EQ(tok.Wait(30s), 0) << out;
+    std::ofstream(dir_ / "model" / "config.json") << config_json;
+  }
+
   void ExpectClose(const std::map<std::string, core::Tensor>& got, const std::map<std::string, core::Tensor>& want) {
     ASSERT_EQ(got.size(), want.size());
     for (const auto& [name, t] : want) {
@@ -283,13 +293,9 @@ TEST_F(PipelineTest, ActivationDeltasTrainWithinTwoPercentOfIdentity) {
       text << "word" << rng() % 40 << " " << verbs[rng() % 6] << " word" << rng() % 40 << " and word" << rng() % 40
            << ".\n";
   }
-  Process tok(Bin("meridian") + " tokenizer train --input " + (dir_ / "text.txt").string() + " --vocab-size 300 --out " +
-              (dir_ / "model").string() + " 2>&1");
-  std::string tok_out = tok.ReadAll(60s);
-  ASSERT_EQ(tok.Wait(30s), 0) << tok_out;
-  std::ofstream(dir_ / "model" / "config.json")
-      << R"({"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-  "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "tie_word_embeddings": false})";
+  ASSERT_NO_FATAL_FAILURE(TextModel(dir_ / "text.txt", 300,
+                                    R"({"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+  "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "tie_word_embeddings": false})"));
   const int steps = 200;
   const std::string job = (dir_ / "ft.yaml").string();
   std::ofstream(job) << "job:\n  model: model\n  data: text.txt\n  steps: " << steps
@@ -344,13 +350,9 @@ TEST_F(PipelineTest, InstructionFineTuningFromPretrainedWeightsMatchesTheSingleP
     for (int i = 0; i < 40; ++i)
       jsonl << "{\"prompt\": \"opposite of word" << i << " =>\", \"response\": \"word" << (i + 1) % 40 << "\"}\n";
   }
-  Process tok(Bin("meridian") + " tokenizer train --input " + (dir_ / "words.txt").string() + " --vocab-size 400 --out " +
-              (dir_ / "model").string() + " 2>&1");
-  std::string tok_out = tok.ReadAll(60s);
-  ASSERT_EQ(tok.Wait(30s), 0) << tok_out;
-  std::ofstream(dir_ / "model" / "config.json")
-      << R"({"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-  "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "tie_word_embeddings": false})";
+  ASSERT_NO_FATAL_FAILURE(TextModel(dir_ / "words.txt", 400,
+                                    R"({"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+  "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "tie_word_embeddings": false})"));
   const std::string opt = "\n  optimizer: {name: adamw, lr: 0.01, warmup_steps: 1, grad_clip: 0.5}\n";
   std::ofstream(dir_ / "pre.yaml") << "job:\n  model: model\n  data: text.txt\n  steps: 2\n  global_batch: 2\n"
                                       "  micro_batches: 1\n  sequence_length: 16\n  seed: 3" << opt;
