@@ -50,6 +50,11 @@ absl::Status FullIo(bool write, int fd, void* buf, size_t n, off_t offset, const
 
 }  // namespace
 
+std::string GradientCodecBehind(const std::string& activation_codec) {
+  if (activation_codec.find("-delta") == std::string::npos) return activation_codec;
+  return activation_codec.rfind("int8", 0) == 0 ? "int8" : "int4";
+}
+
 // ---- ActivationStore ----
 
 ActivationStore::ActivationStore(Options options, int64_t row_elements)
@@ -140,46 +145,39 @@ absl::StatusOr<std::vector<uint8_t>> DeltaEncoder::Encode(const core::TensorView
   Append<uint64_t>(&msg, static_cast<uint64_t>(row_elements));
   std::vector<float> base(static_cast<size_t>(row_elements)), change(static_cast<size_t>(row_elements)),
       back(static_cast<size_t>(row_elements));
-  std::vector<uint8_t> inner;
   struct Staged {
     int64_t id;
     uint32_t version;  // the row's version once stored
     std::vector<float> row;
     Mode mode;
+    std::vector<uint8_t> frame;
   };
   std::vector<Staged> staged;
-  std::vector<std::vector<uint8_t>> row_frames;
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t j = 0; j < r; ++j)
       if (ids[j] == ids[r])
         return absl::InvalidArgumentError(absl::StrCat("activation deltas: sequence ", ids[r], " twice in one tensor"));
     const float* row = in + r * row_elements;
-    const core::TensorView view{core::DType::kFloat32, {row_elements}, nullptr};
     const uint32_t version = store_->Version(ids[r]);
-    Mode mode = version > 0 ? kDelta : kFresh;
+    const Mode mode = version > 0 ? kDelta : kFresh;
+    // A revisit sends its change against the stored base, a first visit the row itself; the receiver's
+    // reconstruction is what decodes, plus the base.
+    const float* send = row;
     if (mode == kDelta) {
       if (absl::Status s = store_->Read(ids[r], base.data()); !s.ok()) return s;
       for (int64_t i = 0; i < row_elements; ++i) change[i] = row[i] - base[i];
-      core::TensorView d = view;
-      d.data = change.data();
-      if (absl::Status s = EncodeTo(d, delta_, &inner); !s.ok())
-        return absl::InvalidArgumentError(absl::StrCat("sequence ", ids[r], ": ", s.message()));
-      if (absl::Status s = DecodeInto(inner.data(), inner.size(), core::DType::kFloat32, {row_elements}, back.data());
-          !s.ok())
-        return s;
-      for (int64_t i = 0; i < row_elements; ++i) back[i] += base[i];
-    } else {
-      core::TensorView v = view;
-      v.data = const_cast<float*>(row);
-      if (absl::Status s = EncodeTo(v, first_, &inner); !s.ok())
-        return absl::InvalidArgumentError(absl::StrCat("sequence ", ids[r], ": ", s.message()));
-      if (absl::Status s = DecodeInto(inner.data(), inner.size(), core::DType::kFloat32, {row_elements}, back.data());
-          !s.ok())
-        return s;
+      send = change.data();
     }
-    staged.push_back({ids[r], version + 1, back, mode});
-    row_frames.push_back(std::move(inner));
-    inner = {};
+    std::vector<uint8_t> frame;
+    if (absl::Status s = EncodeTo({core::DType::kFloat32, {row_elements}, send}, mode == kDelta ? delta_ : first_, &frame);
+        !s.ok())
+      return absl::InvalidArgumentError(absl::StrCat("sequence ", ids[r], ": ", s.message()));
+    if (absl::Status s = DecodeInto(frame.data(), frame.size(), core::DType::kFloat32, {row_elements}, back.data());
+        !s.ok())
+      return s;
+    if (mode == kDelta)
+      for (int64_t i = 0; i < row_elements; ++i) back[i] += base[i];
+    staged.push_back({ids[r], version + 1, back, mode, std::move(frame)});
   }
   // Every row encoded: only now do the reconstructions change, so a failed message leaves the two
   // sides as they were. A new sequence that finds the store full goes direct (mode 2).
@@ -193,8 +191,8 @@ absl::StatusOr<std::vector<uint8_t>> DeltaEncoder::Encode(const core::TensorView
     Append<uint8_t>(&msg, st.mode);
     msg.insert(msg.end(), 3, 0);
     Append<uint32_t>(&msg, st.mode == kDelta ? st.version - 1 : 0);
-    Append<uint64_t>(&msg, row_frames[r].size());
-    msg.insert(msg.end(), row_frames[r].begin(), row_frames[r].end());
+    Append<uint64_t>(&msg, st.frame.size());
+    msg.insert(msg.end(), st.frame.begin(), st.frame.end());
   }
   return compression::Encode({core::DType::kUInt8, {static_cast<int64_t>(msg.size())}, msg.data()}, CodecSpec{});
 }

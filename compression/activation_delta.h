@@ -31,6 +31,11 @@
 
 namespace meridian::compression {
 
+// The codec of the gradients sent back over a link whose activations use `activation_codec`: the same,
+// except behind AQ-SGD's deltas, which are for activations only: int8 behind int8-delta, int4 behind
+// int4-delta and int2-delta (`activation_codec` as CodecSpec::Parse takes it).
+std::string GradientCodecBehind(const std::string& activation_codec);
+
 // The reconstructions of one link, by sequence id, all rows of one size: in memory up to
 // `memory_bytes`, then in a spill file up to `spill_bytes` more. A row, once placed, stays where it is.
 class ActivationStore {

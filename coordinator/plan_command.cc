@@ -30,7 +30,7 @@ void AddPlanOptions(CLI::App* cmd, PlanCommandOptions* o) {
   cmd->add_flag("--heuristic", o->force_heuristic, "Use the heuristic even where exact search applies");
   cmd->add_option("--revisit-fraction", o->revisit_fraction,
                   "Share of the run's sequence visits that revisit a sequence (fine-tuning epochs): offers the "
-                  "AQ-SGD codecs int4-delta and int2-delta on the adaptive menu (meridian run computes it)")
+                  "AQ-SGD codec int4-delta on the adaptive menu (meridian run computes it)")
       ->check(CLI::Range(0.0, 1.0));
   cmd->add_flag("--json", o->json, "Print the plan as JSON");
   cmd->add_option("--dot", o->dot_path, "Also write the plan as Graphviz to this file");

@@ -20,7 +20,7 @@ struct PlanCommandOptions {
   bool json = false;
   bool no_replication = false;
   bool force_heuristic = false;
-  double revisit_fraction = 0;  // > 0: AQ-SGD delta codecs on the adaptive menu (DefaultLinkCodecs)
+  double revisit_fraction = 0;  // > 0: AQ-SGD's int4-delta on the adaptive menu (DefaultLinkCodecs)
   // --live: plan over a running coordinator's measured profile and graph instead of files.
   bool live = false;
   std::string coordinator, certs_dir, identity = "coordinator";

@@ -19,6 +19,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "compression/activation_delta.h"
 #include "coordinator/coordinator.h"
 #include "core/safetensors.h"
 #include "executor/checkpoint.h"
@@ -117,15 +118,13 @@ std::string MetricsText(Coordinator& coord) {
   for (const auto& [name, st] : sites)
     absl::StrAppend(&body, "meridian_site_up{site=\"", name, "\"} ",
                     st.registered && std::find(silent.begin(), silent.end(), name) == silent.end() ? 1 : 0, "\n");
-  absl::StrAppend(&body, "# HELP meridian_site_compute_seconds Compute time of the site's stage in its last step.\n",
-                  "# TYPE meridian_site_compute_seconds gauge\n");
-  for (const auto& [name, st] : sites)
-    if (st.metrics) absl::StrAppend(&body, "meridian_site_compute_seconds{site=\"", name, "\"} ", st.metrics->compute_seconds(), "\n");
   for (auto [metric, help, get] :
        {std::tuple<const char*, const char*, double (v1::MetricsReport::*)() const>{
-            "meridian_site_wait_seconds",
-            "Time the site's compute thread waited for a peer (inputs, gradients, norm, replica sums) in its last step.",
-            &v1::MetricsReport::wait_seconds},
+            "meridian_site_compute_seconds", "Compute time of the site's stage in its last step.",
+            &v1::MetricsReport::compute_seconds},
+        {"meridian_site_wait_seconds",
+         "Time the site's compute thread waited for a peer (inputs, gradients, norm, replica sums) in its last step.",
+         &v1::MetricsReport::wait_seconds},
         {"meridian_site_send_blocked_seconds",
          "Time the site's compute thread was blocked by a send (a full send queue) in its last step.",
          &v1::MetricsReport::send_blocked_seconds},
@@ -530,11 +529,7 @@ class RunDriver {
     };
     // Gradients to the previous stage: the link's codec, but AQ-SGD's deltas are for activations only:
     // behind int8-delta the gradients go as int8, behind int4-delta and int2-delta as int4.
-    auto gradient_link_codec = [&](size_t link) {
-      std::string c = link_codec(link);
-      if (c.find("-delta") == std::string::npos) return c;
-      return std::string(c.rfind("int8", 0) == 0 ? "int8" : "int4");
-    };
+    auto gradient_link_codec = [&](size_t link) { return compression::GradientCodecBehind(link_codec(link)); };
     auto gradient_codec = [&](size_t k) {
       if (job.compression.policy == "fixed") return fixed(job.compression.gradients);
       if (job.compression.policy == "none" || st[k].gradient_codec.empty()) return std::string("identity");

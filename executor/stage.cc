@@ -52,15 +52,12 @@ absl::StatusOr<StageAssignment> ParseAssignmentJson(const std::string& text, con
     if (auto s = num(k, out, true); !s.ok()) return s;
   if (auto s = num("in_flight", &a.in_flight, false); !s.ok()) return s;
   if (auto s = str("gradient_codec", &a.gradient_codec); !s.ok()) return s;
-  if (j.contains("send_queue_bytes")) {
-    if (!j["send_queue_bytes"].is_number_integer() || j["send_queue_bytes"].get<int64_t>() < 1)
-      return absl::InvalidArgumentError(absl::StrCat(path, ": send_queue_bytes: expected a positive integer"));
-    a.send_queue_bytes = j["send_queue_bytes"].get<int64_t>();
-  }
-  if (j.contains("bucket_bytes")) {
-    if (!j["bucket_bytes"].is_number_integer() || j["bucket_bytes"].get<int64_t>() < 1)
-      return absl::InvalidArgumentError(absl::StrCat(path, ": bucket_bytes: expected a positive integer"));
-    a.bucket_bytes = j["bucket_bytes"].get<int64_t>();
+  for (auto [k, out] : {std::pair<const char*, int64_t*>{"send_queue_bytes", &a.send_queue_bytes},
+                        {"bucket_bytes", &a.bucket_bytes}}) {
+    if (!j.contains(k)) continue;
+    if (!j[k].is_number_integer() || j[k].get<int64_t>() < 1)
+      return absl::InvalidArgumentError(absl::StrCat(path, ": ", k, ": expected a positive integer"));
+    *out = j[k].get<int64_t>();
   }
   // "replicas", "prev_replicas", "next_replicas": [{"site": S, "address": A, "micro_batches": N}, ...]
   for (auto [k, group] : {std::pair<const char*, StageSites*>{"replicas", &a.replicas},
@@ -188,8 +185,8 @@ std::string StageWorker::Where() const {
              : absl::StrCat("stage ", a_.stage, " (site '", self_, "')");
 }
 
-absl::Status StageWorker::OpenStream(const std::string& site, const std::string& address,
-                                     std::map<std::string, std::unique_ptr<rpc::PeerClient::OutStream>>* into) {
+absl::StatusOr<std::unique_ptr<rpc::PeerClient::OutStream>> StageWorker::OpenStream(const std::string& site,
+                                                                                   const std::string& address) {
   auto& client = clients_[site];
   if (!client) {
     auto c = rpc::PeerClient::Create(certs_, self_, site, address);
@@ -198,25 +195,27 @@ absl::Status StageWorker::OpenStream(const std::string& site, const std::string&
   }
   auto s = client->OpenStream(std::chrono::hours(24 * 30), timeout_);
   if (!s.ok()) return Annotate(s.status(), Where());
-  (*into)[site] = std::move(*s);
-  return absl::OkStatus();
+  return s;
 }
 
 absl::Status StageWorker::Connect() {
   if (!init_status_.ok()) return init_status_;
   for (const StageSites* g : {&a_.prev_replicas, &a_.next_replicas})
     for (size_t i = 0; i < g->sites.size(); ++i) {
-      std::map<std::string, std::unique_ptr<rpc::PeerClient::OutStream>> opened;
-      if (absl::Status s = OpenStream(g->sites[i], g->addresses[i], &opened); !s.ok()) return s;
-      senders_[g->sites[i]] = std::make_unique<rpc::QueuedSender>(std::move(opened.begin()->second), a_.send_queue_bytes);
+      auto stream = OpenStream(g->sites[i], g->addresses[i]);
+      if (!stream.ok()) return stream.status();
+      senders_[g->sites[i]] = std::make_unique<rpc::QueuedSender>(std::move(*stream), a_.send_queue_bytes);
     }
   const StageSites& R = a_.replicas;
   if (R.sites.size() > 1) {
     std::map<std::string, rpc::PeerClient::OutStream*> scatter, gather;
     for (size_t i = 0; i < R.sites.size(); ++i) {
       if (R.sites[i] == self_) continue;
-      if (absl::Status s = OpenStream(R.sites[i], R.addresses[i], &streams_); !s.ok()) return s;
-      if (absl::Status s = OpenStream(R.sites[i], R.addresses[i], &replica_streams_); !s.ok()) return s;
+      for (auto* into : {&streams_, &replica_streams_}) {
+        auto stream = OpenStream(R.sites[i], R.addresses[i]);
+        if (!stream.ok()) return stream.status();
+        (*into)[R.sites[i]] = std::move(*stream);
+      }
       scatter[R.sites[i]] = streams_[R.sites[i]].get();
       gather[R.sites[i]] = replica_streams_[R.sites[i]].get();
     }
@@ -355,7 +354,7 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
       if (model_->has_embed()) {
         s.input = batch.inputs.to(device_);
       } else {
-        ids = setup_.data.SequenceIds(step, mb, mbs);
+        if (prev_delta_) ids = setup_.data.SequenceIds(step, mb, mbs);
         auto in = Receive(*prev, {a_.job_id, step, mb, a_.stage - 1, v1::FORWARD, 0}, hidden, &ids);
         if (!in.ok()) return in.status();
         s.input = in->requires_grad_(true);

@@ -126,8 +126,8 @@ class StageWorker {
   absl::StatusOr<torch::Tensor> Receive(const std::string& peer, const rpc::TensorKey& key,
                                         const std::vector<int64_t>& shape, const std::vector<int64_t>* ids = nullptr);
   compression::ActivationStore::Options DeltaStore(const std::string& peer, const char* side) const;
-  absl::Status OpenStream(const std::string& site, const std::string& address,
-                          std::map<std::string, std::unique_ptr<rpc::PeerClient::OutStream>>* into);
+  absl::StatusOr<std::unique_ptr<rpc::PeerClient::OutStream>> OpenStream(const std::string& site,
+                                                                      const std::string& address);
   std::string Where() const;
 
   JobSetup setup_;

@@ -7,6 +7,8 @@
 #include <map>
 #include <numeric>
 #include <set>
+#include <tuple>
+#include <utility>
 
 #include <nlohmann/json.hpp>
 
@@ -130,6 +132,31 @@ struct Evaluation {
   std::vector<int> link_codec, grad_codec;  // indices into the menus; -1 = fixed ratio
 };
 
+// Link k of layout L carrying `codec`: {its c_k (CostModel::LinkCost), what it adds to the steady state
+// (CostModel::LinkSteady)}, each the worst over the pairs of the two stages' sites.
+std::pair<double, double> LinkTimes(const CostModel& cm, const Layout& L, int k, const Codec& codec) {
+  const double x = cm.CutBytes(L.last[k]);
+  double cost = 0, pace = 0;
+  for (int a : L.sites[k])
+    for (int b : L.sites[k + 1]) {
+      cost = std::max(cost, cm.LinkCost(a, b, codec.ratio * x, codec.backward() * x));
+      pace = std::max(pace, cm.LinkSteady(a, b, codec.ratio * x, codec.backward() * x));
+    }
+  return {cost, pace};
+}
+
+// The step-time terms of an evaluation from its stage, link and replica-sync times: fill and drain, the
+// steady state paced by the slowest stage or link, the slowest sync.
+void SumUp(int micro_batches, Evaluation* e) {
+  double sum = 0, mx = 0;
+  for (double t : e->t) sum += t, mx = std::max(mx, t);
+  for (size_t k = 0; k < e->c.size(); ++k) sum += e->c[k], mx = std::max(mx, e->pace[k]);
+  e->fill = sum;
+  e->steady = (micro_batches - 1) * mx;
+  e->sync = e->allreduce.empty() ? 0.0 : *std::max_element(e->allreduce.begin(), e->allreduce.end());
+  e->total = e->fill + e->steady + e->sync;
+}
+
 // Evaluates a layout under the (extended) cost model. With one site per stage and adaptive off this is
 // exactly the reference model. `search_ratio` is the link ratio used when !adaptive.
 Evaluation Evaluate(const CostModel& cm, const Layout& L, const PlanOptions& o, const OpGraph& g) {
@@ -165,42 +192,23 @@ Evaluation Evaluate(const CostModel& cm, const Layout& L, const PlanOptions& o, 
   e.c.resize(std::max(S - 1, 0));
   e.pace.resize(std::max(S - 1, 0));
   e.link_codec.assign(std::max(S - 1, 0), -1);
-  double max_c = 0, sum_c = 0;
   for (int k = 0; k + 1 < S; ++k) {
-    double x = cm.CutBytes(L.last[k]);
-    auto cost = [&](const Codec& c) {
-      double worst = 0;
-      for (int a : L.sites[k])
-        for (int b : L.sites[k + 1]) worst = std::max(worst, cm.LinkCost(a, b, c.ratio * x, c.backward() * x));
-      return worst;
-    };
-    auto steady = [&](const Codec& c) {
-      double worst = 0;
-      for (int a : L.sites[k])
-        for (int b : L.sites[k + 1]) worst = std::max(worst, cm.LinkSteady(a, b, c.ratio * x, c.backward() * x));
-      return worst;
-    };
     Codec codec{"", o.ratio};
     if (o.adaptive_compression) {
       // The lightest codec whose steady-state link time stays within the compute bottleneck; else the
       // strongest.
       int pick = static_cast<int>(o.link_codecs.size()) - 1;
       for (int i = 0; i < static_cast<int>(o.link_codecs.size()); ++i)
-        if (steady(o.link_codecs[i]) <= max_t) {
+        if (LinkTimes(cm, L, k, o.link_codecs[i]).second <= max_t) {
           pick = i;
           break;
         }
       e.link_codec[k] = pick;
       codec = o.link_codecs[pick];
     }
-    e.c[k] = cost(codec);
-    e.pace[k] = steady(codec);
+    std::tie(e.c[k], e.pace[k]) = LinkTimes(cm, L, k, codec);
     if (e.c[k] == kInf) return e;
-    max_c = std::max(max_c, e.pace[k]);
-    sum_c += e.c[k];
   }
-  double sum_t = std::accumulate(e.t.begin(), e.t.end(), 0.0);
-  double bottleneck = std::max(max_t, max_c);
   // Replica gradient sync: the executors' reduce-scatter + all-gather (docs/executor.md). Each of the two
   // phases sends 1/r of the gradients to every other replica; a site's sends share its uplink, so a phase
   // lasts as long as the slowest site's sends, plus the worst latency.
@@ -235,10 +243,7 @@ Evaluation Evaluate(const CostModel& cm, const Layout& L, const PlanOptions& o, 
       e.allreduce[k] = sync(o.gradient_codecs[pick].ratio);
     }
   }
-  e.fill = sum_t + sum_c;
-  e.steady = (M - 1) * bottleneck;
-  e.sync = S ? *std::max_element(e.allreduce.begin(), e.allreduce.end()) : 0.0;
-  e.total = e.fill + e.steady + e.sync;
+  SumUp(M, &e);
   (void)g;
   return e;
 }
@@ -312,21 +317,14 @@ SimulatedLayout SimulateLayout(const CostModel& cm, const Layout& L, const Evalu
 // few micro-batches a stronger codec can shorten the step. Each link, first to last, gets the lightest
 // codec of the menu that keeps the simulated step within 1% of the step with the strongest codec on
 // every link (the lighter the codec, the closer the training to identity's). Updates `ev` (codecs, link
-// times, fill and steady terms) and `sim`.
+// times, fill and steady terms) and sets `sim` to the simulation of the result.
 void ChooseLinkCodecsBySimulation(const CostModel& cm, const Layout& L, const PlanOptions& o, const OpGraph& g,
                                   Evaluation* ev, SimulatedLayout* sim) {
   const int S = static_cast<int>(L.sites.size());
   const int strongest = static_cast<int>(o.link_codecs.size()) - 1;
   auto set = [&](Evaluation* e, int k, int codec) {
-    const double x = o.link_codecs[codec].ratio * cm.CutBytes(L.last[k]);
-    const double xb = o.link_codecs[codec].backward() * cm.CutBytes(L.last[k]);
-    double c = 0, pace = 0;
-    for (int a : L.sites[k])
-      for (int b : L.sites[k + 1])
-        c = std::max(c, cm.LinkCost(a, b, x, xb)), pace = std::max(pace, cm.LinkSteady(a, b, x, xb));
     e->link_codec[k] = codec;
-    e->c[k] = c;
-    e->pace[k] = pace;
+    std::tie(e->c[k], e->pace[k]) = LinkTimes(cm, L, k, o.link_codecs[codec]);
   };
   // Every link at the strongest codec sets the bar; then each link in turn, the later ones still at the
   // strongest, relaxes to the lightest codec that keeps the whole step within 1% of that bar (a link
@@ -347,12 +345,7 @@ void ChooseLinkCodecsBySimulation(const CostModel& cm, const Layout& L, const Pl
       }
     }
   *ev = trial;
-  double sum = 0, mx = 0;
-  for (int k = 0; k < S; ++k) sum += ev->t[k], mx = std::max(mx, ev->t[k]);
-  for (int k = 0; k + 1 < S; ++k) sum += ev->c[k], mx = std::max(mx, ev->pace[k]);
-  ev->fill = sum;
-  ev->steady = (cm.micro_batches() - 1) * mx;
-  ev->total = ev->fill + ev->steady + ev->sync;
+  SumUp(cm.micro_batches(), ev);
 }
 
 // The link ratio used while searching: the fixed ratio, or the strongest codec when adaptive (the
@@ -786,14 +779,13 @@ absl::StatusOr<std::vector<PinnedStage>> ParsePlanLayout(const std::string& text
 }
 
 std::vector<Codec> DefaultLinkCodecs(double revisit_fraction) {
-  const double int8 = (64.0 + 4.0) / 256.0, int4 = (32.0 + 4.0) / 256.0, int2 = (16.0 + 4.0) / 256.0;
+  const double int8 = (64.0 + 4.0) / 256.0, int4 = (32.0 + 4.0) / 256.0;
   std::vector<Codec> menu = {{"identity", 1.0}, {"fp16", 0.5}, {"int8", int8}, {"int4", int4}};
   const double f = std::clamp(revisit_fraction, 0.0, 1.0);
   // int2-delta is not on the menu: its loss cost depends on how far the model moves between a sequence's
   // visits (+1.4% of identity's loss after 200 steps when sequences came back every 9 steps, +30% after 300
   // when they came back every 24, on a smaller model: docs/cost-model.md). It stays available through
   // compression.policy: fixed.
-  (void)int2;
   if (f > 0) {
     menu.push_back({"int4-delta", (1 - f) * int8 + f * int4, int4});
     // Lightest first; on equal bytes the delta codec, whose loss is closer to identity's (measured:
@@ -970,13 +962,13 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
   auto predicted = [&](const Layout& L, const Evaluation& e) {
     return o.deep_pipeline ? SimulateLayout(cm, L, e, o, graph).total : e.total;
   };
+  double current = predicted(layout, ev);       // the prediction for `layout` as it stands
   size_t formula_stages = layout.sites.size();  // the formula's best pipeline, before any simulation
   size_t simulated_stages = formula_stages;     // the pipeline the simulation preferred among those
   if (o.deep_pipeline && alternatives.size() > 1) {
     // The formula assumes every round trip covered; with few micro-batches a step's fill and drain carry
     // the latencies, so a pipeline of fewer (or more) stages may simulate faster.
     const size_t stages_before = layout.sites.size();
-    double current = predicted(layout, ev);
     for (const Candidate& c : alternatives) {
       Layout trial;
       for (int site : c.order) trial.sites.push_back({site});
@@ -988,9 +980,10 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
     simulated_stages = layout.sites.size();
   }
   if (o.replication && plan.method != "fixed") {
-    const double pipeline_total = predicted(layout, ev);
+    const double pipeline_total = current;
     const size_t pipeline_stages = layout.sites.size();
     ReplicateGreedily(cm, o, graph, &layout, &ev);
+    current = predicted(layout, ev);
     std::vector<int> by_speed(n);
     std::iota(by_speed.begin(), by_speed.end(), 0);
     std::stable_sort(by_speed.begin(), by_speed.end(),
@@ -1003,7 +996,7 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
       trial.last = c.last;
       Evaluation te = Evaluate(cm, trial, o, graph);
       ReplicateGreedily(cm, o, graph, &trial, &te);
-      if (predicted(trial, te) < predicted(layout, ev) * (1 - 1e-9)) layout = trial, ev = te;
+      if (const double x = predicted(trial, te); x < current * (1 - 1e-9)) layout = trial, ev = te, current = x;
     }
     int replicas = 0;
     for (const auto& R : layout.sites) replicas += static_cast<int>(R.size()) - 1;
@@ -1011,7 +1004,7 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
       plan.notes.push_back(absl::StrFormat(
           "%d stage(s) with %d replica site(s): predicted %.4g s per step against %.4g s for the best pipeline "
           "without replicas (%d stage(s))",
-          layout.sites.size(), replicas, predicted(layout, ev), pipeline_total, pipeline_stages));
+          layout.sites.size(), replicas, current, pipeline_total, pipeline_stages));
   }
   if (o.deep_pipeline && simulated_stages != formula_stages && layout.sites.size() == simulated_stages)
     plan.notes.push_back(absl::StrFormat(
@@ -1019,10 +1012,8 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
         "latencies with %d micro-batches) is shorter",
         layout.sites.size(), formula_stages, o.micro_batches));
   SimulatedLayout sim;
-  if (o.deep_pipeline) {
-    sim = SimulateLayout(cm, layout, ev, o, graph);
-    if (o.adaptive_compression) ChooseLinkCodecsBySimulation(cm, layout, o, graph, &ev, &sim);
-  }
+  if (o.deep_pipeline && o.adaptive_compression) ChooseLinkCodecsBySimulation(cm, layout, o, graph, &ev, &sim);
+  else if (o.deep_pipeline) sim = SimulateLayout(cm, layout, ev, o, graph);
 
   const int S = static_cast<int>(layout.sites.size());
   for (int k = 0; k < S; ++k) {
