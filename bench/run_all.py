@@ -122,6 +122,24 @@ def compute_bound(emu, bin_dir, work, global_batch, micro_batches, seq, seed, st
     return rates
 
 
+def measure_bound(emu, bin_dir, work, seq, seed, into):
+    """Sets into["bound_sites"] and into["bound"]: compute_bound's per-site tokens/s and their sum."""
+    log("compute bound: each site trains the whole model alone at its quota")
+    rates = compute_bound(emu, bin_dir, work, 4, 4, seq, seed)
+    into["bound_sites"], into["bound"] = rates, sum(rates.values())
+    log(f"  {rates} -> {into['bound']:.0f} tokens/s")
+
+
+def write_model(work, cfg, seed):
+    """The benchmark model's directory under `work` (config and seeded initial weights): (path, parameters)."""
+    model_dir = os.path.join(work, "model")
+    os.makedirs(model_dir, exist_ok=True)
+    json.dump(cfg, open(os.path.join(model_dir, "config.json"), "w"), indent=2)
+    weights = ddp_gloo.initial_weights(cfg, seed)
+    ddp_gloo.write_safetensors(os.path.join(model_dir, "model.safetensors"), weights)
+    return model_dir, sum(t.numel() for t in weights.values())
+
+
 def run_meridian(emu, bin_dir, work, name, job, steps, split, repeats, extra=""):
     run = os.path.join(work, name)
     shutil.rmtree(run, ignore_errors=True)
@@ -329,11 +347,8 @@ def wan_bound(a, bin_dir, work, cfg, model_dir, weights_params):
             spec = os.path.join(work, "cluster.yaml")
             emu.write_spec(spec, "bench", emu.addresses, heartbeat_timeout_s=60)
             sh(f"{bin_dir}/meridian certs init --spec {spec} --out {work}/certs --force")
-            if "bound" not in res:
-                log("compute bound: each site trains the whole model alone at its quota")
-                rates = compute_bound(emu, bin_dir, work, 4, 4, seq, seed)
-                res["bound_sites"], res["bound"] = rates, sum(rates.values())
-                log(f"  {rates} -> {res['bound']:.0f} tokens/s")
+            if res.get("bound") is None:
+                measure_bound(emu, bin_dir, work, seq, seed, res)
             r = {}
             log("Meridian, planned, adaptive compression")
             r["meridian"] = run_meridian(emu, bin_dir, work, f"wan-meridian-{mbit}", adaptive, a.wan_steps, "planned",
@@ -551,12 +566,8 @@ def main():
 
     comps = {}
     if a.only == "wan-bound":
-        model_dir = os.path.join(work, "model")
-        os.makedirs(model_dir, exist_ok=True)
-        json.dump(cfg, open(os.path.join(model_dir, "config.json"), "w"), indent=2)
-        weights = ddp_gloo.initial_weights(cfg, seed)
-        ddp_gloo.write_safetensors(os.path.join(model_dir, "model.safetensors"), weights)
-        w = wan_bound(a, bin_dir, work, cfg, model_dir, sum(t.numel() for t in weights.values()))
+        model_dir, params = write_model(work, cfg, seed)
+        w = wan_bound(a, bin_dir, work, cfg, model_dir, params)
         json.dump({"info": info, "wan_bound": w, "seconds": time.time() - t_start},
                   open(os.path.join(work, "results-wan.json"), "w"), indent=2, default=str)
         splice_wan_section(a.results, wan_section(w, info["command"]))
@@ -571,12 +582,7 @@ def main():
 
     e2e = None
     if a.only != "components":
-        model_dir = os.path.join(work, "model")
-        os.makedirs(model_dir, exist_ok=True)
-        json.dump(cfg, open(os.path.join(model_dir, "config.json"), "w"), indent=2)
-        weights = ddp_gloo.initial_weights(cfg, seed)
-        params = sum(t.numel() for t in weights.values())
-        ddp_gloo.write_safetensors(os.path.join(model_dir, "model.safetensors"), weights)
+        model_dir, params = write_model(work, cfg, seed)
         adaptive, identity = os.path.join(work, "adaptive.yaml"), os.path.join(work, "identity.yaml")
         job_yaml(adaptive, a.steps, global_batch, micro_batches, seq, seed, "{policy: adaptive, error_feedback: true}")
         job_yaml(identity, a.steps, global_batch, micro_batches, seq, seed,
@@ -592,11 +598,7 @@ def main():
                 emu.write_spec(spec, "bench", emu.addresses, heartbeat_timeout_s=20)
                 sh(f"{bin_dir}/meridian certs init --spec {spec} --out {work}/certs --force")
                 if e2e["bound"] is None:
-                    log("compute bound: each site trains the whole model alone at its quota")
-                    rates = compute_bound(emu, bin_dir, work, 4, 4, seq, seed)
-                    e2e["bound_sites"] = rates
-                    e2e["bound"] = sum(rates.values())
-                    log(f"  {rates} -> {e2e['bound']:.0f} tokens/s")
+                    measure_bound(emu, bin_dir, work, seq, seed, e2e)
                 r = {}
                 log("Meridian, planned, adaptive compression")
                 r["meridian"] = run_meridian(emu, bin_dir, work, f"meridian-{mbit}", adaptive, a.steps, "planned",
