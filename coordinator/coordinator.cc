@@ -10,10 +10,39 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "core/run_layout.h"
 
 namespace meridian::coordinator {
 
-Coordinator::Coordinator(core::ClusterSpec spec, std::string run_id) : spec_(std::move(spec)), run_id_(std::move(run_id)) {
+const char* SiteStateName(v1::SiteState state) {
+  switch (state) {
+    case v1::SITE_IDLE: return "idle";
+    case v1::SITE_PROFILING: return "profiling";
+    case v1::SITE_TRAINING: return "training";
+    case v1::SITE_DONE: return "done";
+    case v1::SITE_FAILED: return "failed";
+    default: return "unknown";
+  }
+}
+
+void EventQueue::Push(Body event) {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    events_.push_back(std::move(event));
+  }
+  cv_.notify_one();
+}
+
+std::optional<EventQueue::Body> EventQueue::PopUntil(Clock::time_point deadline) {
+  std::unique_lock<std::mutex> l(mu_);
+  if (!cv_.wait_until(l, deadline, [&] { return !events_.empty(); })) return std::nullopt;
+  Body e = std::move(events_.front());
+  events_.pop_front();
+  return e;
+}
+
+Coordinator::Coordinator(core::ClusterSpec spec, std::string run_id, EventQueue* events)
+    : spec_(std::move(spec)), run_id_(std::move(run_id)), events_(events) {
   for (const auto& s : spec_.sites) sites_[s.name];
 }
 
@@ -25,9 +54,8 @@ absl::StatusOr<v1::RegisterResponse> Coordinator::Register(const v1::RegisterReq
     s.registered = true;
     s.listen = r.listen_address();
     s.device = r.device();
-    s.state = "idle";
+    s.state = v1::SITE_IDLE;
     s.last_heartbeat = Clock::now();
-    LogSite(r.site(), absl::StrCat("joined: listens on ", r.listen_address(), ", device ", r.device()));
     resp.set_cluster(spec_.name);
     resp.set_run_id(run_id_);
     resp.set_heartbeat_interval_seconds(spec_.heartbeat_interval_seconds);
@@ -35,6 +63,7 @@ absl::StatusOr<v1::RegisterResponse> Coordinator::Register(const v1::RegisterReq
     for (const auto& site : spec_.sites) resp.add_sites(site.name);
   }
   cv_.notify_all();
+  if (events_) events_->Push(SiteRegistered{r.site(), r.listen_address(), r.device()});
   return resp;
 }
 
@@ -44,9 +73,6 @@ absl::StatusOr<v1::HeartbeatResponse> Coordinator::Heartbeat(const v1::Heartbeat
     std::lock_guard<std::mutex> l(mu_);
     Site& s = sites_[r.site()];
     if (!s.registered) return absl::FailedPreconditionError(absl::StrCat("site '", r.site(), "' has not registered"));
-    const double silent_for = std::chrono::duration<double>(Clock::now() - s.last_heartbeat).count();
-    if (silent_for > spec_.heartbeat_timeout_seconds)
-      LogSite(r.site(), absl::StrFormat("heartbeats again after %.1f s of silence", silent_for));
     s.last_heartbeat = Clock::now();
     s.state = r.state();
     s.step = r.step();
@@ -70,23 +96,16 @@ absl::StatusOr<std::optional<v1::Command>> Coordinator::NextCommand(const std::s
 void Coordinator::Requeue(const std::string& site, v1::Command c) {
   {
     std::lock_guard<std::mutex> l(mu_);
-    LogSite(site, "a command could not be delivered (the stream broke); queued again");
     sites_[site].commands.push_front(std::move(c));
   }
   cv_.notify_all();
+  LogSite(site, "a command could not be delivered (the stream broke); queued again");
 }
 
 absl::Status Coordinator::Metrics(const v1::MetricsReport& r) {
   {
     std::lock_guard<std::mutex> l(mu_);
     if (!r.job_id().empty() && r.job_id() != job_id_) return absl::OkStatus();  // an abandoned attempt
-    const std::string parts = absl::StrFormat(
-        "%.2f s (%.2f s computing, %.2f s waiting, %.3f s blocked sending, %.3f s codecs), %d bytes sent (%d "
-        "uncompressed)",
-        r.step_seconds(), r.compute_seconds(), r.wait_seconds(), r.send_blocked_seconds(), r.codec_seconds(),
-        r.wire_bytes(), r.raw_bytes());
-    LogSite(r.site(), r.stage() == 0 ? absl::StrFormat("step %d: loss %.4f, %s", r.step() + 1, r.loss(), parts)
-                                     : absl::StrFormat("step %d: %s", r.step() + 1, parts));
     sites_[r.site()].metrics = r;
     if (r.stage() == 0 && r.step() > progress_.step) {
       progress_.step = r.step();
@@ -96,6 +115,7 @@ absl::Status Coordinator::Metrics(const v1::MetricsReport& r) {
     }
   }
   cv_.notify_all();
+  if (events_) events_->Push(MetricsReported{r});
   return absl::OkStatus();
 }
 
@@ -103,25 +123,19 @@ absl::Status Coordinator::Profile(const v1::ProfileReport& r) {
   {
     std::lock_guard<std::mutex> l(mu_);
     sites_[r.site()].profile = r;
-    LogSite(r.site(), r.error().empty() ? "measured its device, the model per op and its links"
-                                        : absl::StrCat("measuring failed: ", r.error()));
   }
   cv_.notify_all();
+  if (events_) events_->Push(ProfileReported{r});
   return absl::OkStatus();
 }
 
 absl::Status Coordinator::Done(const v1::StageDone& d) {
   {
     std::lock_guard<std::mutex> l(mu_);
-    if (!d.job_id().empty() && d.job_id() != job_id_) {
-      LogSite(d.site(), absl::StrCat("abandoned attempt ", d.job_id(), " ended", d.error().empty() ? "" : ": ", d.error()));
-      return absl::OkStatus();
-    }
-    sites_[d.site()].done = d;
-    LogSite(d.site(), d.error().empty() ? absl::StrCat("finished: ", d.steps(), " steps")
-                                        : absl::StrCat("failed after ", d.steps(), " steps: ", d.error()));
+    if (d.job_id().empty() || d.job_id() == job_id_) sites_[d.site()].done = d;
   }
   cv_.notify_all();
+  if (events_) events_->Push(StageReportedDone{d});  // the machine logs an abandoned attempt's too
   return absl::OkStatus();
 }
 
@@ -148,11 +162,10 @@ absl::StatusOr<rpc::CoordinatorHandler::FileGrant> Coordinator::FileDestination(
                                                                                const std::string& job_id,
                                                                                const std::string& path) {
   // The service admits only weights/stage-K.safetensors and checkpoints/step-S/stage-K.{safetensors,json}.
-  long long step = 0;
-  int stage = -1;
-  if (std::sscanf(path.c_str(), "weights/stage-%d.", &stage) != 1 &&
-      std::sscanf(path.c_str(), "checkpoints/step-%lld/stage-%d.", &step, &stage) != 2)
-    return absl::InvalidArgumentError(absl::StrCat("site '", site, "': ", path, " names no stage"));
+  const std::optional<core::SiteFile> file = core::ParseSiteFile(path);
+  if (!file) return absl::InvalidArgumentError(absl::StrCat("site '", site, "': ", path, " names no stage"));
+  const int64_t step = file->step;
+  const int stage = file->stage;
   FileGrant grant;
   std::string dir;
   {
@@ -241,7 +254,7 @@ absl::StatusOr<v1::InspectResponse> Coordinator::Inspect() {
     const double age = std::chrono::duration<double>(now - s.last_heartbeat).count();
     sites.push_back({{"name", name},
                      {"registered", s.registered},
-                     {"state", s.registered ? s.state : "not joined"},
+                     {"state", s.registered ? SiteStateName(s.state) : "not joined"},
                      {"step", s.step + 1},
                      {"heartbeat_age_seconds", s.registered ? age : -1.0},
                      {"answering", s.registered && age <= spec_.heartbeat_timeout_seconds},
@@ -278,16 +291,6 @@ void Coordinator::BeginJob(const std::string& job_id) {
 void Coordinator::Send(const std::string& site, v1::Command c) {
   {
     std::lock_guard<std::mutex> l(mu_);
-    if (c.has_assign()) {
-      const auto& a = c.assign();
-      LogSite(site, absl::StrCat("assigned stage ", a.stage() + 1, "/", a.num_stages(), " (ops ", a.first_op(), "-",
-                                 a.last_op(), ") of job ", a.job_id(),
-                                 a.prev_site().empty() ? "" : absl::StrCat(", after '", a.prev_site(), "'"),
-                                 a.next_site().empty() ? "" : absl::StrCat(", before '", a.next_site(), "'"),
-                                 a.resume_step() != 0 ? ", resuming from the newest checkpoint" : ""));
-    } else if (c.has_profile()) {
-      LogSite(site, "asked to measure its device, the model and its links");
-    }
     sites_[site].commands.push_back(std::move(c));
   }
   cv_.notify_all();
@@ -305,17 +308,12 @@ void Coordinator::StopAll() {
   cv_.notify_all();
 }
 
-bool Coordinator::WaitFor(const Predicate& pred, Clock::time_point deadline) {
-  std::unique_lock<std::mutex> l(mu_);
-  return cv_.wait_until(l, deadline, [&] { return pred(sites_, progress_); });
-}
-
-std::vector<std::string> Coordinator::Silent() const {
+std::vector<std::string> Coordinator::Silent(Clock::time_point now) const {
   std::lock_guard<std::mutex> l(mu_);
   std::vector<std::string> out;
   const auto limit = std::chrono::duration<double>(spec_.heartbeat_timeout_seconds);
   for (const auto& [name, s] : sites_)
-    if (s.registered && s.state != "done" && Clock::now() - s.last_heartbeat > limit) out.push_back(name);
+    if (s.registered && s.state != v1::SITE_DONE && now - s.last_heartbeat > limit) out.push_back(name);
   return out;
 }
 

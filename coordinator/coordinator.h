@@ -1,7 +1,9 @@
-// The coordinator's state: which sites joined, their heartbeats, profiles, progress, and the commands
-// waiting for each. It implements rpc::CoordinatorHandler (called on gRPC's threads) and is driven by
-// the run loop (coordinator/run.cc). Thread-safe: one mutex guards everything; waits use a condition
-// variable.
+// The coordinator's live state, as the gRPC service needs it: which sites joined, their heartbeats,
+// their latest reports (for `meridian status` and /metrics), the commands waiting for each and who may
+// send files. It implements rpc::CoordinatorHandler (called on gRPC's threads): handlers update this
+// state and only enqueue an event for the run loop (EventQueue), which owns the decisions
+// (coordinator/run_machine.h). Thread-safe: one mutex guards the state; the per-site log files have their
+// own, never taken while holding the first.
 #ifndef MERIDIAN_COORDINATOR_COORDINATOR_H_
 #define MERIDIAN_COORDINATOR_COORDINATOR_H_
 
@@ -17,18 +19,35 @@
 #include <string>
 #include <vector>
 
+#include "coordinator/run_machine.h"
 #include "core/cluster_spec.h"
 #include "rpc/coordinator_service.h"
 
 namespace meridian::coordinator {
 
+// "idle", "profiling", "training", "done", "failed" (or "unknown"): a site's state in status and logs.
+const char* SiteStateName(v1::SiteState state);
+
+// Events from the gRPC handlers to the run loop. Thread-safe.
+class EventQueue {
+ public:
+  using Body = decltype(Event::what);
+  void Push(Body event);
+  // The oldest event, waiting for one until `deadline`; nullopt when none came.
+  std::optional<Body> PopUntil(Clock::time_point deadline);
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Body> events_;
+};
+
 class Coordinator : public rpc::CoordinatorHandler {
  public:
-  using Clock = std::chrono::steady_clock;
-
   struct Site {
     bool registered = false;
-    std::string listen, device, state = "idle";
+    std::string listen, device;
+    v1::SiteState state = v1::SITE_IDLE;
     Clock::time_point last_heartbeat;
     int64_t step = -1;
     std::deque<v1::Command> commands;
@@ -42,7 +61,9 @@ class Coordinator : public rpc::CoordinatorHandler {
     int64_t tokens = 0;
   };
 
-  Coordinator(core::ClusterSpec spec, std::string run_id);
+  // `events` (may be null: nothing is reported) receives a site's registration, profile, metrics of the
+  // running attempt and every StageDone.
+  Coordinator(core::ClusterSpec spec, std::string run_id, EventQueue* events = nullptr);
 
   // rpc::CoordinatorHandler
   absl::StatusOr<v1::RegisterResponse> Register(const v1::RegisterRequest& r) override;
@@ -69,9 +90,9 @@ class Coordinator : public rpc::CoordinatorHandler {
   void SetFileWriters(std::map<std::string, int> writers, int64_t max_step, int64_t max_bytes);
   // What Inspect reports besides the live state: the run's profile, graph and current plan (JSON).
   void SetRunInfo(std::string profile_json, std::string graph_json, std::string plan_json);
-  // Per-site logs: from now on every event about a site (join, heartbeats lost and back, measurements,
-  // assignments, progress of the stage that reports it, completion or failure) is appended with a UTC
-  // timestamp to DIR/<site>.log. Also used by the run loop for its own decisions about a site.
+  // Per-site logs: from now on LogSite appends its lines with a UTC timestamp to DIR/<site>.log. The run
+  // loop logs the machine's decisions about a site (join, measurements, assignments, progress, lost and
+  // back, completion); the handlers log the files a site sends and fetches.
   void SetLogDir(const std::string& dir);
   void LogSite(const std::string& site, const std::string& text);
   // Starts an attempt at the job: forgets every site's StageDone, the progress step (the tokens count on)
@@ -79,12 +100,9 @@ class Coordinator : public rpc::CoordinatorHandler {
   void BeginJob(const std::string& job_id);
   void Send(const std::string& site, v1::Command c);
   void StopAll();
-  // Waits until `pred` holds (called under the lock with the sites and the progress, on every change)
-  // or the deadline passes; returns whether it holds. `pred` must not call back into this object.
-  using Predicate = std::function<bool(const std::map<std::string, Site>&, const Progress&)>;
-  bool WaitFor(const Predicate& pred, Clock::time_point deadline);
-  // Sites whose last heartbeat is older than the spec's heartbeat timeout.
-  std::vector<std::string> Silent() const;
+  // Registered sites whose last heartbeat is older than the spec's heartbeat timeout at `now` (a site
+  // whose stage is done may exit: it is never silent).
+  std::vector<std::string> Silent(Clock::time_point now) const;
   // A copy of the state (for printing).
   std::map<std::string, Site> Snapshot() const;
   Progress progress() const;
@@ -93,6 +111,7 @@ class Coordinator : public rpc::CoordinatorHandler {
  private:
   core::ClusterSpec spec_;
   std::string run_id_;
+  EventQueue* events_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::map<std::string, Site> sites_;
@@ -104,7 +123,7 @@ class Coordinator : public rpc::CoordinatorHandler {
   int64_t file_max_step_ = 0, file_max_bytes_ = 0;
   std::string log_dir_;  // guarded by log_mu_
   std::map<std::string, std::ofstream> log_files_;  // by site, guarded by log_mu_; lines are flushed
-  std::mutex log_mu_;    // taken after mu_ when both are held
+  std::mutex log_mu_;    // never taken while mu_ is held
   bool stopping_ = false;
 };
 

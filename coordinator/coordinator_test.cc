@@ -2,15 +2,47 @@
 #include "coordinator/coordinator.h"
 
 #include <gtest/gtest.h>
+#include <link.h>
 #include <unistd.h>
 
 #include <filesystem>
+#include <algorithm>
 #include <fstream>
+#include <string>
+#include <vector>
 
 namespace meridian::coordinator {
 namespace {
 
 namespace fs = std::filesystem;
+
+// The layering rule: the coordinator links no torch. What CMake links into meridian_coordinator
+// (coordinator/link_closure.txt, written at configure time), and what this test binary, which links the
+// coordinator library alone, has loaded.
+TEST(CoordinatorLayering, TheCoordinatorLibraryLinksNoTorch) {
+  std::ifstream in(fs::path(MERIDIAN_TEST_BINARY_DIR) / "coordinator" / "link_closure.txt");
+  ASSERT_TRUE(in) << "link_closure.txt missing: re-run cmake";
+  std::vector<std::string> libs;
+  for (std::string line; std::getline(in, line);)
+    if (!line.empty()) libs.push_back(line);
+  for (const char* needed : {"meridian::core", "meridian::partitioner", "meridian::rpc", "meridian::proto"})
+    EXPECT_NE(std::find(libs.begin(), libs.end(), needed), libs.end()) << needed;
+  for (const auto& lib : libs)
+    for (const char* banned : {"torch", "c10", "caffe2", "meridian::executor", "meridian::model_tools"})
+      EXPECT_EQ(lib.find(banned), std::string::npos) << "the coordinator links " << lib;
+
+  std::vector<std::string> loaded;
+  dl_iterate_phdr(
+      [](dl_phdr_info* info, size_t, void* out) {
+        static_cast<std::vector<std::string>*>(out)->push_back(info->dlpi_name ? info->dlpi_name : "");
+        return 0;
+      },
+      &loaded);
+  EXPECT_GT(loaded.size(), 3u);  // the binary, libc, libstdc++, gRPC, ...
+  for (const auto& so : loaded)
+    for (const char* banned : {"libtorch", "libc10"})
+      EXPECT_EQ(so.find(banned), std::string::npos) << "the coordinator's test binary loaded " << so;
+}
 
 TEST(CoordinatorFiles, OnlyEachStagesWriterSendsItsOwnFilesOfTheRunningAttempt) {
   const fs::path dir = fs::temp_directory_path() / ("meridian_coordfiles_" + std::to_string(::getpid()));

@@ -1,6 +1,5 @@
 #include "coordinator/doctor.h"
 
-#include <grpcpp/grpcpp.h>
 
 #include <iostream>
 
@@ -8,8 +7,7 @@
 #include "core/certs.h"
 #include "core/cluster_spec.h"
 #include "core/version.h"
-#include "proto/meridian.grpc.pb.h"
-#include "rpc/credentials.h"
+#include "rpc/coordinator_client.h"
 
 namespace meridian::coordinator {
 
@@ -51,25 +49,20 @@ int Doctor(const std::string& cluster_path) {
   // A running coordinator answers a registration from a site only if everything matches: try the first
   // site's identity, without registering (a wrong protocol version is refused before any handler runs).
   if (failures == 0 && !spec.sites.empty()) {
-    auto creds = rpc::MakeChannelCredentials(certs, spec.sites[0].name);
-    if (creds.ok()) {
-      auto stub = v1::Coordinator::NewStub(
-          grpc::CreateCustomChannel(spec.coordinator.ToString(), *creds, rpc::PeerChannelArguments("coordinator")));
-      grpc::ClientContext ctx;
-      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(3));
+    auto client = rpc::ConnectCoordinator(certs, spec.sites[0].name, spec.coordinator.ToString());
+    if (client.ok()) {
       v1::RegisterRequest req;
       req.set_protocol_version(-1);  // never a real version: probes reachability and TLS only
       req.set_site(spec.sites[0].name);
-      v1::RegisterResponse resp;
-      grpc::Status s = stub->Register(&ctx, req, &resp);
-      if (s.error_code() == grpc::StatusCode::FAILED_PRECONDITION)
+      const absl::Status s = (*client)->Register(req, std::chrono::seconds(3)).status();
+      if (s.code() == absl::StatusCode::kFailedPrecondition)
         std::cout << "ok    coordinator at " << spec.coordinator.ToString() << " answers over mutual TLS\n";
-      else if (s.error_code() == grpc::StatusCode::UNAVAILABLE || s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED)
+      else if (s.code() == absl::StatusCode::kUnavailable || s.code() == absl::StatusCode::kDeadlineExceeded)
         std::cout << "info  no coordinator answers at " << spec.coordinator.ToString()
                   << " yet (start it with `meridian run`)\n";
       else
         report(absl::StrCat("coordinator at ", spec.coordinator.ToString()),
-               absl::UnknownError(absl::StrCat("unexpected answer: ", s.error_message())));
+               absl::UnknownError(absl::StrCat("unexpected answer: ", s.message())));
     }
   }
   std::cout << (failures ? absl::StrCat(failures, " check(s) failed") : "all checks passed") << "\n";

@@ -1,7 +1,6 @@
 #include "coordinator/inspect.h"
 
 #include <CLI/CLI.hpp>
-#include <grpcpp/grpcpp.h>
 
 #include <cstdio>
 #include <fstream>
@@ -10,26 +9,18 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
-#include "proto/meridian.grpc.pb.h"
-#include "rpc/credentials.h"
+#include "rpc/coordinator_client.h"
 
 namespace meridian::coordinator {
 
 absl::StatusOr<LiveRun> InspectCoordinator(const std::string& address, const std::string& certs_dir,
                                            const std::string& identity) {
-  auto creds = rpc::MakeChannelCredentials(certs_dir, identity);
-  if (!creds.ok()) return absl::FailedPreconditionError(std::string(creds.status().message()));
-  auto stub = v1::Coordinator::NewStub(
-      grpc::CreateCustomChannel(address, *creds, rpc::PeerChannelArguments("coordinator")));
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-  v1::InspectRequest req;
-  v1::InspectResponse resp;
-  grpc::Status s = stub->Inspect(&ctx, req, &resp);
-  if (!s.ok())
-    return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
-                        absl::StrCat("coordinator at ", address, ": ", s.error_message()));
-  return LiveRun{resp.status_json(), resp.profile_json(), resp.graph_json(), resp.plan_json()};
+  auto client = rpc::ConnectCoordinator(certs_dir, identity, address);
+  if (!client.ok()) return absl::FailedPreconditionError(std::string(client.status().message()));
+  auto resp = (*client)->Inspect(std::chrono::seconds(10));
+  if (!resp.ok())
+    return absl::Status(resp.status().code(), absl::StrCat("coordinator at ", address, ": ", resp.status().message()));
+  return LiveRun{resp->status_json(), resp->profile_json(), resp->graph_json(), resp->plan_json()};
 }
 
 namespace {

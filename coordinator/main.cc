@@ -11,10 +11,10 @@
 #include "coordinator/inspect.h"
 #include "coordinator/plan_command.h"
 #include "coordinator/run.h"
-#include "coordinator/train_local.h"
 #include "core/certs.h"
 #include "core/cluster_spec.h"
 #include "core/version.h"
+#include "model_tools/model_tools.h"
 
 namespace {
 
@@ -123,17 +123,23 @@ int main(int argc, char** argv) {
   coordinator::RunOptions run_options;
   auto* run = app.add_subcommand("run", "Start the coordinator: join the sites, profile, plan, train");
   coordinator::AddRunOptions(run, &run_options);
-  run->callback([&] { rc = coordinator::Run(run_options); });
+  run->callback([&] {
+    rc = coordinator::Run(run_options);
+    // The coordinator links no torch: the model tools export and evaluate what it trained.
+    if (rc == kExitOk)
+      rc = model_tools::AfterRun({run_options.job_path.empty() ? run_options.cluster_path : run_options.job_path,
+                                  run_options.run_dir, run_options.export_dir, run_options.eval_examples});
+  });
 
-  coordinator::TrainLocalOptions train_options;
+  model_tools::TrainLocalOptions train_options;
   auto* train = app.add_subcommand("train-local", "Train the job's whole model in this process (the reference run)");
-  coordinator::AddTrainLocalOptions(train, &train_options);
-  train->callback([&] { rc = coordinator::RunTrainLocal(train_options); });
+  model_tools::AddTrainLocalOptions(train, &train_options);
+  train->callback([&] { rc = model_tools::RunTrainLocal(train_options); });
 
-  coordinator::EvalOptions eval_options;
+  model_tools::EvalOptions eval_options;
   auto* eval = app.add_subcommand("eval", "Held-out exact-match accuracy of a model on a job's instruction data");
-  coordinator::AddEvalOptions(eval, &eval_options);
-  eval->callback([&] { rc = coordinator::RunEval(eval_options); });
+  model_tools::AddEvalOptions(eval, &eval_options);
+  eval->callback([&] { rc = model_tools::RunEval(eval_options); });
 
   coordinator::InspectOptions status_options;
   auto* status = app.add_subcommand("status", "Progress and every site's state of a running job");
@@ -145,17 +151,17 @@ int main(int argc, char** argv) {
   coordinator::AddProfileOptions(profile, &profile_options);
   profile->callback([&] { rc = coordinator::RunProfile(profile_options); });
 
-  coordinator::ExportOptions export_options;
+  model_tools::ExportOptions export_options;
   auto* exp = app.add_subcommand("export", "Write a run's trained stage shards as one HF model directory");
-  coordinator::AddExportOptions(exp, &export_options);
-  exp->callback([&] { rc = coordinator::RunExport(export_options); });
+  model_tools::AddExportOptions(exp, &export_options);
+  exp->callback([&] { rc = model_tools::RunExport(export_options); });
 
   auto* tokenizer = app.add_subcommand("tokenizer", "SentencePiece tokenizers");
   tokenizer->require_subcommand(1);
-  coordinator::TokenizerOptions tokenizer_options;
+  model_tools::TokenizerOptions tokenizer_options;
   auto* tok_train = tokenizer->add_subcommand("train", "Train a SentencePiece (unigram, byte fallback) tokenizer on text");
-  coordinator::AddTokenizerOptions(tok_train, &tokenizer_options);
-  tok_train->callback([&] { rc = coordinator::RunTokenizerTrain(tokenizer_options); });
+  model_tools::AddTokenizerOptions(tok_train, &tokenizer_options);
+  tok_train->callback([&] { rc = model_tools::RunTokenizerTrain(tokenizer_options); });
 
   coordinator::GraphCommandOptions graph_options;
   auto* graph = app.add_subcommand("graph", "Write the operator graph (graph.json) of a LLaMA-architecture config.json");

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "coordinator/inspect.h"
+#include "core/files.h"
 #include "partitioner/model.h"
 #include "partitioner/planner.h"
 
@@ -105,14 +106,12 @@ void AddGraphOptions(CLI::App* cmd, GraphCommandOptions* o) {
 }
 
 int RunGraphCommand(const GraphCommandOptions& o) {
-  std::ifstream in(o.config_path);
-  if (!in) {
-    std::cerr << "meridian graph: " << o.config_path << ": cannot open file\n";
+  auto config = core::ReadFile(o.config_path);
+  if (!config.ok()) {
+    std::cerr << "meridian graph: " << config.status().message() << "\n";
     return 2;
   }
-  std::stringstream ss;
-  ss << in.rdbuf();
-  auto shape = partitioner::ParseLlamaConfig(ss.str(), o.config_path);
+  auto shape = partitioner::ParseLlamaConfig(*config, o.config_path);
   if (!shape.ok()) {
     std::cerr << "meridian graph: " << shape.status().message() << "\n";
     return 2;

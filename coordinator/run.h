@@ -1,8 +1,8 @@
 // `meridian run CLUSTER.yaml [JOB.yaml]`: starts the coordinator, prints each site's join command, waits
 // for the executors, has them measure their devices, the model and every link, plans, sends each its
-// stage, and reports progress until the job ends; for instruction data, scores held-out exact match
-// before and after (RUN/eval.json). Exit 0 when training finished, 1 on a failure (a site
-// lost, a stage failed), 2 on invalid input.
+// stage, and reports progress until the job ends. Exit 0 when training finished, 1 on a failure (a site
+// lost, a stage failed), 2 on invalid input. (The CLI then exports and, for instruction data, scores
+// held-out exact match before and after: model_tools::AfterRun, RUN/eval.json.)
 #ifndef MERIDIAN_COORDINATOR_RUN_H_
 #define MERIDIAN_COORDINATOR_RUN_H_
 

@@ -28,6 +28,21 @@ std::string Endpoint::ToString() const {
   return absl::StrCat(host, ":", port);
 }
 
+const char* ToString(CompressionPolicy policy) {
+  switch (policy) {
+    case CompressionPolicy::kAdaptive: return "adaptive";
+    case CompressionPolicy::kNone: return "none";
+    case CompressionPolicy::kFixed: return "fixed";
+  }
+  return "?";
+}
+
+const char* ToString(CheckpointStore store) {
+  return store == CheckpointStore::kCoordinator ? "coordinator" : "shared";
+}
+
+const char* ToString(OnFailure on_failure) { return on_failure == OnFailure::kWait ? "wait" : "replan"; }
+
 const SiteSpec* ClusterSpec::FindSite(const std::string& name) const {
   for (const auto& s : sites)
     if (s.name == name) return &s;
@@ -243,6 +258,17 @@ class Checker {
     });
   }
 
+  // One of an enum's `choices`, spelled as ToString spells them.
+  template <typename E>
+  void Choice(const YAML::Node& map, const char* key, const std::string& ctx, const std::vector<E>& choices, E* out) {
+    std::vector<const char*> names;
+    for (E e : choices) names.push_back(ToString(e));
+    std::string name;
+    Choice(map, key, ctx, names, &name);
+    for (E e : choices)
+      if (name == ToString(e)) *out = e;
+  }
+
   // A quantity with a unit, parsed by `parse`; must be strictly positive.
   void Quantity(const YAML::Node& map, const char* key, const std::string& ctx, bool required,
                 absl::StatusOr<double> (*parse)(const std::string&), std::optional<double>* out) {
@@ -427,7 +453,7 @@ void ParseJob(Checker& c, const YAML::Node& n, JobSpec* j) {
     if (c.Map(o, oc, {"policy", "activations", "gradients", "topk_fraction", "error_feedback", "activation_memory",
                       "activation_spill"})) {
       CompressionSpec& cp = j->compression;
-      c.Choice(o, "policy", oc, {"adaptive", "none", "fixed"}, &cp.policy);
+      c.Choice(o, "policy", oc, {CompressionPolicy::kAdaptive, CompressionPolicy::kNone, CompressionPolicy::kFixed}, &cp.policy);
       const std::vector<const char*> codecs = {"identity", "fp16", "bf16", "int8", "int4", "int2", "topk", "topk-int8"};
       const std::vector<const char*> activation_codecs = {"identity", "fp16",      "bf16",       "int8",
                                                           "int4",     "int2",      "topk",       "topk-int8",
@@ -447,7 +473,7 @@ void ParseJob(Checker& c, const YAML::Node& n, JobSpec* j) {
     const std::string oc = "job.checkpoint";
     if (c.Map(o, oc, {"dir", "interval", "keep", "store"})) {
       c.String(o, "dir", oc, false, &j->checkpoint.dir);
-      c.Choice(o, "store", oc, {"shared", "coordinator"}, &j->checkpoint.store);
+      c.Choice(o, "store", oc, {CheckpointStore::kShared, CheckpointStore::kCoordinator}, &j->checkpoint.store);
       c.IntAs(o, "interval", oc, false, 0, 100000000, &j->checkpoint.interval);
       c.IntAs(o, "keep", oc, false, 1, 1000, &j->checkpoint.keep);
     }
@@ -635,7 +661,7 @@ SpecLoadResult ParseSpec(const std::string& text, const std::string& path) {
               c.Error(hb.Mark(), "heartbeat: timeout must be longer than interval");
           }
         }
-        c.Choice(root, "on_failure", "spec", {"replan", "wait"}, &cs.on_failure);
+        c.Choice(root, "on_failure", "spec", {OnFailure::kReplan, OnFailure::kWait}, &cs.on_failure);
         ParseSites(c, root["sites"], &cs);
         c.IntAs(root, "min_sites", "spec", false, 0, 100000, &cs.min_sites);
         if (cs.min_sites > static_cast<int>(cs.sites.size()))

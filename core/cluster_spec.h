@@ -67,8 +67,16 @@ struct OptimizerSpec {
   double grad_clip = 1.0;     // global gradient-norm clip; 0 disables
 };
 
+// The spec's choices, as enums past the parser (their YAML spellings: ToString).
+enum class CompressionPolicy { kAdaptive, kNone, kFixed };  // adaptive | none | fixed
+enum class CheckpointStore { kShared, kCoordinator };       // shared | coordinator
+enum class OnFailure { kReplan, kWait };                    // replan | wait
+const char* ToString(CompressionPolicy policy);
+const char* ToString(CheckpointStore store);
+const char* ToString(OnFailure on_failure);
+
 struct CompressionSpec {
-  std::string policy = "adaptive";  // adaptive | none | fixed
+  CompressionPolicy policy = CompressionPolicy::kAdaptive;
   std::string activations = "int8";  // codec for activations/gradients between stages when policy=fixed
   std::string gradients = "topk";    // codec for replica gradient sync when policy=fixed
   double topk_fraction = 0.01;
@@ -87,7 +95,7 @@ struct CheckpointSpec {
   // "shared": every site writes and reads `dir` (storage every site reads, for recovery). "coordinator":
   // each stage sends its shards to the coordinator (RUN/checkpoints) and a resumed stage fetches the
   // checkpoint from there; `dir` is not used by joined executors.
-  std::string store = "shared";
+  CheckpointStore store = CheckpointStore::kShared;
 };
 
 struct LoraSpec {
@@ -124,7 +132,7 @@ struct ClusterSpec {
   double heartbeat_interval_seconds = 1.0;
   double heartbeat_timeout_seconds = 5.0;
   int min_sites = 0;                // 0: wait for every site
-  std::string on_failure = "replan";  // replan | wait
+  OnFailure on_failure = OnFailure::kReplan;
   std::vector<SiteSpec> sites;
   std::vector<LinkSpec> links;
   const SiteSpec* FindSite(const std::string& name) const;

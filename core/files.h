@@ -15,6 +15,10 @@ struct evp_md_ctx_st;  // OpenSSL's EVP_MD_CTX
 
 namespace meridian::core {
 
+// The whole content of the file at `path`. NotFound when it cannot be opened, Internal when reading
+// fails; errors name the file.
+absl::StatusOr<std::string> ReadFile(const std::string& path);
+
 // Writes `data` to `path` through a temporary file beside it, fsync and rename, with `mode`: a crash
 // leaves the old file or the whole new one. Errors name the file.
 absl::Status WriteFileAtomic(const std::string& path, std::string_view data, mode_t mode = 0644);

@@ -8,34 +8,10 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "core/files.h"
 #include "core/status.h"
 
 namespace meridian::executor {
-
-absl::StatusOr<LlamaConfig> ParseLlamaConfigText(const std::string& text, const std::string& path) {
-  auto shape = partitioner::ParseLlamaConfig(text, path);
-  if (!shape.ok()) return shape.status();
-  LlamaConfig c;
-  c.shape = *shape;
-  auto j = nlohmann::json::parse(text, nullptr, false);
-  for (auto [key, out] : {std::pair<const char*, double*>{"rms_norm_eps", &c.rms_norm_eps},
-                          std::pair<const char*, double*>{"rope_theta", &c.rope_theta}}) {
-    if (!j.contains(key) || j[key].is_null()) continue;
-    if (!j[key].is_number() || j[key].get<double>() <= 0)
-      return absl::InvalidArgumentError(absl::StrCat(path, ": ", key, ": expected a positive number"));
-    *out = j[key].get<double>();
-  }
-  if (c.head_dim() % 2) return absl::InvalidArgumentError(absl::StrCat(path, ": head dimension must be even (rotary)"));
-  return c;
-}
-
-absl::StatusOr<LlamaConfig> LoadLlamaConfig(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ParseLlamaConfigText(ss.str(), path);
-}
 
 std::string OpName(const LlamaConfig& c, int op) {
   if (op == 0) return "embed";

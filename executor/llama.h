@@ -18,21 +18,15 @@
 
 #include "absl/status/statusor.h"
 #include "core/cluster_spec.h"
+#include "job/job.h"
 #include "partitioner/model.h"
 
 namespace meridian::executor {
 
-struct LlamaConfig {
-  partitioner::LlamaShape shape;
-  double rms_norm_eps = 1e-5;
-  double rope_theta = 10000.0;
-  int head_dim() const { return shape.hidden_size / shape.num_attention_heads; }
-  int num_ops() const { return 2 * shape.num_hidden_layers + 2; }
-};
-
-// Reads an HF config.json. Errors name the file and field.
-absl::StatusOr<LlamaConfig> LoadLlamaConfig(const std::string& path);
-absl::StatusOr<LlamaConfig> ParseLlamaConfigText(const std::string& text, const std::string& path);
+// The model's config.json (job/job.h reads and checks it without torch).
+using job::LlamaConfig;
+using job::LoadLlamaConfig;
+using job::ParseLlamaConfigText;
 
 std::string OpName(const LlamaConfig& c, int op);
 

@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "core/checkpoint_dir.h"
 #include "core/safetensors.h"
 #include "executor/trainer.h"
 
@@ -237,20 +238,20 @@ TEST(Checkpoints, PruneKeepsTheNewestCompleteStepsAndFindNamesTheNewestIntactOne
   }
   fs::create_directories(dir / "step-1");   // an old, incomplete attempt
   fs::create_directories(dir / "step-90");  // another run's, above the step just written
-  EXPECT_EQ(PruneCheckpoints(dir.string(), 2, 8), 2);
+  EXPECT_EQ(core::PruneCheckpoints(dir.string(), 2, 8), 2);
   for (int step : {1, 2}) EXPECT_FALSE(fs::exists(dir / ("step-" + std::to_string(step)))) << step;
   for (int step : {4, 6, 8, 90}) EXPECT_TRUE(fs::exists(dir / ("step-" + std::to_string(step)))) << step;
   fs::remove(dir / "step-90");
   // Pruning after step 4 touches nothing above step 4, and only step 4 is left at or below it.
-  EXPECT_EQ(PruneCheckpoints(dir.string(), 2, 4), 0);
-  auto found = FindLatestCheckpoint(dir.string());
+  EXPECT_EQ(core::PruneCheckpoints(dir.string(), 2, 4), 0);
+  auto found = core::FindLatestCheckpoint(dir.string());
   ASSERT_TRUE(found.ok()) << found.status();
   EXPECT_EQ(found->step, 6);  // step 8 is incomplete
   EXPECT_EQ(found->files, (std::vector<std::string>{"stage-0.safetensors", "stage-0.json", "stage-1.safetensors",
                                                     "stage-1.json"}));
   fs::resize_file(dir / "step-6" / "stage-1.safetensors", 10);  // corrupt: the step before is the newest intact
   std::string skipped;
-  found = FindLatestCheckpoint(dir.string(), &skipped);
+  found = core::FindLatestCheckpoint(dir.string(), &skipped);
   ASSERT_TRUE(found.ok());
   EXPECT_EQ(found->step, 4);
   EXPECT_THAT(skipped, ::testing::HasSubstr("checksum mismatch"));
@@ -268,7 +269,7 @@ TEST(Checkpoints, AStageLoadsOnlyTheShardsHoldingItsTensors) {
   ASSERT_TRUE(WriteCheckpoint(dir.string(), 5, 0, 2, {{"a.w", t(1)}, {"optim.m.a.w", t(2)}}).ok());
   ASSERT_TRUE(WriteCheckpoint(dir.string(), 5, 1, 2, {{"b.w", t(3)}, {"optim.v.b.w", t(4)}}).ok());
   const std::string step = (dir / "step-5").string();
-  auto shards = ShardsHolding(step, {"a.w", "optim.m.a.w", "optim.v.a.w"});
+  auto shards = core::ShardsHolding(step, {"a.w", "optim.m.a.w", "optim.v.a.w"});
   ASSERT_TRUE(shards.ok()) << shards.status();
   EXPECT_EQ(*shards, std::vector<std::string>{"stage-0.safetensors"});
   fs::remove(dir / "step-5" / "stage-1.safetensors");  // not fetched
@@ -283,7 +284,7 @@ TEST(Checkpoints, AStageLoadsOnlyTheShardsHoldingItsTensors) {
   fs::resize_file(dir / "step-5" / "stage-0.safetensors", 20);
   EXPECT_EQ(LoadCheckpointFor(step, {"a.w"}).status().code(), absl::StatusCode::kDataLoss);
   fs::remove(dir / "step-5" / "stage-1.json");  // a stage's JSON missing: no checkpoint at all
-  EXPECT_FALSE(ShardsHolding(step, {"a.w"}).ok());
+  EXPECT_FALSE(core::ShardsHolding(step, {"a.w"}).ok());
   fs::remove_all(dir);
 }
 

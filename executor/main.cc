@@ -19,13 +19,17 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/files.h"
+#include "core/run_layout.h"
 #include "core/version.h"
-#include "executor/joined.h"
+#include "executor/agent.h"
 #include "executor/options.h"
 #include "executor/profiler.h"
+#include "executor/run_stage.h"
 #include "executor/stage.h"
 #include "partitioner/model.h"
 #include "proto/meridian.grpc.pb.h"
+#include "rpc/coordinator_client.h"
 #include "rpc/credentials.h"
 
 namespace {
@@ -34,14 +38,12 @@ using namespace meridian;
 
 int RunStatic(const executor::ExecutorOptions& o, const std::string& assignment_path, const std::string& job_path,
               const std::string& out_dir, int steps, int timeout_s, bool resume) {
-  std::ifstream in(assignment_path);
-  if (!in) {
-    std::cerr << "meridian-executor: " << assignment_path << ": cannot open\n";
+  auto text = core::ReadFile(assignment_path);
+  if (!text.ok()) {
+    std::cerr << "meridian-executor: " << text.status().message() << "\n";
     return 2;
   }
-  std::stringstream ss;
-  ss << in.rdbuf();
-  auto a = executor::ParseAssignmentJson(ss.str(), assignment_path);
+  auto a = executor::ParseAssignmentJson(*text, assignment_path);
   if (!a.ok()) {
     std::cerr << "meridian-executor: " << a.status().message() << "\n";
     return 2;
@@ -58,13 +60,7 @@ int RunStatic(const executor::ExecutorOptions& o, const std::string& assignment_
   if (steps <= 0) steps = setup->job.steps;
   // Serve the peer stream: only the neighbours may send to this stage.
   rpc::TensorInbox inbox;
-  std::set<std::string> allowed;
-  if (!a->prev_site.empty()) allowed.insert(a->prev_site);
-  if (!a->next_site.empty()) allowed.insert(a->next_site);
-  for (const auto* g : {&a->prev_replicas, &a->replicas, &a->next_replicas})
-    for (const auto& site : g->sites)
-      if (site != o.site) allowed.insert(site);
-  rpc::PeerService service(o.site, allowed, &inbox);
+  rpc::PeerService service(o.site, executor::StagePeers(*a, o.site), &inbox);
   auto started = rpc::StartMtlsServer(o.certs, o.site, o.listen, {&service});
   if (!started.ok()) {
     std::cerr << "meridian-executor: " << started.status().message() << "\n";
@@ -72,48 +68,45 @@ int RunStatic(const executor::ExecutorOptions& o, const std::string& assignment_
   }
   std::unique_ptr<grpc::Server> server = std::move(*started);
   torch::Device device(o.device == "cpu" ? torch::Device(torch::kCPU) : torch::Device(o.device));
-  executor::StageWorker worker(*setup, *a, &inbox, o.certs, o.site, device, std::chrono::seconds(timeout_s));
   auto fail = [&](const absl::Status& s) {
     std::cerr << "meridian-executor: " << s.message() << "\n";
     server->Shutdown(std::chrono::system_clock::now());
     return 1;
   };
+  auto created = executor::StageWorker::Create(*setup, *a, &inbox, o.certs, o.site, device, std::chrono::seconds(timeout_s));
+  if (!created.ok()) return fail(created.status());
+  executor::StageWorker& worker = **created;
   // Checkpoints: job.checkpoint.dir (relative to the job file) every job.checkpoint.interval steps.
-  const std::string ckpt_dir = core::ResolveRelative(job_path, setup->job.checkpoint.dir);
-  const int interval = setup->job.checkpoint.interval;
-  if (interval > 0 && setup->job.checkpoint.store == "coordinator")
+  executor::StageRun run;
+  run.steps = steps;
+  run.total_steps = setup->job.steps;
+  run.checkpoint_dir = core::ResolveRelative(job_path, setup->job.checkpoint.dir);
+  run.checkpoint_interval = setup->job.checkpoint.interval;
+  run.checkpoint_keep = setup->job.checkpoint.keep;
+  if (run.checkpoint_interval > 0 && setup->job.checkpoint.store == core::CheckpointStore::kCoordinator)
     std::cerr << "meridian-executor: " << job_path << ": job.checkpoint.store: coordinator needs `meridian run`; "
-              << "without a coordinator this stage keeps its checkpoints in " << ckpt_dir << "\n";
-  int start = 0;
+              << "without a coordinator this stage keeps its checkpoints in " << run.checkpoint_dir << "\n";
   if (resume) {
-    std::string skipped;
-    auto c = executor::LoadLatestCheckpoint(ckpt_dir, &skipped);
-    if (!skipped.empty()) std::cerr << "meridian-executor: skipped " << skipped << "\n";
-    if (!c.ok()) return fail(c.status());
-    if (auto s = worker.Restore(*c); !s.ok()) return fail(s);
-    start = static_cast<int>(c->step);
-    std::cout << "resuming after step " << start << " from " << c->path << std::endl;
-    worker.ForgetCheckpointsAfter(ckpt_dir, start);
+    run.resume = [&]() -> absl::StatusOr<executor::Checkpoint> {
+      std::string skipped;
+      auto c = executor::LoadLatestCheckpoint(run.checkpoint_dir, &skipped);
+      if (!skipped.empty()) std::cerr << "meridian-executor: skipped " << skipped << "\n";
+      if (c.ok()) std::cout << "resuming after step " << c->step << " from " << c->path << std::endl;
+      return c;
+    };
+    run.forget_checkpoints_after_resume = true;
   }
-  if (auto s = worker.Connect(); !s.ok()) return fail(s);
-  for (int step = start; step < steps; ++step) {
-    const auto t0 = std::chrono::steady_clock::now();
-    auto loss = worker.Step(step, setup->job.steps);  // the schedule spans the job, whatever this run covers
-    if (!loss.ok()) return fail(loss.status());
-    if (loss->has_value()) std::cout << "step " << step << " loss " << **loss << std::endl;
+  run.on_step = [&](const executor::StepDone& d) {
+    if (d.loss) std::cout << "step " << d.step << " loss " << *d.loss << std::endl;
     std::cout << absl::StrFormat(
                      "timing step %d: %.4f s, computing %.4f s, waiting %.4f s, blocked sending %.4f s, codecs %.4f s",
-                     step, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
-                     worker.last_compute_seconds(), worker.last_wait_seconds(), worker.last_send_blocked_seconds(),
-                     worker.last_codec_seconds())
+                     d.step, d.seconds, worker.last_compute_seconds(), worker.last_wait_seconds(),
+                     worker.last_send_blocked_seconds(), worker.last_codec_seconds())
               << std::endl;
-    if (interval > 0 && (step + 1) % interval == 0 && worker.writes_shard()) {
-      if (auto s = worker.SaveCheckpoint(ckpt_dir, step + 1, setup->job.checkpoint.keep); !s.ok()) return fail(s);
-    }
-  }
-  if (auto s = worker.Finish(); !s.ok()) return fail(s);
+  };
+  if (executor::StageRunResult r = executor::RunStage(worker, run); !r.status.ok()) return fail(r.status);
   if (!out_dir.empty() && worker.writes_shard()) {
-    std::string path = absl::StrCat(out_dir, "/stage-", a->stage, ".safetensors");
+    const std::string path = (std::filesystem::path(out_dir) / core::StageShardName(a->stage)).string();
     if (auto s = executor::SaveParameters(path, worker.Parameters()); !s.ok()) return fail(s);
   }
   std::cout << "wire bytes " << worker.wire_bytes() << " raw bytes " << worker.raw_bytes() << std::endl;
@@ -226,34 +219,28 @@ int main(int argc, char** argv) {
     }
     Leave(Guarded([&] { return RunStatic(*options, assignment, job, out, steps, step_timeout, resume); }));
   }
-  auto creds = rpc::MakeChannelCredentials(options->certs, options->site);
-  if (!creds.ok()) {
-    std::cerr << "meridian-executor: bad certificate for site '" << options->site << "': " << creds.status().message()
+  auto client = rpc::ConnectCoordinator(options->certs, options->site, options->coordinator);
+  if (!client.ok()) {
+    std::cerr << "meridian-executor: bad certificate for site '" << options->site << "': " << client.status().message()
               << "\n";
     return 2;
   }
-  auto channel = grpc::CreateCustomChannel(options->coordinator, *creds, rpc::PeerChannelArguments("coordinator"));
-  auto stub = v1::Coordinator::NewStub(channel);
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(static_cast<int>(timeout * 1000)));
-  ctx.set_wait_for_ready(true);
   v1::RegisterRequest req;
   req.set_protocol_version(kProtocolVersion);
   req.set_site(options->site);
   req.set_listen_address(advertise.empty() ? options->listen : advertise);
   req.set_device(options->device);
   req.set_build_version(kVersion);
-  v1::RegisterResponse resp;
-  grpc::Status s = stub->Register(&ctx, req, &resp);
-  if (!s.ok()) {
-    std::string why = s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED
+  auto registered = (*client)->Register(req, std::chrono::milliseconds(static_cast<int>(timeout * 1000)));
+  if (!registered.ok()) {
+    std::string why = registered.status().code() == absl::StatusCode::kDeadlineExceeded
                           ? "no answer (is the coordinator running there, and do both use the same cluster CA?)"
-                          : s.error_message();
+                          : std::string(registered.status().message());
     std::cerr << "meridian-executor: cannot join the coordinator at " << options->coordinator << " as site '"
               << options->site << "': " << why << "\n";
     return 1;
   }
-  std::cout << "joined cluster '" << resp.cluster() << "' as site '" << options->site << "' (run " << resp.run_id()
-            << ")" << std::endl;
-  Leave(Guarded([&] { return executor::RunJoined(*options, resp, stub.get()); }));
+  std::cout << "joined cluster '" << registered->cluster() << "' as site '" << options->site << "' (run "
+            << registered->run_id() << ")" << std::endl;
+  Leave(Guarded([&] { return executor::Agent(*options, *registered, client->get()).Run(); }));
 }

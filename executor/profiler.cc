@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "executor/trainer.h"
 #include "gpu/probe.h"
+#include "executor/torch_boundary.h"
 
 namespace meridian::executor {
 namespace {
@@ -58,64 +59,66 @@ double AvailableMemoryBytes(torch::Device device) {
 
 absl::StatusOr<OpProfile> ProfileModel(const LlamaConfig& c, int mbs, int seq, const std::string& site_name,
                                        torch::Device device, int repeats, const core::LoraSpec& lora) {
-  if (repeats < 1) return absl::InvalidArgumentError("repeats must be at least 1");
-  OpProfile out;
-  partitioner::LlamaGraphOptions go;
-  go.micro_batch_size = mbs;
-  go.sequence_length = seq;
-  go.weight_bytes = 4;     // fp32 weights
-  go.gradient_bytes = 4;   // fp32 gradients
-  go.optimizer_bytes = 8;  // Adam m and v in fp32
-  if (lora.enabled) go.gradient_bytes = go.optimizer_bytes = 0;  // frozen base; adapters are negligible
-  go.activation_bytes = 4;
-  out.graph = partitioner::BuildLlamaGraph(c.shape, go);
-  out.site.name = site_name;
-  out.site.flops_per_second = MeasureGemmFlops(device);
-  out.site.gemm_flops_per_second["libtorch_fp32"] = out.site.flops_per_second;
-  out.site.memory_bytes = AvailableMemoryBytes(device);
-  if (device.is_cuda()) {  // cuBLAS directly, and the device's own memory
-    auto g = gpu::MeasureCublasGemm(device.index() < 0 ? 0 : device.index());
-    if (g.ok()) {
-      out.site.gemm_flops_per_second["cublas_fp32"] = g->fp32_flops_per_second;
-      if (g->tf32_flops_per_second > 0) out.site.gemm_flops_per_second["cublas_tf32"] = g->tf32_flops_per_second;
-      if (g->bf16_flops_per_second > 0) out.site.gemm_flops_per_second["cublas_bf16"] = g->bf16_flops_per_second;
-      out.site.memory_bytes = g->free_memory_bytes;
-    } else if (g.status().code() == absl::StatusCode::kFailedPrecondition && !gpu::Available()) {
-      // libtorch has CUDA but this build of Meridian was configured without the toolkit.
-      std::cerr << "meridian-executor: " << g.status().message() << "; the profile has libtorch's GEMM only\n";
-    } else {
-      return absl::Status(g.status().code(), absl::StrCat("measuring ", device.str(), " through cuBLAS: ",
-                                                          g.status().message()));
-    }
-  }
-  SyntheticData data{1, c.shape.vocab_size};
-  auto tokens = data.MicroBatch(0, 0, mbs, seq).to(device);
-  auto inputs = tokens.slice(1, 0, seq), targets = tokens.slice(1, 1, seq + 1);
-  const std::vector<int64_t> hidden = {mbs, seq, c.shape.hidden_size};
-  for (int op = 0; op < c.num_ops(); ++op) {
-    if (!CheckSlice(c, op, op).ok()) {  // a tied head cannot stand alone: time it with the embedding
-      out.site.op_seconds[OpName(c, op)] = 0;
-      continue;
-    }
-    StageModel m(c, op, op, 1, device, lora);
-    std::vector<double> times;
-    for (int r = 0; r <= repeats; ++r) {
-      torch::Tensor in = op == 0 ? inputs : torch::randn(hidden, torch::TensorOptions().device(device)).requires_grad_(true);
-      Sync(device);
-      auto t0 = Clock::now();
-      auto y = m.Forward(in);
-      if (op == c.num_ops() - 1) {
-        CrossEntropySum(y, targets, static_cast<double>(targets.numel())).backward();
-      } else if (y.requires_grad()) {  // under LoRA the embedding needs no backward pass
-        y.backward(torch::ones_like(y));
+  return GuardTorch(absl::StrCat("site '", site_name, "': profiling the model"), [&]() -> absl::StatusOr<OpProfile> {
+    if (repeats < 1) return absl::InvalidArgumentError("repeats must be at least 1");
+    OpProfile out;
+    partitioner::LlamaGraphOptions go;
+    go.micro_batch_size = mbs;
+    go.sequence_length = seq;
+    go.weight_bytes = 4;     // fp32 weights
+    go.gradient_bytes = 4;   // fp32 gradients
+    go.optimizer_bytes = 8;  // Adam m and v in fp32
+    if (lora.enabled) go.gradient_bytes = go.optimizer_bytes = 0;  // frozen base; adapters are negligible
+    go.activation_bytes = 4;
+    out.graph = partitioner::BuildLlamaGraph(c.shape, go);
+    out.site.name = site_name;
+    out.site.flops_per_second = MeasureGemmFlops(device);
+    out.site.gemm_flops_per_second["libtorch_fp32"] = out.site.flops_per_second;
+    out.site.memory_bytes = AvailableMemoryBytes(device);
+    if (device.is_cuda()) {  // cuBLAS directly, and the device's own memory
+      auto g = gpu::MeasureCublasGemm(device.index() < 0 ? 0 : device.index());
+      if (g.ok()) {
+        out.site.gemm_flops_per_second["cublas_fp32"] = g->fp32_flops_per_second;
+        if (g->tf32_flops_per_second > 0) out.site.gemm_flops_per_second["cublas_tf32"] = g->tf32_flops_per_second;
+        if (g->bf16_flops_per_second > 0) out.site.gemm_flops_per_second["cublas_bf16"] = g->bf16_flops_per_second;
+        out.site.memory_bytes = g->free_memory_bytes;
+      } else if (g.status().code() == absl::StatusCode::kFailedPrecondition && !gpu::Available()) {
+        // libtorch has CUDA but this build of Meridian was configured without the toolkit.
+        std::cerr << "meridian-executor: " << g.status().message() << "; the profile has libtorch's GEMM only\n";
+      } else {
+        return absl::Status(g.status().code(), absl::StrCat("measuring ", device.str(), " through cuBLAS: ",
+                                                            g.status().message()));
       }
-      Sync(device);
-      if (r > 0) times.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
-      for (auto& [n, p] : m.parameters()) p.mutable_grad() = torch::Tensor();
     }
-    out.site.op_seconds[OpName(c, op)] = Median(times);
-  }
-  return out;
+    SyntheticData data{1, c.shape.vocab_size};
+    auto tokens = data.MicroBatch(0, 0, mbs, seq).to(device);
+    auto inputs = tokens.slice(1, 0, seq), targets = tokens.slice(1, 1, seq + 1);
+    const std::vector<int64_t> hidden = {mbs, seq, c.shape.hidden_size};
+    for (int op = 0; op < c.num_ops(); ++op) {
+      if (!CheckSlice(c, op, op).ok()) {  // a tied head cannot stand alone: time it with the embedding
+        out.site.op_seconds[OpName(c, op)] = 0;
+        continue;
+      }
+      StageModel m(c, op, op, 1, device, lora);
+      std::vector<double> times;
+      for (int r = 0; r <= repeats; ++r) {
+        torch::Tensor in = op == 0 ? inputs : torch::randn(hidden, torch::TensorOptions().device(device)).requires_grad_(true);
+        Sync(device);
+        auto t0 = Clock::now();
+        auto y = m.Forward(in);
+        if (op == c.num_ops() - 1) {
+          CrossEntropySum(y, targets, static_cast<double>(targets.numel())).backward();
+        } else if (y.requires_grad()) {  // under LoRA the embedding needs no backward pass
+          y.backward(torch::ones_like(y));
+        }
+        Sync(device);
+        if (r > 0) times.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+        for (auto& [n, p] : m.parameters()) p.mutable_grad() = torch::Tensor();
+      }
+      out.site.op_seconds[OpName(c, op)] = Median(times);
+    }
+    return out;
+  });
 }
 
 }  // namespace meridian::executor

@@ -12,8 +12,10 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "core/checkpoint_dir.h"
 #include "core/status.h"
 #include "partitioner/planner.h"
+#include "executor/torch_boundary.h"
 
 namespace meridian::executor {
 namespace {
@@ -138,6 +140,17 @@ absl::Status ResolveReplicas(StageAssignment* a, const std::string& self, int mi
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::unique_ptr<StageWorker>> StageWorker::Create(JobSetup setup, StageAssignment a,
+                                                                 rpc::TensorInbox* inbox, std::string certs_dir,
+                                                                 std::string self, torch::Device device,
+                                                                 std::chrono::seconds step_timeout) {
+  const std::string what = absl::StrCat("stage ", a.stage, " at site '", self, "'");
+  return GuardTorch(what, [&]() -> absl::StatusOr<std::unique_ptr<StageWorker>> {
+    return std::unique_ptr<StageWorker>(new StageWorker(std::move(setup), std::move(a), inbox, std::move(certs_dir),
+                                                        std::move(self), device, step_timeout));
+  });
+}
+
 StageWorker::StageWorker(JobSetup setup, StageAssignment a, rpc::TensorInbox* inbox, std::string certs_dir,
                          std::string self, torch::Device device, std::chrono::seconds step_timeout)
     : setup_(std::move(setup)), a_(std::move(a)), inbox_(inbox), certs_(std::move(certs_dir)), self_(std::move(self)),
@@ -199,40 +212,42 @@ absl::StatusOr<std::unique_ptr<rpc::PeerClient::OutStream>> StageWorker::OpenStr
 }
 
 absl::Status StageWorker::Connect() {
-  if (!init_status_.ok()) return init_status_;
-  for (const StageSites* g : {&a_.prev_replicas, &a_.next_replicas})
-    for (size_t i = 0; i < g->sites.size(); ++i) {
-      auto stream = OpenStream(g->sites[i], g->addresses[i]);
-      if (!stream.ok()) return stream.status();
-      senders_[g->sites[i]] = std::make_unique<rpc::QueuedSender>(std::move(*stream), a_.send_queue_bytes);
-    }
-  const StageSites& R = a_.replicas;
-  if (R.sites.size() > 1) {
-    std::map<std::string, rpc::PeerClient::OutStream*> scatter, gather;
-    for (size_t i = 0; i < R.sites.size(); ++i) {
-      if (R.sites[i] == self_) continue;
-      for (auto* into : {&streams_, &replica_streams_}) {
-        auto stream = OpenStream(R.sites[i], R.addresses[i]);
+  return GuardTorch(Where(), [&]() -> absl::Status {
+    if (!init_status_.ok()) return init_status_;
+    for (const StageSites* g : {&a_.prev_replicas, &a_.next_replicas})
+      for (size_t i = 0; i < g->sites.size(); ++i) {
+        auto stream = OpenStream(g->sites[i], g->addresses[i]);
         if (!stream.ok()) return stream.status();
-        (*into)[R.sites[i]] = std::move(*stream);
+        senders_[g->sites[i]] = std::make_unique<rpc::QueuedSender>(std::move(*stream), a_.send_queue_bytes);
       }
-      scatter[R.sites[i]] = streams_[R.sites[i]].get();
-      gather[R.sites[i]] = replica_streams_[R.sites[i]].get();
+    const StageSites& R = a_.replicas;
+    if (R.sites.size() > 1) {
+      std::map<std::string, rpc::PeerClient::OutStream*> scatter, gather;
+      for (size_t i = 0; i < R.sites.size(); ++i) {
+        if (R.sites[i] == self_) continue;
+        for (auto* into : {&streams_, &replica_streams_}) {
+          auto stream = OpenStream(R.sites[i], R.addresses[i]);
+          if (!stream.ok()) return stream.status();
+          (*into)[R.sites[i]] = std::move(*stream);
+        }
+        scatter[R.sites[i]] = streams_[R.sites[i]].get();
+        gather[R.sites[i]] = replica_streams_[R.sites[i]].get();
+      }
+      GradientAverager::Options o;
+      o.job_id = a_.job_id;
+      o.stage = a_.stage;
+      o.sites = R.sites;
+      o.self = replica_;
+      o.codec = grad_codec_;
+      o.error_feedback = setup_.job.compression.error_feedback;
+      o.bucket_bytes = a_.bucket_bytes;
+      // A replica waits for its peers' whole step: each of their receives may take up to timeout_.
+      o.timeout = timeout_ * (2 * setup_.micro_batches + 2);
+      o.where = Where();
+      averager_ = std::make_unique<GradientAverager>(o, model_->parameters(), inbox_, scatter, gather);
     }
-    GradientAverager::Options o;
-    o.job_id = a_.job_id;
-    o.stage = a_.stage;
-    o.sites = R.sites;
-    o.self = replica_;
-    o.codec = grad_codec_;
-    o.error_feedback = setup_.job.compression.error_feedback;
-    o.bucket_bytes = a_.bucket_bytes;
-    // A replica waits for its peers' whole step: each of their receives may take up to timeout_.
-    o.timeout = timeout_ * (2 * setup_.micro_batches + 2);
-    o.where = Where();
-    averager_ = std::make_unique<GradientAverager>(o, model_->parameters(), inbox_, scatter, gather);
-  }
-  return absl::OkStatus();
+    return absl::OkStatus();
+  });
 }
 
 compression::ActivationStore::Options StageWorker::DeltaStore(const std::string& peer, const char* side) const {
@@ -302,242 +317,250 @@ absl::StatusOr<torch::Tensor> StageWorker::Receive(const std::string& peer, cons
 }
 
 absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t total_steps) {
-  const int M = setup_.micro_batches, mbs = setup_.micro_batch_size, seq = setup_.job.sequence_length;
-  const int64_t d = setup_.model.shape.hidden_size;
-  const std::vector<int64_t> hidden = {mbs, seq, d};
-  // Only the last stage computes the loss, so only it needs the step's count of counted targets.
-  const double normaliser = model_->has_head() ? setup_.data.StepTargets(step, M, mbs, seq) : 1.0;
-  for (auto& [n, p] : model_->parameters())
-    if (p.grad().defined()) p.mutable_grad() = torch::Tensor();
-  compute_seconds_ = wait_seconds_ = send_blocked_seconds_ = codec_seconds_ = 0;
-  auto timed = [this](auto&& fn) {
-    const auto t0 = Clock::now();
-    fn();
-    // On a GPU the kernels run asynchronously: wait for them, or their time would show up in whatever
-    // next waits for the device (a send's copy to the host, counted as codec time).
-    if (device_.is_cuda()) torch::cuda::synchronize();
-    compute_seconds_ += std::chrono::duration<double>(Clock::now() - t0).count();
-  };
-  struct Stash {
-    torch::Tensor input, output;
-  };
-  // This replica's part of the stage's 1F1B order: the entries of the micro-batches it owns.
-  std::vector<std::pair<char, int>> schedule;
-  for (auto e : partitioner::PipelineSchedule(a_.stage, a_.num_stages, M, a_.in_flight))
-    if (owner_[e.second] == replica_) schedule.push_back(e);
-  int last_backward = -1;
-  for (int i = 0; i < static_cast<int>(schedule.size()); ++i)
-    if (schedule[i].first == 'B') last_backward = i;
-  const std::string* prev = nullptr;  // the previous / next stage's site of the current micro-batch
-  const std::string* next = nullptr;
-  // The averager sends from the backward pass on: count its bytes from here.
-  const int64_t sync_wire0 = averager_ ? averager_->wire_bytes() : 0, sync_raw0 = averager_ ? averager_->raw_bytes() : 0;
-  if (averager_) averager_->BeginStep(step);
-  // A step that fails before the gradient sum completes ends the averager's step too.
-  struct AbortOnExit {
-    GradientAverager* averager;
-    ~AbortOnExit() {
-      if (averager) averager->Abort();
-    }
-  } abort_on_exit{averager_.get()};
-  std::map<int, Stash> stash;
-  double loss_sum = 0;
-  for (int i = 0; i < static_cast<int>(schedule.size()); ++i) {
-    const auto [kind, mb] = schedule[i];
-    if (!model_->has_embed()) prev = &a_.prev_replicas.sites[prev_owner_[mb]];
-    if (!model_->has_head()) next = &a_.next_replicas.sites[next_owner_[mb]];
-    if (kind == 'F') {
-      Stash s;
-      TrainingData::Batch batch;
-      std::vector<int64_t> ids;  // the micro-batch's training sequences (AQ-SGD's keys)
-      if (model_->has_embed() || model_->has_head()) batch = setup_.data.MicroBatch(step, mb, mbs, seq);
-      if (model_->has_embed()) {
-        s.input = batch.inputs.to(device_);
-      } else {
-        if (prev_delta_) ids = setup_.data.SequenceIds(step, mb, mbs);
-        auto in = Receive(*prev, {a_.job_id, step, mb, a_.stage - 1, v1::FORWARD, 0}, hidden, &ids);
-        if (!in.ok()) return in.status();
-        s.input = in->requires_grad_(true);
-      }
-      const TrainContext ctx{step, static_cast<int64_t>(mb) * mbs};
-      torch::Tensor out;
-      timed([&] {
-        out = model_->Forward(s.input, &ctx);
-        if (model_->has_head()) {
-          s.output = CrossEntropySum(out, batch.targets.to(device_), normaliser);
-          loss_sum += s.output.item<double>();
-        }
-      });
-      if (!model_->has_head()) {
-        s.output = out;
-        if (fwd_codec_.delta && ids.empty()) ids = setup_.data.SequenceIds(step, mb, mbs);
-        if (auto st = Send(*next, {a_.job_id, step, mb, a_.stage, v1::FORWARD, 0}, out, fwd_codec_, nullptr, &ids);
-            !st.ok())
-          return st;
-      }
-      stash[mb] = std::move(s);
-    } else {
-      Stash& s = stash[mb];
-      // The replica's last backward pass produces the step's final gradients: the averager's hooks send
-      // them bucket by bucket while the pass goes on.
-      if (averager_ && i == last_backward) averager_->CaptureNextBackward();
-      // Under LoRA the first stages may hold no adapter before the first one: their output then needs no
-      // gradient and their backward pass is only the receipt of the gradient.
-      if (model_->has_head()) {
-        if (s.output.requires_grad()) timed([&] { s.output.backward(); });
-      } else {
-        auto g = Receive(*next, {a_.job_id, step, mb, a_.stage + 1, v1::BACKWARD, 0}, hidden);
-        if (!g.ok()) return g.status();
-        if (s.output.requires_grad()) timed([&] { s.output.backward(*g); });
-      }
-      if (!model_->has_embed()) {
-        if (auto st = Send(*prev, {a_.job_id, step, mb, a_.stage, v1::BACKWARD, 0}, s.input.grad(), bwd_codec_,
-                           bwd_ef_.count(*prev) ? bwd_ef_[*prev].get() : nullptr);
-            !st.ok())
-          return st;
-      }
-      stash.erase(mb);
-    }
-  }
-  if (averager_) {
-    const auto t0 = Clock::now();
-    absl::Status finished = averager_->Finish();
-    wait_seconds_ += std::chrono::duration<double>(Clock::now() - t0).count();
-    abort_on_exit.averager = nullptr;  // Finish joined the threads, successful or not
-    if (!finished.ok()) return finished;
-    replica_wire_bytes_ += averager_->wire_bytes() - sync_wire0;
-    replica_raw_bytes_ += averager_->raw_bytes() - sync_raw0;
-    wire_bytes_ += averager_->wire_bytes() - sync_wire0;
-    raw_bytes_ += averager_->raw_bytes() - sync_raw0;
-    replica_buckets_ = averager_->buckets_synced();
-    replica_buckets_during_backward_ = averager_->buckets_during_backward();
-  }
-  // Global gradient norm and the step's loss. Replica 0 of each stage takes part for its stage: partial
-  // sums flow from the last stage to the first, the total back again to every replica. The values
-  // travel as float64 pairs [square sum, loss] in identity frames, with micro_batch -1 along the
-  // pipeline, -2 for a last-stage replica's loss to its replica 0, -3 from stage 0's replica 0 to its
-  // replicas.
-  // To a neighbour through its queue (behind the activations and gradients already queued for it), to a
-  // replica directly on its stream (the averager has finished with it).
-  auto send_pair = [&](const std::string& site, bool replica, int tag, double x, double loss) {
-    double v[2] = {x, loss};
-    core::TensorView view{core::DType::kUInt8, {16}, v};
-    auto frame = compression::Encode(view, compression::CodecSpec{});
-    const rpc::TensorKey key{a_.job_id, step, tag, a_.stage, v1::CONTROL, 0};
-    absl::Status s;
-    if (replica) {
+  return GuardTorch(absl::StrCat(Where(), ": step ", step + 1), [&]() -> absl::StatusOr<std::optional<double>> {
+    const int M = setup_.micro_batches, mbs = setup_.micro_batch_size, seq = setup_.job.sequence_length;
+    const int64_t d = setup_.model.shape.hidden_size;
+    const std::vector<int64_t> hidden = {mbs, seq, d};
+    // Only the last stage computes the loss, so only it needs the step's count of counted targets.
+    const double normaliser = model_->has_head() ? setup_.data.StepTargets(step, M, mbs, seq) : 1.0;
+    for (auto& [n, p] : model_->parameters())
+      if (p.grad().defined()) p.mutable_grad() = torch::Tensor();
+    compute_seconds_ = wait_seconds_ = send_blocked_seconds_ = codec_seconds_ = 0;
+    auto timed = [this](auto&& fn) {
       const auto t0 = Clock::now();
-      s = replica_streams_.at(site)->Send(key, *frame);
-      send_blocked_seconds_ += std::chrono::duration<double>(Clock::now() - t0).count();
-    } else {
-      s = senders_.at(site)->Send(key, std::move(*frame), &send_blocked_seconds_);
-    }
-    return s.ok() ? s : Annotate(s, Where());
-  };
-  auto recv_pair = [&](const std::string& peer, int from_stage, int tag) -> absl::StatusOr<std::pair<double, double>> {
-    const auto t0 = Clock::now();
-    auto f = inbox_->Wait(peer, {a_.job_id, step, tag, from_stage, v1::CONTROL, 0}, t0 + timeout_);
-    wait_seconds_ += std::chrono::duration<double>(Clock::now() - t0).count();
-    if (!f.ok()) return Annotate(f.status(), Where());
-    auto t = compression::Decode(f->data(), f->size());
-    if (!t.ok() || t->bytes.size() != 16)
-      return absl::DataLossError(absl::StrCat(Where(), ": bad gradient-norm message from peer '", peer, "'"));
-    double v[2];
-    std::memcpy(v, t->bytes.data(), 16);
-    return std::make_pair(v[0], v[1]);
-  };
-  const auto& R = a_.replicas.sites;
-  const bool first = a_.stage == 0, last = a_.stage == a_.num_stages - 1;
-  double square = 0, loss = loss_sum;
-  if (replica_ == 0) {
-    if (last)  // the other replicas' losses, in replica order
-      for (size_t j = 1; j < R.size(); ++j) {
-        auto r = recv_pair(R[j], a_.stage, -2);
-        if (!r.ok()) return r.status();
-        loss += r->second;
+      fn();
+      // On a GPU the kernels run asynchronously: wait for them, or their time would show up in whatever
+      // next waits for the device (a send's copy to the host, counted as codec time).
+      if (device_.is_cuda()) torch::cuda::synchronize();
+      compute_seconds_ += std::chrono::duration<double>(Clock::now() - t0).count();
+    };
+    struct Stash {
+      torch::Tensor input, output;
+    };
+    // This replica's part of the stage's 1F1B order: the entries of the micro-batches it owns.
+    std::vector<std::pair<char, int>> schedule;
+    for (auto e : partitioner::PipelineSchedule(a_.stage, a_.num_stages, M, a_.in_flight))
+      if (owner_[e.second] == replica_) schedule.push_back(e);
+    int last_backward = -1;
+    for (int i = 0; i < static_cast<int>(schedule.size()); ++i)
+      if (schedule[i].first == 'B') last_backward = i;
+    const std::string* prev = nullptr;  // the previous / next stage's site of the current micro-batch
+    const std::string* next = nullptr;
+    // The averager sends from the backward pass on: count its bytes from here.
+    const int64_t sync_wire0 = averager_ ? averager_->wire_bytes() : 0, sync_raw0 = averager_ ? averager_->raw_bytes() : 0;
+    if (averager_) averager_->BeginStep(step);
+    // A step that fails before the gradient sum completes ends the averager's step too.
+    struct AbortOnExit {
+      GradientAverager* averager;
+      ~AbortOnExit() {
+        if (averager) averager->Abort();
       }
-    square = GradSquareSum(model_->parameters());
-    if (!last) {
-      auto r = recv_pair(a_.next_replicas.sites[0], a_.stage + 1, -1);
-      if (!r.ok()) return r.status();
-      square += r->first;
-      loss = r->second;
+    } abort_on_exit{averager_.get()};
+    std::map<int, Stash> stash;
+    double loss_sum = 0;
+    for (int i = 0; i < static_cast<int>(schedule.size()); ++i) {
+      const auto [kind, mb] = schedule[i];
+      if (!model_->has_embed()) prev = &a_.prev_replicas.sites[prev_owner_[mb]];
+      if (!model_->has_head()) next = &a_.next_replicas.sites[next_owner_[mb]];
+      if (kind == 'F') {
+        Stash s;
+        TrainingData::Batch batch;
+        std::vector<int64_t> ids;  // the micro-batch's training sequences (AQ-SGD's keys)
+        if (model_->has_embed() || model_->has_head()) batch = setup_.data.MicroBatch(step, mb, mbs, seq);
+        if (model_->has_embed()) {
+          s.input = batch.inputs.to(device_);
+        } else {
+          if (prev_delta_) ids = setup_.data.SequenceIds(step, mb, mbs);
+          auto in = Receive(*prev, {a_.job_id, step, mb, a_.stage - 1, v1::FORWARD, 0}, hidden, &ids);
+          if (!in.ok()) return in.status();
+          s.input = in->requires_grad_(true);
+        }
+        const TrainContext ctx{step, static_cast<int64_t>(mb) * mbs};
+        torch::Tensor out;
+        timed([&] {
+          out = model_->Forward(s.input, &ctx);
+          if (model_->has_head()) {
+            s.output = CrossEntropySum(out, batch.targets.to(device_), normaliser);
+            loss_sum += s.output.item<double>();
+          }
+        });
+        if (!model_->has_head()) {
+          s.output = out;
+          if (fwd_codec_.delta && ids.empty()) ids = setup_.data.SequenceIds(step, mb, mbs);
+          if (auto st = Send(*next, {a_.job_id, step, mb, a_.stage, v1::FORWARD, 0}, out, fwd_codec_, nullptr, &ids);
+              !st.ok())
+            return st;
+        }
+        stash[mb] = std::move(s);
+      } else {
+        Stash& s = stash[mb];
+        // The replica's last backward pass produces the step's final gradients: the averager's hooks send
+        // them bucket by bucket while the pass goes on.
+        if (averager_ && i == last_backward) averager_->CaptureNextBackward();
+        // Under LoRA the first stages may hold no adapter before the first one: their output then needs no
+        // gradient and their backward pass is only the receipt of the gradient.
+        if (model_->has_head()) {
+          if (s.output.requires_grad()) timed([&] { s.output.backward(); });
+        } else {
+          auto g = Receive(*next, {a_.job_id, step, mb, a_.stage + 1, v1::BACKWARD, 0}, hidden);
+          if (!g.ok()) return g.status();
+          if (s.output.requires_grad()) timed([&] { s.output.backward(*g); });
+        }
+        if (!model_->has_embed()) {
+          if (auto st = Send(*prev, {a_.job_id, step, mb, a_.stage, v1::BACKWARD, 0}, s.input.grad(), bwd_codec_,
+                             bwd_ef_.count(*prev) ? bwd_ef_[*prev].get() : nullptr);
+              !st.ok())
+            return st;
+        }
+        stash.erase(mb);
+      }
     }
-    if (!first) {
-      if (absl::Status s = send_pair(a_.prev_replicas.sites[0], false, -1, square, loss); !s.ok()) return s;
-      auto total = recv_pair(a_.prev_replicas.sites[0], a_.stage - 1, -1);
+    if (averager_) {
+      const auto t0 = Clock::now();
+      absl::Status finished = averager_->Finish();
+      wait_seconds_ += std::chrono::duration<double>(Clock::now() - t0).count();
+      abort_on_exit.averager = nullptr;  // Finish joined the threads, successful or not
+      if (!finished.ok()) return finished;
+      replica_wire_bytes_ += averager_->wire_bytes() - sync_wire0;
+      replica_raw_bytes_ += averager_->raw_bytes() - sync_raw0;
+      wire_bytes_ += averager_->wire_bytes() - sync_wire0;
+      raw_bytes_ += averager_->raw_bytes() - sync_raw0;
+      replica_buckets_ = averager_->buckets_synced();
+      replica_buckets_during_backward_ = averager_->buckets_during_backward();
+    }
+    // Global gradient norm and the step's loss. Replica 0 of each stage takes part for its stage: partial
+    // sums flow from the last stage to the first, the total back again to every replica. The values
+    // travel as float64 pairs [square sum, loss] in identity frames, with micro_batch -1 along the
+    // pipeline, -2 for a last-stage replica's loss to its replica 0, -3 from stage 0's replica 0 to its
+    // replicas.
+    // To a neighbour through its queue (behind the activations and gradients already queued for it), to a
+    // replica directly on its stream (the averager has finished with it).
+    auto send_pair = [&](const std::string& site, bool replica, int tag, double x, double loss) {
+      double v[2] = {x, loss};
+      core::TensorView view{core::DType::kUInt8, {16}, v};
+      auto frame = compression::Encode(view, compression::CodecSpec{});
+      const rpc::TensorKey key{a_.job_id, step, tag, a_.stage, v1::CONTROL, 0};
+      absl::Status s;
+      if (replica) {
+        const auto t0 = Clock::now();
+        s = replica_streams_.at(site)->Send(key, *frame);
+        send_blocked_seconds_ += std::chrono::duration<double>(Clock::now() - t0).count();
+      } else {
+        s = senders_.at(site)->Send(key, std::move(*frame), &send_blocked_seconds_);
+      }
+      return s.ok() ? s : Annotate(s, Where());
+    };
+    auto recv_pair = [&](const std::string& peer, int from_stage, int tag) -> absl::StatusOr<std::pair<double, double>> {
+      const auto t0 = Clock::now();
+      auto f = inbox_->Wait(peer, {a_.job_id, step, tag, from_stage, v1::CONTROL, 0}, t0 + timeout_);
+      wait_seconds_ += std::chrono::duration<double>(Clock::now() - t0).count();
+      if (!f.ok()) return Annotate(f.status(), Where());
+      auto t = compression::Decode(f->data(), f->size());
+      if (!t.ok() || t->bytes.size() != 16)
+        return absl::DataLossError(absl::StrCat(Where(), ": bad gradient-norm message from peer '", peer, "'"));
+      double v[2];
+      std::memcpy(v, t->bytes.data(), 16);
+      return std::make_pair(v[0], v[1]);
+    };
+    const auto& R = a_.replicas.sites;
+    const bool first = a_.stage == 0, last = a_.stage == a_.num_stages - 1;
+    double square = 0, loss = loss_sum;
+    if (replica_ == 0) {
+      if (last)  // the other replicas' losses, in replica order
+        for (size_t j = 1; j < R.size(); ++j) {
+          auto r = recv_pair(R[j], a_.stage, -2);
+          if (!r.ok()) return r.status();
+          loss += r->second;
+        }
+      square = GradSquareSum(model_->parameters());
+      if (!last) {
+        auto r = recv_pair(a_.next_replicas.sites[0], a_.stage + 1, -1);
+        if (!r.ok()) return r.status();
+        square += r->first;
+        loss = r->second;
+      }
+      if (!first) {
+        if (absl::Status s = send_pair(a_.prev_replicas.sites[0], false, -1, square, loss); !s.ok()) return s;
+        auto total = recv_pair(a_.prev_replicas.sites[0], a_.stage - 1, -1);
+        if (!total.ok()) return total.status();
+        square = total->first;
+        loss = total->second;
+      }
+      if (!last)
+        for (const auto& site : a_.next_replicas.sites)
+          if (absl::Status s = send_pair(site, false, -1, square, loss); !s.ok()) return s;
+      if (first)
+        for (size_t j = 1; j < R.size(); ++j)
+          if (absl::Status s = send_pair(R[j], true, -3, square, loss); !s.ok()) return s;
+    } else {
+      if (last)
+        if (absl::Status s = send_pair(R[0], true, -2, 0, loss_sum); !s.ok()) return s;
+      auto total = first ? recv_pair(R[0], a_.stage, -3) : recv_pair(a_.prev_replicas.sites[0], a_.stage - 1, -1);
       if (!total.ok()) return total.status();
       square = total->first;
       loss = total->second;
     }
-    if (!last)
-      for (const auto& site : a_.next_replicas.sites)
-        if (absl::Status s = send_pair(site, false, -1, square, loss); !s.ok()) return s;
-    if (first)
-      for (size_t j = 1; j < R.size(); ++j)
-        if (absl::Status s = send_pair(R[j], true, -3, square, loss); !s.ok()) return s;
-  } else {
-    if (last)
-      if (absl::Status s = send_pair(R[0], true, -2, 0, loss_sum); !s.ok()) return s;
-    auto total = first ? recv_pair(R[0], a_.stage, -3) : recv_pair(a_.prev_replicas.sites[0], a_.stage - 1, -1);
-    if (!total.ok()) return total.status();
-    square = total->first;
-    loss = total->second;
-  }
-  timed([&] {
-    ClipByGlobalNorm(model_->parameters(), square, setup_.job.optimizer.grad_clip);
-    opt_.Step(model_->parameters(), LearningRate(setup_.job.optimizer, step, total_steps));
+    timed([&] {
+      ClipByGlobalNorm(model_->parameters(), square, setup_.job.optimizer.grad_clip);
+      opt_.Step(model_->parameters(), LearningRate(setup_.job.optimizer, step, total_steps));
+    });
+    // A write that failed after its frame was queued fails this step, not a neighbour's wait later.
+    for (const auto& [site, sender] : senders_)
+      if (absl::Status s = sender->error(); !s.ok()) return Annotate(s, Where());
+    if (first || last) return std::optional<double>(loss);
+    return std::optional<double>();
   });
-  // A write that failed after its frame was queued fails this step, not a neighbour's wait later.
-  for (const auto& [site, sender] : senders_)
-    if (absl::Status s = sender->error(); !s.ok()) return Annotate(s, Where());
-  if (first || last) return std::optional<double>(loss);
-  return std::optional<double>();
 }
 
 absl::Status StageWorker::Finish() {
-  averager_.reset();  // its streams close below
-  for (auto& [site, sender] : senders_) {  // what is still queued goes out first
-    auto r = sender->Finish();
-    if (!r.ok()) return Annotate(r.status(), Where());
-  }
-  for (auto* streams : {&streams_, &replica_streams_})
-    for (auto& [site, s] : *streams) {
-      auto r = s->Finish();
+  return GuardTorch(Where(), [&]() -> absl::Status {
+    averager_.reset();  // its streams close below
+    for (auto& [site, sender] : senders_) {  // what is still queued goes out first
+      auto r = sender->Finish();
       if (!r.ok()) return Annotate(r.status(), Where());
     }
-  return absl::OkStatus();
+    for (auto* streams : {&streams_, &replica_streams_})
+      for (auto& [site, s] : *streams) {
+        auto r = s->Finish();
+        if (!r.ok()) return Annotate(r.status(), Where());
+      }
+    return absl::OkStatus();
+  });
 }
 
 absl::Status StageWorker::SaveCheckpoint(const std::string& dir, int64_t steps_done, int keep) const {
-  std::map<std::string, torch::Tensor> all = Parameters();
-  for (auto& [k, v] : opt_.ExportState()) all[k] = v;
-  absl::Status s = WriteCheckpoint(dir, steps_done, a_.stage, a_.num_stages, all);
-  if (!s.ok()) return Annotate(s, absl::StrCat(Where(), ": checkpoint"));
-  if (keep > 0 && a_.stage == 0 && writes_shard()) {
-    std::string problems;
-    PruneCheckpoints(dir, keep, steps_done, &problems);
-    if (!problems.empty()) std::cerr << "meridian-executor: " << Where() << ": checkpoints: " << problems << "\n";
-  }
-  return absl::OkStatus();
+  return GuardTorch(absl::StrCat(Where(), ": checkpoint of step ", steps_done), [&]() -> absl::Status {
+    std::map<std::string, torch::Tensor> all = Parameters();
+    for (auto& [k, v] : opt_.ExportState()) all[k] = v;
+    absl::Status s = WriteCheckpoint(dir, steps_done, a_.stage, a_.num_stages, all);
+    if (!s.ok()) return Annotate(s, absl::StrCat(Where(), ": checkpoint"));
+    if (keep > 0 && a_.stage == 0 && writes_shard()) {
+      std::string problems;
+      core::PruneCheckpoints(dir, keep, steps_done, &problems);
+      if (!problems.empty()) std::cerr << "meridian-executor: " << Where() << ": checkpoints: " << problems << "\n";
+    }
+    return absl::OkStatus();
+  });
 }
 
 void StageWorker::ForgetCheckpointsAfter(const std::string& dir, int64_t step) const {
   if (a_.stage != 0 || !writes_shard()) return;
   std::string problems;
-  RemoveCheckpointsAbove(dir, step, &problems);
+  core::RemoveCheckpointsAbove(dir, step, &problems);
   if (!problems.empty()) std::cerr << "meridian-executor: " << Where() << ": checkpoints: " << problems << "\n";
 }
 
 absl::Status StageWorker::Restore(const Checkpoint& c) {
-  if (absl::Status s = model_->Load(c.tensors); !s.ok())
-    return Annotate(s, absl::StrCat(Where(), ": restoring from ", c.path));
-  std::map<std::string, torch::Tensor> mine;
-  for (const auto& [name, p] : model_->parameters())
-    for (const char* kind : {"optim.m.", "optim.v."})
-      if (auto it = c.tensors.find(kind + name); it != c.tensors.end()) mine[it->first] = it->second.to(device_);
-  opt_.ImportState(mine, c.step);
-  return absl::OkStatus();
+  return GuardTorch(absl::StrCat(Where(), ": restoring ", c.path), [&]() -> absl::Status {
+    if (absl::Status s = model_->Load(c.tensors); !s.ok())
+      return Annotate(s, absl::StrCat(Where(), ": restoring from ", c.path));
+    std::map<std::string, torch::Tensor> mine;
+    for (const auto& [name, p] : model_->parameters())
+      for (const char* kind : {"optim.m.", "optim.v."})
+        if (auto it = c.tensors.find(kind + name); it != c.tensors.end()) mine[it->first] = it->second.to(device_);
+    opt_.ImportState(mine, c.step);
+    return absl::OkStatus();
+  });
 }
 
 std::set<std::string> StageWorker::CheckpointTensorNames() const {

@@ -67,10 +67,17 @@ absl::Status ResolveReplicas(StageAssignment* a, const std::string& self, int mi
 // then a subsequence of a deadlock-free single-pipeline order, so the replicated pipeline cannot
 // deadlock. Sends to the neighbouring stages go through a rpc::QueuedSender per neighbour: the compute
 // thread encodes a tensor and queues its frame, and waits only when that neighbour's queue is full.
+//
+// Every public entry returns a Status: libtorch's exceptions are caught at its edge (torch_boundary.h).
 class StageWorker {
  public:
-  StageWorker(JobSetup setup, StageAssignment assignment, rpc::TensorInbox* inbox, std::string certs_dir,
-              std::string self, torch::Device device, std::chrono::seconds step_timeout);
+  // Builds the stage's slice of the model on `device`. A failure that needs the network or the weights
+  // (bad codecs, replicas, weights that do not load) is reported by Connect(); an exception while
+  // building (the slice does not fit in memory) is returned here.
+  static absl::StatusOr<std::unique_ptr<StageWorker>> Create(JobSetup setup, StageAssignment assignment,
+                                                             rpc::TensorInbox* inbox, std::string certs_dir,
+                                                             std::string self, torch::Device device,
+                                                             std::chrono::seconds step_timeout);
   // Where AQ-SGD's activation spill files go (delta codecs, compression/activation_delta.h); default: the
   // system's temporary directory (TMPDIR). Call before the first Step.
   void set_scratch_dir(std::string dir) { scratch_dir_ = std::move(dir); }
@@ -118,6 +125,8 @@ class StageWorker {
   int64_t replica_buckets_during_backward() const { return replica_buckets_during_backward_; }
 
  private:
+  StageWorker(JobSetup setup, StageAssignment assignment, rpc::TensorInbox* inbox, std::string certs_dir,
+              std::string self, torch::Device device, std::chrono::seconds step_timeout);
   // `ids`: the micro-batch's training sequences, one per row (activations under a delta codec).
   absl::Status Send(const std::string& peer, const rpc::TensorKey& key, const torch::Tensor& t,
                     const compression::CodecSpec& codec, compression::ErrorFeedback* ef,

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/safetensors.h"
+#include "executor/torch_boundary.h"
 
 namespace meridian::executor {
 
@@ -143,179 +144,162 @@ double ClipByGlobalNorm(const std::vector<std::pair<std::string, torch::Tensor>>
   return norm;
 }
 
-std::string FindWeightsFile(const std::string& dir, bool adapters) {
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  for (const char* name : {"model.safetensors.index.json", "model.safetensors", "adapter_model.safetensors",
-                           "adapter/adapter_model.safetensors"}) {
-    if (!adapters && std::string(name).find("adapter") != std::string::npos) break;
-    if (fs::exists(fs::path(dir) / name, ec)) return (fs::path(dir) / name).string();
-  }
-  return "";
-}
+namespace {
 
-absl::StatusOr<JobSetup> PrepareJob(const core::JobSpec& job, const std::string& job_path) {
+JobSetup SetupOf(const job::JobInputs& in) {
   JobSetup s;
-  s.job = job;
-  const std::string model_dir = core::ResolveRelative(job_path, job.model);
-  auto cfg = LoadLlamaConfig(model_dir + "/config.json");
-  if (!cfg.ok()) return absl::InvalidArgumentError(absl::StrCat(job_path, ": job.model: ", cfg.status().message()));
-  s.model = *cfg;
-  s.model_dir = model_dir;
-  s.micro_batches = job.micro_batches > 0 ? job.micro_batches : std::min(job.global_batch, 4);
-  if (job.global_batch % s.micro_batches != 0)
-    return absl::InvalidArgumentError(absl::StrCat(job_path, ": job.micro_batches ", s.micro_batches,
-                                                   " does not divide job.global_batch ", job.global_batch));
-  s.micro_batch_size = job.global_batch / s.micro_batches;
-  s.weights = FindWeightsFile(model_dir);
-  if (job.data.empty() || job.data == "synthetic") {
-    s.data = TrainingData(SyntheticData{job.seed, s.model.shape.vocab_size});
-    return s;
-  }
-  const std::string tok_path = job.tokenizer.empty() ? model_dir + "/tokenizer.model"
-                                                     : core::ResolveRelative(job_path, job.tokenizer);
-  auto tok = data::Tokenizer::Load(tok_path);
-  if (!tok.ok()) return absl::InvalidArgumentError(absl::StrCat(job_path, ": job.tokenizer: ", tok.status().message()));
-  if ((*tok)->vocab_size() > s.model.shape.vocab_size)
-    return absl::InvalidArgumentError(absl::StrCat(job_path, ": job.tokenizer: ", tok_path, " has ", (*tok)->vocab_size(),
-                                                   " pieces but the model's vocab_size is ", s.model.shape.vocab_size));
-  const std::string data_path = core::ResolveRelative(job_path, job.data);
-  auto dataset = data::Dataset::Build(data_path, **tok,
-                                      data::DatasetOptions{job.sequence_length, job.seed, job.eval_fraction});
-  if (!dataset.ok())
-    return absl::InvalidArgumentError(absl::StrCat(job_path, ": job.data: ", dataset.status().message()));
-  s.tokenizer = std::shared_ptr<const data::Tokenizer>(std::move(*tok));
-  s.tokenizer_path = tok_path;
-  s.data = TrainingData(std::shared_ptr<const data::Dataset>(std::move(*dataset)), job.global_batch);
+  s.job = in.job;
+  s.model = in.model;
+  s.model_dir = in.model_dir;
+  s.weights = in.weights;
+  s.micro_batches = in.micro_batches;
+  s.micro_batch_size = in.micro_batch_size;
+  s.tokenizer = in.tokenizer;
+  s.tokenizer_path = in.tokenizer_path;
+  s.data = in.dataset ? TrainingData(in.dataset, in.job.global_batch)
+                      : TrainingData(SyntheticData{in.job.seed, in.model.shape.vocab_size});
   return s;
 }
 
+}  // namespace
+
+absl::StatusOr<JobSetup> PrepareJob(const core::JobSpec& job, const std::string& job_path) {
+  auto in = job::PrepareJobInputs(job, job_path);
+  if (!in.ok()) return in.status();
+  return SetupOf(*in);
+}
+
 absl::StatusOr<JobSetup> LoadJob(const std::string& job_path) {
-  auto spec = core::LoadSpecFile(job_path);
-  if (!spec.errors.empty()) {
-    std::string all;
-    for (const auto& d : spec.errors) all += (all.empty() ? "" : "\n") + d.ToString();
-    return absl::InvalidArgumentError(all);
-  }
-  if (!spec.spec->job) return absl::InvalidArgumentError(absl::StrCat(job_path, ": has no 'job' section"));
-  return PrepareJob(*spec.spec->job, job_path);
+  auto in = job::LoadJobInputs(job_path);
+  if (!in.ok()) return in.status();
+  return SetupOf(*in);
 }
 
 absl::StatusOr<TrainResult> TrainLocal(const JobSetup& setup, int steps, torch::Device device,
                                        const std::function<void(int, double)>& on_step) {
-  const LlamaConfig& c = setup.model;
-  auto built = BuildStageModel(setup, 0, c.num_ops() - 1, device);  // checks the slice
-  if (!built.ok()) return built.status();
-  StageModel& model = **built;
-  AdamW opt(setup.job.optimizer);
-  TrainResult r;
-  const int seq = setup.job.sequence_length;
-  for (int step = 0; step < steps; ++step) {
-    const double normaliser = setup.data.StepTargets(step, setup.micro_batches, setup.micro_batch_size, seq);
-    for (auto& [n, p] : model.parameters())
-      if (p.grad().defined()) p.mutable_grad() = torch::Tensor();
-    double loss_sum = 0;
-    for (int m = 0; m < setup.micro_batches; ++m) {
-      auto batch = setup.data.MicroBatch(step, m, setup.micro_batch_size, seq);
-      const TrainContext ctx{step, static_cast<int64_t>(m) * setup.micro_batch_size};
-      auto loss = CrossEntropySum(model.Forward(batch.inputs.to(device), &ctx), batch.targets.to(device), normaliser);
-      if (!loss.requires_grad())
-        return absl::InvalidArgumentError("job.lora.target_modules: no projection of the model has an adapter");
-      loss.backward();
-      loss_sum += loss.item<double>();
+  return GuardTorch("training", [&]() -> absl::StatusOr<TrainResult> {
+    const LlamaConfig& c = setup.model;
+    auto built = BuildStageModel(setup, 0, c.num_ops() - 1, device);  // checks the slice
+    if (!built.ok()) return built.status();
+    StageModel& model = **built;
+    AdamW opt(setup.job.optimizer);
+    TrainResult r;
+    const int seq = setup.job.sequence_length;
+    for (int step = 0; step < steps; ++step) {
+      const double normaliser = setup.data.StepTargets(step, setup.micro_batches, setup.micro_batch_size, seq);
+      for (auto& [n, p] : model.parameters())
+        if (p.grad().defined()) p.mutable_grad() = torch::Tensor();
+      double loss_sum = 0;
+      for (int m = 0; m < setup.micro_batches; ++m) {
+        auto batch = setup.data.MicroBatch(step, m, setup.micro_batch_size, seq);
+        const TrainContext ctx{step, static_cast<int64_t>(m) * setup.micro_batch_size};
+        auto loss = CrossEntropySum(model.Forward(batch.inputs.to(device), &ctx), batch.targets.to(device), normaliser);
+        if (!loss.requires_grad())
+          return absl::InvalidArgumentError("job.lora.target_modules: no projection of the model has an adapter");
+        loss.backward();
+        loss_sum += loss.item<double>();
+      }
+      ClipByGlobalNorm(model.parameters(), GradSquareSum(model.parameters()), setup.job.optimizer.grad_clip);
+      opt.Step(model.parameters(), LearningRate(setup.job.optimizer, step, setup.job.steps));
+      r.losses.push_back(loss_sum);
+      if (on_step) on_step(step, loss_sum);
     }
-    ClipByGlobalNorm(model.parameters(), GradSquareSum(model.parameters()), setup.job.optimizer.grad_clip);
-    opt.Step(model.parameters(), LearningRate(setup.job.optimizer, step, setup.job.steps));
-    r.losses.push_back(loss_sum);
-    if (on_step) on_step(step, loss_sum);
-  }
-  for (const auto& [n, p] : model.parameters()) r.parameters[n] = p.detach().cpu();
-  return r;
+    for (const auto& [n, p] : model.parameters()) r.parameters[n] = p.detach().cpu();
+    return r;
+  });
 }
 
 absl::StatusOr<std::unique_ptr<StageModel>> BuildStageModel(const JobSetup& setup, int first_op, int last_op,
                                                             torch::Device device) {
-  if (absl::Status s = CheckSlice(setup.model, first_op, last_op); !s.ok()) return s;
-  auto model = std::make_unique<StageModel>(setup.model, first_op, last_op, setup.job.seed, device, setup.job.lora);
-  if (setup.weights.empty()) return model;
-  std::vector<std::string> names;
-  for (const auto& [name, p] : model->base_parameters()) names.push_back(name);
-  auto w = LoadWeights(setup.weights, names);
-  if (!w.ok()) return w.status();
-  if (absl::Status s = model->LoadBase(*w); !s.ok())
-    return absl::InvalidArgumentError(absl::StrCat(setup.weights, ": ", s.message()));
-  return model;
+  return GuardTorch(absl::StrCat("building ops ", first_op, "-", last_op, " of the model"), [&]() -> absl::StatusOr<std::unique_ptr<StageModel>> {
+    if (absl::Status s = CheckSlice(setup.model, first_op, last_op); !s.ok()) return s;
+    auto model = std::make_unique<StageModel>(setup.model, first_op, last_op, setup.job.seed, device, setup.job.lora);
+    if (setup.weights.empty()) return model;
+    std::vector<std::string> names;
+    for (const auto& [name, p] : model->base_parameters()) names.push_back(name);
+    auto w = LoadWeights(setup.weights, names);
+    if (!w.ok()) return w.status();
+    if (absl::Status s = model->LoadBase(*w); !s.ok())
+      return absl::InvalidArgumentError(absl::StrCat(setup.weights, ": ", s.message()));
+    return model;
+  });
 }
 
 absl::StatusOr<std::map<std::string, torch::Tensor>> LoadWeights(const std::string& path,
                                                                  const std::vector<std::string>& names) {
-  const std::string index_suffix = ".index.json";
-  if (path.size() <= index_suffix.size() || path.compare(path.size() - index_suffix.size(), index_suffix.size(), index_suffix) != 0) {
-    auto all = LoadParameters(path);
-    if (!all.ok() || names.empty()) return all;
-    std::map<std::string, torch::Tensor> out;
-    for (const auto& n : names)
-      if (auto it = all->find(n); it != all->end()) out[n] = it->second;
-    return out;
-  }
-  // Sharded: {"weight_map": {"tensor name": "shard file", ...}}.
-  std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
-  nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
-  if (j.is_discarded() || !j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
-    return absl::InvalidArgumentError(absl::StrCat(path, ": expected a JSON object with a 'weight_map' object"));
-  std::map<std::string, std::vector<std::string>> by_shard;
-  for (auto& [name, shard] : j["weight_map"].items()) {
-    if (!shard.is_string()) return absl::InvalidArgumentError(absl::StrCat(path, ": weight_map['", name, "'] is not a file name"));
-    const std::string file = shard.get<std::string>();
-    if (file.find('/') != std::string::npos || file.find("..") != std::string::npos)
-      return absl::InvalidArgumentError(absl::StrCat(path, ": weight_map['", name, "']: shard '", file, "' is not a plain file name"));
-    if (names.empty() || std::find(names.begin(), names.end(), name) != names.end()) by_shard[file].push_back(name);
-  }
-  std::map<std::string, torch::Tensor> out;
-  const std::string dir = std::filesystem::path(path).parent_path().string();
-  for (const auto& [file, wanted] : by_shard) {
-    auto shard = LoadParameters(dir + "/" + file);
-    if (!shard.ok()) return shard.status();
-    for (const auto& n : wanted) {
-      auto it = shard->find(n);
-      if (it == shard->end())
-        return absl::InvalidArgumentError(absl::StrCat(path, ": '", n, "' is mapped to ", file, ", which does not hold it"));
-      out[n] = it->second;
+  return GuardTorch(absl::StrCat("loading ", path), [&]() -> absl::StatusOr<std::map<std::string, torch::Tensor>> {
+    const std::string index_suffix = ".index.json";
+    if (path.size() <= index_suffix.size() || path.compare(path.size() - index_suffix.size(), index_suffix.size(), index_suffix) != 0) {
+      auto all = LoadParameters(path);
+      if (!all.ok() || names.empty()) return all;
+      std::map<std::string, torch::Tensor> out;
+      for (const auto& n : names)
+        if (auto it = all->find(n); it != all->end()) out[n] = it->second;
+      return out;
     }
-  }
-  return out;
+    // Sharded: {"weight_map": {"tensor name": "shard file", ...}}.
+    std::ifstream in(path);
+    if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
+    nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
+    if (j.is_discarded() || !j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
+      return absl::InvalidArgumentError(absl::StrCat(path, ": expected a JSON object with a 'weight_map' object"));
+    std::map<std::string, std::vector<std::string>> by_shard;
+    for (auto& [name, shard] : j["weight_map"].items()) {
+      if (!shard.is_string()) return absl::InvalidArgumentError(absl::StrCat(path, ": weight_map['", name, "'] is not a file name"));
+      const std::string file = shard.get<std::string>();
+      if (file.find('/') != std::string::npos || file.find("..") != std::string::npos)
+        return absl::InvalidArgumentError(absl::StrCat(path, ": weight_map['", name, "']: shard '", file, "' is not a plain file name"));
+      if (names.empty() || std::find(names.begin(), names.end(), name) != names.end()) by_shard[file].push_back(name);
+    }
+    std::map<std::string, torch::Tensor> out;
+    const std::string dir = std::filesystem::path(path).parent_path().string();
+    for (const auto& [file, wanted] : by_shard) {
+      auto shard = LoadParameters(dir + "/" + file);
+      if (!shard.ok()) return shard.status();
+      for (const auto& n : wanted) {
+        auto it = shard->find(n);
+        if (it == shard->end())
+          return absl::InvalidArgumentError(absl::StrCat(path, ": '", n, "' is mapped to ", file, ", which does not hold it"));
+        out[n] = it->second;
+      }
+    }
+    return out;
+  });
 }
 
 absl::Status SaveParameters(const std::string& path, const std::map<std::string, torch::Tensor>& params) {
-  core::SafetensorsFile f;
-  for (const auto& [name, t] : params) {
-    auto c = t.detach().to(torch::kCPU, torch::kFloat32).contiguous();
-    core::Tensor ct;
-    ct.dtype = core::DType::kFloat32;
-    ct.shape.assign(c.sizes().begin(), c.sizes().end());
-    ct.bytes.resize(c.numel() * 4);
-    std::memcpy(ct.bytes.data(), c.data_ptr<float>(), ct.bytes.size());
-    f.tensors[name] = std::move(ct);
-  }
-  f.metadata["format"] = "pt";
-  std::error_code ec;
-  std::filesystem::create_directories(std::filesystem::path(path).parent_path(), ec);
-  return core::WriteSafetensors(path, f);
+  return GuardTorch(absl::StrCat("writing ", path), [&]() -> absl::Status {
+    core::SafetensorsFile f;
+    for (const auto& [name, t] : params) {
+      auto c = t.detach().to(torch::kCPU, torch::kFloat32).contiguous();
+      core::Tensor ct;
+      ct.dtype = core::DType::kFloat32;
+      ct.shape.assign(c.sizes().begin(), c.sizes().end());
+      ct.bytes.resize(c.numel() * 4);
+      std::memcpy(ct.bytes.data(), c.data_ptr<float>(), ct.bytes.size());
+      f.tensors[name] = std::move(ct);
+    }
+    f.metadata["format"] = "pt";
+    std::error_code ec;
+    std::filesystem::create_directories(std::filesystem::path(path).parent_path(), ec);
+    return core::WriteSafetensors(path, f);
+  });
 }
 
 absl::StatusOr<std::map<std::string, torch::Tensor>> LoadParameters(const std::string& path) {
-  auto f = core::ReadSafetensors(path);
-  if (!f.ok()) return f.status();
-  std::map<std::string, torch::Tensor> out;
-  for (auto& [name, t] : f->tensors) {
-    if (t.dtype != core::DType::kFloat32 && t.dtype != core::DType::kBFloat16 && t.dtype != core::DType::kFloat16)
-      return absl::InvalidArgumentError(absl::StrCat(path, ": tensor '", name, "' is not a float tensor"));
-    auto dtype = t.dtype == core::DType::kFloat32 ? torch::kFloat32
-                 : t.dtype == core::DType::kBFloat16 ? torch::kBFloat16 : torch::kFloat16;
-    out[name] = torch::from_blob(t.bytes.data(), t.shape, dtype).to(torch::kFloat32).clone();
-  }
-  return out;
+  return GuardTorch(absl::StrCat("loading ", path), [&]() -> absl::StatusOr<std::map<std::string, torch::Tensor>> {
+    auto f = core::ReadSafetensors(path);
+    if (!f.ok()) return f.status();
+    std::map<std::string, torch::Tensor> out;
+    for (auto& [name, t] : f->tensors) {
+      if (t.dtype != core::DType::kFloat32 && t.dtype != core::DType::kBFloat16 && t.dtype != core::DType::kFloat16)
+        return absl::InvalidArgumentError(absl::StrCat(path, ": tensor '", name, "' is not a float tensor"));
+      auto dtype = t.dtype == core::DType::kFloat32 ? torch::kFloat32
+                   : t.dtype == core::DType::kBFloat16 ? torch::kBFloat16 : torch::kFloat16;
+      out[name] = torch::from_blob(t.bytes.data(), t.shape, dtype).to(torch::kFloat32).clone();
+    }
+    return out;
+  });
 }
 
 }  // namespace meridian::executor

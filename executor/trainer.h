@@ -104,14 +104,12 @@ struct JobSetup {
   int micro_batches = 1;
 };
 
-// Validates a job for training: model config readable, micro-batches dividing the batch, the data and
-// tokenizer readable and the tokenizer's vocabulary within the model's. Errors name the file and field.
+// Validates a job for training (job::PrepareJobInputs: model config readable, micro-batches dividing the
+// batch, the data and tokenizer readable and the tokenizer's vocabulary within the model's) and builds its
+// training data. Errors name the file and field.
 absl::StatusOr<JobSetup> PrepareJob(const core::JobSpec& job, const std::string& job_path);
 
-// The weights file of an HF model directory: model.safetensors.index.json (sharded) before
-// model.safetensors; with `adapters`, then a PEFT adapter_model.safetensors in `dir` or `dir`/adapter.
-// Empty when there is none.
-std::string FindWeightsFile(const std::string& dir, bool adapters = false);
+using job::FindWeightsFile;
 
 // Reads a YAML file with a 'job' section and prepares it (PrepareJob). Errors carry the file's
 // located diagnostics (FILE:LINE:COL: error: ...) or name the missing section.

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "core/files.h"
 
 namespace meridian::partitioner {
 namespace {
@@ -68,13 +69,7 @@ absl::Status OnlyKeys(const json& obj, const std::set<std::string>& allowed, con
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::string> ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open file"));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+using core::ReadFile;
 
 #define RETURN_IF(expr)                 \
   do {                                  \

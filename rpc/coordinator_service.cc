@@ -4,31 +4,26 @@
 #include <cstdio>
 #include <fstream>
 #include <memory>
-#include <regex>
 
 #include "absl/strings/str_cat.h"
 #include "core/files.h"
+#include "core/run_layout.h"
 #include "core/version.h"
 #include "rpc/credentials.h"
+#include "rpc/status.h"
 
 namespace meridian::rpc {
 namespace {
 
-grpc::Status ToGrpc(const absl::Status& s) {
-  return {static_cast<grpc::StatusCode>(s.code()), std::string(s.message())};
-}
 
 constexpr size_t kMaxFileChunkBytes = size_t{4} << 20;
 
 // The files sites may send (PutFile) and fetch (GetFile), relative to the run directory.
 bool IsCheckpointFile(const std::string& path) {
-  static const std::regex kCheckpoint("checkpoints/step-[1-9][0-9]{0,8}/stage-[0-9]{1,6}\\.(safetensors|json)");
-  return std::regex_match(path, kCheckpoint);
+  auto f = core::ParseSiteFile(path);
+  return f && f->kind != core::SiteFile::Kind::kWeights;
 }
-bool IsRunFile(const std::string& path) {
-  static const std::regex kWeights("weights/stage-[0-9]{1,6}\\.safetensors");
-  return std::regex_match(path, kWeights) || IsCheckpointFile(path);
-}
+bool IsRunFile(const std::string& path) { return core::ParseSiteFile(path).has_value(); }
 
 
 }  // namespace

@@ -8,17 +8,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/certs.h"
+#include "core/files.h"
 
 namespace meridian::rpc {
 namespace {
 
-absl::StatusOr<std::string> Read(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+absl::StatusOr<std::string> Read(const std::string& path) { return core::ReadFile(path); }
 
 struct Material {
   std::string ca, cert, key;

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "compression/codec.h"
 #include "rpc/credentials.h"
+#include "rpc/status.h"
 
 namespace meridian::rpc {
 namespace {
@@ -18,9 +19,6 @@ TensorKey KeyOf(const v1::TensorChunk& c) {
   return {c.job_id(), c.step(), c.micro_batch(), c.stage(), c.direction(), c.tensor_index()};
 }
 
-absl::Status FromGrpc(const grpc::Status& s, const std::string& what) {
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), absl::StrCat(what, ": ", s.error_message()));
-}
 
 }  // namespace
 
@@ -81,10 +79,20 @@ size_t TensorInbox::pending() const {
 PeerService::PeerService(std::string self, std::set<std::string> allowed_peers, TensorInbox* inbox)
     : self_(std::move(self)), allowed_(std::move(allowed_peers)), inbox_(inbox) {}
 
+void PeerService::SetAllowedPeers(std::set<std::string> allowed_peers) {
+  std::lock_guard<std::mutex> l(allowed_mu_);
+  allowed_ = std::move(allowed_peers);
+}
+
 grpc::Status PeerService::Authorise(grpc::ServerContext* ctx, std::string* peer) {
   *peer = PeerCommonName(*ctx);
   if (peer->empty()) return {grpc::StatusCode::UNAUTHENTICATED, "no verified client certificate"};
-  if (!allowed_.count(*peer))
+  bool allowed;
+  {
+    std::lock_guard<std::mutex> l(allowed_mu_);
+    allowed = allowed_.count(*peer) > 0;
+  }
+  if (!allowed)
     return {grpc::StatusCode::PERMISSION_DENIED,
             absl::StrCat("'", *peer, "' may not stream tensors to '", self_, "'")};
   authorised_calls_++;

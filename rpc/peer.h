@@ -72,6 +72,9 @@ class TensorInbox {
 class PeerService final : public v1::Peer::Service {
  public:
   PeerService(std::string self, std::set<std::string> allowed_peers, TensorInbox* inbox);
+  // Replaces who is served from now on (a joined executor narrows it to its stage's peers while it runs
+  // an assignment); streams already open go on.
+  void SetAllowedPeers(std::set<std::string> allowed_peers);
   grpc::Status Stream(grpc::ServerContext* ctx, grpc::ServerReader<v1::TensorChunk>* reader,
                       v1::StreamAck* ack) override;
   grpc::Status Echo(grpc::ServerContext* ctx, const v1::Ping* req, v1::Ping* resp) override;
@@ -85,7 +88,8 @@ class PeerService final : public v1::Peer::Service {
  private:
   grpc::Status Authorise(grpc::ServerContext* ctx, std::string* peer);
   std::string self_;
-  std::set<std::string> allowed_;
+  std::mutex allowed_mu_;
+  std::set<std::string> allowed_;  // guarded by allowed_mu_
   TensorInbox* inbox_;
   std::atomic<int64_t> bytes_received_{0};
   std::atomic<int64_t> authorised_calls_{0};

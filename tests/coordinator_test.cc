@@ -23,6 +23,7 @@ namespace {
 namespace fs = std::filesystem;
 using ::testing::ContainsRegex;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using testing::Process;
 using namespace std::chrono_literals;
 
@@ -227,6 +228,35 @@ TEST_F(CoordinatorTest, PinnedPlanWithAReplicatedStageMatchesTheReference) {
   EXPECT_TRUE(fs::exists(dir_ / "ckpt" / "step-4" / "stage-0.json"));
   EXPECT_TRUE(fs::exists(dir_ / "ckpt" / "step-4" / "stage-1.json"));
   ExpectWeightsOfTheReference(dir_);
+}
+
+// A libtorch exception at a site (here the model does not fit in memory while the site measures it)
+// comes back to the coordinator as the site's error, at once -- not through the heartbeat timeout, set
+// to a minute here -- and the executor neither terminates nor hangs: it stops when told to.
+TEST_F(CoordinatorTest, ATorchFailureAtASiteIsReportedAtOnceAndTheExecutorSurvivesIt) {
+  SetSteps(3);
+  std::ofstream(dir_ / "model" / "config.json")  // a 2^20 x 2^24 embedding: 64 TiB
+      << R"({"vocab_size": 1048576, "hidden_size": 16777216, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2})";
+  {
+    std::string text;
+    std::ifstream in(dir_ / "cluster.yaml");
+    text.assign(std::istreambuf_iterator<char>(in), {});
+    text.replace(text.find("timeout: 4s"), 11, "timeout: 60s");
+    std::ofstream(dir_ / "cluster.yaml") << text;
+  }
+  auto coord = Coordinator();
+  auto a = Executor("a"), b = Executor("b"), c = Executor("c");
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_EQ(coord->Wait(40s), 1) << coord->ReadAll(1s);  // well before a heartbeat could have said anything
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 40s);
+  const std::string log = coord->ReadAll(1s);
+  EXPECT_THAT(log, HasSubstr("meridian run: site 'a' could not profile: site 'a': profiling the model: out of memory"));
+  EXPECT_THAT(log, HasSubstr("you tried to allocate 70368744177664 bytes"));
+  for (auto* e : {a.get(), b.get(), c.get()}) {
+    EXPECT_EQ(e->Wait(30s), 0);  // stopped by the coordinator, not killed by std::terminate
+    EXPECT_THAT(e->ReadAll(1s), Not(HasSubstr("terminate")));
+  }
 }
 
 TEST_F(CoordinatorTest, JoinsThatCannotSucceedFailFastWithOneMessage) {

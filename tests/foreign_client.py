@@ -34,7 +34,7 @@ def main():
     p.add_argument("--ca")
     p.add_argument("--cert")
     p.add_argument("--key")
-    p.add_argument("--version", type=int, default=1)
+    p.add_argument("--version", type=int, default=2)  # core/version.h: kProtocolVersion
     a = p.parse_args()
     root = open(a.ca, "rb").read() if a.ca else None
     key = open(a.key, "rb").read() if a.key else None

@@ -1,4 +1,4 @@
-#include "coordinator/train_local.h"
+#include "model_tools/model_tools.h"
 
 #include <CLI/CLI.hpp>
 
@@ -6,13 +6,15 @@
 #include <fstream>
 #include <iostream>
 
+#include "core/files.h"
+#include "core/run_layout.h"
 #include "data/data.h"
 #include "executor/evaluate.h"
 #include "executor/export.h"
 #include "executor/trainer.h"
 #include "nlohmann/json.hpp"
 
-namespace meridian::coordinator {
+namespace meridian::model_tools {
 
 void AddTrainLocalOptions(CLI::App* cmd, TrainLocalOptions* o) {
   cmd->add_option("JOB", o->job_path, "Job spec (YAML with a 'job' section)")->required();
@@ -148,4 +150,61 @@ int RunTokenizerTrain(const TokenizerOptions& o) {
   return 0;
 }
 
-}  // namespace meridian::coordinator
+namespace {
+
+// Held-out exact match of the initial model and of the trained one (the stage shards in RUN/weights);
+// prints one line and writes RUN/eval.json.
+absl::Status EvaluateRun(const executor::JobSetup& setup, const std::string& run_dir, int max_examples) {
+  auto trained = executor::LoadStageShards((std::filesystem::path(run_dir) / core::kWeightsDir).string());
+  if (!trained.ok()) return trained.status();
+  auto before = executor::EvaluateExactMatch(setup, {}, torch::kCPU, max_examples);
+  if (!before.ok()) return before.status();
+  auto after = executor::EvaluateExactMatch(setup, *trained, torch::kCPU, max_examples);
+  if (!after.ok()) return after.status();
+  std::printf("held-out exact match: %.1f%% before -> %.1f%% after training (%d examples)\n", 100 * before->accuracy(),
+              100 * after->accuracy(), after->examples);
+  for (int i = 0; i < std::min<int>(3, static_cast<int>(after->samples.size())); ++i)
+    std::printf("  %s -> '%s' (expected '%s')\n", after->samples[i].prompt.c_str(), after->samples[i].generated.c_str(),
+                after->samples[i].expected.c_str());
+  nlohmann::json j = {{"examples", after->examples},
+                      {"accuracy_before", before->accuracy()},
+                      {"accuracy_after", after->accuracy()}};
+  for (const auto& s : after->samples)
+    j["samples"].push_back({{"prompt", s.prompt}, {"expected", s.expected}, {"generated", s.generated}, {"correct", s.correct}});
+  return core::WriteFileAtomic((std::filesystem::path(run_dir) / core::kEvalFile).string(), j.dump(2) + "\n");
+}
+
+}  // namespace
+
+int AfterRun(const AfterRunOptions& o) {
+  const bool evaluate = o.eval_examples > 0;
+  if (o.export_dir.empty() && !evaluate) return 0;
+  auto setup = executor::LoadJob(o.job_path);
+  if (!setup.ok()) {  // the coordinator validated it before training: it changed since
+    std::cerr << "meridian run: " << setup.status().message() << "\n";
+    return 1;
+  }
+  int rc = 0;
+  if (!o.export_dir.empty()) {
+    auto trained = executor::LoadStageShards((std::filesystem::path(o.run_dir) / core::kWeightsDir).string());
+    absl::Status s = trained.ok() ? executor::ExportHfModel(*setup, *trained, o.export_dir) : trained.status();
+    if (!s.ok()) {
+      std::cerr << "meridian run: export failed: " << s.message() << "\n";
+      rc = 1;
+    } else {
+      std::printf("exported the model to %s (model.safetensors + config.json%s%s)\n", o.export_dir.c_str(),
+                  setup->tokenizer ? " + tokenizer.model" : "",
+                  setup->job.lora.enabled ? "; LoRA merged, PEFT adapter in adapter/" : "");
+    }
+  }
+  if (const data::Dataset* d = setup->data.dataset(); d && !d->held_out().empty() && evaluate) {
+    if (absl::Status s = EvaluateRun(*setup, o.run_dir, o.eval_examples); !s.ok()) {
+      std::cerr << "meridian run: evaluation failed: " << s.message() << "\n";
+      rc = 1;
+    }
+  }
+  std::fflush(stdout);
+  return rc;
+}
+
+}  // namespace meridian::model_tools

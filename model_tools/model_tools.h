@@ -1,4 +1,5 @@
-// Model tools that run in this process:
+// The `meridian` subcommands that run the model in this process (libtorch, through executor/); the
+// coordinator links none of them:
 // - `meridian train-local JOB.yaml --steps K --out DIR`: the single-process reference trainer, which every
 //   distributed run must match (same model, data and seed). DIR becomes an HF model directory:
 //   model.safetensors, config.json and (for text jobs) tokenizer.model; LoRA jobs also write the PEFT
@@ -7,8 +8,9 @@
 //   adapter on the job's base model) on the job's data.
 // - `meridian export JOB.yaml --weights RUN/weights --out DIR`: a run's stage shards as an HF directory.
 // - `meridian tokenizer train --input FILE... --vocab-size N --out DIR`: a SentencePiece tokenizer.
-#ifndef MERIDIAN_COORDINATOR_TRAIN_LOCAL_H_
-#define MERIDIAN_COORDINATOR_TRAIN_LOCAL_H_
+// - after `meridian run` has trained: --export and the held-out evaluation (AfterRun).
+#ifndef MERIDIAN_MODEL_TOOLS_MODEL_TOOLS_H_
+#define MERIDIAN_MODEL_TOOLS_MODEL_TOOLS_H_
 
 #include <string>
 #include <vector>
@@ -17,7 +19,7 @@ namespace CLI {
 class App;
 }
 
-namespace meridian::coordinator {
+namespace meridian::model_tools {
 
 struct TrainLocalOptions {
   std::string job_path, out_dir, device = "cpu";
@@ -49,6 +51,16 @@ struct TokenizerOptions {
 void AddTokenizerOptions(CLI::App* cmd, TokenizerOptions* options);
 int RunTokenizerTrain(const TokenizerOptions& options);
 
-}  // namespace meridian::coordinator
+// What `meridian run` does once the coordinator has finished a job: with `export_dir`, writes the run's
+// stage shards (RUN/weights) as one HF model directory there; for instruction data with a held-out split
+// and `eval_examples` > 0, scores held-out exact match of the initial and the trained model, prints one
+// line and writes RUN/eval.json. Returns 0, or 1 when either fails (with a message on stderr).
+struct AfterRunOptions {
+  std::string job_path, run_dir, export_dir;
+  int eval_examples = 0;
+};
+int AfterRun(const AfterRunOptions& options);
 
-#endif  // MERIDIAN_COORDINATOR_TRAIN_LOCAL_H_
+}  // namespace meridian::model_tools
+
+#endif  // MERIDIAN_MODEL_TOOLS_MODEL_TOOLS_H_

@@ -1,0 +1,614 @@
+#include "coordinator/run_machine.h"
+
+#include <algorithm>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "compression/activation_delta.h"
+#include "core/run_layout.h"
+#include "partitioner/schedule.h"
+
+namespace meridian::coordinator {
+namespace {
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+Clock::duration After(double seconds) {
+  return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+}
+
+// "'a', 'b'"
+std::string Quoted(const std::vector<std::string>& names) {
+  std::string out;
+  for (const auto& n : names) out += (out.empty() ? "'" : ", '") + n + "'";
+  return out;
+}
+
+}  // namespace
+
+RunMachine::RunMachine(RunConfig config) : c_(std::move(config)) {
+  for (const auto& s : c_.spec.sites) sites_[s.name];
+  resume_ = c_.resume;
+}
+
+std::vector<Action> RunMachine::Handle(const Event& event) {
+  out_.clear();
+  now_ = event.now;
+  if (phase_ == Phase::kFinished) return {};
+  std::visit(
+      [&](const auto& e) {
+        using T = std::decay_t<decltype(e)>;
+        if constexpr (std::is_same_v<T, RunStarted>) {
+          started_ = true;
+          join_deadline_ = c_.join_timeout_seconds > 0 ? now_ + After(c_.join_timeout_seconds) : Clock::time_point::max();
+          if (Registered() >= (c_.spec.min_sites > 0 ? static_cast<size_t>(c_.spec.min_sites) : c_.spec.sites.size()))
+            StartProfiling();
+        } else if constexpr (std::is_same_v<T, SiteRegistered>) {
+          OnRegistered(e);
+        } else if constexpr (std::is_same_v<T, ProfileReported>) {
+          OnProfile(e);
+        } else if constexpr (std::is_same_v<T, MetricsReported>) {
+          OnMetrics(e);
+        } else if constexpr (std::is_same_v<T, StageReportedDone>) {
+          OnDone(e);
+        } else if constexpr (std::is_same_v<T, HeartbeatLost>) {
+          OnLost(e);
+        } else if constexpr (std::is_same_v<T, HeartbeatBack>) {
+          OnBack(e);
+        } else {
+          OnTick();
+        }
+      },
+      event.what);
+  return std::move(out_);
+}
+
+size_t RunMachine::Registered() const {
+  size_t n = 0;
+  for (const auto& [name, s] : sites_) n += s.registered;
+  return n;
+}
+
+std::vector<std::string> RunMachine::Silent() const {
+  std::vector<std::string> out;
+  for (const auto& [name, s] : sites_)
+    if (s.registered && s.silent) out.push_back(name);
+  return out;
+}
+
+// ---- Joining and profiling ----
+
+void RunMachine::OnRegistered(const SiteRegistered& e) {
+  auto it = sites_.find(e.site);
+  if (it == sites_.end()) return;  // the service admits only the spec's sites
+  SiteState& s = it->second;
+  s.registered = true;
+  s.listen = e.listen;  // a restarted executor may listen elsewhere
+  s.device = e.device;  // (silence is the heartbeats' to end: HeartbeatBack follows a re-registration)
+  Out(LogSite{e.site, absl::StrCat("joined: listens on ", e.listen, ", device ", e.device)});
+  const size_t need = c_.spec.min_sites > 0 ? static_cast<size_t>(c_.spec.min_sites) : c_.spec.sites.size();
+  if (phase_ == Phase::kJoining && started_ && Registered() >= need) StartProfiling();
+}
+
+void RunMachine::StartProfiling() {
+  for (const auto& [name, s] : sites_)
+    if (s.registered) joined_.push_back(name);
+  Say(absl::StrCat(joined_.size(), " sites joined; measuring devices, the model and the links\n"));
+  phase_ = Phase::kProfiling;
+  for (const auto& site : joined_) {
+    v1::Command c;
+    auto* p = c.mutable_profile();
+    p->set_job_yaml(c_.job_yaml);
+    p->set_job_dir(c_.job_dir);
+    p->set_probe_seconds(1.0);
+    p->set_repeats(c_.profile_repeats);
+    for (const auto& other : joined_)
+      if (other > site) {  // each pair once: the lexicographically smaller site probes both directions
+        auto* peer = p->add_peers();
+        peer->set_site(other);
+        peer->set_address(sites_[other].listen);
+      }
+    Out(LogSite{site, "asked to measure its device, the model and its links"});
+    Out(SendCommand{site, std::move(c)});
+  }
+}
+
+void RunMachine::OnProfile(const ProfileReported& e) {
+  const v1::ProfileReport& r = e.report;
+  if (!sites_.count(r.site())) return;
+  Out(LogSite{r.site(), r.error().empty() ? "measured its device, the model per op and its links"
+                                          : absl::StrCat("measuring failed: ", r.error())});
+  if (phase_ != Phase::kProfiling) return;
+  profiles_[r.site()] = r;
+  for (const auto& site : joined_)
+    if (!profiles_.count(site)) return;
+  if (absl::Status s = FinishProfiling(); !s.ok()) return Fail(std::string(s.message()));
+  StartAttempt();
+}
+
+// Every joined site's measurements, with the spec's link overrides: RUN/profile.json and graph.json.
+absl::Status RunMachine::FinishProfiling() {
+  for (const auto& [name, p] : profiles_) {
+    if (!p.error().empty()) return absl::InternalError(absl::StrCat("site '", name, "' could not profile: ", p.error()));
+    auto one = partitioner::ParseProfileJson(absl::StrCat("{\"sites\": [", p.site_profile_json(), "]}"),
+                                             absl::StrCat("profile of site '", name, "'"));
+    if (!one.ok()) return one.status();
+    profile_.sites.push_back(one->sites[0]);
+    graph_json_ = p.graph_json();
+    auto links = nlohmann::json::parse(p.links_json(), nullptr, false);
+    if (links.is_array())
+      for (const auto& l : links) {
+        if (!l.is_object() || !l.contains("from") || !l["from"].is_string() || !l.contains("to") ||
+            !l["to"].is_string() || !l.contains("bandwidth_bytes_per_second") ||
+            !l["bandwidth_bytes_per_second"].is_number() || !l.contains("latency_seconds") ||
+            !l["latency_seconds"].is_number())
+          return absl::InvalidArgumentError(absl::StrCat("site '", name, "' reported a malformed link: ", l.dump()));
+        profile_.links.push_back({l["from"], l["to"], l["bandwidth_bytes_per_second"], l["latency_seconds"]});
+      }
+  }
+  for (const auto& l : c_.spec.links) {
+    if (!l.override_measurement) continue;
+    for (auto& pl : profile_.links)
+      if ((pl.from == l.from && pl.to == l.to) || (l.symmetric && pl.from == l.to && pl.to == l.from)) {
+        if (l.bandwidth_bytes_per_second) pl.bandwidth_bytes_per_second = *l.bandwidth_bytes_per_second;
+        if (l.rtt_seconds) pl.latency_seconds = *l.rtt_seconds / 2;
+      }
+  }
+  std::string lines;
+  for (const auto& site : profile_.sites) {
+    double model = 0;
+    for (const auto& [op, secs] : site.op_seconds) model += secs;
+    absl::StrAppendFormat(&lines, "  site %-10s %8.1f GFLOP/s GEMM, model forward+backward %8.1f ms per micro-batch\n",
+                          site.name, site.flops_per_second / 1e9, model * 1e3);
+  }
+  for (const auto& l : profile_.links)
+    absl::StrAppendFormat(&lines, "  link %-10s -> %-10s %8.1f Mbit/s, %6.1f ms one way\n", l.from, l.to,
+                          l.bandwidth_bytes_per_second * 8 / 1e6, l.latency_seconds * 1e3);
+  Say(lines);
+  Out(WriteRunFile{core::kProfileFile, partitioner::ProfileToJson(profile_)});
+  Out(WriteRunFile{core::kGraphFile, graph_json_});
+  auto graph = partitioner::ParseGraphJson(graph_json_, "graph.json from the executors");
+  if (!graph.ok()) return graph.status();
+  graph_ = std::move(*graph);
+  // A file a site sends holds at most the model's training state (weights and AdamW moments, within
+  // param_bytes + optimizer_bytes of the graph) plus its header: twice that bounds it.
+  double state_bytes = 0;
+  for (const auto& op : graph_.ops) state_bytes += op.param_bytes + op.optimizer_bytes;
+  max_file_bytes_ = static_cast<int64_t>(2 * state_bytes) + (int64_t{64} << 20);
+  t0_ = now_;
+  return absl::OkStatus();
+}
+
+// ---- Attempts ----
+
+void RunMachine::StartAttempt() {
+  if (absl::Status s = PlanAttempt(); !s.ok()) return Fail(std::string(s.message()));
+  // A new attempt first: from now on no file of the one before lands (FindResumePoint cleans up).
+  job_id_ = attempts_ == 0 ? c_.run_id : absl::StrCat(c_.run_id, "-", attempts_);
+  ++attempts_;
+  attempt_ = Attempt();
+  progress_step_ = -1;
+  std::map<std::string, int> writers;  // replica 0 of each stage sends its weights and checkpoint shards
+  for (size_t k = 0; k < plan_->stages.size(); ++k) writers[plan_->stages[k].site_names[0]] = static_cast<int>(k);
+  Out(BeginAttempt{job_id_, std::move(writers), c_.steps, max_file_bytes_});
+  if (absl::Status s = FindResumePoint(); !s.ok()) return Fail(std::string(s.message()));
+  Assign();
+  phase_ = Phase::kTraining;
+}
+
+// Plans over the sites not lost: the partitioner's plan, the --split even ablation, or --plan's pinned
+// layout (dropped, with a message, once it names a lost site). Prints the table, writes RUN/plan.json.
+absl::Status RunMachine::PlanAttempt() {
+  const core::JobSpec& job = c_.job;
+  const int ops = static_cast<int>(graph_.ops.size());
+  partitioner::ClusterProfile live;
+  for (const auto& site : profile_.sites)
+    if (!lost_.count(site.name)) live.sites.push_back(site);
+  for (const auto& l : profile_.links)
+    if (!lost_.count(l.from) && !lost_.count(l.to)) live.links.push_back(l);
+  partitioner::PlanOptions po;
+  po.micro_batches = c_.micro_batches;
+  po.adaptive_compression = job.compression.policy == core::CompressionPolicy::kAdaptive;
+  po.deep_pipeline = true;
+  if (c_.revisit_fraction) po.link_codecs = partitioner::DefaultLinkCodecs(*c_.revisit_fraction);
+  po.replication = job.replication && !c_.even_split;
+  if (c_.even_split) {
+    const int n = std::min<int>(static_cast<int>(live.sites.size()), ops);
+    for (const auto& site : c_.spec.sites)
+      for (size_t i = 0; i < live.sites.size(); ++i)
+        if (live.sites[i].name == site.name && static_cast<int>(po.fixed_sites.size()) < n)
+          po.fixed_sites.push_back(static_cast<int>(i));
+    po.fixed_last_ops = partitioner::EvenCuts(ops, static_cast<int>(po.fixed_sites.size()));
+  }
+  std::vector<partitioner::PinnedStage>& pinned = c_.pinned;
+  if (!pinned.empty()) {
+    auto index = [&](const std::string& name) {
+      for (size_t i = 0; i < live.sites.size(); ++i)
+        if (live.sites[i].name == name) return static_cast<int>(i);
+      return -1;
+    };
+    std::string missing;
+    for (const auto& st : pinned)
+      for (const auto& site : st.sites)
+        if (index(site) < 0 && missing.empty()) missing = site;
+    if (!missing.empty()) {
+      Say(absl::StrCat("plan: the pinned plan (", c_.plan_path, ") uses site '", missing,
+                       "', which is lost; planning over the sites left\n"));
+      pinned.clear();
+    } else {
+      if (pinned.back().last_op != ops - 1)
+        return absl::InvalidArgumentError(absl::StrCat(c_.plan_path, ": the last stage ends at op ",
+                                                       pinned.back().last_op, ", but the job's model has ", ops,
+                                                       " ops (0-", ops - 1, ")"));
+      po.replication = false;
+      for (const auto& st : pinned) {
+        po.fixed_sites.push_back(index(st.sites[0]));
+        po.fixed_last_ops.push_back(st.last_op);
+        po.fixed_replicas.emplace_back();
+        for (size_t r = 1; r < st.sites.size(); ++r) po.fixed_replicas.back().push_back(index(st.sites[r]));
+      }
+    }
+  }
+  auto planned = partitioner::PlanPipeline(graph_, live, po);
+  if (!planned.ok()) return planned.status();
+  std::vector<int> depth;  // the executors' schedules deadlock if a later stage keeps more in flight
+  for (const auto& s : planned->stages) depth.push_back(s.in_flight);
+  if (!partitioner::InFlightIsDeadlockFree(depth))
+    return absl::InternalError("the plan's in-flight depths increase along the pipeline (a planner bug)");
+  plan_ = std::move(*planned);
+  Say(partitioner::PlanTable(*plan_, graph_, live));
+  const std::string plan_json = partitioner::PlanJson(*plan_, graph_);
+  Out(WriteRunFile{core::kPlanFile, plan_json});
+  Out(PublishRunInfo{partitioner::ProfileToJson(live), graph_json_, plan_json});
+  return absl::OkStatus();
+}
+
+// Where the stages resume, when they do: with job.checkpoint.store: shared each loads the newest intact
+// checkpoint of the shared directory itself (step -1); with store: coordinator the machine picks the
+// newest complete, intact step of RUN/checkpoints and names its files, which the stages fetch.
+absl::Status RunMachine::FindResumePoint() {
+  resume_step_ = resume_ ? -1 : 0;
+  resume_files_.clear();
+  if (!resume_ || c_.job.checkpoint.store != core::CheckpointStore::kCoordinator) return absl::OkStatus();
+  std::string skipped;
+  auto found = c_.find_checkpoint ? c_.find_checkpoint(&skipped)
+                                  : absl::StatusOr<core::CheckpointFiles>(absl::NotFoundError("no checkpoint store"));
+  if (!found.ok())
+    return absl::NotFoundError(absl::StrCat("cannot resume: ", found.status().message(),
+                                            " (job.checkpoint.store: coordinator keeps checkpoints in RUN/checkpoints)"));
+  if (!skipped.empty()) Say(absl::StrCat("checkpoints skipped: ", skipped, "\n"));
+  resume_step_ = found->step;
+  for (const auto& f : found->files) resume_files_.push_back(core::CheckpointFile(found->step, f));
+  Out(RemoveCheckpointsAbove{found->step});
+  Say(absl::StrCat("resuming from step ", found->step, " of the coordinator's checkpoints (", found->path, ")\n"));
+  return absl::OkStatus();
+}
+
+// Sends every site of the plan (every replica of every stage) its assignment for the attempt.
+void RunMachine::Assign() {
+  const core::JobSpec& job = c_.job;
+  const auto& st = plan_->stages;
+  // Codecs: the plan's (adaptive), the job's (fixed), or none.
+  auto fixed = [&](const std::string& codec) {  // the job's top-k fraction goes with a top-k codec
+    return codec.rfind("topk", 0) == 0 ? absl::StrCat(codec, ":k=", job.compression.topk_fraction) : codec;
+  };
+  auto link_codec = [&](size_t link) {
+    if (job.compression.policy == core::CompressionPolicy::kFixed) return fixed(job.compression.activations);
+    if (job.compression.policy == core::CompressionPolicy::kNone) return std::string("identity");
+    return plan_->links[link].codec;
+  };
+  // Gradients to the previous stage: the link's codec, but AQ-SGD's deltas are for activations only:
+  // behind int8-delta the gradients go as int8, behind int4-delta and int2-delta as int4.
+  auto gradient_link_codec = [&](size_t link) { return compression::GradientCodecBehind(link_codec(link)); };
+  auto gradient_codec = [&](size_t k) {
+    if (job.compression.policy == core::CompressionPolicy::kFixed) return fixed(job.compression.gradients);
+    if (job.compression.policy == core::CompressionPolicy::kNone || st[k].gradient_codec.empty())
+      return std::string("identity");
+    return st[k].gradient_codec;
+  };
+  auto group = [&](size_t k, v1::StageSites* g) {
+    for (size_t i = 0; i < st[k].site_names.size(); ++i) {
+      auto* p = g->add_sites();
+      p->set_site(st[k].site_names[i]);
+      p->set_address(sites_[st[k].site_names[i]].listen);
+      g->add_micro_batches(st[k].micro_batches[i]);
+    }
+  };
+  for (size_t k = 0; k < st.size(); ++k) {
+    for (const auto& site : st[k].site_names) {  // every replica of the stage gets the same assignment
+      v1::Command c;
+      auto* a = c.mutable_assign();
+      a->set_job_id(job_id_);
+      a->set_stage(static_cast<int>(k));
+      a->set_num_stages(static_cast<int>(st.size()));
+      a->set_first_op(st[k].first_op);
+      a->set_last_op(st[k].last_op);
+      attempt_.used.insert(site);
+      for (const auto& r : st[k].site_names) a->add_replicas(r);
+      group(k, a->mutable_this_stage());
+      a->set_gradient_codec(gradient_codec(k));
+      if (k > 0) {
+        a->set_prev_site(st[k - 1].site_names[0]);
+        a->set_prev_address(sites_[st[k - 1].site_names[0]].listen);
+        a->set_backward_codec(gradient_link_codec(k - 1));
+        a->set_prev_forward_codec(link_codec(k - 1));
+        group(k - 1, a->mutable_prev_stage());
+      }
+      if (k + 1 < st.size()) {
+        a->set_next_site(st[k + 1].site_names[0]);
+        a->set_next_address(sites_[st[k + 1].site_names[0]].listen);
+        a->set_forward_codec(link_codec(k));
+        group(k + 1, a->mutable_next_stage());
+      }
+      a->set_micro_batches(c_.micro_batches);
+      a->set_in_flight(st[k].in_flight);
+      a->set_job_yaml(c_.job_yaml);
+      a->set_job_dir(c_.job_dir);
+      a->set_steps(c_.steps);
+      a->set_weights_to_coordinator(true);  // RUN/weights/stage-K.safetensors, through PutFile
+      a->set_checkpoints_to_coordinator(job.checkpoint.store == core::CheckpointStore::kCoordinator);
+      a->set_resume_step(resume_step_);  // 0 afresh; -1 each stage loads the newest intact checkpoint; S
+      for (const auto& f : resume_files_) a->add_resume_files(f);
+      Out(LogSite{site, absl::StrCat("assigned stage ", k + 1, "/", st.size(), " (ops ", st[k].first_op, "-",
+                                     st[k].last_op, ") of job ", job_id_,
+                                     k > 0 ? absl::StrCat(", after '", st[k - 1].site_names[0], "'") : "",
+                                     k + 1 < st.size() ? absl::StrCat(", before '", st[k + 1].site_names[0], "'") : "",
+                                     resume_step_ != 0 ? ", resuming from the newest checkpoint" : "")});
+      Out(SendCommand{site, std::move(c)});
+    }
+  }
+  Say(absl::StrCat("training: ", st.size(), " stages, ", c_.steps, " steps",
+                   !resume_            ? ""
+                   : resume_step_ > 0  ? absl::StrCat(", resuming from step ", resume_step_, " (the coordinator's checkpoints)")
+                                       : ", resuming from the newest intact checkpoint",
+                   "\n"));
+}
+
+// ---- Supervision ----
+
+void RunMachine::OnMetrics(const MetricsReported& e) {
+  const v1::MetricsReport& r = e.report;
+  if (!sites_.count(r.site())) return;
+  if (r.job_id() != job_id_ || job_id_.empty()) return;  // an abandoned attempt's
+  const std::string parts = absl::StrFormat(
+      "%.2f s (%.2f s computing, %.2f s waiting, %.3f s blocked sending, %.3f s codecs), %d bytes sent (%d "
+      "uncompressed)",
+      r.step_seconds(), r.compute_seconds(), r.wait_seconds(), r.send_blocked_seconds(), r.codec_seconds(),
+      r.wire_bytes(), r.raw_bytes());
+  Out(LogSite{r.site(), r.stage() == 0 ? absl::StrFormat("step %d: loss %.4f, %s", r.step() + 1, r.loss(), parts)
+                                       : absl::StrFormat("step %d: %s", r.step() + 1, parts)});
+  attempt_.metrics[r.site()] = r;
+  if (r.stage() != 0 || r.step() <= progress_step_) return;
+  progress_step_ = r.step();
+  last_loss_ = r.loss();
+  tokens_ += r.tokens();
+  ReportStep(r);
+  // The coordinator's checkpoint store keeps job.checkpoint.keep complete steps (the stages prune a
+  // shared directory themselves).
+  const auto& ck = c_.job.checkpoint;
+  if (ck.store == core::CheckpointStore::kCoordinator && ck.interval > 0) {
+    const int64_t newest = (r.step() + 1) / ck.interval * ck.interval;
+    if (newest > pruned_at_) {
+      pruned_at_ = newest;
+      Out(PruneCheckpoints{ck.keep, newest});
+    }
+  }
+}
+
+// The progress line: the slowest site (most compute in its latest step), the bytes the stages sent in
+// this attempt, how long the slowest site waited for its peers and the longest any stage was blocked by
+// a send; RUN/metrics.jsonl has the same and each stage's breakdown ("stages").
+void RunMachine::ReportStep(const v1::MetricsReport& p) {
+  const double el = Seconds(now_ - t0_);
+  std::string slowest;
+  double slowest_seconds = 0, slowest_wait = 0, most_blocked = 0;
+  int64_t wire = 0, raw = 0;
+  nlohmann::json stages = nlohmann::json::array();
+  for (const auto& [name, m] : attempt_.metrics) {
+    if (!attempt_.used.count(name)) continue;
+    wire += m.wire_bytes();
+    raw += m.raw_bytes();
+    if (m.compute_seconds() > slowest_seconds)
+      slowest = name, slowest_seconds = m.compute_seconds(), slowest_wait = m.wait_seconds();
+    most_blocked = std::max(most_blocked, m.send_blocked_seconds());
+    stages.push_back({{"site", name},
+                      {"stage", m.stage()},
+                      {"step", m.step() + 1},
+                      {"step_seconds", m.step_seconds()},
+                      {"compute_seconds", m.compute_seconds()},
+                      {"wait_seconds", m.wait_seconds()},
+                      {"send_blocked_seconds", m.send_blocked_seconds()},
+                      {"codec_seconds", m.codec_seconds()}});
+  }
+  Say(absl::StrFormat(
+      "step %d/%d  loss %.4f  %.0f tokens/s  %.2f s/step  ETA %.0f s  slowest %s (%.2f s compute)  "
+      "WAN %.1f MB (%.0f%% of uncompressed)  waiting %.2f s  send-blocked %.3f s\n",
+      p.step() + 1, c_.steps, p.loss(), el > 0 ? tokens_ / el : 0.0, p.step_seconds(),
+      p.step_seconds() * (c_.steps - p.step() - 1), slowest.empty() ? "-" : slowest, slowest_seconds, wire / 1e6,
+      raw ? 100.0 * wire / raw : 100.0, slowest_wait, most_blocked));
+  Out(WriteRunFile{core::kMetricsFile,
+                   nlohmann::json{{"step", p.step() + 1},
+                                  {"loss", p.loss()},
+                                  {"step_seconds", p.step_seconds()},
+                                  {"tokens", tokens_},
+                                  {"elapsed_seconds", el},
+                                  {"attempt", attempts_ - 1},
+                                  {"slowest_site", slowest},
+                                  {"slowest_compute_seconds", slowest_seconds},
+                                  {"wire_bytes", wire},
+                                  {"raw_bytes", raw},
+                                  {"stages", stages}}
+                           .dump() +
+                       "\n",
+                   /*append=*/true});
+}
+
+void RunMachine::OnDone(const StageReportedDone& e) {
+  const v1::StageDone& d = e.done;
+  if (!sites_.count(d.site())) return;
+  if (d.job_id() != job_id_ || job_id_.empty()) {
+    Out(LogSite{d.site(), absl::StrCat("abandoned attempt ", d.job_id(), " ended", d.error().empty() ? "" : ": ",
+                                       d.error())});
+    return;
+  }
+  attempt_.done[d.site()] = d;
+  Out(LogSite{d.site(), d.error().empty() ? absl::StrCat("finished: ", d.steps(), " steps")
+                                          : absl::StrCat("failed after ", d.steps(), " steps: ", d.error())});
+  if (phase_ == Phase::kDraining) {
+    for (const auto& u : attempt_.used)
+      if (!attempt_.done.count(u) && !sites_[u].silent) return;
+    return AfterDrain();
+  }
+  if (phase_ != Phase::kTraining) return;
+  if (!d.error().empty()) {
+    // Said at once, with the site and its stage; heartbeats then get the time to name a site that died
+    // (a stage fails when a neighbour dies).
+    int stage = -1;
+    for (size_t k = 0; plan_ && k < plan_->stages.size(); ++k)
+      for (const auto& s : plan_->stages[k].site_names)
+        if (s == d.site()) stage = static_cast<int>(k);
+    Say(absl::StrCat("stage ", stage, " at site '", d.site(), "' failed: ", d.error(), "\n"));
+    attempt_.failure = d.error();
+    attempt_.failed_site = d.site();
+    attempt_.deadline = now_ + After(c_.spec.heartbeat_timeout_seconds + 1);
+    phase_ = Phase::kFailing;
+    if (!Silent().empty()) EndAttempt();
+    return;
+  }
+  for (const auto& u : attempt_.used)
+    if (!attempt_.done.count(u)) return;
+  Finish();
+}
+
+void RunMachine::OnLost(const HeartbeatLost& e) {
+  auto it = sites_.find(e.site);
+  if (it == sites_.end() || !it->second.registered || it->second.silent) return;
+  it->second.silent = true;
+  Out(LogSite{e.site, absl::StrCat("no heartbeat for ", c_.spec.heartbeat_timeout_seconds, " s")});
+  switch (phase_) {
+    case Phase::kJoining:
+      return;
+    case Phase::kProfiling:
+      if (std::find(joined_.begin(), joined_.end(), e.site) != joined_.end())
+        Fail(absl::StrCat("site '", e.site, "' stopped answering"));
+      return;
+    case Phase::kTraining:
+      if (attempt_.used.count(e.site)) {  // a silent spare site does not interrupt the attempt
+        attempt_.failure = "no heartbeat";
+        EndAttempt();
+      }
+      return;
+    case Phase::kFailing:
+      EndAttempt();
+      return;
+    case Phase::kDraining:
+      for (const auto& u : attempt_.used)
+        if (!attempt_.done.count(u) && !sites_[u].silent) return;
+      AfterDrain();
+      return;
+    default:
+      return;
+  }
+}
+
+void RunMachine::OnBack(const HeartbeatBack& e) {
+  auto it = sites_.find(e.site);
+  if (it == sites_.end() || !it->second.silent) return;
+  it->second.silent = false;
+  Out(LogSite{e.site, "heartbeats again"});
+  if (phase_ == Phase::kWaitingForReturn && Silent().empty()) {
+    Say(absl::StrCat("recovery: ", Quoted(std::vector<std::string>(lost_.begin(), lost_.end())),
+                     " answering again; resuming from the newest intact checkpoint\n"));
+    lost_.clear();
+    resume_ = true;
+    StartAttempt();
+  }
+}
+
+void RunMachine::OnTick() {
+  if (phase_ == Phase::kJoining && started_ && now_ > join_deadline_) {
+    std::string missing;
+    for (const auto& [name, s] : sites_)
+      if (!s.registered) missing += " " + name;
+    return Fail(absl::StrCat("sites did not join in time:", missing));
+  }
+  if (phase_ == Phase::kFailing && now_ >= attempt_.deadline) return EndAttempt();
+  if (phase_ == Phase::kDraining && now_ >= attempt_.deadline) return AfterDrain();
+}
+
+// ---- Recovery ----
+
+// The attempt ended early. Names the lost sites and lets the survivors abandon the attempt (draining);
+// fails when no site was lost (a stage failed on its own) or the job has no checkpoints.
+void RunMachine::EndAttempt() {
+  const core::ClusterSpec& spec = c_.spec;
+  const std::vector<std::string> silent = Silent();
+  if (silent.empty())
+    return Fail(absl::StrCat("site '", attempt_.failed_site, "' failed: ", attempt_.failure));
+  const std::string names = Quoted(silent);
+  const std::string what = absl::StrCat(
+      "site ", names, " stopped answering (no heartbeat for ", spec.heartbeat_timeout_seconds, " s)",
+      attempt_.failed_site.empty() ? "" : absl::StrCat("; then site '", attempt_.failed_site, "' failed: ", attempt_.failure));
+  Say(absl::StrCat("lost: ", what, "\n"));
+  attempt_.lost = what;
+  for (const auto& n : silent)
+    Out(LogSite{n, absl::StrCat("lost: no heartbeat for ", spec.heartbeat_timeout_seconds, " s; ",
+                                spec.on_failure == core::OnFailure::kWait ? "waiting for it" : "re-planning without it")});
+  if (c_.job.checkpoint.interval <= 0)
+    return Fail(absl::StrCat(what, ". The job has no checkpoints (job.checkpoint.interval), so nothing to resume "
+                                   "from; set one to survive lost sites"));
+  for (const auto& n : silent) lost_.insert(n);
+  // The survivors abandon the attempt when their neighbours' streams break (or at the step timeout).
+  phase_ = Phase::kDraining;
+  attempt_.deadline = now_ + After(c_.drain_seconds);
+  for (const auto& u : attempt_.used)
+    if (!attempt_.done.count(u) && !sites_[u].silent) return;
+  AfterDrain();
+}
+
+// The survivors are done with the abandoned attempt: wait for the lost sites (on_failure: wait) or plan
+// without them (replan), and resume.
+void RunMachine::AfterDrain() {
+  const std::vector<std::string> lost(lost_.begin(), lost_.end());
+  resume_ = true;
+  if (c_.spec.on_failure == core::OnFailure::kWait) {
+    if (!Silent().empty()) {
+      Say(absl::StrCat("recovery: waiting for ", Quoted(lost), " to rejoin (on_failure: wait)\n"));
+      phase_ = Phase::kWaitingForReturn;
+      return;
+    }
+    Say(absl::StrCat("recovery: ", Quoted(lost), " answering again; resuming from the newest intact checkpoint\n"));
+    lost_.clear();
+    return StartAttempt();
+  }
+  if (lost_.size() >= profile_.sites.size())
+    return Fail(absl::StrCat(attempt_.lost, "; no site left"));
+  Say(absl::StrCat("recovery: re-planning over the ", profile_.sites.size() - lost_.size(),
+                   " sites left and resuming from the newest intact checkpoint\n"));
+  StartAttempt();
+}
+
+void RunMachine::Finish() {
+  int64_t wire = 0, raw = 0;
+  for (const auto& [name, d] : attempt_.done) wire += d.wire_bytes(), raw += d.raw_bytes();
+  const double el = Seconds(now_ - t0_);
+  Say(absl::StrFormat(
+      "done: %d steps in %.1f s (%.2f s/step, predicted %.2f); %.1f MB on the links, %.0f%% of uncompressed; "
+      "final loss %.4f; weights in %s/%s\n",
+      c_.steps, el, el / c_.steps, plan_->predicted_step_seconds, wire / 1e6, raw ? 100.0 * wire / raw : 100.0,
+      last_loss_, c_.run_dir, core::kWeightsDir));
+  Out(StopAll{});
+  Out(Exit{0});
+  phase_ = Phase::kFinished;
+}
+
+void RunMachine::Fail(const std::string& message) {
+  Out(Print{absl::StrCat("meridian run: ", message, "\n"), /*to_stderr=*/true});
+  Out(StopAll{});
+  Out(Exit{1});
+  phase_ = Phase::kFinished;
+}
+
+}  // namespace meridian::coordinator

@@ -1,0 +1,220 @@
+// The run as a state machine: what `meridian run` decides, from the sites joining to the job's end, as a
+// pure function of what happened. `std::vector<Action> Handle(const Event&)` takes one event (a site
+// registered, a report arrived, a site went silent or came back, or time passed) and returns what to do
+// (send commands, write run files, print, log). It does no I/O, starts no thread, takes no lock and never
+// reads a clock: every event carries its time. So the recovery scenarios run in unit tests in
+// milliseconds (coordinator/run_machine_test.cc), and the real loop (coordinator/run.cc) only moves
+// events in and performs actions out.
+//
+// Phases: joining (until min_sites registered, or the join timeout) -> profiling (every joined site
+// measures its device, the model and its links) -> attempts (plan, assign, supervise) -> done or failed.
+// When a site is lost during an attempt -- its heartbeats stop, or a stage fails and heartbeats then name
+// a silent site -- the survivors abandon the attempt (draining), then the machine re-plans without the
+// lost sites (on_failure: replan) or waits for them to return (wait), and every stage resumes from the
+// newest intact checkpoint.
+//
+// Thread-compatible: one thread (the run loop) owns a RunMachine.
+#ifndef MERIDIAN_COORDINATOR_RUN_MACHINE_H_
+#define MERIDIAN_COORDINATOR_RUN_MACHINE_H_
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "core/checkpoint_dir.h"
+#include "core/cluster_spec.h"
+#include "partitioner/model.h"
+#include "partitioner/planner.h"
+#include "proto/meridian.pb.h"
+
+namespace meridian::coordinator {
+
+using Clock = std::chrono::steady_clock;
+
+// ---- Events: what happened. ----
+struct RunStarted {};  // the first event: the service listens, the join timeout starts
+struct SiteRegistered {
+  std::string site, listen, device;
+};
+struct ProfileReported {
+  v1::ProfileReport report;
+};
+struct MetricsReported {
+  v1::MetricsReport report;
+};
+struct StageReportedDone {
+  v1::StageDone done;
+};
+struct HeartbeatLost {  // no heartbeat for the spec's timeout (a site whose stage is done is never lost)
+  std::string site;
+};
+struct HeartbeatBack {  // a lost site heartbeats again
+  std::string site;
+};
+struct Tick {};  // time passed
+struct Event {
+  Clock::time_point now;
+  std::variant<RunStarted, SiteRegistered, ProfileReported, MetricsReported, StageReportedDone, HeartbeatLost,
+               HeartbeatBack, Tick>
+      what;
+};
+
+// ---- Actions: what to do, in order. ----
+struct SendCommand {
+  std::string site;
+  v1::Command command;
+};
+struct StopAll {};  // every registered site gets a stop command
+// A new attempt at the job: from now on only its reports count and only `file_writers` (site -> the stage
+// whose weights and checkpoint shards it writes) may send files, for steps up to `max_step`, of at most
+// `max_file_bytes`.
+struct BeginAttempt {
+  std::string job_id;
+  std::map<std::string, int> file_writers;
+  int64_t max_step = 0, max_file_bytes = 0;
+};
+// What `meridian status` and `meridian profile` show of the run (JSON).
+struct PublishRunInfo {
+  std::string profile_json, graph_json, plan_json;
+};
+// Writes (or, with `append`, appends to) the run directory's file `name` (core/run_layout.h).
+struct WriteRunFile {
+  std::string name, content;
+  bool append = false;
+};
+struct Print {
+  std::string text;  // whole lines, each ending in '\n'
+  bool to_stderr = false;
+};
+struct LogSite {  // one line of RUN/sites/<site>.log
+  std::string site, text;
+};
+// The coordinator's checkpoint store (job.checkpoint.store: coordinator), RUN/checkpoints:
+// core::PruneCheckpoints(keep, newest) and core::RemoveCheckpointsAbove(step).
+struct PruneCheckpoints {
+  int keep = 1;
+  int64_t newest = 0;
+};
+struct RemoveCheckpointsAbove {
+  int64_t step = 0;
+};
+struct Exit {  // the run is over: stop the service; the process exits with `code`
+  int code = 0;
+};
+using Action = std::variant<SendCommand, StopAll, BeginAttempt, PublishRunInfo, WriteRunFile, Print, LogSite,
+                            PruneCheckpoints, RemoveCheckpointsAbove, Exit>;
+
+// What a run is given: the specs and `meridian run`'s options, already validated.
+struct RunConfig {
+  core::ClusterSpec spec;
+  core::JobSpec job;
+  std::string job_yaml, job_dir;  // sent to the sites with every command
+  int steps = 0, micro_batches = 0;
+  double join_timeout_seconds = 0;  // 0: wait for the sites indefinitely
+  int profile_repeats = 5;
+  bool even_split = false;                       // --split even (an ablation)
+  std::string plan_path;                         // --plan, for messages
+  std::vector<partitioner::PinnedStage> pinned;  // --plan's layout; empty: plan
+  bool resume = false;                           // the first attempt resumes too
+  // The share of the run's sequence visits that revisit a sequence (AQ-SGD's codecs pay then); nullopt:
+  // the job's data has no sequences to revisit (synthetic).
+  std::optional<double> revisit_fraction;
+  double drain_seconds = 75;  // how long the survivors of an abandoned attempt get to end it
+  std::string run_id;         // attempt k > 0 is "<run_id>-<k>"
+  std::string run_dir;        // for messages
+  // The newest complete, intact checkpoint of the coordinator's store (core::FindLatestCheckpoint of
+  // RUN/checkpoints), with why newer steps were skipped; consulted when an attempt resumes with
+  // job.checkpoint.store: coordinator.
+  std::function<absl::StatusOr<core::CheckpointFiles>(std::string* skipped)> find_checkpoint;
+};
+
+class RunMachine {
+ public:
+  explicit RunMachine(RunConfig config);
+
+  // Takes one event; returns what to do. Events must come in time order.
+  std::vector<Action> Handle(const Event& event);
+
+  enum class Phase { kJoining, kProfiling, kTraining, kFailing, kDraining, kWaitingForReturn, kFinished };
+  Phase phase() const { return phase_; }
+  // The attempt running (or last run): "" before the first.
+  const std::string& job_id() const { return job_id_; }
+  // The current attempt's plan; nullopt before the first.
+  const std::optional<partitioner::Plan>& plan() const { return plan_; }
+
+ private:
+  struct SiteState {
+    bool registered = false;
+    std::string listen, device;
+    bool silent = false;
+  };
+  struct Attempt {  // what the current attempt's sites reported
+    std::set<std::string> used;                     // the sites of its plan
+    std::map<std::string, v1::StageDone> done;      // by site
+    std::map<std::string, v1::MetricsReport> metrics;  // the latest, by site
+    std::string failure, failed_site;               // the first stage error, or "no heartbeat"
+    std::string lost;                               // why it ended: the sites lost, for messages
+    Clock::time_point deadline;                     // kFailing: wait for heartbeats; kDraining: drain
+  };
+
+  void OnRegistered(const SiteRegistered& e);
+  void OnProfile(const ProfileReported& e);
+  void OnMetrics(const MetricsReported& e);
+  void OnDone(const StageReportedDone& e);
+  void OnLost(const HeartbeatLost& e);
+  void OnBack(const HeartbeatBack& e);
+  void OnTick();
+
+  void StartProfiling();
+  absl::Status FinishProfiling();
+  void StartAttempt();
+  absl::Status PlanAttempt();
+  absl::Status FindResumePoint();
+  void Assign();
+  void ReportStep(const v1::MetricsReport& stage0);
+  void EndAttempt();  // the attempt failed: recover or fail
+  void AfterDrain();
+  void Finish();
+  void Fail(const std::string& message);
+
+  void Out(Action a) { out_.push_back(std::move(a)); }
+  void Say(std::string line) { Out(Print{std::move(line), false}); }
+  std::vector<std::string> Silent() const;
+  size_t Registered() const;
+
+  RunConfig c_;
+  Phase phase_ = Phase::kJoining;
+  Clock::time_point now_, join_deadline_, t0_;
+  bool started_ = false;
+  std::map<std::string, SiteState> sites_;  // every site of the spec
+  std::vector<std::string> joined_;         // the sites profiled, by name
+  std::map<std::string, v1::ProfileReport> profiles_;
+  partitioner::ClusterProfile profile_;
+  std::string graph_json_;
+  partitioner::OpGraph graph_;
+  int64_t max_file_bytes_ = 0;
+  std::set<std::string> lost_;  // re-planned around (on_failure: replan)
+  std::optional<partitioner::Plan> plan_;
+  int attempts_ = 0;
+  std::string job_id_;
+  bool resume_ = false;
+  int64_t resume_step_ = 0;                 // 0 afresh; -1 each stage loads the newest intact; S: step S
+  std::vector<std::string> resume_files_;   // store: coordinator: the files of resume_step_
+  Attempt attempt_;
+  int64_t progress_step_ = -1;  // the current attempt's last step reported by stage 0
+  double last_loss_ = 0;
+  int64_t tokens_ = 0;          // over every attempt
+  int64_t pruned_at_ = 0;
+  std::vector<Action> out_;
+};
+
+}  // namespace meridian::coordinator
+
+#endif  // MERIDIAN_COORDINATOR_RUN_MACHINE_H_

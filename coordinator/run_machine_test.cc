@@ -1,0 +1,425 @@
+// The run's state machine driven by hand: events in, actions out, time passed explicitly. Each scenario
+// of recovery runs in milliseconds (tests/coordinator_test.cc runs the same ones with real processes).
+#include "coordinator/run_machine.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "core/run_layout.h"
+
+namespace meridian::coordinator {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+constexpr char kRun[] = "r";
+
+partitioner::OpGraph SmallGraph() {
+  partitioner::LlamaShape shape;
+  shape.vocab_size = 256;
+  shape.hidden_size = 64;
+  shape.intermediate_size = 128;
+  shape.num_hidden_layers = 2;
+  shape.num_attention_heads = 4;
+  shape.num_key_value_heads = 4;
+  partitioner::LlamaGraphOptions go;
+  go.micro_batch_size = 2;
+  go.sequence_length = 16;
+  return partitioner::BuildLlamaGraph(shape, go);  // 6 ops
+}
+
+// A three-site cluster (a, b, c), a 20-step job with checkpoints every 5 steps.
+RunConfig Config(core::OnFailure on_failure = core::OnFailure::kReplan) {
+  RunConfig c;
+  c.spec.name = "t";
+  c.spec.sites = {{"a", {"127.0.0.1", 7001}}, {"b", {"127.0.0.1", 7002}}, {"c", {"127.0.0.1", 7003}}};
+  c.spec.heartbeat_timeout_seconds = 5;
+  c.spec.on_failure = on_failure;
+  c.job.steps = 20;
+  c.job.global_batch = 8;
+  c.job.micro_batches = 4;
+  c.job.checkpoint.interval = 5;
+  c.job_yaml = "job: {}";
+  c.job_dir = "/jobs";
+  c.steps = 20;
+  c.micro_batches = 4;
+  c.even_split = true;  // one stage per site, in spec order: the layouts below are known
+  c.run_id = kRun;
+  c.run_dir = "/runs/t";
+  return c;
+}
+
+// What site `site` reports after measuring: its device, the graph, and its links to every other site.
+v1::ProfileReport Profile(const std::string& site, const std::string& error = "") {
+  v1::ProfileReport r;
+  r.set_site(site);
+  if (!error.empty()) {
+    r.set_error(error);
+    return r;
+  }
+  partitioner::ClusterProfile one;
+  one.sites.push_back({site, 1e11, 8e9, {}, {}});
+  r.set_site_profile_json(nlohmann::json::parse(partitioner::ProfileToJson(one))["sites"][0].dump());
+  r.set_graph_json(partitioner::GraphToJson(SmallGraph()));
+  nlohmann::json links = nlohmann::json::array();
+  for (const char* other : {"a", "b", "c"})
+    if (other > site) {
+      links.push_back({{"from", site}, {"to", other}, {"bandwidth_bytes_per_second", 1e8}, {"latency_seconds", 1e-3}});
+      links.push_back({{"from", other}, {"to", site}, {"bandwidth_bytes_per_second", 1e8}, {"latency_seconds", 1e-3}});
+    }
+  r.set_links_json(links.dump());
+  return r;
+}
+
+v1::StageDone Done(const std::string& site, const std::string& job_id, const std::string& error = "") {
+  v1::StageDone d;
+  d.set_site(site);
+  d.set_job_id(job_id);
+  d.set_steps(error.empty() ? 20 : 7);
+  d.set_error(error);
+  return d;
+}
+
+v1::MetricsReport Metrics(const std::string& site, const std::string& job_id, int stage, int step) {
+  v1::MetricsReport m;
+  m.set_site(site);
+  m.set_job_id(job_id);
+  m.set_stage(stage);
+  m.set_step(step);
+  m.set_loss(2.5);
+  m.set_step_seconds(0.1);
+  m.set_tokens(128);
+  m.set_compute_seconds(0.05);
+  return m;
+}
+
+// Feeds events at a clock it advances by hand, and keeps what the machine answered.
+class Driver {
+ public:
+  explicit Driver(RunConfig config) : machine_(std::move(config)) {}
+
+  std::vector<Action> Feed(decltype(Event::what) what, double advance_seconds = 0.01) {
+    now_ += std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(advance_seconds));
+    last_ = machine_.Handle({now_, std::move(what)});
+    return last_;
+  }
+  // Starts the run and lets `sites` register, then report their profiles.
+  void JoinAndProfile(const std::vector<std::string>& sites) {
+    Feed(RunStarted{});
+    for (const auto& s : sites) Feed(SiteRegistered{s, "127.0.0.1:9" + s, "cpu"});
+    for (const auto& s : sites) Feed(ProfileReported{Profile(s)});
+  }
+
+  RunMachine& machine() { return machine_; }
+  const std::vector<Action>& last() const { return last_; }
+
+ private:
+  RunMachine machine_;
+  Clock::time_point now_{};
+  std::vector<Action> last_;
+};
+
+template <typename T>
+std::vector<T> All(const std::vector<Action>& actions) {
+  std::vector<T> out;
+  for (const auto& a : actions)
+    if (const T* t = std::get_if<T>(&a)) out.push_back(*t);
+  return out;
+}
+
+std::string Printed(const std::vector<Action>& actions) {
+  std::string out;
+  for (const auto& p : All<Print>(actions)) out += p.text;
+  return out;
+}
+
+std::optional<int> ExitCode(const std::vector<Action>& actions) {
+  auto exits = All<Exit>(actions);
+  if (exits.empty()) return std::nullopt;
+  return exits.back().code;
+}
+
+// The assignments among `actions`, by site.
+std::map<std::string, v1::StageAssignment> Assignments(const std::vector<Action>& actions) {
+  std::map<std::string, v1::StageAssignment> out;
+  for (const auto& c : All<SendCommand>(actions))
+    if (c.command.has_assign()) out[c.site] = c.command.assign();
+  return out;
+}
+
+std::vector<std::string> Sites(const std::map<std::string, v1::StageAssignment>& assignments) {
+  std::vector<std::string> out;
+  for (const auto& [site, a] : assignments) out.push_back(site);
+  return out;
+}
+
+TEST(RunMachine, JoinsProfilesPlansAndFinishes) {
+  Driver d(Config());
+  auto started = d.Feed(RunStarted{});
+  EXPECT_TRUE(started.empty());
+  d.Feed(SiteRegistered{"a", "127.0.0.1:9a", "cpu"});
+  d.Feed(SiteRegistered{"b", "127.0.0.1:9b", "cpu"});
+  auto joined = d.Feed(SiteRegistered{"c", "127.0.0.1:9c", "cpu"});
+  EXPECT_THAT(Printed(joined), HasSubstr("3 sites joined"));
+  auto profile_commands = All<SendCommand>(joined);
+  ASSERT_EQ(profile_commands.size(), 3u);
+  EXPECT_TRUE(profile_commands[0].command.has_profile());
+  EXPECT_EQ(profile_commands[0].command.profile().peers_size(), 2);  // a probes b and c; c probes nobody
+  EXPECT_EQ(profile_commands[2].command.profile().peers_size(), 0);
+  EXPECT_EQ(d.machine().phase(), RunMachine::Phase::kProfiling);
+
+  d.Feed(ProfileReported{Profile("a")});
+  d.Feed(ProfileReported{Profile("b")});
+  auto planned = d.Feed(ProfileReported{Profile("c")});
+  EXPECT_THAT(Printed(planned), HasSubstr("predicted step time"));
+  EXPECT_THAT(Printed(planned), HasSubstr("training: 3 stages, 20 steps\n"));
+  auto files = All<WriteRunFile>(planned);
+  ASSERT_EQ(files.size(), 3u);
+  EXPECT_EQ(files[0].name, core::kProfileFile);
+  EXPECT_EQ(files[2].name, core::kPlanFile);
+  auto begun = All<BeginAttempt>(planned);
+  ASSERT_EQ(begun.size(), 1u);
+  EXPECT_EQ(begun[0].job_id, kRun);
+  EXPECT_EQ(begun[0].file_writers, (std::map<std::string, int>{{"a", 0}, {"b", 1}, {"c", 2}}));
+  auto assigned = Assignments(planned);
+  ASSERT_THAT(Sites(assigned), ElementsAre("a", "b", "c"));
+  EXPECT_EQ(assigned["a"].next_site(), "b");
+  EXPECT_EQ(assigned["b"].prev_address(), "127.0.0.1:9a");
+  EXPECT_EQ(assigned["c"].last_op(), 5);
+  EXPECT_EQ(assigned["a"].resume_step(), 0);
+  EXPECT_EQ(d.machine().phase(), RunMachine::Phase::kTraining);
+
+  // Stage 0's reports are the progress; the others' feed the breakdown.
+  d.Feed(MetricsReported{Metrics("c", kRun, 2, 0)});
+  auto step = d.Feed(MetricsReported{Metrics("a", kRun, 0, 0)});
+  EXPECT_THAT(Printed(step), HasSubstr("step 1/20  loss 2.5000"));
+  EXPECT_THAT(Printed(step), HasSubstr("slowest"));
+  auto jsonl = All<WriteRunFile>(step);
+  ASSERT_EQ(jsonl.size(), 1u);
+  EXPECT_EQ(jsonl[0].name, core::kMetricsFile);
+  EXPECT_TRUE(jsonl[0].append);
+  EXPECT_EQ(nlohmann::json::parse(jsonl[0].content)["stages"].size(), 2u);
+
+  d.Feed(StageReportedDone{Done("a", kRun)});
+  d.Feed(StageReportedDone{Done("b", kRun)});
+  auto end = d.Feed(StageReportedDone{Done("c", kRun)});
+  EXPECT_THAT(Printed(end), HasSubstr("done: 20 steps"));
+  EXPECT_EQ(All<StopAll>(end).size(), 1u);
+  EXPECT_EQ(ExitCode(end), 0);
+  EXPECT_TRUE(d.Feed(Tick{}).empty());  // over
+}
+
+TEST(RunMachine, JoinTimeoutNamesTheMissingSites) {
+  RunConfig c = Config();
+  c.join_timeout_seconds = 10;
+  Driver d(c);
+  d.Feed(RunStarted{});
+  d.Feed(SiteRegistered{"a", "127.0.0.1:9a", "cpu"});
+  EXPECT_FALSE(ExitCode(d.Feed(Tick{}, 9)));
+  auto out = d.Feed(Tick{}, 2);
+  EXPECT_EQ(ExitCode(out), 1);
+  EXPECT_THAT(Printed(out), HasSubstr("meridian run: sites did not join in time: b c"));
+}
+
+TEST(RunMachine, LostSiteWithReplanResumesOverTheSitesLeft) {
+  Driver d(Config(core::OnFailure::kReplan));
+  d.JoinAndProfile({"a", "b", "c"});
+  ASSERT_EQ(d.machine().phase(), RunMachine::Phase::kTraining);
+  d.Feed(MetricsReported{Metrics("a", kRun, 0, 6)});
+
+  auto lost = d.Feed(HeartbeatLost{"b"});
+  EXPECT_THAT(Printed(lost), HasSubstr("lost: site 'b' stopped answering (no heartbeat for 5 s)"));
+  EXPECT_EQ(d.machine().phase(), RunMachine::Phase::kDraining);
+  EXPECT_TRUE(Assignments(lost).empty());
+
+  // The survivors abandon the attempt (their neighbour's stream broke).
+  EXPECT_TRUE(Assignments(d.Feed(StageReportedDone{Done("a", kRun, "stream to peer 'b' broke")})).empty());
+  auto replanned = d.Feed(StageReportedDone{Done("c", kRun, "stream from peer 'b' broke")});
+  EXPECT_THAT(Printed(replanned), HasSubstr("recovery: re-planning over the 2 sites left"));
+  EXPECT_THAT(Printed(replanned), HasSubstr("resuming from the newest intact checkpoint"));
+  auto assigned = Assignments(replanned);
+  EXPECT_THAT(Sites(assigned), ElementsAre("a", "c"));
+  EXPECT_EQ(assigned["a"].job_id(), "r-1");
+  EXPECT_EQ(assigned["a"].resume_step(), -1);  // shared store: each stage loads the newest intact step
+  EXPECT_EQ(assigned["a"].next_site(), "c");
+  EXPECT_EQ(d.machine().job_id(), "r-1");
+
+  d.Feed(StageReportedDone{Done("a", "r-1")});
+  EXPECT_EQ(ExitCode(d.Feed(StageReportedDone{Done("c", "r-1")})), 0);
+}
+
+TEST(RunMachine, SurvivorsThatNeverAnswerAreWaitedForAtMostTheDrainTime) {
+  Driver d(Config());
+  d.JoinAndProfile({"a", "b", "c"});
+  d.Feed(HeartbeatLost{"b"});
+  EXPECT_TRUE(Assignments(d.Feed(Tick{}, 74)).empty());
+  EXPECT_THAT(Sites(Assignments(d.Feed(Tick{}, 2))), ElementsAre("a", "c"));
+}
+
+TEST(RunMachine, LostSiteWithWaitResumesWhenItAnswersAgain) {
+  Driver d(Config(core::OnFailure::kWait));
+  d.JoinAndProfile({"a", "b", "c"});
+  d.Feed(HeartbeatLost{"c"});
+  d.Feed(StageReportedDone{Done("a", kRun, "stream broke")});
+  auto waiting = d.Feed(StageReportedDone{Done("b", kRun, "stream broke")});
+  EXPECT_THAT(Printed(waiting), HasSubstr("recovery: waiting for 'c' to rejoin (on_failure: wait)"));
+  EXPECT_EQ(d.machine().phase(), RunMachine::Phase::kWaitingForReturn);
+  EXPECT_TRUE(Assignments(d.Feed(Tick{}, 60)).empty());  // as long as it takes
+
+  // The restarted executor registers again (perhaps elsewhere), then heartbeats.
+  d.Feed(SiteRegistered{"c", "127.0.0.1:9999", "cpu"});
+  auto back = d.Feed(HeartbeatBack{"c"});
+  EXPECT_THAT(Printed(back), HasSubstr("recovery: 'c' answering again; resuming from the newest intact checkpoint"));
+  auto assigned = Assignments(back);
+  EXPECT_THAT(Sites(assigned), ElementsAre("a", "b", "c"));
+  EXPECT_EQ(assigned["b"].next_address(), "127.0.0.1:9999");
+  EXPECT_EQ(assigned["c"].resume_step(), -1);
+  EXPECT_EQ(assigned["c"].job_id(), "r-1");
+}
+
+TEST(RunMachine, APinnedPlanThatLosesASiteIsDroppedForAPlanOverTheSitesLeft) {
+  RunConfig c = Config();
+  c.even_split = false;
+  c.plan_path = "pinned.json";
+  c.pinned = {{{"c"}, 1}, {{"b"}, 3}, {{"a"}, 5}};
+  Driver d(c);
+  d.JoinAndProfile({"a", "b", "c"});
+  auto first = Assignments(d.last());
+  ASSERT_THAT(Sites(first), ElementsAre("a", "b", "c"));
+  EXPECT_EQ(first["c"].stage(), 0);  // the pinned order, not the spec's
+  EXPECT_EQ(first["a"].stage(), 2);
+
+  d.Feed(HeartbeatLost{"b"});
+  d.Feed(StageReportedDone{Done("a", kRun, "broke")});
+  auto replanned = d.Feed(StageReportedDone{Done("c", kRun, "broke")});
+  EXPECT_THAT(Printed(replanned),
+              HasSubstr("plan: the pinned plan (pinned.json) uses site 'b', which is lost; planning over the sites left"));
+  for (const auto& [site, a] : Assignments(replanned)) EXPECT_NE(site, "b");
+  EXPECT_FALSE(Assignments(replanned).empty());
+}
+
+TEST(RunMachine, ASiteLostWhileProfilingFailsTheRun) {
+  Driver d(Config());
+  d.Feed(RunStarted{});
+  for (const char* s : {"a", "b", "c"}) d.Feed(SiteRegistered{s, "x", "cpu"});
+  d.Feed(ProfileReported{Profile("a")});
+  auto out = d.Feed(HeartbeatLost{"b"});
+  EXPECT_EQ(ExitCode(out), 1);
+  EXPECT_THAT(Printed(out), HasSubstr("meridian run: site 'b' stopped answering"));
+  EXPECT_EQ(All<StopAll>(out).size(), 1u);
+}
+
+TEST(RunMachine, AProfilingErrorFailsTheRunNamingTheSite) {
+  Driver d(Config());
+  d.Feed(RunStarted{});
+  for (const char* s : {"a", "b", "c"}) d.Feed(SiteRegistered{s, "x", "cpu"});
+  d.Feed(ProfileReported{Profile("a")});
+  d.Feed(ProfileReported{Profile("b", "profiling the model: out of memory")});
+  auto out = d.Feed(ProfileReported{Profile("c")});
+  EXPECT_EQ(ExitCode(out), 1);
+  EXPECT_THAT(Printed(out), HasSubstr("site 'b' could not profile: profiling the model: out of memory"));
+}
+
+TEST(RunMachine, ALostSiteWithoutCheckpointsFailsTheRun) {
+  RunConfig c = Config();
+  c.job.checkpoint.interval = 0;
+  Driver d(c);
+  d.JoinAndProfile({"a", "b", "c"});
+  auto out = d.Feed(HeartbeatLost{"a"});
+  EXPECT_EQ(ExitCode(out), 1);
+  EXPECT_THAT(Printed(out), HasSubstr("The job has no checkpoints (job.checkpoint.interval)"));
+}
+
+TEST(RunMachine, AStageFailureIsSaidAtOnceAndEndsTheRunWhenNoSiteWentSilent) {
+  Driver d(Config());
+  d.JoinAndProfile({"a", "b", "c"});
+  auto failed = d.Feed(StageReportedDone{Done("b", kRun, "stage 1 (site 'b'): out of memory: not enough memory")});
+  EXPECT_THAT(Printed(failed), HasSubstr("stage 1 at site 'b' failed: stage 1 (site 'b'): out of memory"));
+  EXPECT_FALSE(ExitCode(failed));  // heartbeats get the time to name a site that died
+  EXPECT_EQ(d.machine().phase(), RunMachine::Phase::kFailing);
+  EXPECT_FALSE(ExitCode(d.Feed(Tick{}, 5.5)));
+  auto out = d.Feed(Tick{}, 1);
+  EXPECT_EQ(ExitCode(out), 1);
+  EXPECT_THAT(Printed(out), HasSubstr("meridian run: site 'b' failed: stage 1 (site 'b'): out of memory"));
+}
+
+TEST(RunMachine, AStageFailureThenASilentSiteIsRecovered) {
+  Driver d(Config());
+  d.JoinAndProfile({"a", "b", "c"});
+  d.Feed(StageReportedDone{Done("a", kRun, "stream to peer 'b' broke")});
+  auto lost = d.Feed(HeartbeatLost{"b"}, 2);
+  EXPECT_THAT(Printed(lost), HasSubstr("lost: site 'b' stopped answering (no heartbeat for 5 s); then site 'a' failed"));
+  auto replanned = d.Feed(StageReportedDone{Done("c", kRun, "broke")});
+  EXPECT_THAT(Sites(Assignments(replanned)), ElementsAre("a", "c"));
+}
+
+TEST(RunMachine, LateReportsOfAnAbandonedAttemptChangeNothing) {
+  Driver d(Config());
+  d.JoinAndProfile({"a", "b", "c"});
+  d.Feed(HeartbeatLost{"b"});
+  d.Feed(StageReportedDone{Done("a", kRun, "broke")});
+  d.Feed(StageReportedDone{Done("c", kRun, "broke")});
+  ASSERT_EQ(d.machine().job_id(), "r-1");
+  // The lost site's process was only slow: its reports of attempt "r" arrive now.
+  auto late = d.Feed(StageReportedDone{Done("b", kRun, "peer 'a' went away")});
+  EXPECT_FALSE(ExitCode(late));
+  EXPECT_TRUE(Assignments(late).empty());
+  EXPECT_THAT(Printed(late), Not(HasSubstr("failed")));
+  auto logs = All<LogSite>(late);
+  ASSERT_EQ(logs.size(), 1u);
+  EXPECT_THAT(logs[0].text, HasSubstr("abandoned attempt r ended"));
+  EXPECT_TRUE(Printed(d.Feed(MetricsReported{Metrics("b", kRun, 0, 19)})).empty());
+  EXPECT_EQ(d.machine().phase(), RunMachine::Phase::kTraining);
+  d.Feed(StageReportedDone{Done("a", "r-1")});
+  EXPECT_EQ(ExitCode(d.Feed(StageReportedDone{Done("c", "r-1")})), 0);
+}
+
+TEST(RunMachine, ASilentSpareSiteDoesNotInterruptTheAttempt) {
+  RunConfig c = Config();
+  c.even_split = false;
+  c.pinned = {{{"a"}, 2}, {{"b"}, 5}};  // c is a spare
+  Driver d(c);
+  d.JoinAndProfile({"a", "b", "c"});
+  ASSERT_THAT(Sites(Assignments(d.last())), ElementsAre("a", "b"));
+  auto out = d.Feed(HeartbeatLost{"c"});
+  EXPECT_TRUE(Printed(out).empty());
+  EXPECT_EQ(d.machine().phase(), RunMachine::Phase::kTraining);
+}
+
+TEST(RunMachine, TheCoordinatorsStoreResumesFromItsNewestStepAndIsPruned) {
+  RunConfig c = Config();
+  c.job.checkpoint.store = core::CheckpointStore::kCoordinator;
+  c.job.checkpoint.keep = 2;
+  c.find_checkpoint = [](std::string* skipped) -> absl::StatusOr<core::CheckpointFiles> {
+    *skipped = "step-15: incomplete (1 of 3 stages); ";
+    return core::CheckpointFiles{10, "/runs/t/checkpoints/step-10", {"stage-0.safetensors", "stage-0.json"}};
+  };
+  Driver d(c);
+  d.JoinAndProfile({"a", "b", "c"});
+  auto step = d.Feed(MetricsReported{Metrics("a", kRun, 0, 9)});
+  auto pruned = All<PruneCheckpoints>(step);
+  ASSERT_EQ(pruned.size(), 1u);
+  EXPECT_EQ(pruned[0].newest, 10);
+  EXPECT_EQ(pruned[0].keep, 2);
+
+  d.Feed(HeartbeatLost{"c"});
+  d.Feed(StageReportedDone{Done("a", kRun, "broke")});
+  auto resumed = d.Feed(StageReportedDone{Done("b", kRun, "broke")});
+  EXPECT_THAT(Printed(resumed), HasSubstr("checkpoints skipped: step-15: incomplete"));
+  EXPECT_THAT(Printed(resumed), HasSubstr("resuming from step 10 of the coordinator's checkpoints"));
+  auto removed = All<RemoveCheckpointsAbove>(resumed);
+  ASSERT_EQ(removed.size(), 1u);
+  EXPECT_EQ(removed[0].step, 10);
+  auto assigned = Assignments(resumed);
+  ASSERT_EQ(assigned.count("a"), 1u);
+  EXPECT_EQ(assigned["a"].resume_step(), 10);
+  EXPECT_THAT(std::vector<std::string>(assigned["a"].resume_files().begin(), assigned["a"].resume_files().end()),
+              ElementsAre("checkpoints/step-10/stage-0.safetensors", "checkpoints/step-10/stage-0.json"));
+}
+
+}  // namespace
+}  // namespace meridian::coordinator

@@ -1,0 +1,74 @@
+// A checkpoint directory without tensors: which steps it holds, whether a step is complete and intact,
+// which shards hold which tensors, pruning. The coordinator's checkpoint store and the executors share it
+// (the executors read and write the shards themselves, executor/checkpoint.h). Paths follow
+// core/run_layout.h: DIR/step-S/stage-K.safetensors and stage-K.json, the JSON written last.
+// Functions are thread-compatible; call the ones that remove directories from one writer per directory.
+#ifndef MERIDIAN_CORE_CHECKPOINT_DIR_H_
+#define MERIDIAN_CORE_CHECKPOINT_DIR_H_
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace meridian::core {
+
+// What stage-K.json says about stage K's shard of step `step`.
+struct StageMeta {
+  int64_t step = 0;
+  int stage = 0, num_stages = 0;
+  std::string shard;   // "stage-K.safetensors"
+  std::string sha256;  // of the shard file, 64 hex digits
+  std::optional<std::vector<std::string>> tensors;  // the tensor names in the shard, when listed
+};
+// The text of stage-K.json for `meta`.
+std::string StageMetaJson(const StageMeta& meta);
+
+// The canonical step directories under `dir` (step-S, S >= 1), newest first. NotFound when `dir` cannot
+// be listed.
+absl::StatusOr<std::vector<std::pair<int64_t, std::string>>> StepDirs(const std::string& dir);
+
+// The stage JSONs of step directory `step_dir` by stage, when they make a complete checkpoint: every
+// stage of one partition (the same num_stages) present, each naming its shard "stage-K.safetensors" --
+// and, with `verify_hashes`, every shard matching its SHA-256. Otherwise nullopt, with the reason appended
+// to `why`.
+std::optional<std::map<int, StageMeta>> CompleteStages(const std::string& step_dir, std::string* why,
+                                                       bool verify_hashes);
+
+// The newest complete and intact checkpoint under `dir` (CompleteStages with hashes), without reading
+// its tensors. A newer step that is incomplete or corrupt is skipped, and `skipped` says why. NotFound
+// when there is none.
+struct CheckpointFiles {
+  int64_t step = 0;
+  std::string path;                // DIR/step-S
+  std::vector<std::string> files;  // in it: each stage's shard, then its JSON
+};
+absl::StatusOr<CheckpointFiles> FindLatestCheckpoint(const std::string& dir, std::string* skipped = nullptr);
+
+// After step `step`'s checkpoint: keeps the newest `keep` complete step directories under `dir` up to
+// `step` (complete as CompleteStages requires, but shards are not hashed) and removes the older step
+// directories, complete or not. `step` itself stays whatever its state (stages may still be writing it),
+// and so does every step above it (another run's: this run will overwrite or never reach them). Returns
+// how many directories were removed; directories it could not remove are named in `problems`.
+// REQUIRES: keep >= 1.
+int PruneCheckpoints(const std::string& dir, int keep, int64_t step, std::string* problems = nullptr);
+
+// Removes every step directory above `step` under `dir`: after resuming from `step`, what an abandoned
+// attempt left there (perhaps of another partition) would otherwise mix with the steps this run writes
+// again. Returns how many were removed; directories it could not remove are named in `problems`.
+int RemoveCheckpointsAbove(const std::string& dir, int64_t step, std::string* problems = nullptr);
+
+// For one step directory whose stage JSONs are all present (its shards need not be): the shard files
+// holding any of `wanted` (by the JSONs' tensor lists; a shard whose JSON lists none is named too), so a
+// resuming stage fetches only those.
+absl::StatusOr<std::vector<std::string>> ShardsHolding(const std::string& step_dir,
+                                                      const std::set<std::string>& wanted);
+
+}  // namespace meridian::core
+
+#endif  // MERIDIAN_CORE_CHECKPOINT_DIR_H_

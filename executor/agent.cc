@@ -1,0 +1,455 @@
+#include "executor/agent.h"
+
+#include <grpcpp/grpcpp.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <filesystem>
+#include <future>
+#include <iostream>
+#include <mutex>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "core/checkpoint_dir.h"
+#include "core/run_layout.h"
+#include "executor/profiler.h"
+#include "executor/run_stage.h"
+#include "executor/stage.h"
+#include "executor/torch_boundary.h"
+#include "rpc/credentials.h"
+
+namespace meridian::executor {
+namespace {
+
+namespace fs = std::filesystem;
+
+using Clock = std::chrono::steady_clock;
+constexpr rpc::CoordinatorClient::Timeout kReportTimeout = std::chrono::seconds(10);
+
+// A fresh directory of this process's own (mkdtemp) under the system's temporary directory, made by
+// Create() and removed with this object.
+struct ScratchDir {
+  explicit ScratchDir(std::string name) : name(std::move(name)) {}
+  absl::Status Create() {
+    std::error_code ec;
+    const fs::path base = fs::temp_directory_path(ec);
+    if (ec) return absl::InternalError(absl::StrCat("no temporary directory: ", ec.message()));
+    std::string pattern = (base / absl::StrCat("meridian-", name, "-XXXXXX")).string();
+    if (::mkdtemp(pattern.data()) == nullptr)
+      return absl::InternalError(absl::StrCat("cannot create a directory like ", pattern, ": ", std::strerror(errno)));
+    path = pattern;
+    return absl::OkStatus();
+  }
+  ~ScratchDir() {
+    std::error_code ec;
+    if (!path.empty()) fs::remove_all(path, ec);
+  }
+  std::string name;
+  fs::path path;
+};
+
+// Sends checkpoint steps to the coordinator on a thread of its own, so training goes on while a shard
+// crosses the coordinator's link: the shard, then its JSON (which vouches for it); then the local copy
+// is removed. One step at a time: Start waits for the previous step's upload. Thread-compatible: used by
+// the stage thread only; the destructor waits for the upload in flight.
+class CheckpointUploader {
+ public:
+  CheckpointUploader(rpc::CoordinatorClient* coordinator, std::string site, std::string job_id)
+      : coordinator_(coordinator), site_(std::move(site)), job_id_(std::move(job_id)) {}
+  ~CheckpointUploader() { (void)Wait(); }
+  // Waits for the previous upload and returns its error, if any (then nothing new starts); else starts
+  // sending `step_dir`'s files of `stage` as checkpoints/step-S/.
+  absl::Status Start(const std::string& step_dir, int64_t step, int stage) {
+    if (absl::Status s = Wait(); !s.ok()) return s;
+    pending_ = std::async(std::launch::async, [this, step_dir, step, stage] {
+      absl::Status s;
+      for (const std::string& name : {core::StageShardName(stage), core::StageMetaName(stage)}) {
+        s = coordinator_->PutFile(site_, job_id_, step_dir + "/" + name, core::CheckpointFile(step, name));
+        if (!s.ok()) break;
+      }
+      std::error_code ec;
+      fs::remove_all(step_dir, ec);
+      return s;
+    });
+    return absl::OkStatus();
+  }
+  // Waits for the upload in flight; its result (OK when none).
+  absl::Status Wait() {
+    if (!pending_.valid()) return absl::OkStatus();
+    return pending_.get();
+  }
+
+ private:
+  rpc::CoordinatorClient* coordinator_;
+  const std::string site_, job_id_;
+  std::future<absl::Status> pending_;
+};
+
+// Sends metrics reports to the coordinator from its own thread, in order, so the training loop never
+// waits on the coordinator. Flush() waits until every queued report was sent (or failed); reports are
+// best-effort. Thread-safe.
+class MetricsReporter {
+ public:
+  explicit MetricsReporter(rpc::CoordinatorClient* coordinator)
+      : coordinator_(coordinator), thread_([this] { Loop(); }) {}
+  ~MetricsReporter() {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  void Post(v1::MetricsReport m) {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      queue_.push_back(std::move(m));
+    }
+    cv_.notify_all();
+  }
+  void Flush() {
+    std::unique_lock<std::mutex> l(mu_);
+    cv_.wait(l, [&] { return queue_.empty() && !sending_; });
+  }
+
+ private:
+  void Loop() {
+    std::unique_lock<std::mutex> l(mu_);
+    while (true) {
+      cv_.wait(l, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping, nothing left
+      v1::MetricsReport m = std::move(queue_.front());
+      queue_.pop_front();
+      sending_ = true;
+      l.unlock();
+      (void)coordinator_->ReportMetrics(m, kReportTimeout);
+      l.lock();
+      sending_ = false;
+      cv_.notify_all();
+    }
+  }
+  rpc::CoordinatorClient* coordinator_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<v1::MetricsReport> queue_;
+  bool sending_ = false, stop_ = false;
+  std::thread thread_;  // last: starts once the members above exist
+};
+
+absl::StatusOr<JobSetup> JobFromText(const std::string& yaml, const std::string& dir) {
+  const std::string path = dir + "/job.yaml";  // relative paths in the job resolve against its directory
+  auto r = core::ParseSpec(yaml, path);
+  if (!r.errors.empty()) return absl::InvalidArgumentError(r.errors[0].ToString());
+  if (!r.spec->job) return absl::InvalidArgumentError("the coordinator sent no job section");
+  return PrepareJob(*r.spec->job, path);
+}
+
+// The assignment's wire form as the stage worker takes it.
+StageAssignment FromProto(const v1::StageAssignment& pa) {
+  StageAssignment a;
+  a.job_id = pa.job_id();
+  a.stage = pa.stage();
+  a.num_stages = pa.num_stages();
+  a.first_op = pa.first_op();
+  a.last_op = pa.last_op();
+  a.prev_site = pa.prev_site();
+  a.next_site = pa.next_site();
+  a.prev_address = pa.prev_address();
+  a.next_address = pa.next_address();
+  if (!pa.forward_codec().empty()) a.forward_codec = pa.forward_codec();
+  if (!pa.backward_codec().empty()) a.backward_codec = pa.backward_codec();
+  if (!pa.prev_forward_codec().empty()) a.prev_forward_codec = pa.prev_forward_codec();
+  if (!pa.gradient_codec().empty()) a.gradient_codec = pa.gradient_codec();
+  if (pa.bucket_bytes() > 0) a.bucket_bytes = pa.bucket_bytes();
+  a.in_flight = std::max(0, pa.in_flight());
+  for (auto [from, to] : {std::pair<const v1::StageSites*, StageSites*>{&pa.prev_stage(), &a.prev_replicas},
+                          {&pa.this_stage(), &a.replicas},
+                          {&pa.next_stage(), &a.next_replicas}}) {
+    for (const auto& site : from->sites()) {
+      to->sites.push_back(site.site());
+      to->addresses.push_back(site.address());
+    }
+    to->micro_batches.assign(from->micro_batches().begin(), from->micro_batches().end());
+  }
+  return a;
+}
+
+std::set<std::string> OtherSites(const v1::RegisterResponse& reg, const std::string& self) {
+  std::set<std::string> sites(reg.sites().begin(), reg.sites().end());
+  sites.erase(self);
+  return sites;
+}
+
+}  // namespace
+
+Agent::Agent(ExecutorOptions options, v1::RegisterResponse registration, rpc::CoordinatorClient* coordinator)
+    : o_(std::move(options)),
+      reg_(std::move(registration)),
+      coordinator_(coordinator),
+      cluster_sites_(OtherSites(reg_, o_.site)),
+      device_(o_.device == "cpu" ? torch::Device(torch::kCPU) : torch::Device(o_.device)),
+      peer_service_(o_.site, cluster_sites_, &inbox_) {}
+
+int Agent::Run() {
+  auto started = rpc::StartMtlsServer(o_.certs, o_.site, o_.listen, {&peer_service_});
+  if (!started.ok()) {
+    std::cerr << "meridian-executor: " << started.status().message() << "\n";
+    return started.status().code() == absl::StatusCode::kUnavailable ? 1 : 2;
+  }
+  std::unique_ptr<grpc::Server> server = std::move(*started);
+  std::thread heart([this] { Heartbeats(); });
+  const double interval = reg_.heartbeat_interval_seconds() > 0 ? reg_.heartbeat_interval_seconds() : 1.0;
+  bool stopped = false;
+  while (!stopped) {
+    std::unique_ptr<rpc::CoordinatorClient::CommandStream> stream = coordinator_->Commands(o_.site);
+    v1::Command cmd;
+    while (stream->Next(&cmd)) {
+      if (cmd.has_stop()) {
+        stopped = true;
+        break;
+      }
+      if (cmd.has_profile()) OnProfile(cmd.profile());
+      if (cmd.has_assign()) OnAssign(cmd.assign());
+    }
+    stream->Cancel();
+    const absl::Status ended = stream->Finish();
+    if (stopped) break;
+    // The stream broke without a stop (this process was suspended, a network blip): open it again. When the
+    // coordinator is really gone, the heartbeat thread ends the process.
+    std::cerr << "meridian-executor: the command stream ended (" << ended.message() << "); reconnecting\n";
+    std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int64_t>(interval * 1000)));
+  }
+  done_ = true;
+  heart.join();
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  return rc_;
+}
+
+// Heartbeats; the coordinator not answering for `timeout` of trying ends the process. The clock starts at
+// the first failed attempt, not at the last success: a process that was itself stopped (SIGSTOP, a
+// suspended VM) gets a full timeout to reach the coordinator again when it resumes.
+void Agent::Heartbeats() {
+  const double interval = reg_.heartbeat_interval_seconds() > 0 ? reg_.heartbeat_interval_seconds() : 1.0;
+  const double timeout = reg_.heartbeat_timeout_seconds() > interval ? reg_.heartbeat_timeout_seconds() : 5 * interval;
+  const auto every = std::chrono::milliseconds(static_cast<int64_t>(interval * 1000));
+  bool failing = false;
+  Clock::time_point failing_since;
+  while (!done_) {
+    v1::HeartbeatRequest req;
+    req.set_site(o_.site);
+    req.set_step(step_);
+    req.set_state(state_.load());
+    absl::Status hs = coordinator_->Heartbeat(req, every).status();
+    if (hs.ok()) {
+      if (failing) std::cerr << "meridian-executor: the coordinator answers heartbeats again\n";
+      failing = false;
+    } else if (!failing) {
+      failing = true;
+      failing_since = Clock::now();
+      std::cerr << "meridian-executor: heartbeat failed (" << hs.message() << "); retrying for " << timeout << " s\n";
+    } else if (Clock::now() - failing_since > std::chrono::duration<double>(timeout)) {
+      std::cerr << "meridian-executor: lost the coordinator (no heartbeat answered for " << timeout << " s); stopping\n";
+      std::_Exit(1);
+    }
+    std::this_thread::sleep_for(every);
+  }
+}
+
+void Agent::OnProfile(const v1::ProfileRequest& p) {
+  state_ = v1::SITE_PROFILING;
+  peer_service_.SetAllowedPeers(cluster_sites_);  // the sites probing this one
+  v1::ProfileReport rep;
+  rep.set_site(o_.site);
+  absl::Status failure = GuardTorch(absl::StrCat("site '", o_.site, "': profiling"), [&]() -> absl::Status {
+    auto setup = JobFromText(p.job_yaml(), p.job_dir());
+    if (!setup.ok()) return setup.status();
+    auto prof = ProfileModel(setup->model, setup->micro_batch_size, setup->job.sequence_length, o_.site, device_,
+                             p.repeats() > 0 ? p.repeats() : 5, setup->job.lora);
+    if (!prof.ok()) return prof.status();
+    partitioner::ClusterProfile one;
+    one.sites.push_back(prof->site);
+    rep.set_site_profile_json(nlohmann::json::parse(partitioner::ProfileToJson(one))["sites"][0].dump());
+    rep.set_graph_json(partitioner::GraphToJson(prof->graph));
+    nlohmann::json links = nlohmann::json::array();
+    for (const auto& peer : p.peers()) {
+      auto client = rpc::PeerClient::Create(o_.certs, o_.site, peer.site(), peer.address());
+      if (!client.ok()) return client.status();
+      rpc::ProbeOptions po;
+      po.bulk_bytes = 1 << 20;
+      auto first = rpc::ProbeLink(**client, po);
+      if (first.ok()) {
+        po.bulk_bytes = std::clamp<int64_t>(
+            static_cast<int64_t>(first->forward_bytes_per_second * std::max(0.2, p.probe_seconds())), 1 << 20,
+            256 << 20);
+        po.both_ways = true;
+        first = rpc::ProbeLink(**client, po);
+      }
+      if (!first.ok())
+        return absl::UnavailableError(absl::StrCat("probing the link to '", peer.site(), "': ", first.status().message()));
+      // A pipeline link carries both directions at once: its bandwidth is what each direction gets then
+      // (never more than alone).
+      auto loaded = [](double alone, double both) { return both > 0 ? std::min(alone, both) : alone; };
+      links.push_back({{"from", o_.site}, {"to", peer.site()},
+                       {"bandwidth_bytes_per_second",
+                        loaded(first->forward_bytes_per_second, first->forward_loaded_bytes_per_second)},
+                       {"latency_seconds", first->rtt_seconds / 2}});
+      links.push_back({{"from", peer.site()}, {"to", o_.site},
+                       {"bandwidth_bytes_per_second",
+                        loaded(first->reverse_bytes_per_second, first->reverse_loaded_bytes_per_second)},
+                       {"latency_seconds", first->rtt_seconds / 2}});
+    }
+    rep.set_links_json(links.dump());
+    return absl::OkStatus();
+  });
+  if (!failure.ok()) rep.set_error(std::string(failure.message()));
+  if (absl::Status s = coordinator_->ReportProfile(rep, std::chrono::seconds(30)); !s.ok())
+    std::cerr << "meridian-executor: cannot report the profile: " << s.message() << "\n";
+  state_ = v1::SITE_IDLE;
+}
+
+void Agent::OnAssign(const v1::StageAssignment& pa) {
+  state_ = v1::SITE_TRAINING;
+  v1::StageDone result;
+  result.set_site(o_.site);
+  result.set_job_id(pa.job_id());
+  const StageAssignment a = FromProto(pa);
+  peer_service_.SetAllowedPeers(StagePeers(a, o_.site));
+  std::unique_ptr<StageWorker> worker;
+  StageRunResult run_result;
+  MetricsReporter reporter(coordinator_);
+  run_result.status = GuardTorch(absl::StrCat("stage ", a.stage, " (site '", o_.site, "')"), [&]() -> absl::Status {
+    auto setup = JobFromText(pa.job_yaml(), pa.job_dir());
+    if (!setup.ok()) return setup.status();
+    if (pa.micro_batches() > 0) {
+      if (setup->job.global_batch % pa.micro_batches() != 0)
+        return absl::InvalidArgumentError("micro-batches do not divide the global batch");
+      setup->micro_batches = pa.micro_batches();
+      setup->micro_batch_size = setup->job.global_batch / pa.micro_batches();
+    }
+    if (!compression::CodecSpec::Parse(a.gradient_codec).ok())
+      return absl::InvalidArgumentError(absl::StrCat("gradient_codec '", a.gradient_codec, "' is not a codec"));
+    if (absl::Status s = CheckSlice(setup->model, a.first_op, a.last_op); !s.ok()) return s;
+    auto created = StageWorker::Create(*setup, a, &inbox_, o_.certs, o_.site, device_, std::chrono::seconds(60));
+    if (!created.ok()) return created.status();
+    worker = std::move(*created);
+    // Checkpoints: job.checkpoint.dir (store: shared), or a scratch directory whose shards go to the
+    // coordinator (store: coordinator), from which a resumed stage fetches the step it is given.
+    const bool via_coordinator = pa.checkpoints_to_coordinator();
+    ScratchDir scratch(absl::StrCat(o_.site, "-checkpoints"));
+    if (via_coordinator)
+      if (absl::Status s = scratch.Create(); !s.ok()) return s;
+    CheckpointUploader uploader(coordinator_, o_.site, a.job_id);
+    StageRun run;
+    run.steps = pa.steps() > 0 ? pa.steps() : setup->job.steps;
+    run.total_steps = setup->job.steps;
+    run.checkpoint_dir = via_coordinator ? (scratch.path / "out").string()
+                                         : core::ResolveRelative(pa.job_dir() + "/job.yaml", setup->job.checkpoint.dir);
+    run.checkpoint_interval = setup->job.checkpoint.interval;
+    run.checkpoint_keep = via_coordinator ? 0 : setup->job.checkpoint.keep;  // the coordinator prunes its store
+    if (pa.resume_step() != 0) {  // -1: the newest intact checkpoint; S > 0: step S
+      run.forget_checkpoints_after_resume = !via_coordinator;
+      run.resume = [&]() -> absl::StatusOr<Checkpoint> {
+        absl::StatusOr<Checkpoint> c = absl::UnknownError("not loaded");
+        if (via_coordinator) {
+          // The step's JSONs first, then only the shards holding this stage's tensors.
+          const fs::path in = scratch.path / "in";
+          std::string step_dir;
+          std::map<std::string, std::string> shard_paths;  // shard file name -> path in the store
+          for (const auto& f : pa.resume_files()) {
+            const std::optional<core::SiteFile> file = core::ParseSiteFile(f);
+            if (!file || file->kind == core::SiteFile::Kind::kWeights)
+              return absl::InvalidArgumentError(absl::StrCat("resume file '", f, "' is not a checkpoint file"));
+            const fs::path local = in / core::StepDirName(file->step) / fs::path(f).filename();
+            step_dir = local.parent_path().string();
+            if (file->kind == core::SiteFile::Kind::kCheckpointMeta) {
+              if (absl::Status s = coordinator_->GetFile(o_.site, f, local.string()); !s.ok()) return s;
+            } else {
+              shard_paths[local.filename().string()] = f;
+            }
+          }
+          if (step_dir.empty()) return absl::InvalidArgumentError("the assignment names no resume files");
+          const std::set<std::string> wanted = worker->CheckpointTensorNames();
+          auto shards = core::ShardsHolding(step_dir, wanted);
+          if (!shards.ok()) return shards.status();
+          for (const auto& shard : *shards) {
+            auto it = shard_paths.find(shard);
+            if (it == shard_paths.end()) return absl::InvalidArgumentError(absl::StrCat("the resume files name no ", shard));
+            if (absl::Status s = coordinator_->GetFile(o_.site, it->second, (fs::path(step_dir) / shard).string());
+                !s.ok())
+              return s;
+          }
+          c = LoadCheckpointFor(step_dir, wanted);
+        } else {
+          c = LoadLatestCheckpoint(run.checkpoint_dir);
+        }
+        if (c.ok() && pa.resume_step() > 0 && c->step != pa.resume_step())
+          return absl::DataLossError(absl::StrCat("the checkpoint loaded (", c->path, ") is step ", c->step,
+                                                  ", not the step ", pa.resume_step(), " assigned"));
+        return c;
+      };
+    }
+    // Every stage reports each step's time breakdown and bytes; stage 0 also the loss.
+    run.on_step = [&](const StepDone& d) {
+      step_ = d.step;
+      v1::MetricsReport m;
+      m.set_site(o_.site);
+      m.set_job_id(a.job_id);
+      m.set_step(d.step);
+      m.set_loss(d.loss.value_or(0));
+      m.set_step_seconds(d.seconds);
+      m.set_tokens(static_cast<int64_t>(setup->job.global_batch) * setup->job.sequence_length);
+      m.set_wire_bytes(worker->wire_bytes());
+      m.set_raw_bytes(worker->raw_bytes());
+      m.set_compute_seconds(worker->last_compute_seconds());
+      m.set_wait_seconds(worker->last_wait_seconds());
+      m.set_send_blocked_seconds(worker->last_send_blocked_seconds());
+      m.set_codec_seconds(worker->last_codec_seconds());
+      m.set_stage(a.stage);
+      reporter.Post(std::move(m));
+    };
+    if (via_coordinator)
+      run.on_checkpoint = [&](int64_t step) {
+        return uploader.Start((fs::path(run.checkpoint_dir) / core::StepDirName(step)).string(), step, a.stage);
+      };
+    run.before_finish = [&] { return uploader.Wait(); };
+    run_result = RunStage(*worker, run);
+    (void)uploader.Wait();  // a failed run's upload in flight ends before the scratch directory goes
+    if (!run_result.status.ok()) return run_result.status;
+    if (!worker->writes_shard()) return absl::OkStatus();
+    if (pa.weights_to_coordinator()) {  // RUN/weights/stage-K.safetensors
+      ScratchDir tmp(absl::StrCat(o_.site, "-weights"));
+      if (absl::Status s = tmp.Create(); !s.ok()) return s;
+      const std::string local = (tmp.path / "stage.safetensors").string();
+      if (absl::Status s = SaveParameters(local, worker->Parameters()); !s.ok()) return s;
+      return coordinator_->PutFile(o_.site, a.job_id, local, core::WeightsFile(a.stage));
+    }
+    if (!pa.output_dir().empty())
+      return SaveParameters((fs::path(pa.output_dir()) / core::StageShardName(a.stage)).string(), worker->Parameters());
+    return absl::OkStatus();
+  });
+  result.set_steps(run_result.steps_done);
+  if (worker) {
+    result.set_wire_bytes(worker->wire_bytes());
+    result.set_raw_bytes(worker->raw_bytes());
+  }
+  if (!run_result.status.ok()) {
+    result.set_error(std::string(run_result.status.message()));
+    std::cerr << "meridian-executor: " << run_result.status.message() << "\n";
+    rc_ = 1;
+  }
+  reporter.Flush();  // the coordinator sees every step's report before the stage's end
+  state_ = run_result.status.ok() ? v1::SITE_DONE : v1::SITE_FAILED;
+  (void)coordinator_->ReportDone(result, kReportTimeout);
+  peer_service_.SetAllowedPeers(cluster_sites_);
+}
+
+}  // namespace meridian::executor

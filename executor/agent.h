@@ -1,0 +1,59 @@
+// The executor under a coordinator (joined mode): after registering, an Agent serves the site's peer
+// stream, heartbeats, and carries out the coordinator's commands -- profile (measure the device, the
+// model per op and the links), assign (run a stage of an attempt: executor/run_stage.h), stop -- until
+// told to stop or the coordinator is lost (no heartbeat answered for the cluster's heartbeat timeout: the
+// process then exits within that time).
+//
+// Threads: Run's thread reads the command stream and runs the handlers (OnProfile, OnAssign), one at a
+// time; the heartbeat thread only reads the site's state and step (atomics); the metrics reporter and the
+// checkpoint uploader have a thread each (agent.cc); gRPC's threads serve the peer stream into the inbox.
+#ifndef MERIDIAN_EXECUTOR_AGENT_H_
+#define MERIDIAN_EXECUTOR_AGENT_H_
+
+#include <atomic>
+#include <memory>
+#include <set>
+#include <string>
+
+#include <torch/torch.h>
+
+#include "executor/options.h"
+#include "proto/meridian.pb.h"
+#include "rpc/coordinator_client.h"
+#include "rpc/peer.h"
+
+namespace meridian::executor {
+
+class Agent {
+ public:
+  // `coordinator` (the client this site registered with) must outlive the agent.
+  Agent(ExecutorOptions options, v1::RegisterResponse registration, rpc::CoordinatorClient* coordinator);
+
+  // Returns the process exit code: 0 after a stop command, 1 when a stage failed, 2 when the peer
+  // service cannot start with these settings. Call once.
+  int Run();
+
+ private:
+  // Command handlers: on Run's thread only. Each reports its outcome to the coordinator (ProfileReport,
+  // StageDone), errors included; nothing escapes them.
+  void OnProfile(const v1::ProfileRequest& request);
+  void OnAssign(const v1::StageAssignment& assignment);
+  // The heartbeat thread's loop, until `done_`.
+  void Heartbeats();
+
+  const ExecutorOptions o_;
+  const v1::RegisterResponse reg_;
+  rpc::CoordinatorClient* coordinator_;
+  const std::set<std::string> cluster_sites_;  // every other site: who may reach the peer service when idle
+  const torch::Device device_;
+  rpc::TensorInbox inbox_;
+  rpc::PeerService peer_service_;
+  std::atomic<int64_t> step_{-1};
+  std::atomic<v1::SiteState> state_{v1::SITE_IDLE};
+  std::atomic<bool> done_{false};
+  int rc_ = 0;
+};
+
+}  // namespace meridian::executor
+
+#endif  // MERIDIAN_EXECUTOR_AGENT_H_

@@ -1,0 +1,48 @@
+#include "executor/run_stage.h"
+
+#include <chrono>
+
+#include "core/run_layout.h"
+
+namespace meridian::executor {
+
+std::set<std::string> StagePeers(const StageAssignment& a, const std::string& self) {
+  std::set<std::string> peers;
+  if (!a.prev_site.empty()) peers.insert(a.prev_site);
+  if (!a.next_site.empty()) peers.insert(a.next_site);
+  for (const auto* g : {&a.prev_replicas, &a.replicas, &a.next_replicas})
+    for (const auto& site : g->sites)
+      if (site != self) peers.insert(site);
+  return peers;
+}
+
+StageRunResult RunStage(StageWorker& worker, const StageRun& run) {
+  StageRunResult r;
+  if (run.resume) {
+    absl::StatusOr<Checkpoint> c = run.resume();
+    if (!c.ok()) return {0, c.status()};
+    if (absl::Status s = worker.Restore(*c); !s.ok()) return {0, s};
+    r.steps_done = c->step;
+    if (run.forget_checkpoints_after_resume) worker.ForgetCheckpointsAfter(run.checkpoint_dir, c->step);
+  }
+  if (absl::Status s = worker.Connect(); !s.ok()) return {r.steps_done, s};
+  for (int64_t i = r.steps_done; i < run.steps; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    auto loss = worker.Step(i, run.total_steps);
+    if (!loss.ok()) return {r.steps_done, loss.status()};
+    r.steps_done = i + 1;
+    if (run.on_step) run.on_step({i, *loss, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()});
+    if (run.checkpoint_interval > 0 && (i + 1) % run.checkpoint_interval == 0 && worker.writes_shard()) {
+      if (absl::Status s = worker.SaveCheckpoint(run.checkpoint_dir, i + 1, run.checkpoint_keep); !s.ok())
+        return {r.steps_done, s};
+      if (run.on_checkpoint)
+        if (absl::Status s = run.on_checkpoint(i + 1); !s.ok()) return {r.steps_done, s};
+    }
+  }
+  if (run.before_finish)
+    if (absl::Status s = run.before_finish(); !s.ok()) return {r.steps_done, s};
+  r.status = worker.Finish();
+  return r;
+}
+
+}  // namespace meridian::executor

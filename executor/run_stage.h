@@ -1,0 +1,58 @@
+// One stage's life, the same in static mode (`meridian-executor --assignment`) and under a coordinator
+// (executor/agent.h): resume when asked, connect to the peers, run the steps with their checkpoints,
+// finish. What differs between the modes -- where a checkpoint comes from, what a finished step or
+// checkpoint is reported to -- comes in as StageRun's hooks. Runs on the calling thread, which must own
+// the worker; the hooks run on it too.
+#ifndef MERIDIAN_EXECUTOR_RUN_STAGE_H_
+#define MERIDIAN_EXECUTOR_RUN_STAGE_H_
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <set>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "executor/checkpoint.h"
+#include "executor/stage.h"
+
+namespace meridian::executor {
+
+// The sites a stage's peer service admits while it runs `assignment` at `self`: the neighbouring stages'
+// sites (every replica of each) and this stage's other replicas. The one rule for both modes.
+std::set<std::string> StagePeers(const StageAssignment& assignment, const std::string& self);
+
+struct StepDone {
+  int64_t step = 0;             // 0-based
+  std::optional<double> loss;   // on the first and last stages
+  double seconds = 0;           // the whole step, wall clock
+};
+
+struct StageRun {
+  int64_t steps = 0;        // run until this many steps are done
+  int64_t total_steps = 0;  // the job's: the learning-rate schedule spans it whatever this run covers
+  // Resuming: the checkpoint to start from (the stage restores it and starts at its step); empty: start
+  // afresh at step 0.
+  std::function<absl::StatusOr<Checkpoint>()> resume;
+  // After resuming from a directory the stages write themselves (shared or local): stage 0's writer
+  // removes the steps above the one loaded from `checkpoint_dir`, so an abandoned attempt's cannot mix in.
+  bool forget_checkpoints_after_resume = false;
+  // Checkpoints: every `checkpoint_interval` steps (0: none) the stage's shard goes to `checkpoint_dir`;
+  // with `checkpoint_keep` > 0 stage 0's writer keeps that many complete steps there.
+  std::string checkpoint_dir;
+  int checkpoint_interval = 0, checkpoint_keep = 0;
+  std::function<void(const StepDone&)> on_step;              // after every step
+  std::function<absl::Status(int64_t step)> on_checkpoint;   // after this stage wrote step `step`'s shard
+  std::function<absl::Status()> before_finish;               // e.g. wait for uploads
+};
+
+struct StageRunResult {
+  int64_t steps_done = 0;  // the steps this stage completed (resumed ones included)
+  absl::Status status;     // the first failure, naming the stage, peer or file
+};
+
+StageRunResult RunStage(StageWorker& worker, const StageRun& run);
+
+}  // namespace meridian::executor
+
+#endif  // MERIDIAN_EXECUTOR_RUN_STAGE_H_
