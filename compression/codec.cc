@@ -592,6 +592,27 @@ std::string CodecSpec::ToString() const {
   return s;
 }
 
+std::string CodecSpec::ShortString() const {
+  const CodecSpec defaults;
+  std::string s;
+  switch (kind) {
+    case CodecKind::kIdentity: s = "identity"; break;
+    case CodecKind::kFp16: s = "fp16"; break;
+    case CodecKind::kBf16: s = "bf16"; break;
+    case CodecKind::kInt8: s = "int8"; break;
+    case CodecKind::kInt4: s = "int4"; break;
+    case CodecKind::kInt2: s = "int2"; break;
+    case CodecKind::kTopK: s = topk_int8_values ? "topk-int8" : "topk"; break;
+  }
+  if (delta) s += "-delta";
+  if (kind == CodecKind::kTopK && topk_fraction != defaults.topk_fraction) absl::StrAppend(&s, ":k=", topk_fraction);
+  const bool blocked = kind == CodecKind::kInt8 || kind == CodecKind::kInt4 || kind == CodecKind::kInt2 ||
+                       (kind == CodecKind::kTopK && topk_int8_values);
+  if (blocked && block_size != defaults.block_size) absl::StrAppend(&s, ":block=", block_size);
+  if (zstd) s += "+zstd";
+  return s;
+}
+
 absl::Status EncodeTo(const core::TensorView& in, const CodecSpec& spec, std::vector<uint8_t>* frame) {
   absl::Status st = CheckSpec(spec);
   if (!st.ok()) return st;
@@ -800,6 +821,21 @@ double CompressionRatio(const CodecSpec& spec, DType dtype, int64_t numel) {
   }
   double in_bytes = static_cast<double>(numel) * static_cast<double>(core::DTypeSize(dtype));
   return static_cast<double>(HeaderSize(1) + RawPayloadSize(h, index_bytes)) / in_bytes;
+}
+
+double PayloadRatio(const CodecSpec& spec, DType dtype) {
+  // A whole number of blocks, large enough that top-k's counts round as they would on a real tensor.
+  const int64_t numel = static_cast<int64_t>(std::max(spec.block_size, 1)) * 65536;
+  Header h{spec.kind, dtype, 0, spec.block_size, {numel}, numel, 0, 0, 0};
+  uint64_t index_bytes = 0;
+  if (spec.kind == CodecKind::kTopK) {
+    h.count = TopkCount(spec.topk_fraction, numel);
+    if (spec.topk_int8_values) h.flags |= kFlagTopkInt8;
+    uint64_t gap = static_cast<uint64_t>(numel / std::max<int64_t>(h.count, 1));
+    index_bytes = std::min<uint64_t>(static_cast<uint64_t>((numel + 7) / 8), h.count * VarintSize(gap));
+  }
+  return static_cast<double>(RawPayloadSize(h, index_bytes)) /
+         (static_cast<double>(numel) * static_cast<double>(core::DTypeSize(dtype)));
 }
 
 absl::StatusOr<std::vector<uint8_t>> ErrorFeedback::Encode(const core::TensorView& input) {

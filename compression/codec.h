@@ -34,7 +34,10 @@ struct CodecSpec {
   // codecs "int8-delta", "int4-delta", "int2-delta", with options ":block=N", ":k=F" and a "+zstd" suffix,
   // e.g. "int4:block=32+zstd", "topk:k=0.001", "int2-delta".
   static absl::StatusOr<CodecSpec> Parse(const std::string& text);
-  std::string ToString() const;
+  std::string ToString() const;  // every option spelled out, e.g. "int8:block=64"
+  // The shortest text Parse reads back as this spec: options at their defaults left out ("int8",
+  // "int4-delta", "topk:k=0.001"). How plans name codecs.
+  std::string ShortString() const;
   bool lossless() const { return kind == CodecKind::kIdentity; }
 };
 
@@ -75,6 +78,9 @@ absl::StatusOr<FrameInfo> InspectFrame(const uint8_t* data, size_t size);
 // The frame size Encode produces for `numel` elements of `dtype` (exact for every codec but top-k's
 // varint indices and zstd, for which it is the worst case without zstd), divided by the input bytes.
 double CompressionRatio(const CodecSpec& spec, core::DType dtype, int64_t numel);
+// The same for a large tensor, without the frame's header: the payload's bytes per input byte (int8 on
+// float32 with blocks of 64: exactly (64 + 4) / 256). What a cost model prices a codec at.
+double PayloadRatio(const CodecSpec& spec, core::DType dtype);
 
 // Error feedback for one stream of same-shaped tensors: what the lossy codec dropped from tensor t
 // is added to tensor t+1 before encoding, so nothing is lost over time (EF-SGD, DTFM/AQ-SGD).

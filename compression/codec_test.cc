@@ -292,3 +292,35 @@ void Reseal(std::vector<uint8_t>& f) {
 }  // namespace
 }  // namespace meridian::compression
 
+
+namespace meridian::compression {
+namespace {
+
+// Plans name codecs by their short form; it must read back as the same spec.
+TEST(Codec, ShortStringsParseBackToTheSameSpec) {
+  for (const char* text : {"identity", "fp16", "bf16", "int8", "int4", "int2", "int8-delta", "int4-delta", "topk",
+                           "topk-int8", "topk:k=0.001", "int4:block=32", "int8+zstd", "topk-int8:k=0.1:block=128"}) {
+    auto spec = CodecSpec::Parse(text);
+    ASSERT_TRUE(spec.ok()) << text;
+    auto again = CodecSpec::Parse(spec->ShortString());
+    ASSERT_TRUE(again.ok()) << spec->ShortString();
+    EXPECT_EQ(again->ToString(), spec->ToString()) << text;
+  }
+  EXPECT_EQ(CodecSpec::Parse("int8:block=64")->ShortString(), "int8");
+  EXPECT_EQ(CodecSpec::Parse("int4-delta")->ShortString(), "int4-delta");
+  EXPECT_EQ(CodecSpec::Parse("int4:block=32")->ShortString(), "int4:block=32");
+}
+
+// What the planner prices a codec at: the payload per input byte, exactly the frame layout's.
+TEST(Codec, PayloadRatiosAreTheFrameLayouts) {
+  EXPECT_DOUBLE_EQ(PayloadRatio(*CodecSpec::Parse("identity"), core::DType::kFloat32), 1.0);
+  EXPECT_DOUBLE_EQ(PayloadRatio(*CodecSpec::Parse("bf16"), core::DType::kFloat32), 0.5);
+  EXPECT_DOUBLE_EQ(PayloadRatio(*CodecSpec::Parse("int8"), core::DType::kFloat32), 68.0 / 256);
+  EXPECT_DOUBLE_EQ(PayloadRatio(*CodecSpec::Parse("int4"), core::DType::kFloat32), 36.0 / 256);
+  EXPECT_DOUBLE_EQ(PayloadRatio(*CodecSpec::Parse("int2"), core::DType::kFloat32), 20.0 / 256);
+  const double ratio = PayloadRatio(*CodecSpec::Parse("int8"), core::DType::kFloat32);
+  EXPECT_NEAR(CompressionRatio(*CodecSpec::Parse("int8"), core::DType::kFloat32, 1 << 22), ratio, 1e-4);
+}
+
+}  // namespace
+}  // namespace meridian::compression

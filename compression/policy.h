@@ -1,8 +1,10 @@
-// The adaptive compression policy: for one link and one tensor, the least lossy codec from a menu whose
+// The codec menus -- the one list of what the adaptive policy may choose, for activations between stages
+// and for replica gradients -- and the rule for one link and one tensor: the least lossy codec whose
 // transfer hides behind the compute it overlaps with (FusionLLM's AdaTopK: compress only slow links).
-// The planner (partitioner/planner.cc) applies the same rule with its own torch-free ratio tables, which
-// leave top-k out: measured with AdamW it trails the exact loss early in training (docs/cost-model.md);
-// executors send with the codec the plan names. Pure; thread-safe.
+// The planner (partitioner/planner.cc) prices these menus with PayloadRatio and chooses per link by
+// simulating the schedule; it leaves top-k out of the gradient menu (measured with AdamW it trails the
+// exact loss early in training: docs/cost-model.md). Executors send with the codec the plan names. Pure;
+// thread-safe.
 #ifndef MERIDIAN_COMPRESSION_POLICY_H_
 #define MERIDIAN_COMPRESSION_POLICY_H_
 

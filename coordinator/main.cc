@@ -13,6 +13,7 @@
 #include "coordinator/run.h"
 #include "core/certs.h"
 #include "core/cluster_spec.h"
+#include "core/log.h"
 #include "core/version.h"
 #include "model_tools/model_tools.h"
 
@@ -87,6 +88,13 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", std::string("meridian ") + kVersion);
   app.require_subcommand(1);
   int rc = kExitOk;
+  std::string log_level = "info";
+  app.add_option("--log-level", log_level,
+                 "Diagnostics on stderr from this level up: trace, debug (with `run`: every event and action of the "
+                 "run machine), info, warning, error, off");
+  app.parse_complete_callback([&] {
+    if (absl::Status s = core::InitLogging("meridian", log_level); !s.ok()) throw CLI::ValidationError(std::string(s.message()));
+  });
 
   auto* validate = app.add_subcommand("validate", "Check cluster and job spec files; one line per problem");
   std::vector<std::string> files;

@@ -24,6 +24,7 @@
 #include "coordinator/run_machine.h"
 #include "core/checkpoint_dir.h"
 #include "core/files.h"
+#include "core/log.h"
 #include "core/run_layout.h"
 #include "job/job.h"
 #include "partitioner/planner.h"
@@ -202,6 +203,23 @@ std::set<std::string> SiteNames(const core::ClusterSpec& spec) {
   return names;
 }
 
+// What an event from the handlers is, for the debug log.
+std::string EventName(const EventQueue::Body& event) {
+  return std::visit(
+      [](const auto& e) -> std::string {
+        using T = std::decay_t<decltype(e)>;
+        if constexpr (std::is_same_v<T, SiteRegistered>) return absl::StrCat("site '", e.site, "' registered");
+        if constexpr (std::is_same_v<T, ProfileReported>) return absl::StrCat("profile of site '", e.report.site(), "'");
+        if constexpr (std::is_same_v<T, MetricsReported>)
+          return absl::StrCat("metrics of site '", e.report.site(), "', step ", e.report.step() + 1);
+        if constexpr (std::is_same_v<T, StageReportedDone>)
+          return absl::StrCat("site '", e.done.site(), "' done with attempt ", e.done.job_id(),
+                              e.done.error().empty() ? "" : ": ", e.done.error());
+        return "other";
+      },
+      event);
+}
+
 // One `meridian run` once its inputs are loaded: serves the coordinator service (and /metrics), then
 // runs the loop that owns the run's RunMachine: it turns what the service's handlers enqueue, the sites'
 // heartbeats going silent and coming back, and the passing of time into events, and performs the
@@ -232,13 +250,19 @@ class RunDriver {
       const Clock::time_point now = clock_();
       const std::vector<std::string> silent_now = coord_.Silent(now);
       for (const auto& site : silent_now)
-        if (!silent.count(site) && !exit) exit = Perform(machine.Handle({now, HeartbeatLost{site}}));
+        if (!silent.count(site) && !exit) {
+          spdlog::debug("event: site '{}' stopped heartbeating", site);
+          exit = Perform(machine.Handle({now, HeartbeatLost{site}}));
+        }
       for (const auto& site : silent)
-        if (std::find(silent_now.begin(), silent_now.end(), site) == silent_now.end() && !exit)
+        if (std::find(silent_now.begin(), silent_now.end(), site) == silent_now.end() && !exit) {
+          spdlog::debug("event: site '{}' heartbeats again", site);
           exit = Perform(machine.Handle({now, HeartbeatBack{site}}));
+        }
       silent = std::set<std::string>(silent_now.begin(), silent_now.end());
       if (exit) break;
       std::optional<EventQueue::Body> event = events_.PopUntil(Clock::now() + std::chrono::milliseconds(200));
+      if (event) spdlog::debug("event: {}", EventName(*event));
       exit = Perform(machine.Handle({clock_(), event ? std::move(*event) : EventQueue::Body(Tick{})}));
     }
     // Let the stop commands reach the executors, then end the service.
@@ -281,6 +305,9 @@ class RunDriver {
           [&](const auto& a) {
             using T = std::decay_t<decltype(a)>;
             if constexpr (std::is_same_v<T, SendCommand>) {
+              spdlog::debug("action: send {} to site '{}'",
+                            a.command.has_assign() ? "an assignment" : a.command.has_profile() ? "a profile request" : "a command",
+                            a.site);
               coord_.Send(a.site, a.command);
             } else if constexpr (std::is_same_v<T, StopAll>) {
               coord_.StopAll();
@@ -299,12 +326,13 @@ class RunDriver {
               coord_.LogSite(a.site, a.text);
             } else if constexpr (std::is_same_v<T, PruneCheckpoints>) {
               std::string problems;
-              core::PruneCheckpoints(CheckpointDir(), a.keep, a.newest, &problems);
-              if (!problems.empty()) std::printf("checkpoints: %s\n", problems.c_str());
+              const int removed = core::PruneCheckpoints(CheckpointDir(), a.keep, a.newest, &problems);
+              spdlog::debug("action: pruned {} checkpoint steps (keeping {} up to step {})", removed, a.keep, a.newest);
+              if (!problems.empty()) spdlog::warn("checkpoints: {}", problems);
             } else if constexpr (std::is_same_v<T, RemoveCheckpointsAbove>) {
               std::string problems;
               core::RemoveCheckpointsAbove(CheckpointDir(), a.step, &problems);
-              if (!problems.empty()) std::printf("checkpoints: %s\n", problems.c_str());
+              if (!problems.empty()) spdlog::warn("checkpoints: {}", problems);
             } else if constexpr (std::is_same_v<T, Exit>) {
               exit = a.code;
             }
@@ -319,11 +347,11 @@ class RunDriver {
       std::ofstream& out = appended_[f.name];
       if (!out.is_open()) out.open(RunFile(f.name.c_str()), std::ios::app);
       out << f.content << std::flush;
-      if (!out) std::fprintf(stderr, "meridian run: cannot write %s\n", RunFile(f.name.c_str()).c_str());
+      if (!out) spdlog::error("cannot write {}", RunFile(f.name.c_str()));
       return;
     }
     if (absl::Status s = core::WriteFileAtomic(RunFile(f.name.c_str()), f.content); !s.ok())
-      std::fprintf(stderr, "meridian run: %s\n", std::string(s.message()).c_str());
+      spdlog::error("{}", std::string(s.message()));
   }
 
   // Starts the coordinator's gRPC service, prints the join commands and serves /metrics. 0, or the exit

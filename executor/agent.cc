@@ -20,6 +20,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/checkpoint_dir.h"
+#include "core/log.h"
 #include "core/run_layout.h"
 #include "executor/profiler.h"
 #include "executor/run_stage.h"
@@ -202,7 +203,7 @@ Agent::Agent(ExecutorOptions options, v1::RegisterResponse registration, rpc::Co
 int Agent::Run() {
   auto started = rpc::StartMtlsServer(o_.certs, o_.site, o_.listen, {&peer_service_});
   if (!started.ok()) {
-    std::cerr << "meridian-executor: " << started.status().message() << "\n";
+    spdlog::error("{}", absl::StrCat(started.status().message()));
     return started.status().code() == absl::StatusCode::kUnavailable ? 1 : 2;
   }
   std::unique_ptr<grpc::Server> server = std::move(*started);
@@ -214,6 +215,7 @@ int Agent::Run() {
     v1::Command cmd;
     while (stream->Next(&cmd)) {
       if (cmd.has_stop()) {
+        spdlog::debug("command: stop");
         stopped = true;
         break;
       }
@@ -225,7 +227,7 @@ int Agent::Run() {
     if (stopped) break;
     // The stream broke without a stop (this process was suspended, a network blip): open it again. When the
     // coordinator is really gone, the heartbeat thread ends the process.
-    std::cerr << "meridian-executor: the command stream ended (" << ended.message() << "); reconnecting\n";
+    spdlog::warn("{}", absl::StrCat("the command stream ended (", ended.message(), "); reconnecting"));
     std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int64_t>(interval * 1000)));
   }
   done_ = true;
@@ -250,14 +252,14 @@ void Agent::Heartbeats() {
     req.set_state(state_.load());
     absl::Status hs = coordinator_->Heartbeat(req, every).status();
     if (hs.ok()) {
-      if (failing) std::cerr << "meridian-executor: the coordinator answers heartbeats again\n";
+      if (failing) spdlog::warn("the coordinator answers heartbeats again");
       failing = false;
     } else if (!failing) {
       failing = true;
       failing_since = Clock::now();
-      std::cerr << "meridian-executor: heartbeat failed (" << hs.message() << "); retrying for " << timeout << " s\n";
+      spdlog::warn("{}", absl::StrCat("heartbeat failed (", hs.message(), "); retrying for ", timeout, " s"));
     } else if (Clock::now() - failing_since > std::chrono::duration<double>(timeout)) {
-      std::cerr << "meridian-executor: lost the coordinator (no heartbeat answered for " << timeout << " s); stopping\n";
+      spdlog::error("{}", absl::StrCat("lost the coordinator (no heartbeat answered for ", timeout, " s); stopping"));
       std::_Exit(1);
     }
     std::this_thread::sleep_for(every);
@@ -265,6 +267,7 @@ void Agent::Heartbeats() {
 }
 
 void Agent::OnProfile(const v1::ProfileRequest& p) {
+  spdlog::debug("command: profile ({} peers to probe, {} repeats)", p.peers_size(), p.repeats());
   state_ = v1::SITE_PROFILING;
   peer_service_.SetAllowedPeers(cluster_sites_);  // the sites probing this one
   v1::ProfileReport rep;
@@ -312,11 +315,13 @@ void Agent::OnProfile(const v1::ProfileRequest& p) {
   });
   if (!failure.ok()) rep.set_error(std::string(failure.message()));
   if (absl::Status s = coordinator_->ReportProfile(rep, std::chrono::seconds(30)); !s.ok())
-    std::cerr << "meridian-executor: cannot report the profile: " << s.message() << "\n";
+    spdlog::error("{}", absl::StrCat("cannot report the profile: ", s.message()));
   state_ = v1::SITE_IDLE;
 }
 
 void Agent::OnAssign(const v1::StageAssignment& pa) {
+  spdlog::info("assigned stage {}/{} (ops {}-{}) of job {}{}", pa.stage() + 1, pa.num_stages(), pa.first_op(),
+               pa.last_op(), pa.job_id(), pa.resume_step() != 0 ? ", resuming" : "");
   state_ = v1::SITE_TRAINING;
   v1::StageDone result;
   result.set_site(o_.site);
@@ -400,6 +405,9 @@ void Agent::OnAssign(const v1::StageAssignment& pa) {
     // Every stage reports each step's time breakdown and bytes; stage 0 also the loss.
     run.on_step = [&](const StepDone& d) {
       step_ = d.step;
+      spdlog::debug("step {}: {:.3f} s, computing {:.3f} s, waiting {:.3f} s, blocked sending {:.3f} s, codecs {:.3f} s",
+                    d.step + 1, d.seconds, worker->last_compute_seconds(), worker->last_wait_seconds(),
+                    worker->last_send_blocked_seconds(), worker->last_codec_seconds());
       v1::MetricsReport m;
       m.set_site(o_.site);
       m.set_job_id(a.job_id);
@@ -443,7 +451,7 @@ void Agent::OnAssign(const v1::StageAssignment& pa) {
   }
   if (!run_result.status.ok()) {
     result.set_error(std::string(run_result.status.message()));
-    std::cerr << "meridian-executor: " << run_result.status.message() << "\n";
+    spdlog::error("{}", absl::StrCat(run_result.status.message()));
     rc_ = 1;
   }
   reporter.Flush();  // the coordinator sees every step's report before the stage's end

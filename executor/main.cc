@@ -18,6 +18,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "core/log.h"
 #include "absl/strings/str_format.h"
 #include "core/files.h"
 #include "core/run_layout.h"
@@ -40,21 +41,21 @@ int RunStatic(const executor::ExecutorOptions& o, const std::string& assignment_
               const std::string& out_dir, int steps, int timeout_s, bool resume) {
   auto text = core::ReadFile(assignment_path);
   if (!text.ok()) {
-    std::cerr << "meridian-executor: " << text.status().message() << "\n";
+    spdlog::error("{}", absl::StrCat(text.status().message()));
     return 2;
   }
   auto a = executor::ParseAssignmentJson(*text, assignment_path);
   if (!a.ok()) {
-    std::cerr << "meridian-executor: " << a.status().message() << "\n";
+    spdlog::error("{}", absl::StrCat(a.status().message()));
     return 2;
   }
   auto setup = executor::LoadJob(job_path);
   if (!setup.ok()) {
-    std::cerr << "meridian-executor: " << setup.status().message() << "\n";
+    spdlog::error("{}", absl::StrCat(setup.status().message()));
     return 2;
   }
   if (auto s = executor::CheckSlice(setup->model, a->first_op, a->last_op); !s.ok()) {
-    std::cerr << "meridian-executor: " << assignment_path << ": " << s.message() << "\n";
+    spdlog::error("{}", absl::StrCat(assignment_path, ": ", s.message()));
     return 2;
   }
   if (steps <= 0) steps = setup->job.steps;
@@ -63,13 +64,13 @@ int RunStatic(const executor::ExecutorOptions& o, const std::string& assignment_
   rpc::PeerService service(o.site, executor::StagePeers(*a, o.site), &inbox);
   auto started = rpc::StartMtlsServer(o.certs, o.site, o.listen, {&service});
   if (!started.ok()) {
-    std::cerr << "meridian-executor: " << started.status().message() << "\n";
+    spdlog::error("{}", absl::StrCat(started.status().message()));
     return started.status().code() == absl::StatusCode::kUnavailable ? 1 : 2;
   }
   std::unique_ptr<grpc::Server> server = std::move(*started);
   torch::Device device(o.device == "cpu" ? torch::Device(torch::kCPU) : torch::Device(o.device));
   auto fail = [&](const absl::Status& s) {
-    std::cerr << "meridian-executor: " << s.message() << "\n";
+    spdlog::error("{}", absl::StrCat(s.message()));
     server->Shutdown(std::chrono::system_clock::now());
     return 1;
   };
@@ -84,13 +85,13 @@ int RunStatic(const executor::ExecutorOptions& o, const std::string& assignment_
   run.checkpoint_interval = setup->job.checkpoint.interval;
   run.checkpoint_keep = setup->job.checkpoint.keep;
   if (run.checkpoint_interval > 0 && setup->job.checkpoint.store == core::CheckpointStore::kCoordinator)
-    std::cerr << "meridian-executor: " << job_path << ": job.checkpoint.store: coordinator needs `meridian run`; "
-              << "without a coordinator this stage keeps its checkpoints in " << run.checkpoint_dir << "\n";
+    spdlog::warn("{}", absl::StrCat(job_path, ": job.checkpoint.store: coordinator needs `meridian run`; without a "
+                                    "coordinator this stage keeps its checkpoints in ", run.checkpoint_dir));
   if (resume) {
     run.resume = [&]() -> absl::StatusOr<executor::Checkpoint> {
       std::string skipped;
       auto c = executor::LoadLatestCheckpoint(run.checkpoint_dir, &skipped);
-      if (!skipped.empty()) std::cerr << "meridian-executor: skipped " << skipped << "\n";
+      if (!skipped.empty()) spdlog::warn("{}", absl::StrCat("skipped ", skipped));
       if (c.ok()) std::cout << "resuming after step " << c->step << " from " << c->path << std::endl;
       return c;
     };
@@ -122,14 +123,14 @@ int RunStatic(const executor::ExecutorOptions& o, const std::string& assignment_
 int RunProfile(const executor::ExecutorOptions& o, const std::string& job_path, const std::string& out_dir) {
   auto setup = executor::LoadJob(job_path);
   if (!setup.ok()) {
-    std::cerr << "meridian-executor: " << setup.status().message() << "\n";
+    spdlog::error("{}", absl::StrCat(setup.status().message()));
     return 2;
   }
   torch::Device device(o.device == "cpu" ? torch::Device(torch::kCPU) : torch::Device(o.device));
   auto prof = executor::ProfileModel(setup->model, setup->micro_batch_size, setup->job.sequence_length, o.site, device, 5,
                                   setup->job.lora);
   if (!prof.ok()) {
-    std::cerr << "meridian-executor: " << prof.status().message() << "\n";
+    spdlog::error("{}", absl::StrCat(prof.status().message()));
     return 1;
   }
   std::filesystem::create_directories(out_dir);
@@ -158,7 +159,7 @@ int Guarded(Body body) {
   try {
     return body();
   } catch (const std::exception& e) {
-    std::cerr << "meridian-executor: internal error: " << e.what() << "\n";
+    spdlog::error("{}", absl::StrCat("internal error: ", e.what()));
     return 1;
   }
 }
@@ -195,10 +196,18 @@ int main(int argc, char** argv) {
   app.add_option("--profile", profile_job, "Measure this device and JOB.yaml's model per op; write --out/graph.json "
                                            "and --out/profile-SITE.json, then exit");
   app.add_option("--step-timeout", step_timeout, "Seconds to wait for a neighbour's tensor")->check(CLI::Range(1, 86400));
+  std::string log_level = "info";
+  app.add_option("--log-level", log_level,
+                 "Diagnostics on stderr from this level up: trace, debug (every command and step), info, warning, "
+                 "error, off");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;
+  }
+  if (absl::Status s = core::InitLogging("meridian-executor", log_level); !s.ok()) {
+    std::cerr << "meridian-executor: " << s.message() << "\n";
+    return 2;
   }
   if ((!assignment.empty() || !profile_job.empty()) && !f.coordinator)
     f.coordinator = "127.0.0.1:1";  // unused without a coordinator
@@ -208,21 +217,20 @@ int main(int argc, char** argv) {
     return v ? std::optional<std::string>(v) : std::nullopt;
   });
   if (!options.ok()) {
-    std::cerr << "meridian-executor: " << options.status().message() << "\n";
+    spdlog::error("{}", absl::StrCat(options.status().message()));
     return 2;
   }
   if (!profile_job.empty()) Leave(Guarded([&] { return RunProfile(*options, profile_job, out.empty() ? "." : out); }));
   if (!assignment.empty()) {
     if (job.empty()) {
-      std::cerr << "meridian-executor: --assignment needs --job JOB.yaml\n";
+      spdlog::error("--assignment needs --job JOB.yaml");
       return 2;
     }
     Leave(Guarded([&] { return RunStatic(*options, assignment, job, out, steps, step_timeout, resume); }));
   }
   auto client = rpc::ConnectCoordinator(options->certs, options->site, options->coordinator);
   if (!client.ok()) {
-    std::cerr << "meridian-executor: bad certificate for site '" << options->site << "': " << client.status().message()
-              << "\n";
+    spdlog::error("{}", absl::StrCat("bad certificate for site '", options->site, "': ", client.status().message()));
     return 2;
   }
   v1::RegisterRequest req;
@@ -236,8 +244,7 @@ int main(int argc, char** argv) {
     std::string why = registered.status().code() == absl::StatusCode::kDeadlineExceeded
                           ? "no answer (is the coordinator running there, and do both use the same cluster CA?)"
                           : std::string(registered.status().message());
-    std::cerr << "meridian-executor: cannot join the coordinator at " << options->coordinator << " as site '"
-              << options->site << "': " << why << "\n";
+    spdlog::error("{}", absl::StrCat("cannot join the coordinator at ", options->coordinator, " as site '", options->site, "': ", why));
     return 1;
   }
   std::cout << "joined cluster '" << registered->cluster() << "' as site '" << options->site << "' (run "

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "core/log.h"
 #include "executor/trainer.h"
 #include "gpu/probe.h"
 #include "executor/torch_boundary.h"
@@ -84,7 +85,7 @@ absl::StatusOr<OpProfile> ProfileModel(const LlamaConfig& c, int mbs, int seq, c
         out.site.memory_bytes = g->free_memory_bytes;
       } else if (g.status().code() == absl::StatusCode::kFailedPrecondition && !gpu::Available()) {
         // libtorch has CUDA but this build of Meridian was configured without the toolkit.
-        std::cerr << "meridian-executor: " << g.status().message() << "; the profile has libtorch's GEMM only\n";
+        spdlog::warn("{}", absl::StrCat(g.status().message(), "; the profile has libtorch's GEMM only"));
       } else {
         return absl::Status(g.status().code(), absl::StrCat("measuring ", device.str(), " through cuBLAS: ",
                                                             g.status().message()));

@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/checkpoint_dir.h"
+#include "core/log.h"
 #include "core/status.h"
 #include "partitioner/planner.h"
 #include "executor/torch_boundary.h"
@@ -278,9 +279,9 @@ absl::Status StageWorker::Send(const std::string& peer, const rpc::TensorKey& ke
     frame = ids ? enc->Encode(v, *ids) : absl::InvalidArgumentError("a delta codec on a tensor without sequences");
     if (enc->fell_back() && !said_delta_fallback_) {
       said_delta_fallback_ = true;
-      std::cerr << "meridian-executor: " << Where() << ": the activation store for site '" << peer
-                << "' is full (job.compression.activation_memory and activation_spill): sequences not yet stored "
-                   "now go as int8, without deltas\n";
+      spdlog::warn("{}", absl::StrCat(Where(), ": the activation store for site '", peer,
+                                      "' is full (job.compression.activation_memory and activation_spill): sequences "
+                                      "not yet stored now go as int8, without deltas"));
     }
   } else {
     frame = ef ? ef->Encode(v) : compression::Encode(v, codec);
@@ -537,7 +538,7 @@ absl::Status StageWorker::SaveCheckpoint(const std::string& dir, int64_t steps_d
     if (keep > 0 && a_.stage == 0 && writes_shard()) {
       std::string problems;
       core::PruneCheckpoints(dir, keep, steps_done, &problems);
-      if (!problems.empty()) std::cerr << "meridian-executor: " << Where() << ": checkpoints: " << problems << "\n";
+      if (!problems.empty()) spdlog::warn("{}", absl::StrCat(Where(), ": checkpoints: ", problems));
     }
     return absl::OkStatus();
   });
@@ -547,7 +548,7 @@ void StageWorker::ForgetCheckpointsAfter(const std::string& dir, int64_t step) c
   if (a_.stage != 0 || !writes_shard()) return;
   std::string problems;
   core::RemoveCheckpointsAbove(dir, step, &problems);
-  if (!problems.empty()) std::cerr << "meridian-executor: " << Where() << ": checkpoints: " << problems << "\n";
+  if (!problems.empty()) spdlog::warn("{}", absl::StrCat(Where(), ": checkpoints: ", problems));
 }
 
 absl::Status StageWorker::Restore(const Checkpoint& c) {

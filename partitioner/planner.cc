@@ -15,6 +15,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "compression/activation_delta.h"
+#include "compression/codec.h"
+#include "compression/policy.h"
 #include "partitioner/schedule.h"
 
 namespace meridian::partitioner {
@@ -778,16 +781,29 @@ absl::StatusOr<std::vector<PinnedStage>> ParsePlanLayout(const std::string& text
   return out;
 }
 
+namespace {
+
+// A codec of compression/'s menus as the cost model prices it: its payload per float32 input byte.
+Codec Priced(const compression::CodecSpec& spec) {
+  return {spec.ShortString(), compression::PayloadRatio(spec, core::DType::kFloat32)};
+}
+
+}  // namespace
+
 std::vector<Codec> DefaultLinkCodecs(double revisit_fraction) {
-  const double int8 = (64.0 + 4.0) / 256.0, int4 = (32.0 + 4.0) / 256.0;
-  std::vector<Codec> menu = {{"identity", 1.0}, {"fp16", 0.5}, {"int8", int8}, {"int4", int4}};
+  std::vector<Codec> menu;
+  for (const compression::CodecSpec& spec : compression::ActivationMenu()) menu.push_back(Priced(spec));
+  const double int8 = Priced(*compression::CodecSpec::Parse("int8")).ratio;
+  const double int4 = Priced(*compression::CodecSpec::Parse("int4")).ratio;
   const double f = std::clamp(revisit_fraction, 0.0, 1.0);
   // int2-delta is not on the menu: its loss cost depends on how far the model moves between a sequence's
   // visits (+1.4% of identity's loss after 200 steps when sequences came back every 9 steps, +30% after 300
   // when they came back every 24, on a smaller model: docs/cost-model.md). It stays available through
   // compression.policy: fixed.
   if (f > 0) {
-    menu.push_back({"int4-delta", (1 - f) * int8 + f * int4, int4});
+    const std::string delta = "int4-delta";
+    const double gradients = Priced(*compression::CodecSpec::Parse(compression::GradientCodecBehind(delta))).ratio;
+    menu.push_back({delta, (1 - f) * int8 + f * int4, gradients});
     // Lightest first; on equal bytes the delta codec, whose loss is closer to identity's (measured:
     // int4-delta +0.2% and +2.1%, int4 +0.4% and +7.8%, in the two settings above).
     std::stable_sort(menu.begin(), menu.end(), [](const Codec& a, const Codec& b) {
@@ -798,10 +814,13 @@ std::vector<Codec> DefaultLinkCodecs(double revisit_fraction) {
 }
 
 std::vector<Codec> DefaultGradientCodecs() {
-  // No top-k: with AdamW, top-1% (error feedback) left the loss twice the exact run's after 30 steps and
-  // top-10% 7% above it (within 1% only after 200 steps), while int8 stayed within 0.1%
-  // (docs/cost-model.md). Top-k stays available through compression.policy: fixed.
-  return {{"identity", 1.0}, {"bf16", 0.5}, {"int8", (64.0 + 4.0) / 256.0}};
+  // compression/'s gradient menu without top-k: with AdamW, top-1% (error feedback) left the loss twice
+  // the exact run's after 30 steps and top-10% 7% above it (within 1% only after 200 steps), while int8
+  // stayed within 0.1% (docs/cost-model.md). Top-k stays available through compression.policy: fixed.
+  std::vector<Codec> menu;
+  for (const compression::CodecSpec& spec : compression::GradientMenu())
+    if (spec.kind != compression::CodecKind::kTopK) menu.push_back(Priced(spec));
+  return menu;
 }
 
 double ReferenceStepTime(const OpGraph& graph, const ClusterProfile& profile, int micro_batches, double ratio,
