@@ -33,8 +33,9 @@ Instance Make(int n, int ops, unsigned seed) {
     in.profile.sites.push_back({"s" + std::to_string(s), 1e13 * (1 + 9 * u(rng)), 24e9 + 56e9 * u(rng), {}});
   for (int a = 0; a < n; ++a)
     for (int b = 0; b < n; ++b)
-      if (a != b) in.profile.links.push_back({in.profile.sites[a].name, in.profile.sites[b].name,
-                                              2.5e6 * std::pow(500.0, u(rng)), 0.001 + 0.1 * u(rng)});
+      if (a != b)
+        in.profile.links.push_back({in.profile.sites[a].name, in.profile.sites[b].name, 2.5e6 * std::pow(500.0, u(rng)),
+                                    0.001 + 0.1 * u(rng)});
   return in;
 }
 

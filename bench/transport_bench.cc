@@ -62,8 +62,9 @@ int main(int argc, char** argv) {
     return std::make_pair(std::move(p), l.size() > 10 ? std::stoi(l.substr(10)) : 0);
   };
   auto [server, port] = serve("");
-  testing::Process send(Bin("meridian-peertool") + " send --certs " + certs + " --self a --peer b --address 127.0.0.1:" +
-                        std::to_string(port) + " --frame-mib 16 --frames 64");
+  testing::Process send(Bin("meridian-peertool") + " send --certs " + certs +
+                        " --self a --peer b --address 127.0.0.1:" + std::to_string(port) +
+                        " --frame-mib 16 --frames 64");
   send.Wait(300s);
   double loop = Json(send.ReadAll(5s), "goodput_bytes_per_second");
   server.reset();
@@ -82,8 +83,8 @@ int main(int argc, char** argv) {
   auto [wserver, wport] = serve((*wan)->Exec("b"));
   const std::string addr = (*wan)->Address("b", "a");
   const std::string delay = std::to_string(rtt_ms / 2);
-  testing::Process relay1((*wan)->Exec("b") + Bin("meridian-wanrelay") + " --listen " + addr + ":17400 --target 127.0.0.1:" +
-                          std::to_string(wport) + " --delay-ms " + delay);
+  testing::Process relay1((*wan)->Exec("b") + Bin("meridian-wanrelay") + " --listen " + addr +
+                          ":17400 --target 127.0.0.1:" + std::to_string(wport) + " --delay-ms " + delay);
   testing::Process iperf_server((*wan)->Exec("b") + "iperf3 -s -B 127.0.0.1 -p 5201 >/dev/null 2>&1");
   testing::Process relay2((*wan)->Exec("b") + Bin("meridian-wanrelay") + " --listen " + addr +
                           ":17401 --target 127.0.0.1:5201 --delay-ms " + delay);
@@ -91,7 +92,8 @@ int main(int argc, char** argv) {
   relay2.ReadLine(5s);
   std::this_thread::sleep_for(500ms);
   // Link probe accuracy, on the fresh link as the coordinator probes it before a run (the figures go into
-  // profile.json): both directions and the RTT against the emulated link. Targets: bandwidth within 15% of the tbf rate, RTT within 20% of the relay's.
+  // profile.json): both directions and the RTT against the emulated link. Targets: bandwidth within 15% of the tbf
+  // rate, RTT within 20% of the relay's.
   testing::Process probe((*wan)->Exec("a") + Bin("meridian-peertool") + " probe --certs " + certs +
                          " --self a --peer b --address " + addr + ":17400 --seconds 3");
   probe.Wait(120s);
@@ -102,10 +104,11 @@ int main(int argc, char** argv) {
   }
   const double fwd = pj["links"][0]["bandwidth_bytes_per_second"], rev = pj["links"][1]["bandwidth_bytes_per_second"];
   const double rtt = pj["rtt_seconds"];
-  std::printf("| probe over %.0f Mbit/s, %.0f ms RTT | %.1f / %.1f Mbit/s, %.1f ms | configured %.0f Mbit/s, %.0f ms | "
-              "%.2f / %.2f, %.2f |\n",
-              mbit, rtt_ms, fwd * 8 / 1e6, rev * 8 / 1e6, rtt * 1e3, mbit, rtt_ms, fwd * 8 / 1e6 / mbit,
-              rev * 8 / 1e6 / mbit, rtt * 1e3 / rtt_ms);
+  std::printf(
+      "| probe over %.0f Mbit/s, %.0f ms RTT | %.1f / %.1f Mbit/s, %.1f ms | configured %.0f Mbit/s, %.0f ms | "
+      "%.2f / %.2f, %.2f |\n",
+      mbit, rtt_ms, fwd * 8 / 1e6, rev * 8 / 1e6, rtt * 1e3, mbit, rtt_ms, fwd * 8 / 1e6 / mbit, rev * 8 / 1e6 / mbit,
+      rtt * 1e3 / rtt_ms);
   testing::Process iperf((*wan)->Exec("a") + "iperf3 -c " + addr + " -p 17401 -t 10 -J");
   iperf.Wait(60s);
   auto ij = nlohmann::json::parse(iperf.ReadAll(5s), nullptr, false);
@@ -113,11 +116,13 @@ int main(int argc, char** argv) {
   // About 10 s of traffic at the link rate.
   int frames = std::max(4, static_cast<int>(mbit * 1e6 / 8 * 10 / (4 << 20)));
   testing::Process wsend((*wan)->Exec("a") + Bin("meridian-peertool") + " send --certs " + certs +
-                         " --self a --peer b --address " + addr + ":17400 --frame-mib 4 --frames " + std::to_string(frames));
+                         " --self a --peer b --address " + addr + ":17400 --frame-mib 4 --frames " +
+                         std::to_string(frames));
   wsend.Wait(300s);
   double g = Json(wsend.ReadAll(5s), "goodput_bytes_per_second");
-  std::printf("| stream goodput over %.0f Mbit/s, %.0f ms RTT (tbf + relay) | %.1f Mbit/s | iperf3 %.1f Mbit/s | %.2f |\n",
-              mbit, rtt_ms, g * 8 / 1e6, ip * 8 / 1e6, ip > 0 ? g / ip : 0);
+  std::printf(
+      "| stream goodput over %.0f Mbit/s, %.0f ms RTT (tbf + relay) | %.1f Mbit/s | iperf3 %.1f Mbit/s | %.2f |\n",
+      mbit, rtt_ms, g * 8 / 1e6, ip * 8 / 1e6, ip > 0 ? g / ip : 0);
   fs::remove_all(dir);
   return 0;
 }

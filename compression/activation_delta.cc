@@ -80,7 +80,8 @@ absl::Status ActivationStore::Read(int64_t id, float* out) const {
     std::memcpy(out, memory_[static_cast<size_t>(it->second.index)].data(), bytes);
     return absl::OkStatus();
   }
-  return FullIo(false, fd_, out, bytes, static_cast<off_t>(it->second.index * static_cast<int64_t>(bytes)), o_.spill_path);
+  return FullIo(false, fd_, out, bytes, static_cast<off_t>(it->second.index * static_cast<int64_t>(bytes)),
+                o_.spill_path);
 }
 
 absl::StatusOr<bool> ActivationStore::Write(int64_t id, uint32_t version, const float* row) {
@@ -134,8 +135,8 @@ absl::StatusOr<std::vector<uint8_t>> DeltaEncoder::Encode(const core::TensorView
   const int64_t row_elements = rows ? x.numel() / rows : 0;
   if (!store_) store_ = std::make_unique<ActivationStore>(store_options_, row_elements);
   if (store_->row_elements() != row_elements)
-    return absl::InvalidArgumentError(absl::StrCat("activation deltas: rows of ", row_elements,
-                                                   " elements after rows of ", store_->row_elements()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("activation deltas: rows of ", row_elements, " elements after rows of ", store_->row_elements()));
   const float* in = static_cast<const float*>(x.data);
   std::vector<uint8_t> msg;
   msg.insert(msg.end(), kMagic, kMagic + 4);
@@ -169,7 +170,8 @@ absl::StatusOr<std::vector<uint8_t>> DeltaEncoder::Encode(const core::TensorView
       send = change.data();
     }
     std::vector<uint8_t> frame;
-    if (absl::Status s = EncodeTo({core::DType::kFloat32, {row_elements}, send}, mode == kDelta ? delta_ : first_, &frame);
+    if (absl::Status s =
+            EncodeTo({core::DType::kFloat32, {row_elements}, send}, mode == kDelta ? delta_ : first_, &frame);
         !s.ok())
       return absl::InvalidArgumentError(absl::StrCat("sequence ", ids[r], ": ", s.message()));
     if (absl::Status s = DecodeInto(frame.data(), frame.size(), core::DType::kFloat32, {row_elements}, back.data());
@@ -225,13 +227,14 @@ absl::Status DeltaDecoder::DecodeInto(const uint8_t* frame, size_t size, const s
   const uint64_t max_inner = 64 + 8 * expected_row + 4 * (expected_row / 2 + 1);
   const uint64_t max_bytes = kHeader + ids.size() * (kRowHeader + max_inner);
   if (info->frame_bytes > max_bytes + 128)
-    return absl::InvalidArgumentError(absl::StrCat("activation deltas: a message of ", info->frame_bytes,
-                                                   " bytes for ", ids.size(), " rows of ", expected_row, " elements"));
+    return absl::InvalidArgumentError(absl::StrCat("activation deltas: a message of ", info->frame_bytes, " bytes for ",
+                                                   ids.size(), " rows of ", expected_row, " elements"));
   auto outer = Decode(frame, size, DecodeLimits{static_cast<int64_t>(max_bytes)});
   if (!outer.ok()) return outer.status();
   const uint8_t* p = outer->bytes.data();
   const size_t n = outer->bytes.size();
-  if (n < kHeader || std::memcmp(p, kMagic, 4) != 0) return Bad("no MRAD header (was the sender's codec a delta codec?)");
+  if (n < kHeader || std::memcmp(p, kMagic, 4) != 0)
+    return Bad("no MRAD header (was the sender's codec a delta codec?)");
   if (p[4] != kVersion) return Bad(absl::StrCat("version ", p[4]));
   if (p[5] || p[6] || p[7]) return Bad("reserved bytes are not zero");
   const uint32_t rows = Get<uint32_t>(p + 8);
@@ -255,21 +258,21 @@ absl::Status DeltaDecoder::DecodeInto(const uint8_t* frame, size_t size, const s
     if (p[at - 15] || p[at - 14] || p[at - 13]) return Bad("reserved bytes are not zero");
     if (inner > n - at) return Bad("truncated row");
     if (id != ids[r])
-      return absl::InvalidArgumentError(
-          absl::StrCat("activation deltas: row ", r, " carries sequence ", id, " where sequence ", ids[r], " was expected"));
+      return absl::InvalidArgumentError(absl::StrCat("activation deltas: row ", r, " carries sequence ", id,
+                                                     " where sequence ", ids[r], " was expected"));
     float* row = out + static_cast<int64_t>(r) * static_cast<int64_t>(row_elements);
-    if (absl::Status s = compression::DecodeInto(p + at, inner, core::DType::kFloat32,
-                                                 {static_cast<int64_t>(row_elements)}, row);
+    if (absl::Status s =
+            compression::DecodeInto(p + at, inner, core::DType::kFloat32, {static_cast<int64_t>(row_elements)}, row);
         !s.ok())
       return absl::DataLossError(absl::StrCat("sequence ", id, ": ", s.message()));
     at += inner;
     const uint32_t have = store_->Version(id);
     if (mode == kDelta) {
       if (have != base_version || have == 0)
-        return absl::DataLossError(absl::StrCat(
-            "sequence ", id, ": a delta against version ", base_version, " of its activation, but this receiver holds ",
-            have == 0 ? std::string("none") : absl::StrCat("version ", have),
-            " (a message was lost, or one side restarted)"));
+        return absl::DataLossError(absl::StrCat("sequence ", id, ": a delta against version ", base_version,
+                                                " of its activation, but this receiver holds ",
+                                                have == 0 ? std::string("none") : absl::StrCat("version ", have),
+                                                " (a message was lost, or one side restarted)"));
       if (absl::Status s = store_->Read(id, base.data()); !s.ok()) return s;
       for (uint64_t i = 0; i < row_elements; ++i) row[i] += base[i];
     } else if (mode != kFresh && mode != kDirect) {
@@ -279,9 +282,10 @@ absl::Status DeltaDecoder::DecodeInto(const uint8_t* frame, size_t size, const s
       auto stored = store_->Write(id, mode == kDelta ? base_version + 1 : 1, row);
       if (!stored.ok()) return stored.status();
       if (!*stored)
-        return absl::ResourceExhaustedError(absl::StrCat(
-            "sequence ", id, ": the sender stored it but this receiver's activation store is full (the two sides' "
-            "compression.activation_memory differ?)"));
+        return absl::ResourceExhaustedError(
+            absl::StrCat("sequence ", id,
+                         ": the sender stored it but this receiver's activation store is full (the two sides' "
+                         "compression.activation_memory differ?)"));
     }
   }
   if (at != n) return Bad("trailing bytes");

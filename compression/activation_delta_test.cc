@@ -4,8 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <filesystem>
 #include <cstring>
+#include <filesystem>
 #include <random>
 
 namespace meridian::compression {
@@ -54,7 +54,8 @@ TEST(ActivationDelta, ReconstructionsAreEqualOnBothSidesBitForBit) {
       for (int r = 0; r < 3; ++r) {
         std::vector<float> sender;
         ASSERT_TRUE(enc.Reconstruction(ids[r], &sender).ok());
-        ASSERT_EQ(0, std::memcmp(sender.data(), out.data() + r * 512, 512 * sizeof(float))) << codec << " visit " << visit;
+        ASSERT_EQ(0, std::memcmp(sender.data(), out.data() + r * 512, 512 * sizeof(float)))
+            << codec << " visit " << visit;
       }
       double err = 0, norm = 0;
       for (size_t i = 0; i < x.size(); ++i) err += (out[i] - x[i]) * (out[i] - x[i]), norm += x[i] * x[i];
@@ -124,7 +125,8 @@ TEST(ActivationDelta, ForgedMessagesAreRefusedBeforeAnyAllocation) {
     return *Encode({core::DType::kUInt8, {static_cast<int64_t>(msg.size())}, msg.data()}, spec);
   };
   DeltaDecoder dec(Memory(1 << 20));
-  for (const auto& f : {forged(2, (uint64_t{1} << 63) + 64, false), forged(0, 1ull << 40, false), forged(2, 64, true)}) {
+  for (const auto& f :
+       {forged(2, (uint64_t{1} << 63) + 64, false), forged(0, 1ull << 40, false), forged(2, 64, true)}) {
     absl::Status s = dec.DecodeInto(f.data(), f.size(), {1, 2}, {2, 64}, out.data());
     EXPECT_FALSE(s.ok());
   }

@@ -28,7 +28,9 @@ constexpr uint8_t kFlagZstd = 1, kFlagTopkInt8 = 2, kFlagBitmap = 4;
 constexpr double kMinTopkFraction = 1e-5;  // bounds the dense output a top-k frame may ask for
 
 template <typename T>
-void Put(uint8_t* p, T v) { std::memcpy(p, &v, sizeof v); }
+void Put(uint8_t* p, T v) {
+  std::memcpy(p, &v, sizeof v);
+}
 template <typename T>
 T Get(const uint8_t* p) {
   T v;
@@ -93,8 +95,7 @@ void QuantizeBlockInt8(const float* x, int64_t n, float inv, int8_t* q) {
     __m128i b = _mm_cvtps_epi32(_mm_mul_ps(_mm_loadu_ps(x + i + 4), vinv));
     __m128i c = _mm_cvtps_epi32(_mm_mul_ps(_mm_loadu_ps(x + i + 8), vinv));
     __m128i d = _mm_cvtps_epi32(_mm_mul_ps(_mm_loadu_ps(x + i + 12), vinv));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i),
-                     _mm_packs_epi16(_mm_packs_epi32(a, b), _mm_packs_epi32(c, d)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm_packs_epi16(_mm_packs_epi32(a, b), _mm_packs_epi32(c, d)));
   }
   for (; i < n; ++i) q[i] = static_cast<int8_t>(__builtin_rintf(x[i] * inv));
 }
@@ -106,8 +107,10 @@ void DequantizeBlockInt8(const int8_t* q, int64_t n, float s, float* out) {
   const __m128 vs = _mm_set1_ps(s);
   int64_t i = 0;
   auto store = [](float* p, __m128 v) {
-    if constexpr (stream) _mm_stream_ps(p, v);
-    else _mm_storeu_ps(p, v);
+    if constexpr (stream)
+      _mm_stream_ps(p, v);
+    else
+      _mm_storeu_ps(p, v);
   };
   for (; i + 16 <= n; i += 16) {
     __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i));
@@ -153,8 +156,10 @@ void DequantizeInt8(const uint8_t* payload, int64_t n, int block, float* out) {
   const bool stream = n * 4 >= (int64_t{8} << 20) && reinterpret_cast<uintptr_t>(out) % 16 == 0 && block % 4 == 0;
   for (int64_t b0 = 0, bi = 0; b0 < n; b0 += block, ++bi) {
     int64_t len = std::min<int64_t>(block, n - b0);
-    if (stream) DequantizeBlockInt8<true>(q + b0, len, Get<float>(scales + 4 * bi), out + b0);
-    else DequantizeBlockInt8<false>(q + b0, len, Get<float>(scales + 4 * bi), out + b0);
+    if (stream)
+      DequantizeBlockInt8<true>(q + b0, len, Get<float>(scales + 4 * bi), out + b0);
+    else
+      DequantizeBlockInt8<false>(q + b0, len, Get<float>(scales + 4 * bi), out + b0);
   }
 #if defined(__SSE2__)
   if (stream) _mm_sfence();
@@ -346,14 +351,20 @@ uint32_t FrameChecksum(const uint8_t* frame, size_t header_size, const uint8_t* 
 uint64_t RawPayloadSize(const Header& h, uint64_t index_bytes) {
   const int64_t n = h.numel;
   switch (h.kind) {
-    case CodecKind::kIdentity: return static_cast<uint64_t>(n) * core::DTypeSize(h.dtype);
-    case CodecKind::kFp16: case CodecKind::kBf16: return static_cast<uint64_t>(n) * 2;
-    case CodecKind::kInt8: return static_cast<uint64_t>(4 * Blocks(n, h.block) + n);
-    case CodecKind::kInt4: return static_cast<uint64_t>(4 * Blocks(n, h.block) + (n + 1) / 2);
-    case CodecKind::kInt2: return static_cast<uint64_t>(4 * Blocks(n, h.block) + (n + 3) / 4);
+    case CodecKind::kIdentity:
+      return static_cast<uint64_t>(n) * core::DTypeSize(h.dtype);
+    case CodecKind::kFp16:
+    case CodecKind::kBf16:
+      return static_cast<uint64_t>(n) * 2;
+    case CodecKind::kInt8:
+      return static_cast<uint64_t>(4 * Blocks(n, h.block) + n);
+    case CodecKind::kInt4:
+      return static_cast<uint64_t>(4 * Blocks(n, h.block) + (n + 1) / 2);
+    case CodecKind::kInt2:
+      return static_cast<uint64_t>(4 * Blocks(n, h.block) + (n + 3) / 4);
     case CodecKind::kTopK: {
       uint64_t values = (h.flags & kFlagTopkInt8) ? static_cast<uint64_t>(4 * Blocks(h.count, h.block) + h.count)
-                                                   : static_cast<uint64_t>(4 * h.count);
+                                                  : static_cast<uint64_t>(4 * h.count);
       return 8 + index_bytes + values;
     }
   }
@@ -364,7 +375,8 @@ absl::Status CheckSpec(const CodecSpec& s) {
   if (static_cast<uint8_t>(s.kind) > static_cast<uint8_t>(CodecKind::kInt2))
     return absl::InvalidArgumentError("unknown codec");
   if (s.delta && s.kind != CodecKind::kInt8 && s.kind != CodecKind::kInt4 && s.kind != CodecKind::kInt2)
-    return absl::InvalidArgumentError("only int8, int4 and int2 have delta variants (int8-delta, int4-delta, int2-delta)");
+    return absl::InvalidArgumentError(
+        "only int8, int4 and int2 have delta variants (int8-delta, int4-delta, int2-delta)");
   if (s.block_size < 2 || s.block_size > 65536 || s.block_size % 2)
     return absl::InvalidArgumentError(absl::StrCat("block size ", s.block_size, " must be even and in [2, 65536]"));
   if (!(s.topk_fraction > 0 && s.topk_fraction <= 1) || s.topk_fraction < kMinTopkFraction)
@@ -486,7 +498,8 @@ absl::StatusOr<Header> ParseHeader(const uint8_t* data, size_t size, const Decod
   if (h.kind != CodecKind::kIdentity && !core::IsFloating(h.dtype)) return Corrupt("lossy codec on a non-float dtype");
   h.flags = data[7];
   if (h.flags & ~(kFlagZstd | kFlagTopkInt8 | kFlagBitmap)) return Corrupt("unknown flags");
-  if (h.kind != CodecKind::kTopK && (h.flags & (kFlagTopkInt8 | kFlagBitmap))) return Corrupt("top-k flags on another codec");
+  if (h.kind != CodecKind::kTopK && (h.flags & (kFlagTopkInt8 | kFlagBitmap)))
+    return Corrupt("top-k flags on another codec");
   const int ndim = data[8];
   if (ndim > kMaxDims) return Corrupt(absl::StrCat(ndim, " dimensions (at most ", kMaxDims, ")"));
   if (data[9] || data[10] || data[11] || Get<uint32_t>(data + 52)) return Corrupt("reserved bytes are not zero");
@@ -543,17 +556,26 @@ absl::StatusOr<CodecSpec> CodecSpec::Parse(const std::string& text) {
       return absl::InvalidArgumentError(
           absl::StrCat("unknown codec '", name, "-delta'; delta codecs are int8-delta, int4-delta and int2-delta"));
   }
-  if (name == "identity" || name == "none") s.kind = CodecKind::kIdentity;
-  else if (name == "fp16") s.kind = CodecKind::kFp16;
-  else if (name == "bf16") s.kind = CodecKind::kBf16;
-  else if (name == "int8") s.kind = CodecKind::kInt8;
-  else if (name == "int4") s.kind = CodecKind::kInt4;
-  else if (name == "int2") s.kind = CodecKind::kInt2;
-  else if (name == "topk") s.kind = CodecKind::kTopK;
-  else if (name == "topk-int8") s.kind = CodecKind::kTopK, s.topk_int8_values = true;
+  if (name == "identity" || name == "none")
+    s.kind = CodecKind::kIdentity;
+  else if (name == "fp16")
+    s.kind = CodecKind::kFp16;
+  else if (name == "bf16")
+    s.kind = CodecKind::kBf16;
+  else if (name == "int8")
+    s.kind = CodecKind::kInt8;
+  else if (name == "int4")
+    s.kind = CodecKind::kInt4;
+  else if (name == "int2")
+    s.kind = CodecKind::kInt2;
+  else if (name == "topk")
+    s.kind = CodecKind::kTopK;
+  else if (name == "topk-int8")
+    s.kind = CodecKind::kTopK, s.topk_int8_values = true;
   else
-    return absl::InvalidArgumentError(absl::StrCat("unknown codec '", name,
-                                                   "'; use identity, fp16, bf16, int8, int4, int2, topk, topk-int8 or int8/int4/int2-delta"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown codec '", name,
+                     "'; use identity, fp16, bf16, int8, int4, int2, topk, topk-int8 or int8/int4/int2-delta"));
   size_t pos = t.find(':');
   while (pos != std::string::npos) {
     size_t next = t.find(':', pos + 1);
@@ -563,10 +585,14 @@ absl::StatusOr<CodecSpec> CodecSpec::Parse(const std::string& text) {
     char* end = nullptr;
     double v = std::strtod(val.c_str(), &end);
     if (val.empty() || *end) return absl::InvalidArgumentError(absl::StrCat("codec option '", opt, "' needs a number"));
-    if (key == "block") s.block_size = static_cast<int>(v);
-    else if (key == "k") s.topk_fraction = v;
-    else if (key == "level") s.zstd_level = static_cast<int>(v);
-    else return absl::InvalidArgumentError(absl::StrCat("unknown codec option '", key, "' (block, k, level)"));
+    if (key == "block")
+      s.block_size = static_cast<int>(v);
+    else if (key == "k")
+      s.topk_fraction = v;
+    else if (key == "level")
+      s.zstd_level = static_cast<int>(v);
+    else
+      return absl::InvalidArgumentError(absl::StrCat("unknown codec option '", key, "' (block, k, level)"));
     pos = next;
   }
   absl::Status st = CheckSpec(s);
@@ -577,12 +603,24 @@ absl::StatusOr<CodecSpec> CodecSpec::Parse(const std::string& text) {
 std::string CodecSpec::ToString() const {
   std::string s;
   switch (kind) {
-    case CodecKind::kIdentity: s = "identity"; break;
-    case CodecKind::kFp16: s = "fp16"; break;
-    case CodecKind::kBf16: s = "bf16"; break;
-    case CodecKind::kInt8: s = absl::StrCat("int8", delta ? "-delta" : "", ":block=", block_size); break;
-    case CodecKind::kInt4: s = absl::StrCat("int4", delta ? "-delta" : "", ":block=", block_size); break;
-    case CodecKind::kInt2: s = absl::StrCat("int2", delta ? "-delta" : "", ":block=", block_size); break;
+    case CodecKind::kIdentity:
+      s = "identity";
+      break;
+    case CodecKind::kFp16:
+      s = "fp16";
+      break;
+    case CodecKind::kBf16:
+      s = "bf16";
+      break;
+    case CodecKind::kInt8:
+      s = absl::StrCat("int8", delta ? "-delta" : "", ":block=", block_size);
+      break;
+    case CodecKind::kInt4:
+      s = absl::StrCat("int4", delta ? "-delta" : "", ":block=", block_size);
+      break;
+    case CodecKind::kInt2:
+      s = absl::StrCat("int2", delta ? "-delta" : "", ":block=", block_size);
+      break;
     case CodecKind::kTopK:
       s = absl::StrCat(topk_int8_values ? "topk-int8" : "topk", ":k=", topk_fraction);
       if (topk_int8_values) absl::StrAppend(&s, ":block=", block_size);
@@ -596,13 +634,27 @@ std::string CodecSpec::ShortString() const {
   const CodecSpec defaults;
   std::string s;
   switch (kind) {
-    case CodecKind::kIdentity: s = "identity"; break;
-    case CodecKind::kFp16: s = "fp16"; break;
-    case CodecKind::kBf16: s = "bf16"; break;
-    case CodecKind::kInt8: s = "int8"; break;
-    case CodecKind::kInt4: s = "int4"; break;
-    case CodecKind::kInt2: s = "int2"; break;
-    case CodecKind::kTopK: s = topk_int8_values ? "topk-int8" : "topk"; break;
+    case CodecKind::kIdentity:
+      s = "identity";
+      break;
+    case CodecKind::kFp16:
+      s = "fp16";
+      break;
+    case CodecKind::kBf16:
+      s = "bf16";
+      break;
+    case CodecKind::kInt8:
+      s = "int8";
+      break;
+    case CodecKind::kInt4:
+      s = "int4";
+      break;
+    case CodecKind::kInt2:
+      s = "int2";
+      break;
+    case CodecKind::kTopK:
+      s = topk_int8_values ? "topk-int8" : "topk";
+      break;
   }
   if (delta) s += "-delta";
   if (kind == CodecKind::kTopK && topk_fraction != defaults.topk_fraction) absl::StrAppend(&s, ":k=", topk_fraction);
@@ -617,9 +669,10 @@ absl::Status EncodeTo(const core::TensorView& in, const CodecSpec& spec, std::ve
   absl::Status st = CheckSpec(spec);
   if (!st.ok()) return st;
   if (spec.delta)
-    return absl::InvalidArgumentError(absl::StrCat(
-        spec.ToString(), " encodes each sequence against its previous activation: use a DeltaEncoder "
-        "(compression/activation_delta.h)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(spec.ToString(),
+                     " encodes each sequence against its previous activation: use a DeltaEncoder "
+                     "(compression/activation_delta.h)"));
   if (in.shape.size() > kMaxDims) return absl::InvalidArgumentError(absl::StrCat("at most ", kMaxDims, " dimensions"));
   for (int64_t d : in.shape)
     if (d < 0) return absl::InvalidArgumentError("negative dimension");
@@ -630,8 +683,8 @@ absl::Status EncodeTo(const core::TensorView& in, const CodecSpec& spec, std::ve
     return absl::InvalidArgumentError("top-k supports at most 2^32 - 1 elements per tensor");
   if (spec.kind == CodecKind::kIdentity) return EncodeFloat(nullptr, in.shape, n, in.dtype, spec, in.data, frame);
   if (!core::IsFloating(in.dtype))
-    return absl::InvalidArgumentError(absl::StrCat("codec ", spec.ToString(), " needs a float tensor, not ",
-                                                   core::DTypeName(in.dtype)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("codec ", spec.ToString(), " needs a float tensor, not ", core::DTypeName(in.dtype)));
   if (in.dtype == DType::kFloat32)
     return EncodeFloat(static_cast<const float*>(in.data), in.shape, n, in.dtype, spec, nullptr, frame);
   std::vector<float> tmp(static_cast<size_t>(n));
@@ -702,8 +755,12 @@ absl::Status DecodePayload(const Header& h, const uint8_t* data, uint8_t* out_by
     f = tmp.data();
   }
   switch (h.kind) {
-    case CodecKind::kFp16: core::ToFloat32(DType::kFloat16, payload, f, static_cast<size_t>(n)); break;
-    case CodecKind::kBf16: core::ToFloat32(DType::kBFloat16, payload, f, static_cast<size_t>(n)); break;
+    case CodecKind::kFp16:
+      core::ToFloat32(DType::kFloat16, payload, f, static_cast<size_t>(n));
+      break;
+    case CodecKind::kBf16:
+      core::ToFloat32(DType::kBFloat16, payload, f, static_cast<size_t>(n));
+      break;
     case CodecKind::kInt8:
       if (!ScalesValid(payload, Blocks(n, h.block))) return Corrupt("NaN, infinite or negative scale");
       DequantizeInt8(payload, n, h.block, f);
@@ -772,7 +829,8 @@ absl::Status DecodePayload(const Header& h, const uint8_t* data, uint8_t* out_by
       for (size_t i = 0; i < idx.size(); ++i) f[idx[i]] = vals[i];
       break;
     }
-    case CodecKind::kIdentity: break;
+    case CodecKind::kIdentity:
+      break;
   }
   if (h.dtype != DType::kFloat32) core::FromFloat32(h.dtype, f, out_bytes, static_cast<size_t>(n));
   return absl::OkStatus();
@@ -799,14 +857,11 @@ absl::Status DecodeInto(const uint8_t* data, size_t size, core::DType dtype, con
   auto h = ParseHeader(data, size, DecodeLimits{});  // allocates nothing; the shape check follows
   if (!h.ok()) return h.status();
   if (h->dtype != dtype || h->shape != shape)
-    return absl::InvalidArgumentError(absl::StrCat("frame holds a ", core::DTypeName(h->dtype), " tensor of ",
-                                                   h->shape.size(), " dims and ", h->numel, " elements; expected ",
-                                                   core::DTypeName(dtype), " with ", shape.size(), " dims and ",
-                                                   expect, " elements"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "frame holds a ", core::DTypeName(h->dtype), " tensor of ", h->shape.size(), " dims and ", h->numel,
+        " elements; expected ", core::DTypeName(dtype), " with ", shape.size(), " dims and ", expect, " elements"));
   return DecodePayload(*h, data, static_cast<uint8_t*>(out));
 }
-
-
 
 double CompressionRatio(const CodecSpec& spec, DType dtype, int64_t numel) {
   if (numel <= 0) return 1.0;

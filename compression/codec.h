@@ -23,7 +23,7 @@ struct CodecSpec {
   int block_size = 64;          // int8/int4 (and top-k int8 values): elements per absmax scale; even, 2..65536
   double topk_fraction = 0.01;  // top-k: fraction of elements kept, in (0, 1]
   bool topk_int8_values = false;
-  bool zstd = false;            // compress the payload with zstd afterwards
+  bool zstd = false;  // compress the payload with zstd afterwards
   int zstd_level = 1;
   // AQ-SGD activation deltas (int8, int4, int2 only): each training sequence's activation is sent as
   // the quantised change against its previous reconstruction (activation_delta.h). Encode refuses
@@ -91,7 +91,10 @@ class ErrorFeedback {
   // Encodes input + residual and keeps the new residual. Errors as Encode, and InvalidArgument when the
   // shape changes within the stream (call Reset first).
   absl::StatusOr<std::vector<uint8_t>> Encode(const core::TensorView& input);
-  void Reset() { residual_.clear(); shape_.clear(); }
+  void Reset() {
+    residual_.clear();
+    shape_.clear();
+  }
   const std::vector<float>& residual() const { return residual_; }
 
  private:

@@ -82,11 +82,11 @@ TEST_P(RoundTrip, PreservesShapeDtypeAndBoundsTheError) {
 
 INSTANTIATE_TEST_SUITE_P(Codecs, RoundTrip,
                          ::testing::Values(CodecCase{"identity", 0.0}, CodecCase{"identity+zstd", 0.0},
-                                           CodecCase{"fp16", 1e-3}, CodecCase{"bf16", 5e-3},
-                                           CodecCase{"int8", 0.01}, CodecCase{"int8:block=256", 0.012},
-                                           CodecCase{"int8+zstd", 0.01}, CodecCase{"int4", 0.16},
-                                           CodecCase{"int4:block=32", 0.14}, CodecCase{"topk:k=0.01", 1.0},
-                                           CodecCase{"topk-int8:k=0.05", 1.0}, CodecCase{"topk:k=0.5+zstd", 1.0}),
+                                           CodecCase{"fp16", 1e-3}, CodecCase{"bf16", 5e-3}, CodecCase{"int8", 0.01},
+                                           CodecCase{"int8:block=256", 0.012}, CodecCase{"int8+zstd", 0.01},
+                                           CodecCase{"int4", 0.16}, CodecCase{"int4:block=32", 0.14},
+                                           CodecCase{"topk:k=0.01", 1.0}, CodecCase{"topk-int8:k=0.05", 1.0},
+                                           CodecCase{"topk:k=0.5+zstd", 1.0}),
                          [](const auto& info) {
                            std::string s = info.param.spec;
                            for (char& c : s)
@@ -259,7 +259,8 @@ TEST(Frame, ResealedCorruptionsAreCaughtByValidation) {
   EXPECT_THAT(std::string(Decode(absurd.data(), absurd.size()).status().message()), HasSubstr("absurd dimension"));
   const int64_t wrong = 1023;
   auto count = set(base, 16, &wrong, 8);
-  EXPECT_THAT(std::string(Decode(count.data(), count.size()).status().message()), HasSubstr("does not match the shape"));
+  EXPECT_THAT(std::string(Decode(count.data(), count.size()).status().message()),
+              HasSubstr("does not match the shape"));
   uint8_t ndim = 9;
   auto dims = set(base, 8, &ndim, 1);
   EXPECT_THAT(std::string(Decode(dims.data(), dims.size()).status().message()), HasSubstr("dimensions"));
@@ -291,7 +292,6 @@ void Reseal(std::vector<uint8_t>& f) {
 
 }  // namespace
 }  // namespace meridian::compression
-
 
 namespace meridian::compression {
 namespace {

@@ -22,9 +22,9 @@ struct LinkEstimate {
 
 struct CodecChoice {
   CodecSpec spec;
-  double ratio = 1.0;    // frame bytes / input bytes
-  double seconds = 0;    // predicted transfer time of the frame
-  bool hidden = false;   // seconds <= the compute budget
+  double ratio = 1.0;   // frame bytes / input bytes
+  double seconds = 0;   // predicted transfer time of the frame
+  bool hidden = false;  // seconds <= the compute budget
 };
 
 // Menus, least lossy first.

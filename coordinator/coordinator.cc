@@ -16,12 +16,18 @@ namespace meridian::coordinator {
 
 const char* SiteStateName(v1::SiteState state) {
   switch (state) {
-    case v1::SITE_IDLE: return "idle";
-    case v1::SITE_PROFILING: return "profiling";
-    case v1::SITE_TRAINING: return "training";
-    case v1::SITE_DONE: return "done";
-    case v1::SITE_FAILED: return "failed";
-    default: return "unknown";
+    case v1::SITE_IDLE:
+      return "idle";
+    case v1::SITE_PROFILING:
+      return "profiling";
+    case v1::SITE_TRAINING:
+      return "training";
+    case v1::SITE_DONE:
+      return "done";
+    case v1::SITE_FAILED:
+      return "failed";
+    default:
+      return "unknown";
   }
 }
 
@@ -159,8 +165,8 @@ void Coordinator::SetFileWriters(std::map<std::string, int> writers, int64_t max
 }
 
 absl::StatusOr<rpc::CoordinatorHandler::FileGrant> Coordinator::FileDestination(const std::string& site,
-                                                                               const std::string& job_id,
-                                                                               const std::string& path) {
+                                                                                const std::string& job_id,
+                                                                                const std::string& path) {
   // The service admits only weights/stage-K.safetensors and checkpoints/step-S/stage-K.{safetensors,json}.
   const std::optional<core::SiteFile> file = core::ParseSiteFile(path);
   if (!file) return absl::InvalidArgumentError(absl::StrCat("site '", site, "': ", path, " names no stage"));
@@ -171,18 +177,21 @@ absl::StatusOr<rpc::CoordinatorHandler::FileGrant> Coordinator::FileDestination(
   {
     std::lock_guard<std::mutex> l(mu_);
     if (file_dir_.empty())
-      return absl::FailedPreconditionError(absl::StrCat("site '", site, "' sent ", path, ", but this coordinator keeps no files"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("site '", site, "' sent ", path, ", but this coordinator keeps no files"));
     if (job_id != job_id_)
       return absl::FailedPreconditionError(absl::StrCat("site '", site, "' sent ", path, " of attempt '", job_id,
                                                         "', but the attempt now running is '", job_id_, "'"));
     auto w = file_writers_.find(site);
     if (w == file_writers_.end())
-      return absl::PermissionDeniedError(absl::StrCat("site '", site, "' sent ", path, ", but it writes no stage's files in attempt '", job_id_, "'"));
+      return absl::PermissionDeniedError(
+          absl::StrCat("site '", site, "' sent ", path, ", but it writes no stage's files in attempt '", job_id_, "'"));
     if (w->second != stage)
-      return absl::PermissionDeniedError(absl::StrCat("site '", site, "' sent ", path, ", but it writes stage ", w->second,
-                                                      "'s files, not stage ", stage, "'s"));
+      return absl::PermissionDeniedError(absl::StrCat("site '", site, "' sent ", path, ", but it writes stage ",
+                                                      w->second, "'s files, not stage ", stage, "'s"));
     if (step > file_max_step_)
-      return absl::InvalidArgumentError(absl::StrCat("site '", site, "' sent ", path, ", a step beyond the job's ", file_max_step_));
+      return absl::InvalidArgumentError(
+          absl::StrCat("site '", site, "' sent ", path, ", a step beyond the job's ", file_max_step_));
     dir = file_dir_;
     grant.max_bytes = file_max_bytes_;
   }
@@ -190,7 +199,8 @@ absl::StatusOr<rpc::CoordinatorHandler::FileGrant> Coordinator::FileDestination(
   std::error_code ec;
   std::filesystem::create_directories(dest.parent_path(), ec);
   if (ec)
-    return absl::InternalError(absl::StrCat("site '", site, "' sent ", path, ": cannot create ", dest.parent_path().string(), ": ", ec.message()));
+    return absl::InternalError(absl::StrCat("site '", site, "' sent ", path, ": cannot create ",
+                                            dest.parent_path().string(), ": ", ec.message()));
   grant.path = dest.string();
   return grant;
 }
@@ -200,13 +210,13 @@ absl::Status Coordinator::FileCommit(const std::string& site, const std::string&
   {
     std::lock_guard<std::mutex> l(mu_);  // BeginJob takes it too: no file of an ended attempt lands after it
     if (job_id != job_id_)
-      return absl::FailedPreconditionError(absl::StrCat("site '", site, "' sent ", path, " of attempt '", job_id,
-                                                        "', which ended while it arrived"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("site '", site, "' sent ", path, " of attempt '", job_id, "', which ended while it arrived"));
     std::error_code ec;
     std::filesystem::rename(part, dest, ec);
     if (ec)
-      return absl::InternalError(absl::StrCat("site '", site, "' sent ", path, ": cannot rename ", part, " to ", dest,
-                                              ": ", ec.message()));
+      return absl::InternalError(
+          absl::StrCat("site '", site, "' sent ", path, ": cannot rename ", part, " to ", dest, ": ", ec.message()));
   }
   LogSite(site, absl::StrCat("sent ", path, " (", bytes, " bytes)"));
   return absl::OkStatus();
@@ -217,13 +227,15 @@ absl::StatusOr<std::string> Coordinator::FileSource(const std::string& site, con
   {
     std::lock_guard<std::mutex> l(mu_);
     if (file_dir_.empty())
-      return absl::FailedPreconditionError(absl::StrCat("site '", site, "' asked for ", path, ", but this coordinator keeps no files"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("site '", site, "' asked for ", path, ", but this coordinator keeps no files"));
     dir = file_dir_;
   }
   const std::filesystem::path src = std::filesystem::path(dir) / path;
   std::error_code ec;
   if (!std::filesystem::is_regular_file(src, ec))
-    return absl::NotFoundError(absl::StrCat("site '", site, "' asked for ", path, ", which the coordinator does not have"));
+    return absl::NotFoundError(
+        absl::StrCat("site '", site, "' asked for ", path, ", which the coordinator does not have"));
   LogSite(site, absl::StrCat("fetching ", path));
   return src.string();
 }

@@ -10,8 +10,8 @@
 #include <chrono>
 #include <condition_variable>
 #include <deque>
-#include <functional>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -121,9 +121,9 @@ class Coordinator : public rpc::CoordinatorHandler {
   std::string file_dir_;  // guarded by mu_, as the three below
   std::map<std::string, int> file_writers_;
   int64_t file_max_step_ = 0, file_max_bytes_ = 0;
-  std::string log_dir_;  // guarded by log_mu_
+  std::string log_dir_;                             // guarded by log_mu_
   std::map<std::string, std::ofstream> log_files_;  // by site, guarded by log_mu_; lines are flushed
-  std::mutex log_mu_;    // never taken while mu_ is held
+  std::mutex log_mu_;                               // never taken while mu_ is held
   bool stopping_ = false;
 };
 

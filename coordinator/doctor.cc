@@ -1,6 +1,5 @@
 #include "coordinator/doctor.h"
 
-
 #include <iostream>
 
 #include "absl/strings/str_cat.h"
@@ -43,8 +42,8 @@ int Doctor(const std::string& cluster_path) {
     int rc = std::system(cmd.c_str());
     report(absl::StrCat("certificate '", name, "' covers ", host),
            rc == 0 ? absl::OkStatus()
-                   : absl::FailedPreconditionError(absl::StrCat("it does not name ", host,
-                                                                "; re-issue it with `meridian certs issue --host ", host, "`")));
+                   : absl::FailedPreconditionError(absl::StrCat(
+                         "it does not name ", host, "; re-issue it with `meridian certs issue --host ", host, "`")));
   }
   // A running coordinator answers a registration from a site only if everything matches: try the first
   // site's identity, without registering (a wrong protocol version is refused before any handler runs).

@@ -63,7 +63,8 @@ int RunStatus(const InspectOptions& o) {
     const double age = s["heartbeat_age_seconds"];
     std::printf("%-14s %-10s %-12s %8lld %14s  %s\n", s["name"].get<std::string>().c_str(),
                 s["answering"].get<bool>() ? "yes" : "no", s["state"].get<std::string>().c_str(),
-                s["step"].get<long long>(), age < 0 ? "-" : absl::StrCat(static_cast<int>(age * 10) / 10.0, " s ago").c_str(),
+                s["step"].get<long long>(),
+                age < 0 ? "-" : absl::StrCat(static_cast<int>(age * 10) / 10.0, " s ago").c_str(),
                 s["listen"].get<std::string>().c_str());
   }
   return 0;
@@ -78,8 +79,8 @@ int RunProfile(const InspectOptions& o) {
   auto run = InspectCoordinator(o.address, o.certs_dir, o.identity);
   if (!run.ok()) return Fail("profile", run.status());
   if (run->profile_json.empty())
-    return Fail("profile", absl::UnavailableError(absl::StrCat("coordinator at ", o.address,
-                                                               ": the sites have not been measured yet")));
+    return Fail("profile", absl::UnavailableError(
+                               absl::StrCat("coordinator at ", o.address, ": the sites have not been measured yet")));
   if (o.out_path.empty()) {
     std::printf("%s", run->profile_json.c_str());
     return 0;

@@ -36,10 +36,9 @@ int Validate(const std::vector<std::string>& files) {
     }
     std::string what;
     if (r.spec->cluster)
-      what = "cluster '" + r.spec->cluster->name + "' with " + std::to_string(r.spec->cluster->sites.size()) +
-             " sites";
-    if (r.spec->job) what += std::string(what.empty() ? "" : " and ") + "a job of " +
-                             std::to_string(r.spec->job->steps) + " steps";
+      what = "cluster '" + r.spec->cluster->name + "' with " + std::to_string(r.spec->cluster->sites.size()) + " sites";
+    if (r.spec->job)
+      what += std::string(what.empty() ? "" : " and ") + "a job of " + std::to_string(r.spec->job->steps) + " steps";
     std::cout << f << ": ok (" << what << ")\n";
   }
   return rc;
@@ -93,7 +92,8 @@ int main(int argc, char** argv) {
                  "Diagnostics on stderr from this level up: trace, debug (with `run`: every event and action of the "
                  "run machine), info, warning, error, off");
   app.parse_complete_callback([&] {
-    if (absl::Status s = core::InitLogging("meridian", log_level); !s.ok()) throw CLI::ValidationError(std::string(s.message()));
+    if (absl::Status s = core::InitLogging("meridian", log_level); !s.ok())
+      throw CLI::ValidationError(std::string(s.message()));
   });
 
   auto* validate = app.add_subcommand("validate", "Check cluster and job spec files; one line per problem");
@@ -167,12 +167,14 @@ int main(int argc, char** argv) {
   auto* tokenizer = app.add_subcommand("tokenizer", "SentencePiece tokenizers");
   tokenizer->require_subcommand(1);
   model_tools::TokenizerOptions tokenizer_options;
-  auto* tok_train = tokenizer->add_subcommand("train", "Train a SentencePiece (unigram, byte fallback) tokenizer on text");
+  auto* tok_train =
+      tokenizer->add_subcommand("train", "Train a SentencePiece (unigram, byte fallback) tokenizer on text");
   model_tools::AddTokenizerOptions(tok_train, &tokenizer_options);
   tok_train->callback([&] { rc = model_tools::RunTokenizerTrain(tokenizer_options); });
 
   coordinator::GraphCommandOptions graph_options;
-  auto* graph = app.add_subcommand("graph", "Write the operator graph (graph.json) of a LLaMA-architecture config.json");
+  auto* graph =
+      app.add_subcommand("graph", "Write the operator graph (graph.json) of a LLaMA-architecture config.json");
   coordinator::AddGraphOptions(graph, &graph_options);
   graph->callback([&] { rc = coordinator::RunGraphCommand(graph_options); });
 

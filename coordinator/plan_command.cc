@@ -85,8 +85,10 @@ int RunPlanCommand(const PlanCommandOptions& o) {
     std::cerr << "meridian plan: " << plan.status().message() << "\n";
     return 2;
   }
-  if (o.json) std::cout << partitioner::PlanJson(*plan, *graph);
-  else std::cout << partitioner::PlanTable(*plan, *graph, *profile);
+  if (o.json)
+    std::cout << partitioner::PlanJson(*plan, *graph);
+  else
+    std::cout << partitioner::PlanTable(*plan, *graph, *profile);
   if (!o.dot_path.empty()) {
     std::ofstream dot(o.dot_path);
     dot << partitioner::PlanDot(*plan, *graph);
@@ -100,7 +102,8 @@ int RunPlanCommand(const PlanCommandOptions& o) {
 
 void AddGraphOptions(CLI::App* cmd, GraphCommandOptions* o) {
   cmd->add_option("--config", o->config_path, "HF config.json of a LLaMA-architecture model")->required();
-  cmd->add_option("--micro-batch-size", o->micro_batch_size, "Sequences per micro-batch")->check(CLI::Range(1, 1 << 16));
+  cmd->add_option("--micro-batch-size", o->micro_batch_size, "Sequences per micro-batch")
+      ->check(CLI::Range(1, 1 << 16));
   cmd->add_option("--seq-len", o->sequence_length, "Tokens per sequence")->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--out", o->out_path, "Output graph.json (default: stdout)");
 }

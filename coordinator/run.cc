@@ -1,8 +1,8 @@
 #include "coordinator/run.h"
 
-#include <CLI/CLI.hpp>
 #include <grpcpp/grpcpp.h>
 #include <httplib.h>
+#include <CLI/CLI.hpp>
 
 #include <cstdio>
 #include <filesystem>
@@ -36,7 +36,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-
 }  // namespace
 
 void AddRunOptions(CLI::App* cmd, RunOptions* o) {
@@ -64,8 +63,9 @@ void AddRunOptions(CLI::App* cmd, RunOptions* o) {
                   "or hand-written) whose stages give their sites (the first runs the stage, the others replicate "
                   "it) and last_op; shares, codecs and the prediction come from this run's measurements")
       ->excludes(cmd->get_option("--split"));
-  cmd->add_option("--export", o->export_dir,
-                  "After training, write the whole model there as HF safetensors + config.json, whatever the partition");
+  cmd->add_option(
+      "--export", o->export_dir,
+      "After training, write the whole model there as HF safetensors + config.json, whatever the partition");
 }
 
 namespace {
@@ -75,14 +75,15 @@ namespace {
 std::string MetricsText(Coordinator& coord) {
   auto p = coord.progress();
   std::string body;
-  absl::StrAppend(&body, "# HELP meridian_step Last completed optimizer step.\n# TYPE meridian_step gauge\n",
-                  "meridian_step ", p.step + 1, "\n# HELP meridian_loss Training loss of the last step.\n",
-                  "# TYPE meridian_loss gauge\nmeridian_loss ", p.loss, "\n",
-                  "# HELP meridian_step_seconds Duration of the last step.\n# TYPE meridian_step_seconds gauge\n",
-                  "meridian_step_seconds ", p.step_seconds, "\n",
-                  "# HELP meridian_tokens_total Tokens trained on.\n# TYPE meridian_tokens_total counter\n",
-                  "meridian_tokens_total ", p.tokens, "\n",
-                  "# HELP meridian_site_up Whether a site is registered and heartbeating.\n# TYPE meridian_site_up gauge\n");
+  absl::StrAppend(
+      &body, "# HELP meridian_step Last completed optimizer step.\n# TYPE meridian_step gauge\n", "meridian_step ",
+      p.step + 1, "\n# HELP meridian_loss Training loss of the last step.\n",
+      "# TYPE meridian_loss gauge\nmeridian_loss ", p.loss, "\n",
+      "# HELP meridian_step_seconds Duration of the last step.\n# TYPE meridian_step_seconds gauge\n",
+      "meridian_step_seconds ", p.step_seconds, "\n",
+      "# HELP meridian_tokens_total Tokens trained on.\n# TYPE meridian_tokens_total counter\n",
+      "meridian_tokens_total ", p.tokens, "\n",
+      "# HELP meridian_site_up Whether a site is registered and heartbeating.\n# TYPE meridian_site_up gauge\n");
   auto silent = coord.Silent(Clock::now());
   const auto sites = coord.Snapshot();
   for (const auto& [name, st] : sites)
@@ -104,14 +105,17 @@ std::string MetricsText(Coordinator& coord) {
     for (const auto& [name, st] : sites)
       if (st.metrics) absl::StrAppend(&body, metric, "{site=\"", name, "\"} ", ((*st.metrics).*get)(), "\n");
   }
-  absl::StrAppend(&body, "# HELP meridian_site_sent_bytes Bytes the site's stage sent to its neighbours in this attempt.\n",
+  absl::StrAppend(&body,
+                  "# HELP meridian_site_sent_bytes Bytes the site's stage sent to its neighbours in this attempt.\n",
                   "# TYPE meridian_site_sent_bytes gauge\n");
   for (const auto& [name, st] : sites)
-    if (st.metrics) absl::StrAppend(&body, "meridian_site_sent_bytes{site=\"", name, "\"} ", st.metrics->wire_bytes(), "\n");
+    if (st.metrics)
+      absl::StrAppend(&body, "meridian_site_sent_bytes{site=\"", name, "\"} ", st.metrics->wire_bytes(), "\n");
   absl::StrAppend(&body, "# HELP meridian_site_uncompressed_bytes What those bytes were before compression.\n",
                   "# TYPE meridian_site_uncompressed_bytes gauge\n");
   for (const auto& [name, st] : sites)
-    if (st.metrics) absl::StrAppend(&body, "meridian_site_uncompressed_bytes{site=\"", name, "\"} ", st.metrics->raw_bytes(), "\n");
+    if (st.metrics)
+      absl::StrAppend(&body, "meridian_site_uncompressed_bytes{site=\"", name, "\"} ", st.metrics->raw_bytes(), "\n");
   return body;
 }
 
@@ -123,7 +127,7 @@ struct RunInputs {
   std::string job_path, job_dir, job_yaml, certs, run_dir;
   int steps = 0, micro_batches = 0;
   std::vector<partitioner::PinnedStage> pinned;  // --plan's stages; empty: plan
-  std::optional<job::JobInputs> job_inputs;  // the job as the executors will load it
+  std::optional<job::JobInputs> job_inputs;      // the job as the executors will load it
 };
 
 // Loads and checks the inputs and creates the run directory. On bad input prints every problem (naming
@@ -209,7 +213,8 @@ std::string EventName(const EventQueue::Body& event) {
       [](const auto& e) -> std::string {
         using T = std::decay_t<decltype(e)>;
         if constexpr (std::is_same_v<T, SiteRegistered>) return absl::StrCat("site '", e.site, "' registered");
-        if constexpr (std::is_same_v<T, ProfileReported>) return absl::StrCat("profile of site '", e.report.site(), "'");
+        if constexpr (std::is_same_v<T, ProfileReported>)
+          return absl::StrCat("profile of site '", e.report.site(), "'");
         if constexpr (std::is_same_v<T, MetricsReported>)
           return absl::StrCat("metrics of site '", e.report.site(), "', step ", e.report.step() + 1);
         if constexpr (std::is_same_v<T, StageReportedDone>)
@@ -293,7 +298,9 @@ class RunDriver {
     }
     c.run_id = run_id_;
     c.run_dir = in_.run_dir;
-    c.find_checkpoint = [dir = CheckpointDir()](std::string* skipped) { return core::FindLatestCheckpoint(dir, skipped); };
+    c.find_checkpoint = [dir = CheckpointDir()](std::string* skipped) {
+      return core::FindLatestCheckpoint(dir, skipped);
+    };
     return c;
   }
 
@@ -306,7 +313,9 @@ class RunDriver {
             using T = std::decay_t<decltype(a)>;
             if constexpr (std::is_same_v<T, SendCommand>) {
               spdlog::debug("action: send {} to site '{}'",
-                            a.command.has_assign() ? "an assignment" : a.command.has_profile() ? "a profile request" : "a command",
+                            a.command.has_assign()    ? "an assignment"
+                            : a.command.has_profile() ? "a profile request"
+                                                      : "a command",
                             a.site);
               coord_.Send(a.site, a.command);
             } else if constexpr (std::is_same_v<T, StopAll>) {
@@ -372,8 +381,8 @@ class RunDriver {
               << " (run " << run_id_ << ")\njoin each site with:\n";
     for (const auto& s : spec.sites)
       std::cout << "  meridian-executor --coordinator " << spec.coordinator.ToString() << " --site " << s.name
-                << " --certs " << in_.certs << " --listen " << s.address.ToString() << " --device "
-                << s.devices.front() << "\n";
+                << " --certs " << in_.certs << " --listen " << s.address.ToString() << " --device " << s.devices.front()
+                << "\n";
     std::cout << std::flush;
     if (spec.metrics_port > 0) {
       metrics_http_.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {

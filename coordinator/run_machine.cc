@@ -42,7 +42,8 @@ std::vector<Action> RunMachine::Handle(const Event& event) {
         using T = std::decay_t<decltype(e)>;
         if constexpr (std::is_same_v<T, RunStarted>) {
           started_ = true;
-          join_deadline_ = c_.join_timeout_seconds > 0 ? now_ + After(c_.join_timeout_seconds) : Clock::time_point::max();
+          join_deadline_ =
+              c_.join_timeout_seconds > 0 ? now_ + After(c_.join_timeout_seconds) : Clock::time_point::max();
           if (Registered() >= (c_.spec.min_sites > 0 ? static_cast<size_t>(c_.spec.min_sites) : c_.spec.sites.size()))
             StartProfiling();
         } else if constexpr (std::is_same_v<T, SiteRegistered>) {
@@ -131,7 +132,8 @@ void RunMachine::OnProfile(const ProfileReported& e) {
 // Every joined site's measurements, with the spec's link overrides: RUN/profile.json and graph.json.
 absl::Status RunMachine::FinishProfiling() {
   for (const auto& [name, p] : profiles_) {
-    if (!p.error().empty()) return absl::InternalError(absl::StrCat("site '", name, "' could not profile: ", p.error()));
+    if (!p.error().empty())
+      return absl::InternalError(absl::StrCat("site '", name, "' could not profile: ", p.error()));
     auto one = partitioner::ParseProfileJson(absl::StrCat("{\"sites\": [", p.site_profile_json(), "]}"),
                                              absl::StrCat("profile of site '", name, "'"));
     if (!one.ok()) return one.status();
@@ -276,8 +278,9 @@ absl::Status RunMachine::FindResumePoint() {
   auto found = c_.find_checkpoint ? c_.find_checkpoint(&skipped)
                                   : absl::StatusOr<core::CheckpointFiles>(absl::NotFoundError("no checkpoint store"));
   if (!found.ok())
-    return absl::NotFoundError(absl::StrCat("cannot resume: ", found.status().message(),
-                                            " (job.checkpoint.store: coordinator keeps checkpoints in RUN/checkpoints)"));
+    return absl::NotFoundError(
+        absl::StrCat("cannot resume: ", found.status().message(),
+                     " (job.checkpoint.store: coordinator keeps checkpoints in RUN/checkpoints)"));
   if (!skipped.empty()) Say(absl::StrCat("checkpoints skipped: ", skipped, "\n"));
   resume_step_ = found->step;
   for (const auto& f : found->files) resume_files_.push_back(core::CheckpointFile(found->step, f));
@@ -351,18 +354,19 @@ void RunMachine::Assign() {
       a->set_checkpoints_to_coordinator(job.checkpoint.store == core::CheckpointStore::kCoordinator);
       a->set_resume_step(resume_step_);  // 0 afresh; -1 each stage loads the newest intact checkpoint; S
       for (const auto& f : resume_files_) a->add_resume_files(f);
-      Out(LogSite{site, absl::StrCat("assigned stage ", k + 1, "/", st.size(), " (ops ", st[k].first_op, "-",
-                                     st[k].last_op, ") of job ", job_id_,
-                                     k > 0 ? absl::StrCat(", after '", st[k - 1].site_names[0], "'") : "",
-                                     k + 1 < st.size() ? absl::StrCat(", before '", st[k + 1].site_names[0], "'") : "",
-                                     resume_step_ != 0 ? ", resuming from the newest checkpoint" : "")});
+      Out(LogSite{
+          site, absl::StrCat("assigned stage ", k + 1, "/", st.size(), " (ops ", st[k].first_op, "-", st[k].last_op,
+                             ") of job ", job_id_, k > 0 ? absl::StrCat(", after '", st[k - 1].site_names[0], "'") : "",
+                             k + 1 < st.size() ? absl::StrCat(", before '", st[k + 1].site_names[0], "'") : "",
+                             resume_step_ != 0 ? ", resuming from the newest checkpoint" : "")});
       Out(SendCommand{site, std::move(c)});
     }
   }
   Say(absl::StrCat("training: ", st.size(), " stages, ", c_.steps, " steps",
-                   !resume_            ? ""
-                   : resume_step_ > 0  ? absl::StrCat(", resuming from step ", resume_step_, " (the coordinator's checkpoints)")
-                                       : ", resuming from the newest intact checkpoint",
+                   !resume_ ? ""
+                   : resume_step_ > 0
+                       ? absl::StrCat(", resuming from step ", resume_step_, " (the coordinator's checkpoints)")
+                       : ", resuming from the newest intact checkpoint",
                    "\n"));
 }
 
@@ -422,12 +426,12 @@ void RunMachine::ReportStep(const v1::MetricsReport& p) {
                       {"send_blocked_seconds", m.send_blocked_seconds()},
                       {"codec_seconds", m.codec_seconds()}});
   }
-  Say(absl::StrFormat(
-      "step %d/%d  loss %.4f  %.0f tokens/s  %.2f s/step  ETA %.0f s  slowest %s (%.2f s compute)  "
-      "WAN %.1f MB (%.0f%% of uncompressed)  waiting %.2f s  send-blocked %.3f s\n",
-      p.step() + 1, c_.steps, p.loss(), el > 0 ? tokens_ / el : 0.0, p.step_seconds(),
-      p.step_seconds() * (c_.steps - p.step() - 1), slowest.empty() ? "-" : slowest, slowest_seconds, wire / 1e6,
-      raw ? 100.0 * wire / raw : 100.0, slowest_wait, most_blocked));
+  Say(
+      absl::StrFormat("step %d/%d  loss %.4f  %.0f tokens/s  %.2f s/step  ETA %.0f s  slowest %s (%.2f s compute)  "
+                      "WAN %.1f MB (%.0f%% of uncompressed)  waiting %.2f s  send-blocked %.3f s\n",
+                      p.step() + 1, c_.steps, p.loss(), el > 0 ? tokens_ / el : 0.0, p.step_seconds(),
+                      p.step_seconds() * (c_.steps - p.step() - 1), slowest.empty() ? "-" : slowest, slowest_seconds,
+                      wire / 1e6, raw ? 100.0 * wire / raw : 100.0, slowest_wait, most_blocked));
   Out(WriteRunFile{core::kMetricsFile,
                    nlohmann::json{{"step", p.step() + 1},
                                   {"loss", p.loss()},
@@ -449,8 +453,8 @@ void RunMachine::OnDone(const StageReportedDone& e) {
   const v1::StageDone& d = e.done;
   if (!sites_.count(d.site())) return;
   if (d.job_id() != job_id_ || job_id_.empty()) {
-    Out(LogSite{d.site(), absl::StrCat("abandoned attempt ", d.job_id(), " ended", d.error().empty() ? "" : ": ",
-                                       d.error())});
+    Out(LogSite{d.site(),
+                absl::StrCat("abandoned attempt ", d.job_id(), " ended", d.error().empty() ? "" : ": ", d.error())});
     return;
   }
   attempt_.done[d.site()] = d;
@@ -545,20 +549,23 @@ void RunMachine::OnTick() {
 void RunMachine::EndAttempt() {
   const core::ClusterSpec& spec = c_.spec;
   const std::vector<std::string> silent = Silent();
-  if (silent.empty())
-    return Fail(absl::StrCat("site '", attempt_.failed_site, "' failed: ", attempt_.failure));
+  if (silent.empty()) return Fail(absl::StrCat("site '", attempt_.failed_site, "' failed: ", attempt_.failure));
   const std::string names = Quoted(silent);
-  const std::string what = absl::StrCat(
-      "site ", names, " stopped answering (no heartbeat for ", spec.heartbeat_timeout_seconds, " s)",
-      attempt_.failed_site.empty() ? "" : absl::StrCat("; then site '", attempt_.failed_site, "' failed: ", attempt_.failure));
+  const std::string what =
+      absl::StrCat("site ", names, " stopped answering (no heartbeat for ", spec.heartbeat_timeout_seconds, " s)",
+                   attempt_.failed_site.empty()
+                       ? ""
+                       : absl::StrCat("; then site '", attempt_.failed_site, "' failed: ", attempt_.failure));
   Say(absl::StrCat("lost: ", what, "\n"));
   attempt_.lost = what;
   for (const auto& n : silent)
-    Out(LogSite{n, absl::StrCat("lost: no heartbeat for ", spec.heartbeat_timeout_seconds, " s; ",
-                                spec.on_failure == core::OnFailure::kWait ? "waiting for it" : "re-planning without it")});
+    Out(LogSite{n,
+                absl::StrCat("lost: no heartbeat for ", spec.heartbeat_timeout_seconds, " s; ",
+                             spec.on_failure == core::OnFailure::kWait ? "waiting for it" : "re-planning without it")});
   if (c_.job.checkpoint.interval <= 0)
-    return Fail(absl::StrCat(what, ". The job has no checkpoints (job.checkpoint.interval), so nothing to resume "
-                                   "from; set one to survive lost sites"));
+    return Fail(absl::StrCat(what,
+                             ". The job has no checkpoints (job.checkpoint.interval), so nothing to resume "
+                             "from; set one to survive lost sites"));
   for (const auto& n : silent) lost_.insert(n);
   // The survivors abandon the attempt when their neighbours' streams break (or at the step timeout).
   phase_ = Phase::kDraining;
@@ -583,8 +590,7 @@ void RunMachine::AfterDrain() {
     lost_.clear();
     return StartAttempt();
   }
-  if (lost_.size() >= profile_.sites.size())
-    return Fail(absl::StrCat(attempt_.lost, "; no site left"));
+  if (lost_.size() >= profile_.sites.size()) return Fail(absl::StrCat(attempt_.lost, "; no site left"));
   Say(absl::StrCat("recovery: re-planning over the ", profile_.sites.size() - lost_.size(),
                    " sites left and resuming from the newest intact checkpoint\n"));
   StartAttempt();

@@ -155,13 +155,13 @@ class RunMachine {
     std::string listen, device;
     bool silent = false;
   };
-  struct Attempt {  // what the current attempt's sites reported
-    std::set<std::string> used;                     // the sites of its plan
-    std::map<std::string, v1::StageDone> done;      // by site
+  struct Attempt {                                     // what the current attempt's sites reported
+    std::set<std::string> used;                        // the sites of its plan
+    std::map<std::string, v1::StageDone> done;         // by site
     std::map<std::string, v1::MetricsReport> metrics;  // the latest, by site
-    std::string failure, failed_site;               // the first stage error, or "no heartbeat"
-    std::string lost;                               // why it ended: the sites lost, for messages
-    Clock::time_point deadline;                     // kFailing: wait for heartbeats; kDraining: drain
+    std::string failure, failed_site;                  // the first stage error, or "no heartbeat"
+    std::string lost;                                  // why it ended: the sites lost, for messages
+    Clock::time_point deadline;                        // kFailing: wait for heartbeats; kDraining: drain
   };
 
   void OnRegistered(const SiteRegistered& e);
@@ -205,12 +205,12 @@ class RunMachine {
   int attempts_ = 0;
   std::string job_id_;
   bool resume_ = false;
-  int64_t resume_step_ = 0;                 // 0 afresh; -1 each stage loads the newest intact; S: step S
-  std::vector<std::string> resume_files_;   // store: coordinator: the files of resume_step_
+  int64_t resume_step_ = 0;                // 0 afresh; -1 each stage loads the newest intact; S: step S
+  std::vector<std::string> resume_files_;  // store: coordinator: the files of resume_step_
   Attempt attempt_;
   int64_t progress_step_ = -1;  // the current attempt's last step reported by stage 0
   double last_loss_ = 0;
-  int64_t tokens_ = 0;          // over every attempt
+  int64_t tokens_ = 0;  // over every attempt
   int64_t pruned_at_ = 0;
   std::vector<Action> out_;
 };

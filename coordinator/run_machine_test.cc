@@ -296,8 +296,9 @@ TEST(RunMachine, APinnedPlanThatLosesASiteIsDroppedForAPlanOverTheSitesLeft) {
   d.Feed(HeartbeatLost{"b"});
   d.Feed(StageReportedDone{Done("a", kRun, "broke")});
   auto replanned = d.Feed(StageReportedDone{Done("c", kRun, "broke")});
-  EXPECT_THAT(Printed(replanned),
-              HasSubstr("plan: the pinned plan (pinned.json) uses site 'b', which is lost; planning over the sites left"));
+  EXPECT_THAT(
+      Printed(replanned),
+      HasSubstr("plan: the pinned plan (pinned.json) uses site 'b', which is lost; planning over the sites left"));
   for (const auto& [site, a] : Assignments(replanned)) EXPECT_NE(site, "b");
   EXPECT_FALSE(Assignments(replanned).empty());
 }
@@ -352,7 +353,8 @@ TEST(RunMachine, AStageFailureThenASilentSiteIsRecovered) {
   d.JoinAndProfile({"a", "b", "c"});
   d.Feed(StageReportedDone{Done("a", kRun, "stream to peer 'b' broke")});
   auto lost = d.Feed(HeartbeatLost{"b"}, 2);
-  EXPECT_THAT(Printed(lost), HasSubstr("lost: site 'b' stopped answering (no heartbeat for 5 s); then site 'a' failed"));
+  EXPECT_THAT(Printed(lost),
+              HasSubstr("lost: site 'b' stopped answering (no heartbeat for 5 s); then site 'a' failed"));
   auto replanned = d.Feed(StageReportedDone{Done("c", kRun, "broke")});
   EXPECT_THAT(Sites(Assignments(replanned)), ElementsAre("a", "c"));
 }

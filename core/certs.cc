@@ -24,9 +24,15 @@
 namespace meridian::core {
 namespace {
 
-struct PkeyFree { void operator()(EVP_PKEY* p) const { EVP_PKEY_free(p); } };
-struct X509Free { void operator()(X509* p) const { X509_free(p); } };
-struct BioFree { void operator()(BIO* p) const { BIO_free(p); } };
+struct PkeyFree {
+  void operator()(EVP_PKEY* p) const { EVP_PKEY_free(p); }
+};
+struct X509Free {
+  void operator()(X509* p) const { X509_free(p); }
+};
+struct BioFree {
+  void operator()(BIO* p) const { BIO_free(p); }
+};
 using PkeyPtr = std::unique_ptr<EVP_PKEY, PkeyFree>;
 using X509Ptr = std::unique_ptr<X509, X509Free>;
 using BioPtr = std::unique_ptr<BIO, BioFree>;
@@ -46,7 +52,6 @@ bool FileExists(const std::string& p) {
   struct stat st;
   return ::stat(p.c_str(), &st) == 0;
 }
-
 
 std::string BioToString(BIO* bio) {
   char* p = nullptr;
@@ -81,8 +86,8 @@ bool IsIpLiteral(const std::string& host) {
 
 // Builds a certificate for `key` with subject CN=`cn`, signed by (issuer, issuer_key); self-signed when
 // issuer is null. `san_host` empty means no subjectAltName (the CA).
-absl::StatusOr<X509Ptr> MakeCert(EVP_PKEY* key, const std::string& cn, X509* issuer, EVP_PKEY* issuer_key,
-                                 bool is_ca, const std::string& san_host, int days) {
+absl::StatusOr<X509Ptr> MakeCert(EVP_PKEY* key, const std::string& cn, X509* issuer, EVP_PKEY* issuer_key, bool is_ca,
+                                 const std::string& san_host, int days) {
   X509Ptr cert(X509_new());
   if (!cert) return absl::InternalError(OpenSslError("X509_new"));
   X509_set_version(cert.get(), 2);
@@ -97,8 +102,8 @@ absl::StatusOr<X509Ptr> MakeCert(EVP_PKEY* key, const std::string& cn, X509* iss
   X509_set_pubkey(cert.get(), key);
   X509_NAME* name = X509_get_subject_name(cert.get());
   X509_NAME_add_entry_by_txt(name, "O", MBSTRING_ASC, reinterpret_cast<const unsigned char*>("Meridian"), -1, -1, 0);
-  if (X509_NAME_add_entry_by_txt(name, "CN", MBSTRING_UTF8, reinterpret_cast<const unsigned char*>(cn.c_str()), -1,
-                                 -1, 0) != 1)
+  if (X509_NAME_add_entry_by_txt(name, "CN", MBSTRING_UTF8, reinterpret_cast<const unsigned char*>(cn.c_str()), -1, -1,
+                                 0) != 1)
     return absl::InvalidArgumentError(OpenSslError(absl::StrCat("bad common name '", cn, "'")));
   X509* signer = issuer ? issuer : cert.get();
   X509_set_issuer_name(cert.get(), X509_get_subject_name(signer));
@@ -150,8 +155,8 @@ absl::Status WriteLeaves(const std::string& dir, X509* ca, EVP_PKEY* ca_key, con
                          const CertOptions& o, std::vector<std::string>* written) {
   for (const Leaf& leaf : leaves) {
     MERIDIAN_ASSIGN_OR_RETURN(PkeyPtr key, NewKey());
-    MERIDIAN_ASSIGN_OR_RETURN(X509Ptr cert, MakeCert(key.get(), leaf.name, ca, ca_key, false, leaf.host,
-                                                     o.leaf_validity_days));
+    MERIDIAN_ASSIGN_OR_RETURN(X509Ptr cert,
+                              MakeCert(key.get(), leaf.name, ca, ca_key, false, leaf.host, o.leaf_validity_days));
     std::string base = absl::StrCat(dir, "/", leaf.name);
     MERIDIAN_RETURN_IF_ERROR(WriteFileAtomic(base + ".key", KeyPem(key.get()), 0600));
     MERIDIAN_RETURN_IF_ERROR(WriteFileAtomic(base + ".pem", CertPem(cert.get()), 0644));
@@ -196,13 +201,12 @@ absl::Status IssueSiteCert(const std::string& ca_dir, const std::string& name, c
                            const CertOptions& o, std::vector<std::string>* written) {
   Endpoint ep;
   std::string err;
-  if (!ParseEndpoint(host + ":1", &ep, &err))
-    return absl::InvalidArgumentError(absl::StrCat("--host: ", err));
-  if (name.empty() || name.size() > 63 || name.find_first_not_of(
-      "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_") != std::string::npos)
+  if (!ParseEndpoint(host + ":1", &ep, &err)) return absl::InvalidArgumentError(absl::StrCat("--host: ", err));
+  if (name.empty() || name.size() > 63 ||
+      name.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_") != std::string::npos)
     return absl::InvalidArgumentError(absl::StrCat("--site: '", name, "' is not a valid site name"));
-  MERIDIAN_RETURN_IF_ERROR(RefuseOverwrite({absl::StrCat(ca_dir, "/", name, ".key"),
-                                            absl::StrCat(ca_dir, "/", name, ".pem")}, o));
+  MERIDIAN_RETURN_IF_ERROR(
+      RefuseOverwrite({absl::StrCat(ca_dir, "/", name, ".key"), absl::StrCat(ca_dir, "/", name, ".pem")}, o));
   BioPtr cb(BIO_new_file((ca_dir + "/ca.pem").c_str(), "r"));
   if (!cb) return absl::NotFoundError(absl::StrCat(ca_dir, "/ca.pem: cannot open"));
   X509Ptr ca(PEM_read_bio_X509(cb.get(), nullptr, nullptr, nullptr));
@@ -249,12 +253,11 @@ absl::Status CheckIdentityFiles(const std::string& dir, const std::string& name)
   std::unique_ptr<X509_STORE_CTX, decltype(&X509_STORE_CTX_free)> ctx(X509_STORE_CTX_new(), X509_STORE_CTX_free);
   X509_STORE_CTX_init(ctx.get(), store.get(), cert.get(), nullptr);
   if (X509_verify_cert(ctx.get()) != 1)
-    return absl::FailedPreconditionError(absl::StrCat(
-        cert_path, " is not signed by the cluster CA in ", ca_path, " (",
-        X509_verify_cert_error_string(X509_STORE_CTX_get_error(ctx.get())), ")"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(cert_path, " is not signed by the cluster CA in ", ca_path, " (",
+                     X509_verify_cert_error_string(X509_STORE_CTX_get_error(ctx.get())), ")"));
   char cn[256];
-  if (X509_NAME_get_text_by_NID(X509_get_subject_name(cert.get()), NID_commonName, cn, sizeof cn) < 0 ||
-      name != cn)
+  if (X509_NAME_get_text_by_NID(X509_get_subject_name(cert.get()), NID_commonName, cn, sizeof cn) < 0 || name != cn)
     return absl::FailedPreconditionError(absl::StrCat(cert_path, " names '", cn, "', not '", name, "'"));
   return absl::OkStatus();
 }

@@ -14,7 +14,7 @@
 namespace meridian::core {
 
 struct CertOptions {
-  bool force = false;          // overwrite existing keys and certificates
+  bool force = false;  // overwrite existing keys and certificates
   int ca_validity_days = 3650;
   int leaf_validity_days = 825;
 };

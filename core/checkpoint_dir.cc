@@ -49,8 +49,8 @@ bool RemoveStepDir(const std::string& path, std::string* problems) {
 }  // namespace
 
 std::string StageMetaJson(const StageMeta& m) {
-  nlohmann::json j = {{"step", m.step},     {"stage", m.stage},   {"num_stages", m.num_stages},
-                      {"shard", m.shard},   {"sha256", m.sha256}};
+  nlohmann::json j = {
+      {"step", m.step}, {"stage", m.stage}, {"num_stages", m.num_stages}, {"shard", m.shard}, {"sha256", m.sha256}};
   if (m.tensors) j["tensors"] = *m.tensors;
   return j.dump(1);
 }
@@ -136,7 +136,7 @@ int PruneCheckpoints(const std::string& dir, int keep, int64_t newest, std::stri
   auto steps = StepDirs(dir);
   if (!steps.ok()) return 0;
   int complete = 0, removed = 0;
-  std::string ignored;  // why a step is incomplete: not a problem here
+  std::string ignored;                       // why a step is incomplete: not a problem here
   for (const auto& [step, path] : *steps) {  // newest first
     if (step > newest) continue;             // another run's
     if (step < newest && complete >= keep) {
@@ -158,7 +158,7 @@ int RemoveCheckpointsAbove(const std::string& dir, int64_t newest, std::string* 
 }
 
 absl::StatusOr<std::vector<std::string>> ShardsHolding(const std::string& step_dir,
-                                                      const std::set<std::string>& wanted) {
+                                                       const std::set<std::string>& wanted) {
   std::string why;
   auto metas = CompleteStages(step_dir, &why, /*verify_hashes=*/false);
   if (!metas) return absl::NotFoundError(absl::StrCat("no complete checkpoint: ", why));

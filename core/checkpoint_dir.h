@@ -22,8 +22,8 @@ namespace meridian::core {
 struct StageMeta {
   int64_t step = 0;
   int stage = 0, num_stages = 0;
-  std::string shard;   // "stage-K.safetensors"
-  std::string sha256;  // of the shard file, 64 hex digits
+  std::string shard;                                // "stage-K.safetensors"
+  std::string sha256;                               // of the shard file, 64 hex digits
   std::optional<std::vector<std::string>> tensors;  // the tensor names in the shard, when listed
 };
 // The text of stage-K.json for `meta`.
@@ -67,7 +67,7 @@ int RemoveCheckpointsAbove(const std::string& dir, int64_t step, std::string* pr
 // holding any of `wanted` (by the JSONs' tensor lists; a shard whose JSON lists none is named too), so a
 // resuming stage fetches only those.
 absl::StatusOr<std::vector<std::string>> ShardsHolding(const std::string& step_dir,
-                                                      const std::set<std::string>& wanted);
+                                                       const std::set<std::string>& wanted);
 
 }  // namespace meridian::core
 

@@ -19,9 +19,7 @@
 
 namespace meridian::core {
 
-std::string Diagnostic::ToString() const {
-  return absl::StrCat(file, ":", line, ":", column, ": error: ", message);
-}
+std::string Diagnostic::ToString() const { return absl::StrCat(file, ":", line, ":", column, ": error: ", message); }
 
 std::string Endpoint::ToString() const {
   if (host.find(':') != std::string::npos) return absl::StrCat("[", host, "]:", port);
@@ -30,9 +28,12 @@ std::string Endpoint::ToString() const {
 
 const char* ToString(CompressionPolicy policy) {
   switch (policy) {
-    case CompressionPolicy::kAdaptive: return "adaptive";
-    case CompressionPolicy::kNone: return "none";
-    case CompressionPolicy::kFixed: return "fixed";
+    case CompressionPolicy::kAdaptive:
+      return "adaptive";
+    case CompressionPolicy::kNone:
+      return "none";
+    case CompressionPolicy::kFixed:
+      return "fixed";
   }
   return "?";
 }
@@ -94,8 +95,10 @@ bool IsIpv6(const std::string& h) {
   if (h.size() < 2) return false;
   int colons = 0;
   for (char c : h) {
-    if (c == ':') ++colons;
-    else if (!std::isxdigit(static_cast<unsigned char>(c)) && c != '.') return false;
+    if (c == ':')
+      ++colons;
+    else if (!std::isxdigit(static_cast<unsigned char>(c)) && c != '.')
+      return false;
   }
   return colons >= 2;
 }
@@ -125,11 +128,16 @@ bool WithinNodeBudget(const YAML::Node& n, size_t* count, int depth) {
 
 const char* KindName(const YAML::Node& n) {
   switch (n.Type()) {
-    case YAML::NodeType::Null: return "null";
-    case YAML::NodeType::Scalar: return "a scalar";
-    case YAML::NodeType::Sequence: return "a list";
-    case YAML::NodeType::Map: return "a mapping";
-    default: return "nothing";
+    case YAML::NodeType::Null:
+      return "null";
+    case YAML::NodeType::Scalar:
+      return "a scalar";
+    case YAML::NodeType::Sequence:
+      return "a list";
+    case YAML::NodeType::Map:
+      return "a mapping";
+    default:
+      return "nothing";
   }
 }
 
@@ -161,8 +169,8 @@ class Checker {
       bool known = false;
       for (const char* a : allowed) known |= key == a;
       if (!known) {
-        Error(kv.first.Mark(), absl::StrCat(ctx, ": unknown key '", key, "'; expected one of ",
-                                            absl::StrJoin(allowed, ", ")));
+        Error(kv.first.Mark(),
+              absl::StrCat(ctx, ": unknown key '", key, "'; expected one of ", absl::StrJoin(allowed, ", ")));
       } else if (!seen.insert(key).second) {
         Error(kv.first.Mark(), absl::StrCat(ctx, ": duplicate key '", key, "'"));
       }
@@ -171,8 +179,7 @@ class Checker {
   }
 
   // The scalar at map[key]; reports a missing required key at the map, a wrong type at the value.
-  std::optional<std::string> Scalar(const YAML::Node& map, const char* key, const std::string& ctx,
-                                    bool required) {
+  std::optional<std::string> Scalar(const YAML::Node& map, const char* key, const std::string& ctx, bool required) {
     YAML::Node v = map[key];
     if (!v.IsDefined() || v.IsNull()) {
       if (required) Error(map.Mark(), absl::StrCat(ctx, ": missing required key '", key, "'"));
@@ -201,8 +208,8 @@ class Checker {
     });
   }
 
-  void Int(const YAML::Node& map, const char* key, const std::string& ctx, bool required, long long lo,
-           long long hi, long long* out) {
+  void Int(const YAML::Node& map, const char* key, const std::string& ctx, bool required, long long lo, long long hi,
+           long long* out) {
     Field(map, key, ctx, required, [&](const std::string& s) -> std::string {
       char* end = nullptr;
       errno = 0;
@@ -215,23 +222,23 @@ class Checker {
     });
   }
   template <typename T>
-  void IntAs(const YAML::Node& map, const char* key, const std::string& ctx, bool required, long long lo,
-             long long hi, T* out) {
+  void IntAs(const YAML::Node& map, const char* key, const std::string& ctx, bool required, long long lo, long long hi,
+             T* out) {
     long long v = *out;
     Int(map, key, ctx, required, lo, hi, &v);
     *out = static_cast<T>(v);
   }
 
-  void Double(const YAML::Node& map, const char* key, const std::string& ctx, bool required, double lo,
-              double hi, bool lo_open, double* out) {
+  void Double(const YAML::Node& map, const char* key, const std::string& ctx, bool required, double lo, double hi,
+              bool lo_open, double* out) {
     Field(map, key, ctx, required, [&](const std::string& s) -> std::string {
       char* end = nullptr;
       double v = std::strtod(s.c_str(), &end);
       if (s.empty() || end != s.c_str() + s.size() || !std::isfinite(v))
         return absl::StrCat("expected a number, found '", s, "'");
       if ((lo_open ? v <= lo : v < lo) || v > hi)
-        return absl::StrCat("must be ", lo_open ? "greater than " : "at least ", lo, " and at most ", hi,
-                            ", found ", s);
+        return absl::StrCat("must be ", lo_open ? "greater than " : "at least ", lo, " and at most ", hi, ", found ",
+                            s);
       *out = v;
       return "";
     });
@@ -239,15 +246,18 @@ class Checker {
 
   void Bool(const YAML::Node& map, const char* key, const std::string& ctx, bool* out) {
     Field(map, key, ctx, false, [&](const std::string& s) -> std::string {
-      if (s == "true" || s == "yes" || s == "on") *out = true;
-      else if (s == "false" || s == "no" || s == "off") *out = false;
-      else return absl::StrCat("expected true or false, found '", s, "'");
+      if (s == "true" || s == "yes" || s == "on")
+        *out = true;
+      else if (s == "false" || s == "no" || s == "off")
+        *out = false;
+      else
+        return absl::StrCat("expected true or false, found '", s, "'");
       return "";
     });
   }
 
-  void Choice(const YAML::Node& map, const char* key, const std::string& ctx,
-              const std::vector<const char*>& choices, std::string* out) {
+  void Choice(const YAML::Node& map, const char* key, const std::string& ctx, const std::vector<const char*>& choices,
+              std::string* out) {
     Field(map, key, ctx, false, [&](const std::string& s) -> std::string {
       for (const char* c : choices)
         if (s == c) {
@@ -326,20 +336,21 @@ void ParseSites(Checker& c, const YAML::Node& n, ClusterSpec* cs) {
       ctx = absl::StrCat("site '", s.name, "'");
       auto [it, fresh] = names.emplace(s.name, s.line);
       if (!fresh)
-        c.Error(sn["name"].Mark(), absl::StrCat("sites: duplicate site name '", s.name, "' (first defined on line ",
-                                                 it->second, ")"));
+        c.Error(sn["name"].Mark(),
+                absl::StrCat("sites: duplicate site name '", s.name, "' (first defined on line ", it->second, ")"));
     }
     c.Address(sn, "address", ctx, true, &s.address);
     if (s.address.port != 0) {
       auto [it, fresh] = addresses.emplace(s.address.ToString(), s.name);
       if (!fresh)
-        c.Error(sn["address"].Mark(), absl::StrCat(ctx, ".address: ", s.address.ToString(),
-                                                   " is already used by site '", it->second, "'"));
+        c.Error(sn["address"].Mark(),
+                absl::StrCat(ctx, ".address: ", s.address.ToString(), " is already used by site '", it->second, "'"));
     }
     YAML::Node dev = sn["devices"];
     if (dev.IsDefined() && !dev.IsNull()) {
       std::vector<std::string> devices;
-      if (dev.IsScalar()) devices.push_back(dev.Scalar());
+      if (dev.IsScalar())
+        devices.push_back(dev.Scalar());
       else if (dev.IsSequence()) {
         for (const auto& d : dev) {
           if (!d.IsScalar()) {
@@ -415,8 +426,9 @@ void ParseLinks(Checker& c, const YAML::Node& n, ClusterSpec* cs) {
 
 void ParseJob(Checker& c, const YAML::Node& n, JobSpec* j) {
   const std::string ctx = "job";
-  if (!c.Map(n, ctx, {"model", "tokenizer", "data", "steps", "global_batch", "micro_batches", "sequence_length",
-                      "seed", "replication", "optimizer", "compression", "checkpoint", "lora", "eval_fraction"}))
+  if (!c.Map(n, ctx,
+             {"model", "tokenizer", "data", "steps", "global_batch", "micro_batches", "sequence_length", "seed",
+              "replication", "optimizer", "compression", "checkpoint", "lora", "eval_fraction"}))
     return;
   j->line = n.Mark().line + 1;
   c.String(n, "model", ctx, true, &j->model);
@@ -434,8 +446,8 @@ void ParseJob(Checker& c, const YAML::Node& n, JobSpec* j) {
                                                     " does not divide job.global_batch ", j->global_batch));
   if (YAML::Node o = n["optimizer"]; o.IsDefined() && !o.IsNull()) {
     const std::string oc = "job.optimizer";
-    if (c.Map(o, oc, {"name", "lr", "weight_decay", "beta1", "beta2", "eps", "warmup_steps", "min_lr_ratio",
-                      "grad_clip"})) {
+    if (c.Map(o, oc,
+              {"name", "lr", "weight_decay", "beta1", "beta2", "eps", "warmup_steps", "min_lr_ratio", "grad_clip"})) {
       OptimizerSpec& op = j->optimizer;
       c.Choice(o, "name", oc, {"adamw", "sgd"}, &op.name);
       c.Double(o, "lr", oc, false, 0, 10, true, &op.lr);
@@ -450,13 +462,15 @@ void ParseJob(Checker& c, const YAML::Node& n, JobSpec* j) {
   }
   if (YAML::Node o = n["compression"]; o.IsDefined() && !o.IsNull()) {
     const std::string oc = "job.compression";
-    if (c.Map(o, oc, {"policy", "activations", "gradients", "topk_fraction", "error_feedback", "activation_memory",
-                      "activation_spill"})) {
+    if (c.Map(o, oc,
+              {"policy", "activations", "gradients", "topk_fraction", "error_feedback", "activation_memory",
+               "activation_spill"})) {
       CompressionSpec& cp = j->compression;
-      c.Choice(o, "policy", oc, {CompressionPolicy::kAdaptive, CompressionPolicy::kNone, CompressionPolicy::kFixed}, &cp.policy);
+      c.Choice(o, "policy", oc, {CompressionPolicy::kAdaptive, CompressionPolicy::kNone, CompressionPolicy::kFixed},
+               &cp.policy);
       const std::vector<const char*> codecs = {"identity", "fp16", "bf16", "int8", "int4", "int2", "topk", "topk-int8"};
-      const std::vector<const char*> activation_codecs = {"identity", "fp16",      "bf16",       "int8",
-                                                          "int4",     "int2",      "topk",       "topk-int8",
+      const std::vector<const char*> activation_codecs = {"identity",   "fp16",       "bf16",      "int8",
+                                                          "int4",       "int2",       "topk",      "topk-int8",
                                                           "int8-delta", "int4-delta", "int2-delta"};
       c.Choice(o, "activations", oc, activation_codecs, &cp.activations);
       c.Choice(o, "gradients", oc, codecs, &cp.gradients);
@@ -488,7 +502,7 @@ void ParseJob(Checker& c, const YAML::Node& n, JobSpec* j) {
       c.Double(o, "alpha", oc, false, 0, 1e6, true, &l.alpha);
       c.Double(o, "dropout", oc, false, 0, 1, false, &l.dropout);
       if (YAML::Node t = o["target_modules"]; t.IsDefined()) {
-        static const std::set<std::string> kTargets = {"q_proj", "k_proj", "v_proj", "o_proj",
+        static const std::set<std::string> kTargets = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
                                                        "gate_proj", "up_proj", "down_proj"};
         if (!t.IsSequence() || t.size() == 0) {
           c.Error(t.Mark(), "job.lora.target_modules: expected a non-empty list of projection names");
@@ -496,8 +510,9 @@ void ParseJob(Checker& c, const YAML::Node& n, JobSpec* j) {
           l.target_modules.clear();
           for (const auto& m : t) {
             if (!m.IsScalar() || !kTargets.count(m.Scalar())) {
-              c.Error(m.Mark(), "job.lora.target_modules: each entry must be one of q_proj, k_proj, v_proj, "
-                                "o_proj, gate_proj, up_proj, down_proj");
+              c.Error(m.Mark(),
+                      "job.lora.target_modules: each entry must be one of q_proj, k_proj, v_proj, "
+                      "o_proj, gate_proj, up_proj, down_proj");
               continue;
             }
             l.target_modules.push_back(m.Scalar());
@@ -521,8 +536,8 @@ std::string CheckRawText(const std::string& text, int* line, int* col) {
     bool ok = len > 0 && i + len <= text.size();
     for (int k = 1; ok && k < len; ++k) ok = (static_cast<unsigned char>(text[i + k]) >> 6) == 2;
     if (!ok || c == 0 || (c < 0x20 && c != '\n' && c != '\r' && c != '\t'))
-      return absl::StrCat("this is not a text file (byte 0x", absl::Hex(c, absl::kZeroPad2),
-                          " at offset ", i, "); a spec must be UTF-8 YAML");
+      return absl::StrCat("this is not a text file (byte 0x", absl::Hex(c, absl::kZeroPad2), " at offset ", i,
+                          "); a spec must be UTF-8 YAML");
     if (c == '\n') {
       ++*line;
       *col = 1;
@@ -597,8 +612,9 @@ SpecLoadResult ParseSpec(const std::string& text, const std::string& path) {
   } catch (const YAML::DeepRecursion& e) {
     int l = e.mark.is_null() ? 0 : e.mark.line + 1;
     int cl = e.mark.is_null() ? 0 : e.mark.column + 1;
-    result.errors.push_back({path, l, cl, absl::StrCat("YAML nesting is too deep (more than ", e.depth(),
-                                                       " levels); a spec needs only a few")});
+    result.errors.push_back(
+        {path, l, cl,
+         absl::StrCat("YAML nesting is too deep (more than ", e.depth(), " levels); a spec needs only a few")});
     return result;
   } catch (const YAML::Exception& e) {
     int l = e.mark.is_null() ? 0 : e.mark.line + 1;
@@ -616,10 +632,9 @@ SpecLoadResult ParseSpec(const std::string& text, const std::string& path) {
   size_t count = 0;
   try {
     if (!WithinNodeBudget(root, &count, 0)) {
-      result.errors.push_back(
-          {path, 1, 1,
-           absl::StrCat("the document is too large or too deep once aliases are expanded (limit ", kMaxSpecNodes,
-                        " nodes, depth ", kMaxSpecDepth, ")")});
+      result.errors.push_back({path, 1, 1,
+                               absl::StrCat("the document is too large or too deep once aliases are expanded (limit ",
+                                            kMaxSpecNodes, " nodes, depth ", kMaxSpecDepth, ")")});
       return result;
     }
   } catch (const std::exception& e) {
@@ -630,8 +645,9 @@ SpecLoadResult ParseSpec(const std::string& text, const std::string& path) {
   SpecFile spec;
   spec.path = path;
   try {
-    if (c.Map(root, "spec", {"cluster", "coordinator", "security", "heartbeat", "min_sites", "on_failure", "sites",
-                             "links", "job"})) {
+    if (c.Map(
+            root, "spec",
+            {"cluster", "coordinator", "security", "heartbeat", "min_sites", "on_failure", "sites", "links", "job"})) {
       const bool has_cluster = root["sites"].IsDefined();
       const bool has_job = root["job"].IsDefined();
       if (!has_cluster && !has_job)
@@ -665,13 +681,13 @@ SpecLoadResult ParseSpec(const std::string& text, const std::string& path) {
         ParseSites(c, root["sites"], &cs);
         c.IntAs(root, "min_sites", "spec", false, 0, 100000, &cs.min_sites);
         if (cs.min_sites > static_cast<int>(cs.sites.size()))
-          c.Error(root["min_sites"].Mark(), absl::StrCat("min_sites: ", cs.min_sites, " is more than the ",
-                                                         cs.sites.size(), " sites defined"));
+          c.Error(root["min_sites"].Mark(),
+                  absl::StrCat("min_sites: ", cs.min_sites, " is more than the ", cs.sites.size(), " sites defined"));
         if (YAML::Node links = root["links"]; links.IsDefined() && !links.IsNull()) ParseLinks(c, links, &cs);
         for (const auto& s : cs.sites)
           if (s.address.port != 0 && s.address.ToString() == cs.coordinator.ToString())
-            c.Error(root["coordinator"].Mark(),
-                    absl::StrCat("coordinator.address: ", s.address.ToString(), " is also site '", s.name, "''s address"));
+            c.Error(root["coordinator"].Mark(), absl::StrCat("coordinator.address: ", s.address.ToString(),
+                                                             " is also site '", s.name, "''s address"));
         spec.cluster = std::move(cs);
       } else {
         for (const char* k : {"cluster", "coordinator", "security", "heartbeat", "links", "min_sites", "on_failure"})
@@ -709,8 +725,8 @@ SpecLoadResult LoadSpecFile(const std::string& path) {
     return result;
   }
   if (static_cast<size_t>(size) > kMaxSpecFileBytes) {
-    result.errors.push_back({path, 1, 1, absl::StrCat("file is ", size, " bytes; a spec may be at most ",
-                                                      kMaxSpecFileBytes, " bytes")});
+    result.errors.push_back(
+        {path, 1, 1, absl::StrCat("file is ", size, " bytes; a spec may be at most ", kMaxSpecFileBytes, " bytes")});
     return result;
   }
   in.seekg(0);

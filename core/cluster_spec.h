@@ -40,12 +40,12 @@ struct EmulationSpec {
 };
 
 struct SiteSpec {
-  std::string name;                        // [A-Za-z0-9_-], 1..63 chars; becomes the certificate CN
-  Endpoint address;                        // where the executor listens for its peers
+  std::string name;                         // [A-Za-z0-9_-], 1..63 chars; becomes the certificate CN
+  Endpoint address;                         // where the executor listens for its peers
   std::vector<std::string> devices{"cpu"};  // "cpu" or "cuda:N"
   std::optional<EmulationSpec> emulation;
-  std::optional<double> memory_bytes;      // optional cap on the memory the planner may use at this site
-  int line = 0;                            // position in the file, for later messages
+  std::optional<double> memory_bytes;  // optional cap on the memory the planner may use at this site
+  int line = 0;                        // position in the file, for later messages
 };
 
 // A link hint or override for one ordered pair (both directions when symmetric).
@@ -107,13 +107,13 @@ struct LoraSpec {
 };
 
 struct JobSpec {
-  std::string model;       // HF model directory (config.json [+ safetensors]); relative to the spec file
-  std::string tokenizer;   // SentencePiece model; default: <model>/tokenizer.model
-  std::string data;        // "synthetic", JSONL (prompt/response) or plain text; relative to the spec file
+  std::string model;           // HF model directory (config.json [+ safetensors]); relative to the spec file
+  std::string tokenizer;       // SentencePiece model; default: <model>/tokenizer.model
+  std::string data;            // "synthetic", JSONL (prompt/response) or plain text; relative to the spec file
   double eval_fraction = 0.1;  // JSONL: share of the examples held out for exact-match evaluation
   int steps = 100;
-  int global_batch = 8;    // sequences per optimizer step
-  int micro_batches = 0;   // 0: chosen by the planner
+  int global_batch = 8;   // sequences per optimizer step
+  int micro_batches = 0;  // 0: chosen by the planner
   int sequence_length = 256;
   uint64_t seed = 1234;
   bool replication = true;  // let the planner replicate stages across sites
@@ -127,11 +127,11 @@ struct JobSpec {
 struct ClusterSpec {
   std::string name;
   Endpoint coordinator;
-  int metrics_port = 0;            // 0: no /metrics endpoint
+  int metrics_port = 0;             // 0: no /metrics endpoint
   std::string certs_dir = "certs";  // resolved against the spec file's directory
   double heartbeat_interval_seconds = 1.0;
   double heartbeat_timeout_seconds = 5.0;
-  int min_sites = 0;                // 0: wait for every site
+  int min_sites = 0;  // 0: wait for every site
   OnFailure on_failure = OnFailure::kReplan;
   std::vector<SiteSpec> sites;
   std::vector<LinkSpec> links;
@@ -146,8 +146,8 @@ struct SpecFile {
 };
 
 struct SpecLoadResult {
-  std::optional<SpecFile> spec;      // set only when `errors` is empty
-  std::vector<Diagnostic> errors;    // in file order
+  std::optional<SpecFile> spec;    // set only when `errors` is empty
+  std::vector<Diagnostic> errors;  // in file order
 };
 
 // Limits that bound the loader's work on hostile input.

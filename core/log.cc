@@ -10,12 +10,18 @@ namespace meridian::core {
 
 absl::Status InitLogging(const std::string& program, const std::string& level) {
   spdlog::level::level_enum threshold;
-  if (level == "trace") threshold = spdlog::level::trace;
-  else if (level == "debug") threshold = spdlog::level::debug;
-  else if (level == "info") threshold = spdlog::level::info;
-  else if (level == "warning" || level == "warn") threshold = spdlog::level::warn;
-  else if (level == "error") threshold = spdlog::level::err;
-  else if (level == "off") threshold = spdlog::level::off;
+  if (level == "trace")
+    threshold = spdlog::level::trace;
+  else if (level == "debug")
+    threshold = spdlog::level::debug;
+  else if (level == "info")
+    threshold = spdlog::level::info;
+  else if (level == "warning" || level == "warn")
+    threshold = spdlog::level::warn;
+  else if (level == "error")
+    threshold = spdlog::level::err;
+  else if (level == "off")
+    threshold = spdlog::level::off;
   else
     return absl::InvalidArgumentError(absl::StrCat("--log-level: '", level, "' is not one of ",
                                                    absl::StrJoin(std::begin(kLogLevels), std::end(kLogLevels), ", ")));

@@ -38,9 +38,9 @@ std::string StageShardName(int stage);
 std::string StageMetaName(int stage);
 
 // Paths relative to the run directory.
-std::string WeightsFile(int stage);                              // "weights/stage-K.safetensors"
+std::string WeightsFile(int stage);                               // "weights/stage-K.safetensors"
 std::string CheckpointFile(int64_t step, std::string_view name);  // "checkpoints/step-S/NAME"
-std::string SiteLogFile(std::string_view site);                  // "sites/SITE.log"
+std::string SiteLogFile(std::string_view site);                   // "sites/SITE.log"
 
 // A file a site may send to the coordinator's run directory, parsed. Only the canonical forms above are
 // accepted: weights/stage-K.safetensors and checkpoints/step-S/stage-K.{safetensors,json}, with

@@ -19,10 +19,9 @@ namespace {
 using json = nlohmann::json;
 
 bool DTypeFromName(const std::string& s, DType* t) {
-  static const std::pair<const char*, DType> kNames[] = {{"F32", DType::kFloat32}, {"F16", DType::kFloat16},
-                                                         {"BF16", DType::kBFloat16}, {"I8", DType::kInt8},
-                                                         {"I32", DType::kInt32}, {"I64", DType::kInt64},
-                                                         {"U8", DType::kUInt8}};
+  static const std::pair<const char*, DType> kNames[] = {
+      {"F32", DType::kFloat32}, {"F16", DType::kFloat16}, {"BF16", DType::kBFloat16}, {"I8", DType::kInt8},
+      {"I32", DType::kInt32},   {"I64", DType::kInt64},   {"U8", DType::kUInt8}};
   for (auto [n, d] : kNames)
     if (s == n) {
       *t = d;
@@ -39,13 +38,20 @@ absl::Status Bad(const std::string& path, const std::string& msg) {
 
 const char* SafetensorsDType(DType t) {
   switch (t) {
-    case DType::kFloat32: return "F32";
-    case DType::kFloat16: return "F16";
-    case DType::kBFloat16: return "BF16";
-    case DType::kInt8: return "I8";
-    case DType::kInt32: return "I32";
-    case DType::kInt64: return "I64";
-    case DType::kUInt8: return "U8";
+    case DType::kFloat32:
+      return "F32";
+    case DType::kFloat16:
+      return "F16";
+    case DType::kBFloat16:
+      return "BF16";
+    case DType::kInt8:
+      return "I8";
+    case DType::kInt32:
+      return "I32";
+    case DType::kInt64:
+      return "I64";
+    case DType::kUInt8:
+      return "U8";
   }
   return "?";
 }
@@ -56,7 +62,8 @@ absl::StatusOr<SafetensorsFile> ParseSafetensors(const std::string& bytes, const
   std::memcpy(&n, bytes.data(), 8);
   if (n > kMaxSafetensorsHeaderBytes)
     return Bad(path, absl::StrCat("header of ", n, " bytes exceeds the ", kMaxSafetensorsHeaderBytes, "-byte limit"));
-  if (n > bytes.size() - 8) return Bad(path, absl::StrCat("truncated: header of ", n, " bytes, file of ", bytes.size()));
+  if (n > bytes.size() - 8)
+    return Bad(path, absl::StrCat("truncated: header of ", n, " bytes, file of ", bytes.size()));
   json h = json::parse(bytes.begin() + 8, bytes.begin() + 8 + static_cast<std::ptrdiff_t>(n), nullptr, false);
   if (h.is_discarded() || !h.is_object()) return Bad(path, "header is not a JSON object");
   const uint64_t data_size = bytes.size() - 8 - n;
@@ -84,7 +91,8 @@ absl::StatusOr<SafetensorsFile> ParseSafetensors(const std::string& bytes, const
     for (const auto& d : e["shape"]) {
       if (!d.is_number_unsigned()) return Bad(path, absl::StrCat("tensor '", name, "' has a bad dimension"));
       uint64_t v = d.get<uint64_t>();
-      if (v != 0 && numel > data_size / v) return Bad(path, absl::StrCat("tensor '", name, "' is larger than the file"));
+      if (v != 0 && numel > data_size / v)
+        return Bad(path, absl::StrCat("tensor '", name, "' is larger than the file"));
       numel *= v;
       t.shape.push_back(static_cast<int64_t>(v));
     }

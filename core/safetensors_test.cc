@@ -71,7 +71,8 @@ TEST(Safetensors, RejectsMalformedFiles) {
   EXPECT_THAT(err(WithHeader(R"({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}})", 8)),
               HasSubstr("need"));
   EXPECT_THAT(err(WithHeader(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-                                 "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}})", 12)),
+                                 "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}})",
+                             12)),
               HasSubstr("overlap"));
   EXPECT_THAT(err(WithHeader(R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}})", 8)),
               HasSubstr("belong to no tensor"));

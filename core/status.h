@@ -25,10 +25,10 @@ inline absl::Status Annotate(const absl::Status& s, const std::string& prefix) {
 }  // namespace meridian::core
 
 // Returns from the enclosing function when `expr` (an absl::Status) is not OK.
-#define MERIDIAN_RETURN_IF_ERROR(expr)                    \
-  do {                                                    \
-    ::absl::Status meridian_status_ = (expr);             \
-    if (!meridian_status_.ok()) return meridian_status_;  \
+#define MERIDIAN_RETURN_IF_ERROR(expr)                   \
+  do {                                                   \
+    ::absl::Status meridian_status_ = (expr);            \
+    if (!meridian_status_.ok()) return meridian_status_; \
   } while (0)
 
 #define MERIDIAN_CONCAT_INNER_(a, b) a##b
@@ -43,13 +43,12 @@ inline absl::Status Annotate(const absl::Status& s, const std::string& prefix) {
   lhs = std::move(tmp).value()
 
 // Aborts with file, line and message when an invariant does not hold. For bugs only, never for input.
-#define MERIDIAN_CHECK(cond, msg)                                                          \
-  do {                                                                                     \
-    if (!(cond)) {                                                                         \
-      std::fprintf(stderr, "%s:%d: MERIDIAN_CHECK(%s) failed: %s\n", __FILE__, __LINE__, #cond, \
-                   msg);                                                                   \
-      std::abort();                                                                        \
-    }                                                                                      \
+#define MERIDIAN_CHECK(cond, msg)                                                                     \
+  do {                                                                                                \
+    if (!(cond)) {                                                                                    \
+      std::fprintf(stderr, "%s:%d: MERIDIAN_CHECK(%s) failed: %s\n", __FILE__, __LINE__, #cond, msg); \
+      std::abort();                                                                                   \
+    }                                                                                                 \
   } while (0)
 
 #endif  // MERIDIAN_CORE_STATUS_H_

@@ -4,13 +4,20 @@ namespace meridian::core {
 
 const char* DTypeName(DType t) {
   switch (t) {
-    case DType::kFloat32: return "float32";
-    case DType::kFloat16: return "float16";
-    case DType::kBFloat16: return "bfloat16";
-    case DType::kInt8: return "int8";
-    case DType::kInt32: return "int32";
-    case DType::kInt64: return "int64";
-    case DType::kUInt8: return "uint8";
+    case DType::kFloat32:
+      return "float32";
+    case DType::kFloat16:
+      return "float16";
+    case DType::kBFloat16:
+      return "bfloat16";
+    case DType::kInt8:
+      return "int8";
+    case DType::kInt32:
+      return "int32";
+    case DType::kInt64:
+      return "int64";
+    case DType::kUInt8:
+      return "uint8";
   }
   return "unknown";
 }
@@ -23,7 +30,7 @@ uint16_t FloatToHalf(float f) {
   if (exp == 0xff) return static_cast<uint16_t>(sign | 0x7c00u | (mant ? 0x200u : 0u));  // Inf / NaN
   int32_t e = exp - 127 + 15;
   if (e >= 0x1f) return static_cast<uint16_t>(sign | 0x7c00u);  // overflow -> Inf
-  if (e <= 0) {                                                  // subnormal or zero
+  if (e <= 0) {                                                 // subnormal or zero
     if (e < -10) return static_cast<uint16_t>(sign);
     mant |= 0x00800000u;
     uint32_t shift = static_cast<uint32_t>(14 - e);
@@ -59,7 +66,9 @@ float HalfToFloat(uint16_t h) {
 
 void ToFloat32(DType t, const void* src, float* dst, size_t n) {
   switch (t) {
-    case DType::kFloat32: std::memcpy(dst, src, n * 4); return;
+    case DType::kFloat32:
+      std::memcpy(dst, src, n * 4);
+      return;
     case DType::kFloat16: {
       auto* s = static_cast<const uint16_t*>(src);
       for (size_t i = 0; i < n; ++i) dst[i] = HalfToFloat(s[i]);
@@ -70,13 +79,16 @@ void ToFloat32(DType t, const void* src, float* dst, size_t n) {
       for (size_t i = 0; i < n; ++i) dst[i] = BFloat16ToFloat(s[i]);
       return;
     }
-    default: return;
+    default:
+      return;
   }
 }
 
 void FromFloat32(DType t, const float* src, void* dst, size_t n) {
   switch (t) {
-    case DType::kFloat32: std::memcpy(dst, src, n * 4); return;
+    case DType::kFloat32:
+      std::memcpy(dst, src, n * 4);
+      return;
     case DType::kFloat16: {
       auto* d = static_cast<uint16_t*>(dst);
       for (size_t i = 0; i < n; ++i) d[i] = FloatToHalf(src[i]);
@@ -87,7 +99,8 @@ void FromFloat32(DType t, const float* src, void* dst, size_t n) {
       for (size_t i = 0; i < n; ++i) d[i] = FloatToBFloat16(src[i]);
       return;
     }
-    default: return;
+    default:
+      return;
   }
 }
 

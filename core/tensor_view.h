@@ -18,10 +18,17 @@ enum class DType : uint8_t { kFloat32 = 1, kFloat16 = 2, kBFloat16 = 3, kInt8 = 
 // Bytes per element; 0 for an unknown value (e.g. a corrupt frame).
 inline size_t DTypeSize(DType t) {
   switch (t) {
-    case DType::kFloat32: case DType::kInt32: return 4;
-    case DType::kFloat16: case DType::kBFloat16: return 2;
-    case DType::kInt8: case DType::kUInt8: return 1;
-    case DType::kInt64: return 8;
+    case DType::kFloat32:
+    case DType::kInt32:
+      return 4;
+    case DType::kFloat16:
+    case DType::kBFloat16:
+      return 2;
+    case DType::kInt8:
+    case DType::kUInt8:
+      return 1;
+    case DType::kInt64:
+      return 8;
   }
   return 0;
 }
@@ -48,14 +55,28 @@ struct Tensor {
   std::vector<uint8_t> bytes;
 
   TensorView view() const { return {dtype, shape, bytes.data()}; }
-  template <typename T> T* data() { return reinterpret_cast<T*>(bytes.data()); }
-  template <typename T> const T* data() const { return reinterpret_cast<const T*>(bytes.data()); }
+  template <typename T>
+  T* data() {
+    return reinterpret_cast<T*>(bytes.data());
+  }
+  template <typename T>
+  const T* data() const {
+    return reinterpret_cast<const T*>(bytes.data());
+  }
   int64_t numel() const { return view().numel(); }
 };
 
 // IEEE half and bfloat16 conversions (round to nearest even). Pure, thread-safe.
-inline uint32_t FloatBits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
-inline float BitsFloat(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline uint32_t FloatBits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline float BitsFloat(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
 
 inline uint16_t FloatToBFloat16(float f) {
   uint32_t u = FloatBits(f);

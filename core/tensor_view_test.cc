@@ -27,7 +27,8 @@ TEST(Half, RoundsToNearestEven) {
 }
 
 TEST(BFloat16, RoundTrip) {
-  for (float f : {0.0f, 1.0f, -2.5f, 3.140625f, 65536.0f, -0.0078125f}) EXPECT_EQ(BFloat16ToFloat(FloatToBFloat16(f)), f);
+  for (float f : {0.0f, 1.0f, -2.5f, 3.140625f, 65536.0f, -0.0078125f})
+    EXPECT_EQ(BFloat16ToFloat(FloatToBFloat16(f)), f);
   EXPECT_NEAR(BFloat16ToFloat(FloatToBFloat16(3.14159f)), 3.14159f, 0.01f);
 }
 

@@ -24,11 +24,11 @@ absl::StatusOr<Split> SplitNumber(const std::string& text, const char* what) {
   std::string s = text.substr(b, e - b);
   if (s.empty()) return absl::InvalidArgumentError(absl::StrCat("empty ", what));
   size_t i = (s[0] == '-' || s[0] == '+') ? 1 : 0;
-  while (i < s.size() && (std::isdigit(static_cast<unsigned char>(s[i])) || s[i] == '.' || s[i] == 'e' ||
-                          s[i] == 'E' || ((s[i] == '+' || s[i] == '-') && i > 0 && (s[i - 1] == 'e' || s[i - 1] == 'E')))) {
+  while (i < s.size() && (std::isdigit(static_cast<unsigned char>(s[i])) || s[i] == '.' || s[i] == 'e' || s[i] == 'E' ||
+                          ((s[i] == '+' || s[i] == '-') && i > 0 && (s[i - 1] == 'e' || s[i - 1] == 'E')))) {
     // Stop at an 'e'/'E' that begins a unit rather than an exponent (e.g. no digit follows).
-    if ((s[i] == 'e' || s[i] == 'E') &&
-        !(i + 1 < s.size() && (std::isdigit(static_cast<unsigned char>(s[i + 1])) || s[i + 1] == '+' || s[i + 1] == '-')))
+    if ((s[i] == 'e' || s[i] == 'E') && !(i + 1 < s.size() && (std::isdigit(static_cast<unsigned char>(s[i + 1])) ||
+                                                               s[i + 1] == '+' || s[i + 1] == '-')))
       break;
     ++i;
   }
@@ -45,9 +45,8 @@ absl::StatusOr<Split> SplitNumber(const std::string& text, const char* what) {
   return Split{v, s.substr(u)};
 }
 
-absl::StatusOr<double> Lookup(const std::string& text, const char* what,
-                              const std::map<std::string, double>& units, const char* accepted,
-                              bool allow_bare) {
+absl::StatusOr<double> Lookup(const std::string& text, const char* what, const std::map<std::string, double>& units,
+                              const char* accepted, bool allow_bare) {
   auto split = SplitNumber(text, what);
   if (!split.ok()) return split.status();
   if (split->unit.empty()) {
@@ -57,8 +56,8 @@ absl::StatusOr<double> Lookup(const std::string& text, const char* what,
   }
   auto it = units.find(split->unit);
   if (it == units.end())
-    return absl::InvalidArgumentError(absl::StrCat("'", text, "': unknown ", what, " unit '", split->unit,
-                                                   "'; use one of ", accepted));
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", text, "': unknown ", what, " unit '", split->unit, "'; use one of ", accepted));
   double v = split->value * it->second;
   if (!std::isfinite(v)) return absl::InvalidArgumentError(absl::StrCat("'", text, "' is out of range"));
   return v;
@@ -69,8 +68,8 @@ absl::StatusOr<double> Lookup(const std::string& text, const char* what,
 absl::StatusOr<double> ParseBandwidth(const std::string& text) {
   static const std::map<std::string, double> kUnits = [] {
     std::map<std::string, double> m;
-    const std::pair<const char*, double> prefixes[] = {{"", 1}, {"K", 1e3}, {"k", 1e3}, {"M", 1e6},
-                                                       {"G", 1e9}, {"T", 1e12}};
+    const std::pair<const char*, double> prefixes[] = {{"", 1},    {"K", 1e3}, {"k", 1e3},
+                                                       {"M", 1e6}, {"G", 1e9}, {"T", 1e12}};
     for (auto [p, f] : prefixes) {
       for (const char* bits : {"bit", "bps", "bit/s", "b/s"}) m[std::string(p) + bits] = f / 8.0;
       for (const char* bytes : {"B/s", "Bps"}) m[std::string(p) + bytes] = f;
@@ -86,16 +85,16 @@ absl::StatusOr<double> ParseBandwidth(const std::string& text) {
 }
 
 absl::StatusOr<double> ParseDuration(const std::string& text) {
-  static const std::map<std::string, double> kUnits = {
-      {"ns", 1e-9}, {"us", 1e-6}, {"µs", 1e-6}, {"ms", 1e-3}, {"s", 1.0}, {"sec", 1.0}, {"m", 60.0}, {"min", 60.0}, {"h", 3600.0}};
+  static const std::map<std::string, double> kUnits = {{"ns", 1e-9}, {"us", 1e-6},  {"µs", 1e-6},
+                                                       {"ms", 1e-3}, {"s", 1.0},    {"sec", 1.0},
+                                                       {"m", 60.0},  {"min", 60.0}, {"h", 3600.0}};
   return Lookup(text, "duration", kUnits, "ns, us, ms, s, min, h", false);
 }
 
 absl::StatusOr<double> ParseBytes(const std::string& text) {
   static const std::map<std::string, double> kUnits = {
-      {"B", 1.0},          {"KB", 1e3},           {"kB", 1e3},          {"MB", 1e6},
-      {"GB", 1e9},         {"TB", 1e12},          {"KiB", 1024.0},      {"MiB", 1048576.0},
-      {"GiB", 1073741824.0}, {"TiB", 1099511627776.0}};
+      {"B", 1.0},   {"KB", 1e3},     {"kB", 1e3},        {"MB", 1e6},           {"GB", 1e9},
+      {"TB", 1e12}, {"KiB", 1024.0}, {"MiB", 1048576.0}, {"GiB", 1073741824.0}, {"TiB", 1099511627776.0}};
   return Lookup(text, "size", kUnits, "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB", true);
 }
 

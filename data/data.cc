@@ -31,9 +31,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& pa
   return std::unique_ptr<Tokenizer>(new Tokenizer(std::move(impl)));
 }
 
-std::vector<int> Tokenizer::Encode(const std::string& text) const {
-  return impl_->sp.Encode(text);
-}
+std::vector<int> Tokenizer::Encode(const std::string& text) const { return impl_->sp.Encode(text); }
 
 std::string Tokenizer::Decode(const std::vector<int>& ids) const {
   std::vector<int> valid;
@@ -51,11 +49,11 @@ absl::Status TrainTokenizer(const std::vector<std::string>& inputs, int vocab_si
   if (inputs.empty()) return absl::InvalidArgumentError("tokenizer training: no input files");
   for (const auto& f : inputs)
     if (!std::ifstream(f)) return absl::NotFoundError(absl::StrCat(f, ": cannot open tokenizer training text"));
-  const std::string args = absl::StrCat(
-      "--input=", absl::StrJoin(inputs, ","), " --model_prefix=", prefix, " --vocab_size=", vocab_size,
-      " --model_type=unigram --character_coverage=1.0 --byte_fallback=true --hard_vocab_limit=false"
-      " --unk_id=0 --bos_id=1 --eos_id=2 --pad_id=-1 --num_threads=1 --minloglevel=2"
-      " --split_digits=true --max_sentence_length=16384");
+  const std::string args =
+      absl::StrCat("--input=", absl::StrJoin(inputs, ","), " --model_prefix=", prefix, " --vocab_size=", vocab_size,
+                   " --model_type=unigram --character_coverage=1.0 --byte_fallback=true --hard_vocab_limit=false"
+                   " --unk_id=0 --bos_id=1 --eos_id=2 --pad_id=-1 --num_threads=1 --minloglevel=2"
+                   " --split_digits=true --max_sentence_length=16384");
   std::string error;
   if (!internal::SpmTrain(args, &error))
     return absl::InternalError(absl::StrCat("tokenizer training (", prefix, "): ", error));
@@ -78,7 +76,8 @@ absl::StatusOr<std::vector<Example>> ReadInstructions(const std::string& path) {
     auto field = [&](const char* key, std::string* v) -> absl::Status {
       auto it = j.find(key);
       if (it == j.end()) return absl::NotFoundError(key);
-      if (!it->is_string()) return absl::InvalidArgumentError(absl::StrCat(where(), "field '", key, "' is not a string"));
+      if (!it->is_string())
+        return absl::InvalidArgumentError(absl::StrCat(where(), "field '", key, "' is not a string"));
       *v = it->get<std::string>();
       return absl::OkStatus();
     };
@@ -88,7 +87,9 @@ absl::StatusOr<std::vector<Example>> ReadInstructions(const std::string& path) {
     if (absl::IsNotFound(p)) {  // Alpaca layout
       std::string input;
       if (absl::Status s = field("instruction", &e.prompt); !s.ok())
-        return absl::IsNotFound(s) ? absl::InvalidArgumentError(absl::StrCat(where(), "missing field 'prompt' (or 'instruction')")) : s;
+        return absl::IsNotFound(s)
+                   ? absl::InvalidArgumentError(absl::StrCat(where(), "missing field 'prompt' (or 'instruction')"))
+                   : s;
       if (absl::Status s = field("input", &input); !s.ok() && !absl::IsNotFound(s)) return s;
       if (!input.empty()) e.prompt += "\n" + input;
       if (absl::Status s = field("output", &e.response); !s.ok())
@@ -161,8 +162,8 @@ absl::StatusOr<std::unique_ptr<Dataset>> Dataset::Build(const std::string& path,
     const int64_t n = static_cast<int64_t>(examples->size());
     int64_t held = o.eval_fraction > 0 ? std::max<int64_t>(1, static_cast<int64_t>(o.eval_fraction * n + 0.5)) : 0;
     if (held >= n)
-      return absl::InvalidArgumentError(absl::StrCat(path, ": ", n, " examples leave none for training after holding out ",
-                                                     held, " (job.eval_fraction)"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          path, ": ", n, " examples leave none for training after holding out ", held, " (job.eval_fraction)"));
     const auto split = Permutation(n, o.seed ^ 0x5eed5eedull);
     std::vector<char> is_held(n, 0);
     for (int64_t i = 0; i < held; ++i) is_held[split[i]] = 1;

@@ -100,7 +100,8 @@ TEST_F(DataTest, BadInstructionLinesAreNamedByFileAndLine) {
 TEST_F(DataTest, InstructionLossCountsResponseAndEosOnlyAndHoldsOutASeededSplit) {
   std::string jsonl;
   for (int i = 0; i < 50; ++i)
-    jsonl += "{\"prompt\": \"opposite of hot " + std::to_string(i) + "\", \"response\": \"cold " + std::to_string(i) + "\"}\n";
+    jsonl += "{\"prompt\": \"opposite of hot " + std::to_string(i) + "\", \"response\": \"cold " + std::to_string(i) +
+             "\"}\n";
   const auto path = Write(*dir_ / "inst.jsonl", jsonl);
   DatasetOptions o{16, 7, 0.2};
   auto d = Dataset::Build(path, *tok_, o);
@@ -113,7 +114,8 @@ TEST_F(DataTest, InstructionLossCountsResponseAndEosOnlyAndHoldsOutASeededSplit)
   std::set<int> held_lines;
   for (const auto& e : (*d)->held_out()) held_lines.insert(e.line);
   for (int i = 0; i < 50; ++i)
-    if (!held_lines.count(i + 1)) expected += static_cast<int64_t>(tok_->Encode("cold " + std::to_string(i)).size()) + 1;
+    if (!held_lines.count(i + 1))
+      expected += static_cast<int64_t>(tok_->Encode("cold " + std::to_string(i)).size()) + 1;
   int64_t counted = 0;
   const int64_t n = (*d)->num_sequences();
   std::vector<int32_t> t(17);
@@ -159,7 +161,8 @@ TEST_F(DataTest, PlainTextCountsEveryTokenButBos) {
   EXPECT_TRUE((*d)->held_out().empty());
   const int64_t tokens = (*d)->train_tokens();
   EXPECT_EQ(tokens, static_cast<int64_t>(tok_->Encode("the quick brown fox jumps").size() +
-                                         tok_->Encode("over the lazy dog").size()) + 4);
+                                         tok_->Encode("over the lazy dog").size()) +
+                        4);
   int64_t counted = 0;
   std::vector<int32_t> t(9);
   std::vector<uint8_t> c(8);

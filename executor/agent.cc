@@ -297,15 +297,18 @@ void Agent::OnProfile(const v1::ProfileRequest& p) {
         first = rpc::ProbeLink(**client, po);
       }
       if (!first.ok())
-        return absl::UnavailableError(absl::StrCat("probing the link to '", peer.site(), "': ", first.status().message()));
+        return absl::UnavailableError(
+            absl::StrCat("probing the link to '", peer.site(), "': ", first.status().message()));
       // A pipeline link carries both directions at once: its bandwidth is what each direction gets then
       // (never more than alone).
       auto loaded = [](double alone, double both) { return both > 0 ? std::min(alone, both) : alone; };
-      links.push_back({{"from", o_.site}, {"to", peer.site()},
+      links.push_back({{"from", o_.site},
+                       {"to", peer.site()},
                        {"bandwidth_bytes_per_second",
                         loaded(first->forward_bytes_per_second, first->forward_loaded_bytes_per_second)},
                        {"latency_seconds", first->rtt_seconds / 2}});
-      links.push_back({{"from", peer.site()}, {"to", o_.site},
+      links.push_back({{"from", peer.site()},
+                       {"to", o_.site},
                        {"bandwidth_bytes_per_second",
                         loaded(first->reverse_bytes_per_second, first->reverse_loaded_bytes_per_second)},
                        {"latency_seconds", first->rtt_seconds / 2}});
@@ -387,7 +390,8 @@ void Agent::OnAssign(const v1::StageAssignment& pa) {
           if (!shards.ok()) return shards.status();
           for (const auto& shard : *shards) {
             auto it = shard_paths.find(shard);
-            if (it == shard_paths.end()) return absl::InvalidArgumentError(absl::StrCat("the resume files name no ", shard));
+            if (it == shard_paths.end())
+              return absl::InvalidArgumentError(absl::StrCat("the resume files name no ", shard));
             if (absl::Status s = coordinator_->GetFile(o_.site, it->second, (fs::path(step_dir) / shard).string());
                 !s.ok())
               return s;
@@ -405,9 +409,10 @@ void Agent::OnAssign(const v1::StageAssignment& pa) {
     // Every stage reports each step's time breakdown and bytes; stage 0 also the loss.
     run.on_step = [&](const StepDone& d) {
       step_ = d.step;
-      spdlog::debug("step {}: {:.3f} s, computing {:.3f} s, waiting {:.3f} s, blocked sending {:.3f} s, codecs {:.3f} s",
-                    d.step + 1, d.seconds, worker->last_compute_seconds(), worker->last_wait_seconds(),
-                    worker->last_send_blocked_seconds(), worker->last_codec_seconds());
+      spdlog::debug(
+          "step {}: {:.3f} s, computing {:.3f} s, waiting {:.3f} s, blocked sending {:.3f} s, codecs {:.3f} s",
+          d.step + 1, d.seconds, worker->last_compute_seconds(), worker->last_wait_seconds(),
+          worker->last_send_blocked_seconds(), worker->last_codec_seconds());
       v1::MetricsReport m;
       m.set_site(o_.site);
       m.set_job_id(a.job_id);

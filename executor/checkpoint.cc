@@ -7,8 +7,8 @@
 #include "core/checkpoint_dir.h"
 #include "core/files.h"
 #include "core/run_layout.h"
-#include "executor/trainer.h"
 #include "executor/torch_boundary.h"
+#include "executor/trainer.h"
 
 namespace meridian::executor {
 namespace {
@@ -76,7 +76,8 @@ absl::StatusOr<Checkpoint> LoadCheckpointFor(const std::string& step_dir, const 
     const std::optional<int64_t> step = core::ParseStepDirName(path.filename().string());
     if (!step) return absl::InvalidArgumentError(absl::StrCat(step_dir, ": not a step-S directory"));
     auto shards = core::ShardsHolding(step_dir, wanted);
-    if (!shards.ok()) return absl::Status(shards.status().code(), absl::StrCat(step_dir, ": ", shards.status().message()));
+    if (!shards.ok())
+      return absl::Status(shards.status().code(), absl::StrCat(step_dir, ": ", shards.status().message()));
     std::string why;
     auto metas = core::CompleteStages(step_dir, &why, /*verify_hashes=*/false);
     if (!metas) return absl::NotFoundError(absl::StrCat(step_dir, ": no complete checkpoint: ", why));

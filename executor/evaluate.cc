@@ -11,8 +11,9 @@ absl::StatusOr<EvalResult> EvaluateExactMatch(const JobSetup& setup,
   return GuardTorch("held-out evaluation", [&]() -> absl::StatusOr<EvalResult> {
     const data::Dataset* d = setup.data.dataset();
     if (d == nullptr || !setup.tokenizer || d->held_out().empty())
-      return absl::FailedPreconditionError("the job has no held-out instruction examples (job.data must be JSONL "
-                                           "and job.eval_fraction > 0)");
+      return absl::FailedPreconditionError(
+          "the job has no held-out instruction examples (job.data must be JSONL "
+          "and job.eval_fraction > 0)");
     const LlamaConfig& c = setup.model;
     std::unique_ptr<StageModel> owned;
     if (parameters.empty() || setup.job.lora.enabled) {
@@ -41,9 +42,8 @@ absl::StatusOr<EvalResult> EvaluateExactMatch(const JobSetup& setup,
       std::vector<int> generated;
       while (generated.size() < budget) {
         const size_t start = ids.size() > static_cast<size_t>(context) ? ids.size() - context : 0;
-        auto input = torch::tensor(std::vector<int64_t>(ids.begin() + start, ids.end()), torch::kInt64)
-                         .unsqueeze(0)
-                         .to(device);
+        auto input =
+            torch::tensor(std::vector<int64_t>(ids.begin() + start, ids.end()), torch::kInt64).unsqueeze(0).to(device);
         const int64_t next = model.Forward(input).select(1, -1).argmax(-1).item<int64_t>();
         if (next == tok.eos_id()) break;
         ids.push_back(next);

@@ -19,27 +19,29 @@ constexpr char kPeftPrefix[] = "base_model.model.";
 std::string PeftKey(const std::string& name) { return kPeftPrefix + name; }
 
 absl::StatusOr<std::map<std::string, torch::Tensor>> LoadStageShards(const std::string& dir) {
-  return GuardTorch(absl::StrCat("loading the stage shards of ", dir), [&]() -> absl::StatusOr<std::map<std::string, torch::Tensor>> {
-    std::error_code ec;
-    if (!fs::is_directory(dir, ec)) return absl::NotFoundError(absl::StrCat(dir, ": not a directory of stage shards"));
-    std::map<std::string, torch::Tensor> all;
-    std::map<std::string, std::string> from;  // tensor -> shard, for the duplicate error
-    int shards = 0;
-    for (const auto& e : fs::directory_iterator(dir)) {
-      if (e.path().extension() != ".safetensors") continue;
-      auto shard = LoadParameters(e.path().string());
-      if (!shard.ok()) return shard.status();
-      ++shards;
-      for (auto& [name, t] : *shard) {
-        if (auto [it, fresh] = from.emplace(name, e.path().filename().string()); !fresh)
-          return absl::DataLossError(absl::StrCat(dir, ": tensor '", name, "' is in two stage shards (", it->second, " and ",
-                                                  e.path().filename().string(), ")"));
-        all[name] = t;
-      }
-    }
-    if (shards == 0) return absl::NotFoundError(absl::StrCat(dir, ": no stage shards (*.safetensors)"));
-    return all;
-  });
+  return GuardTorch(
+      absl::StrCat("loading the stage shards of ", dir), [&]() -> absl::StatusOr<std::map<std::string, torch::Tensor>> {
+        std::error_code ec;
+        if (!fs::is_directory(dir, ec))
+          return absl::NotFoundError(absl::StrCat(dir, ": not a directory of stage shards"));
+        std::map<std::string, torch::Tensor> all;
+        std::map<std::string, std::string> from;  // tensor -> shard, for the duplicate error
+        int shards = 0;
+        for (const auto& e : fs::directory_iterator(dir)) {
+          if (e.path().extension() != ".safetensors") continue;
+          auto shard = LoadParameters(e.path().string());
+          if (!shard.ok()) return shard.status();
+          ++shards;
+          for (auto& [name, t] : *shard) {
+            if (auto [it, fresh] = from.emplace(name, e.path().filename().string()); !fresh)
+              return absl::DataLossError(absl::StrCat(dir, ": tensor '", name, "' is in two stage shards (", it->second,
+                                                      " and ", e.path().filename().string(), ")"));
+            all[name] = t;
+          }
+        }
+        if (shards == 0) return absl::NotFoundError(absl::StrCat(dir, ": no stage shards (*.safetensors)"));
+        return all;
+      });
 }
 
 absl::Status ExportHfModel(const JobSetup& setup, const std::map<std::string, torch::Tensor>& trained,
@@ -88,34 +90,38 @@ absl::Status ExportHfModel(const JobSetup& setup, const std::map<std::string, to
 }
 
 absl::StatusOr<std::pair<JobSetup, std::map<std::string, torch::Tensor>>> LoadWeightsForEval(JobSetup setup,
-                                                                                           const std::string& path) {
-  return GuardTorch(absl::StrCat("loading ", path), [&]() -> absl::StatusOr<std::pair<JobSetup, std::map<std::string, torch::Tensor>>> {
-    std::error_code ec;
-    std::string file = path;
-    if (fs::is_directory(path, ec)) {
-      file = FindWeightsFile(path, /*adapters=*/true);
-      if (file.empty())
-        return absl::NotFoundError(absl::StrCat(path, ": holds no model.safetensors, model.safetensors.index.json or "
-                                                "adapter_model.safetensors"));
-    }
-    auto w = LoadWeights(file, {});
-    if (!w.ok()) return w.status();
-    const bool adapter = !w->empty() && absl::StartsWith(w->begin()->first, kPeftPrefix);
-    if (!adapter) {
-      setup.job.lora.enabled = false;  // a whole (merged) model
-      return std::make_pair(std::move(setup), std::move(*w));
-    }
-    if (!setup.job.lora.enabled)
-      return absl::InvalidArgumentError(absl::StrCat(file, " is a PEFT adapter but the job has no job.lora section "
-                                                     "(the adapter's rank and target modules)"));
-    std::map<std::string, torch::Tensor> adapters;
-    for (auto& [key, t] : *w) {
-      if (!absl::StartsWith(key, kPeftPrefix))
-        return absl::InvalidArgumentError(absl::StrCat(file, ": tensor '", key, "' is not a PEFT adapter key"));
-      adapters[key.substr(sizeof(kPeftPrefix) - 1)] = t;
-    }
-    return std::make_pair(std::move(setup), std::move(adapters));
-  });
+                                                                                             const std::string& path) {
+  return GuardTorch(
+      absl::StrCat("loading ", path),
+      [&]() -> absl::StatusOr<std::pair<JobSetup, std::map<std::string, torch::Tensor>>> {
+        std::error_code ec;
+        std::string file = path;
+        if (fs::is_directory(path, ec)) {
+          file = FindWeightsFile(path, /*adapters=*/true);
+          if (file.empty())
+            return absl::NotFoundError(absl::StrCat(path,
+                                                    ": holds no model.safetensors, model.safetensors.index.json or "
+                                                    "adapter_model.safetensors"));
+        }
+        auto w = LoadWeights(file, {});
+        if (!w.ok()) return w.status();
+        const bool adapter = !w->empty() && absl::StartsWith(w->begin()->first, kPeftPrefix);
+        if (!adapter) {
+          setup.job.lora.enabled = false;  // a whole (merged) model
+          return std::make_pair(std::move(setup), std::move(*w));
+        }
+        if (!setup.job.lora.enabled)
+          return absl::InvalidArgumentError(absl::StrCat(file,
+                                                         " is a PEFT adapter but the job has no job.lora section "
+                                                         "(the adapter's rank and target modules)"));
+        std::map<std::string, torch::Tensor> adapters;
+        for (auto& [key, t] : *w) {
+          if (!absl::StartsWith(key, kPeftPrefix))
+            return absl::InvalidArgumentError(absl::StrCat(file, ": tensor '", key, "' is not a PEFT adapter key"));
+          adapters[key.substr(sizeof(kPeftPrefix) - 1)] = t;
+        }
+        return std::make_pair(std::move(setup), std::move(adapters));
+      });
 }
 
 }  // namespace meridian::executor

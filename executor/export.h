@@ -37,7 +37,7 @@ absl::Status ExportHfModel(const JobSetup& setup, const std::map<std::string, to
 //   to the job's base model; the job must have job.lora with the same target modules and rank.
 // Returns the setup to evaluate with (job.lora switched off for whole models) and the parameters.
 absl::StatusOr<std::pair<JobSetup, std::map<std::string, torch::Tensor>>> LoadWeightsForEval(JobSetup setup,
-                                                                                           const std::string& path);
+                                                                                             const std::string& path);
 
 }  // namespace meridian::executor
 

@@ -44,11 +44,12 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> OpParameters(const Lla
 
 absl::Status CheckSlice(const LlamaConfig& c, int first_op, int last_op) {
   if (first_op < 0 || first_op > last_op || last_op >= c.num_ops())
-    return absl::InvalidArgumentError(absl::StrCat("op range [", first_op, ", ", last_op, "] is outside the model's ",
-                                                   c.num_ops(), " ops"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("op range [", first_op, ", ", last_op, "] is outside the model's ", c.num_ops(), " ops"));
   if (c.shape.tie_word_embeddings && last_op == c.num_ops() - 1 && first_op != 0)
-    return absl::InvalidArgumentError("with tie_word_embeddings the LM head shares the embedding's weights, so "
-                                      "'embed' and 'head' must run in the same stage");
+    return absl::InvalidArgumentError(
+        "with tie_word_embeddings the LM head shares the embedding's weights, so "
+        "'embed' and 'head' must run in the same stage");
   return absl::OkStatus();
 }
 
@@ -92,8 +93,10 @@ StageModel::StageModel(const LlamaConfig& c, int first_op, int last_op, uint64_t
     for (auto& [name, shape] : OpParameters(c, op)) {
       auto gen = at::make_generator<at::CPUGeneratorImpl>(seed ^ Fnv1a(name));
       torch::Tensor t;
-      if (shape.size() == 1) t = torch::ones(shape);
-      else t = at::normal(0.0, 0.02, shape, gen);
+      if (shape.size() == 1)
+        t = torch::ones(shape);
+      else
+        t = at::normal(0.0, 0.02, shape, gen);
       t = t.to(device).set_requires_grad(!lora.enabled);
       base_.emplace_back(name, t);
       by_name_[name] = t;
@@ -193,7 +196,8 @@ torch::Tensor StageModel::RmsNorm(const torch::Tensor& x, const torch::Tensor& w
 torch::Tensor StageModel::Attention(int layer, const torch::Tensor& x, const TrainContext* train) {
   const std::string pre = absl::StrCat("model.layers.", layer, ".");
   const int64_t b = x.size(0), s = x.size(1);
-  const int64_t nh = config_.shape.num_attention_heads, nkv = config_.shape.num_key_value_heads, hd = config_.head_dim();
+  const int64_t nh = config_.shape.num_attention_heads, nkv = config_.shape.num_key_value_heads,
+                hd = config_.head_dim();
   auto h = RmsNorm(x, param(pre + "input_layernorm.weight"));
   auto q = Project(h, pre + "self_attn.q_proj.weight", train).view({b, s, nh, hd}).transpose(1, 2);
   auto k = Project(h, pre + "self_attn.k_proj.weight", train).view({b, s, nkv, hd}).transpose(1, 2);

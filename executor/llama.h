@@ -97,7 +97,6 @@ class StageModel {
   uint64_t seed_;
   std::vector<std::pair<std::string, torch::Tensor>> base_, trainable_;
   std::map<std::string, torch::Tensor> by_name_;  // base and adapters; tensors share storage with the lists
-
 };
 
 // Mean cross-entropy of logits [b, s, V] against targets [b, s] (-100 = ignored), summed and divided by

@@ -84,7 +84,8 @@ TEST(LlamaOracle, TiedEmbeddingsMatchPyTorch) {
 
 TEST(Llama, SlicesComposeToTheWholeModel) {
   auto cfg = ParseLlamaConfigText(R"({"vocab_size": 40, "hidden_size": 16, "intermediate_size": 32,
-    "num_hidden_layers": 3, "num_attention_heads": 2, "tie_word_embeddings": false})", "c.json");
+    "num_hidden_layers": 3, "num_attention_heads": 2, "tie_word_embeddings": false})",
+                                  "c.json");
   ASSERT_TRUE(cfg.ok());
   StageModel whole(*cfg, 0, 7, 9, torch::kCPU);
   StageModel a(*cfg, 0, 3, 9, torch::kCPU), b(*cfg, 4, 7, 9, torch::kCPU);
@@ -105,7 +106,6 @@ TEST(Trainer, ScheduleAndLearningRate) {
   EXPECT_DOUBLE_EQ(LearningRate(o, 3, 100), 1.0);
   EXPECT_NEAR(LearningRate(o, 100, 100), 0.1, 1e-12);
 }
-
 
 // LoRA: only the adapters train, the model starts as the base model, and the forward pass with adapters
 // equals the forward pass of the merged weights (W + alpha/r B A) -- which checks both.
@@ -222,7 +222,6 @@ TEST(GradientAverager, StepsCanBeAbandonedAndFinishSetsTheFinalGradient) {
   EXPECT_EQ(avg.buckets_during_backward(), 1);
 }
 
-
 // checkpoint.keep: the newest `keep` complete steps stay, newer incomplete ones (being written) stay,
 // everything older goes; FindLatestCheckpoint names the newest intact step's files.
 TEST(Checkpoints, PruneKeepsTheNewestCompleteStepsAndFindNamesTheNewestIntactOne) {
@@ -247,8 +246,8 @@ TEST(Checkpoints, PruneKeepsTheNewestCompleteStepsAndFindNamesTheNewestIntactOne
   auto found = core::FindLatestCheckpoint(dir.string());
   ASSERT_TRUE(found.ok()) << found.status();
   EXPECT_EQ(found->step, 6);  // step 8 is incomplete
-  EXPECT_EQ(found->files, (std::vector<std::string>{"stage-0.safetensors", "stage-0.json", "stage-1.safetensors",
-                                                    "stage-1.json"}));
+  EXPECT_EQ(found->files,
+            (std::vector<std::string>{"stage-0.safetensors", "stage-0.json", "stage-1.safetensors", "stage-1.json"}));
   fs::resize_file(dir / "step-6" / "stage-1.safetensors", 10);  // corrupt: the step before is the newest intact
   std::string skipped;
   found = core::FindLatestCheckpoint(dir.string(), &skipped);
@@ -257,7 +256,6 @@ TEST(Checkpoints, PruneKeepsTheNewestCompleteStepsAndFindNamesTheNewestIntactOne
   EXPECT_THAT(skipped, ::testing::HasSubstr("checksum mismatch"));
   fs::remove_all(dir);
 }
-
 
 // A resuming stage needs only the shards holding its tensors: ShardsHolding names them from the step's
 // JSONs, and LoadCheckpointFor loads them (hash-checked) while the others are absent.

@@ -6,21 +6,21 @@
 //    writes its slice's final weights to --out.
 // Exit codes: 0 success, 1 runtime failure (peer or coordinator unreachable, training error),
 // 2 invalid settings or input.
-#include <CLI/CLI.hpp>
 #include <grpcpp/grpcpp.h>
+#include <CLI/CLI.hpp>
 
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
-#include <filesystem>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
-#include "core/log.h"
 #include "absl/strings/str_format.h"
 #include "core/files.h"
+#include "core/log.h"
 #include "core/run_layout.h"
 #include "core/version.h"
 #include "executor/agent.h"
@@ -74,7 +74,8 @@ int RunStatic(const executor::ExecutorOptions& o, const std::string& assignment_
     server->Shutdown(std::chrono::system_clock::now());
     return 1;
   };
-  auto created = executor::StageWorker::Create(*setup, *a, &inbox, o.certs, o.site, device, std::chrono::seconds(timeout_s));
+  auto created =
+      executor::StageWorker::Create(*setup, *a, &inbox, o.certs, o.site, device, std::chrono::seconds(timeout_s));
   if (!created.ok()) return fail(created.status());
   executor::StageWorker& worker = **created;
   // Checkpoints: job.checkpoint.dir (relative to the job file) every job.checkpoint.interval steps.
@@ -85,8 +86,10 @@ int RunStatic(const executor::ExecutorOptions& o, const std::string& assignment_
   run.checkpoint_interval = setup->job.checkpoint.interval;
   run.checkpoint_keep = setup->job.checkpoint.keep;
   if (run.checkpoint_interval > 0 && setup->job.checkpoint.store == core::CheckpointStore::kCoordinator)
-    spdlog::warn("{}", absl::StrCat(job_path, ": job.checkpoint.store: coordinator needs `meridian run`; without a "
-                                    "coordinator this stage keeps its checkpoints in ", run.checkpoint_dir));
+    spdlog::warn("{}", absl::StrCat(job_path,
+                                    ": job.checkpoint.store: coordinator needs `meridian run`; without a "
+                                    "coordinator this stage keeps its checkpoints in ",
+                                    run.checkpoint_dir));
   if (resume) {
     run.resume = [&]() -> absl::StatusOr<executor::Checkpoint> {
       std::string skipped;
@@ -127,8 +130,8 @@ int RunProfile(const executor::ExecutorOptions& o, const std::string& job_path, 
     return 2;
   }
   torch::Device device(o.device == "cpu" ? torch::Device(torch::kCPU) : torch::Device(o.device));
-  auto prof = executor::ProfileModel(setup->model, setup->micro_batch_size, setup->job.sequence_length, o.site, device, 5,
-                                  setup->job.lora);
+  auto prof = executor::ProfileModel(setup->model, setup->micro_batch_size, setup->job.sequence_length, o.site, device,
+                                     5, setup->job.lora);
   if (!prof.ok()) {
     spdlog::error("{}", absl::StrCat(prof.status().message()));
     return 1;
@@ -171,7 +174,8 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", std::string("meridian-executor ") + kVersion);
   executor::ExecutorFlags f;
   auto opt = [&](const char* name, std::optional<std::string>* out, const char* help) {
-    app.add_option_function<std::string>(name, [out](const std::string& v) { *out = v; }, help);
+    app.add_option_function<std::string>(
+        name, [out](const std::string& v) { *out = v; }, help);
   };
   opt("--coordinator", &f.coordinator, "Coordinator address HOST:PORT (env MERIDIAN_COORDINATOR)");
   opt("--site", &f.site, "This site's name, as in the cluster spec and its certificate (env MERIDIAN_SITE)");
@@ -193,9 +197,11 @@ int main(int argc, char** argv) {
   bool resume = false;
   app.add_flag("--resume", resume, "Static mode: continue from the newest intact checkpoint of job.checkpoint.dir");
   std::string profile_job;
-  app.add_option("--profile", profile_job, "Measure this device and JOB.yaml's model per op; write --out/graph.json "
-                                           "and --out/profile-SITE.json, then exit");
-  app.add_option("--step-timeout", step_timeout, "Seconds to wait for a neighbour's tensor")->check(CLI::Range(1, 86400));
+  app.add_option("--profile", profile_job,
+                 "Measure this device and JOB.yaml's model per op; write --out/graph.json "
+                 "and --out/profile-SITE.json, then exit");
+  app.add_option("--step-timeout", step_timeout, "Seconds to wait for a neighbour's tensor")
+      ->check(CLI::Range(1, 86400));
   std::string log_level = "info";
   app.add_option("--log-level", log_level,
                  "Diagnostics on stderr from this level up: trace, debug (every command and step), info, warning, "
@@ -210,7 +216,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   if ((!assignment.empty() || !profile_job.empty()) && !f.coordinator)
-    f.coordinator = "127.0.0.1:1";  // unused without a coordinator
+    f.coordinator = "127.0.0.1:1";                      // unused without a coordinator
   if (!profile_job.empty() && !f.certs) f.certs = ".";  // profiling talks to no one
   auto options = executor::ResolveOptions(f, [](const char* name) -> std::optional<std::string> {
     const char* v = std::getenv(name);
@@ -244,7 +250,8 @@ int main(int argc, char** argv) {
     std::string why = registered.status().code() == absl::StatusCode::kDeadlineExceeded
                           ? "no answer (is the coordinator running there, and do both use the same cluster CA?)"
                           : std::string(registered.status().message());
-    spdlog::error("{}", absl::StrCat("cannot join the coordinator at ", options->coordinator, " as site '", options->site, "': ", why));
+    spdlog::error("{}", absl::StrCat("cannot join the coordinator at ", options->coordinator, " as site '",
+                                     options->site, "': ", why));
     return 1;
   }
   std::cout << "joined cluster '" << registered->cluster() << "' as site '" << options->site << "' (run "

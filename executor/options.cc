@@ -5,10 +5,10 @@
 
 namespace meridian::executor {
 
-absl::StatusOr<ExecutorOptions> ResolveOptions(
-    const ExecutorFlags& flags, const std::function<std::optional<std::string>(const char*)>& getenv) {
-  auto pick = [&](const std::optional<std::string>& flag, const char* env, std::string* source)
-      -> std::optional<std::string> {
+absl::StatusOr<ExecutorOptions> ResolveOptions(const ExecutorFlags& flags,
+                                               const std::function<std::optional<std::string>(const char*)>& getenv) {
+  auto pick = [&](const std::optional<std::string>& flag, const char* env,
+                  std::string* source) -> std::optional<std::string> {
     if (flag) {
       *source = "flag";
       return flag;
@@ -33,35 +33,43 @@ absl::StatusOr<ExecutorOptions> ResolveOptions(
   if (o.site.empty()) return absl::InvalidArgumentError("no site name: pass --site NAME (or set MERIDIAN_SITE)");
   const core::SiteSpec* site = cluster ? cluster->FindSite(o.site) : nullptr;
   if (cluster && !site)
-    return absl::InvalidArgumentError(absl::StrCat("site '", o.site, "' (from ", site_src, ") is not in the spec ",
-                                                   spec->path));
+    return absl::InvalidArgumentError(
+        absl::StrCat("site '", o.site, "' (from ", site_src, ") is not in the spec ", spec->path));
   std::string coord_src = "spec";
-  if (auto v = pick(flags.coordinator, "MERIDIAN_COORDINATOR", &coord_src)) o.coordinator = *v;
-  else if (cluster) o.coordinator = cluster->coordinator.ToString();
-  if (o.coordinator.empty())
-    return absl::InvalidArgumentError("no coordinator address: pass --coordinator HOST:PORT");
+  if (auto v = pick(flags.coordinator, "MERIDIAN_COORDINATOR", &coord_src))
+    o.coordinator = *v;
+  else if (cluster)
+    o.coordinator = cluster->coordinator.ToString();
+  if (o.coordinator.empty()) return absl::InvalidArgumentError("no coordinator address: pass --coordinator HOST:PORT");
   core::Endpoint ep;
   std::string err;
   if (!core::ParseEndpoint(o.coordinator, &ep, &err))
     return absl::InvalidArgumentError(absl::StrCat("coordinator address (from ", coord_src, "): ", err));
   std::string certs_src = "spec";
-  if (auto v = pick(flags.certs, "MERIDIAN_CERTS", &certs_src)) o.certs = *v;
-  else if (cluster) o.certs = core::ResolveRelative(spec->path, cluster->certs_dir);
+  if (auto v = pick(flags.certs, "MERIDIAN_CERTS", &certs_src))
+    o.certs = *v;
+  else if (cluster)
+    o.certs = core::ResolveRelative(spec->path, cluster->certs_dir);
   if (o.certs.empty()) return absl::InvalidArgumentError("no certificate directory: pass --certs DIR");
   std::string listen_src = "spec";
-  if (auto v = pick(flags.listen, "MERIDIAN_LISTEN", &listen_src)) o.listen = *v;
-  else if (site) o.listen = site->address.ToString();
+  if (auto v = pick(flags.listen, "MERIDIAN_LISTEN", &listen_src))
+    o.listen = *v;
+  else if (site)
+    o.listen = site->address.ToString();
   if (o.listen.empty()) o.listen = "0.0.0.0:7401";
   if (!core::ParseEndpoint(o.listen, &ep, &err))
     return absl::InvalidArgumentError(absl::StrCat("listen address (from ", listen_src, "): ", err));
   std::string dev_src = "default";
-  if (auto v = pick(flags.device, "MERIDIAN_DEVICE", &dev_src)) o.device = *v;
-  else if (site && !site->devices.empty()) o.device = site->devices.front();
+  if (auto v = pick(flags.device, "MERIDIAN_DEVICE", &dev_src))
+    o.device = *v;
+  else if (site && !site->devices.empty())
+    o.device = site->devices.front();
   bool dev_ok = o.device == "cpu";
   if (o.device.rfind("cuda:", 0) == 0 && o.device.size() > 5)
     dev_ok = o.device.find_first_not_of("0123456789", 5) == std::string::npos;
   if (!dev_ok)
-    return absl::InvalidArgumentError(absl::StrCat("device '", o.device, "' (from ", dev_src, ") is not cpu or cuda:N"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("device '", o.device, "' (from ", dev_src, ") is not cpu or cuda:N"));
   return o;
 }
 

@@ -57,9 +57,11 @@ TEST(ExecutorOptions, ErrorsNameTheSetting) {
   ExecutorFlags s;
   s.spec = Spec();
   s.site = "atlantis";
-  EXPECT_THAT(std::string(ResolveOptions(s, Env({})).status().message()), HasSubstr("'atlantis' (from flag) is not in the spec"));
+  EXPECT_THAT(std::string(ResolveOptions(s, Env({})).status().message()),
+              HasSubstr("'atlantis' (from flag) is not in the spec"));
   EXPECT_THAT(std::string(ResolveOptions(ExecutorFlags{}, Env({{"MERIDIAN_SITE", "a"}, {"MERIDIAN_COORDINATOR", "h"}}))
-                              .status().message()),
+                              .status()
+                              .message()),
               HasSubstr("from $MERIDIAN_COORDINATOR"));
 }
 

@@ -8,9 +8,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
+#include "executor/torch_boundary.h"
 #include "executor/trainer.h"
 #include "gpu/probe.h"
-#include "executor/torch_boundary.h"
 
 namespace meridian::executor {
 namespace {
@@ -66,9 +66,9 @@ absl::StatusOr<OpProfile> ProfileModel(const LlamaConfig& c, int mbs, int seq, c
     partitioner::LlamaGraphOptions go;
     go.micro_batch_size = mbs;
     go.sequence_length = seq;
-    go.weight_bytes = 4;     // fp32 weights
-    go.gradient_bytes = 4;   // fp32 gradients
-    go.optimizer_bytes = 8;  // Adam m and v in fp32
+    go.weight_bytes = 4;                                           // fp32 weights
+    go.gradient_bytes = 4;                                         // fp32 gradients
+    go.optimizer_bytes = 8;                                        // Adam m and v in fp32
     if (lora.enabled) go.gradient_bytes = go.optimizer_bytes = 0;  // frozen base; adapters are negligible
     go.activation_bytes = 4;
     out.graph = partitioner::BuildLlamaGraph(c.shape, go);
@@ -87,8 +87,8 @@ absl::StatusOr<OpProfile> ProfileModel(const LlamaConfig& c, int mbs, int seq, c
         // libtorch has CUDA but this build of Meridian was configured without the toolkit.
         spdlog::warn("{}", absl::StrCat(g.status().message(), "; the profile has libtorch's GEMM only"));
       } else {
-        return absl::Status(g.status().code(), absl::StrCat("measuring ", device.str(), " through cuBLAS: ",
-                                                            g.status().message()));
+        return absl::Status(g.status().code(),
+                            absl::StrCat("measuring ", device.str(), " through cuBLAS: ", g.status().message()));
       }
     }
     SyntheticData data{1, c.shape.vocab_size};
@@ -103,7 +103,8 @@ absl::StatusOr<OpProfile> ProfileModel(const LlamaConfig& c, int mbs, int seq, c
       StageModel m(c, op, op, 1, device, lora);
       std::vector<double> times;
       for (int r = 0; r <= repeats; ++r) {
-        torch::Tensor in = op == 0 ? inputs : torch::randn(hidden, torch::TensorOptions().device(device)).requires_grad_(true);
+        torch::Tensor in =
+            op == 0 ? inputs : torch::randn(hidden, torch::TensorOptions().device(device)).requires_grad_(true);
         Sync(device);
         auto t0 = Clock::now();
         auto y = m.Forward(in);

@@ -14,8 +14,8 @@
 namespace meridian::executor {
 
 struct OpProfile {
-  partitioner::OpGraph graph;          // analytic FLOPs, measured bytes (fp32 training: weights+grads, Adam m+v)
-  partitioner::SiteProfile site;       // name, measured flops_per_second, memory_bytes, op_seconds
+  partitioner::OpGraph graph;     // analytic FLOPs, measured bytes (fp32 training: weights+grads, Adam m+v)
+  partitioner::SiteProfile site;  // name, measured flops_per_second, memory_bytes, op_seconds
 };
 
 // `repeats` timed forward+backward passes per op after one warm-up; the median is kept. With `lora`

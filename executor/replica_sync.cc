@@ -23,8 +23,12 @@ struct GradientAverager::HookSink {
 GradientAverager::GradientAverager(Options options, std::vector<std::pair<std::string, torch::Tensor>> params,
                                    rpc::TensorInbox* inbox, std::map<std::string, rpc::PeerClient::OutStream*> scatter,
                                    std::map<std::string, rpc::PeerClient::OutStream*> gather)
-    : o_(std::move(options)), params_(std::move(params)), inbox_(inbox), scatter_(std::move(scatter)),
-      gather_(std::move(gather)), sink_(std::make_shared<HookSink>()) {
+    : o_(std::move(options)),
+      params_(std::move(params)),
+      inbox_(inbox),
+      scatter_(std::move(scatter)),
+      gather_(std::move(gather)),
+      sink_(std::make_shared<HookSink>()) {
   sink_->target = this;
   // Buckets in reverse parameter order: backward produces the last parameters' gradients first.
   bucket_of_.assign(params_.size(), -1);
@@ -159,7 +163,8 @@ absl::Status GradientAverager::EncodeSlice(int bucket, int ef_key, const float* 
   return absl::OkStatus();
 }
 
-absl::Status GradientAverager::SendFrame(int peer, int bucket, int phase, int64_t n, const std::vector<uint8_t>& frame) {
+absl::Status GradientAverager::SendFrame(int peer, int bucket, int phase, int64_t n,
+                                         const std::vector<uint8_t>& frame) {
   raw_bytes_ += n * static_cast<int64_t>(sizeof(float));
   wire_bytes_ += static_cast<int64_t>(frame.size());
   rpc::PeerClient::OutStream* stream = (phase == 0 ? scatter_ : gather_).at(o_.sites[peer]);
@@ -222,8 +227,8 @@ void GradientAverager::ReduceLoop() {
         absl::Status s = f.status();
         if (s.ok()) s = compression::DecodeInto(f->data(), f->size(), core::DType::kFloat32, {n}, part.data());
         if (!s.ok())
-          return Fail(Annotate(s, absl::StrCat(o_.where, ": replica gradient sync: bucket ", b, " from replica '",
-                                               o_.sites[j], "'")));
+          return Fail(Annotate(
+              s, absl::StrCat(o_.where, ": replica gradient sync: bucket ", b, " from replica '", o_.sites[j], "'")));
         src = part.data();
       }
       for (int64_t i = 0; i < n; ++i) sum[i] += src[i];
@@ -250,7 +255,8 @@ void GradientAverager::ReduceLoop() {
 absl::Status GradientAverager::Finish() {
   {
     std::lock_guard<std::mutex> l(mu_);
-    if (!in_step_) return absl::FailedPreconditionError(absl::StrCat(o_.where, ": replica gradient sync: no step begun"));
+    if (!in_step_)
+      return absl::FailedPreconditionError(absl::StrCat(o_.where, ": replica gradient sync: no step begun"));
     for (int i = 0; i < static_cast<int>(params_.size()); ++i)
       if (!captured_[i]) MarkLocked(i, params_[i].second.grad(), false);
     capturing_ = false;

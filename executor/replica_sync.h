@@ -55,13 +55,13 @@ class GradientAverager {
     // Per received slice. A replica may wait for its peers' whole step (a replica with no micro-batch
     // starts waiting at once), so this is a step-level bound; a dead peer fails the wait at once.
     std::chrono::seconds timeout{60};
-    std::string where;                 // "stage K (site 'x')", for errors
+    std::string where;  // "stage K (site 'x')", for errors
   };
   // `params`: the stage's trained parameters in the model's order (hooks are registered on them).
   // `scatter` and `gather`: one open stream to each other replica (by site) per phase; not owned, and
   // used only by this object between BeginStep and the end of Finish.
-  GradientAverager(Options options, std::vector<std::pair<std::string, torch::Tensor>> params,
-                   rpc::TensorInbox* inbox, std::map<std::string, rpc::PeerClient::OutStream*> scatter,
+  GradientAverager(Options options, std::vector<std::pair<std::string, torch::Tensor>> params, rpc::TensorInbox* inbox,
+                   std::map<std::string, rpc::PeerClient::OutStream*> scatter,
                    std::map<std::string, rpc::PeerClient::OutStream*> gather);
   ~GradientAverager();  // ends a step in progress (its threads give up within a fraction of a second)
 
@@ -89,11 +89,11 @@ class GradientAverager {
 
  private:
   struct Bucket {
-    std::vector<int> params;           // indices into params_
-    std::vector<int64_t> offsets;      // element offset of each in `data`
+    std::vector<int> params;       // indices into params_
+    std::vector<int64_t> offsets;  // element offset of each in `data`
     int64_t numel = 0;
     std::vector<float> data;
-    int pending = 0;                   // parameters not captured yet this step
+    int pending = 0;  // parameters not captured yet this step
     bool ready = false;
   };
   struct HookSink;  // shared with the hooks, which may outlive this object
@@ -117,7 +117,7 @@ class GradientAverager {
   std::map<std::string, rpc::PeerClient::OutStream*> scatter_, gather_;
   std::shared_ptr<HookSink> sink_;
   std::vector<Bucket> buckets_;
-  std::vector<int> bucket_of_;  // per parameter
+  std::vector<int> bucket_of_;                                                     // per parameter
   std::map<std::pair<int, int>, std::unique_ptr<compression::ErrorFeedback>> ef_;  // (bucket, peer or -1)
   std::mutex ef_mu_;
 

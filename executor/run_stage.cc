@@ -31,7 +31,8 @@ StageRunResult RunStage(StageWorker& worker, const StageRun& run) {
     auto loss = worker.Step(i, run.total_steps);
     if (!loss.ok()) return {r.steps_done, loss.status()};
     r.steps_done = i + 1;
-    if (run.on_step) run.on_step({i, *loss, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()});
+    if (run.on_step)
+      run.on_step({i, *loss, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()});
     if (run.checkpoint_interval > 0 && (i + 1) % run.checkpoint_interval == 0 && worker.writes_shard()) {
       if (absl::Status s = worker.SaveCheckpoint(run.checkpoint_dir, i + 1, run.checkpoint_keep); !s.ok())
         return {r.steps_done, s};

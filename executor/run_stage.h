@@ -23,9 +23,9 @@ namespace meridian::executor {
 std::set<std::string> StagePeers(const StageAssignment& assignment, const std::string& self);
 
 struct StepDone {
-  int64_t step = 0;             // 0-based
-  std::optional<double> loss;   // on the first and last stages
-  double seconds = 0;           // the whole step, wall clock
+  int64_t step = 0;            // 0-based
+  std::optional<double> loss;  // on the first and last stages
+  double seconds = 0;          // the whole step, wall clock
 };
 
 struct StageRun {
@@ -41,9 +41,9 @@ struct StageRun {
   // with `checkpoint_keep` > 0 stage 0's writer keeps that many complete steps there.
   std::string checkpoint_dir;
   int checkpoint_interval = 0, checkpoint_keep = 0;
-  std::function<void(const StepDone&)> on_step;              // after every step
-  std::function<absl::Status(int64_t step)> on_checkpoint;   // after this stage wrote step `step`'s shard
-  std::function<absl::Status()> before_finish;               // e.g. wait for uploads
+  std::function<void(const StepDone&)> on_step;             // after every step
+  std::function<absl::Status(int64_t step)> on_checkpoint;  // after this stage wrote step `step`'s shard
+  std::function<absl::Status()> before_finish;              // e.g. wait for uploads
 };
 
 struct StageRunResult {

@@ -2,8 +2,8 @@
 
 #include <unistd.h>
 
-#include <cmath>
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <iostream>
@@ -15,8 +15,8 @@
 #include "core/checkpoint_dir.h"
 #include "core/log.h"
 #include "core/status.h"
-#include "partitioner/planner.h"
 #include "executor/torch_boundary.h"
+#include "partitioner/planner.h"
 
 namespace meridian::executor {
 namespace {
@@ -45,18 +45,24 @@ absl::StatusOr<StageAssignment> ParseAssignmentJson(const std::string& text, con
     *out = j[k].get<int>();
     return absl::OkStatus();
   };
-  for (auto [k, out] : {std::pair<const char*, std::string*>{"job_id", &a.job_id}, {"prev_site", &a.prev_site},
-                        {"next_site", &a.next_site}, {"prev_address", &a.prev_address},
-                        {"next_address", &a.next_address}, {"forward_codec", &a.forward_codec},
-                        {"backward_codec", &a.backward_codec}, {"prev_forward_codec", &a.prev_forward_codec}})
+  for (auto [k, out] : {std::pair<const char*, std::string*>{"job_id", &a.job_id},
+                        {"prev_site", &a.prev_site},
+                        {"next_site", &a.next_site},
+                        {"prev_address", &a.prev_address},
+                        {"next_address", &a.next_address},
+                        {"forward_codec", &a.forward_codec},
+                        {"backward_codec", &a.backward_codec},
+                        {"prev_forward_codec", &a.prev_forward_codec}})
     if (auto s = str(k, out); !s.ok()) return s;
-  for (auto [k, out] : {std::pair<const char*, int*>{"stage", &a.stage}, {"num_stages", &a.num_stages},
-                        {"first_op", &a.first_op}, {"last_op", &a.last_op}})
+  for (auto [k, out] : {std::pair<const char*, int*>{"stage", &a.stage},
+                        {"num_stages", &a.num_stages},
+                        {"first_op", &a.first_op},
+                        {"last_op", &a.last_op}})
     if (auto s = num(k, out, true); !s.ok()) return s;
   if (auto s = num("in_flight", &a.in_flight, false); !s.ok()) return s;
   if (auto s = str("gradient_codec", &a.gradient_codec); !s.ok()) return s;
-  for (auto [k, out] : {std::pair<const char*, int64_t*>{"send_queue_bytes", &a.send_queue_bytes},
-                        {"bucket_bytes", &a.bucket_bytes}}) {
+  for (auto [k, out] :
+       {std::pair<const char*, int64_t*>{"send_queue_bytes", &a.send_queue_bytes}, {"bucket_bytes", &a.bucket_bytes}}) {
     if (!j.contains(k)) continue;
     if (!j[k].is_number_integer() || j[k].get<int64_t>() < 1)
       return absl::InvalidArgumentError(absl::StrCat(path, ": ", k, ": expected a positive integer"));
@@ -64,7 +70,8 @@ absl::StatusOr<StageAssignment> ParseAssignmentJson(const std::string& text, con
   }
   // "replicas", "prev_replicas", "next_replicas": [{"site": S, "address": A, "micro_batches": N}, ...]
   for (auto [k, group] : {std::pair<const char*, StageSites*>{"replicas", &a.replicas},
-                          {"prev_replicas", &a.prev_replicas}, {"next_replicas", &a.next_replicas}}) {
+                          {"prev_replicas", &a.prev_replicas},
+                          {"next_replicas", &a.next_replicas}}) {
     if (!j.contains(k)) continue;
     if (!j[k].is_array() || j[k].empty())
       return absl::InvalidArgumentError(absl::StrCat(path, ": ", k, ": expected a non-empty list of sites"));
@@ -75,7 +82,8 @@ absl::StatusOr<StageAssignment> ParseAssignmentJson(const std::string& text, con
       if (!e.is_object() || !e.contains("site") || !e["site"].is_string())
         return absl::InvalidArgumentError(absl::StrCat(where, ": expected {\"site\": ..., \"address\": ...}"));
       group->sites.push_back(e["site"].get<std::string>());
-      group->addresses.push_back(e.contains("address") && e["address"].is_string() ? e["address"].get<std::string>() : "");
+      group->addresses.push_back(e.contains("address") && e["address"].is_string() ? e["address"].get<std::string>()
+                                                                                   : "");
       if (shares != e.contains("micro_batches"))
         return absl::InvalidArgumentError(absl::StrCat(where, ": micro_batches: give it for every site or none"));
       if (shares) {
@@ -111,7 +119,8 @@ absl::Status ResolveReplicas(StageAssignment* a, const std::string& self, int mi
     a->next_replicas = {{a->next_site}, {a->next_address}, {}};
   std::set<std::string> seen;
   for (auto [name, g] : {std::pair<const char*, StageSites*>{"replicas", &a->replicas},
-                         {"prev_replicas", &a->prev_replicas}, {"next_replicas", &a->next_replicas}}) {
+                         {"prev_replicas", &a->prev_replicas},
+                         {"next_replicas", &a->next_replicas}}) {
     if (g->sites.empty()) continue;
     g->addresses.resize(g->sites.size());
     if (g->micro_batches.empty())
@@ -121,7 +130,8 @@ absl::Status ResolveReplicas(StageAssignment* a, const std::string& self, int mi
                                                      " micro-batch shares for ", g->sites.size(), " sites"));
     int sum = 0;
     for (int m : g->micro_batches) {
-      if (m < 0) return absl::InvalidArgumentError(absl::StrCat("assignment: ", name, ": a negative micro-batch share"));
+      if (m < 0)
+        return absl::InvalidArgumentError(absl::StrCat("assignment: ", name, ": a negative micro-batch share"));
       sum += m;
     }
     if (sum != micro_batches)
@@ -132,7 +142,8 @@ absl::Status ResolveReplicas(StageAssignment* a, const std::string& self, int mi
         return absl::InvalidArgumentError(absl::StrCat("assignment: ", name, ": site '", g->sites[i],
                                                        "' appears twice in the stage and its neighbours"));
       if (g->sites[i] != self && g->addresses[i].empty())
-        return absl::InvalidArgumentError(absl::StrCat("assignment: ", name, ": site '", g->sites[i], "' has no address"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("assignment: ", name, ": site '", g->sites[i], "' has no address"));
     }
   }
   if (std::find(a->replicas.sites.begin(), a->replicas.sites.end(), self) == a->replicas.sites.end())
@@ -154,13 +165,21 @@ absl::StatusOr<std::unique_ptr<StageWorker>> StageWorker::Create(JobSetup setup,
 
 StageWorker::StageWorker(JobSetup setup, StageAssignment a, rpc::TensorInbox* inbox, std::string certs_dir,
                          std::string self, torch::Device device, std::chrono::seconds step_timeout)
-    : setup_(std::move(setup)), a_(std::move(a)), inbox_(inbox), certs_(std::move(certs_dir)), self_(std::move(self)),
-      device_(device), timeout_(step_timeout), opt_(setup_.job.optimizer),
+    : setup_(std::move(setup)),
+      a_(std::move(a)),
+      inbox_(inbox),
+      certs_(std::move(certs_dir)),
+      self_(std::move(self)),
+      device_(device),
+      timeout_(step_timeout),
+      opt_(setup_.job.optimizer),
       fwd_codec_(*compression::CodecSpec::Parse(a_.forward_codec)),
       bwd_codec_(*compression::CodecSpec::Parse(a_.backward_codec)) {
   auto grad_codec = compression::CodecSpec::Parse(a_.gradient_codec);
-  if (grad_codec.ok()) grad_codec_ = *grad_codec;
-  else init_status_ = Annotate(grad_codec.status(), absl::StrCat(Where(), ": gradient_codec"));
+  if (grad_codec.ok())
+    grad_codec_ = *grad_codec;
+  else
+    init_status_ = Annotate(grad_codec.status(), absl::StrCat(Where(), ": gradient_codec"));
   if (absl::Status s = ResolveReplicas(&a_, self_, setup_.micro_batches); !s.ok() && init_status_.ok())
     init_status_ = Annotate(s, Where());
   if (init_status_.ok()) {
@@ -178,29 +197,29 @@ StageWorker::StageWorker(JobSetup setup, StageAssignment a, rpc::TensorInbox* in
     model_ = std::make_unique<StageModel>(setup_.model, a_.first_op, a_.last_op, setup_.job.seed, device_);
   }
   for (auto [field, codec] : {std::pair<const char*, const compression::CodecSpec*>{"backward_codec", &bwd_codec_},
-                               {"gradient_codec", &grad_codec_}})
+                              {"gradient_codec", &grad_codec_}})
     if (codec->delta && init_status_.ok())
       init_status_ = absl::InvalidArgumentError(absl::StrCat(Where(), ": ", field, ": ", codec->ToString(),
                                                              " is an activation codec (AQ-SGD deltas); gradients "
                                                              "use int8 or int4"));
   if (auto prev = compression::CodecSpec::Parse(a_.prev_forward_codec); prev.ok()) prev_delta_ = prev->delta;
   if ((fwd_codec_.delta || prev_delta_) && !setup_.data.dataset() && init_status_.ok())
-    init_status_ = absl::InvalidArgumentError(absl::StrCat(
-        Where(), ": AQ-SGD activation deltas need a data set whose sequences come back each epoch (job.data); "
-                 "synthetic data never repeats, so every sequence would be stored and none reused"));
+    init_status_ = absl::InvalidArgumentError(
+        absl::StrCat(Where(),
+                     ": AQ-SGD activation deltas need a data set whose sequences come back each epoch (job.data); "
+                     "synthetic data never repeats, so every sequence would be stored and none reused"));
   if (!bwd_codec_.lossless() && setup_.job.compression.error_feedback)
     for (const auto& site : a_.prev_replicas.sites)
       bwd_ef_[site] = std::make_unique<compression::ErrorFeedback>(bwd_codec_);
 }
 
 std::string StageWorker::Where() const {
-  return a_.replicas.sites.size() > 1
-             ? absl::StrCat("stage ", a_.stage, " replica ", replica_, " (site '", self_, "')")
-             : absl::StrCat("stage ", a_.stage, " (site '", self_, "')");
+  return a_.replicas.sites.size() > 1 ? absl::StrCat("stage ", a_.stage, " replica ", replica_, " (site '", self_, "')")
+                                      : absl::StrCat("stage ", a_.stage, " (site '", self_, "')");
 }
 
 absl::StatusOr<std::unique_ptr<rpc::PeerClient::OutStream>> StageWorker::OpenStream(const std::string& site,
-                                                                                   const std::string& address) {
+                                                                                    const std::string& address) {
   auto& client = clients_[site];
   if (!client) {
     auto c = rpc::PeerClient::Create(certs_, self_, site, address);
@@ -261,8 +280,8 @@ compression::ActivationStore::Options StageWorker::DeltaStore(const std::string&
     o.spill_bytes = 0;
     return o;
   }
-  o.spill_path = absl::StrCat(dir, "/meridian-", self_, "-", ::getpid(), "-stage", a_.stage, "-", side, "-", peer,
-                              ".activations");
+  o.spill_path =
+      absl::StrCat(dir, "/meridian-", self_, "-", ::getpid(), "-stage", a_.stage, "-", side, "-", peer, ".activations");
   return o;
 }
 
@@ -271,7 +290,8 @@ absl::Status StageWorker::Send(const std::string& peer, const rpc::TensorKey& ke
                                const std::vector<int64_t>* ids) {
   const auto t0 = Clock::now();
   auto c = t.detach().to(torch::kCPU, torch::kFloat32).contiguous();
-  core::TensorView v{core::DType::kFloat32, std::vector<int64_t>(c.sizes().begin(), c.sizes().end()), c.data_ptr<float>()};
+  core::TensorView v{core::DType::kFloat32, std::vector<int64_t>(c.sizes().begin(), c.sizes().end()),
+                     c.data_ptr<float>()};
   absl::StatusOr<std::vector<uint8_t>> frame;
   if (codec.delta) {
     auto& enc = delta_out_[peer];
@@ -312,8 +332,7 @@ absl::StatusOr<torch::Tensor> StageWorker::Receive(const std::string& peer, cons
     s = compression::DecodeInto(frame->data(), frame->size(), core::DType::kFloat32, shape, t.data_ptr<float>());
   }
   codec_seconds_ += std::chrono::duration<double>(Clock::now() - t1).count();
-  if (!s.ok())
-    return Annotate(s, absl::StrCat(Where(), ": ", key.ToString(), " from peer '", peer, "'"));
+  if (!s.ok()) return Annotate(s, absl::StrCat(Where(), ": ", key.ToString(), " from peer '", peer, "'"));
   return t.to(device_);
 }
 
@@ -348,7 +367,8 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
     const std::string* prev = nullptr;  // the previous / next stage's site of the current micro-batch
     const std::string* next = nullptr;
     // The averager sends from the backward pass on: count its bytes from here.
-    const int64_t sync_wire0 = averager_ ? averager_->wire_bytes() : 0, sync_raw0 = averager_ ? averager_->raw_bytes() : 0;
+    const int64_t sync_wire0 = averager_ ? averager_->wire_bytes() : 0,
+                  sync_raw0 = averager_ ? averager_->raw_bytes() : 0;
     if (averager_) averager_->BeginStep(step);
     // A step that fails before the gradient sum completes ends the averager's step too.
     struct AbortOnExit {
@@ -451,7 +471,8 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
       }
       return s.ok() ? s : Annotate(s, Where());
     };
-    auto recv_pair = [&](const std::string& peer, int from_stage, int tag) -> absl::StatusOr<std::pair<double, double>> {
+    auto recv_pair = [&](const std::string& peer, int from_stage,
+                         int tag) -> absl::StatusOr<std::pair<double, double>> {
       const auto t0 = Clock::now();
       auto f = inbox_->Wait(peer, {a_.job_id, step, tag, from_stage, v1::CONTROL, 0}, t0 + timeout_);
       wait_seconds_ += std::chrono::duration<double>(Clock::now() - t0).count();
@@ -515,7 +536,7 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
 
 absl::Status StageWorker::Finish() {
   return GuardTorch(Where(), [&]() -> absl::Status {
-    averager_.reset();  // its streams close below
+    averager_.reset();                       // its streams close below
     for (auto& [site, sender] : senders_) {  // what is still queued goes out first
       auto r = sender->Finish();
       if (!r.ok()) return Annotate(r.status(), Where());

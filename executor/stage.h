@@ -8,9 +8,9 @@
 
 #include <chrono>
 #include <map>
-#include <set>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -47,7 +47,7 @@ struct StageAssignment {
   // The previous stage's forward_codec: its activations arrive as AQ-SGD delta messages exactly when this
   // is a delta codec (another frame is then refused, and so is a delta message otherwise).
   std::string prev_forward_codec = "identity";
-  int64_t bucket_bytes = 4 << 20;           // replica gradient buckets
+  int64_t bucket_bytes = 4 << 20;  // replica gradient buckets
   // Micro-batches this stage keeps in flight (partitioner::PipelineSchedule); 0: 1F1B's num_stages - stage.
   // The stages of a pipeline must not increase it from one stage to the next (the planner's never do).
   int in_flight = 0;
@@ -136,7 +136,7 @@ class StageWorker {
                                         const std::vector<int64_t>& shape, const std::vector<int64_t>* ids = nullptr);
   compression::ActivationStore::Options DeltaStore(const std::string& peer, const char* side) const;
   absl::StatusOr<std::unique_ptr<rpc::PeerClient::OutStream>> OpenStream(const std::string& site,
-                                                                      const std::string& address);
+                                                                         const std::string& address);
   std::string Where() const;
 
   JobSetup setup_;
@@ -149,7 +149,7 @@ class StageWorker {
   absl::Status init_status_;
   AdamW opt_;
   compression::CodecSpec fwd_codec_, bwd_codec_, grad_codec_;
-  int replica_ = 0;                                  // this site's index in a_.replicas
+  int replica_ = 0;                                   // this site's index in a_.replicas
   std::vector<int> owner_, prev_owner_, next_owner_;  // per micro-batch: the replica that runs it
   std::map<std::string, std::unique_ptr<compression::ErrorFeedback>> bwd_ef_;  // per previous-stage site
   std::map<std::string, std::unique_ptr<rpc::PeerClient>> clients_;

@@ -27,8 +27,9 @@ struct HungryModule : torch::nn::Module {
 
 TEST(TorchBoundary, ATorchErrorBecomesAnInternalStatusNamingWhere) {
   ThrowingModule m;
-  absl::StatusOr<torch::Tensor> r =
-      GuardTorch("stage 1 (site 'b'): step 3", [&]() -> absl::StatusOr<torch::Tensor> { return m.forward(torch::ones({2, 2})); });
+  absl::StatusOr<torch::Tensor> r = GuardTorch("stage 1 (site 'b'): step 3", [&]() -> absl::StatusOr<torch::Tensor> {
+    return m.forward(torch::ones({2, 2}));
+  });
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInternal);
   EXPECT_THAT(std::string(r.status().message()), HasSubstr("stage 1 (site 'b'): step 3: libtorch: "));

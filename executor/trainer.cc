@@ -16,8 +16,8 @@ torch::Tensor SyntheticData::MicroBatch(int64_t step, int micro_batch, int micro
   // The transition table depends on the seed only; the sequences on (seed, step, micro-batch).
   auto table_gen = at::make_generator<at::CPUGeneratorImpl>(seed * 7919 + 17);
   auto successor = torch::randperm(vocab, table_gen, torch::kInt64);
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed ^ (static_cast<uint64_t>(step) * 1000003ull +
-                                                              static_cast<uint64_t>(micro_batch) * 7919ull + 1));
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(
+      seed ^ (static_cast<uint64_t>(step) * 1000003ull + static_cast<uint64_t>(micro_batch) * 7919ull + 1));
   auto tokens = torch::empty({micro_batch_size, seq_len + 1}, torch::kInt64);
   auto starts = torch::randint(vocab, {micro_batch_size}, gen, torch::kInt64);
   auto noise = torch::rand({micro_batch_size, seq_len + 1}, gen);
@@ -211,25 +211,28 @@ absl::StatusOr<TrainResult> TrainLocal(const JobSetup& setup, int steps, torch::
 
 absl::StatusOr<std::unique_ptr<StageModel>> BuildStageModel(const JobSetup& setup, int first_op, int last_op,
                                                             torch::Device device) {
-  return GuardTorch(absl::StrCat("building ops ", first_op, "-", last_op, " of the model"), [&]() -> absl::StatusOr<std::unique_ptr<StageModel>> {
-    if (absl::Status s = CheckSlice(setup.model, first_op, last_op); !s.ok()) return s;
-    auto model = std::make_unique<StageModel>(setup.model, first_op, last_op, setup.job.seed, device, setup.job.lora);
-    if (setup.weights.empty()) return model;
-    std::vector<std::string> names;
-    for (const auto& [name, p] : model->base_parameters()) names.push_back(name);
-    auto w = LoadWeights(setup.weights, names);
-    if (!w.ok()) return w.status();
-    if (absl::Status s = model->LoadBase(*w); !s.ok())
-      return absl::InvalidArgumentError(absl::StrCat(setup.weights, ": ", s.message()));
-    return model;
-  });
+  return GuardTorch(absl::StrCat("building ops ", first_op, "-", last_op, " of the model"),
+                    [&]() -> absl::StatusOr<std::unique_ptr<StageModel>> {
+                      if (absl::Status s = CheckSlice(setup.model, first_op, last_op); !s.ok()) return s;
+                      auto model = std::make_unique<StageModel>(setup.model, first_op, last_op, setup.job.seed, device,
+                                                                setup.job.lora);
+                      if (setup.weights.empty()) return model;
+                      std::vector<std::string> names;
+                      for (const auto& [name, p] : model->base_parameters()) names.push_back(name);
+                      auto w = LoadWeights(setup.weights, names);
+                      if (!w.ok()) return w.status();
+                      if (absl::Status s = model->LoadBase(*w); !s.ok())
+                        return absl::InvalidArgumentError(absl::StrCat(setup.weights, ": ", s.message()));
+                      return model;
+                    });
 }
 
 absl::StatusOr<std::map<std::string, torch::Tensor>> LoadWeights(const std::string& path,
                                                                  const std::vector<std::string>& names) {
   return GuardTorch(absl::StrCat("loading ", path), [&]() -> absl::StatusOr<std::map<std::string, torch::Tensor>> {
     const std::string index_suffix = ".index.json";
-    if (path.size() <= index_suffix.size() || path.compare(path.size() - index_suffix.size(), index_suffix.size(), index_suffix) != 0) {
+    if (path.size() <= index_suffix.size() ||
+        path.compare(path.size() - index_suffix.size(), index_suffix.size(), index_suffix) != 0) {
       auto all = LoadParameters(path);
       if (!all.ok() || names.empty()) return all;
       std::map<std::string, torch::Tensor> out;
@@ -245,10 +248,12 @@ absl::StatusOr<std::map<std::string, torch::Tensor>> LoadWeights(const std::stri
       return absl::InvalidArgumentError(absl::StrCat(path, ": expected a JSON object with a 'weight_map' object"));
     std::map<std::string, std::vector<std::string>> by_shard;
     for (auto& [name, shard] : j["weight_map"].items()) {
-      if (!shard.is_string()) return absl::InvalidArgumentError(absl::StrCat(path, ": weight_map['", name, "'] is not a file name"));
+      if (!shard.is_string())
+        return absl::InvalidArgumentError(absl::StrCat(path, ": weight_map['", name, "'] is not a file name"));
       const std::string file = shard.get<std::string>();
       if (file.find('/') != std::string::npos || file.find("..") != std::string::npos)
-        return absl::InvalidArgumentError(absl::StrCat(path, ": weight_map['", name, "']: shard '", file, "' is not a plain file name"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(path, ": weight_map['", name, "']: shard '", file, "' is not a plain file name"));
       if (names.empty() || std::find(names.begin(), names.end(), name) != names.end()) by_shard[file].push_back(name);
     }
     std::map<std::string, torch::Tensor> out;
@@ -259,7 +264,8 @@ absl::StatusOr<std::map<std::string, torch::Tensor>> LoadWeights(const std::stri
       for (const auto& n : wanted) {
         auto it = shard->find(n);
         if (it == shard->end())
-          return absl::InvalidArgumentError(absl::StrCat(path, ": '", n, "' is mapped to ", file, ", which does not hold it"));
+          return absl::InvalidArgumentError(
+              absl::StrCat(path, ": '", n, "' is mapped to ", file, ", which does not hold it"));
         out[n] = it->second;
       }
     }
@@ -294,8 +300,9 @@ absl::StatusOr<std::map<std::string, torch::Tensor>> LoadParameters(const std::s
     for (auto& [name, t] : f->tensors) {
       if (t.dtype != core::DType::kFloat32 && t.dtype != core::DType::kBFloat16 && t.dtype != core::DType::kFloat16)
         return absl::InvalidArgumentError(absl::StrCat(path, ": tensor '", name, "' is not a float tensor"));
-      auto dtype = t.dtype == core::DType::kFloat32 ? torch::kFloat32
-                   : t.dtype == core::DType::kBFloat16 ? torch::kBFloat16 : torch::kFloat16;
+      auto dtype = t.dtype == core::DType::kFloat32    ? torch::kFloat32
+                   : t.dtype == core::DType::kBFloat16 ? torch::kBFloat16
+                                                       : torch::kFloat16;
       out[name] = torch::from_blob(t.bytes.data(), t.shape, dtype).to(torch::kFloat32).clone();
     }
     return out;

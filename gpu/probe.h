@@ -17,7 +17,7 @@ bool Available();
 
 struct GemmMeasurement {
   std::string device_name;
-  int n = 0;                        // n x n x n products
+  int n = 0;                         // n x n x n products
   double fp32_flops_per_second = 0;  // cublasSgemm-equivalent (cublasGemmEx, FP32 compute, no TF32)
   double tf32_flops_per_second = 0;  // FP32 data, TF32 tensor-core compute (0 below compute capability 8.0)
   double bf16_flops_per_second = 0;  // BF16 data, FP32 accumulation (0 below compute capability 8.0)

@@ -24,10 +24,10 @@ absl::Status Blas(cublasStatus_t s, const char* call) {
   return absl::InternalError(absl::StrCat(call, ": cuBLAS status ", static_cast<int>(s)));
 }
 
-#define RETURN_IF_ERROR(expr)        \
-  do {                               \
-    absl::Status _s = (expr);        \
-    if (!_s.ok()) return _s;         \
+#define RETURN_IF_ERROR(expr) \
+  do {                        \
+    absl::Status _s = (expr); \
+    if (!_s.ok()) return _s;  \
   } while (0)
 
 // Device buffers and a handle, released on every path.
@@ -90,7 +90,7 @@ absl::Status CheckCublasGemm(int device, int n) {
   RETURN_IF_ERROR(Cuda(cudaMemcpy(c.data(), *dc, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy"));
   double worst = 0;
   int wi = 0, wj = 0;
-  for (int j = 0; j < n; ++j)      // column-major: element (i, j) at i + j n
+  for (int j = 0; j < n; ++j)  // column-major: element (i, j) at i + j n
     for (int i = 0; i < n; ++i) {
       double want = 0, scale = 0;
       for (int k = 0; k < n; ++k) {
@@ -108,8 +108,8 @@ absl::Status CheckCublasGemm(int device, int n) {
 
 absl::StatusOr<GemmMeasurement> MeasureCublasGemm(int device, int n, int repeats) {
   if (n < 1 || n > 65536 || repeats < 1)
-    return absl::InvalidArgumentError(absl::StrCat("cuBLAS probe: n must be in [1, 65536] and repeats >= 1 (got ", n,
-                                                   ", ", repeats, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuBLAS probe: n must be in [1, 65536] and repeats >= 1 (got ", n, ", ", repeats, ")"));
   RETURN_IF_ERROR(CheckCublasGemm(device));
   Session s;
   RETURN_IF_ERROR(Open(device, &s));
@@ -127,7 +127,8 @@ absl::StatusOr<GemmMeasurement> MeasureCublasGemm(int device, int n, int repeats
   for (const auto* r : {&a, &b, &c}) RETURN_IF_ERROR(r->status());
   // Inputs: any finite values do; 0.5 in both FP32 and BF16 (0x3F00).
   std::vector<float> half(static_cast<size_t>(n) * n, 0.5f);
-  for (void* p : {*a, *b}) RETURN_IF_ERROR(Cuda(cudaMemcpy(p, half.data(), bytes, cudaMemcpyHostToDevice), "cudaMemcpy"));
+  for (void* p : {*a, *b})
+    RETURN_IF_ERROR(Cuda(cudaMemcpy(p, half.data(), bytes, cudaMemcpyHostToDevice), "cudaMemcpy"));
   auto time = [&](cudaDataType type, cublasComputeType_t compute) -> absl::StatusOr<double> {
     RETURN_IF_ERROR(Gemm(s.handle, n, *a, *b, *c, type, compute));  // warm-up (and algorithm choice)
     RETURN_IF_ERROR(Cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize"));

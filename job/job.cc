@@ -59,16 +59,17 @@ absl::StatusOr<JobInputs> PrepareJobInputs(const core::JobSpec& job, const std::
   s.micro_batch_size = job.global_batch / s.micro_batches;
   s.weights = FindWeightsFile(s.model_dir);
   if (job.data.empty() || job.data == "synthetic") return s;
-  const std::string tok_path = job.tokenizer.empty() ? s.model_dir + "/tokenizer.model"
-                                                     : core::ResolveRelative(job_path, job.tokenizer);
+  const std::string tok_path =
+      job.tokenizer.empty() ? s.model_dir + "/tokenizer.model" : core::ResolveRelative(job_path, job.tokenizer);
   auto tok = data::Tokenizer::Load(tok_path);
   if (!tok.ok()) return absl::InvalidArgumentError(absl::StrCat(job_path, ": job.tokenizer: ", tok.status().message()));
   if ((*tok)->vocab_size() > s.model.shape.vocab_size)
-    return absl::InvalidArgumentError(absl::StrCat(job_path, ": job.tokenizer: ", tok_path, " has ", (*tok)->vocab_size(),
-                                                   " pieces but the model's vocab_size is ", s.model.shape.vocab_size));
+    return absl::InvalidArgumentError(absl::StrCat(job_path, ": job.tokenizer: ", tok_path, " has ",
+                                                   (*tok)->vocab_size(), " pieces but the model's vocab_size is ",
+                                                   s.model.shape.vocab_size));
   const std::string data_path = core::ResolveRelative(job_path, job.data);
-  auto dataset = data::Dataset::Build(data_path, **tok,
-                                      data::DatasetOptions{job.sequence_length, job.seed, job.eval_fraction});
+  auto dataset =
+      data::Dataset::Build(data_path, **tok, data::DatasetOptions{job.sequence_length, job.seed, job.eval_fraction});
   if (!dataset.ok())
     return absl::InvalidArgumentError(absl::StrCat(job_path, ": job.data: ", dataset.status().message()));
   s.tokenizer = std::shared_ptr<const data::Tokenizer>(std::move(*tok));

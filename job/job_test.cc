@@ -42,8 +42,7 @@ TEST(JobInputs, ASyntheticJobResolvesItsModelAndBatching) {
 }
 
 TEST(JobInputs, ErrorsNameTheJobFileAndField) {
-  std::string path = WriteJob("batching",
-                              "job:\n  model: model\n  steps: 3\n  global_batch: 8\n  micro_batches: 3\n");
+  std::string path = WriteJob("batching", "job:\n  model: model\n  steps: 3\n  global_batch: 8\n  micro_batches: 3\n");
   auto in = LoadJobInputs(path);
   ASSERT_FALSE(in.ok());
   EXPECT_THAT(std::string(in.status().message()), HasSubstr(path + ":5:18: error: job.micro_batches"));
@@ -54,7 +53,8 @@ TEST(JobInputs, ErrorsNameTheJobFileAndField) {
   job.micro_batches = 3;
   in = PrepareJobInputs(job, path);
   ASSERT_FALSE(in.ok());
-  EXPECT_THAT(std::string(in.status().message()), HasSubstr(path + ": job.micro_batches 3 does not divide job.global_batch 8"));
+  EXPECT_THAT(std::string(in.status().message()),
+              HasSubstr(path + ": job.micro_batches 3 does not divide job.global_batch 8"));
 
   path = WriteJob("model", "job:\n  model: nowhere\n  steps: 3\n  global_batch: 8\n");
   in = LoadJobInputs(path);
@@ -62,8 +62,9 @@ TEST(JobInputs, ErrorsNameTheJobFileAndField) {
   EXPECT_THAT(std::string(in.status().message()), HasSubstr(path + ": job.model: "));
   EXPECT_THAT(std::string(in.status().message()), HasSubstr("nowhere/config.json: cannot open"));
 
-  path = WriteJob("tokenizer", "job:\n  model: model\n  data: text.txt\n  tokenizer: missing.model\n  steps: 3\n"
-                               "  global_batch: 8\n");
+  path = WriteJob("tokenizer",
+                  "job:\n  model: model\n  data: text.txt\n  tokenizer: missing.model\n  steps: 3\n"
+                  "  global_batch: 8\n");
   in = LoadJobInputs(path);
   ASSERT_FALSE(in.ok());
   EXPECT_THAT(std::string(in.status().message()), HasSubstr(path + ": job.tokenizer: "));

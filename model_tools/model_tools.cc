@@ -34,8 +34,9 @@ int RunTrainLocal(const TrainLocalOptions& o) {
   }
   const int steps = o.steps > 0 ? o.steps : setup->job.steps;
   torch::Device device = o.device == "cpu" ? torch::Device(torch::kCPU) : torch::Device(o.device);
-  auto r = executor::TrainLocal(*setup, steps, device,
-                                [](int step, double loss) { std::cout << "step " << step << " loss " << loss << std::endl; });
+  auto r = executor::TrainLocal(*setup, steps, device, [](int step, double loss) {
+    std::cout << "step " << step << " loss " << loss << std::endl;
+  });
   if (!r.ok()) {
     std::cerr << "meridian train-local: " << r.status().message() << "\n";
     return 1;
@@ -55,7 +56,8 @@ void AddEvalOptions(CLI::App* cmd, EvalOptions* o) {
                   "default: the job's initial model");
   cmd->add_option("--max", o->max_examples, "Evaluate at most this many held-out examples (0: all)")
       ->check(CLI::NonNegativeNumber);
-  cmd->add_option("--show", o->show, "Print this many examples with the generated answer")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--show", o->show, "Print this many examples with the generated answer")
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--json", o->json_out, "Also write the result as JSON to this file");
   cmd->add_option("--device", o->device, "cpu or cuda:N");
 }
@@ -85,13 +87,14 @@ int RunEval(const EvalOptions& o) {
   std::printf("exact match: %d/%d (%.1f%%) on held-out examples\n", r->correct, r->examples, 100 * r->accuracy());
   for (int i = 0; i < std::min<int>(o.show, static_cast<int>(r->samples.size())); ++i) {
     const auto& s = r->samples[i];
-    std::printf("  %s %s -> '%s' (expected '%s')\n", s.correct ? "ok  " : "MISS", s.prompt.c_str(),
-                s.generated.c_str(), s.expected.c_str());
+    std::printf("  %s %s -> '%s' (expected '%s')\n", s.correct ? "ok  " : "MISS", s.prompt.c_str(), s.generated.c_str(),
+                s.expected.c_str());
   }
   if (!o.json_out.empty()) {
     nlohmann::json j = {{"examples", r->examples}, {"correct", r->correct}, {"accuracy", r->accuracy()}};
     for (const auto& s : r->samples)
-      j["samples"].push_back({{"prompt", s.prompt}, {"expected", s.expected}, {"generated", s.generated}, {"correct", s.correct}});
+      j["samples"].push_back(
+          {{"prompt", s.prompt}, {"expected", s.expected}, {"generated", s.generated}, {"correct", s.correct}});
     std::ofstream(o.json_out) << j.dump(2) << "\n";
   }
   return 0;
@@ -146,7 +149,8 @@ int RunTokenizerTrain(const TokenizerOptions& o) {
     std::cerr << "meridian tokenizer train: " << tok.status().message() << "\n";
     return 1;
   }
-  std::printf("wrote %s/tokenizer.model (%d pieces; <unk> 0, <s> 1, </s> 2)\n", o.out_dir.c_str(), (*tok)->vocab_size());
+  std::printf("wrote %s/tokenizer.model (%d pieces; <unk> 0, <s> 1, </s> 2)\n", o.out_dir.c_str(),
+              (*tok)->vocab_size());
   return 0;
 }
 
@@ -166,11 +170,11 @@ absl::Status EvaluateRun(const executor::JobSetup& setup, const std::string& run
   for (int i = 0; i < std::min<int>(3, static_cast<int>(after->samples.size())); ++i)
     std::printf("  %s -> '%s' (expected '%s')\n", after->samples[i].prompt.c_str(), after->samples[i].generated.c_str(),
                 after->samples[i].expected.c_str());
-  nlohmann::json j = {{"examples", after->examples},
-                      {"accuracy_before", before->accuracy()},
-                      {"accuracy_after", after->accuracy()}};
+  nlohmann::json j = {
+      {"examples", after->examples}, {"accuracy_before", before->accuracy()}, {"accuracy_after", after->accuracy()}};
   for (const auto& s : after->samples)
-    j["samples"].push_back({{"prompt", s.prompt}, {"expected", s.expected}, {"generated", s.generated}, {"correct", s.correct}});
+    j["samples"].push_back(
+        {{"prompt", s.prompt}, {"expected", s.expected}, {"generated", s.generated}, {"correct", s.correct}});
   return core::WriteFileAtomic((std::filesystem::path(run_dir) / core::kEvalFile).string(), j.dump(2) + "\n");
 }
 

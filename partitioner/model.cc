@@ -47,7 +47,8 @@ absl::Status Number(const json& obj, const char* key, const std::string& path, c
   if (!it->is_number()) return Bad(path, absl::StrCat(ctx, ".", key), "expected a number");
   double v = it->get<double>();
   if (!std::isfinite(v) || v < 0 || (positive && v == 0))
-    return Bad(path, absl::StrCat(ctx, ".", key), positive ? "must be a positive number" : "must be a non-negative number");
+    return Bad(path, absl::StrCat(ctx, ".", key),
+               positive ? "must be a positive number" : "must be a non-negative number");
   *out = v;
   return absl::OkStatus();
 }
@@ -71,10 +72,10 @@ absl::Status OnlyKeys(const json& obj, const std::set<std::string>& allowed, con
 
 using core::ReadFile;
 
-#define RETURN_IF(expr)                 \
-  do {                                  \
-    absl::Status s_ = (expr);           \
-    if (!s_.ok()) return s_;            \
+#define RETURN_IF(expr)       \
+  do {                        \
+    absl::Status s_ = (expr); \
+    if (!s_.ok()) return s_;  \
   } while (0)
 
 }  // namespace
@@ -93,11 +94,13 @@ absl::StatusOr<OpGraph> ParseGraphJson(const std::string& text, const std::strin
     const json& o = (*ops)[i];
     std::string ctx = absl::StrCat("ops[", i, "]");
     if (!o.is_object()) return Bad(path, ctx, "expected an object");
-    RETURN_IF(OnlyKeys(o, {"name", "forward_flops", "backward_flops", "param_bytes", "optimizer_bytes", "output_bytes",
-                           "inputs"}, path, ctx));
+    RETURN_IF(OnlyKeys(
+        o, {"name", "forward_flops", "backward_flops", "param_bytes", "optimizer_bytes", "output_bytes", "inputs"},
+        path, ctx));
     Op op;
     RETURN_IF(String(o, "name", path, ctx, &op.name));
-    if (!names.insert(op.name).second) return Bad(path, ctx + ".name", absl::StrCat("duplicate op name '", op.name, "'"));
+    if (!names.insert(op.name).second)
+      return Bad(path, ctx + ".name", absl::StrCat("duplicate op name '", op.name, "'"));
     RETURN_IF(Number(o, "forward_flops", path, ctx, true, &op.forward_flops));
     RETURN_IF(Number(o, "backward_flops", path, ctx, true, &op.backward_flops));
     RETURN_IF(Number(o, "param_bytes", path, ctx, false, &op.param_bytes));
@@ -153,8 +156,7 @@ absl::StatusOr<ClusterProfile> ParseProfileJson(const std::string& text, const s
     }
     auto gf = s.find("gemm_flops_per_second");
     if (gf != s.end()) {
-      if (!gf->is_object())
-        return Bad(path, ctx + ".gemm_flops_per_second", "expected an object of path -> FLOP/s");
+      if (!gf->is_object()) return Bad(path, ctx + ".gemm_flops_per_second", "expected an object of path -> FLOP/s");
       for (auto it = gf->begin(); it != gf->end(); ++it) {
         if (!it->is_number() || !std::isfinite(it->get<double>()) || it->get<double>() < 0)
           return Bad(path, absl::StrCat(ctx, ".gemm_flops_per_second.", it.key()), "must be a non-negative number");
@@ -249,8 +251,7 @@ absl::StatusOr<LlamaShape> ParseLlamaConfig(const std::string& text, const std::
   RETURN_IF(get_int("num_attention_heads", &s.num_attention_heads, true));
   s.num_key_value_heads = s.num_attention_heads;
   RETURN_IF(get_int("num_key_value_heads", &s.num_key_value_heads, false));
-  if (s.hidden_size % s.num_attention_heads != 0)
-    return Bad(path, "num_attention_heads", "must divide hidden_size");
+  if (s.hidden_size % s.num_attention_heads != 0) return Bad(path, "num_attention_heads", "must divide hidden_size");
   if (s.num_attention_heads % s.num_key_value_heads != 0)
     return Bad(path, "num_key_value_heads", "must divide num_attention_heads");
   if (auto it = j.find("tie_word_embeddings"); it != j.end()) {
@@ -269,8 +270,8 @@ OpGraph BuildLlamaGraph(const LlamaShape& m, const LlamaGraphOptions& o) {
   const double hidden_out = tokens * d * o.activation_bytes;
   OpGraph g;
   auto add = [&](std::string name, double params, double fwd, double bwd, double out, std::vector<int> inputs) {
-    g.ops.push_back({std::move(name), fwd, bwd, params * state_per_param, params * o.optimizer_bytes, out,
-                     std::move(inputs)});
+    g.ops.push_back(
+        {std::move(name), fwd, bwd, params * state_per_param, params * o.optimizer_bytes, out, std::move(inputs)});
   };
   // Embedding lookup: negligible FLOPs; its backward is a scatter-add of the same size as its output.
   add("embed", v * d, tokens * d, tokens * d, hidden_out, {});

@@ -77,10 +77,10 @@ absl::StatusOr<LlamaShape> ParseLlamaConfig(const std::string& text, const std::
 struct LlamaGraphOptions {
   int micro_batch_size = 1;
   int sequence_length = 2048;
-  double weight_bytes = 2;         // per parameter: bf16 weights
-  double gradient_bytes = 2;       // per parameter: bf16 gradients
-  double optimizer_bytes = 12;     // per parameter: fp32 master copy + Adam m and v
-  double activation_bytes = 2;     // per activation element (bf16)
+  double weight_bytes = 2;      // per parameter: bf16 weights
+  double gradient_bytes = 2;    // per parameter: bf16 gradients
+  double optimizer_bytes = 12;  // per parameter: fp32 master copy + Adam m and v
+  double activation_bytes = 2;  // per activation element (bf16)
 };
 
 // The operator graph at sub-layer granularity: embed; for each block "layerI.attn" (norm, attention,

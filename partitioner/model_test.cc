@@ -13,7 +13,8 @@ std::string Err(const absl::Status& s) { return std::string(s.message()); }
 TEST(GraphJson, ParsesAndRoundTrips) {
   auto g = ParseGraphJson(R"({"ops": [
     {"name": "a", "forward_flops": 10, "backward_flops": 20, "param_bytes": 4, "optimizer_bytes": 8, "output_bytes": 16, "inputs": []},
-    {"name": "b", "forward_flops": 1, "backward_flops": 2, "output_bytes": 3, "inputs": [0]}]})", "g.json");
+    {"name": "b", "forward_flops": 1, "backward_flops": 2, "output_bytes": 3, "inputs": [0]}]})",
+                          "g.json");
   ASSERT_TRUE(g.ok()) << g.status();
   ASSERT_EQ(g->ops.size(), 2u);
   EXPECT_EQ(g->ops[1].inputs, std::vector<int>{0});
@@ -26,31 +27,43 @@ TEST(GraphJson, ErrorsNameTheField) {
   EXPECT_THAT(Err(ParseGraphJson("{", "g.json").status()), HasSubstr("g.json: JSON syntax"));
   EXPECT_THAT(Err(ParseGraphJson("[]", "g.json").status()), HasSubstr("top level"));
   EXPECT_THAT(Err(ParseGraphJson(R"({"ops": []})", "g.json").status()), HasSubstr("g.json: ops: expected a non-empty"));
-  EXPECT_THAT(Err(ParseGraphJson(R"({"ops": [{"name": "a", "forward_flops": -1, "backward_flops": 0, "output_bytes": 0}]})",
-                                 "g.json").status()),
-              HasSubstr("ops[0].forward_flops: must be a non-negative"));
-  EXPECT_THAT(Err(ParseGraphJson(R"({"ops": [{"name": "a", "forward_flops": 1, "backward_flops": 0, "output_bytes": 0, "inputs": [0]}]})",
-                                 "g.json").status()),
-              HasSubstr("ops[0].inputs[0]: 0 is not an earlier op"));
-  EXPECT_THAT(Err(ParseGraphJson(R"({"ops": [{"name": "a", "forward_flops": "1", "backward_flops": 0, "output_bytes": 0}]})",
-                                 "g.json").status()),
-              HasSubstr("ops[0].forward_flops: expected a number"));
-  EXPECT_THAT(Err(ParseGraphJson(R"({"ops": [{"name": "a", "forward_flops": 1, "backward_flops": 0, "output_bytes": 0, "colour": 1}]})",
-                                 "g.json").status()),
-              HasSubstr("ops[0].colour: unknown field"));
+  EXPECT_THAT(
+      Err(ParseGraphJson(R"({"ops": [{"name": "a", "forward_flops": -1, "backward_flops": 0, "output_bytes": 0}]})",
+                         "g.json")
+              .status()),
+      HasSubstr("ops[0].forward_flops: must be a non-negative"));
+  EXPECT_THAT(
+      Err(ParseGraphJson(
+              R"({"ops": [{"name": "a", "forward_flops": 1, "backward_flops": 0, "output_bytes": 0, "inputs": [0]}]})",
+              "g.json")
+              .status()),
+      HasSubstr("ops[0].inputs[0]: 0 is not an earlier op"));
+  EXPECT_THAT(
+      Err(ParseGraphJson(R"({"ops": [{"name": "a", "forward_flops": "1", "backward_flops": 0, "output_bytes": 0}]})",
+                         "g.json")
+              .status()),
+      HasSubstr("ops[0].forward_flops: expected a number"));
+  EXPECT_THAT(
+      Err(ParseGraphJson(
+              R"({"ops": [{"name": "a", "forward_flops": 1, "backward_flops": 0, "output_bytes": 0, "colour": 1}]})",
+              "g.json")
+              .status()),
+      HasSubstr("ops[0].colour: unknown field"));
   EXPECT_THAT(Err(ParseGraphJson(R"({"ops": [{"name": "a", "forward_flops": 1, "backward_flops": 0, "output_bytes": 0},
                                               {"name": "a", "forward_flops": 1, "backward_flops": 0, "output_bytes": 0}]})",
-                                 "g.json").status()),
+                                 "g.json")
+                      .status()),
               HasSubstr("duplicate op name 'a'"));
   EXPECT_THAT(Err(LoadGraphFile("/nonexistent.json").status()), HasSubstr("/nonexistent.json: cannot open"));
 }
 
 TEST(ProfileJson, ParsesAndValidates) {
-  auto p = ParseProfileJson(R"({"sites": [{"name": "a", "flops_per_second": 1e12, "memory_bytes": 8e9, "op_seconds": {"x": 0.1}},
+  auto p = ParseProfileJson(
+      R"({"sites": [{"name": "a", "flops_per_second": 1e12, "memory_bytes": 8e9, "op_seconds": {"x": 0.1}},
                                           {"name": "b", "flops_per_second": 5e11, "memory_bytes": 8e9,
                                            "gemm_flops_per_second": {"libtorch_fp32": 4e11, "cublas_bf16": 9e14}}],
                                "links": [{"from": "a", "to": "b", "bandwidth_bytes_per_second": 1.25e7, "latency_seconds": 0.02}]})",
-                            "p.json");
+      "p.json");
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_EQ(p->sites[0].op_seconds.at("x"), 0.1);
   auto again = ParseProfileJson(ProfileToJson(*p), "again.json");
@@ -59,24 +72,29 @@ TEST(ProfileJson, ParsesAndValidates) {
   EXPECT_EQ(again->sites[1].gemm_flops_per_second.at("cublas_bf16"), 9e14);
   EXPECT_THAT(Err(ParseProfileJson(R"({"sites": [{"name": "a", "flops_per_second": 1, "memory_bytes": 1,
                                                   "gemm_flops_per_second": {"cublas_fp32": "fast"}}]})",
-                                   "p.json").status()),
+                                   "p.json")
+                      .status()),
               HasSubstr("sites[0].gemm_flops_per_second.cublas_fp32: must be a non-negative number"));
-  EXPECT_THAT(Err(ParseProfileJson(R"({"sites": [{"name": "a", "flops_per_second": 0, "memory_bytes": 1}]})", "p.json").status()),
+  EXPECT_THAT(Err(ParseProfileJson(R"({"sites": [{"name": "a", "flops_per_second": 0, "memory_bytes": 1}]})", "p.json")
+                      .status()),
               HasSubstr("sites[0].flops_per_second: must be a positive number"));
   EXPECT_THAT(Err(ParseProfileJson(R"({"sites": [{"name": "a", "flops_per_second": 1, "memory_bytes": 1}],
                                        "links": [{"from": "a", "to": "z", "bandwidth_bytes_per_second": 1, "latency_seconds": 0}]})",
-                                   "p.json").status()),
+                                   "p.json")
+                      .status()),
               HasSubstr("links[0].to: unknown site 'z'"));
   EXPECT_THAT(Err(ParseProfileJson(R"({"sites": [{"name": "a", "flops_per_second": 1, "memory_bytes": 1},
                                                  {"name": "b", "flops_per_second": 1, "memory_bytes": 1}],
                                        "links": [{"from": "a", "to": "b", "bandwidth_bytes_per_second": 0, "latency_seconds": 0}]})",
-                                   "p.json").status()),
+                                   "p.json")
+                      .status()),
               HasSubstr("links[0].bandwidth_bytes_per_second: must be a positive number"));
 }
 
 TEST(LlamaGraph, SevenBillionParameters) {
   auto shape = ParseLlamaConfig(R"({"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
-      "num_hidden_layers": 32, "num_attention_heads": 32, "tie_word_embeddings": false})", "config.json");
+      "num_hidden_layers": 32, "num_attention_heads": 32, "tie_word_embeddings": false})",
+                                "config.json");
   ASSERT_TRUE(shape.ok()) << shape.status();
   LlamaGraphOptions o;
   OpGraph g = BuildLlamaGraph(*shape, o);
@@ -91,7 +109,8 @@ TEST(LlamaGraph, SevenBillionParameters) {
   for (const auto& op : g.ops) fwd += op.forward_flops;
   EXPECT_GT(fwd / o.sequence_length, 2 * 6.5e9);
   EXPECT_LT(fwd / o.sequence_length, 2 * 6.74e9 * 1.3);
-  EXPECT_THAT(Err(ParseLlamaConfig(R"({"vocab_size": 10})", "c.json").status()), HasSubstr("c.json: hidden_size: missing"));
+  EXPECT_THAT(Err(ParseLlamaConfig(R"({"vocab_size": 10})", "c.json").status()),
+              HasSubstr("c.json: hidden_size: missing"));
 }
 
 }  // namespace

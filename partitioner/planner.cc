@@ -31,15 +31,20 @@ class CostModel {
   // `pipelined_links`: a deep pipeline covers every link's latency with micro-batches in flight, so a
   // link paces the steady state by its transfer time alone (LinkSteady); else by transfer plus latency.
   CostModel(const OpGraph& g, const ClusterProfile& p, int micro_batches, bool pipelined_links = false)
-      : graph_(g), profile_(p), m_(micro_batches), n_(static_cast<int>(g.ops.size())),
-        sites_(static_cast<int>(p.sites.size())), pipelined_(pipelined_links) {
+      : graph_(g),
+        profile_(p),
+        m_(micro_batches),
+        n_(static_cast<int>(g.ops.size())),
+        sites_(static_cast<int>(p.sites.size())),
+        pipelined_(pipelined_links) {
     time_prefix_.assign(sites_, std::vector<double>(n_ + 1, 0.0));
     for (int s = 0; s < sites_; ++s) {
       const SiteProfile& sp = p.sites[s];
       for (int i = 0; i < n_; ++i) {
         const Op& op = g.ops[i];
         auto it = sp.op_seconds.find(op.name);
-        double t = it != sp.op_seconds.end() ? it->second : (op.forward_flops + op.backward_flops) / sp.flops_per_second;
+        double t =
+            it != sp.op_seconds.end() ? it->second : (op.forward_flops + op.backward_flops) / sp.flops_per_second;
         time_prefix_[s][i + 1] = time_prefix_[s][i] + t;
       }
     }
@@ -109,7 +114,9 @@ class CostModel {
     for (int i = a; i <= b; ++i) sum += graph_.ops[i].param_bytes;
     return sum;
   }
-  bool Fits(int s, int a, int b, int from_end) const { return Memory(a, b, from_end) <= profile_.sites[s].memory_bytes; }
+  bool Fits(int s, int a, int b, int from_end) const {
+    return Memory(a, b, from_end) <= profile_.sites[s].memory_bytes;
+  }
 
  private:
   const OpGraph& graph_;
@@ -131,7 +138,7 @@ struct Evaluation {
   double total = kInf;
   double fill = 0, steady = 0, sync = 0;
   std::vector<double> t, c, allreduce, memory;
-  std::vector<double> pace;  // per link: what it adds to the steady state (CostModel::LinkSteady)
+  std::vector<double> pace;                 // per link: what it adds to the steady state (CostModel::LinkSteady)
   std::vector<int> link_codec, grad_codec;  // indices into the menus; -1 = fixed ratio
 };
 
@@ -581,8 +588,10 @@ Candidate CutOrder(const CostModel& cm, const std::vector<int>& order, double ra
   for (int it = 0; it < 60 && hi - lo > 1e-9 * hi; ++it) {
     double mid = 0.5 * (lo + hi);
     std::vector<int> trial;
-    if (CutsForBottleneck(cm, order, ratio, mid, &trial)) hi = mid, last = trial;
-    else lo = mid;
+    if (CutsForBottleneck(cm, order, ratio, mid, &trial))
+      hi = mid, last = trial;
+    else
+      lo = mid;
   }
   std::vector<int> used(order.begin(), order.begin() + last.size());
   double cost = SearchCost(cm, used, last, ratio);
@@ -765,8 +774,8 @@ absl::StatusOr<std::vector<PinnedStage>> ParsePlanLayout(const std::string& text
     for (const auto& site : st["sites"]) {
       if (!site.is_string()) return absl::InvalidArgumentError(absl::StrCat(where, ".sites: expected site names"));
       if (!seen.insert(site.get<std::string>()).second)
-        return absl::InvalidArgumentError(absl::StrCat(where, ".sites: site '", site.get<std::string>(),
-                                                       "' appears in more than one place"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, ".sites: site '", site.get<std::string>(), "' appears in more than one place"));
       p.sites.push_back(site.get<std::string>());
     }
     if (!st.contains("last_op") || !st["last_op"].is_number_integer() || st["last_op"].get<int64_t>() < 0 ||
@@ -888,12 +897,14 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
     std::vector<bool> seen(n, false);
     for (size_t k = 0; k < S; ++k) {
       const int s = o.fixed_sites[k], last = o.fixed_last_ops[k];
-      if (s < 0 || s >= n || seen[s]) return absl::InvalidArgumentError("a fixed layout names a site twice or out of range");
+      if (s < 0 || s >= n || seen[s])
+        return absl::InvalidArgumentError("a fixed layout names a site twice or out of range");
       seen[s] = true;
       if (last < (k ? o.fixed_last_ops[k - 1] + 1 : 0) || last >= N || (k + 1 == S && last != N - 1))
         return absl::InvalidArgumentError("a fixed layout's stage ends must increase and end at the graph's last op");
     }
-    if (o.fixed_replicas.size() > S) return absl::InvalidArgumentError("fixed replicas for more stages than the layout has");
+    if (o.fixed_replicas.size() > S)
+      return absl::InvalidArgumentError("fixed replicas for more stages than the layout has");
     for (const auto& R : o.fixed_replicas)
       for (int s : R) {
         if (s < 0 || s >= n || seen[s])
@@ -902,8 +913,9 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
       }
     best = {SearchCost(cm, o.fixed_sites, o.fixed_last_ops, ratio), o.fixed_sites, o.fixed_last_ops};
     if (best.cost == kInf)
-      return absl::FailedPreconditionError("the fixed layout is infeasible: a stage exceeds its site's memory or "
-                                           "two neighbouring sites have no link");
+      return absl::FailedPreconditionError(
+          "the fixed layout is infeasible: a stage exceeds its site's memory or "
+          "two neighbouring sites have no link");
     plan.method = "fixed";
     plan.notes.push_back("fixed layout given by the caller (no search)");
   } else {
@@ -923,9 +935,9 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
           "exact search over every order of every subset of the %d sites and every cut (%.3g transitions)", n,
           ex.transitions));
     } else {
-      plan.notes.push_back(absl::StrFormat(
-          "exact search stopped after %.3g transitions (limit %.3g); this is the heuristic's plan", ex.transitions,
-          o.exact_work_limit));
+      plan.notes.push_back(
+          absl::StrFormat("exact search stopped after %.3g transitions (limit %.3g); this is the heuristic's plan",
+                          ex.transitions, o.exact_work_limit));
     }
   } else if (plan.method != "fixed") {
     plan.notes.push_back(absl::StrFormat(
@@ -949,18 +961,20 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
       const Op& op = graph.ops[i];
       double need = op.param_bytes + op.optimizer_bytes + op.output_bytes;
       if (need > largest) {
-        why = absl::StrFormat("op '%s' alone needs %.3g bytes, more than the largest site ('%s', %.3g bytes)",
-                              op.name, need, largest_name, largest);
+        why = absl::StrFormat("op '%s' alone needs %.3g bytes, more than the largest site ('%s', %.3g bytes)", op.name,
+                              need, largest_name, largest);
         break;
       }
     }
     if (why.empty() && state + acts > total_mem)
-      why = absl::StrFormat("the model needs at least %.3g bytes (weights, gradients, optimizer state and one "
-                            "micro-batch of activations) but all %d sites together have %.3g bytes",
-                            state + acts, n, total_mem);
+      why = absl::StrFormat(
+          "the model needs at least %.3g bytes (weights, gradients, optimizer state and one "
+          "micro-batch of activations) but all %d sites together have %.3g bytes",
+          state + acts, n, total_mem);
     if (why.empty())
-      why = "no chain of linked sites can hold the model (check the profile's links: sites without a link in "
-            "both directions cannot be neighbours) and its memory";
+      why =
+          "no chain of linked sites can hold the model (check the profile's links: sites without a link in "
+          "both directions cannot be neighbours) and its memory";
     return absl::FailedPreconditionError(absl::StrCat("no feasible plan: ", why));
   }
 
@@ -972,8 +986,9 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
       for (int s : o.fixed_replicas[k]) layout.sites[k].push_back(s);
   Evaluation ev = Evaluate(cm, layout, o, graph);
   if (ev.total == kInf)
-    return absl::FailedPreconditionError("the fixed layout is infeasible: a replica exceeds its site's memory or two "
-                                         "of a stage's sites have no link");
+    return absl::FailedPreconditionError(
+        "the fixed layout is infeasible: a replica exceeds its site's memory or two "
+        "of a stage's sites have no link");
 
   // Replication: greedily add unused sites as replicas where they help most. The best pure pipeline may
   // use every site, so shallower pipelines on the fastest sites are tried too, each with its replicas.
@@ -1031,8 +1046,10 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
         "latencies with %d micro-batches) is shorter",
         layout.sites.size(), formula_stages, o.micro_batches));
   SimulatedLayout sim;
-  if (o.deep_pipeline && o.adaptive_compression) ChooseLinkCodecsBySimulation(cm, layout, o, graph, &ev, &sim);
-  else if (o.deep_pipeline) sim = SimulateLayout(cm, layout, ev, o, graph);
+  if (o.deep_pipeline && o.adaptive_compression)
+    ChooseLinkCodecsBySimulation(cm, layout, o, graph, &ev, &sim);
+  else if (o.deep_pipeline)
+    sim = SimulateLayout(cm, layout, ev, o, graph);
 
   const int S = static_cast<int>(layout.sites.size());
   for (int k = 0; k < S; ++k) {
@@ -1058,7 +1075,8 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
       st.wait_seconds = sim.step.wait_seconds[k];
     }
     st.memory_available_bytes = kInf;
-    for (int s : st.sites) st.memory_available_bytes = std::min(st.memory_available_bytes, profile.sites[s].memory_bytes);
+    for (int s : st.sites)
+      st.memory_available_bytes = std::min(st.memory_available_bytes, profile.sites[s].memory_bytes);
     st.allreduce_seconds = ev.allreduce[k];
     if (st.sites.size() > 1)
       st.gradient_codec = ev.grad_codec[k] >= 0 ? o.gradient_codecs[ev.grad_codec[k]].name : "identity";
@@ -1096,20 +1114,19 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
   for (int k = 0; k < S; ++k)
     if (ev.t[k] > worst)
       worst = ev.t[k], plan.bottleneck = absl::StrFormat("stage %d compute (%s): %.4g s per micro-batch", k + 1,
-                                                          SiteList(profile, layout.sites[k]), ev.t[k]);
+                                                         SiteList(profile, layout.sites[k]), ev.t[k]);
   for (int k = 0; k + 1 < S; ++k)
     if (ev.pace[k] > worst)
       worst = ev.pace[k], plan.bottleneck = absl::StrFormat("link %d->%d (%s -> %s): %.4g s per micro-batch", k + 1,
-                                                          k + 2, SiteList(profile, layout.sites[k]),
-                                                          SiteList(profile, layout.sites[k + 1]), ev.pace[k]);
+                                                            k + 2, SiteList(profile, layout.sites[k]),
+                                                            SiteList(profile, layout.sites[k + 1]), ev.pace[k]);
   std::vector<bool> in_plan(n, false);
   for (const auto& R : layout.sites)
     for (int s : R) in_plan[s] = true;
   for (int s = 0; s < n; ++s)
     if (!in_plan[s])
-      plan.notes.push_back(absl::StrFormat(
-          "site '%s' is unused: no plan that includes it%s predicts a shorter step", profile.sites[s].name,
-          o.replication ? " (as a stage or a replica)" : ""));
+      plan.notes.push_back(absl::StrFormat("site '%s' is unused: no plan that includes it%s predicts a shorter step",
+                                           profile.sites[s].name, o.replication ? " (as a stage or a replica)" : ""));
   for (int k = 0; k + 1 < S; ++k)
     if (ev.link_codec[k] > 0)
       plan.notes.push_back(
@@ -1125,23 +1142,24 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
 
 std::string PlanTable(const Plan& plan, const OpGraph& graph, const ClusterProfile& profile) {
   std::string out;
-  out += absl::StrFormat("Plan: %d stage(s) over %d of %d site(s), %d micro-batches, %s search\n\n",
-                         plan.stages.size(), [&] {
-                           int c = 0;
-                           for (const auto& s : plan.stages) c += static_cast<int>(s.sites.size());
-                           return c;
-                         }(), profile.sites.size(), plan.micro_batches, plan.method);
-  out += absl::StrFormat("%-5s %-22s %-34s %11s %22s %23s\n", "stage", "sites", "ops", "compute/mb",
-                         "link to next /mb", "memory used / avail");
+  out += absl::StrFormat(
+      "Plan: %d stage(s) over %d of %d site(s), %d micro-batches, %s search\n\n", plan.stages.size(),
+      [&] {
+        int c = 0;
+        for (const auto& s : plan.stages) c += static_cast<int>(s.sites.size());
+        return c;
+      }(),
+      profile.sites.size(), plan.micro_batches, plan.method);
+  out += absl::StrFormat("%-5s %-22s %-34s %11s %22s %23s\n", "stage", "sites", "ops", "compute/mb", "link to next /mb",
+                         "memory used / avail");
   auto gib = [](double b) { return b / (1024.0 * 1024 * 1024); };
   for (size_t k = 0; k < plan.stages.size(); ++k) {
     const StagePlan& s = plan.stages[k];
-    std::string ops = absl::StrFormat("%d-%d %s..%s", s.first_op, s.last_op, graph.ops[s.first_op].name,
-                                      graph.ops[s.last_op].name);
+    std::string ops =
+        absl::StrFormat("%d-%d %s..%s", s.first_op, s.last_op, graph.ops[s.first_op].name, graph.ops[s.last_op].name);
     if (ops.size() > 34) ops = ops.substr(0, 31) + "...";
     std::string link = "-";
-    if (k < plan.links.size())
-      link = absl::StrFormat("%.4g s %s", plan.links[k].seconds, plan.links[k].codec);
+    if (k < plan.links.size()) link = absl::StrFormat("%.4g s %s", plan.links[k].seconds, plan.links[k].codec);
     out += absl::StrFormat("%-5d %-22s %-34s %9.4g s %22s %9.2f / %7.2f GiB\n", k + 1, absl::StrJoin(s.site_names, "+"),
                            ops, s.compute_seconds, link, gib(s.memory_bytes), gib(s.memory_available_bytes));
     if (s.sites.size() > 1)
@@ -1160,9 +1178,9 @@ std::string PlanTable(const Plan& plan, const OpGraph& graph, const ClusterProfi
                          depth == depth_1f1b ? " (1F1B)"
                                              : absl::StrCat(" (1F1B: ", absl::StrJoin(depth_1f1b, " / "),
                                                             "; deeper where the round trip needs it)"));
-  const std::string terms = absl::StrFormat(
-      "fill+drain %.4g s + steady %.4g s%s", plan.fill_drain_seconds, plan.steady_seconds,
-      plan.sync_seconds > 0 ? absl::StrFormat(" + sync %.4g s", plan.sync_seconds) : "");
+  const std::string terms =
+      absl::StrFormat("fill+drain %.4g s + steady %.4g s%s", plan.fill_drain_seconds, plan.steady_seconds,
+                      plan.sync_seconds > 0 ? absl::StrFormat(" + sync %.4g s", plan.sync_seconds) : "");
   if (plan.simulated)
     out += absl::StrFormat("predicted step time:   %.4g s  (simulated schedule%s; steady-state formula %.4g s: %s)\n",
                            plan.predicted_step_seconds,
@@ -1198,8 +1216,12 @@ std::string PlanJson(const Plan& plan, const OpGraph& graph) {
     stages.push_back(js);
   }
   for (const auto& l : plan.links)
-    links.push_back({{"from_stage", l.from_stage}, {"to_stage", l.from_stage + 1}, {"bytes", l.bytes},
-                     {"seconds", l.seconds}, {"codec", l.codec}, {"ratio", l.ratio}});
+    links.push_back({{"from_stage", l.from_stage},
+                     {"to_stage", l.from_stage + 1},
+                     {"bytes", l.bytes},
+                     {"seconds", l.seconds},
+                     {"codec", l.codec},
+                     {"ratio", l.ratio}});
   json j = {{"predicted_step_seconds", plan.predicted_step_seconds},
             {"compute_bound_seconds", plan.compute_bound_seconds},
             {"fill_drain_seconds", plan.fill_drain_seconds},

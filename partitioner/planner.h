@@ -86,15 +86,15 @@ std::vector<int> ShareMicroBatches(int micro_batches, const std::vector<double>&
 std::vector<int> MicroBatchOwners(const std::vector<int>& counts);
 
 struct StagePlan {
-  std::vector<int> sites;              // indices into ClusterProfile::sites; more than one = replicas
+  std::vector<int> sites;  // indices into ClusterProfile::sites; more than one = replicas
   std::vector<std::string> site_names;
-  int first_op = 0, last_op = 0;       // inclusive range in topological order
-  std::vector<int> micro_batches;      // per site of `sites`: micro-batches it runs each step (sum = M)
-  double compute_seconds = 0;          // per micro-batch (replicas: slowest share / M)
-  double memory_bytes = 0;             // needed on each of its sites
-  double memory_available_bytes = 0;   // smallest among its sites
-  double allreduce_seconds = 0;        // replica gradient sync per step (0 without replicas)
-  std::string gradient_codec;          // codec for that sync
+  int first_op = 0, last_op = 0;      // inclusive range in topological order
+  std::vector<int> micro_batches;     // per site of `sites`: micro-batches it runs each step (sum = M)
+  double compute_seconds = 0;         // per micro-batch (replicas: slowest share / M)
+  double memory_bytes = 0;            // needed on each of its sites
+  double memory_available_bytes = 0;  // smallest among its sites
+  double allreduce_seconds = 0;       // replica gradient sync per step (0 without replicas)
+  std::string gradient_codec;         // codec for that sync
   // Micro-batches the stage keeps in flight (forward passes run whose backward pass has not): 1F1B's
   // S - k, or more with deep_pipeline (PipelineSchedule in schedule.h). memory_bytes counts them.
   int in_flight = 0;
@@ -103,9 +103,9 @@ struct StagePlan {
 };
 
 struct LinkPlan {
-  int from_stage = 0;        // link between stage from_stage and from_stage + 1 (0-based)
-  double bytes = 0;          // uncompressed bytes crossing the cut per micro-batch
-  double seconds = 0;        // c_k: worst direction, compressed
+  int from_stage = 0;  // link between stage from_stage and from_stage + 1 (0-based)
+  double bytes = 0;    // uncompressed bytes crossing the cut per micro-batch
+  double seconds = 0;  // c_k: worst direction, compressed
   std::string codec;
   double ratio = 1.0;
 };
@@ -115,9 +115,9 @@ struct Plan {
   std::vector<LinkPlan> links;
   int micro_batches = 0;
   double predicted_step_seconds = 0;
-  double fill_drain_seconds = 0;   // sum t_k + sum c_k
-  double steady_seconds = 0;       // (M - 1) * bottleneck
-  double sync_seconds = 0;         // slowest replica all-reduce
+  double fill_drain_seconds = 0;  // sum t_k + sum c_k
+  double steady_seconds = 0;      // (M - 1) * bottleneck
+  double sync_seconds = 0;        // slowest replica all-reduce
   double compute_bound_seconds = 0;
   // With deep_pipeline: predicted_step_seconds is the simulated schedule's step plus sync_seconds, and
   // formula_step_seconds is the steady-state formula's (fill_drain + steady + sync) for the same plan.

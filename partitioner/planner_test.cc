@@ -43,7 +43,8 @@ double FormulaCost(const OpGraph& g, const ClusterProfile& p, int M, double rho,
     double t = 0, state = 0, out = 0;
     for (int i = a; i <= b; ++i) {
       auto it = sp.op_seconds.find(g.ops[i].name);
-      t += it != sp.op_seconds.end() ? it->second : (g.ops[i].forward_flops + g.ops[i].backward_flops) / sp.flops_per_second;
+      t += it != sp.op_seconds.end() ? it->second
+                                     : (g.ops[i].forward_flops + g.ops[i].backward_flops) / sp.flops_per_second;
       state += g.ops[i].param_bytes + g.ops[i].optimizer_bytes;
       out += g.ops[i].output_bytes;
     }
@@ -210,8 +211,7 @@ TEST(Planner, FourTimesFasterSiteGetsAboutFourTimesTheWork) {
   ASSERT_TRUE(plan.ok()) << plan.status();
   ASSERT_EQ(plan->stages.size(), 2u);
   int fast_ops = 0, slow_ops = 0;
-  for (const auto& s : plan->stages)
-    (s.site_names[0] == "fast" ? fast_ops : slow_ops) += s.last_op - s.first_op + 1;
+  for (const auto& s : plan->stages) (s.site_names[0] == "fast" ? fast_ops : slow_ops) += s.last_op - s.first_op + 1;
   EXPECT_EQ(fast_ops, 80);
   EXPECT_EQ(slow_ops, 20);
 }

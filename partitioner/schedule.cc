@@ -65,8 +65,10 @@ SimulatedStep SimulatePipeline(const PipelineTimes& t) {
       while (next[k] < order[k].size()) {
         const auto [kind, m] = order[k][next[k]];
         double ready;
-        if (kind == 'F') ready = act[k][m];
-        else ready = k == S - 1 ? forward_done[k * static_cast<size_t>(M) + m] : grad[k][m];
+        if (kind == 'F')
+          ready = act[k][m];
+        else
+          ready = k == S - 1 ? forward_done[k * static_cast<size_t>(M) + m] : grad[k][m];
         if (ready == kInf) break;
         const double start = std::max(free_at[k], ready);
         if (!r.passes[k].empty()) r.wait_seconds[k] += start - free_at[k];

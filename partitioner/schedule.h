@@ -41,11 +41,11 @@ struct PipelineTimes {
 };
 
 struct SimulatedStep {
-  bool deadlocked = false;      // the schedules wait on each other (in_flight increases somewhere)
-  double step_seconds = 0;      // to the end of the gradient-norm exchange (before the optimizer step)
-  std::vector<double> busy_seconds;     // per stage: forward, backward and send work
-  std::vector<double> wait_seconds;     // per stage: idle between its first pass and its last
-  std::vector<double> finish_seconds;   // per stage: end of its last pass
+  bool deadlocked = false;             // the schedules wait on each other (in_flight increases somewhere)
+  double step_seconds = 0;             // to the end of the gradient-norm exchange (before the optimizer step)
+  std::vector<double> busy_seconds;    // per stage: forward, backward and send work
+  std::vector<double> wait_seconds;    // per stage: idle between its first pass and its last
+  std::vector<double> finish_seconds;  // per stage: end of its last pass
   std::vector<double> forward_link_busy_seconds, backward_link_busy_seconds;  // per link
   // Per stage, the passes in the order they ran: (kind, micro-batch, start, end).
   struct Pass {

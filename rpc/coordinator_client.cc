@@ -112,7 +112,8 @@ class GrpcCoordinatorClient final : public CoordinatorClient {
     if (!s.ok())
       return FromGrpc(s, absl::StrCat("sending ", path, " (", size, " bytes) to the coordinator at ", address_));
     if (ack.bytes() != static_cast<int64_t>(size))
-      return absl::DataLossError(absl::StrCat("the coordinator stored ", ack.bytes(), " bytes of ", path, ", not ", size));
+      return absl::DataLossError(
+          absl::StrCat("the coordinator stored ", ack.bytes(), " bytes of ", path, ", not ", size));
     return absl::OkStatus();
   }
 
@@ -120,7 +121,8 @@ class GrpcCoordinatorClient final : public CoordinatorClient {
     std::error_code ec;
     fs::create_directories(fs::path(local).parent_path(), ec);
     if (ec)
-      return absl::InternalError(absl::StrCat("fetching ", path, ": cannot create the directory of ", local, ": ", ec.message()));
+      return absl::InternalError(
+          absl::StrCat("fetching ", path, ": cannot create the directory of ", local, ": ", ec.message()));
     std::ofstream out(local, std::ios::binary | std::ios::trunc);
     if (!out) return absl::InternalError(absl::StrCat("fetching ", path, ": cannot write ", local));
     core::Sha256 sha;
@@ -144,8 +146,8 @@ class GrpcCoordinatorClient final : public CoordinatorClient {
     if (!s.ok()) return FromGrpc(s, absl::StrCat("fetching ", path, " from the coordinator at ", address_));
     if (!out) return absl::InternalError(absl::StrCat("writing ", local, " failed"));
     if (want.empty() || sha.HexDigest() != want)
-      return absl::DataLossError(absl::StrCat("fetching ", path, " from the coordinator: SHA-256 mismatch over ", bytes,
-                                              " bytes"));
+      return absl::DataLossError(
+          absl::StrCat("fetching ", path, " from the coordinator: SHA-256 mismatch over ", bytes, " bytes"));
     return absl::OkStatus();
   }
 
@@ -216,7 +218,8 @@ class InProcessClient final : public CoordinatorClient {
   absl::Status PutFile(const std::string& site, const std::string& job_id, const std::string& local,
                        const std::string& path) override {
     if (!core::ParseSiteFile(path))
-      return absl::InvalidArgumentError(absl::StrCat("PutFile from site '", site, "': path '", path, "' is not accepted"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("PutFile from site '", site, "': path '", path, "' is not accepted"));
     auto grant = handler_->FileDestination(site, job_id, path);
     if (!grant.ok()) return grant.status();
     const std::string part = absl::StrCat(grant->path, ".part-", site, "-", uploads_.fetch_add(1));
@@ -233,7 +236,8 @@ class InProcessClient final : public CoordinatorClient {
       });
       out.close();
       if (s.ok() && bytes > grant->max_bytes)
-        s = absl::ResourceExhaustedError(absl::StrCat("PutFile ", path, ": more than the ", grant->max_bytes, " bytes"));
+        s = absl::ResourceExhaustedError(
+            absl::StrCat("PutFile ", path, ": more than the ", grant->max_bytes, " bytes"));
       if (s.ok() && !out) s = absl::InternalError(absl::StrCat("writing ", part, " failed"));
     }
     if (s.ok()) s = core::SyncFile(part);
@@ -245,7 +249,8 @@ class InProcessClient final : public CoordinatorClient {
   absl::Status GetFile(const std::string& site, const std::string& path, const std::string& local) override {
     auto f = core::ParseSiteFile(path);
     if (!f || f->kind == core::SiteFile::Kind::kWeights)
-      return absl::InvalidArgumentError(absl::StrCat("GetFile from site '", site, "': path '", path, "' is not accepted"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("GetFile from site '", site, "': path '", path, "' is not accepted"));
     auto src = handler_->FileSource(site, path);
     if (!src.ok()) return src.status();
     std::error_code ec;
@@ -263,8 +268,8 @@ class InProcessClient final : public CoordinatorClient {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<CoordinatorClient>> ConnectCoordinator(const std::string& certs_dir,
-                                                                     const std::string& identity,
-                                                                     const std::string& address) {
+                                                                      const std::string& identity,
+                                                                      const std::string& address) {
   auto creds = MakeChannelCredentials(certs_dir, identity);
   if (!creds.ok()) return creds.status();
   auto channel = grpc::CreateCustomChannel(address, *creds, PeerChannelArguments("coordinator"));

@@ -58,8 +58,8 @@ class CoordinatorClient {
 // name, or "coordinator" for the operator). Fails only when the credentials do not load; an unreachable
 // coordinator shows in the calls.
 absl::StatusOr<std::unique_ptr<CoordinatorClient>> ConnectCoordinator(const std::string& certs_dir,
-                                                                     const std::string& identity,
-                                                                     const std::string& address);
+                                                                      const std::string& identity,
+                                                                      const std::string& address);
 
 // A client that calls `handler` in this process. `handler` must outlive it.
 std::unique_ptr<CoordinatorClient> InProcessCoordinatorClient(CoordinatorHandler* handler);

@@ -1,6 +1,5 @@
 #include "rpc/coordinator_service.h"
 
-
 #include <cstdio>
 #include <fstream>
 #include <memory>
@@ -15,7 +14,6 @@
 namespace meridian::rpc {
 namespace {
 
-
 constexpr size_t kMaxFileChunkBytes = size_t{4} << 20;
 
 // The files sites may send (PutFile) and fetch (GetFile), relative to the run directory.
@@ -24,7 +22,6 @@ bool IsCheckpointFile(const std::string& path) {
   return f && f->kind != core::SiteFile::Kind::kWeights;
 }
 bool IsRunFile(const std::string& path) { return core::ParseSiteFile(path).has_value(); }
-
 
 }  // namespace
 
@@ -114,7 +111,7 @@ grpc::Status CoordinatorService::Inspect(grpc::ServerContext* ctx, const v1::Ins
 }
 
 grpc::Status CoordinatorService::PutFile(grpc::ServerContext* ctx, grpc::ServerReader<v1::FileChunk>* reader,
-                                        v1::FileAck* ack) {
+                                         v1::FileAck* ack) {
   v1::FileChunk chunk;
   if (!reader->Read(&chunk))
     return {grpc::StatusCode::INVALID_ARGUMENT,
@@ -122,10 +119,9 @@ grpc::Status CoordinatorService::PutFile(grpc::ServerContext* ctx, grpc::ServerR
   if (grpc::Status s = Authorise(ctx, chunk.site()); !s.ok()) return s;
   const std::string site = chunk.site(), path = chunk.path();
   if (!IsRunFile(path))
-    return {grpc::StatusCode::INVALID_ARGUMENT,
-            absl::StrCat("PutFile from site '", site, "': path '", path,
-                         "' is not accepted (only weights/stage-K.safetensors and "
-                         "checkpoints/step-S/stage-K.safetensors or .json)")};
+    return {grpc::StatusCode::INVALID_ARGUMENT, absl::StrCat("PutFile from site '", site, "': path '", path,
+                                                             "' is not accepted (only weights/stage-K.safetensors and "
+                                                             "checkpoints/step-S/stage-K.safetensors or .json)")};
   const std::string job_id = chunk.job_id();
   auto grant = handler_->FileDestination(site, job_id, path);
   if (!grant.ok()) return ToGrpc(grant.status());
@@ -143,8 +139,8 @@ grpc::Status CoordinatorService::PutFile(grpc::ServerContext* ctx, grpc::ServerR
   do {
     if (!want.empty()) return fail(grpc::StatusCode::INVALID_ARGUMENT, "a chunk after the one with the SHA-256");
     if (chunk.data().size() > kMaxFileChunkBytes)
-      return fail(grpc::StatusCode::INVALID_ARGUMENT, absl::StrCat("a chunk of ", chunk.data().size(), " bytes (at most ",
-                                                                   kMaxFileChunkBytes, ")"));
+      return fail(grpc::StatusCode::INVALID_ARGUMENT,
+                  absl::StrCat("a chunk of ", chunk.data().size(), " bytes (at most ", kMaxFileChunkBytes, ")"));
     if (chunk.data().empty() && chunk.sha256().empty() && bytes > 0)
       return fail(grpc::StatusCode::INVALID_ARGUMENT, "an empty chunk before the last");
     bytes += static_cast<int64_t>(chunk.data().size());
@@ -158,7 +154,8 @@ grpc::Status CoordinatorService::PutFile(grpc::ServerContext* ctx, grpc::ServerR
   out.close();
   if (!out) return fail(grpc::StatusCode::INTERNAL, absl::StrCat("writing ", part, " failed"));
   if (ctx->IsCancelled()) return fail(grpc::StatusCode::CANCELLED, absl::StrCat("cut off after ", bytes, " bytes"));
-  if (want.empty()) return fail(grpc::StatusCode::DATA_LOSS, absl::StrCat("no SHA-256 after ", bytes, " bytes (cut off?)"));
+  if (want.empty())
+    return fail(grpc::StatusCode::DATA_LOSS, absl::StrCat("no SHA-256 after ", bytes, " bytes (cut off?)"));
   if (sha.HexDigest() != want)
     return fail(grpc::StatusCode::DATA_LOSS, absl::StrCat("SHA-256 mismatch over ", bytes, " bytes"));
   if (absl::Status s = core::SyncFile(part); !s.ok()) return fail(grpc::StatusCode::INTERNAL, std::string(s.message()));
@@ -169,7 +166,7 @@ grpc::Status CoordinatorService::PutFile(grpc::ServerContext* ctx, grpc::ServerR
 }
 
 grpc::Status CoordinatorService::GetFile(grpc::ServerContext* ctx, const v1::FileRequest* req,
-                                        grpc::ServerWriter<v1::FileChunk>* writer) {
+                                         grpc::ServerWriter<v1::FileChunk>* writer) {
   if (grpc::Status s = Authorise(ctx, req->site()); !s.ok()) return s;
   if (!IsCheckpointFile(req->path()))
     return {grpc::StatusCode::INVALID_ARGUMENT,
@@ -179,7 +176,8 @@ grpc::Status CoordinatorService::GetFile(grpc::ServerContext* ctx, const v1::Fil
   if (!src.ok()) return ToGrpc(src.status());
   std::ifstream in(*src, std::ios::binary);
   if (!in)
-    return {grpc::StatusCode::NOT_FOUND, absl::StrCat("GetFile from site '", req->site(), "': cannot read ", req->path())};
+    return {grpc::StatusCode::NOT_FOUND,
+            absl::StrCat("GetFile from site '", req->site(), "': cannot read ", req->path())};
   core::Sha256 sha;
   std::string buf(size_t{1} << 20, '\0');
   for (;;) {

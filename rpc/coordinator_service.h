@@ -74,8 +74,7 @@ class CoordinatorService final : public v1::Coordinator::Service {
   // file. Paths other than
   // "weights/stage-K.safetensors" and "checkpoints/step-S/stage-K.{safetensors,json}" are refused
   // (InvalidArgument) before the handler is asked.
-  grpc::Status PutFile(grpc::ServerContext* ctx, grpc::ServerReader<v1::FileChunk>* reader,
-                       v1::FileAck* ack) override;
+  grpc::Status PutFile(grpc::ServerContext* ctx, grpc::ServerReader<v1::FileChunk>* reader, v1::FileAck* ack) override;
   // Streams FileSource's file in 1 MiB chunks, the SHA-256 with the last. Only checkpoint paths.
   grpc::Status GetFile(grpc::ServerContext* ctx, const v1::FileRequest* req,
                        grpc::ServerWriter<v1::FileChunk>* writer) override;

@@ -121,7 +121,8 @@ class CoordinatorAuthTest : public ::testing::Test {
   // Runs the Python client; returns the status code name it printed.
   std::string Python(const std::string& site, const std::string& args) {
     std::string script = std::string(MERIDIAN_TEST_SOURCE_DIR) + "/tests/foreign_client.py";
-    auto [rc, out] = Shell("/usr/bin/python3 " + script + " 127.0.0.1:" + std::to_string(port_) + " " + site + " " + args);
+    auto [rc, out] =
+        Shell("/usr/bin/python3 " + script + " 127.0.0.1:" + std::to_string(port_) + " " + site + " " + args);
     EXPECT_EQ(rc, 0) << out;
     return out.substr(0, out.find('\n'));
   }
@@ -222,7 +223,8 @@ TEST_F(CoordinatorAuthTest, PutFileStoresTheWholeFileOrNothing) {
   for (auto& c : data) c = static_cast<char>(rng());
   const fs::path stored = dir_ / "store" / "weights" / "stage-1.safetensors";
   v1::FileAck ack;
-  grpc::Status ok = Upload(dir_ / "ours", port_, "a", "a", "job-1", "weights/stage-1.safetensors", data, 1 << 20, "", &ack);
+  grpc::Status ok =
+      Upload(dir_ / "ours", port_, "a", "a", "job-1", "weights/stage-1.safetensors", data, 1 << 20, "", &ack);
   ASSERT_TRUE(ok.ok()) << ok.error_message();
   EXPECT_EQ(ack.bytes(), static_cast<int64_t>(data.size()));
   std::ifstream in(stored, std::ios::binary);
@@ -242,7 +244,8 @@ TEST_F(CoordinatorAuthTest, PutFileStoresTheWholeFileOrNothing) {
   EXPECT_THAT(bad.error_message(), HasSubstr("SHA-256 mismatch"));
   EXPECT_THAT(bad.error_message(), HasSubstr("site 'a'"));
   EXPECT_TRUE(nothing_left());
-  grpc::Status cut = Upload(dir_ / "ours", port_, "a", "a", "job-1", "weights/stage-1.safetensors", data, 1 << 20, "none");
+  grpc::Status cut =
+      Upload(dir_ / "ours", port_, "a", "a", "job-1", "weights/stage-1.safetensors", data, 1 << 20, "none");
   EXPECT_EQ(cut.error_code(), grpc::StatusCode::DATA_LOSS);
   EXPECT_TRUE(nothing_left());
   grpc::Status stale = Upload(dir_ / "ours", port_, "a", "a", "job-0", "weights/stage-1.safetensors", data, 1 << 20);
@@ -255,7 +258,8 @@ TEST_F(CoordinatorAuthTest, PutFileStoresTheWholeFileOrNothing) {
                               data + std::string(3 * 1000 * 1000, 'x'), 1 << 20);
   EXPECT_EQ(large.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);  // over the 12 MB the handler grants
   EXPECT_TRUE(nothing_left());
-  grpc::Status not_a_writer = Upload(dir_ / "ours", port_, "b", "b", "job-1", "weights/stage-1.safetensors", data, 1 << 20);
+  grpc::Status not_a_writer =
+      Upload(dir_ / "ours", port_, "b", "b", "job-1", "weights/stage-1.safetensors", data, 1 << 20);
   EXPECT_EQ(not_a_writer.error_code(), grpc::StatusCode::PERMISSION_DENIED);
   EXPECT_TRUE(nothing_left());
 
@@ -311,7 +315,8 @@ TEST_F(CoordinatorAuthTest, GetFileReturnsAStoredCheckpointFile) {
   got.clear();
   EXPECT_EQ(fetch("b", "b", "checkpoints/step-5/stage-1.safetensors", &got, &sha).error_code(),
             grpc::StatusCode::NOT_FOUND);
-  EXPECT_EQ(fetch("b", "b", "weights/stage-1.safetensors", &got, &sha).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(fetch("b", "b", "weights/stage-1.safetensors", &got, &sha).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(fetch("b", "b", "checkpoints/step-4/../../x", &got, &sha).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(fetch("b", "a", path, &got, &sha).error_code(), grpc::StatusCode::PERMISSION_DENIED);
   EXPECT_TRUE(got.empty());

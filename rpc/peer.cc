@@ -19,7 +19,6 @@ TensorKey KeyOf(const v1::TensorChunk& c) {
   return {c.job_id(), c.step(), c.micro_batch(), c.stage(), c.direction(), c.tensor_index()};
 }
 
-
 }  // namespace
 
 std::string TensorKey::ToString() const {
@@ -61,8 +60,8 @@ absl::StatusOr<std::vector<uint8_t>> TensorInbox::Wait(const std::string& peer, 
       return f;
     }
     if (auto f = failed_.find(peer); f != failed_.end() && (f->second.second.empty() || f->second.second == key.job_id))
-      return absl::UnavailableError(absl::StrCat("peer '", peer, "' failed while waiting for ", key.ToString(), ": ",
-                                                 f->second.first));
+      return absl::UnavailableError(
+          absl::StrCat("peer '", peer, "' failed while waiting for ", key.ToString(), ": ", f->second.first));
     if (cv_.wait_until(l, deadline) == std::cv_status::timeout && std::chrono::steady_clock::now() >= deadline)
       return absl::DeadlineExceededError(
           absl::StrCat("no ", key.ToString(), " from peer '", peer, "' before the deadline"));
@@ -93,8 +92,7 @@ grpc::Status PeerService::Authorise(grpc::ServerContext* ctx, std::string* peer)
     allowed = allowed_.count(*peer) > 0;
   }
   if (!allowed)
-    return {grpc::StatusCode::PERMISSION_DENIED,
-            absl::StrCat("'", *peer, "' may not stream tensors to '", self_, "'")};
+    return {grpc::StatusCode::PERMISSION_DENIED, absl::StrCat("'", *peer, "' may not stream tensors to '", self_, "'")};
   authorised_calls_++;
   return grpc::Status::OK;
 }
@@ -150,8 +148,8 @@ grpc::Status PeerService::Stream(grpc::ServerContext* ctx, grpc::ServerReader<v1
   if (ctx->IsCancelled())
     return fail(grpc::StatusCode::CANCELLED, absl::StrCat("stream from peer '", peer, "' was cut off"));
   if (!partial.empty())
-    return fail(grpc::StatusCode::DATA_LOSS,
-                absl::StrCat("stream from peer '", peer, "' ended in the middle of ", partial.begin()->first.ToString()));
+    return fail(grpc::StatusCode::DATA_LOSS, absl::StrCat("stream from peer '", peer, "' ended in the middle of ",
+                                                          partial.begin()->first.ToString()));
   ack->set_frames_received(frames);
   return grpc::Status::OK;
 }
@@ -198,10 +196,11 @@ absl::StatusOr<std::unique_ptr<PeerClient>> PeerClient::Create(const std::string
 }
 
 absl::StatusOr<std::unique_ptr<PeerClient::OutStream>> PeerClient::OpenStream(std::chrono::seconds deadline,
-                                                                             std::chrono::seconds connect_timeout) {
+                                                                              std::chrono::seconds connect_timeout) {
   if (!channel_->WaitForConnected(std::chrono::system_clock::now() + connect_timeout))
-    return absl::UnavailableError(absl::StrCat("peer '", peer_, "' at ", address_, " did not accept a connection within ",
-                                               connect_timeout.count(), " s (not running, unreachable, or not trusting "
+    return absl::UnavailableError(absl::StrCat("peer '", peer_, "' at ", address_,
+                                               " did not accept a connection within ", connect_timeout.count(),
+                                               " s (not running, unreachable, or not trusting "
                                                "this cluster's CA)"));
   auto s = std::unique_ptr<OutStream>(new OutStream);
   s->peer_ = peer_;

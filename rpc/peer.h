@@ -3,9 +3,9 @@
 // A sender opens one long-lived stream per neighbour (PeerClient::OpenStream) and writes each tensor
 // as a compression frame cut into chunks of at most kChunkBytes; gRPC's flow control gives
 // back-pressure (a Write blocks while the receiver is behind). A training stage writes through a
-// QueuedSender, so that the back-pressure holds the sender's thread and not the stage's compute thread. The receiver (PeerService) reassembles
-// the chunks, checks the frame's integrity (compression::InspectFrame validates header and checksum) and
-// hands it to a TensorInbox, where the training loop waits for it by key.
+// QueuedSender, so that the back-pressure holds the sender's thread and not the stage's compute thread. The receiver
+// (PeerService) reassembles the chunks, checks the frame's integrity (compression::InspectFrame validates header and
+// checksum) and hands it to a TensorInbox, where the training loop waits for it by key.
 #ifndef MERIDIAN_RPC_PEER_H_
 #define MERIDIAN_RPC_PEER_H_
 
@@ -122,8 +122,8 @@ class PeerClient {
   };
   // Waits up to `connect_timeout` for the peer to accept a connection (it may still be starting), then
   // opens the stream; `deadline` bounds the whole stream. Errors: Unavailable naming the peer and address.
-  absl::StatusOr<std::unique_ptr<OutStream>> OpenStream(std::chrono::seconds deadline,
-                                                        std::chrono::seconds connect_timeout = std::chrono::seconds(30));
+  absl::StatusOr<std::unique_ptr<OutStream>> OpenStream(
+      std::chrono::seconds deadline, std::chrono::seconds connect_timeout = std::chrono::seconds(30));
 
   // Round trip of a small message. Errors name the peer.
   absl::StatusOr<double> EchoSeconds(int payload_bytes, std::chrono::milliseconds deadline);
@@ -178,7 +178,7 @@ class QueuedSender {
 
 // Link measurements between this process and one peer, in profile.json's link format.
 struct LinkMeasurement {
-  double rtt_seconds = 0;              // median of ping-pongs
+  double rtt_seconds = 0;               // median of ping-pongs
   double forward_bytes_per_second = 0;  // this -> peer (timed bulk stream)
   double reverse_bytes_per_second = 0;  // peer -> this (timed bulk pull)
   // Both at once, as a pipeline link carries activations one way and gradients the other: each

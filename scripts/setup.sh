@@ -5,7 +5,7 @@
 set -euo pipefail
 
 PACKAGES=(
-  build-essential cmake ninja-build ccache pkg-config git
+  build-essential cmake ninja-build ccache pkg-config git clang-format
   libtorch-dev libopenblas0-pthread
   libgrpc++-dev protobuf-compiler protobuf-compiler-grpc libprotobuf-dev
   libyaml-cpp-dev libssl-dev openssl

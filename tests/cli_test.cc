@@ -33,8 +33,9 @@ struct Result {
 
 Result Exec(const std::string& cmd) {
   static int counter = 0;
-  std::string errfile = (fs::temp_directory_path() / ("meridian_cli_err_" + std::to_string(::getpid()) + "_" +
-                                                      std::to_string(counter++))).string();
+  std::string errfile =
+      (fs::temp_directory_path() / ("meridian_cli_err_" + std::to_string(::getpid()) + "_" + std::to_string(counter++)))
+          .string();
   Result r;
   FILE* p = popen((cmd + " 2>" + errfile).c_str(), "r");
   std::array<char, 4096> buf;
@@ -73,7 +74,8 @@ TEST_F(Cli, HelpAndVersion) {
     EXPECT_EQ(h.rc, 0);
     EXPECT_THAT(h.out, HasSubstr("Usage"));
   }
-  for (const char* sub : {"validate", "certs", "certs init", "certs issue", "plan", "graph", "run", "train-local", "doctor"}) {
+  for (const char* sub :
+       {"validate", "certs", "certs init", "certs issue", "plan", "graph", "run", "train-local", "doctor"}) {
     auto h = Exec(Bin("meridian") + " " + sub + " --help");
     EXPECT_EQ(h.rc, 0) << sub;
     EXPECT_THAT(h.out, HasSubstr("Usage")) << sub;
@@ -83,11 +85,12 @@ TEST_F(Cli, HelpAndVersion) {
 
 TEST_F(Cli, ValidateExitCodesAndFormat) {
   auto ok = Exec(Bin("meridian") + " validate " + Src("examples/clusters/local.yaml") + " " +
-                Src("examples/clusters/geo.yaml"));
+                 Src("examples/clusters/geo.yaml"));
   EXPECT_EQ(ok.rc, 0) << ok.err;
   EXPECT_THAT(ok.out, HasSubstr("local.yaml: ok (cluster 'local-demo' with 3 sites"));
-  std::string bad = Write("bad.yaml", "cluster: x\ncoordinator: {address: 127.0.0.1:1}\nsites:\n  - {name: a, address: nope}\n"
-                                      "links:\n  - {from: a, to: b, bandwidth: 0Mbit}\n");
+  std::string bad = Write("bad.yaml",
+                          "cluster: x\ncoordinator: {address: 127.0.0.1:1}\nsites:\n  - {name: a, address: nope}\n"
+                          "links:\n  - {from: a, to: b, bandwidth: 0Mbit}\n");
   auto r = Exec(Bin("meridian") + " validate " + bad);
   EXPECT_EQ(r.rc, 2);
   EXPECT_THAT(r.err, HasSubstr(bad + ":4:"));
@@ -103,7 +106,9 @@ TEST_F(Cli, ValidateExitCodesAndFormat) {
     start = end == std::string::npos ? r.err.size() : end + 1;
   }
   EXPECT_GE(lines, 3u);
-  std::string binary = Write("bin.yaml", std::string("\x7f" "ELF\0\0\x01", 7));
+  std::string binary = Write("bin.yaml", std::string("\x7f"
+                                                     "ELF\0\0\x01",
+                                                     7));
   auto b = Exec(Bin("meridian") + " validate " + binary);
   EXPECT_EQ(b.rc, 2);
   EXPECT_THAT(b.err, HasSubstr("not a text file"));
@@ -129,12 +134,14 @@ TEST_F(Cli, CertsInitAndIssueVerifyWithOpenssl) {
   auto san = Exec("openssl x509 -noout -subject -ext subjectAltName -in " + out + "/tokyo.pem");
   EXPECT_THAT(san.out, HasSubstr("CN = tokyo"));
   EXPECT_THAT(san.out, HasSubstr("IP Address:198.51.100.7"));
-  EXPECT_EQ(fs::status(out + "/tokyo.key").permissions() & fs::perms::all, fs::perms::owner_read | fs::perms::owner_write);
+  EXPECT_EQ(fs::status(out + "/tokyo.key").permissions() & fs::perms::all,
+            fs::perms::owner_read | fs::perms::owner_write);
 }
 
 TEST_F(Cli, DoctorChecksEveryIdentity) {
-  std::string spec = Write("c.yaml", "cluster: d\ncoordinator: {address: 127.0.0.1:1}\nsecurity: {certs: certs}\nsites:\n"
-                                     "  - {name: a, address: 127.0.0.1:2}\n  - {name: b, address: 127.0.0.1:3}\n");
+  std::string spec = Write("c.yaml",
+                           "cluster: d\ncoordinator: {address: 127.0.0.1:1}\nsecurity: {certs: certs}\nsites:\n"
+                           "  - {name: a, address: 127.0.0.1:2}\n  - {name: b, address: 127.0.0.1:3}\n");
   ASSERT_EQ(Exec(Bin("meridian") + " certs init --spec " + spec + " --out " + (dir_ / "certs").string()).rc, 0);
   auto ok = Exec(Bin("meridian") + " doctor " + spec);
   EXPECT_EQ(ok.rc, 0) << ok.out << ok.err;
@@ -155,7 +162,8 @@ TEST_F(Cli, PlanTableJsonAndDot) {
   EXPECT_THAT(t.out, HasSubstr("predicted step time:"));
   EXPECT_THAT(t.out, HasSubstr("compute bound:"));
   std::string dot = (dir_ / "plan.dot").string();
-  auto j = Exec(Bin("meridian") + " plan --graph " + graph + " --profile " + profile + " --reference --json --dot " + dot);
+  auto j =
+      Exec(Bin("meridian") + " plan --graph " + graph + " --profile " + profile + " --reference --json --dot " + dot);
   ASSERT_EQ(j.rc, 0) << j.err;
   auto js = nlohmann::json::parse(j.out);
   EXPECT_GT(js["predicted_step_seconds"].get<double>(), js["compute_bound_seconds"].get<double>());
@@ -172,9 +180,11 @@ TEST_F(Cli, PlanTableJsonAndDot) {
 
 TEST_F(Cli, ExecutorJoinFailsFastWithOneActionableMessage) {
   std::string certs = (dir_ / "certs").string();
-  ASSERT_EQ(Exec(Bin("meridian") + " certs init --spec " + Src("examples/clusters/local.yaml") + " --out " + certs).rc, 0);
+  ASSERT_EQ(Exec(Bin("meridian") + " certs init --spec " + Src("examples/clusters/local.yaml") + " --out " + certs).rc,
+            0);
   // Nobody listens on this port: a clear "cannot join" within the timeout.
-  auto r = Exec(Bin("meridian-executor") + " --site fast --coordinator 127.0.0.1:1 --certs " + certs + " --join-timeout 2");
+  auto r =
+      Exec(Bin("meridian-executor") + " --site fast --coordinator 127.0.0.1:1 --certs " + certs + " --join-timeout 2");
   EXPECT_EQ(r.rc, 1);
   EXPECT_THAT(r.err, HasSubstr("cannot join the coordinator at 127.0.0.1:1 as site 'fast'"));
   // A site whose certificate is missing: rejected before any network traffic.

@@ -30,7 +30,6 @@ using namespace std::chrono_literals;
 using testing::Bin;
 using testing::FreePort;
 
-
 class CoordinatorTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -42,11 +41,13 @@ class CoordinatorTest : public ::testing::Test {
         << R"({"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": false})";
     coord_port_ = FreePort();
-    std::ofstream(dir_ / "cluster.yaml") << "cluster: t\ncoordinator: {address: 127.0.0.1:" << coord_port_
-                                         << "}\nsecurity: {certs: certs}\nheartbeat: {interval: 1s, timeout: 4s}\nsites:\n";
+    std::ofstream(dir_ / "cluster.yaml")
+        << "cluster: t\ncoordinator: {address: 127.0.0.1:" << coord_port_
+        << "}\nsecurity: {certs: certs}\nheartbeat: {interval: 1s, timeout: 4s}\nsites:\n";
     for (const char* s : {"a", "b", "c"}) {
       ports_[s] = FreePort();
-      std::ofstream(dir_ / "cluster.yaml", std::ios::app) << "  - {name: " << s << ", address: 127.0.0.1:" << ports_[s] << "}\n";
+      std::ofstream(dir_ / "cluster.yaml", std::ios::app)
+          << "  - {name: " << s << ", address: 127.0.0.1:" << ports_[s] << "}\n";
     }
     std::ofstream(dir_ / "job.yaml") << "job:\n  model: model\n  data: synthetic\n  steps: STEPS\n  global_batch: 4\n"
                                         "  micro_batches: 4\n  sequence_length: 16\n  seed: 7\n"
@@ -69,10 +70,10 @@ class CoordinatorTest : public ::testing::Test {
     std::ofstream(dir_ / "job.yaml") << text;
   }
   std::unique_ptr<Process> Executor(const std::string& site, const std::string& certs_dir = "") {
-    return std::make_unique<Process>(Bin("meridian-executor") + " --coordinator 127.0.0.1:" + std::to_string(coord_port_) +
-                                     " --site " + site + " --certs " + (certs_dir.empty() ? (dir_ / "certs").string() : certs_dir) +
-                                     " --listen 127.0.0.1:" + std::to_string(ports_.count(site) ? ports_[site] : FreePort()) +
-                                     " 2>&1");
+    return std::make_unique<Process>(
+        Bin("meridian-executor") + " --coordinator 127.0.0.1:" + std::to_string(coord_port_) + " --site " + site +
+        " --certs " + (certs_dir.empty() ? (dir_ / "certs").string() : certs_dir) +
+        " --listen 127.0.0.1:" + std::to_string(ports_.count(site) ? ports_[site] : FreePort()) + " 2>&1");
   }
   std::unique_ptr<Process> Coordinator(const std::string& extra = "") {
     return std::make_unique<Process>(Bin("meridian") + " run " + (dir_ / "cluster.yaml").string() + " " +
@@ -203,14 +204,16 @@ TEST_F(CoordinatorTest, PinnedPlanWithAReplicatedStageMatchesTheReference) {
   std::string bad_out = bad.ReadAll(20s);
   EXPECT_EQ(bad.Wait(10s), 2) << bad_out;
   EXPECT_THAT(bad_out, HasSubstr("bad-plan.json: site 'zz' is not in the cluster spec"));
-  std::ofstream(dir_ / "bad-plan2.json") << R"({"stages": [{"sites": ["a"], "last_op": 3}, {"sites": ["b", "a"], "last_op": 5}]})";
+  std::ofstream(dir_ / "bad-plan2.json")
+      << R"({"stages": [{"sites": ["a"], "last_op": 3}, {"sites": ["b", "a"], "last_op": 5}]})";
   Process bad2(Bin("meridian") + " run " + (dir_ / "cluster.yaml").string() + " " + (dir_ / "job.yaml").string() +
                " --plan " + (dir_ / "bad-plan2.json").string() + " 2>&1");
   bad_out = bad2.ReadAll(20s);
   EXPECT_EQ(bad2.Wait(10s), 2) << bad_out;
   EXPECT_THAT(bad_out, HasSubstr("stages[1].sites: site 'a' appears in more than one place"));
 
-  std::ofstream(dir_ / "plan.json") << R"({"stages": [{"sites": ["a", "b"], "last_op": 2}, {"sites": ["c"], "last_op": 5}]})";
+  std::ofstream(dir_ / "plan.json")
+      << R"({"stages": [{"sites": ["a", "b"], "last_op": 2}, {"sites": ["c"], "last_op": 5}]})";
   auto coord = Coordinator("--plan " + (dir_ / "plan.json").string());
   std::this_thread::sleep_for(500ms);
   auto a = Executor("a"), b = Executor("b"), c = Executor("c");
@@ -269,16 +272,18 @@ TEST_F(CoordinatorTest, JoinsThatCannotSucceedFailFastWithOneMessage) {
   EXPECT_EQ(doctor.Wait(10s), 0) << report;
   EXPECT_THAT(report, HasSubstr("answers over mutual TLS"));
   // A site the spec does not know, with a certificate of the right CA.
-  Process issue(Bin("meridian") + " certs issue --ca-dir " + (dir_ / "certs").string() + " --site zed --host 127.0.0.1");
+  Process issue(Bin("meridian") + " certs issue --ca-dir " + (dir_ / "certs").string() +
+                " --site zed --host 127.0.0.1");
   ASSERT_EQ(issue.Wait(30s), 0);
   auto t0 = std::chrono::steady_clock::now();
   auto unknown = Executor("zed");
   EXPECT_EQ(unknown->Wait(15s), 1);
-  EXPECT_THAT(unknown->ReadAll(2s), HasSubstr("certificate 'zed' is not a site of this cluster"))
-      << coord->ReadAll(1s);
+  EXPECT_THAT(unknown->ReadAll(2s), HasSubstr("certificate 'zed' is not a site of this cluster")) << coord->ReadAll(1s);
   // A certificate from another cluster's CA.
-  std::ofstream(dir_ / "other.yaml") << "cluster: other\ncoordinator: {address: 127.0.0.1:1}\nsites:\n  - {name: a, address: 127.0.0.1:2}\n";
-  Process other(Bin("meridian") + " certs init --spec " + (dir_ / "other.yaml").string() + " --out " + (dir_ / "othercerts").string());
+  std::ofstream(dir_ / "other.yaml")
+      << "cluster: other\ncoordinator: {address: 127.0.0.1:1}\nsites:\n  - {name: a, address: 127.0.0.1:2}\n";
+  Process other(Bin("meridian") + " certs init --spec " + (dir_ / "other.yaml").string() + " --out " +
+                (dir_ / "othercerts").string());
   ASSERT_EQ(other.Wait(30s), 0);
   auto foreign = Executor("a", (dir_ / "othercerts").string());
   EXPECT_EQ(foreign->Wait(15s), 1);
@@ -371,7 +376,8 @@ TEST_F(CoordinatorTest, KilledExecutorIsReplannedAroundAndTheRunEndsWhereAnUnint
 TEST_F(CoordinatorTest, KilledReplicaIsReplannedAroundAndTheRunEndsWhereAnUninterruptedOneWould) {
   SetSteps(120);
   std::ofstream(dir_ / "job.yaml", std::ios::app) << "  checkpoint: {dir: ckpt, interval: 10}\n";
-  std::ofstream(dir_ / "plan.json") << R"({"stages": [{"sites": ["a", "b"], "last_op": 2}, {"sites": ["c"], "last_op": 5}]})";
+  std::ofstream(dir_ / "plan.json")
+      << R"({"stages": [{"sites": ["a", "b"], "last_op": 2}, {"sites": ["c"], "last_op": 5}]})";
   auto coord = Coordinator("--plan " + (dir_ / "plan.json").string());
   std::this_thread::sleep_for(500ms);
   auto a = Executor("a"), b = Executor("b"), c = Executor("c");
@@ -398,7 +404,8 @@ TEST_F(CoordinatorTest, CheckpointsKeptByTheCoordinatorCarryARunOverALostSite) {
   SetSteps(120);
   std::ofstream(dir_ / "job.yaml", std::ios::app)
       << "  checkpoint: {dir: ckpt, interval: 10, store: coordinator}\n  replication: false\n";
-  std::ofstream(dir_ / "plan.json") << R"({"stages": [{"sites": ["a"], "last_op": 2}, {"sites": ["b"], "last_op": 5}]})";
+  std::ofstream(dir_ / "plan.json")
+      << R"({"stages": [{"sites": ["a"], "last_op": 2}, {"sites": ["b"], "last_op": 5}]})";
   auto coord = Coordinator("--plan " + (dir_ / "plan.json").string());
   std::this_thread::sleep_for(500ms);
   auto a = Executor("a"), b = Executor("b"), c = Executor("c");
@@ -469,7 +476,8 @@ TEST_F(CoordinatorTest, StatusProfileLivePlanAndSiteLogsOfARunningJob) {
   auto a = Executor("a"), b = Executor("b"), c = Executor("c");
   std::string log;
   ASSERT_TRUE(ReadUntilStep(coord.get(), 20, &log)) << log;
-  const std::string where = " --coordinator 127.0.0.1:" + std::to_string(coord_port_) + " --certs " + (dir_ / "certs").string();
+  const std::string where =
+      " --coordinator 127.0.0.1:" + std::to_string(coord_port_) + " --certs " + (dir_ / "certs").string();
   Process status(Bin("meridian") + " status" + where + " --json 2>&1");
   std::string status_out = status.ReadAll(20s);
   ASSERT_EQ(status.Wait(10s), 0) << status_out;
@@ -509,7 +517,8 @@ TEST_F(CoordinatorTest, StatusProfileLivePlanAndSiteLogsOfARunningJob) {
   log += coord->ReadAll(120s);
   ASSERT_EQ(coord->Wait(60s), 0) << log;
   // The progress line names the slowest site and the bytes on the links; so does metrics.jsonl.
-  EXPECT_THAT(log, ::testing::ContainsRegex("step [0-9]+/400 .* slowest [abc] \\([0-9.]+ s compute\\)  WAN [0-9.]+ MB"));
+  EXPECT_THAT(log,
+              ::testing::ContainsRegex("step [0-9]+/400 .* slowest [abc] \\([0-9.]+ s compute\\)  WAN [0-9.]+ MB"));
   std::ifstream jl(dir_ / "run" / "metrics.jsonl");
   nlohmann::json last;
   for (std::string l; std::getline(jl, l);) last = nlohmann::json::parse(l, nullptr, false);

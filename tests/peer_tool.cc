@@ -70,7 +70,8 @@ int main(int argc, char** argv) {
       return 1;
     }
     double secs = f.count("--seconds") ? std::atof(f["--seconds"].c_str()) : 3.0;
-    o.bulk_bytes = std::clamp<int64_t>(static_cast<int64_t>(first->forward_bytes_per_second * secs), 1 << 20, 512 << 20);
+    o.bulk_bytes =
+        std::clamp<int64_t>(static_cast<int64_t>(first->forward_bytes_per_second * secs), 1 << 20, 512 << 20);
     o.deadline = std::chrono::seconds(120);
     auto m = rpc::ProbeLink(**client, o);
     if (!m.ok()) {
@@ -79,9 +80,13 @@ int main(int argc, char** argv) {
     }
     const std::string self = f["--self"], peer = f["--peer"];
     nlohmann::json links = nlohmann::json::array();
-    links.push_back({{"from", self}, {"to", peer}, {"bandwidth_bytes_per_second", m->forward_bytes_per_second},
+    links.push_back({{"from", self},
+                     {"to", peer},
+                     {"bandwidth_bytes_per_second", m->forward_bytes_per_second},
                      {"latency_seconds", m->rtt_seconds / 2}});
-    links.push_back({{"from", peer}, {"to", self}, {"bandwidth_bytes_per_second", m->reverse_bytes_per_second},
+    links.push_back({{"from", peer},
+                     {"to", self},
+                     {"bandwidth_bytes_per_second", m->reverse_bytes_per_second},
                      {"latency_seconds", m->rtt_seconds / 2}});
     std::printf("%s\n", nlohmann::json{{"links", links}, {"rtt_seconds", m->rtt_seconds}}.dump(2).c_str());
     return 0;
@@ -112,7 +117,8 @@ int main(int argc, char** argv) {
     }
     double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     double bytes = static_cast<double>(frame->size()) * frames;
-    std::printf("{\"bytes\": %.0f, \"seconds\": %.4f, \"goodput_bytes_per_second\": %.1f}\n", bytes, secs, bytes / secs);
+    std::printf("{\"bytes\": %.0f, \"seconds\": %.4f, \"goodput_bytes_per_second\": %.1f}\n", bytes, secs,
+                bytes / secs);
     return 0;
   }
   std::fprintf(stderr, "meridian-peertool: unknown mode %s\n", mode.c_str());

@@ -39,7 +39,6 @@ nlohmann::json Load(const std::string& path) {
 using testing::Bin;
 using testing::FreePort;
 
-
 // A 2-layer LLaMA (6 ops: embed, 2 x (attn, mlp), head) with grouped-query attention.
 const char kConfig[] = R"({"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
   "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "tie_word_embeddings": false})";
@@ -117,8 +116,8 @@ class PipelineTest : public ::testing::Test {
       std::string g = "[";
       for (size_t r = 0; r < site_of[k].size(); ++r) {
         const int i = site_of[k][r];
-        g += std::string(r ? ", " : "") + "{\"site\": \"" + names[i] + "\", \"address\": \"127.0.0.1:" +
-             std::to_string(ports[i]) + "\"" +
+        g += std::string(r ? ", " : "") + "{\"site\": \"" + names[i] +
+             "\", \"address\": \"127.0.0.1:" + std::to_string(ports[i]) + "\"" +
              (stages[k].shares.empty() ? "" : ", \"micro_batches\": " + std::to_string(stages[k].shares[r])) + "}";
       }
       return g + "]";
@@ -129,28 +128,28 @@ class PipelineTest : public ::testing::Test {
     fs::create_directories(out);
     for (size_t k = 0; k < stages.size(); ++k) {
       std::string a = "{\"stage\": " + std::to_string(k) + ", \"num_stages\": " + std::to_string(stages.size()) +
-                      ", \"first_op\": " + std::to_string(stages[k].first) + ", \"last_op\": " +
-                      std::to_string(stages[k].last) + ", \"forward_codec\": \"" + fwd +
-                      "\", \"prev_forward_codec\": \"" + fwd +
-                      "\", \"backward_codec\": \"" + bwd + "\", \"gradient_codec\": \"" + grad +
-                      "\", \"replicas\": " + group(k) + assignment_extra_;
+                      ", \"first_op\": " + std::to_string(stages[k].first) +
+                      ", \"last_op\": " + std::to_string(stages[k].last) + ", \"forward_codec\": \"" + fwd +
+                      "\", \"prev_forward_codec\": \"" + fwd + "\", \"backward_codec\": \"" + bwd +
+                      "\", \"gradient_codec\": \"" + grad + "\", \"replicas\": " + group(k) + assignment_extra_;
       if (stages[k].in_flight > 0) a += ", \"in_flight\": " + std::to_string(stages[k].in_flight);
       if (k > 0) a += ", \"prev_replicas\": " + group(k - 1);
       if (k + 1 < stages.size()) a += ", \"next_replicas\": " + group(k + 1);
       std::string apath = (out.string() + "-assign" + std::to_string(k) + ".json");
       std::ofstream(apath) << a << "}";
       for (int i : site_of[k])
-        procs.push_back(std::make_unique<Process>(Bin("meridian-executor") + " --site " + names[i] + " --certs " +
-                                                  (dir_ / "certs").string() + " --listen 127.0.0.1:" +
-                                                  std::to_string(ports[i]) + " --assignment " + apath + " --job " +
-                                                  job + " --out " + out.string() + " " + extra + " 2>&1"));
+        procs.push_back(std::make_unique<Process>(
+            Bin("meridian-executor") + " --site " + names[i] + " --certs " + (dir_ / "certs").string() +
+            " --listen 127.0.0.1:" + std::to_string(ports[i]) + " --assignment " + apath + " --job " + job + " --out " +
+            out.string() + " " + extra + " 2>&1"));
     }
     std::vector<std::string> outputs;
     for (auto& p : procs) outputs.push_back(p->ReadAll(300s));
     const std::string& log0 = outputs[0];
     if (log) *log = log0;
     if (logs) *logs = outputs;
-    for (size_t i = 0; i < procs.size(); ++i) EXPECT_EQ(procs[i]->Wait(120s), 0) << "executor " << i << ":\n" << outputs[i];
+    for (size_t i = 0; i < procs.size(); ++i)
+      EXPECT_EQ(procs[i]->Wait(120s), 0) << "executor " << i << ":\n" << outputs[i];
     if (losses) *losses = Losses(log0);  // stage 0 prints the loss relayed from the last stage
     std::map<std::string, core::Tensor> merged;
     for (size_t k = 0; k < stages.size(); ++k) {
@@ -184,8 +183,8 @@ class PipelineTest : public ::testing::Test {
   std::string assignment_extra_;  // more assignment JSON fields, e.g. ", \"bucket_bytes\": 4096"
 };
 
-// The mean loss of the last `n` steps. With synthetic data one step's loss is one batch of 64 tokens, a tenth of them random
-// (ln 64 each), so it swings by tens of percent from step to step; both runs see the same batches.
+// The mean loss of the last `n` steps. With synthetic data one step's loss is one batch of 64 tokens, a tenth of them
+// random (ln 64 each), so it swings by tens of percent from step to step; both runs see the same batches.
 double TailMean(const std::vector<double>& losses, size_t n) {
   EXPECT_GE(losses.size(), n);
   n = std::min(n, losses.size());
@@ -246,7 +245,8 @@ TEST_F(PipelineTest, SendsOverASlowLinkDoNotBlockTheComputeThread) {
     const std::string out0 = p0.ReadAll(300s), out1 = p1.ReadAll(300s);
     EXPECT_EQ(p0.Wait(60s), 0) << out0;
     EXPECT_EQ(p1.Wait(60s), 0) << out1;
-    std::regex line(R"(timing step \d+: ([0-9.]+) s, computing [0-9.]+ s, waiting [0-9.]+ s, blocked sending ([0-9.]+) s)");
+    std::regex line(
+        R"(timing step \d+: ([0-9.]+) s, computing [0-9.]+ s, waiting [0-9.]+ s, blocked sending ([0-9.]+) s)");
     double blocked = 0, step = 0;
     int steps = 0;
     for (std::sregex_iterator it(out0.begin(), out0.end(), line), end; it != end; ++it, ++steps) {
@@ -269,9 +269,8 @@ TEST_F(PipelineTest, AnAssignmentWithABadDepthOrQueueIsRefusedNamingTheField) {
   fs::path apath = dir_ / "bad.json";
   for (const char* field : {"\"in_flight\": -1", "\"in_flight\": \"deep\"", "\"send_queue_bytes\": 0"}) {
     std::ofstream(apath) << "{\"stage\": 0, \"num_stages\": 1, \"first_op\": 0, \"last_op\": 5, " << field << "}";
-    Process p(Bin("meridian-executor") + " --site a --certs " + (dir_ / "certs").string() +
-              " --listen 127.0.0.1:" + std::to_string(FreePort()) + " --assignment " + apath.string() + " --job " +
-              job + " 2>&1");
+    Process p(Bin("meridian-executor") + " --site a --certs " + (dir_ / "certs").string() + " --listen 127.0.0.1:" +
+              std::to_string(FreePort()) + " --assignment " + apath.string() + " --job " + job + " 2>&1");
     std::string out = p.ReadAll(60s);
     EXPECT_EQ(p.Wait(30s), 2) << out;
     EXPECT_THAT(out, HasSubstr(std::string(field).substr(1, std::string(field).find('"', 1) - 1))) << out;
@@ -293,8 +292,9 @@ TEST_F(PipelineTest, ActivationDeltasTrainWithinTwoPercentOfIdentity) {
       text << "word" << rng() % 40 << " " << verbs[rng() % 6] << " word" << rng() % 40 << " and word" << rng() % 40
            << ".\n";
   }
-  ASSERT_NO_FATAL_FAILURE(TextModel(dir_ / "text.txt", 300,
-                                    R"({"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+  ASSERT_NO_FATAL_FAILURE(
+      TextModel(dir_ / "text.txt", 300,
+                R"({"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
   "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "tie_word_embeddings": false})"));
   const int steps = 200;
   const std::string job = (dir_ / "ft.yaml").string();
@@ -350,13 +350,16 @@ TEST_F(PipelineTest, InstructionFineTuningFromPretrainedWeightsMatchesTheSingleP
     for (int i = 0; i < 40; ++i)
       jsonl << "{\"prompt\": \"opposite of word" << i << " =>\", \"response\": \"word" << (i + 1) % 40 << "\"}\n";
   }
-  ASSERT_NO_FATAL_FAILURE(TextModel(dir_ / "words.txt", 400,
-                                    R"({"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+  ASSERT_NO_FATAL_FAILURE(
+      TextModel(dir_ / "words.txt", 400,
+                R"({"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
   "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "tie_word_embeddings": false})"));
   const std::string opt = "\n  optimizer: {name: adamw, lr: 0.01, warmup_steps: 1, grad_clip: 0.5}\n";
   std::ofstream(dir_ / "pre.yaml") << "job:\n  model: model\n  data: text.txt\n  steps: 2\n  global_batch: 2\n"
-                                      "  micro_batches: 1\n  sequence_length: 16\n  seed: 3" << opt;
-  Process pre(Bin("meridian") + " train-local " + (dir_ / "pre.yaml").string() + " --out " + (dir_ / "base").string() + " 2>&1");
+                                      "  micro_batches: 1\n  sequence_length: 16\n  seed: 3"
+                                   << opt;
+  Process pre(Bin("meridian") + " train-local " + (dir_ / "pre.yaml").string() + " --out " + (dir_ / "base").string() +
+              " 2>&1");
   std::string pre_out = pre.ReadAll(120s);
   ASSERT_EQ(pre.Wait(60s), 0) << pre_out;
   for (const char* f : {"model.safetensors", "config.json", "tokenizer.model"})
@@ -364,8 +367,8 @@ TEST_F(PipelineTest, InstructionFineTuningFromPretrainedWeightsMatchesTheSingleP
 
   const std::string job = (dir_ / "ft.yaml").string();
   std::ofstream(job) << "job:\n  model: base\n  data: inst.jsonl\n  eval_fraction: 0.1\n  steps: 3\n"
-                        "  global_batch: 4\n  micro_batches: 2\n  sequence_length: 16\n  seed: 5" << opt
-                     << "  compression: {policy: fixed, activations: identity, gradients: identity}\n";
+                        "  global_batch: 4\n  micro_batches: 2\n  sequence_length: 16\n  seed: 5"
+                     << opt << "  compression: {policy: fixed, activations: identity, gradients: identity}\n";
   std::vector<double> ref_losses, dist_losses;
   auto want = Reference(job, &ref_losses);
   ASSERT_EQ(ref_losses.size(), 3u);
@@ -430,7 +433,8 @@ TEST_F(PipelineTest, InstructionFineTuningFromPretrainedWeightsMatchesTheSingleP
 TEST_F(PipelineTest, BadTextJobsFailNamingTheFileAndField) {
   std::ofstream(dir_ / "bad.jsonl") << "{\"prompt\": \"a\"}\n";
   std::ofstream(dir_ / "bad.yaml") << "job:\n  model: model\n  data: bad.jsonl\n  tokenizer: nope.model\n";
-  Process p(Bin("meridian") + " train-local " + (dir_ / "bad.yaml").string() + " --out " + (dir_ / "x").string() + " 2>&1");
+  Process p(Bin("meridian") + " train-local " + (dir_ / "bad.yaml").string() + " --out " + (dir_ / "x").string() +
+            " 2>&1");
   std::string out = p.ReadAll(60s);
   EXPECT_EQ(p.Wait(30s), 2);
   EXPECT_NE(out.find("job.tokenizer"), std::string::npos) << out;
@@ -449,7 +453,8 @@ TEST_F(PipelineTest, LoraAdaptersAcrossExecutorsMatchTheSingleProcessTrainerAndE
     std::ifstream in(job);
     std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     text.replace(text.find("model: model"), 12, "model: base");
-    std::ofstream(job) << text << "  lora: {r: 4, alpha: 8, dropout: 0.1, target_modules: [q_proj, v_proj, down_proj]}\n";
+    std::ofstream(job) << text
+                       << "  lora: {r: 4, alpha: 8, dropout: 0.1, target_modules: [q_proj, v_proj, down_proj]}\n";
   }
   std::vector<double> ref_losses, dist_losses;
   auto merged = Reference(job, &ref_losses);
@@ -481,8 +486,10 @@ TEST_F(PipelineTest, LoraAdaptersAcrossExecutorsMatchTheSingleProcessTrainerAndE
     ASSERT_TRUE(merged.count(name)) << name;
     const bool target = name.find("q_proj") != std::string::npos || name.find("v_proj") != std::string::npos ||
                         name.find("down_proj") != std::string::npos;
-    if (target) EXPECT_GT(testing::RelativeL2(merged.at(name), t), 1e-6) << name;
-    else EXPECT_EQ(merged.at(name).bytes, t.bytes) << name;
+    if (target)
+      EXPECT_GT(testing::RelativeL2(merged.at(name), t), 1e-6) << name;
+    else
+      EXPECT_EQ(merged.at(name).bytes, t.bytes) << name;
   }
 
   // `meridian export` of the run's stage shards writes the same model and adapter.
@@ -505,11 +512,14 @@ TEST_F(PipelineTest, LoraAdaptersAcrossExecutorsMatchTheSingleProcessTrainerAndE
               want);
   ASSERT_EQ(logs.size(), 4u);
   int64_t adapter_bytes[2] = {0, 0};
-  for (const auto& [name, t] : want) adapter_bytes[name.find("layers.0.") != std::string::npos ? 0 : 1] += t.bytes.size();
+  for (const auto& [name, t] : want)
+    adapter_bytes[name.find("layers.0.") != std::string::npos ? 0 : 1] += t.bytes.size();
   for (int i = 0; i < 4; ++i) {
     std::smatch m;
-    ASSERT_TRUE(std::regex_search(logs[i], m, std::regex("replica sync wire bytes (\\d+) raw bytes (\\d+)"))) << logs[i];
-    EXPECT_EQ(std::stoll(m[2]), 3 * adapter_bytes[i / 2]) << "site " << "abcd"[i];
+    ASSERT_TRUE(std::regex_search(logs[i], m, std::regex("replica sync wire bytes (\\d+) raw bytes (\\d+)")))
+        << logs[i];
+    EXPECT_EQ(std::stoll(m[2]), 3 * adapter_bytes[i / 2]) << "site "
+                                                          << "abcd"[i];
   }
 }
 
@@ -659,14 +669,16 @@ TEST_F(PipelineTest, PeerKilledMidRunFailsTheOtherStageNamingIt) {
   std::string job = Job("job", 100000);
   int pa = FreePort(), pb = FreePort();
   std::string a0 = (dir_ / "a0.json").string(), a1 = (dir_ / "a1.json").string();
-  std::ofstream(a0) << R"({"stage": 0, "num_stages": 2, "first_op": 0, "last_op": 2, "next_site": "b", "next_address": "127.0.0.1:)"
-                    << pb << "\"}";
-  std::ofstream(a1) << R"({"stage": 1, "num_stages": 2, "first_op": 3, "last_op": 5, "prev_site": "a", "prev_address": "127.0.0.1:)"
-                    << pa << "\"}";
+  std::ofstream(a0)
+      << R"({"stage": 0, "num_stages": 2, "first_op": 0, "last_op": 2, "next_site": "b", "next_address": "127.0.0.1:)"
+      << pb << "\"}";
+  std::ofstream(a1)
+      << R"({"stage": 1, "num_stages": 2, "first_op": 3, "last_op": 5, "prev_site": "a", "prev_address": "127.0.0.1:)"
+      << pa << "\"}";
   auto run = [&](const char* site, int port, const std::string& a) {
-    return std::make_unique<Process>(Bin("meridian-executor") + " --site " + site + " --certs " + (dir_ / "certs").string() +
-                                     " --listen 127.0.0.1:" + std::to_string(port) + " --assignment " + a + " --job " + job +
-                                     " --step-timeout 8 2>&1");
+    return std::make_unique<Process>(Bin("meridian-executor") + " --site " + site + " --certs " +
+                                     (dir_ / "certs").string() + " --listen 127.0.0.1:" + std::to_string(port) +
+                                     " --assignment " + a + " --job " + job + " --step-timeout 8 2>&1");
   };
   auto pa_proc = run("a", pa, a0);
   auto pb_proc = run("b", pb, a1);
@@ -687,12 +699,12 @@ TEST_F(PipelineTest, ReplicaKilledMidRunFailsTheOtherReplicaNamingIt) {
   int pa = FreePort(), pb = FreePort();
   std::string assignment = (dir_ / "dp.json").string();
   std::ofstream(assignment) << R"({"stage": 0, "num_stages": 1, "first_op": 0, "last_op": 5, "replicas": [)"
-                            << R"({"site": "a", "address": "127.0.0.1:)" << pa << R"("}, {"site": "b", "address": "127.0.0.1:)"
-                            << pb << R"("}]})";
+                            << R"({"site": "a", "address": "127.0.0.1:)" << pa
+                            << R"("}, {"site": "b", "address": "127.0.0.1:)" << pb << R"("}]})";
   auto run = [&](const char* site, int port) {
-    return std::make_unique<Process>(Bin("meridian-executor") + " --site " + site + " --certs " + (dir_ / "certs").string() +
-                                     " --listen 127.0.0.1:" + std::to_string(port) + " --assignment " + assignment +
-                                     " --job " + job + " --step-timeout 8 2>&1");
+    return std::make_unique<Process>(Bin("meridian-executor") + " --site " + site + " --certs " +
+                                     (dir_ / "certs").string() + " --listen 127.0.0.1:" + std::to_string(port) +
+                                     " --assignment " + assignment + " --job " + job + " --step-timeout 8 2>&1");
   };
   auto a = run("a", pa);
   auto b = run("b", pb);
@@ -712,20 +724,22 @@ TEST_F(PipelineTest, WrongShapeAndCorruptFramesFailNamingPeerAndStage) {
   for (bool corrupt : {false, true}) {
     int pa = FreePort(), pb = FreePort();
     std::string a1 = (dir_ / "a1.json").string();
-    std::ofstream(a1) << R"({"job_id": "job", "stage": 1, "num_stages": 2, "first_op": 3, "last_op": 5, "prev_site": "a", "prev_address": "127.0.0.1:)"
-                      << pa << "\"}";
+    std::ofstream(a1)
+        << R"({"job_id": "job", "stage": 1, "num_stages": 2, "first_op": 3, "last_op": 5, "prev_site": "a", "prev_address": "127.0.0.1:)"
+        << pa << "\"}";
     // Stage 1's previous site is served by a tool holding site a's identity (so it can connect), and
     // another tool with that identity sends it a bad tensor.
     Process prev(Bin("meridian-peertool") + " serve --certs " + (dir_ / "certs").string() +
                  " --self a --allow b --listen 127.0.0.1:" + std::to_string(pa));
     ASSERT_THAT(prev.ReadLine(10s), HasSubstr("listening"));
-    Process stage1(Bin("meridian-executor") + " --site b --certs " + (dir_ / "certs").string() + " --listen 127.0.0.1:" +
-                   std::to_string(pb) + " --assignment " + a1 + " --job " + job + " --step-timeout 20 2>&1");
+    Process stage1(Bin("meridian-executor") + " --site b --certs " + (dir_ / "certs").string() +
+                   " --listen 127.0.0.1:" + std::to_string(pb) + " --assignment " + a1 + " --job " + job +
+                   " --step-timeout 20 2>&1");
     std::this_thread::sleep_for(1500ms);
     // Site a's certificate, but a tool that sends a 1 MiB tensor where [1, 16, 32] is expected.
     Process fake(Bin("meridian-peertool") + " send --certs " + (dir_ / "certs").string() +
-                 " --self a --peer b --address 127.0.0.1:" + std::to_string(pb) + " --frame-mib 1 --frames 1 --job-id job" +
-                 (corrupt ? " --corrupt 1" : "") + " 2>&1");
+                 " --self a --peer b --address 127.0.0.1:" + std::to_string(pb) +
+                 " --frame-mib 1 --frames 1 --job-id job" + (corrupt ? " --corrupt 1" : "") + " 2>&1");
     fake.Wait(30s);
     int rc = stage1.Wait(30s);
     std::string err = stage1.ReadAll(5s);

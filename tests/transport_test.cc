@@ -82,8 +82,8 @@ TEST_P(WanProbeTest, ProbeMeasuresTheEmulatedLink) {
   int port = Serve(&server, (*wan)->Exec("b"));
   ASSERT_GT(port, 0);
   const std::string relay_addr = (*wan)->Address("b", "a") + ":17400";
-  Process relay((*wan)->Exec("b") + Bin("meridian-wanrelay") + " --listen " + relay_addr + " --target 127.0.0.1:" +
-                std::to_string(port) + " --delay-ms " + std::to_string(c.rtt_ms / 2));
+  Process relay((*wan)->Exec("b") + Bin("meridian-wanrelay") + " --listen " + relay_addr +
+                " --target 127.0.0.1:" + std::to_string(port) + " --delay-ms " + std::to_string(c.rtt_ms / 2));
   ASSERT_THAT(relay.ReadLine(10s), HasSubstr("relaying"));
   Process probe((*wan)->Exec("a") + Bin("meridian-peertool") + " probe --certs " + certs() +
                 " --self a --peer b --address " + relay_addr + " --seconds 3");

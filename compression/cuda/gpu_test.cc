@@ -49,7 +49,8 @@ void CheckQuantizer(bool int4, int block) {
   ASSERT_EQ(cudaMalloc(&dp, want.size()), cudaSuccess);
   ASSERT_EQ(cudaMalloc(&bad, sizeof(int)), cudaSuccess);
   cudaMemset(bad, 0, sizeof(int));
-  int err = int4 ? cuda::QuantizeInt4(dx, n, block, dp, bad, nullptr) : cuda::QuantizeInt8(dx, n, block, dp, bad, nullptr);
+  int err =
+      int4 ? cuda::QuantizeInt4(dx, n, block, dp, bad, nullptr) : cuda::QuantizeInt8(dx, n, block, dp, bad, nullptr);
   ASSERT_EQ(err, 0) << cuda::ErrorName(err);
   std::vector<uint8_t> got(want.size());
   ASSERT_EQ(cudaMemcpy(got.data(), dp, got.size(), cudaMemcpyDeviceToHost), cudaSuccess);

@@ -1,7 +1,7 @@
 #include "compression/cuda/kernels.h"
 
-#include <cub/device/device_select.cuh>
 #include <thrust/iterator/counting_iterator.h>
+#include <cub/device/device_select.cuh>
 
 #include <algorithm>
 #include <cmath>
@@ -113,8 +113,8 @@ int Quantize(const float* x, int64_t n, int block, uint8_t* payload, int* bad_fl
 template <bool kInt4>
 int Dequantize(const uint8_t* payload, int64_t n, int block, float* out, void* stream) {
   if (n == 0) return cudaSuccess;
-  DequantizeKernel<kInt4><<<Grid(n, 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(payload, n, block, out,
-                                                                                        Blocks(n, block));
+  DequantizeKernel<kInt4>
+      <<<Grid(n, 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(payload, n, block, out, Blocks(n, block));
   return cudaGetLastError();
 }
 
@@ -176,8 +176,8 @@ int SelectAboveThreshold(const float* x, int64_t n, float threshold, uint32_t* i
   err = cudaMallocAsync(&temp, count_offset + sizeof(int64_t), st);
   if (err) return err;
   d_count = reinterpret_cast<int64_t*>(static_cast<char*>(temp) + count_offset);
-  err = cub::DeviceSelect::If(temp, temp_bytes, it, indices, d_count, static_cast<int>(n),
-                              AboveThreshold{x, threshold}, st);
+  err = cub::DeviceSelect::If(temp, temp_bytes, it, indices, d_count, static_cast<int>(n), AboveThreshold{x, threshold},
+                              st);
   if (!err) {
     GatherKernel<<<Grid(n, 256), 256, 0, st>>>(x, indices, d_count, values);
     err = cudaGetLastError();

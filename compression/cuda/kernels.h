@@ -25,8 +25,8 @@ int DequantizeInt4(const uint8_t* payload, int64_t n, int block, float* out, voi
 // Keeps the elements with |x| >= threshold, in index order: writes their indices and values and the
 // count (host int64). `indices` and `values` must hold n entries (the worst case). Uses CUB's
 // order-preserving selection. A threshold from EstimateThreshold keeps about fraction * n elements.
-int SelectAboveThreshold(const float* x, int64_t n, float threshold, uint32_t* indices, float* values,
-                         int64_t* count, void* stream);
+int SelectAboveThreshold(const float* x, int64_t n, float threshold, uint32_t* indices, float* values, int64_t* count,
+                         void* stream);
 
 // The |x| threshold that keeps about `fraction` of n elements, from a strided sample of 16384 values
 // (the same estimate the CPU top-k codec starts from). Synchronises the stream.

@@ -78,8 +78,10 @@ uint32_t Crc32cStriped(uint32_t crc, const uint8_t* data, size_t n) {
   const size_t words = n / 8;
 #if defined(__x86_64__)
   static const bool hw = __builtin_cpu_supports("sse4.2");
-  if (hw) HardwareLanes(lanes, data, words);
-  else SoftwareLanes(lanes, data, words);
+  if (hw)
+    HardwareLanes(lanes, data, words);
+  else
+    SoftwareLanes(lanes, data, words);
 #else
   SoftwareLanes(lanes, data, words);
 #endif

@@ -27,8 +27,8 @@ std::string ExeDir() {
   return p.substr(0, p.rfind('/'));
 }
 
-// Loads libmeridian_spm.so once, into a new link-map namespace: $MERIDIAN_SPM_MODULE, next to the executable, ../lib from it, or the
-// build tree's copy. Returns null and sets `error` when none loads.
+// Loads libmeridian_spm.so once, into a new link-map namespace: $MERIDIAN_SPM_MODULE, next to the executable, ../lib
+// from it, or the build tree's copy. Returns null and sets `error` when none loads.
 const Api* GetApi(std::string* error) {
   static std::once_flag once;
   static Api api;

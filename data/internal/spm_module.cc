@@ -1,8 +1,8 @@
 // The only translation unit that includes libsentencepiece. Built as a separate shared module
 // (libmeridian_spm.so) that data/internal/spm.cc loads with dlmopen(LM_ID_NEWLM), in a link-map
 // namespace of its own: Debian's libsentencepiece exports its own bundled copy of protobuf-lite, whose
-// symbols would otherwise interpose on libprotobuf (used by gRPC and libtorch) and crash the process during static initialisation.
-// Plain C entry points only; the namespace has its own allocator, so buffers returned here are released
+// symbols would otherwise interpose on libprotobuf (used by gRPC and libtorch) and crash the process during static
+// initialisation. Plain C entry points only; the namespace has its own allocator, so buffers returned here are released
 // with mspm_release, never with the caller's free().
 #include <sentencepiece_processor.h>
 #include <sentencepiece_trainer.h>
@@ -60,10 +60,14 @@ __attribute__((visibility("default"))) char* mspm_decode(void* sp, const int* id
 __attribute__((visibility("default"))) int mspm_info(void* sp, int what) {
   auto* p = static_cast<sentencepiece::SentencePieceProcessor*>(sp);
   switch (what) {
-    case 0: return p->GetPieceSize();
-    case 1: return p->bos_id();
-    case 2: return p->eos_id();
-    default: return p->pad_id();
+    case 0:
+      return p->GetPieceSize();
+    case 1:
+      return p->bos_id();
+    case 2:
+      return p->eos_id();
+    default:
+      return p->pad_id();
   }
 }
 

@@ -35,17 +35,17 @@ absl::StatusOr<std::unique_ptr<WanHarness>> WanHarness::Create(const std::vector
   }
   for (size_t k = 0; k < links.size(); ++k) {
     const Link& l = links[k];
-    std::string va = absl::StrCat("mv", ::getpid() % 100000, "x", k, "a"), vb = absl::StrCat("mv", ::getpid() % 100000, "x", k, "b");
+    std::string va = absl::StrCat("mv", ::getpid() % 100000, "x", k, "a"),
+                vb = absl::StrCat("mv", ::getpid() % 100000, "x", k, "b");
     std::string na = absl::StrCat(h->prefix_, "-", l.a), nb = absl::StrCat(h->prefix_, "-", l.b);
     Made m{l.a, l.b, absl::StrCat("10.213.", k + 1, ".1"), absl::StrCat("10.213.", k + 1, ".2")};
-    for (const std::string& cmd : {
-             absl::StrCat("ip link add ", va, " type veth peer name ", vb),
-             absl::StrCat("ip link set ", va, " netns ", na),
-             absl::StrCat("ip link set ", vb, " netns ", nb),
-             absl::StrCat("ip netns exec ", na, " ip addr add ", m.addr_a, "/24 dev ", va),
-             absl::StrCat("ip netns exec ", nb, " ip addr add ", m.addr_b, "/24 dev ", vb),
-             absl::StrCat("ip netns exec ", na, " ip link set ", va, " up"),
-             absl::StrCat("ip netns exec ", nb, " ip link set ", vb, " up")}) {
+    for (const std::string& cmd :
+         {absl::StrCat("ip link add ", va, " type veth peer name ", vb),
+          absl::StrCat("ip link set ", va, " netns ", na), absl::StrCat("ip link set ", vb, " netns ", nb),
+          absl::StrCat("ip netns exec ", na, " ip addr add ", m.addr_a, "/24 dev ", va),
+          absl::StrCat("ip netns exec ", nb, " ip addr add ", m.addr_b, "/24 dev ", vb),
+          absl::StrCat("ip netns exec ", na, " ip link set ", va, " up"),
+          absl::StrCat("ip netns exec ", nb, " ip link set ", vb, " up")}) {
       if (auto st = Sh(cmd); !st.ok()) return st;
     }
     // tbf per direction; burst about 2 ms of traffic (at least 16 KiB), queue up to 200 ms.

@@ -144,10 +144,14 @@ int main(int argc, char** argv) {
   Args a;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i], v = argv[i + 1];
-    if (k == "--listen") a.listen = v;
-    else if (k == "--target") a.target = v;
-    else if (k == "--delay-ms") a.delay_ms = std::atof(v.c_str());
-    else if (k == "--buffer-bytes") a.buffer = static_cast<size_t>(std::atoll(v.c_str()));
+    if (k == "--listen")
+      a.listen = v;
+    else if (k == "--target")
+      a.target = v;
+    else if (k == "--delay-ms")
+      a.delay_ms = std::atof(v.c_str());
+    else if (k == "--buffer-bytes")
+      a.buffer = static_cast<size_t>(std::atoll(v.c_str()));
     else {
       std::fprintf(stderr, "meridian-wanrelay: unknown option %s\n", k.c_str());
       return 2;
@@ -166,8 +170,8 @@ int main(int argc, char** argv) {
   sockaddr_in sa{};
   sa.sin_family = AF_INET;
   sa.sin_port = htons(static_cast<uint16_t>(std::atoi(port.c_str())));
-  if (inet_pton(AF_INET, host.c_str(), &sa.sin_addr) != 1 || bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0 ||
-      listen(fd, 64) != 0) {
+  if (inet_pton(AF_INET, host.c_str(), &sa.sin_addr) != 1 ||
+      bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0 || listen(fd, 64) != 0) {
     std::fprintf(stderr, "meridian-wanrelay: cannot listen on %s: %s\n", a.listen.c_str(), std::strerror(errno));
     return 1;
   }
