@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -15,6 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/files.h"
 #include "core/units.h"
 
 namespace meridian::core {
@@ -713,30 +715,28 @@ SpecLoadResult ParseSpec(const std::string& text, const std::string& path) {
 
 SpecLoadResult LoadSpecFile(const std::string& path) {
   SpecLoadResult result;
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    result.errors.push_back({path, 0, 0, "cannot open file"});
-    return result;
+  auto text = ReadFile(path, static_cast<int64_t>(kMaxSpecFileBytes));
+  switch (text.status().code()) {
+    case absl::StatusCode::kOk:
+      return ParseSpec(*text, path);
+    case absl::StatusCode::kNotFound:
+      result.errors.push_back({path, 0, 0, "cannot open file"});
+      break;
+    case absl::StatusCode::kFailedPrecondition:
+      result.errors.push_back({path, 0, 0, "cannot read file (is it a directory?)"});
+      break;
+    case absl::StatusCode::kResourceExhausted: {
+      std::error_code ec;
+      const auto size = std::filesystem::file_size(path, ec);
+      result.errors.push_back({path, 1, 1,
+                               absl::StrCat("file is ", ec ? "too many" : std::to_string(size),
+                                            " bytes; a spec may be at most ", kMaxSpecFileBytes, " bytes")});
+      break;
+    }
+    default:
+      result.errors.push_back({path, 0, 0, "cannot read file"});
   }
-  in.seekg(0, std::ios::end);
-  std::streamoff size = in.tellg();
-  if (size < 0) {
-    result.errors.push_back({path, 0, 0, "cannot read file (is it a directory?)"});
-    return result;
-  }
-  if (static_cast<size_t>(size) > kMaxSpecFileBytes) {
-    result.errors.push_back(
-        {path, 1, 1, absl::StrCat("file is ", size, " bytes; a spec may be at most ", kMaxSpecFileBytes, " bytes")});
-    return result;
-  }
-  in.seekg(0);
-  std::string text(static_cast<size_t>(size), '\0');
-  in.read(text.data(), size);
-  if (!in) {
-    result.errors.push_back({path, 0, 0, "cannot read file"});
-    return result;
-  }
-  return ParseSpec(text, path);
+  return result;
 }
 
 std::string ResolveRelative(const std::string& spec_path, const std::string& p) {

@@ -15,11 +15,37 @@
 
 namespace meridian::core {
 
-absl::StatusOr<std::string> ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open: ", std::strerror(errno)));
-  std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (in.bad()) return absl::InternalError(absl::StrCat(path, ": read failed"));
+absl::StatusOr<std::string> ReadFile(const std::string& path, int64_t max_bytes) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return absl::NotFoundError(absl::StrCat(path, ": cannot open: ", std::strerror(errno)));
+  struct stat st;
+  if (::fstat(fd, &st) != 0 || S_ISDIR(st.st_mode)) {
+    ::close(fd);
+    return absl::FailedPreconditionError(absl::StrCat(path, ": cannot read (is it a directory?)"));
+  }
+  if (max_bytes >= 0 && S_ISREG(st.st_mode) && st.st_size > max_bytes) {
+    ::close(fd);
+    return absl::ResourceExhaustedError(
+        absl::StrCat(path, ": ", st.st_size, " bytes, more than the ", max_bytes, " allowed"));
+  }
+  std::string data;
+  char buf[1 << 16];
+  for (;;) {
+    const ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int err = errno;
+      ::close(fd);
+      return absl::InternalError(absl::StrCat(path, ": read failed: ", std::strerror(err)));
+    }
+    if (n == 0) break;
+    data.append(buf, static_cast<size_t>(n));
+    if (max_bytes >= 0 && static_cast<int64_t>(data.size()) > max_bytes) {  // a pipe or a growing file
+      ::close(fd);
+      return absl::ResourceExhaustedError(absl::StrCat(path, ": more than the ", max_bytes, " bytes allowed"));
+    }
+  }
+  ::close(fd);
   return data;
 }
 

@@ -15,9 +15,10 @@ struct evp_md_ctx_st;  // OpenSSL's EVP_MD_CTX
 
 namespace meridian::core {
 
-// The whole content of the file at `path`. NotFound when it cannot be opened, Internal when reading
-// fails; errors name the file.
-absl::StatusOr<std::string> ReadFile(const std::string& path);
+// The whole content of the file at `path`. NotFound when it cannot be opened, FailedPrecondition for a
+// directory, ResourceExhausted when `max_bytes` >= 0 and the file is larger (checked before reading:
+// loaders of untrusted files bound their work), Internal when reading fails; errors name the file.
+absl::StatusOr<std::string> ReadFile(const std::string& path, int64_t max_bytes = -1);
 
 // Writes `data` to `path` through a temporary file beside it, fsync and rename, with `mode`: a crash
 // leaves the old file or the whole new one. Errors name the file.

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/files.h"
 #include "data/internal/spm.h"
 #include "nlohmann/json.hpp"
 
@@ -181,11 +182,9 @@ absl::StatusOr<std::unique_ptr<Dataset>> Dataset::Build(const std::string& path,
     }
     d->train_examples_ = static_cast<int64_t>(train.size());
   } else {
-    std::ifstream in(path, std::ios::binary);
-    if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
-    std::stringstream ss;
-    ss << in.rdbuf();
-    const std::string text = ss.str();
+    auto read = core::ReadFile(path);
+    if (!read.ok()) return read.status();
+    const std::string& text = *read;
     std::vector<std::string> docs;
     std::string cur;
     std::istringstream lines(text);

@@ -139,7 +139,7 @@ int RunProfile(const executor::ExecutorOptions& o, const std::string& job_path, 
   std::filesystem::create_directories(out_dir);
   partitioner::ClusterProfile cp;
   cp.sites.push_back(prof->site);
-  std::ofstream(out_dir + "/graph.json") << partitioner::GraphToJson(prof->graph);
+  std::ofstream(std::filesystem::path(out_dir) / core::kGraphFile) << partitioner::GraphToJson(prof->graph);
   std::ofstream(out_dir + "/profile-" + o.site + ".json") << partitioner::ProfileToJson(cp);
   std::cout << "site '" << o.site << "': " << prof->site.flops_per_second / 1e9 << " GFLOP/s GEMM, "
             << prof->graph.ops.size() << " ops profiled -> " << out_dir << "\n";

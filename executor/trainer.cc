@@ -7,6 +7,7 @@
 #include "nlohmann/json.hpp"
 
 #include "absl/strings/str_cat.h"
+#include "core/files.h"
 #include "core/safetensors.h"
 #include "executor/torch_boundary.h"
 
@@ -241,9 +242,9 @@ absl::StatusOr<std::map<std::string, torch::Tensor>> LoadWeights(const std::stri
       return out;
     }
     // Sharded: {"weight_map": {"tensor name": "shard file", ...}}.
-    std::ifstream in(path);
-    if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
-    nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
+    auto index = core::ReadFile(path);
+    if (!index.ok()) return index.status();
+    nlohmann::json j = nlohmann::json::parse(*index, nullptr, false);
     if (j.is_discarded() || !j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
       return absl::InvalidArgumentError(absl::StrCat(path, ": expected a JSON object with a 'weight_map' object"));
     std::map<std::string, std::vector<std::string>> by_shard;

@@ -16,6 +16,8 @@
 #include <sstream>
 
 #include "core/certs.h"
+#include "core/version.h"
+#include "rpc/coordinator_client.h"
 #include "rpc/credentials.h"
 
 namespace meridian::rpc {
@@ -320,6 +322,67 @@ TEST_F(CoordinatorAuthTest, GetFileReturnsAStoredCheckpointFile) {
   EXPECT_EQ(fetch("b", "b", "checkpoints/step-4/../../x", &got, &sha).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(fetch("b", "a", path, &got, &sha).error_code(), grpc::StatusCode::PERMISSION_DENIED);
   EXPECT_TRUE(got.empty());
+}
+
+}  // namespace
+}  // namespace meridian::rpc
+
+namespace meridian::rpc {
+namespace {
+
+// Exercises one CoordinatorClient the way an executor does: register, a command, a report, a checkpoint
+// file up and back down, a refused path, a refused attempt.
+void UseAsAnExecutorWould(CoordinatorClient* client, const fs::path& dir) {
+  v1::RegisterRequest reg;
+  reg.set_site("a");
+  reg.set_protocol_version(kProtocolVersion);
+  auto joined = client->Register(reg, std::chrono::seconds(5));
+  ASSERT_TRUE(joined.ok()) << joined.status();
+  EXPECT_EQ(joined->run_id(), "run-1");
+  auto stream = client->Commands("a");
+  v1::Command command;
+  ASSERT_TRUE(stream->Next(&command));
+  EXPECT_TRUE(command.has_stop());
+  stream->Cancel();
+  v1::StageDone done;
+  done.set_site("a");
+  EXPECT_TRUE(client->ReportDone(done, std::chrono::seconds(5)).ok());
+
+  const fs::path local = dir / "shard.bin";
+  std::string data(3 * 1000 * 1000 + 17, '\0');  // several chunks
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>(i * 31 % 251);
+  std::ofstream(local, std::ios::binary) << data;
+  ASSERT_TRUE(client->PutFile("a", "job-1", local.string(), "checkpoints/step-4/stage-0.safetensors").ok());
+  const fs::path back = dir / "fetched" / "stage-0.safetensors";
+  absl::Status got = client->GetFile("a", "checkpoints/step-4/stage-0.safetensors", back.string());
+  ASSERT_TRUE(got.ok()) << got;
+  std::ifstream in(back, std::ios::binary);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), data);
+
+  EXPECT_EQ(client->PutFile("a", "job-1", local.string(), "../escape.bin").code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(client->PutFile("a", "job-0", local.string(), "weights/stage-0.safetensors").code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(client->GetFile("a", "weights/stage-0.safetensors", back.string()).code(),
+            absl::StatusCode::kInvalidArgument);  // sites fetch checkpoints only
+  EXPECT_EQ(client->GetFile("a", "checkpoints/step-9/stage-0.json", back.string()).code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(CoordinatorAuthTest, TheGrpcCoordinatorClientServesAnExecutor) {
+  auto client = ConnectCoordinator((dir_ / "ours").string(), "a", "127.0.0.1:" + std::to_string(port_));
+  ASSERT_TRUE(client.ok()) << client.status();
+  UseAsAnExecutorWould(client->get(), dir_);
+}
+
+TEST(CoordinatorClient, TheInProcessClientServesAnExecutorWithoutANetwork) {
+  const fs::path dir = fs::temp_directory_path() / ("meridian_inproc_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  CountingHandler handler;
+  handler.store = (dir / "store").string();
+  auto client = InProcessCoordinatorClient(&handler);
+  UseAsAnExecutorWould(client.get(), dir);
+  EXPECT_GT(handler.calls.load(), 5);
+  fs::remove_all(dir);
 }
 
 }  // namespace
