@@ -111,7 +111,11 @@ void Coordinator::Requeue(const std::string& site, v1::Command c) {
 absl::Status Coordinator::Metrics(const v1::MetricsReport& r) {
   {
     std::lock_guard<std::mutex> l(mu_);
-    if (!r.job_id().empty() && r.job_id() != job_id_) return absl::OkStatus();  // an abandoned attempt
+    if (r.job_id() != job_id_) return absl::OkStatus();  // an abandoned attempt's
+    auto stage = stages_.find(r.site());
+    const auto& last = sites_[r.site()].metrics;
+    if (stage == stages_.end() || stage->second != r.stage() || (last && r.step() <= last->step()))
+      return absl::OkStatus();  // forged or stale; the run machine logs it
     sites_[r.site()].metrics = r;
     if (r.stage() == 0 && r.step() > progress_.step) {
       progress_.step = r.step();
@@ -138,7 +142,7 @@ absl::Status Coordinator::Profile(const v1::ProfileReport& r) {
 absl::Status Coordinator::Done(const v1::StageDone& d) {
   {
     std::lock_guard<std::mutex> l(mu_);
-    if (d.job_id().empty() || d.job_id() == job_id_) sites_[d.site()].done = d;
+    if (d.job_id() == job_id_) sites_[d.site()].done = d;
   }
   cv_.notify_all();
   if (events_) events_->Push(StageReportedDone{d});  // the machine logs an abandoned attempt's too
@@ -289,10 +293,11 @@ absl::StatusOr<v1::InspectResponse> Coordinator::Inspect() {
   return r;
 }
 
-void Coordinator::BeginJob(const std::string& job_id) {
+void Coordinator::BeginJob(const std::string& job_id, std::map<std::string, int> stages) {
   {
     std::lock_guard<std::mutex> l(mu_);
     job_id_ = job_id;
+    stages_ = std::move(stages);
     file_writers_.clear();
     for (auto& [name, site] : sites_) site.done.reset(), site.metrics.reset();
     progress_.step = -1;

@@ -95,9 +95,11 @@ class Coordinator : public rpc::CoordinatorHandler {
   // back, completion); the handlers log the files a site sends and fetches.
   void SetLogDir(const std::string& dir);
   void LogSite(const std::string& site, const std::string& text);
-  // Starts an attempt at the job: forgets every site's StageDone, the progress step (the tokens count on)
-  // and who may send files; from now on Done and Metrics reports of other job ids are ignored.
-  void BeginJob(const std::string& job_id);
+  // Starts an attempt at the job, whose plan runs stage `stages[site]` at each of its sites: forgets every
+  // site's StageDone, the progress step (the tokens count on) and who may send files. From now on Done
+  // and Metrics reports of other job ids are ignored, and so are metrics whose site, stage or step does
+  // not fit the plan and the site's earlier reports (they would forge the progress).
+  void BeginJob(const std::string& job_id, std::map<std::string, int> stages = {});
   void Send(const std::string& site, v1::Command c);
   void StopAll();
   // Registered sites whose last heartbeat is older than the spec's heartbeat timeout at `now` (a site
@@ -117,6 +119,7 @@ class Coordinator : public rpc::CoordinatorHandler {
   std::map<std::string, Site> sites_;
   Progress progress_;
   std::string job_id_;
+  std::map<std::string, int> stages_;  // the running attempt's plan: site -> stage
   std::string profile_json_, graph_json_, plan_json_;
   std::string file_dir_;  // guarded by mu_, as the three below
   std::map<std::string, int> file_writers_;

@@ -296,6 +296,9 @@ class RunDriver {
       const double visits = static_cast<double>(in_.steps) * in_.job.global_batch;
       c.revisit_fraction = std::max(0.0, 1.0 - d->num_sequences() / visits);
     }
+    const job::JobInputs& j = *in_.job_inputs;
+    c.graph = partitioner::BuildLlamaGraph(
+        j.model.shape, job::ProfiledGraphOptions(j.micro_batch_size, j.job.sequence_length, j.job.lora.enabled));
     c.run_id = run_id_;
     c.run_dir = in_.run_dir;
     c.find_checkpoint = [dir = CheckpointDir()](std::string* skipped) {
@@ -321,7 +324,7 @@ class RunDriver {
             } else if constexpr (std::is_same_v<T, StopAll>) {
               coord_.StopAll();
             } else if constexpr (std::is_same_v<T, BeginAttempt>) {
-              coord_.BeginJob(a.job_id);
+              coord_.BeginJob(a.job_id, a.stages);
               coord_.SetFileWriters(a.file_writers, a.max_step, a.max_file_bytes);
             } else if constexpr (std::is_same_v<T, PublishRunInfo>) {
               coord_.SetRunInfo(a.profile_json, a.graph_json, a.plan_json);
@@ -388,8 +391,12 @@ class RunDriver {
       metrics_http_.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
         res.set_content(MetricsText(coord_), "text/plain; version=0.0.4");
       });
-      if (!metrics_http_.bind_to_port("0.0.0.0", spec.metrics_port)) {
-        std::cerr << "meridian run: cannot serve /metrics on port " << spec.metrics_port << "\n";
+      // Unauthenticated and read-only: on the coordinator's own host unless the spec says otherwise, and
+      // served by two threads at most.
+      const std::string host = spec.metrics_address.empty() ? spec.coordinator.host : spec.metrics_address;
+      metrics_http_.new_task_queue = [] { return new httplib::ThreadPool(2); };
+      if (!metrics_http_.bind_to_port(host, spec.metrics_port)) {
+        std::cerr << "meridian run: cannot serve /metrics on " << host << ":" << spec.metrics_port << "\n";
         return 1;
       }
       metrics_thread_ = std::thread([this] { metrics_http_.listen_after_bind(); });

@@ -1,6 +1,7 @@
 #include "coordinator/run_machine.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include <nlohmann/json.hpp>
 
@@ -119,36 +120,86 @@ void RunMachine::StartProfiling() {
 void RunMachine::OnProfile(const ProfileReported& e) {
   const v1::ProfileReport& r = e.report;
   if (!sites_.count(r.site())) return;
-  Out(LogSite{r.site(), r.error().empty() ? "measured its device, the model per op and its links"
-                                          : absl::StrCat("measuring failed: ", r.error())});
-  if (phase_ != Phase::kProfiling) return;
-  profiles_[r.site()] = r;
+  const bool asked = std::find(joined_.begin(), joined_.end(), r.site()) != joined_.end();
+  if (phase_ != Phase::kProfiling || !asked || profiles_.count(r.site())) {
+    Out(LogSite{r.site(), "sent a profile nobody asked for; ignored"});
+    return;
+  }
+  if (r.error().empty()) {
+    partitioner::ClusterProfile checked;
+    if (absl::Status s = CheckProfile(r, &checked); !s.ok()) {
+      // A site whose measurements do not check out is not planned with (a hostile site must not steer
+      // the plan); the run goes on without it while others are left.
+      const std::string why =
+          absl::StrCat("site '", r.site(), "' sent a profile that does not check out: ", s.message());
+      Out(LogSite{r.site(), why});
+      joined_.erase(std::find(joined_.begin(), joined_.end(), r.site()));
+      if (joined_.empty()) return Fail(why);
+      Say(absl::StrCat(why, "; planning without it\n"));
+    } else {
+      checked_[r.site()] = std::move(checked);
+      profiles_[r.site()] = r;
+      Out(LogSite{r.site(), "measured its device, the model per op and its links"});
+    }
+  } else {
+    profiles_[r.site()] = r;
+    Out(LogSite{r.site(), absl::StrCat("measuring failed: ", r.error())});
+  }
   for (const auto& site : joined_)
     if (!profiles_.count(site)) return;
   if (absl::Status s = FinishProfiling(); !s.ok()) return Fail(std::string(s.message()));
   StartAttempt();
 }
 
+absl::Status RunMachine::CheckProfile(const v1::ProfileReport& r, partitioner::ClusterProfile* checked) const {
+  const std::string& site = r.site();
+  auto one = partitioner::ParseProfileJson(absl::StrCat("{\"sites\": [", r.site_profile_json(), "]}"),
+                                           absl::StrCat("profile of site '", site, "'"));
+  if (!one.ok()) return one.status();
+  if (one->sites.size() != 1 || one->sites[0].name != site)
+    return absl::InvalidArgumentError("it describes another site's device");
+  const partitioner::SiteProfile& p = one->sites[0];
+  auto finite = [](double v) { return std::isfinite(v) && v >= 0; };
+  if (!finite(p.flops_per_second) || p.flops_per_second <= 0 || !finite(p.memory_bytes))
+    return absl::InvalidArgumentError("its device's speed or memory is not a finite positive number");
+  for (const auto& [op, seconds] : p.op_seconds) {
+    if (std::none_of(c_.graph.ops.begin(), c_.graph.ops.end(), [&](const auto& o) { return o.name == op; }))
+      return absl::InvalidArgumentError(absl::StrCat("op '", op, "' is not in the job's model"));
+    if (!finite(seconds)) return absl::InvalidArgumentError(absl::StrCat("op '", op, "' took a non-finite time"));
+  }
+  checked->sites = {p};
+  auto links = nlohmann::json::parse(r.links_json(), nullptr, false);
+  if (!links.is_array()) return absl::InvalidArgumentError("its links are not a JSON array");
+  for (const auto& l : links) {
+    if (!l.is_object() || !l.contains("from") || !l["from"].is_string() || !l.contains("to") || !l["to"].is_string() ||
+        !l.contains("bandwidth_bytes_per_second") || !l["bandwidth_bytes_per_second"].is_number() ||
+        !l.contains("latency_seconds") || !l["latency_seconds"].is_number())
+      return absl::InvalidArgumentError(absl::StrCat("a malformed link: ", l.dump()));
+    partitioner::LinkProfile link{l["from"], l["to"], l["bandwidth_bytes_per_second"], l["latency_seconds"]};
+    // Only the links it measured: between itself and a site it was asked to probe (a later one by name).
+    const std::string& other = link.from == site ? link.to : link.from;
+    if ((link.from != site && link.to != site) || other <= site ||
+        std::find(joined_.begin(), joined_.end(), other) == joined_.end())
+      return absl::InvalidArgumentError(absl::StrCat("a link it did not measure: ", link.from, " -> ", link.to));
+    if (!finite(link.bandwidth_bytes_per_second) || link.bandwidth_bytes_per_second <= 0 ||
+        !finite(link.latency_seconds))
+      return absl::InvalidArgumentError(absl::StrCat("link ", link.from, " -> ", link.to, " has non-finite figures"));
+    checked->links.push_back(link);
+  }
+  return absl::OkStatus();
+}
+
 // Every joined site's measurements, with the spec's link overrides: RUN/profile.json and graph.json.
 absl::Status RunMachine::FinishProfiling() {
-  for (const auto& [name, p] : profiles_) {
+  for (const auto& [name, p] : profiles_)
     if (!p.error().empty())
       return absl::InternalError(absl::StrCat("site '", name, "' could not profile: ", p.error()));
-    auto one = partitioner::ParseProfileJson(absl::StrCat("{\"sites\": [", p.site_profile_json(), "]}"),
-                                             absl::StrCat("profile of site '", name, "'"));
-    if (!one.ok()) return one.status();
-    profile_.sites.push_back(one->sites[0]);
-    graph_json_ = p.graph_json();
-    auto links = nlohmann::json::parse(p.links_json(), nullptr, false);
-    if (links.is_array())
-      for (const auto& l : links) {
-        if (!l.is_object() || !l.contains("from") || !l["from"].is_string() || !l.contains("to") ||
-            !l["to"].is_string() || !l.contains("bandwidth_bytes_per_second") ||
-            !l["bandwidth_bytes_per_second"].is_number() || !l.contains("latency_seconds") ||
-            !l["latency_seconds"].is_number())
-          return absl::InvalidArgumentError(absl::StrCat("site '", name, "' reported a malformed link: ", l.dump()));
-        profile_.links.push_back({l["from"], l["to"], l["bandwidth_bytes_per_second"], l["latency_seconds"]});
-      }
+  for (const auto& site : joined_) {
+    const partitioner::ClusterProfile& one = checked_.at(site);
+    profile_.sites.push_back(one.sites[0]);
+    for (const auto& l : one.links)  // a link to a site dropped since is not planned with
+      if (std::find(joined_.begin(), joined_.end(), l.from == site ? l.to : l.from) != joined_.end())
+        profile_.links.push_back(l);
   }
   for (const auto& l : c_.spec.links) {
     if (!l.override_measurement) continue;
@@ -169,11 +220,10 @@ absl::Status RunMachine::FinishProfiling() {
     absl::StrAppendFormat(&lines, "  link %-10s -> %-10s %8.1f Mbit/s, %6.1f ms one way\n", l.from, l.to,
                           l.bandwidth_bytes_per_second * 8 / 1e6, l.latency_seconds * 1e3);
   Say(lines);
+  graph_ = c_.graph;
+  graph_json_ = partitioner::GraphToJson(graph_);
   Out(WriteRunFile{core::kProfileFile, partitioner::ProfileToJson(profile_)});
   Out(WriteRunFile{core::kGraphFile, graph_json_});
-  auto graph = partitioner::ParseGraphJson(graph_json_, "graph.json from the executors");
-  if (!graph.ok()) return graph.status();
-  graph_ = std::move(*graph);
   // A file a site sends holds at most the model's training state (weights and AdamW moments, within
   // param_bytes + optimizer_bytes of the graph) plus its header: twice that bounds it.
   double state_bytes = 0;
@@ -192,9 +242,12 @@ void RunMachine::StartAttempt() {
   ++attempts_;
   attempt_ = Attempt();
   progress_step_ = -1;
-  std::map<std::string, int> writers;  // replica 0 of each stage sends its weights and checkpoint shards
-  for (size_t k = 0; k < plan_->stages.size(); ++k) writers[plan_->stages[k].site_names[0]] = static_cast<int>(k);
-  Out(BeginAttempt{job_id_, std::move(writers), c_.steps, max_file_bytes_});
+  std::map<std::string, int> stages, writers;  // replica 0 of each stage sends its weights and checkpoints
+  for (size_t k = 0; k < plan_->stages.size(); ++k) {
+    writers[plan_->stages[k].site_names[0]] = static_cast<int>(k);
+    for (const auto& site : plan_->stages[k].site_names) stages[site] = static_cast<int>(k);
+  }
+  Out(BeginAttempt{job_id_, std::move(stages), std::move(writers), c_.steps, max_file_bytes_});
   if (absl::Status s = FindResumePoint(); !s.ok()) return Fail(std::string(s.message()));
   Assign();
   phase_ = Phase::kTraining;
@@ -329,6 +382,7 @@ void RunMachine::Assign() {
       a->set_first_op(st[k].first_op);
       a->set_last_op(st[k].last_op);
       attempt_.used.insert(site);
+      attempt_.stage[site] = static_cast<int>(k);
       for (const auto& r : st[k].site_names) a->add_replicas(r);
       group(k, a->mutable_this_stage());
       a->set_gradient_codec(gradient_codec(k));
@@ -376,6 +430,16 @@ void RunMachine::OnMetrics(const MetricsReported& e) {
   const v1::MetricsReport& r = e.report;
   if (!sites_.count(r.site())) return;
   if (r.job_id() != job_id_ || job_id_.empty()) return;  // an abandoned attempt's
+  // The plan says which stage a site runs, and steps come in order: a report that says otherwise is not
+  // believed (it would forge the progress).
+  auto stage = attempt_.stage.find(r.site());
+  auto last = attempt_.metrics.find(r.site());
+  if (stage == attempt_.stage.end() || r.stage() != stage->second || r.step() < 0 || r.step() >= c_.steps ||
+      (last != attempt_.metrics.end() && r.step() <= last->second.step())) {
+    Out(LogSite{r.site(), absl::StrCat("a metrics report of stage ", r.stage(), ", step ", r.step() + 1,
+                                       " does not fit the plan or the steps before it; ignored")});
+    return;
+  }
   const std::string parts = absl::StrFormat(
       "%.2f s (%.2f s computing, %.2f s waiting, %.3f s blocked sending, %.3f s codecs), %d bytes sent (%d "
       "uncompressed)",

@@ -77,6 +77,7 @@ struct StopAll {};  // every registered site gets a stop command
 // `max_file_bytes`.
 struct BeginAttempt {
   std::string job_id;
+  std::map<std::string, int> stages;  // every site of the plan -> its stage
   std::map<std::string, int> file_writers;
   int64_t max_step = 0, max_file_bytes = 0;
 };
@@ -115,6 +116,9 @@ using Action = std::variant<SendCommand, StopAll, BeginAttempt, PublishRunInfo, 
 struct RunConfig {
   core::ClusterSpec spec;
   core::JobSpec job;
+  // The job's operator graph, built by the coordinator from the job (job::ProfiledGraphOptions): the sites
+  // report only their own devices, links and per-op times.
+  partitioner::OpGraph graph;
   std::string job_yaml, job_dir;  // sent to the sites with every command
   int steps = 0, micro_batches = 0;
   double join_timeout_seconds = 0;  // 0: wait for the sites indefinitely
@@ -159,6 +163,7 @@ class RunMachine {
     std::set<std::string> used;                        // the sites of its plan
     std::map<std::string, v1::StageDone> done;         // by site
     std::map<std::string, v1::MetricsReport> metrics;  // the latest, by site
+    std::map<std::string, int> stage;                  // each site's stage in the plan
     std::string failure, failed_site;                  // the first stage error, or "no heartbeat"
     std::string lost;                                  // why it ended: the sites lost, for messages
     Clock::time_point deadline;                        // kFailing: wait for heartbeats; kDraining: drain
@@ -173,6 +178,9 @@ class RunMachine {
   void OnTick();
 
   void StartProfiling();
+  // Checks one site's measurements before they are believed: its own device, op times of this model's
+  // ops, links from or to itself and a site it probed or was probed by, finite values.
+  absl::Status CheckProfile(const v1::ProfileReport& report, partitioner::ClusterProfile* checked) const;
   absl::Status FinishProfiling();
   void StartAttempt();
   absl::Status PlanAttempt();
@@ -196,6 +204,7 @@ class RunMachine {
   std::map<std::string, SiteState> sites_;  // every site of the spec
   std::vector<std::string> joined_;         // the sites profiled, by name
   std::map<std::string, v1::ProfileReport> profiles_;
+  std::map<std::string, partitioner::ClusterProfile> checked_;  // each site's profile, checked
   partitioner::ClusterProfile profile_;
   std::string graph_json_;
   partitioner::OpGraph graph_;

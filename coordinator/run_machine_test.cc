@@ -7,6 +7,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <functional>
+
 #include "core/run_layout.h"
 
 namespace meridian::coordinator {
@@ -50,6 +52,7 @@ RunConfig Config(core::OnFailure on_failure = core::OnFailure::kReplan) {
   c.even_split = true;  // one stage per site, in spec order: the layouts below are known
   c.run_id = kRun;
   c.run_dir = "/runs/t";
+  c.graph = SmallGraph();
   return c;
 }
 
@@ -421,6 +424,56 @@ TEST(RunMachine, TheCoordinatorsStoreResumesFromItsNewestStepAndIsPruned) {
   EXPECT_EQ(assigned["a"].resume_step(), 10);
   EXPECT_THAT(std::vector<std::string>(assigned["a"].resume_files().begin(), assigned["a"].resume_files().end()),
               ElementsAre("checkpoints/step-10/stage-0.safetensors", "checkpoints/step-10/stage-0.json"));
+}
+
+// A compromised site: progress it could forge is not believed.
+TEST(RunMachine, MetricsThatDoNotFitThePlanOrTheStepsBeforeAreIgnored) {
+  Driver d(Config());
+  d.JoinAndProfile({"a", "b", "c"});
+  EXPECT_THAT(Printed(d.Feed(MetricsReported{Metrics("a", kRun, 0, 0)})), HasSubstr("step 1/20"));
+  // b runs stage 1 but claims stage 0 (whose reports are the progress), with a later step.
+  auto forged = d.Feed(MetricsReported{Metrics("b", kRun, 0, 18)});
+  EXPECT_TRUE(Printed(forged).empty());
+  ASSERT_EQ(All<LogSite>(forged).size(), 1u);
+  EXPECT_THAT(All<LogSite>(forged)[0].text, HasSubstr("does not fit the plan"));
+  // A step again, or out of range, or without the attempt's job id.
+  EXPECT_TRUE(Printed(d.Feed(MetricsReported{Metrics("a", kRun, 0, 0)})).empty());
+  EXPECT_TRUE(Printed(d.Feed(MetricsReported{Metrics("a", kRun, 0, 20)})).empty());
+  EXPECT_TRUE(Printed(d.Feed(MetricsReported{Metrics("a", "", 0, 5)})).empty());
+  EXPECT_THAT(Printed(d.Feed(MetricsReported{Metrics("a", kRun, 0, 1)})), HasSubstr("step 2/20"));
+}
+
+// A site whose measurements do not check out is planned without; the others go on.
+TEST(RunMachine, AProfileThatDoesNotCheckOutLeavesItsSiteOutOfThePlan) {
+  for (auto forge : std::vector<std::function<void(v1::ProfileReport*)>>{
+           [](v1::ProfileReport* r) { r->set_links_json("{\"from\": 1}"); },  // not an array
+           [](v1::ProfileReport* r) {  // a link between two other sites, claimed fast to steer the plan
+             r->set_links_json(
+                 R"([{"from": "a", "to": "c", "bandwidth_bytes_per_second": 1e12, "latency_seconds": 0}])");
+           },
+           [](v1::ProfileReport* r) {  // another site's device
+             r->set_site_profile_json(R"({"name": "a", "flops_per_second": 1e15, "memory_bytes": 1e12})");
+           },
+           [](v1::ProfileReport* r) {  // an op the model does not have
+             r->set_site_profile_json(
+                 R"({"name": "b", "flops_per_second": 1e11, "memory_bytes": 8e9, "op_seconds": {"evil": 0.1}})");
+           },
+           [](v1::ProfileReport* r) { r->set_site_profile_json("{"); }}) {
+    Driver d(Config());
+    d.Feed(RunStarted{});
+    for (const char* s : {"a", "b", "c"}) d.Feed(SiteRegistered{s, "x", "cpu"});
+    d.Feed(ProfileReported{Profile("a")});
+    v1::ProfileReport bad = Profile("b");
+    forge(&bad);
+    auto refused = d.Feed(ProfileReported{bad});
+    EXPECT_THAT(Printed(refused), HasSubstr("site 'b' sent a profile that does not check out"));
+    EXPECT_THAT(Printed(refused), HasSubstr("planning without it"));
+    EXPECT_FALSE(ExitCode(refused));
+    auto planned = d.Feed(ProfileReported{Profile("c")});
+    EXPECT_FALSE(ExitCode(planned)) << Printed(planned);
+    auto assigned = Assignments(planned);
+    EXPECT_THAT(Sites(assigned), ElementsAre("a", "c"));
+  }
 }
 
 }  // namespace

@@ -660,9 +660,10 @@ SpecLoadResult ParseSpec(const std::string& text, const std::string& path) {
         YAML::Node coord = root["coordinator"];
         if (!coord.IsDefined() || coord.IsNull()) {
           c.Error(root.Mark(), "spec: missing required key 'coordinator'");
-        } else if (c.Map(coord, "coordinator", {"address", "metrics_port"})) {
+        } else if (c.Map(coord, "coordinator", {"address", "metrics_port", "metrics_address"})) {
           c.Address(coord, "address", "coordinator", true, &cs.coordinator);
           c.IntAs(coord, "metrics_port", "coordinator", false, 0, 65535, &cs.metrics_port);
+          c.String(coord, "metrics_address", "coordinator", false, &cs.metrics_address);
         }
         if (YAML::Node sec = root["security"]; sec.IsDefined() && !sec.IsNull()) {
           if (c.Map(sec, "security", {"certs"})) c.String(sec, "certs", "security", false, &cs.certs_dir);

@@ -128,6 +128,7 @@ struct ClusterSpec {
   std::string name;
   Endpoint coordinator;
   int metrics_port = 0;             // 0: no /metrics endpoint
+  std::string metrics_address;      // the host /metrics binds to; empty: the coordinator's host
   std::string certs_dir = "certs";  // resolved against the spec file's directory
   double heartbeat_interval_seconds = 1.0;
   double heartbeat_timeout_seconds = 5.0;

@@ -50,9 +50,11 @@ absl::StatusOr<std::string> ReadFile(const std::string& path, int64_t max_bytes)
 }
 
 absl::Status WriteFileAtomic(const std::string& path, std::string_view data, mode_t mode) {
-  std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, mode);
-  if (fd < 0) return absl::InternalError(absl::StrCat(tmp, ": cannot create: ", std::strerror(errno)));
+  // A fresh temporary name beside the file (mkstemp: O_EXCL, unpredictable), never an existing file or link.
+  std::string tmp = path + ".tmp.XXXXXX";
+  int fd = ::mkostemp(tmp.data(), O_CLOEXEC);
+  if (fd < 0)
+    return absl::InternalError(absl::StrCat(path, ": cannot create a temporary file: ", std::strerror(errno)));
   ::fchmod(fd, mode);  // the umask must not widen or narrow what we ask for
   size_t off = 0;
   while (off < data.size()) {
@@ -74,6 +76,13 @@ absl::Status WriteFileAtomic(const std::string& path, std::string_view data, mod
     int err = errno;
     ::unlink(tmp.c_str());
     return absl::InternalError(absl::StrCat(path, ": cannot rename into place: ", std::strerror(err)));
+  }
+  // The rename itself survives a crash only once the directory is synced.
+  const std::string dir = path.find('/') == std::string::npos ? "." : path.substr(0, path.rfind('/') + 1);
+  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    ::fsync(dfd);
+    ::close(dfd);
   }
   return absl::OkStatus();
 }

@@ -59,9 +59,9 @@ struct ScratchDir {
 };
 
 // Sends checkpoint steps to the coordinator on a thread of its own, so training goes on while a shard
-// crosses the coordinator's link: the shard, then its JSON (which vouches for it); then the local copy
-// is removed. One step at a time: Start waits for the previous step's upload. Thread-compatible: used by
-// the stage thread only; the destructor waits for the upload in flight.
+// crosses the coordinator's link: the shard, then its JSON (which vouches for it); once both arrived,
+// the local copy is removed (kept when the upload failed). One step at a time: Start waits for the previous step's
+// upload. Thread-compatible: used by the stage thread only; the destructor waits for the upload in flight.
 class CheckpointUploader {
  public:
   CheckpointUploader(rpc::CoordinatorClient* coordinator, std::string site, std::string job_id)
@@ -78,7 +78,7 @@ class CheckpointUploader {
         if (!s.ok()) break;
       }
       std::error_code ec;
-      fs::remove_all(step_dir, ec);
+      if (s.ok()) fs::remove_all(step_dir, ec);  // kept when the upload failed: the step is still here
       return s;
     });
     return absl::OkStatus();
@@ -198,7 +198,9 @@ Agent::Agent(ExecutorOptions options, v1::RegisterResponse registration, rpc::Co
       coordinator_(coordinator),
       cluster_sites_(OtherSites(reg_, o_.site)),
       device_(o_.device == "cpu" ? torch::Device(torch::kCPU) : torch::Device(o_.device)),
-      peer_service_(o_.site, cluster_sites_, &inbox_) {}
+      peer_service_(o_.site, cluster_sites_, &inbox_) {
+  peer_service_.SetJob(std::string());  // no assignment yet: probes only
+}
 
 int Agent::Run() {
   auto started = rpc::StartMtlsServer(o_.certs, o_.site, o_.listen, {&peer_service_});
@@ -269,7 +271,7 @@ void Agent::Heartbeats() {
 void Agent::OnProfile(const v1::ProfileRequest& p) {
   spdlog::debug("command: profile ({} peers to probe, {} repeats)", p.peers_size(), p.repeats());
   state_ = v1::SITE_PROFILING;
-  peer_service_.SetAllowedPeers(cluster_sites_);  // the sites probing this one
+
   v1::ProfileReport rep;
   rep.set_site(o_.site);
   absl::Status failure = GuardTorch(absl::StrCat("site '", o_.site, "': profiling"), [&]() -> absl::Status {
@@ -331,6 +333,7 @@ void Agent::OnAssign(const v1::StageAssignment& pa) {
   result.set_job_id(pa.job_id());
   const StageAssignment a = FromProto(pa);
   peer_service_.SetAllowedPeers(StagePeers(a, o_.site));
+  peer_service_.SetJob(a.job_id);  // a late frame of an abandoned attempt is dropped
   std::unique_ptr<StageWorker> worker;
   StageRunResult run_result;
   MetricsReporter reporter(coordinator_);
@@ -462,7 +465,10 @@ void Agent::OnAssign(const v1::StageAssignment& pa) {
   reporter.Flush();  // the coordinator sees every step's report before the stage's end
   state_ = run_result.status.ok() ? v1::SITE_DONE : v1::SITE_FAILED;
   (void)coordinator_->ReportDone(result, kReportTimeout);
+  // Idle again: any site may connect (the next attempt's neighbours may be faster to start than this
+  // site) but no frame is delivered until an assignment names its job.
   peer_service_.SetAllowedPeers(cluster_sites_);
+  peer_service_.SetJob(std::string());
 }
 
 }  // namespace meridian::executor

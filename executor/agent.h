@@ -44,7 +44,7 @@ class Agent {
   const ExecutorOptions o_;
   const v1::RegisterResponse reg_;
   rpc::CoordinatorClient* coordinator_;
-  const std::set<std::string> cluster_sites_;  // every other site: who may reach the peer service when idle
+  const std::set<std::string> cluster_sites_;  // every other site: who may connect while no stage runs
   const torch::Device device_;
   rpc::TensorInbox inbox_;
   rpc::PeerService peer_service_;

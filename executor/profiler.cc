@@ -63,15 +63,7 @@ absl::StatusOr<OpProfile> ProfileModel(const LlamaConfig& c, int mbs, int seq, c
   return GuardTorch(absl::StrCat("site '", site_name, "': profiling the model"), [&]() -> absl::StatusOr<OpProfile> {
     if (repeats < 1) return absl::InvalidArgumentError("repeats must be at least 1");
     OpProfile out;
-    partitioner::LlamaGraphOptions go;
-    go.micro_batch_size = mbs;
-    go.sequence_length = seq;
-    go.weight_bytes = 4;                                           // fp32 weights
-    go.gradient_bytes = 4;                                         // fp32 gradients
-    go.optimizer_bytes = 8;                                        // Adam m and v in fp32
-    if (lora.enabled) go.gradient_bytes = go.optimizer_bytes = 0;  // frozen base; adapters are negligible
-    go.activation_bytes = 4;
-    out.graph = partitioner::BuildLlamaGraph(c.shape, go);
+    out.graph = partitioner::BuildLlamaGraph(c.shape, job::ProfiledGraphOptions(mbs, seq, lora.enabled));
     out.site.name = site_name;
     out.site.flops_per_second = MeasureGemmFlops(device);
     out.site.gemm_flops_per_second["libtorch_fp32"] = out.site.flops_per_second;

@@ -477,11 +477,16 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
       auto f = inbox_->Wait(peer, {a_.job_id, step, tag, from_stage, v1::CONTROL, 0}, t0 + timeout_);
       wait_seconds_ += std::chrono::duration<double>(Clock::now() - t0).count();
       if (!f.ok()) return Annotate(f.status(), Where());
-      auto t = compression::Decode(f->data(), f->size());
-      if (!t.ok() || t->bytes.size() != 16)
+      // Its fixed shape: 16 bytes, two float64, both finite (a NaN norm would switch clipping off).
+      auto t = compression::Decode(f->data(), f->size(), compression::DecodeLimits{16});
+      if (!t.ok() || t->dtype != core::DType::kUInt8 || t->shape != std::vector<int64_t>{16})
         return absl::DataLossError(absl::StrCat(Where(), ": bad gradient-norm message from peer '", peer, "'"));
       double v[2];
       std::memcpy(v, t->bytes.data(), 16);
+      if (!std::isfinite(v[0]) || v[0] < 0 || !std::isfinite(v[1]))
+        return absl::DataLossError(absl::StrCat(Where(), ": peer '", peer,
+                                                "' sent a non-finite gradient norm or loss (", v[0], ", ", v[1],
+                                                ") in step ", step + 1));
       return std::make_pair(v[0], v[1]);
     };
     const auto& R = a_.replicas.sites;
@@ -495,6 +500,9 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
           loss += r->second;
         }
       square = GradSquareSum(model_->parameters());
+      if (!std::isfinite(square) || !std::isfinite(loss))
+        return absl::DataLossError(absl::StrCat(Where(), ": non-finite gradients or loss in step ", step + 1,
+                                                " (the inputs from the previous stage, or the data)"));
       if (!last) {
         auto r = recv_pair(a_.next_replicas.sites[0], a_.stage + 1, -1);
         if (!r.ok()) return r.status();
@@ -554,6 +562,10 @@ absl::Status StageWorker::SaveCheckpoint(const std::string& dir, int64_t steps_d
   return GuardTorch(absl::StrCat(Where(), ": checkpoint of step ", steps_done), [&]() -> absl::Status {
     std::map<std::string, torch::Tensor> all = Parameters();
     for (auto& [k, v] : opt_.ExportState()) all[k] = v;
+    for (const auto& [name, t] : all)  // a checkpoint holds finite values only: recovery resumes from it
+      if (t.is_floating_point() && !torch::isfinite(t).all().item<bool>())
+        return absl::DataLossError(absl::StrCat(Where(), ": ", name, " is not finite after step ", steps_done,
+                                                "; the checkpoint is not written"));
     absl::Status s = WriteCheckpoint(dir, steps_done, a_.stage, a_.num_stages, all);
     if (!s.ok()) return Annotate(s, absl::StrCat(Where(), ": checkpoint"));
     if (keep > 0 && a_.stage == 0 && writes_shard()) {

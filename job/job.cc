@@ -44,6 +44,18 @@ std::string FindWeightsFile(const std::string& dir, bool adapters) {
   return "";
 }
 
+partitioner::LlamaGraphOptions ProfiledGraphOptions(int micro_batch_size, int sequence_length, bool lora) {
+  partitioner::LlamaGraphOptions go;
+  go.micro_batch_size = micro_batch_size;
+  go.sequence_length = sequence_length;
+  go.weight_bytes = 4;
+  go.gradient_bytes = 4;
+  go.optimizer_bytes = 8;
+  if (lora) go.gradient_bytes = go.optimizer_bytes = 0;  // adapters are negligible
+  go.activation_bytes = 4;
+  return go;
+}
+
 absl::StatusOr<JobInputs> PrepareJobInputs(const core::JobSpec& job, const std::string& job_path) {
   JobInputs s;
   s.job = job;

@@ -35,6 +35,11 @@ absl::StatusOr<LlamaConfig> ParseLlamaConfigText(const std::string& text, const 
 // Empty when there is none.
 std::string FindWeightsFile(const std::string& dir, bool adapters = false);
 
+// How the executors' profiler costs the model per op (fp32 weights, gradients and activations, Adam's two
+// fp32 moments; under LoRA the frozen base has no gradients or moments), for `micro_batch_size` sequences
+// of `sequence_length` tokens. The coordinator builds the run's graph with the same options.
+partitioner::LlamaGraphOptions ProfiledGraphOptions(int micro_batch_size, int sequence_length, bool lora);
+
 struct JobInputs {
   core::JobSpec job;
   std::string job_path;   // the YAML file the job came from (relative paths in it resolve against it)

@@ -28,12 +28,28 @@ std::string TensorKey::ToString() const {
 
 // ---- TensorInbox ----
 
-void TensorInbox::Deliver(const std::string& peer, const TensorKey& key, std::vector<uint8_t> frame) {
+absl::Status TensorInbox::Deliver(const std::string& peer, const TensorKey& key, std::vector<uint8_t> frame,
+                                  int64_t max_peer_bytes) {
   {
     std::lock_guard<std::mutex> l(mu_);
+    int64_t& bytes = peer_bytes_[peer];
+    auto it = frames_.find({peer, key});
+    const int64_t replaced = it == frames_.end() ? 0 : static_cast<int64_t>(it->second.size());
+    const int64_t after = bytes - replaced + static_cast<int64_t>(frame.size());
+    if (after > max_peer_bytes)
+      return absl::ResourceExhaustedError(absl::StrCat("peer '", peer, "' has ", bytes, " bytes of frames waiting; ",
+                                                       key.ToString(), " would take it over ", max_peer_bytes));
+    bytes = after;
     frames_[{peer, key}] = std::move(frame);
   }
   cv_.notify_all();
+  return absl::OkStatus();
+}
+
+int64_t TensorInbox::PeerBytes(const std::string& peer) const {
+  std::lock_guard<std::mutex> l(mu_);
+  auto it = peer_bytes_.find(peer);
+  return it == peer_bytes_.end() ? 0 : it->second;
 }
 
 void TensorInbox::FailPeer(const std::string& peer, const std::string& why, const std::string& job_id) {
@@ -57,6 +73,7 @@ absl::StatusOr<std::vector<uint8_t>> TensorInbox::Wait(const std::string& peer, 
     if (it != frames_.end()) {
       std::vector<uint8_t> f = std::move(it->second);
       frames_.erase(it);
+      peer_bytes_[peer] -= static_cast<int64_t>(f.size());
       return f;
     }
     if (auto f = failed_.find(peer); f != failed_.end() && (f->second.second.empty() || f->second.second == key.job_id))
@@ -75,8 +92,13 @@ size_t TensorInbox::pending() const {
 
 // ---- PeerService ----
 
-PeerService::PeerService(std::string self, std::set<std::string> allowed_peers, TensorInbox* inbox)
-    : self_(std::move(self)), allowed_(std::move(allowed_peers)), inbox_(inbox) {}
+PeerService::PeerService(std::string self, std::set<std::string> allowed_peers, TensorInbox* inbox, PeerLimits limits)
+    : self_(std::move(self)), allowed_(std::move(allowed_peers)), inbox_(inbox), limits_(limits) {}
+
+void PeerService::SetJob(std::optional<std::string> job_id) {
+  std::lock_guard<std::mutex> l(allowed_mu_);
+  job_ = std::move(job_id);
+}
 
 void PeerService::SetAllowedPeers(std::set<std::string> allowed_peers) {
   std::lock_guard<std::mutex> l(allowed_mu_);
@@ -103,10 +125,12 @@ grpc::Status PeerService::Stream(grpc::ServerContext* ctx, grpc::ServerReader<v1
   if (grpc::Status s = Authorise(ctx, &peer); !s.ok()) return s;
   inbox_->ClearPeer(peer);
   struct Partial {
-    std::vector<uint8_t> data;
+    std::vector<uint8_t> data;  // grows as the bytes arrive (probe payloads are counted, not kept)
+    int64_t frame_bytes = 0;    // what the first chunk claimed
     int64_t received = 0;
   };
   std::map<TensorKey, Partial> partial;
+  int64_t partial_bytes = 0;  // held in `partial`
   int64_t frames = 0;
   v1::TensorChunk c;
   std::string job;  // the job this stream carries (unknown until its first chunk)
@@ -117,33 +141,61 @@ grpc::Status PeerService::Stream(grpc::ServerContext* ctx, grpc::ServerReader<v1
   while (reader->Read(&c)) {
     TensorKey key = KeyOf(c);
     if (key.direction != v1::PROBE) job = key.job_id;
-    if (c.frame_bytes() <= 0 || c.frame_bytes() > kMaxFrameBytes)
+    const bool probe = key.direction == v1::PROBE;
+    const int64_t max_frame = probe ? kMaxFrameBytes : limits_.max_frame_bytes;
+    if (c.frame_bytes() <= 0 || c.frame_bytes() > max_frame)
       return fail(grpc::StatusCode::INVALID_ARGUMENT,
-                  absl::StrCat("peer '", peer, "' sent ", key.ToString(), " with frame size ", c.frame_bytes()));
-    Partial& p = partial[key];
-    if (p.data.empty()) {
+                  absl::StrCat("peer '", peer, "' sent ", key.ToString(), " with frame size ", c.frame_bytes(),
+                               " (at most ", max_frame, ")"));
+    auto [it, begun] = partial.try_emplace(key);
+    Partial& p = it->second;
+    if (begun) {
       if (c.offset() != 0)
         return fail(grpc::StatusCode::INVALID_ARGUMENT,
                     absl::StrCat("peer '", peer, "' began ", key.ToString(), " at offset ", c.offset()));
-      p.data.resize(static_cast<size_t>(c.frame_bytes()));
+      if (static_cast<int>(partial.size()) > limits_.max_partial_frames)
+        return fail(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                    absl::StrCat("peer '", peer, "' began more than ", limits_.max_partial_frames,
+                                 " frames without finishing them"));
+      p.frame_bytes = c.frame_bytes();
     }
-    if (c.frame_bytes() != static_cast<int64_t>(p.data.size()) || c.offset() != p.received ||
+    if (c.frame_bytes() != p.frame_bytes || c.offset() != p.received ||
         c.offset() + static_cast<int64_t>(c.data().size()) > c.frame_bytes())
       return fail(grpc::StatusCode::INVALID_ARGUMENT,
                   absl::StrCat("peer '", peer, "' sent an out-of-order or oversized chunk of ", key.ToString()));
-    std::memcpy(p.data.data() + c.offset(), c.data().data(), c.data().size());
-    p.received += static_cast<int64_t>(c.data().size());
-    if (p.received < c.frame_bytes()) continue;
+    const int64_t n = static_cast<int64_t>(c.data().size());
+    if (!probe) {
+      if (partial_bytes + n + inbox_->PeerBytes(peer) > limits_.max_peer_bytes)
+        return fail(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                    absl::StrCat("peer '", peer, "' sent more than the ", limits_.max_peer_bytes,
+                                 " bytes a peer's frames may occupy here"));
+      p.data.insert(p.data.end(), c.data().begin(), c.data().end());
+      partial_bytes += n;
+    }
+    p.received += n;
+    if (p.received < p.frame_bytes) continue;
     std::vector<uint8_t> frame = std::move(p.data);
-    partial.erase(key);
+    const int64_t size = p.frame_bytes;
+    partial_bytes -= static_cast<int64_t>(frame.size());
+    partial.erase(it);
     ++frames;
-    bytes_received_ += static_cast<int64_t>(frame.size());
-    if (key.direction == v1::PROBE) continue;  // probe payload: counted, not delivered
+    bytes_received_ += size;
+    if (probe) continue;  // probe payload: counted, not delivered
+    bool current;
+    {
+      std::lock_guard<std::mutex> l(allowed_mu_);
+      current = !job_ || key.job_id == *job_;
+    }
+    if (!current) {  // an abandoned attempt's, arriving late
+      ++dropped_frames_;
+      continue;
+    }
     auto info = compression::InspectFrame(frame.data(), frame.size());
     if (!info.ok())
       return fail(grpc::StatusCode::DATA_LOSS, absl::StrCat("peer '", peer, "' sent a corrupt frame for ",
                                                             key.ToString(), ": ", info.status().message()));
-    inbox_->Deliver(peer, key, std::move(frame));
+    if (absl::Status s = inbox_->Deliver(peer, key, std::move(frame), limits_.max_peer_bytes); !s.ok())
+      return fail(grpc::StatusCode::RESOURCE_EXHAUSTED, std::string(s.message()));
   }
   if (ctx->IsCancelled())
     return fail(grpc::StatusCode::CANCELLED, absl::StrCat("stream from peer '", peer, "' was cut off"));

@@ -16,6 +16,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -46,8 +47,13 @@ struct TensorKey {
 // Frames delivered by peers, waited for by key. Thread-safe.
 class TensorInbox {
  public:
-  // Stores a complete frame from `peer`.
-  void Deliver(const std::string& peer, const TensorKey& key, std::vector<uint8_t> frame);
+  // Stores a complete frame from `peer`, unless the frames of `peer` waiting to be taken would then hold
+  // more than `max_peer_bytes` (ResourceExhausted naming the peer; nothing stored). A frame for a key
+  // already waiting replaces it.
+  absl::Status Deliver(const std::string& peer, const TensorKey& key, std::vector<uint8_t> frame,
+                       int64_t max_peer_bytes = INT64_MAX);
+  // Bytes of `peer`'s frames waiting to be taken.
+  int64_t PeerBytes(const std::string& peer) const;
   // Marks `peer` failed: current and later waits for its tensors return Unavailable naming it and `why`.
   // With `job_id`, only waits for that job's tensors fail (a stream of an abandoned attempt that breaks
   // late must not fail the attempt that replaced it).
@@ -64,14 +70,31 @@ class TensorInbox {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::map<std::pair<std::string, TensorKey>, std::vector<uint8_t>> frames_;
+  std::map<std::string, int64_t> peer_bytes_;                          // the sizes of frames_, by peer
   std::map<std::string, std::pair<std::string, std::string>> failed_;  // peer -> (why, job id or "" for all)
 };
 
+// What one peer may make a receiver hold (assume a peer may be hostile: docs/security.md).
+struct PeerLimits {
+  int64_t max_frame_bytes = int64_t{2} << 30;  // a frame may claim at most this
+  int max_partial_frames = 16;                 // frames begun and not finished, per stream
+  // Bytes a peer's frames may occupy: the ones waiting in the inbox plus its streams' partial frames.
+  int64_t max_peer_bytes = int64_t{2} << 30;
+};
+
 // The Peer service. Only callers whose certificate CN is in `allowed_peers` are served; others get
-// PermissionDenied before any chunk is read. Thread-safe.
+// PermissionDenied before any chunk is read. A stream's frames are buffered as their bytes arrive (never
+// at the size a chunk claims) within `limits`; a peer that exceeds them has its stream ended with
+// ResourceExhausted or InvalidArgument, naming it. Frames of a job other than SetJob's are dropped.
+// Thread-safe.
 class PeerService final : public v1::Peer::Service {
  public:
-  PeerService(std::string self, std::set<std::string> allowed_peers, TensorInbox* inbox);
+  PeerService(std::string self, std::set<std::string> allowed_peers, TensorInbox* inbox, PeerLimits limits = {});
+  // From now on only frames of job (attempt) `job_id` are delivered; others are dropped as they complete,
+  // counted in dropped_frames(). An empty id drops every frame (probes still work); nullopt, the default,
+  // delivers every job's frames (static mode).
+  void SetJob(std::optional<std::string> job_id);
+  int64_t dropped_frames() const { return dropped_frames_.load(); }
   // Replaces who is served from now on (a joined executor narrows it to its stage's peers while it runs
   // an assignment); streams already open go on.
   void SetAllowedPeers(std::set<std::string> allowed_peers);
@@ -89,8 +112,11 @@ class PeerService final : public v1::Peer::Service {
   grpc::Status Authorise(grpc::ServerContext* ctx, std::string* peer);
   std::string self_;
   std::mutex allowed_mu_;
-  std::set<std::string> allowed_;  // guarded by allowed_mu_
+  std::set<std::string> allowed_;   // guarded by allowed_mu_
+  std::optional<std::string> job_;  // guarded by allowed_mu_
   TensorInbox* inbox_;
+  const PeerLimits limits_;
+  std::atomic<int64_t> dropped_frames_{0};
   std::atomic<int64_t> bytes_received_{0};
   std::atomic<int64_t> authorised_calls_{0};
 };

@@ -316,3 +316,32 @@ TEST_F(PeerTest, QueuedSenderErrorIsStickyAndNamesThePeer) {
 
 }  // namespace
 }  // namespace meridian::rpc
+
+namespace meridian::rpc {
+namespace {
+
+// A late frame of an abandoned attempt (or any other job) is dropped, not delivered; narrowing the
+// admitted peers refuses new streams from the others.
+TEST_F(PeerTest, OnlyTheCurrentJobsFramesFromTheCurrentPeersAreDelivered) {
+  StartServer();
+  service_->SetJob(std::string("attempt-2"));
+  auto client = Client("a");
+  auto stream = client->OpenStream(std::chrono::seconds(30));
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  ASSERT_TRUE((*stream)->Send({"attempt-1", 5, 0, 0, v1::FORWARD, 0}, Frame(1000)).ok());
+  ASSERT_TRUE((*stream)->Send({"attempt-2", 0, 0, 0, v1::FORWARD, 0}, Frame(1000)).ok());
+  auto acked = (*stream)->Finish();
+  ASSERT_TRUE(acked.ok()) << acked.status();
+  EXPECT_TRUE(inbox_.Wait("a", {"attempt-2", 0, 0, 0, v1::FORWARD, 0}, Clock::now() + std::chrono::seconds(5)).ok());
+  EXPECT_EQ(inbox_.pending(), 0u);
+  EXPECT_EQ(service_->dropped_frames(), 1);
+  EXPECT_EQ(inbox_.PeerBytes("a"), 0);
+
+  service_->SetAllowedPeers({"c"});
+  auto refused = Client("a")->OpenStream(std::chrono::seconds(30));
+  ASSERT_TRUE(refused.ok());
+  EXPECT_FALSE((*refused)->Send({"attempt-2", 1, 0, 0, v1::FORWARD, 0}, Frame(1000)).ok() && (*refused)->Finish().ok());
+}
+
+}  // namespace
+}  // namespace meridian::rpc

@@ -1,6 +1,6 @@
 // meridian-peertool: drives the peer service from the command line, for integration tests, the WAN
 // harness and the transport benchmarks.
-//   serve --certs DIR --self NAME --allow PEER[,PEER] --listen HOST:PORT
+//   serve --certs DIR --self NAME --allow PEER[,PEER] --listen HOST:PORT [--max-peer-bytes B] [--job ID]
 //   probe --certs DIR --self NAME --peer NAME --address HOST:PORT [--seconds S]   (prints profile links JSON)
 //   send  --certs DIR --self NAME --peer NAME --address HOST:PORT --frame-mib M --frames K  (prints goodput)
 //         [--codec C] [--job-id ID] [--corrupt 1]: frame i is sent as (ID, step i, micro-batch 0, stage 0, FORWARD)
@@ -43,7 +43,10 @@ int main(int argc, char** argv) {
     std::stringstream ss(need("--allow"));
     for (std::string p; std::getline(ss, p, ',');) allow.insert(p);
     rpc::TensorInbox inbox;
-    rpc::PeerService service(need("--self"), allow, &inbox);
+    rpc::PeerLimits limits;
+    if (f.count("--max-peer-bytes")) limits.max_peer_bytes = std::atoll(f["--max-peer-bytes"].c_str());
+    rpc::PeerService service(need("--self"), allow, &inbox, limits);
+    if (f.count("--job")) service.SetJob(f["--job"]);
     int port = 0;
     auto server = rpc::StartMtlsServer(need("--certs"), need("--self"), need("--listen"), {&service}, &port);
     if (!server.ok()) {

@@ -8,7 +8,14 @@
 
 #include <nlohmann/json.hpp>
 
+#include <grpcpp/grpcpp.h>
+
+#include <fstream>
+
+#include "compression/codec.h"
 #include "core/certs.h"
+#include "proto/meridian.grpc.pb.h"
+#include "rpc/credentials.h"
 #include "tests/process.h"
 #include "tests/test_util.h"
 #include "tests/wan/harness.h"
@@ -32,7 +39,7 @@ class TransportTest : public ::testing::Test {
     core::ClusterSpec spec;
     spec.name = "t";
     spec.coordinator = {"127.0.0.1", 1};
-    spec.sites = {{"a", {"127.0.0.1", 2}}, {"b", {"127.0.0.1", 3}}};
+    spec.sites = {{"a", {"127.0.0.1", 2}}, {"b", {"127.0.0.1", 3}}, {"c", {"127.0.0.1", 4}}};
     std::vector<std::string> w;
     ASSERT_TRUE(core::InitClusterCerts(spec, certs(), {}, &w).ok());
   }
@@ -48,6 +55,91 @@ class TransportTest : public ::testing::Test {
   }
   fs::path dir_;
 };
+
+// The peak resident memory of process `pid` (VmHWM), in bytes; 0 when it cannot be read.
+int64_t PeakRss(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind("VmHWM:", 0) == 0) return std::atoll(line.c_str() + 6) * 1024;
+  return 0;
+}
+
+// A hostile site with a valid certificate, speaking the Peer protocol directly: sends `chunks` on one
+// stream to the peer service at `address` as `self`; the stream's final status.
+grpc::Status HostileStream(const std::string& certs, const std::string& self, const std::string& address,
+                           const std::vector<v1::TensorChunk>& chunks) {
+  auto creds = rpc::MakeChannelCredentials(certs, self);
+  EXPECT_TRUE(creds.ok());
+  auto stub = v1::Peer::NewStub(grpc::CreateCustomChannel(address, *creds, rpc::PeerChannelArguments("b")));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  v1::StreamAck ack;
+  auto writer = stub->Stream(&ctx, &ack);
+  for (const auto& c : chunks)
+    if (!writer->Write(c)) break;
+  writer->WritesDone();
+  return writer->Finish();
+}
+
+v1::TensorChunk Chunk(const std::string& job, int64_t step, int64_t frame_bytes, int64_t offset, std::string data) {
+  v1::TensorChunk c;
+  c.set_job_id(job);
+  c.set_step(step);
+  c.set_direction(v1::FORWARD);
+  c.set_frame_bytes(frame_bytes);
+  c.set_offset(offset);
+  c.set_data(std::move(data));
+  return c;
+}
+
+// The audit's attack: chunks of 16 bytes claiming huge frames, many keys at once, a flood of real frames
+// nobody takes, a site that is not a neighbour. Each is refused naming the peer, and the victim's peak
+// memory stays within its per-peer bound (64 MiB here) plus what it started with.
+TEST_F(TransportTest, AHostilePeerCannotExhaustTheReceiversMemory) {
+  constexpr int64_t kBound = int64_t{64} << 20;
+  Process victim("exec " + Bin("meridian-peertool") + " serve --certs " + certs() +
+                 " --self b --allow a --listen 127.0.0.1:0 --max-peer-bytes " + std::to_string(kBound));
+  const std::string line = victim.ReadLine(10s);
+  ASSERT_THAT(line, HasSubstr("listening "));
+  const std::string address = "127.0.0.1:" + line.substr(10);
+  const int64_t before = PeakRss(victim.pid());
+  ASSERT_GT(before, 0);
+
+  // 4 GiB claimed by a 16-byte chunk: refused before anything is held.
+  grpc::Status s = HostileStream(certs(), "a", address, {Chunk("j", 0, int64_t{4} << 30, 0, std::string(16, 'x'))});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("peer 'a'"));
+
+  // 10,000 frames begun, each claiming 1 GiB, 16 bytes of each sent.
+  std::vector<v1::TensorChunk> partial;
+  for (int k = 0; k < 10000; ++k) partial.push_back(Chunk("j", k, int64_t{1} << 30, 0, std::string(16, 'x')));
+  s = HostileStream(certs(), "a", address, partial);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("began more than 16 frames"));
+
+  // 200 real frames of 1 MiB that nobody takes: the peer's bytes are bounded.
+  std::vector<float> values(1 << 18, 0.5f);
+  auto frame =
+      compression::Encode(core::TensorView{core::DType::kFloat32, {1 << 18}, values.data()}, compression::CodecSpec{});
+  ASSERT_TRUE(frame.ok());
+  const std::string bytes(frame->begin(), frame->end());
+  std::vector<v1::TensorChunk> flood;
+  for (int k = 0; k < 200; ++k) flood.push_back(Chunk("j", k, static_cast<int64_t>(bytes.size()), 0, bytes));
+  s = HostileStream(certs(), "a", address, flood);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("peer 'a'"));
+
+  // A valid site that is not this stage's neighbour.
+  s = HostileStream(certs(), "c", address, {Chunk("j", 0, 16, 0, std::string(16, 'x'))});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+
+  const int64_t grew = PeakRss(victim.pid()) - before;
+  EXPECT_LT(grew, kBound + (int64_t{48} << 20)) << "the victim's peak memory grew by " << grew / (1 << 20) << " MiB";
+  // And it still answers its neighbour.
+  Process probe(Bin("meridian-peertool") + " probe --certs " + certs() + " --self a --peer b --address " + address +
+                " --seconds 0.2 2>&1");
+  EXPECT_EQ(probe.Wait(60s), 0) << probe.ReadAll(1s);
+}
 
 TEST_F(TransportTest, PeerKilledMidStreamFailsTheSenderNamingItWithinTheDeadline) {
   std::unique_ptr<Process> server;
