@@ -10,6 +10,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "core/checkpoint_dir.h"
+#include "core/files.h"
 #include "core/run_layout.h"
 
 namespace meridian::coordinator {
@@ -161,11 +163,15 @@ void Coordinator::SetFileDir(const std::string& dir) {
   file_dir_ = dir;
 }
 
-void Coordinator::SetFileWriters(std::map<std::string, int> writers, int64_t max_step, int64_t max_bytes) {
+void Coordinator::SetFileWriters(std::map<std::string, int> writers, int64_t max_step, int64_t max_bytes,
+                                 int checkpoint_interval, int64_t resume_step) {
   std::lock_guard<std::mutex> l(mu_);
   file_writers_ = std::move(writers);
   file_max_step_ = max_step;
   file_max_bytes_ = max_bytes;
+  checkpoint_interval_ = checkpoint_interval;
+  resume_step_ = std::max<int64_t>(resume_step, 0);
+  uploads_.clear();
 }
 
 absl::StatusOr<rpc::CoordinatorHandler::FileGrant> Coordinator::FileDestination(const std::string& site,
@@ -196,6 +202,14 @@ absl::StatusOr<rpc::CoordinatorHandler::FileGrant> Coordinator::FileDestination(
     if (step > file_max_step_)
       return absl::InvalidArgumentError(
           absl::StrCat("site '", site, "' sent ", path, ", a step beyond the job's ", file_max_step_));
+    if (file->kind != core::SiteFile::Kind::kWeights && checkpoint_interval_ > 0) {
+      const int64_t reached = std::max(progress_.step + 1, resume_step_);
+      if (step % checkpoint_interval_ != 0 || step <= resume_step_ || step > reached + checkpoint_interval_)
+        return absl::InvalidArgumentError(absl::StrCat("site '", site, "' sent ", path,
+                                                       ": not a checkpoint step this run can have reached (every ",
+                                                       checkpoint_interval_, " steps, after step ", resume_step_,
+                                                       ", at most one interval past step ", reached, ")"));
+    }
     dir = file_dir_;
     grant.max_bytes = file_max_bytes_;
   }
@@ -216,14 +230,76 @@ absl::Status Coordinator::FileCommit(const std::string& site, const std::string&
     if (job_id != job_id_)
       return absl::FailedPreconditionError(
           absl::StrCat("site '", site, "' sent ", path, " of attempt '", job_id, "', which ended while it arrived"));
+    const std::optional<core::SiteFile> file = core::ParseSiteFile(path);
+    std::string sha;
+    if (file && file->kind != core::SiteFile::Kind::kWeights && checkpoint_interval_ > 0) {
+      auto digest = core::Sha256OfFile(part);
+      if (!digest.ok()) return digest.status();
+      sha = *digest;
+      if (file->kind == core::SiteFile::Kind::kCheckpointMeta)
+        if (absl::Status s = CheckStageMeta(site, path, part, *file); !s.ok()) return s;
+    }
     std::error_code ec;
     std::filesystem::rename(part, dest, ec);
     if (ec)
       return absl::InternalError(
           absl::StrCat("site '", site, "' sent ", path, ": cannot rename ", part, " to ", dest, ": ", ec.message()));
+    if (!sha.empty()) {
+      StepUploads& u = uploads_[file->step];
+      (file->kind == core::SiteFile::Kind::kCheckpointShard ? u.shard_sha256 : u.meta_sha256)[file->stage] = sha;
+      WriteManifestIfComplete(file->step, std::filesystem::path(dest).parent_path().string());
+    }
   }
   LogSite(site, absl::StrCat("sent ", path, " (", bytes, " bytes)"));
   return absl::OkStatus();
+}
+
+int Coordinator::NumStages() const {
+  int n = 0;
+  for (const auto& [site, stage] : stages_) n = std::max(n, stage + 1);
+  return n;
+}
+
+absl::Status Coordinator::CheckStageMeta(const std::string& site, const std::string& path, const std::string& part,
+                                         const core::SiteFile& file) const {
+  auto bad = [&](const std::string& why) {
+    return absl::InvalidArgumentError(absl::StrCat("site '", site, "' sent ", path, ": ", why));
+  };
+  auto text = core::ReadFile(part, int64_t{64} << 20);
+  if (!text.ok()) return bad(std::string(text.status().message()));
+  auto j = nlohmann::json::parse(*text, nullptr, false);
+  if (!j.is_object() || !j.contains("stage") || !j["stage"].is_number_integer() || !j.contains("num_stages") ||
+      !j["num_stages"].is_number_integer() || !j.contains("sha256") || !j["sha256"].is_string() ||
+      !j.contains("tensors") || !j["tensors"].is_array())
+    return bad("not a stage checkpoint description");
+  if (j["stage"].get<int>() != file.stage || j["num_stages"].get<int>() != NumStages())
+    return bad(absl::StrCat("it describes stage ", j["stage"].get<int>(), " of ", j["num_stages"].get<int>(),
+                            "; the plan has stage ", file.stage, " of ", NumStages()));
+  auto u = uploads_.find(file.step);
+  if (u == uploads_.end() || !u->second.shard_sha256.count(file.stage) ||
+      u->second.shard_sha256.at(file.stage) != j["sha256"].get<std::string>())
+    return bad("its SHA-256 is not the one of the shard this site sent for the step");
+  return absl::OkStatus();
+}
+
+void Coordinator::WriteManifestIfComplete(int64_t step, const std::string& step_dir) {
+  const StepUploads& u = uploads_[step];
+  const int n = NumStages();
+  core::Manifest m;
+  m.step = step;
+  m.num_stages = n;
+  m.job_id = job_id_;
+  for (int k = 0; k < n; ++k) {
+    if (!u.shard_sha256.count(k) || !u.meta_sha256.count(k)) return;
+    std::string writer;
+    for (const auto& [site, stage] : file_writers_)
+      if (stage == k) writer = site;
+    m.stages.push_back({writer, u.shard_sha256.at(k), u.meta_sha256.at(k)});
+  }
+  if (absl::Status s = core::WriteFileAtomic((std::filesystem::path(step_dir) / core::kManifestFile).string(),
+                                             core::ManifestJson(m));
+      !s.ok())
+    std::fprintf(stderr, "meridian run: %s\n", std::string(s.message()).c_str());
 }
 
 absl::StatusOr<std::string> Coordinator::FileSource(const std::string& site, const std::string& path) {
@@ -233,6 +309,11 @@ absl::StatusOr<std::string> Coordinator::FileSource(const std::string& site, con
     if (file_dir_.empty())
       return absl::FailedPreconditionError(
           absl::StrCat("site '", site, "' asked for ", path, ", but this coordinator keeps no files"));
+    // Only the files of the step the running attempt resumes from, and only to its sites.
+    const std::optional<core::SiteFile> file = core::ParseSiteFile(path);
+    if (!file || file->step != resume_step_ || !stages_.count(site))
+      return absl::PermissionDeniedError(absl::StrCat("site '", site, "' asked for ", path,
+                                                      ", which is not a file of the step this attempt resumes from"));
     dir = file_dir_;
   }
   const std::filesystem::path src = std::filesystem::path(dir) / path;

@@ -21,6 +21,7 @@
 
 #include "coordinator/run_machine.h"
 #include "core/cluster_spec.h"
+#include "core/run_layout.h"
 #include "rpc/coordinator_service.h"
 
 namespace meridian::coordinator {
@@ -86,8 +87,13 @@ class Coordinator : public rpc::CoordinatorHandler {
   void SetFileDir(const std::string& dir);
   // Who may send files in the attempt begun with BeginJob: `writers` maps a site to the stage whose
   // weights and checkpoint shards it writes (replica 0 of it); checkpoint steps up to `max_step`; files up
-  // to `max_bytes`. BeginJob clears it.
-  void SetFileWriters(std::map<std::string, int> writers, int64_t max_step, int64_t max_bytes);
+  // to `max_bytes`. With `checkpoint_interval` > 0 a checkpoint step must be a multiple of it, at most one
+  // interval ahead of the progress (counted from `resume_step`), and a stage's JSON must describe the
+  // shard its writer sent (stage, the plan's number of stages, SHA-256); once every writer sent both
+  // files of a step, the coordinator writes the step's manifest (core/checkpoint_dir.h), which alone
+  // makes the step count. Sites then fetch only files of `resume_step`. BeginJob clears it.
+  void SetFileWriters(std::map<std::string, int> writers, int64_t max_step, int64_t max_bytes,
+                      int checkpoint_interval = 0, int64_t resume_step = 0);
   // What Inspect reports besides the live state: the run's profile, graph and current plan (JSON).
   void SetRunInfo(std::string profile_json, std::string graph_json, std::string plan_json);
   // Per-site logs: from now on LogSite appends its lines with a UTC timestamp to DIR/<site>.log. The run
@@ -111,6 +117,13 @@ class Coordinator : public rpc::CoordinatorHandler {
   const core::ClusterSpec& spec() const { return spec_; }
 
  private:
+  int NumStages() const;  // of the running plan; REQUIRES: mu_ held
+  // A stage JSON's claims against the plan and the shard its writer sent. REQUIRES: mu_ held.
+  absl::Status CheckStageMeta(const std::string& site, const std::string& path, const std::string& part,
+                              const core::SiteFile& file) const;
+  // Writes step-S/manifest.json once every stage's writer sent both files of `step`. REQUIRES: mu_ held.
+  void WriteManifestIfComplete(int64_t step, const std::string& step_dir);
+
   core::ClusterSpec spec_;
   std::string run_id_;
   EventQueue* events_;
@@ -124,6 +137,12 @@ class Coordinator : public rpc::CoordinatorHandler {
   std::string file_dir_;  // guarded by mu_, as the three below
   std::map<std::string, int> file_writers_;
   int64_t file_max_step_ = 0, file_max_bytes_ = 0;
+  int checkpoint_interval_ = 0;
+  int64_t resume_step_ = 0;
+  struct StepUploads {  // what the writers of the running attempt sent of one checkpoint step
+    std::map<int, std::string> shard_sha256, meta_sha256;  // by stage
+  };
+  std::map<int64_t, StepUploads> uploads_;
   std::string log_dir_;                             // guarded by log_mu_
   std::map<std::string, std::ofstream> log_files_;  // by site, guarded by log_mu_; lines are flushed
   std::mutex log_mu_;                               // never taken while mu_ is held

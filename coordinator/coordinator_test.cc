@@ -8,8 +8,14 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+
+#include <gmock/gmock.h>
+#include <nlohmann/json.hpp>
+
 #include <string>
 #include <vector>
+#include "core/checkpoint_dir.h"
+#include "core/files.h"
 
 namespace meridian::coordinator {
 namespace {
@@ -83,12 +89,77 @@ TEST(CoordinatorFiles, OnlyEachStagesWriterSendsItsOwnFilesOfTheRunningAttempt) 
   EXPECT_TRUE(fs::exists(dir / "part"));  // the service deletes it
   EXPECT_EQ(c.FileDestination("a", "j2", "weights/stage-0.safetensors").status().code(),
             absl::StatusCode::kPermissionDenied);
-  // Fetching: only what the coordinator has.
+  // Fetching (since #19: only the sites of the running attempt, only the step it resumes from, only what
+  // the coordinator has).
+  c.BeginJob("j3", {{"a", 0}, {"c", 1}});
+  c.SetFileWriters({{"a", 0}, {"c", 1}}, 100, 1000, 50, 100);
   EXPECT_EQ(c.FileSource("c", "checkpoints/step-100/stage-1.json").status().code(), absl::StatusCode::kNotFound);
   std::ofstream(dir / "checkpoints" / "step-100" / "stage-1.json") << "{}";
   auto src = c.FileSource("c", "checkpoints/step-100/stage-1.json");
   ASSERT_TRUE(src.ok()) << src.status();
   EXPECT_EQ(*src, (dir / "checkpoints" / "step-100" / "stage-1.json").string());
+  EXPECT_EQ(c.FileSource("b", "checkpoints/step-100/stage-1.json").status().code(),
+            absl::StatusCode::kPermissionDenied);  // not a site of the attempt
+  EXPECT_EQ(c.FileSource("c", "checkpoints/step-50/stage-1.json").status().code(),
+            absl::StatusCode::kPermissionDenied);  // not the resume point
+  fs::remove_all(dir);
+}
+
+// A compromised stage writer cannot make a forged or premature step count: a step counts only once the
+// coordinator has each writer's shard and a JSON that describes it, and has written the manifest.
+TEST(CoordinatorFiles, OnlyAManifestedStepCountsAndForgedUploadsAreRefused) {
+  const fs::path dir = fs::temp_directory_path() / ("meridian_manifest_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  core::ClusterSpec spec;
+  spec.name = "t";
+  spec.sites = {{"a", {"127.0.0.1", 2}}, {"b", {"127.0.0.1", 3}}};
+  Coordinator c(spec, "run");
+  c.SetFileDir(dir.string());
+  c.BeginJob("j", {{"a", 0}, {"b", 1}});
+  c.SetFileWriters({{"a", 0}, {"b", 1}}, 100, 1 << 20, 10, 0);
+  // Steps that are not checkpoint steps, or far ahead of the run's progress (none yet).
+  EXPECT_EQ(c.FileDestination("a", "j", "checkpoints/step-15/stage-0.safetensors").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(c.FileDestination("a", "j", "checkpoints/step-90/stage-0.safetensors").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  auto upload = [&](const std::string& site, const std::string& path, const std::string& content) {
+    auto grant = c.FileDestination(site, "j", path);
+    if (!grant.ok()) return grant.status();
+    const std::string part = grant->path + ".part";
+    std::ofstream(part) << content;
+    absl::Status s = c.FileCommit(site, "j", path, part, grant->path, static_cast<int64_t>(content.size()));
+    if (!s.ok()) fs::remove(part);
+    return s;
+  };
+  auto meta = [](int stage, int num_stages, const std::string& shard) {
+    return nlohmann::json{{"step", 10},
+                          {"stage", stage},
+                          {"num_stages", num_stages},
+                          {"shard", "stage-" + std::to_string(stage) + ".safetensors"},
+                          {"sha256", core::Sha256Hex(shard)},
+                          {"tensors", {"w"}}}
+        .dump();
+  };
+  ASSERT_TRUE(upload("a", "checkpoints/step-10/stage-0.safetensors", "shard-a").ok());
+  // The audit's forgery: a stage-0 JSON claiming the step has one stage.
+  absl::Status forged = upload("a", "checkpoints/step-10/stage-0.json", meta(0, 1, "shard-a"));
+  EXPECT_EQ(forged.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(forged.message()), ::testing::HasSubstr("the plan has stage 0 of 2"));
+  // A JSON vouching for another shard than the one sent.
+  EXPECT_EQ(upload("a", "checkpoints/step-10/stage-0.json", meta(0, 2, "other")).code(),
+            absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(upload("a", "checkpoints/step-10/stage-0.json", meta(0, 2, "shard-a")).ok());
+  EXPECT_FALSE(fs::exists(dir / "checkpoints" / "step-10" / core::kManifestFile));  // b's stage is missing
+  EXPECT_EQ(core::FindLatestManifested((dir / "checkpoints").string()).status().code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(upload("b", "checkpoints/step-10/stage-1.safetensors", "shard-b").ok());
+  ASSERT_TRUE(upload("b", "checkpoints/step-10/stage-1.json", meta(1, 2, "shard-b")).ok());
+  auto found = core::FindLatestManifested((dir / "checkpoints").string());
+  ASSERT_TRUE(found.ok()) << found.status();
+  EXPECT_EQ(found->step, 10);
+  EXPECT_EQ(found->files.size(), 4u);
+  // A shard replaced behind the coordinator's back no longer counts.
+  std::ofstream(dir / "checkpoints" / "step-10" / "stage-1.safetensors") << "tampered";
+  EXPECT_FALSE(core::FindLatestManifested((dir / "checkpoints").string()).ok());
   fs::remove_all(dir);
 }
 

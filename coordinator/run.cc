@@ -302,7 +302,7 @@ class RunDriver {
     c.run_id = run_id_;
     c.run_dir = in_.run_dir;
     c.find_checkpoint = [dir = CheckpointDir()](std::string* skipped) {
-      return core::FindLatestCheckpoint(dir, skipped);
+      return core::FindLatestManifested(dir, skipped);
     };
     return c;
   }
@@ -325,7 +325,7 @@ class RunDriver {
               coord_.StopAll();
             } else if constexpr (std::is_same_v<T, BeginAttempt>) {
               coord_.BeginJob(a.job_id, a.stages);
-              coord_.SetFileWriters(a.file_writers, a.max_step, a.max_file_bytes);
+              coord_.SetFileWriters(a.file_writers, a.max_step, a.max_file_bytes, a.checkpoint_interval, a.resume_step);
             } else if constexpr (std::is_same_v<T, PublishRunInfo>) {
               coord_.SetRunInfo(a.profile_json, a.graph_json, a.plan_json);
             } else if constexpr (std::is_same_v<T, WriteRunFile>) {
@@ -338,7 +338,7 @@ class RunDriver {
               coord_.LogSite(a.site, a.text);
             } else if constexpr (std::is_same_v<T, PruneCheckpoints>) {
               std::string problems;
-              const int removed = core::PruneCheckpoints(CheckpointDir(), a.keep, a.newest, &problems);
+              const int removed = core::PruneManifested(CheckpointDir(), a.keep, a.newest, &problems);
               spdlog::debug("action: pruned {} checkpoint steps (keeping {} up to step {})", removed, a.keep, a.newest);
               if (!problems.empty()) spdlog::warn("checkpoints: {}", problems);
             } else if constexpr (std::is_same_v<T, RemoveCheckpointsAbove>) {

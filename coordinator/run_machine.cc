@@ -247,8 +247,13 @@ void RunMachine::StartAttempt() {
     writers[plan_->stages[k].site_names[0]] = static_cast<int>(k);
     for (const auto& site : plan_->stages[k].site_names) stages[site] = static_cast<int>(k);
   }
-  Out(BeginAttempt{job_id_, std::move(stages), std::move(writers), c_.steps, max_file_bytes_});
   if (absl::Status s = FindResumePoint(); !s.ok()) return Fail(std::string(s.message()));
+  const bool store = c_.job.checkpoint.store == core::CheckpointStore::kCoordinator;
+  Out(BeginAttempt{job_id_, std::move(stages), std::move(writers), c_.steps, max_file_bytes_,
+                   store ? c_.job.checkpoint.interval : 0, std::max<int64_t>(resume_step_, 0)});
+  // What an abandoned attempt left above the resume point would otherwise mix with the steps written
+  // again (after BeginAttempt: no file of the attempt before lands any more).
+  if (store && resume_step_ > 0) Out(RemoveCheckpointsAbove{resume_step_});
   Assign();
   phase_ = Phase::kTraining;
 }
@@ -337,7 +342,6 @@ absl::Status RunMachine::FindResumePoint() {
   if (!skipped.empty()) Say(absl::StrCat("checkpoints skipped: ", skipped, "\n"));
   resume_step_ = found->step;
   for (const auto& f : found->files) resume_files_.push_back(core::CheckpointFile(found->step, f));
-  Out(RemoveCheckpointsAbove{found->step});
   Say(absl::StrCat("resuming from step ", found->step, " of the coordinator's checkpoints (", found->path, ")\n"));
   return absl::OkStatus();
 }

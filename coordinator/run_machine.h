@@ -80,6 +80,10 @@ struct BeginAttempt {
   std::map<std::string, int> stages;  // every site of the plan -> its stage
   std::map<std::string, int> file_writers;
   int64_t max_step = 0, max_file_bytes = 0;
+  // The coordinator's checkpoint store (0: not used): the job's interval, and the step the attempt
+  // resumes from (Coordinator::SetFileWriters checks uploads and serves fetches against them).
+  int checkpoint_interval = 0;
+  int64_t resume_step = 0;
 };
 // What `meridian status` and `meridian profile` show of the run (JSON).
 struct PublishRunInfo {
@@ -98,7 +102,7 @@ struct LogSite {  // one line of RUN/sites/<site>.log
   std::string site, text;
 };
 // The coordinator's checkpoint store (job.checkpoint.store: coordinator), RUN/checkpoints:
-// core::PruneCheckpoints(keep, newest) and core::RemoveCheckpointsAbove(step).
+// core::PruneManifested(keep, newest) and core::RemoveCheckpointsAbove(step).
 struct PruneCheckpoints {
   int keep = 1;
   int64_t newest = 0;
@@ -133,7 +137,7 @@ struct RunConfig {
   double drain_seconds = 75;  // how long the survivors of an abandoned attempt get to end it
   std::string run_id;         // attempt k > 0 is "<run_id>-<k>"
   std::string run_dir;        // for messages
-  // The newest complete, intact checkpoint of the coordinator's store (core::FindLatestCheckpoint of
+  // The newest manifested, intact checkpoint of the coordinator's store (core::FindLatestManifested of
   // RUN/checkpoints), with why newer steps were skipped; consulted when an attempt resumes with
   // job.checkpoint.store: coordinator.
   std::function<absl::StatusOr<core::CheckpointFiles>(std::string* skipped)> find_checkpoint;

@@ -157,6 +157,96 @@ int RemoveCheckpointsAbove(const std::string& dir, int64_t newest, std::string* 
   return removed;
 }
 
+std::string ManifestJson(const Manifest& m) {
+  nlohmann::json stages = nlohmann::json::array();
+  for (size_t k = 0; k < m.stages.size(); ++k)
+    stages.push_back({{"stage", k},
+                      {"writer", m.stages[k].writer},
+                      {"shard", StageShardName(static_cast<int>(k))},
+                      {"sha256", m.stages[k].shard_sha256},
+                      {"meta", StageMetaName(static_cast<int>(k))},
+                      {"meta_sha256", m.stages[k].meta_sha256}});
+  return nlohmann::json{{"step", m.step}, {"num_stages", m.num_stages}, {"job_id", m.job_id}, {"stages", stages}}.dump(
+      1);
+}
+
+std::optional<Manifest> ReadManifest(const std::string& step_dir, std::string* why) {
+  const std::string path = (fs::path(step_dir) / kManifestFile).string();
+  auto text = ReadFile(path, int64_t{1} << 20);
+  if (!text.ok()) {
+    absl::StrAppend(why, step_dir, ": no manifest; ");
+    return std::nullopt;
+  }
+  auto j = nlohmann::json::parse(*text, nullptr, false);
+  Manifest m;
+  bool ok = j.is_object() && j.contains("step") && j["step"].is_number_integer() && j.contains("num_stages") &&
+            j["num_stages"].is_number_integer() && j.contains("stages") && j["stages"].is_array();
+  if (ok) {
+    m.step = j["step"].get<int64_t>();
+    m.num_stages = j["num_stages"].get<int>();
+    if (j.contains("job_id") && j["job_id"].is_string()) m.job_id = j["job_id"].get<std::string>();
+    ok = m.num_stages > 0 && static_cast<int>(j["stages"].size()) == m.num_stages &&
+         ParseStepDirName(fs::path(step_dir).filename().string()) == m.step;
+    for (size_t k = 0; ok && k < j["stages"].size(); ++k) {
+      const auto& s = j["stages"][k];
+      ok = s.is_object() && s.contains("sha256") && s["sha256"].is_string() && s.contains("meta_sha256") &&
+           s["meta_sha256"].is_string() && s.contains("writer") && s["writer"].is_string();
+      if (ok)
+        m.stages.push_back(
+            {s["writer"].get<std::string>(), s["sha256"].get<std::string>(), s["meta_sha256"].get<std::string>()});
+    }
+  }
+  if (!ok) {
+    absl::StrAppend(why, path, ": malformed; ");
+    return std::nullopt;
+  }
+  return m;
+}
+
+absl::StatusOr<CheckpointFiles> FindLatestManifested(const std::string& dir, std::string* skipped) {
+  auto steps = StepDirs(dir);
+  if (!steps.ok()) return steps.status();
+  std::string why;
+  for (const auto& [step, path] : *steps) {
+    std::optional<Manifest> m = ReadManifest(path, &why);
+    if (!m) continue;
+    CheckpointFiles f{step, path, {}};
+    bool intact = true;
+    for (int k = 0; intact && k < m->num_stages; ++k)
+      for (const auto& [name, sha] : {std::pair<std::string, std::string>{StageShardName(k), m->stages[k].shard_sha256},
+                                      {StageMetaName(k), m->stages[k].meta_sha256}}) {
+        auto digest = Sha256OfFile((fs::path(path) / name).string());
+        if (!digest.ok() || *digest != sha) {
+          absl::StrAppend(&why, path, "/", name, ": does not match the manifest (truncated, corrupt or replaced); ");
+          intact = false;
+          break;
+        }
+        f.files.push_back(name);
+      }
+    if (!intact) continue;
+    if (skipped) *skipped = why;
+    return f;
+  }
+  if (skipped) *skipped = why;
+  return absl::NotFoundError(absl::StrCat(dir, ": no manifested, intact checkpoint", why.empty() ? "" : ": ", why));
+}
+
+int PruneManifested(const std::string& dir, int keep, int64_t newest, std::string* problems) {
+  auto steps = StepDirs(dir);
+  if (!steps.ok()) return 0;
+  int kept = 0, removed = 0;
+  std::string ignored;
+  for (const auto& [step, path] : *steps) {  // newest first
+    if (step > newest) continue;             // not reached yet (or another run's)
+    if (kept >= std::max(keep, 1)) {
+      removed += RemoveStepDir(path, problems);
+      continue;
+    }
+    kept += ReadManifest(path, &ignored).has_value();
+  }
+  return removed;
+}
+
 absl::StatusOr<std::vector<std::string>> ShardsHolding(const std::string& step_dir,
                                                        const std::set<std::string>& wanted) {
   std::string why;

@@ -63,6 +63,35 @@ int PruneCheckpoints(const std::string& dir, int keep, int64_t step, std::string
 // again. Returns how many were removed; directories it could not remove are named in `problems`.
 int RemoveCheckpointsAbove(const std::string& dir, int64_t step, std::string* problems = nullptr);
 
+// The coordinator's record of a checkpoint step it holds (job.checkpoint.store: coordinator), written by
+// the coordinator itself as step-S/manifest.json once every stage's writer of the running plan uploaded
+// its shard and JSON, each checked against the plan. Only manifested steps are resumed from or kept: a
+// site can upload its own stage's files, never make a step count.
+struct Manifest {
+  int64_t step = 0;
+  int num_stages = 0;
+  std::string job_id;  // the attempt that wrote it
+  struct Stage {
+    std::string writer;  // the site that uploaded it
+    std::string shard_sha256, meta_sha256;
+  };
+  std::vector<Stage> stages;  // by stage
+};
+inline constexpr char kManifestFile[] = "manifest.json";
+std::string ManifestJson(const Manifest& manifest);
+// Reads step_dir/manifest.json; nullopt (with why, appended) when absent or malformed.
+std::optional<Manifest> ReadManifest(const std::string& step_dir, std::string* why);
+
+// The newest manifested step under `dir` whose files all match the manifest's SHA-256 (a newer one that
+// does not is skipped, and `skipped` says why). NotFound when there is none.
+absl::StatusOr<CheckpointFiles> FindLatestManifested(const std::string& dir, std::string* skipped = nullptr);
+
+// Pruning of the coordinator's store: keeps the newest `keep` manifested steps up to `step` and removes
+// the step directories older than the oldest kept (manifested or not); the newest manifested step is
+// always kept. Returns how many were removed; what it could not remove is named in `problems`.
+// REQUIRES: keep >= 1.
+int PruneManifested(const std::string& dir, int keep, int64_t step, std::string* problems = nullptr);
+
 // For one step directory whose stage JSONs are all present (its shards need not be): the shard files
 // holding any of `wanted` (by the JSONs' tensor lists; a shard whose JSON lists none is named too), so a
 // resuming stage fetches only those.

@@ -15,6 +15,16 @@ namespace {
 
 namespace fs = std::filesystem;
 
+// Adds a shard's tensors to `into`; a tensor two shards both claim is an error (each tensor has one
+// owning stage: a shard that repeats another's is forged or from another partition).
+absl::Status Merge(std::map<std::string, torch::Tensor> shard, const std::string& shard_path,
+                   std::map<std::string, torch::Tensor>* into) {
+  for (auto& [name, t] : shard)
+    if (!into->emplace(name, std::move(t)).second)
+      return absl::DataLossError(absl::StrCat(shard_path, ": tensor ", name, " is also in another shard of the step"));
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status WriteCheckpoint(const std::string& dir, int64_t step, int stage, int num_stages,
@@ -59,7 +69,11 @@ absl::StatusOr<Checkpoint> LoadLatestCheckpoint(const std::string& dir, std::str
           loaded = false;
           break;
         }
-        c.tensors.insert(tensors->begin(), tensors->end());
+        if (absl::Status s = Merge(std::move(*tensors), (fs::path(path) / meta.shard).string(), &c.tensors); !s.ok()) {
+          absl::StrAppend(&why, s.message(), "; ");
+          loaded = false;
+          break;
+        }
       }
       if (!loaded) continue;
       if (skipped) *skipped = why;
@@ -93,7 +107,7 @@ absl::StatusOr<Checkpoint> LoadCheckpointFor(const std::string& step_dir, const 
         return absl::DataLossError(absl::StrCat(file, ": checksum mismatch (truncated or corrupt)"));
       auto tensors = LoadParameters(file);
       if (!tensors.ok()) return tensors.status();
-      c.tensors.insert(tensors->begin(), tensors->end());
+      if (absl::Status s = Merge(std::move(*tensors), file, &c.tensors); !s.ok()) return s;
     }
     return c;
   });
