@@ -66,7 +66,19 @@ grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext* ctx, const v1::H
 grpc::Status CoordinatorService::Commands(grpc::ServerContext* ctx, const v1::CommandStreamRequest* req,
                                           grpc::ServerWriter<v1::Command>* writer) {
   if (grpc::Status s = Authorise(ctx, req->site()); !s.ok()) return s;
+  int64_t mine;
+  {
+    std::lock_guard<std::mutex> l(per_site_mu_);
+    mine = ++command_streams_[req->site()];
+  }
+  auto superseded = [&] {
+    std::lock_guard<std::mutex> l(per_site_mu_);
+    return command_streams_[req->site()] != mine;
+  };
   while (!ctx->IsCancelled()) {
+    if (superseded())
+      return {grpc::StatusCode::CANCELLED,
+              absl::StrCat("site '", req->site(), "' opened a newer command stream; this one ends")};
     auto c = handler_->NextCommand(req->site(), std::chrono::milliseconds(200));
     if (!c.ok()) return ToGrpc(c.status());
     if (!c->has_value()) continue;
@@ -118,6 +130,21 @@ grpc::Status CoordinatorService::PutFile(grpc::ServerContext* ctx, grpc::ServerR
             absl::StrCat("PutFile from '", PeerCommonName(*ctx), "': the stream carried no chunk")};
   if (grpc::Status s = Authorise(ctx, chunk.site()); !s.ok()) return s;
   const std::string site = chunk.site(), path = chunk.path();
+  {
+    std::lock_guard<std::mutex> l(per_site_mu_);
+    if (uploading_[site] >= kUploadsPerSite)
+      return {grpc::StatusCode::RESOURCE_EXHAUSTED,
+              absl::StrCat("PutFile from site '", site, "': already ", kUploadsPerSite, " uploads running")};
+    ++uploading_[site];
+  }
+  struct Done {
+    CoordinatorService* s;
+    std::string site;
+    ~Done() {
+      std::lock_guard<std::mutex> l(s->per_site_mu_);
+      --s->uploading_[site];
+    }
+  } done{this, site};
   if (!IsRunFile(path))
     return {grpc::StatusCode::INVALID_ARGUMENT, absl::StrCat("PutFile from site '", site, "': path '", path,
                                                              "' is not accepted (only weights/stage-K.safetensors and "

@@ -8,6 +8,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <map>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <string>
@@ -58,10 +60,13 @@ class CoordinatorHandler {
 
 class CoordinatorService final : public v1::Coordinator::Service {
  public:
+  static constexpr int kUploadsPerSite = 2;
   CoordinatorService(std::set<std::string> sites, CoordinatorHandler* handler);
   grpc::Status Register(grpc::ServerContext* ctx, const v1::RegisterRequest* req, v1::RegisterResponse* resp) override;
   grpc::Status Heartbeat(grpc::ServerContext* ctx, const v1::HeartbeatRequest* req,
                          v1::HeartbeatResponse* resp) override;
+  // One stream per site: a newer one supersedes the one before (which ends with Cancelled), so a site that
+  // reconnects gets its commands and one that opens streams without end holds one.
   grpc::Status Commands(grpc::ServerContext* ctx, const v1::CommandStreamRequest* req,
                         grpc::ServerWriter<v1::Command>* writer) override;
   grpc::Status ReportMetrics(grpc::ServerContext* ctx, const v1::MetricsReport* req, v1::MetricsAck* resp) override;
@@ -69,6 +74,7 @@ class CoordinatorService final : public v1::Coordinator::Service {
   grpc::Status ReportDone(grpc::ServerContext* ctx, const v1::StageDone* req, v1::MetricsAck* resp) override;
   // Read-only; allowed to the "coordinator" identity and to every site.
   grpc::Status Inspect(grpc::ServerContext* ctx, const v1::InspectRequest* req, v1::InspectResponse* resp) override;
+  // At most kUploadsPerSite at once per site (ResourceExhausted beyond).
   // Writes the stream to a temporary file beside FileDestination's path, within its size bound, checks the
   // SHA-256, syncs it, then has FileCommit rename it into place; a refused or broken upload leaves no
   // file. Paths other than
@@ -88,6 +94,9 @@ class CoordinatorService final : public v1::Coordinator::Service {
   CoordinatorHandler* handler_;
   std::atomic<int64_t> handled_{0};
   std::atomic<int64_t> uploads_{0};  // names each upload's temporary file
+  std::mutex per_site_mu_;
+  std::map<std::string, int64_t> command_streams_;  // by site: the newest stream's number; guarded
+  std::map<std::string, int> uploading_;            // by site: PutFile calls running; guarded
 };
 
 }  // namespace meridian::rpc

@@ -14,6 +14,7 @@
 #include <fstream>
 #include <random>
 #include <sstream>
+#include <thread>
 
 #include "core/certs.h"
 #include "core/version.h"
@@ -383,6 +384,56 @@ TEST(CoordinatorClient, TheInProcessClientServesAnExecutorWithoutANetwork) {
   UseAsAnExecutorWould(client.get(), dir);
   EXPECT_GT(handler.calls.load(), 5);
   fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace meridian::rpc
+
+namespace meridian::rpc {
+namespace {
+
+// A handler with no command to give: streams stay open.
+class IdleHandler : public CountingHandler {
+ public:
+  absl::StatusOr<std::optional<v1::Command>> NextCommand(const std::string&, std::chrono::milliseconds t) override {
+    std::this_thread::sleep_for(std::min(t, std::chrono::milliseconds(50)));
+    return std::optional<v1::Command>();
+  }
+};
+
+// A hostile site opening command streams without end holds one: each newer stream supersedes the one
+// before, and the coordinator keeps answering everyone.
+TEST_F(CoordinatorAuthTest, ASiteOpeningManyCommandStreamsHoldsOne) {
+  IdleHandler idle;
+  CoordinatorService service(std::set<std::string>{"a", "b"}, &idle);
+  grpc::ServerBuilder builder;
+  ConfigureServer(&builder);
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", *MakeServerCredentials((dir_ / "ours").string(), "coordinator"), &port);
+  builder.RegisterService(&service);
+  auto server = builder.BuildAndStart();
+  ASSERT_TRUE(server);
+  const std::string address = "127.0.0.1:" + std::to_string(port);
+  auto hostile = ConnectCoordinator((dir_ / "ours").string(), "a", address);
+  ASSERT_TRUE(hostile.ok());
+  std::vector<std::unique_ptr<CoordinatorClient::CommandStream>> streams;
+  for (int i = 0; i < 1000; ++i) streams.push_back((*hostile)->Commands("a"));
+  // Every stream but the newest ends, superseded.
+  for (size_t i = 0; i + 1 < streams.size(); ++i) {
+    v1::Command c;
+    EXPECT_FALSE(streams[i]->Next(&c));
+    absl::Status s = streams[i]->Finish();
+    EXPECT_TRUE(s.code() == absl::StatusCode::kCancelled || s.code() == absl::StatusCode::kResourceExhausted) << s;
+  }
+  // The other site is still served.
+  auto other = ConnectCoordinator((dir_ / "ours").string(), "b", address);
+  ASSERT_TRUE(other.ok());
+  v1::HeartbeatRequest hb;
+  hb.set_site("b");
+  EXPECT_TRUE((*other)->Heartbeat(hb, std::chrono::seconds(10)).ok());
+  streams.back()->Cancel();
+  (void)streams.back()->Finish();
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
 }
 
 }  // namespace

@@ -74,7 +74,12 @@ grpc::ChannelArguments PeerChannelArguments(const std::string& peer_name) {
   return args;
 }
 
-void ConfigureServer(grpc::ServerBuilder* builder) {
+void ConfigureServer(grpc::ServerBuilder* builder, int max_threads) {
+  if (max_threads > 0) {  // every running call holds one of them
+    grpc::ResourceQuota quota("meridian-server");
+    quota.SetMaxThreads(max_threads);
+    builder->SetResourceQuota(quota);
+  }
   builder->SetMaxReceiveMessageSize(8 << 20);
   builder->SetMaxSendMessageSize(8 << 20);
   // Accept the clients' 2 s keepalive pings (the default minimum interval would reject them).
@@ -90,11 +95,12 @@ void ConfigureServer(grpc::ServerBuilder* builder) {
 
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartMtlsServer(const std::string& certs_dir, const std::string& name,
                                                               const std::string& address,
-                                                              const std::vector<grpc::Service*>& services, int* port) {
+                                                              const std::vector<grpc::Service*>& services, int* port,
+                                                              int max_threads) {
   auto creds = MakeServerCredentials(certs_dir, name);
   if (!creds.ok()) return creds.status();
   grpc::ServerBuilder builder;
-  ConfigureServer(&builder);
+  ConfigureServer(&builder, max_threads);
   int bound = 0;
   builder.AddListeningPort(address, *creds, &bound);
   for (grpc::Service* s : services) builder.RegisterService(s);

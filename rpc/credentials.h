@@ -32,9 +32,15 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
 // subjectAltName, so the TLS hostname check uses the site name whatever address is dialled.
 grpc::ChannelArguments PeerChannelArguments(const std::string& peer_name);
 
-// Message-size limits and keepalive policy matching PeerChannelArguments, and no SO_REUSEPORT (a port in
-// use fails to bind); call on every ServerBuilder.
-void ConfigureServer(grpc::ServerBuilder* builder);
+// Threads a server may run calls on (each running call holds one); 0: gRPC's default, unbounded. Not
+// bounded by default: with gRPC 1.51's sync server, calls beyond the bound wait for a thread instead of
+// being refused, so one site opening calls without end would starve the others. Services bound what one
+// site may hold open instead (CoordinatorService: one command stream, kUploadsPerSite uploads).
+inline constexpr int kServerThreads = 0;
+
+// Message-size limits and keepalive policy matching PeerChannelArguments, no SO_REUSEPORT (a port in use
+// fails to bind), and at most `max_threads` threads for calls (0: unbounded); call on every ServerBuilder.
+void ConfigureServer(grpc::ServerBuilder* builder, int max_threads = kServerThreads);
 
 // Builds and starts a gRPC server on `address` with NAME's mutual-TLS credentials, the policy of
 // ConfigureServer and `services`. Errors name the certificate file or the address (Unavailable when the
@@ -42,7 +48,7 @@ void ConfigureServer(grpc::ServerBuilder* builder);
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartMtlsServer(const std::string& certs_dir, const std::string& name,
                                                               const std::string& address,
                                                               const std::vector<grpc::Service*>& services,
-                                                              int* port = nullptr);
+                                                              int* port = nullptr, int max_threads = kServerThreads);
 
 // The CN of the verified client certificate of the calling peer, or "" if there is none.
 std::string PeerCommonName(const grpc::ServerContext& context);
