@@ -20,6 +20,19 @@ Clock::duration After(double seconds) {
   return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
 }
 
+// A string a site sent, safe for the operator's terminal and the logs: control characters (escape
+// sequences, carriage returns, newlines) become \xNN, and at most 4,000 characters are kept.
+std::string Clean(const std::string& text) {
+  std::string out;
+  for (unsigned char ch : text.substr(0, 4000))
+    if (ch < 0x20 || ch == 0x7f)
+      absl::StrAppendFormat(&out, "\\x%02x", ch);
+    else
+      out += static_cast<char>(ch);
+  if (text.size() > 4000) out += "...";
+  return out;
+}
+
 // "'a', 'b'"
 std::string Quoted(const std::vector<std::string>& names) {
   std::string out;
@@ -130,8 +143,8 @@ void RunMachine::OnProfile(const ProfileReported& e) {
     if (absl::Status s = CheckProfile(r, &checked); !s.ok()) {
       // A site whose measurements do not check out is not planned with (a hostile site must not steer
       // the plan); the run goes on without it while others are left.
-      const std::string why =
-          absl::StrCat("site '", r.site(), "' sent a profile that does not check out: ", s.message());
+      const std::string why = absl::StrCat(
+          "site '", r.site(), "' sent a profile that does not check out: ", Clean(std::string(s.message())));
       Out(LogSite{r.site(), why});
       joined_.erase(std::find(joined_.begin(), joined_.end(), r.site()));
       if (joined_.empty()) return Fail(why);
@@ -143,7 +156,7 @@ void RunMachine::OnProfile(const ProfileReported& e) {
     }
   } else {
     profiles_[r.site()] = r;
-    Out(LogSite{r.site(), absl::StrCat("measuring failed: ", r.error())});
+    Out(LogSite{r.site(), absl::StrCat("measuring failed: ", Clean(r.error()))});
   }
   for (const auto& site : joined_)
     if (!profiles_.count(site)) return;
@@ -193,7 +206,7 @@ absl::Status RunMachine::CheckProfile(const v1::ProfileReport& r, partitioner::C
 absl::Status RunMachine::FinishProfiling() {
   for (const auto& [name, p] : profiles_)
     if (!p.error().empty())
-      return absl::InternalError(absl::StrCat("site '", name, "' could not profile: ", p.error()));
+      return absl::InternalError(absl::StrCat("site '", name, "' could not profile: ", Clean(p.error())));
   for (const auto& site : joined_) {
     const partitioner::ClusterProfile& one = checked_.at(site);
     profile_.sites.push_back(one.sites[0]);
@@ -453,6 +466,7 @@ void RunMachine::OnMetrics(const MetricsReported& e) {
                                        : absl::StrFormat("step %d: %s", r.step() + 1, parts)});
   attempt_.metrics[r.site()] = r;
   if (r.stage() != 0 || r.step() <= progress_step_) return;
+  if (r.step() > data_loss_at_) data_loss_recoveries_ = 0;  // past where data went bad: a new count
   progress_step_ = r.step();
   last_loss_ = r.loss();
   tokens_ += r.tokens();
@@ -521,13 +535,13 @@ void RunMachine::OnDone(const StageReportedDone& e) {
   const v1::StageDone& d = e.done;
   if (!sites_.count(d.site())) return;
   if (d.job_id() != job_id_ || job_id_.empty()) {
-    Out(LogSite{d.site(),
-                absl::StrCat("abandoned attempt ", d.job_id(), " ended", d.error().empty() ? "" : ": ", d.error())});
+    Out(LogSite{d.site(), absl::StrCat("abandoned attempt ", Clean(d.job_id()), " ended", d.error().empty() ? "" : ": ",
+                                       Clean(d.error()))});
     return;
   }
   attempt_.done[d.site()] = d;
   Out(LogSite{d.site(), d.error().empty() ? absl::StrCat("finished: ", d.steps(), " steps")
-                                          : absl::StrCat("failed after ", d.steps(), " steps: ", d.error())});
+                                          : absl::StrCat("failed after ", d.steps(), " steps: ", Clean(d.error()))});
   if (phase_ == Phase::kDraining) {
     for (const auto& u : attempt_.used)
       if (!attempt_.done.count(u) && !sites_[u].silent) return;
@@ -541,9 +555,10 @@ void RunMachine::OnDone(const StageReportedDone& e) {
     for (size_t k = 0; plan_ && k < plan_->stages.size(); ++k)
       for (const auto& s : plan_->stages[k].site_names)
         if (s == d.site()) stage = static_cast<int>(k);
-    Say(absl::StrCat("stage ", stage, " at site '", d.site(), "' failed: ", d.error(), "\n"));
-    attempt_.failure = d.error();
+    attempt_.failure = Clean(d.error());
+    Say(absl::StrCat("stage ", stage, " at site '", d.site(), "' failed: ", attempt_.failure, "\n"));
     attempt_.failed_site = d.site();
+    attempt_.failure_code = d.error_code();
     attempt_.deadline = now_ + After(c_.spec.heartbeat_timeout_seconds + 1);
     phase_ = Phase::kFailing;
     if (!Silent().empty()) EndAttempt();
@@ -617,7 +632,23 @@ void RunMachine::OnTick() {
 void RunMachine::EndAttempt() {
   const core::ClusterSpec& spec = c_.spec;
   const std::vector<std::string> silent = Silent();
+  if (silent.empty() && attempt_.failure_code == static_cast<int>(absl::StatusCode::kDataLoss) &&
+      c_.job.checkpoint.interval > 0 && data_loss_recoveries_ < c_.max_data_loss_recoveries) {
+    // Corrupt or non-finite data (a neighbour's, or this stage's own): nothing is lost but the steps since
+    // the newest checkpoint, which holds finite values only. Resume every stage from it.
+    ++data_loss_recoveries_;
+    data_loss_at_ = progress_step_;
+    Say(absl::StrCat("recovery: site '", attempt_.failed_site, "' failed on corrupt or non-finite data (",
+                     attempt_.failure, "); resuming every stage from the newest intact checkpoint (",
+                     data_loss_recoveries_, " of at most ", c_.max_data_loss_recoveries, " such recoveries)\n"));
+    phase_ = Phase::kDraining;
+    attempt_.deadline = now_ + After(c_.drain_seconds);
+    for (const auto& u : attempt_.used)
+      if (!attempt_.done.count(u) && !sites_[u].silent) return;
+    return AfterDrain();
+  }
   if (silent.empty()) return Fail(absl::StrCat("site '", attempt_.failed_site, "' failed: ", attempt_.failure));
+  data_loss_recoveries_ = 0;
   const std::string names = Quoted(silent);
   const std::string what =
       absl::StrCat("site ", names, " stopped answering (no heartbeat for ", spec.heartbeat_timeout_seconds, " s)",
@@ -648,6 +679,7 @@ void RunMachine::EndAttempt() {
 void RunMachine::AfterDrain() {
   const std::vector<std::string> lost(lost_.begin(), lost_.end());
   resume_ = true;
+  if (lost.empty()) return StartAttempt();  // no site lost (corrupt or non-finite data): the same sites
   if (c_.spec.on_failure == core::OnFailure::kWait) {
     if (!Silent().empty()) {
       Say(absl::StrCat("recovery: waiting for ", Quoted(lost), " to rejoin (on_failure: wait)\n"));

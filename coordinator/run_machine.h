@@ -135,8 +135,11 @@ struct RunConfig {
   // the job's data has no sequences to revisit (synthetic).
   std::optional<double> revisit_fraction;
   double drain_seconds = 75;  // how long the survivors of an abandoned attempt get to end it
-  std::string run_id;         // attempt k > 0 is "<run_id>-<k>"
-  std::string run_dir;        // for messages
+  // Attempts in a row that corrupt or non-finite data (a stage's DataLoss) may end before the run fails:
+  // each resumes every stage from the newest checkpoint, which holds finite values only.
+  int max_data_loss_recoveries = 2;
+  std::string run_id;   // attempt k > 0 is "<run_id>-<k>"
+  std::string run_dir;  // for messages
   // The newest manifested, intact checkpoint of the coordinator's store (core::FindLatestManifested of
   // RUN/checkpoints), with why newer steps were skipped; consulted when an attempt resumes with
   // job.checkpoint.store: coordinator.
@@ -169,6 +172,7 @@ class RunMachine {
     std::map<std::string, v1::MetricsReport> metrics;  // the latest, by site
     std::map<std::string, int> stage;                  // each site's stage in the plan
     std::string failure, failed_site;                  // the first stage error, or "no heartbeat"
+    int failure_code = 0;                              // its absl::StatusCode
     std::string lost;                                  // why it ended: the sites lost, for messages
     Clock::time_point deadline;                        // kFailing: wait for heartbeats; kDraining: drain
   };
@@ -225,6 +229,8 @@ class RunMachine {
   double last_loss_ = 0;
   int64_t tokens_ = 0;  // over every attempt
   int64_t pruned_at_ = 0;
+  int data_loss_recoveries_ = 0;  // attempts in a row ended by corrupt or non-finite data
+  int64_t data_loss_at_ = -1;     // the progress when the last of them ended
   std::vector<Action> out_;
 };
 

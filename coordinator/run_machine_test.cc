@@ -476,5 +476,41 @@ TEST(RunMachine, AProfileThatDoesNotCheckOutLeavesItsSiteOutOfThePlan) {
   }
 }
 
+// A neighbour's NaN (or any corrupt data) fails a stage with DataLoss: every stage resumes from the newest
+// checkpoint with the same sites, at most twice in a row; a third time ends the run.
+TEST(RunMachine, NonFiniteDataResumesFromTheCheckpointAtMostTwiceInARow) {
+  Driver d(Config());
+  d.JoinAndProfile({"a", "b", "c"});
+  auto poisoned = [&](const std::string& job) {
+    v1::StageDone done = Done("b", job, "stage 1 (site 'b'): peer 'a' sent a non-finite gradient norm or loss");
+    done.set_error_code(static_cast<int>(absl::StatusCode::kDataLoss));
+    d.Feed(StageReportedDone{done});
+    d.Feed(StageReportedDone{Done("a", job, "broke")});
+    d.Feed(StageReportedDone{Done("c", job, "broke")});
+    return d.Feed(Tick{}, 7);  // heartbeats named nobody
+  };
+  auto first = poisoned(kRun);
+  EXPECT_THAT(Printed(first), HasSubstr("recovery: site 'b' failed on corrupt or non-finite data"));
+  EXPECT_THAT(Printed(first), HasSubstr("(1 of at most 2 such recoveries)"));
+  auto assigned = Assignments(first);
+  EXPECT_THAT(Sites(assigned), ElementsAre("a", "b", "c"));
+  EXPECT_EQ(assigned["b"].resume_step(), -1);
+  EXPECT_EQ(assigned["b"].job_id(), "r-1");
+  EXPECT_THAT(Printed(poisoned("r-1")), HasSubstr("(2 of at most 2 such recoveries)"));
+  auto last = poisoned("r-2");
+  EXPECT_EQ(ExitCode(last), 1);
+  EXPECT_THAT(Printed(last),
+              HasSubstr("meridian run: site 'b' failed: stage 1 (site 'b'): peer 'a' sent a non-finite"));
+}
+
+// What a site sends reaches the operator's terminal without its control characters.
+TEST(RunMachine, ASitesTextReachesTheTerminalWithoutControlCharacters) {
+  Driver d(Config());
+  d.JoinAndProfile({"a", "b", "c"});
+  auto out = d.Feed(StageReportedDone{Done("b", kRun, "oops\x1b[2J\rstage 0 finished\n")});
+  EXPECT_THAT(Printed(out), HasSubstr("failed: oops\\x1b[2J\\x0dstage 0 finished\\x0a\n"));
+  EXPECT_EQ(Printed(out).find('\x1b'), std::string::npos);
+}
+
 }  // namespace
 }  // namespace meridian::coordinator

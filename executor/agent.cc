@@ -232,7 +232,11 @@ int Agent::Run() {
     spdlog::warn("{}", absl::StrCat("the command stream ended (", ended.message(), "); reconnecting"));
     std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int64_t>(interval * 1000)));
   }
-  done_ = true;
+  {
+    std::lock_guard<std::mutex> l(heartbeat_mu_);
+    done_ = true;
+  }
+  heartbeat_cv_.notify_all();
   heart.join();
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(10));
   return rc_;
@@ -247,7 +251,7 @@ void Agent::Heartbeats() {
   const auto every = std::chrono::milliseconds(static_cast<int64_t>(interval * 1000));
   bool failing = false;
   Clock::time_point failing_since;
-  while (!done_) {
+  for (;;) {
     v1::HeartbeatRequest req;
     req.set_site(o_.site);
     req.set_step(step_);
@@ -264,13 +268,26 @@ void Agent::Heartbeats() {
       spdlog::error("{}", absl::StrCat("lost the coordinator (no heartbeat answered for ", timeout, " s); stopping"));
       std::_Exit(1);
     }
-    std::this_thread::sleep_for(every);
+    // Until the next beat, or at once when the state changes (the coordinator's status follows).
+    std::unique_lock<std::mutex> l(heartbeat_mu_);
+    heartbeat_cv_.wait_for(l, every, [&] { return done_ || state_changed_; });
+    if (done_) return;
+    state_changed_ = false;
   }
+}
+
+void Agent::SetState(v1::SiteState state) {
+  {
+    std::lock_guard<std::mutex> l(heartbeat_mu_);
+    state_ = state;
+    state_changed_ = true;
+  }
+  heartbeat_cv_.notify_all();
 }
 
 void Agent::OnProfile(const v1::ProfileRequest& p) {
   spdlog::debug("command: profile ({} peers to probe, {} repeats)", p.peers_size(), p.repeats());
-  state_ = v1::SITE_PROFILING;
+  SetState(v1::SITE_PROFILING);
 
   v1::ProfileReport rep;
   rep.set_site(o_.site);
@@ -321,13 +338,13 @@ void Agent::OnProfile(const v1::ProfileRequest& p) {
   if (!failure.ok()) rep.set_error(std::string(failure.message()));
   if (absl::Status s = coordinator_->ReportProfile(rep, std::chrono::seconds(30)); !s.ok())
     spdlog::error("{}", absl::StrCat("cannot report the profile: ", s.message()));
-  state_ = v1::SITE_IDLE;
+  SetState(v1::SITE_IDLE);
 }
 
 void Agent::OnAssign(const v1::StageAssignment& pa) {
   spdlog::info("assigned stage {}/{} (ops {}-{}) of job {}{}", pa.stage() + 1, pa.num_stages(), pa.first_op(),
                pa.last_op(), pa.job_id(), pa.resume_step() != 0 ? ", resuming" : "");
-  state_ = v1::SITE_TRAINING;
+  SetState(v1::SITE_TRAINING);
   v1::StageDone result;
   result.set_site(o_.site);
   result.set_job_id(pa.job_id());
@@ -459,11 +476,12 @@ void Agent::OnAssign(const v1::StageAssignment& pa) {
   }
   if (!run_result.status.ok()) {
     result.set_error(std::string(run_result.status.message()));
+    result.set_error_code(static_cast<int>(run_result.status.code()));
     spdlog::error("{}", absl::StrCat(run_result.status.message()));
     rc_ = 1;
   }
   reporter.Flush();  // the coordinator sees every step's report before the stage's end
-  state_ = run_result.status.ok() ? v1::SITE_DONE : v1::SITE_FAILED;
+  SetState(run_result.status.ok() ? v1::SITE_DONE : v1::SITE_FAILED);
   (void)coordinator_->ReportDone(result, kReportTimeout);
   // Idle again: any site may connect (the next attempt's neighbours may be faster to start than this
   // site) but no frame is delivered until an assignment names its job.

@@ -11,7 +11,9 @@
 #define MERIDIAN_EXECUTOR_AGENT_H_
 
 #include <atomic>
+#include <condition_variable>
 #include <memory>
+#include <mutex>
 #include <set>
 #include <string>
 
@@ -38,8 +40,9 @@ class Agent {
   // StageDone), errors included; nothing escapes them.
   void OnProfile(const v1::ProfileRequest& request);
   void OnAssign(const v1::StageAssignment& assignment);
-  // The heartbeat thread's loop, until `done_`.
+  // The heartbeat thread's loop, until `done_`: a beat every interval, and one at once on a state change.
   void Heartbeats();
+  void SetState(v1::SiteState state);
 
   const ExecutorOptions o_;
   const v1::RegisterResponse reg_;
@@ -50,7 +53,9 @@ class Agent {
   rpc::PeerService peer_service_;
   std::atomic<int64_t> step_{-1};
   std::atomic<v1::SiteState> state_{v1::SITE_IDLE};
-  std::atomic<bool> done_{false};
+  std::mutex heartbeat_mu_;
+  std::condition_variable heartbeat_cv_;
+  bool done_ = false, state_changed_ = false;  // guarded by heartbeat_mu_
   int rc_ = 0;
 };
 

@@ -414,25 +414,40 @@ TEST_F(CoordinatorAuthTest, ASiteOpeningManyCommandStreamsHoldsOne) {
   auto server = builder.BuildAndStart();
   ASSERT_TRUE(server);
   const std::string address = "127.0.0.1:" + std::to_string(port);
-  auto hostile = ConnectCoordinator((dir_ / "ours").string(), "a", address);
-  ASSERT_TRUE(hostile.ok());
-  std::vector<std::unique_ptr<CoordinatorClient::CommandStream>> streams;
-  for (int i = 0; i < 1000; ++i) streams.push_back((*hostile)->Commands("a"));
-  // Every stream but the newest ends, superseded.
-  for (size_t i = 0; i + 1 < streams.size(); ++i) {
-    v1::Command c;
-    EXPECT_FALSE(streams[i]->Next(&c));
-    absl::Status s = streams[i]->Finish();
-    EXPECT_TRUE(s.code() == absl::StatusCode::kCancelled || s.code() == absl::StatusCode::kResourceExhausted) << s;
+  // Raw streams, each with a deadline: the one that stays open (handlers may register in any order) ends
+  // by its deadline, every other one at once, superseded.
+  auto creds = MakeChannelCredentials((dir_ / "ours").string(), "a");
+  ASSERT_TRUE(creds.ok());
+  auto stub = v1::Coordinator::NewStub(grpc::CreateCustomChannel(address, *creds, PeerChannelArguments("coordinator")));
+  struct Open {
+    grpc::ClientContext ctx;
+    std::unique_ptr<grpc::ClientReader<v1::Command>> reader;
+  };
+  std::vector<std::unique_ptr<Open>> streams;
+  v1::CommandStreamRequest req;
+  req.set_site("a");
+  for (int i = 0; i < 1000; ++i) {
+    auto o = std::make_unique<Open>();
+    o->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    o->reader = stub->Commands(&o->ctx, req);
+    streams.push_back(std::move(o));
   }
+  int superseded = 0, held = 0;
+  for (auto& o : streams) {
+    v1::Command c;
+    EXPECT_FALSE(o->reader->Read(&c));
+    grpc::Status s = o->reader->Finish();
+    if (s.error_code() == grpc::StatusCode::CANCELLED) ++superseded;
+    if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) ++held;
+  }
+  EXPECT_EQ(held, 1);
+  EXPECT_EQ(superseded, 999);
   // The other site is still served.
   auto other = ConnectCoordinator((dir_ / "ours").string(), "b", address);
   ASSERT_TRUE(other.ok());
   v1::HeartbeatRequest hb;
   hb.set_site("b");
   EXPECT_TRUE((*other)->Heartbeat(hb, std::chrono::seconds(10)).ok());
-  streams.back()->Cancel();
-  (void)streams.back()->Finish();
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
 }
 

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/certs.h"
+#include "core/checkpoint_dir.h"
 #include "core/safetensors.h"
 #include "tests/process.h"
 #include "tests/test_util.h"
@@ -418,8 +419,13 @@ TEST_F(CoordinatorTest, CheckpointsKeptByTheCoordinatorCarryARunOverALostSite) {
   EXPECT_FALSE(fs::exists(dir_ / "ckpt")) << "a site wrote the shared checkpoint directory";
   // The coordinator's store holds the last step's shards and keeps job.checkpoint.keep (3) complete
   // steps, plus at most the one being written when it last pruned.
+  // (The re-plan may run one stage or two, as the sites measured under this machine's load: the last
+  // step's manifest names the shards of whichever it was, each matching its SHA-256.)
+  auto last = core::FindLatestManifested((dir_ / "run" / "checkpoints").string());
+  ASSERT_TRUE(last.ok()) << last.status();
+  EXPECT_EQ(last->step, 120);
+  EXPECT_GE(last->files.size(), 2u);
   EXPECT_TRUE(fs::exists(dir_ / "run" / "checkpoints" / "step-120" / "stage-0.json"));
-  EXPECT_TRUE(fs::exists(dir_ / "run" / "checkpoints" / "step-120" / "stage-1.safetensors"));
   int step_dirs = 0;
   for (const auto& e : fs::directory_iterator(dir_ / "run" / "checkpoints")) step_dirs += e.is_directory();
   EXPECT_GE(step_dirs, 3);
