@@ -116,7 +116,8 @@ absl::Status Coordinator::Metrics(const v1::MetricsReport& r) {
     if (r.job_id() != job_id_) return absl::OkStatus();  // an abandoned attempt's
     auto stage = stages_.find(r.site());
     const auto& last = sites_[r.site()].metrics;
-    if (stage == stages_.end() || stage->second != r.stage() || (last && r.step() <= last->step()))
+    if (stage == stages_.end() || stage->second != r.stage() || r.step() < 0 ||
+        (file_max_step_ > 0 && r.step() >= file_max_step_) || (last && r.step() <= last->step()))
       return absl::OkStatus();  // forged or stale; the run machine logs it
     sites_[r.site()].metrics = r;
     if (r.stage() == 0 && r.step() > progress_.step) {
@@ -203,12 +204,16 @@ absl::StatusOr<rpc::CoordinatorHandler::FileGrant> Coordinator::FileDestination(
       return absl::InvalidArgumentError(
           absl::StrCat("site '", site, "' sent ", path, ", a step beyond the job's ", file_max_step_));
     if (file->kind != core::SiteFile::Kind::kWeights && checkpoint_interval_ > 0) {
-      const int64_t reached = std::max(progress_.step + 1, resume_step_);
-      if (step % checkpoint_interval_ != 0 || step <= resume_step_ || step > reached + checkpoint_interval_)
+      // Reports arrive late and best-effort: the furthest step any site of the attempt reported, and two
+      // intervals of slack, still refuse a step far ahead of the run.
+      int64_t reached = resume_step_;
+      for (const auto& [name, st] : sites_)
+        if (st.metrics && stages_.count(name)) reached = std::max(reached, st.metrics->step() + 1);
+      if (step % checkpoint_interval_ != 0 || step <= resume_step_ || step > reached + 2 * checkpoint_interval_)
         return absl::InvalidArgumentError(absl::StrCat("site '", site, "' sent ", path,
                                                        ": not a checkpoint step this run can have reached (every ",
                                                        checkpoint_interval_, " steps, after step ", resume_step_,
-                                                       ", at most one interval past step ", reached, ")"));
+                                                       ", at most two intervals past step ", reached, ")"));
     }
     dir = file_dir_;
     grant.max_bytes = file_max_bytes_;
@@ -225,26 +230,52 @@ absl::StatusOr<rpc::CoordinatorHandler::FileGrant> Coordinator::FileDestination(
 
 absl::Status Coordinator::FileCommit(const std::string& site, const std::string& job_id, const std::string& path,
                                      const std::string& part, const std::string& dest, int64_t bytes) {
+  const std::optional<core::SiteFile> file = core::ParseSiteFile(path);
+  const bool checkpoint = file && file->kind != core::SiteFile::Kind::kWeights;
+  // Outside the lock (a shard may take seconds to read): the file's digest, and what a stage JSON claims.
+  std::string sha;
+  std::optional<StageMetaClaims> claims;
+  if (checkpoint) {
+    auto digest = core::Sha256OfFile(part);
+    if (!digest.ok()) return digest.status();
+    sha = *digest;
+    if (file->kind == core::SiteFile::Kind::kCheckpointMeta) {
+      auto read = ReadStageMeta(site, path, part);
+      if (!read.ok()) return read.status();
+      claims = *read;
+    }
+  }
   {
     std::lock_guard<std::mutex> l(mu_);  // BeginJob takes it too: no file of an ended attempt lands after it
     if (job_id != job_id_)
       return absl::FailedPreconditionError(
           absl::StrCat("site '", site, "' sent ", path, " of attempt '", job_id, "', which ended while it arrived"));
-    const std::optional<core::SiteFile> file = core::ParseSiteFile(path);
-    std::string sha;
-    if (file && file->kind != core::SiteFile::Kind::kWeights && checkpoint_interval_ > 0) {
-      auto digest = core::Sha256OfFile(part);
-      if (!digest.ok()) return digest.status();
-      sha = *digest;
-      if (file->kind == core::SiteFile::Kind::kCheckpointMeta)
-        if (absl::Status s = CheckStageMeta(site, path, part, *file); !s.ok()) return s;
+    const bool counted = checkpoint && checkpoint_interval_ > 0;
+    if (counted) {
+      StepUploads& u = uploads_[file->step];
+      const auto& sent = file->kind == core::SiteFile::Kind::kCheckpointShard ? u.shard_sha256 : u.meta_sha256;
+      if (sent.count(file->stage))
+        return absl::FailedPreconditionError(
+            absl::StrCat("site '", site, "' sent ", path, " again; a step's file is sent once"));
+      if (claims) {
+        const int n = NumStages();
+        if (claims->stage != file->stage || claims->num_stages != n)
+          return absl::InvalidArgumentError(absl::StrCat("site '", site, "' sent ", path, ": it describes stage ",
+                                                         claims->stage, " of ", claims->num_stages,
+                                                         "; the plan has stage ", file->stage, " of ", n));
+        auto shard = u.shard_sha256.find(file->stage);
+        if (shard == u.shard_sha256.end() || shard->second != claims->sha256)
+          return absl::InvalidArgumentError(
+              absl::StrCat("site '", site, "' sent ", path,
+                           ": its SHA-256 is not the one of the shard this site sent for the step"));
+      }
     }
     std::error_code ec;
     std::filesystem::rename(part, dest, ec);
     if (ec)
       return absl::InternalError(
           absl::StrCat("site '", site, "' sent ", path, ": cannot rename ", part, " to ", dest, ": ", ec.message()));
-    if (!sha.empty()) {
+    if (counted) {
       StepUploads& u = uploads_[file->step];
       (file->kind == core::SiteFile::Kind::kCheckpointShard ? u.shard_sha256 : u.meta_sha256)[file->stage] = sha;
       WriteManifestIfComplete(file->step, std::filesystem::path(dest).parent_path().string());
@@ -260,8 +291,9 @@ int Coordinator::NumStages() const {
   return n;
 }
 
-absl::Status Coordinator::CheckStageMeta(const std::string& site, const std::string& path, const std::string& part,
-                                         const core::SiteFile& file) const {
+absl::StatusOr<Coordinator::StageMetaClaims> Coordinator::ReadStageMeta(const std::string& site,
+                                                                        const std::string& path,
+                                                                        const std::string& part) {
   auto bad = [&](const std::string& why) {
     return absl::InvalidArgumentError(absl::StrCat("site '", site, "' sent ", path, ": ", why));
   };
@@ -272,14 +304,7 @@ absl::Status Coordinator::CheckStageMeta(const std::string& site, const std::str
       !j["num_stages"].is_number_integer() || !j.contains("sha256") || !j["sha256"].is_string() ||
       !j.contains("tensors") || !j["tensors"].is_array())
     return bad("not a stage checkpoint description");
-  if (j["stage"].get<int>() != file.stage || j["num_stages"].get<int>() != NumStages())
-    return bad(absl::StrCat("it describes stage ", j["stage"].get<int>(), " of ", j["num_stages"].get<int>(),
-                            "; the plan has stage ", file.stage, " of ", NumStages()));
-  auto u = uploads_.find(file.step);
-  if (u == uploads_.end() || !u->second.shard_sha256.count(file.stage) ||
-      u->second.shard_sha256.at(file.stage) != j["sha256"].get<std::string>())
-    return bad("its SHA-256 is not the one of the shard this site sent for the step");
-  return absl::OkStatus();
+  return StageMetaClaims{j["stage"].get<int>(), j["num_stages"].get<int>(), j["sha256"].get<std::string>()};
 }
 
 void Coordinator::WriteManifestIfComplete(int64_t step, const std::string& step_dir) {

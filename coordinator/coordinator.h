@@ -118,9 +118,13 @@ class Coordinator : public rpc::CoordinatorHandler {
 
  private:
   int NumStages() const;  // of the running plan; REQUIRES: mu_ held
-  // A stage JSON's claims against the plan and the shard its writer sent. REQUIRES: mu_ held.
-  absl::Status CheckStageMeta(const std::string& site, const std::string& path, const std::string& part,
-                              const core::SiteFile& file) const;
+  // What an uploaded stage JSON (`part`) claims; checked against the plan and its writer's shard under mu_.
+  struct StageMetaClaims {
+    int stage = 0, num_stages = 0;
+    std::string sha256;
+  };
+  static absl::StatusOr<StageMetaClaims> ReadStageMeta(const std::string& site, const std::string& path,
+                                                       const std::string& part);
   // Writes step-S/manifest.json once every stage's writer sent both files of `step`. REQUIRES: mu_ held.
   void WriteManifestIfComplete(int64_t step, const std::string& step_dir);
 

@@ -77,6 +77,8 @@ std::vector<Action> RunMachine::Handle(const Event& event) {
         }
       },
       event.what);
+  // Deadlines pass whatever the events: a stream of reports must not keep a timeout from firing.
+  if (phase_ != Phase::kFinished && !std::holds_alternative<Tick>(event.what)) OnTick();
   return std::move(out_);
 }
 
@@ -86,10 +88,10 @@ size_t RunMachine::Registered() const {
   return n;
 }
 
-std::vector<std::string> RunMachine::Silent() const {
+std::vector<std::string> RunMachine::SilentUsed() const {
   std::vector<std::string> out;
-  for (const auto& [name, s] : sites_)
-    if (s.registered && s.silent) out.push_back(name);
+  for (const auto& name : attempt_.used)
+    if (sites_.at(name).silent) out.push_back(name);
   return out;
 }
 
@@ -109,7 +111,8 @@ void RunMachine::OnRegistered(const SiteRegistered& e) {
 
 void RunMachine::StartProfiling() {
   for (const auto& [name, s] : sites_)
-    if (s.registered) joined_.push_back(name);
+    if (s.registered && !s.silent) joined_.push_back(name);  // one that went silent since is not asked
+  asked_ = std::set<std::string>(joined_.begin(), joined_.end());
   Say(absl::StrCat(joined_.size(), " sites joined; measuring devices, the model and the links\n"));
   phase_ = Phase::kProfiling;
   for (const auto& site : joined_) {
@@ -191,8 +194,7 @@ absl::Status RunMachine::CheckProfile(const v1::ProfileReport& r, partitioner::C
     partitioner::LinkProfile link{l["from"], l["to"], l["bandwidth_bytes_per_second"], l["latency_seconds"]};
     // Only the links it measured: between itself and a site it was asked to probe (a later one by name).
     const std::string& other = link.from == site ? link.to : link.from;
-    if ((link.from != site && link.to != site) || other <= site ||
-        std::find(joined_.begin(), joined_.end(), other) == joined_.end())
+    if ((link.from != site && link.to != site) || other <= site || !asked_.count(other))
       return absl::InvalidArgumentError(absl::StrCat("a link it did not measure: ", link.from, " -> ", link.to));
     if (!finite(link.bandwidth_bytes_per_second) || link.bandwidth_bytes_per_second <= 0 ||
         !finite(link.latency_seconds))
@@ -249,6 +251,10 @@ absl::Status RunMachine::FinishProfiling() {
 // ---- Attempts ----
 
 void RunMachine::StartAttempt() {
+  if (c_.spec.on_failure == core::OnFailure::kReplan)  // a site silent since it was measured is not planned with
+    for (const auto& site : profile_.sites)
+      if (sites_[site.name].silent) lost_.insert(site.name);
+  if (lost_.size() >= profile_.sites.size()) return Fail("every measured site stopped answering; no site left");
   if (absl::Status s = PlanAttempt(); !s.ok()) return Fail(std::string(s.message()));
   // A new attempt first: from now on no file of the one before lands (FindResumePoint cleans up).
   job_id_ = attempts_ == 0 ? c_.run_id : absl::StrCat(c_.run_id, "-", attempts_);
@@ -269,6 +275,10 @@ void RunMachine::StartAttempt() {
   if (store && resume_step_ > 0) Out(RemoveCheckpointsAbove{resume_step_});
   Assign();
   phase_ = Phase::kTraining;
+  if (!SilentUsed().empty()) {  // (on_failure: wait) a site of the plan is already silent: no event will say so
+    attempt_.failure = "no heartbeat";
+    EndAttempt();
+  }
 }
 
 // Plans over the sites not lost: the partitioner's plan, the --split even ablation, or --plan's pinned
@@ -539,6 +549,10 @@ void RunMachine::OnDone(const StageReportedDone& e) {
                                        Clean(d.error()))});
     return;
   }
+  if (!attempt_.used.count(d.site())) {  // a site outside the plan has no stage to end
+    Out(LogSite{d.site(), "reported the end of a stage it does not run; ignored"});
+    return;
+  }
   attempt_.done[d.site()] = d;
   Out(LogSite{d.site(), d.error().empty() ? absl::StrCat("finished: ", d.steps(), " steps")
                                           : absl::StrCat("failed after ", d.steps(), " steps: ", Clean(d.error()))});
@@ -561,7 +575,7 @@ void RunMachine::OnDone(const StageReportedDone& e) {
     attempt_.failure_code = d.error_code();
     attempt_.deadline = now_ + After(c_.spec.heartbeat_timeout_seconds + 1);
     phase_ = Phase::kFailing;
-    if (!Silent().empty()) EndAttempt();
+    if (!SilentUsed().empty()) EndAttempt();
     return;
   }
   for (const auto& u : attempt_.used)
@@ -588,7 +602,7 @@ void RunMachine::OnLost(const HeartbeatLost& e) {
       }
       return;
     case Phase::kFailing:
-      EndAttempt();
+      if (attempt_.used.count(e.site)) EndAttempt();
       return;
     case Phase::kDraining:
       for (const auto& u : attempt_.used)
@@ -605,7 +619,8 @@ void RunMachine::OnBack(const HeartbeatBack& e) {
   if (it == sites_.end() || !it->second.silent) return;
   it->second.silent = false;
   Out(LogSite{e.site, "heartbeats again"});
-  if (phase_ == Phase::kWaitingForReturn && Silent().empty()) {
+  if (phase_ == Phase::kWaitingForReturn &&
+      std::none_of(lost_.begin(), lost_.end(), [&](const std::string& s) { return sites_[s].silent; })) {
     Say(absl::StrCat("recovery: ", Quoted(std::vector<std::string>(lost_.begin(), lost_.end())),
                      " answering again; resuming from the newest intact checkpoint\n"));
     lost_.clear();
@@ -631,7 +646,7 @@ void RunMachine::OnTick() {
 // fails when no site was lost (a stage failed on its own) or the job has no checkpoints.
 void RunMachine::EndAttempt() {
   const core::ClusterSpec& spec = c_.spec;
-  const std::vector<std::string> silent = Silent();
+  const std::vector<std::string> silent = SilentUsed();
   if (silent.empty() && attempt_.failure_code == static_cast<int>(absl::StatusCode::kDataLoss) &&
       c_.job.checkpoint.interval > 0 && data_loss_recoveries_ < c_.max_data_loss_recoveries) {
     // Corrupt or non-finite data (a neighbour's, or this stage's own): nothing is lost but the steps since
@@ -681,7 +696,7 @@ void RunMachine::AfterDrain() {
   resume_ = true;
   if (lost.empty()) return StartAttempt();  // no site lost (corrupt or non-finite data): the same sites
   if (c_.spec.on_failure == core::OnFailure::kWait) {
-    if (!Silent().empty()) {
+    if (std::any_of(lost.begin(), lost.end(), [&](const std::string& s) { return sites_[s].silent; })) {
       Say(absl::StrCat("recovery: waiting for ", Quoted(lost), " to rejoin (on_failure: wait)\n"));
       phase_ = Phase::kWaitingForReturn;
       return;
@@ -690,6 +705,7 @@ void RunMachine::AfterDrain() {
     lost_.clear();
     return StartAttempt();
   }
+  for (const auto& s : SilentUsed()) lost_.insert(s);  // went silent while the others drained
   if (lost_.size() >= profile_.sites.size()) return Fail(absl::StrCat(attempt_.lost, "; no site left"));
   Say(absl::StrCat("recovery: re-planning over the ", profile_.sites.size() - lost_.size(),
                    " sites left and resuming from the newest intact checkpoint\n"));

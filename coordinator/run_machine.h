@@ -202,7 +202,7 @@ class RunMachine {
 
   void Out(Action a) { out_.push_back(std::move(a)); }
   void Say(std::string line) { Out(Print{std::move(line), false}); }
-  std::vector<std::string> Silent() const;
+  std::vector<std::string> SilentUsed() const;  // the silent sites of the current attempt's plan
   size_t Registered() const;
 
   RunConfig c_;
@@ -211,6 +211,7 @@ class RunMachine {
   bool started_ = false;
   std::map<std::string, SiteState> sites_;  // every site of the spec
   std::vector<std::string> joined_;         // the sites profiled, by name
+  std::set<std::string> asked_;             // the sites asked to profile (and so to probe each other)
   std::map<std::string, v1::ProfileReport> profiles_;
   std::map<std::string, partitioner::ClusterProfile> checked_;  // each site's profile, checked
   partitioner::ClusterProfile profile_;

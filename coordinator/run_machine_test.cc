@@ -512,5 +512,42 @@ TEST(RunMachine, ASitesTextReachesTheTerminalWithoutControlCharacters) {
   EXPECT_EQ(Printed(out).find('\x1b'), std::string::npos);
 }
 
+// Found in review: timeouts fire even under a stream of events; a site's silence before a phase begins
+// still counts; a bad profile does not get the honest sites' links refused; a site outside the plan
+// cannot end the attempt.
+TEST(RunMachine, DeadlinesFireWhateverTheEventsAndOnlyThePlansSitesCount) {
+  RunConfig c = Config();
+  c.join_timeout_seconds = 5;
+  {
+    Driver d(c);
+    d.Feed(RunStarted{});
+    std::optional<int> code;
+    for (int i = 0; i < 100 && !code; ++i) code = ExitCode(d.Feed(SiteRegistered{"a", "x", "cpu"}, 0.1));
+    EXPECT_EQ(code, 1);  // 10 s of registrations every 0.1 s: the 5 s join timeout still fired
+  }
+  {
+    Driver d(Config());
+    d.Feed(RunStarted{});
+    d.Feed(SiteRegistered{"c", "x", "cpu"});
+    d.Feed(HeartbeatLost{"c"});  // crashed before the others joined
+    d.Feed(SiteRegistered{"a", "x", "cpu"});
+    auto joined = d.Feed(SiteRegistered{"b", "x", "cpu"});
+    EXPECT_THAT(Printed(joined), HasSubstr("2 sites joined"));  // c is not waited for
+    v1::ProfileReport bad = Profile("b");
+    bad.set_site_profile_json("{");
+    d.Feed(ProfileReported{bad});        // b is dropped first ...
+    v1::ProfileReport a = Profile("a");  // a probed b (c was never asked)
+    a.set_links_json(R"([{"from": "a", "to": "b", "bandwidth_bytes_per_second": 1e8, "latency_seconds": 0.001},
+                          {"from": "b", "to": "a", "bandwidth_bytes_per_second": 1e8, "latency_seconds": 0.001}])");
+    auto planned = d.Feed(ProfileReported{a});  // ... a's link to b still checks out
+    EXPECT_FALSE(ExitCode(planned)) << Printed(planned);
+    EXPECT_THAT(Sites(Assignments(planned)), ElementsAre("a"));
+    // A site outside the plan reports the end of a stage of the attempt: nothing happens.
+    auto spare = d.Feed(StageReportedDone{Done("c", kRun, "boom")});
+    EXPECT_FALSE(ExitCode(spare));
+    EXPECT_EQ(d.machine().phase(), RunMachine::Phase::kTraining);
+  }
+}
+
 }  // namespace
 }  // namespace meridian::coordinator

@@ -10,6 +10,8 @@ namespace {
 // A canonical decimal in [lo, hi] (no sign, no leading zero unless it is "0").
 std::optional<int64_t> ParseCanonical(std::string_view s, int64_t lo, int64_t hi) {
   if (s.empty() || s.size() > 18 || (s.size() > 1 && s[0] == '0')) return std::nullopt;
+  for (char ch : s)
+    if (ch < '0' || ch > '9') return std::nullopt;  // no sign: "stage--0" is not stage 0
   int64_t v = 0;
   auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
   if (ec != std::errc() || end != s.data() + s.size() || v < lo || v > hi) return std::nullopt;

@@ -26,14 +26,28 @@ TEST(RunLayout, BuildsThePathsItParses) {
 }
 
 TEST(RunLayout, RefusesEveryOtherPath) {
-  for (const char* bad :
-       {"", "weights/stage-1.json", "weights/stage-01.safetensors", "weights/stage-.safetensors",
-        "weights/stage-1.safetensors/x", "weights//stage-1.safetensors", "../weights/stage-1.safetensors",
-        "checkpoints/step-0/stage-1.json", "checkpoints/step-01/stage-1.json",
-        "checkpoints/step-1000000000/stage-1.json", "checkpoints/step-1/stage-1000000.json",
-        "checkpoints/step-1/stage-1.txt", "checkpoints/step-1/../stage-1.json", "checkpoints/step-1/stage--1.json",
-        "checkpoints/step-+1/stage-1.json", "plan.json", "checkpoints/step-1/sub/stage-1.json",
-        "/weights/stage-1.safetensors"})
+  for (const char* bad : {"",
+                          "weights/stage-1.json",
+                          "weights/stage-01.safetensors",
+                          "weights/stage-.safetensors",
+                          "weights/stage-1.safetensors/x",
+                          "weights//stage-1.safetensors",
+                          "../weights/stage-1.safetensors",
+                          "checkpoints/step-0/stage-1.json",
+                          "checkpoints/step-01/stage-1.json",
+                          "checkpoints/step-1000000000/stage-1.json",
+                          "checkpoints/step-1/stage-1000000.json",
+                          "checkpoints/step-1/stage-1.txt",
+                          "checkpoints/step-1/../stage-1.json",
+                          "checkpoints/step-1/stage--1.json",
+                          "checkpoints/step-+1/stage-1.json",
+                          "plan.json",
+                          "checkpoints/step-1/sub/stage-1.json",
+                          "/weights/stage-1.safetensors",
+                          "weights/stage--0.safetensors",
+                          "checkpoints/step-10/stage--0.json",
+                          "weights/stage-+1.safetensors",
+                          "checkpoints/step-10/stage- 1.json"})
     EXPECT_FALSE(ParseSiteFile(bad)) << bad;
 }
 

@@ -46,6 +46,18 @@ absl::Status TensorInbox::Deliver(const std::string& peer, const TensorKey& key,
   return absl::OkStatus();
 }
 
+void TensorInbox::DropOtherJobs(const std::string& job_id) {
+  std::lock_guard<std::mutex> l(mu_);
+  for (auto it = frames_.begin(); it != frames_.end();) {
+    if (it->first.second.job_id == job_id) {
+      ++it;
+      continue;
+    }
+    peer_bytes_[it->first.first] -= static_cast<int64_t>(it->second.size());
+    it = frames_.erase(it);
+  }
+}
+
 int64_t TensorInbox::PeerBytes(const std::string& peer) const {
   std::lock_guard<std::mutex> l(mu_);
   auto it = peer_bytes_.find(peer);
@@ -96,6 +108,7 @@ PeerService::PeerService(std::string self, std::set<std::string> allowed_peers, 
     : self_(std::move(self)), allowed_(std::move(allowed_peers)), inbox_(inbox), limits_(limits) {}
 
 void PeerService::SetJob(std::optional<std::string> job_id) {
+  if (job_id) inbox_->DropOtherJobs(*job_id);  // what an abandoned attempt left would count against its peer
   std::lock_guard<std::mutex> l(allowed_mu_);
   job_ = std::move(job_id);
 }
@@ -123,6 +136,21 @@ grpc::Status PeerService::Stream(grpc::ServerContext* ctx, grpc::ServerReader<v1
                                  v1::StreamAck* ack) {
   std::string peer;
   if (grpc::Status s = Authorise(ctx, &peer); !s.ok()) return s;
+  {
+    std::lock_guard<std::mutex> l(allowed_mu_);
+    if (open_streams_[peer] >= limits_.max_streams_per_peer)
+      return {grpc::StatusCode::RESOURCE_EXHAUSTED,
+              absl::StrCat("peer '", peer, "' already has ", limits_.max_streams_per_peer, " streams open here")};
+    ++open_streams_[peer];
+  }
+  struct Close {
+    PeerService* s;
+    std::string peer;
+    ~Close() {
+      std::lock_guard<std::mutex> l(s->allowed_mu_);
+      --s->open_streams_[peer];
+    }
+  } close{this, peer};
   inbox_->ClearPeer(peer);
   struct Partial {
     std::vector<uint8_t> data;  // grows as the bytes arrive (probe payloads are counted, not kept)

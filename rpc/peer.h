@@ -54,6 +54,8 @@ class TensorInbox {
                        int64_t max_peer_bytes = INT64_MAX);
   // Bytes of `peer`'s frames waiting to be taken.
   int64_t PeerBytes(const std::string& peer) const;
+  // Removes every waiting frame of a job other than `job_id` (an abandoned attempt's, never to be taken).
+  void DropOtherJobs(const std::string& job_id);
   // Marks `peer` failed: current and later waits for its tensors return Unavailable naming it and `why`.
   // With `job_id`, only waits for that job's tensors fail (a stream of an abandoned attempt that breaks
   // late must not fail the attempt that replaced it).
@@ -78,6 +80,7 @@ class TensorInbox {
 struct PeerLimits {
   int64_t max_frame_bytes = int64_t{2} << 30;  // a frame may claim at most this
   int max_partial_frames = 16;                 // frames begun and not finished, per stream
+  int max_streams_per_peer = 4;                // streams open at once from one peer
   // Bytes a peer's frames may occupy: the ones waiting in the inbox plus its streams' partial frames.
   int64_t max_peer_bytes = int64_t{2} << 30;
 };
@@ -112,8 +115,9 @@ class PeerService final : public v1::Peer::Service {
   grpc::Status Authorise(grpc::ServerContext* ctx, std::string* peer);
   std::string self_;
   std::mutex allowed_mu_;
-  std::set<std::string> allowed_;   // guarded by allowed_mu_
-  std::optional<std::string> job_;  // guarded by allowed_mu_
+  std::set<std::string> allowed_;            // guarded by allowed_mu_
+  std::optional<std::string> job_;           // guarded by allowed_mu_
+  std::map<std::string, int> open_streams_;  // by peer; guarded by allowed_mu_
   TensorInbox* inbox_;
   const PeerLimits limits_;
   std::atomic<int64_t> dropped_frames_{0};
