@@ -600,40 +600,12 @@ absl::StatusOr<CodecSpec> CodecSpec::Parse(const std::string& text) {
   return s;
 }
 
-std::string CodecSpec::ToString() const {
-  std::string s;
-  switch (kind) {
-    case CodecKind::kIdentity:
-      s = "identity";
-      break;
-    case CodecKind::kFp16:
-      s = "fp16";
-      break;
-    case CodecKind::kBf16:
-      s = "bf16";
-      break;
-    case CodecKind::kInt8:
-      s = absl::StrCat("int8", delta ? "-delta" : "", ":block=", block_size);
-      break;
-    case CodecKind::kInt4:
-      s = absl::StrCat("int4", delta ? "-delta" : "", ":block=", block_size);
-      break;
-    case CodecKind::kInt2:
-      s = absl::StrCat("int2", delta ? "-delta" : "", ":block=", block_size);
-      break;
-    case CodecKind::kTopK:
-      s = absl::StrCat(topk_int8_values ? "topk-int8" : "topk", ":k=", topk_fraction);
-      if (topk_int8_values) absl::StrAppend(&s, ":block=", block_size);
-      break;
-  }
-  if (zstd) s += "+zstd";
-  return s;
-}
+namespace {
 
-std::string CodecSpec::ShortString() const {
-  const CodecSpec defaults;
+// The codec's name without options: "int8", "int4-delta", "topk-int8".
+std::string BaseName(const CodecSpec& spec) {
   std::string s;
-  switch (kind) {
+  switch (spec.kind) {
     case CodecKind::kIdentity:
       s = "identity";
       break;
@@ -653,17 +625,34 @@ std::string CodecSpec::ShortString() const {
       s = "int2";
       break;
     case CodecKind::kTopK:
-      s = topk_int8_values ? "topk-int8" : "topk";
+      s = spec.topk_int8_values ? "topk-int8" : "topk";
       break;
   }
-  if (delta) s += "-delta";
-  if (kind == CodecKind::kTopK && topk_fraction != defaults.topk_fraction) absl::StrAppend(&s, ":k=", topk_fraction);
-  const bool blocked = kind == CodecKind::kInt8 || kind == CodecKind::kInt4 || kind == CodecKind::kInt2 ||
-                       (kind == CodecKind::kTopK && topk_int8_values);
-  if (blocked && block_size != defaults.block_size) absl::StrAppend(&s, ":block=", block_size);
-  if (zstd) s += "+zstd";
+  if (spec.delta) s += "-delta";
   return s;
 }
+
+bool Blocked(const CodecSpec& spec) {
+  return spec.kind == CodecKind::kInt8 || spec.kind == CodecKind::kInt4 || spec.kind == CodecKind::kInt2 ||
+         (spec.kind == CodecKind::kTopK && spec.topk_int8_values);
+}
+
+// The options after the name; with `all`, every one, else only those that differ from the defaults.
+std::string Options(const CodecSpec& spec, bool all) {
+  const CodecSpec defaults;
+  std::string s;
+  if (spec.kind == CodecKind::kTopK && (all || spec.topk_fraction != defaults.topk_fraction))
+    absl::StrAppend(&s, ":k=", spec.topk_fraction);
+  if (Blocked(spec) && (all || spec.block_size != defaults.block_size)) absl::StrAppend(&s, ":block=", spec.block_size);
+  if (spec.zstd) s += "+zstd";
+  return s;
+}
+
+}  // namespace
+
+std::string CodecSpec::ToString() const { return BaseName(*this) + Options(*this, /*all=*/true); }
+
+std::string CodecSpec::ShortString() const { return BaseName(*this) + Options(*this, /*all=*/false); }
 
 absl::Status EncodeTo(const core::TensorView& in, const CodecSpec& spec, std::vector<uint8_t>* frame) {
   absl::Status st = CheckSpec(spec);
