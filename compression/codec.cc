@@ -541,6 +541,22 @@ absl::StatusOr<Header> ParseHeader(const uint8_t* data, size_t size, const Decod
 
 }  // namespace
 
+namespace {
+
+// The codecs' names, the one table Parse reads and ToString/ShortString write.
+struct CodecName {
+  const char* name;
+  CodecKind kind;
+  bool topk_int8_values;
+};
+constexpr CodecName kCodecNames[] = {
+    {"identity", CodecKind::kIdentity, false}, {"fp16", CodecKind::kFp16, false},     {"bf16", CodecKind::kBf16, false},
+    {"int8", CodecKind::kInt8, false},         {"int4", CodecKind::kInt4, false},     {"int2", CodecKind::kInt2, false},
+    {"topk", CodecKind::kTopK, false},         {"topk-int8", CodecKind::kTopK, true},
+};
+
+}  // namespace
+
 absl::StatusOr<CodecSpec> CodecSpec::Parse(const std::string& text) {
   CodecSpec s;
   std::string t = text;
@@ -556,26 +572,16 @@ absl::StatusOr<CodecSpec> CodecSpec::Parse(const std::string& text) {
       return absl::InvalidArgumentError(
           absl::StrCat("unknown codec '", name, "-delta'; delta codecs are int8-delta, int4-delta and int2-delta"));
   }
-  if (name == "identity" || name == "none")
-    s.kind = CodecKind::kIdentity;
-  else if (name == "fp16")
-    s.kind = CodecKind::kFp16;
-  else if (name == "bf16")
-    s.kind = CodecKind::kBf16;
-  else if (name == "int8")
-    s.kind = CodecKind::kInt8;
-  else if (name == "int4")
-    s.kind = CodecKind::kInt4;
-  else if (name == "int2")
-    s.kind = CodecKind::kInt2;
-  else if (name == "topk")
-    s.kind = CodecKind::kTopK;
-  else if (name == "topk-int8")
-    s.kind = CodecKind::kTopK, s.topk_int8_values = true;
-  else
+  if (name == "none") name = "identity";  // an alias
+  const CodecName* known = nullptr;
+  for (const CodecName& n : kCodecNames)
+    if (name == n.name) known = &n;
+  if (!known)
     return absl::InvalidArgumentError(
         absl::StrCat("unknown codec '", name,
                      "'; use identity, fp16, bf16, int8, int4, int2, topk, topk-int8 or int8/int4/int2-delta"));
+  s.kind = known->kind;
+  s.topk_int8_values = known->topk_int8_values;
   size_t pos = t.find(':');
   while (pos != std::string::npos) {
     size_t next = t.find(':', pos + 1);
@@ -605,29 +611,9 @@ namespace {
 // The codec's name without options: "int8", "int4-delta", "topk-int8".
 std::string BaseName(const CodecSpec& spec) {
   std::string s;
-  switch (spec.kind) {
-    case CodecKind::kIdentity:
-      s = "identity";
-      break;
-    case CodecKind::kFp16:
-      s = "fp16";
-      break;
-    case CodecKind::kBf16:
-      s = "bf16";
-      break;
-    case CodecKind::kInt8:
-      s = "int8";
-      break;
-    case CodecKind::kInt4:
-      s = "int4";
-      break;
-    case CodecKind::kInt2:
-      s = "int2";
-      break;
-    case CodecKind::kTopK:
-      s = spec.topk_int8_values ? "topk-int8" : "topk";
-      break;
-  }
+  for (const CodecName& n : kCodecNames)
+    if (n.kind == spec.kind && n.topk_int8_values == (spec.kind == CodecKind::kTopK && spec.topk_int8_values))
+      s = n.name;
   if (spec.delta) s += "-delta";
   return s;
 }
@@ -852,33 +838,34 @@ absl::Status DecodeInto(const uint8_t* data, size_t size, core::DType dtype, con
   return DecodePayload(*h, data, static_cast<uint8_t*>(out));
 }
 
-double CompressionRatio(const CodecSpec& spec, DType dtype, int64_t numel) {
-  if (numel <= 0) return 1.0;
+namespace {
+
+// The payload bytes Encode writes for `numel` elements of `dtype` (exact but for top-k's varint indices,
+// where it is the worst case of the two index encodings Encode chooses from, and zstd, left out).
+uint64_t PayloadBytes(const CodecSpec& spec, DType dtype, int64_t numel) {
   Header h{spec.kind, dtype, 0, spec.block_size, {numel}, numel, 0, 0, 0};
   uint64_t index_bytes = 0;
   if (spec.kind == CodecKind::kTopK) {
     h.count = TopkCount(spec.topk_fraction, numel);
     if (spec.topk_int8_values) h.flags |= kFlagTopkInt8;
-    // Worst case of the two index encodings as chosen by Encode (the smaller of bitmap and varints).
     uint64_t gap = static_cast<uint64_t>(numel / std::max<int64_t>(h.count, 1));
     index_bytes = std::min<uint64_t>(static_cast<uint64_t>((numel + 7) / 8), h.count * VarintSize(gap));
   }
-  double in_bytes = static_cast<double>(numel) * static_cast<double>(core::DTypeSize(dtype));
-  return static_cast<double>(HeaderSize(1) + RawPayloadSize(h, index_bytes)) / in_bytes;
+  return RawPayloadSize(h, index_bytes);
+}
+
+}  // namespace
+
+double CompressionRatio(const CodecSpec& spec, DType dtype, int64_t numel) {
+  if (numel <= 0) return 1.0;
+  const double in_bytes = static_cast<double>(numel) * static_cast<double>(core::DTypeSize(dtype));
+  return static_cast<double>(HeaderSize(1) + PayloadBytes(spec, dtype, numel)) / in_bytes;
 }
 
 double PayloadRatio(const CodecSpec& spec, DType dtype) {
   // A whole number of blocks, large enough that top-k's counts round as they would on a real tensor.
   const int64_t numel = static_cast<int64_t>(std::max(spec.block_size, 1)) * 65536;
-  Header h{spec.kind, dtype, 0, spec.block_size, {numel}, numel, 0, 0, 0};
-  uint64_t index_bytes = 0;
-  if (spec.kind == CodecKind::kTopK) {
-    h.count = TopkCount(spec.topk_fraction, numel);
-    if (spec.topk_int8_values) h.flags |= kFlagTopkInt8;
-    uint64_t gap = static_cast<uint64_t>(numel / std::max<int64_t>(h.count, 1));
-    index_bytes = std::min<uint64_t>(static_cast<uint64_t>((numel + 7) / 8), h.count * VarintSize(gap));
-  }
-  return static_cast<double>(RawPayloadSize(h, index_bytes)) /
+  return static_cast<double>(PayloadBytes(spec, dtype, numel)) /
          (static_cast<double>(numel) * static_cast<double>(core::DTypeSize(dtype)));
 }
 

@@ -198,9 +198,7 @@ Agent::Agent(ExecutorOptions options, v1::RegisterResponse registration, rpc::Co
       coordinator_(coordinator),
       cluster_sites_(OtherSites(reg_, o_.site)),
       device_(o_.device == "cpu" ? torch::Device(torch::kCPU) : torch::Device(o_.device)),
-      peer_service_(o_.site, cluster_sites_, &inbox_) {
-  peer_service_.SetJob(std::string());  // no assignment yet: probes only
-}
+      peer_service_(o_.site, cluster_sites_, &inbox_) {}
 
 int Agent::Run() {
   auto started = rpc::StartMtlsServer(o_.certs, o_.site, o_.listen, {&peer_service_});
@@ -482,11 +480,13 @@ void Agent::OnAssign(const v1::StageAssignment& pa) {
   }
   reporter.Flush();  // the coordinator sees every step's report before the stage's end
   SetState(run_result.status.ok() ? v1::SITE_DONE : v1::SITE_FAILED);
-  (void)coordinator_->ReportDone(result, kReportTimeout);
-  // Idle again: any site may connect (the next attempt's neighbours may be faster to start than this
-  // site) but no frame is delivered until an assignment names its job.
+  // Idle again, before the coordinator hears of it (it may start the next attempt at once): any site of
+  // the cluster may connect and its frames wait in the inbox, since the next attempt's neighbours may
+  // start sending before this site has its assignment; that assignment's SetJob then drops every other
+  // job's frames. The per-peer bounds hold meanwhile.
   peer_service_.SetAllowedPeers(cluster_sites_);
-  peer_service_.SetJob(std::string());
+  peer_service_.SetJob(std::nullopt);
+  (void)coordinator_->ReportDone(result, kReportTimeout);
 }
 
 }  // namespace meridian::executor
