@@ -229,21 +229,16 @@ absl::StatusOr<rpc::CoordinatorHandler::FileGrant> Coordinator::FileDestination(
 }
 
 absl::Status Coordinator::FileCommit(const std::string& site, const std::string& job_id, const std::string& path,
-                                     const std::string& part, const std::string& dest, int64_t bytes) {
+                                     const std::string& part, const std::string& dest, int64_t bytes,
+                                     const std::string& sha) {
   const std::optional<core::SiteFile> file = core::ParseSiteFile(path);
   const bool checkpoint = file && file->kind != core::SiteFile::Kind::kWeights;
-  // Outside the lock (a shard may take seconds to read): the file's digest, and what a stage JSON claims.
-  std::string sha;
+  // Outside the lock: what a stage JSON claims (the digest came with the upload, checked as it arrived).
   std::optional<StageMetaClaims> claims;
-  if (checkpoint) {
-    auto digest = core::Sha256OfFile(part);
-    if (!digest.ok()) return digest.status();
-    sha = *digest;
-    if (file->kind == core::SiteFile::Kind::kCheckpointMeta) {
-      auto read = ReadStageMeta(site, path, part);
-      if (!read.ok()) return read.status();
-      claims = *read;
-    }
+  if (checkpoint && file->kind == core::SiteFile::Kind::kCheckpointMeta) {
+    auto read = ReadStageMeta(site, path, part);
+    if (!read.ok()) return read.status();
+    claims = *read;
   }
   {
     std::lock_guard<std::mutex> l(mu_);  // BeginJob takes it too: no file of an ended attempt lands after it

@@ -79,7 +79,8 @@ class Coordinator : public rpc::CoordinatorHandler {
   absl::StatusOr<FileGrant> FileDestination(const std::string& site, const std::string& job_id,
                                             const std::string& path) override;
   absl::Status FileCommit(const std::string& site, const std::string& job_id, const std::string& path,
-                          const std::string& part, const std::string& dest, int64_t bytes) override;
+                          const std::string& part, const std::string& dest, int64_t bytes,
+                          const std::string& sha256) override;
   absl::StatusOr<std::string> FileSource(const std::string& site, const std::string& path) override;
 
   // For the run loop.

@@ -78,14 +78,18 @@ TEST(CoordinatorFiles, OnlyEachStagesWriterSendsItsOwnFilesOfTheRunningAttempt) 
   EXPECT_EQ(c.FileDestination("a", "j1", "checkpoints/step-101/stage-0.json").status().code(),
             absl::StatusCode::kInvalidArgument);  // beyond the job's steps
   std::ofstream((dir / "part").string()) << "x";
-  EXPECT_TRUE(c.FileCommit("a", "j1", "weights/stage-0.safetensors", (dir / "part").string(), ok->path, 1).ok());
+  EXPECT_TRUE(
+      c.FileCommit("a", "j1", "weights/stage-0.safetensors", (dir / "part").string(), ok->path, 1, core::Sha256Hex("x"))
+          .ok());
   EXPECT_TRUE(fs::exists(ok->path));
   EXPECT_FALSE(fs::exists(dir / "part"));
   // A new attempt: the old one's uploads are refused, and nobody writes until told.
   c.BeginJob("j2");
   std::ofstream((dir / "part").string()) << "y";
-  EXPECT_EQ(c.FileCommit("a", "j1", "weights/stage-0.safetensors", (dir / "part").string(), ok->path, 1).code(),
-            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(
+      c.FileCommit("a", "j1", "weights/stage-0.safetensors", (dir / "part").string(), ok->path, 1, core::Sha256Hex("y"))
+          .code(),
+      absl::StatusCode::kFailedPrecondition);
   EXPECT_TRUE(fs::exists(dir / "part"));  // the service deletes it
   EXPECT_EQ(c.FileDestination("a", "j2", "weights/stage-0.safetensors").status().code(),
             absl::StatusCode::kPermissionDenied);
@@ -127,7 +131,8 @@ TEST(CoordinatorFiles, OnlyAManifestedStepCountsAndForgedUploadsAreRefused) {
     if (!grant.ok()) return grant.status();
     const std::string part = grant->path + ".part";
     std::ofstream(part) << content;
-    absl::Status s = c.FileCommit(site, "j", path, part, grant->path, static_cast<int64_t>(content.size()));
+    absl::Status s = c.FileCommit(site, "j", path, part, grant->path, static_cast<int64_t>(content.size()),
+                                  core::Sha256Hex(content));
     if (!s.ok()) fs::remove(part);
     return s;
   };

@@ -224,11 +224,13 @@ class InProcessClient final : public CoordinatorClient {
     if (!grant.ok()) return grant.status();
     const std::string part = absl::StrCat(grant->path, ".part-", site, "-", uploads_.fetch_add(1));
     int64_t bytes = 0;
+    std::string sha256;
     absl::Status s;
     {
       std::ofstream out(part, std::ios::binary | std::ios::trunc);
       if (!out) return absl::InternalError(absl::StrCat("cannot write ", part));
-      s = ReadChunks(local, [&](std::string_view data, bool, const std::string&) {
+      s = ReadChunks(local, [&](std::string_view data, bool last, const std::string& digest) {
+        if (last) sha256 = digest;
         bytes += static_cast<int64_t>(data.size());
         if (bytes > grant->max_bytes) return false;
         out.write(data.data(), static_cast<std::streamsize>(data.size()));
@@ -241,7 +243,7 @@ class InProcessClient final : public CoordinatorClient {
       if (s.ok() && !out) s = absl::InternalError(absl::StrCat("writing ", part, " failed"));
     }
     if (s.ok()) s = core::SyncFile(part);
-    if (s.ok()) s = handler_->FileCommit(site, job_id, path, part, grant->path, bytes);
+    if (s.ok()) s = handler_->FileCommit(site, job_id, path, part, grant->path, bytes, sha256);
     if (!s.ok()) std::remove(part.c_str());
     return s;
   }

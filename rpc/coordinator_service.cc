@@ -186,7 +186,7 @@ grpc::Status CoordinatorService::PutFile(grpc::ServerContext* ctx, grpc::ServerR
   if (sha.HexDigest() != want)
     return fail(grpc::StatusCode::DATA_LOSS, absl::StrCat("SHA-256 mismatch over ", bytes, " bytes"));
   if (absl::Status s = core::SyncFile(part); !s.ok()) return fail(grpc::StatusCode::INTERNAL, std::string(s.message()));
-  if (absl::Status s = handler_->FileCommit(site, job_id, path, part, dest, bytes); !s.ok())
+  if (absl::Status s = handler_->FileCommit(site, job_id, path, part, dest, bytes, want); !s.ok())
     return fail(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
   ack->set_bytes(bytes);
   return grpc::Status::OK;

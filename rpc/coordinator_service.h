@@ -48,11 +48,12 @@ class CoordinatorHandler {
   };
   virtual absl::StatusOr<FileGrant> FileDestination(const std::string& site, const std::string& job_id,
                                                     const std::string& path) = 0;
-  // The file arrived whole in `part` (`bytes`, SHA-256 checked, synced): renames it to `dest` (what
-  // FileDestination gave) if attempt `job_id` still runs -- atomically with respect to the start of another
-  // attempt -- else returns the error (the service then deletes `part`).
+  // The file arrived whole in `part` (`bytes` whose SHA-256 is `sha256`, checked, synced): renames it to
+  // `dest` (what FileDestination gave) if attempt `job_id` still runs -- atomically with respect to the
+  // start of another attempt -- else returns the error (the service then deletes `part`).
   virtual absl::Status FileCommit(const std::string& site, const std::string& job_id, const std::string& path,
-                                  const std::string& part, const std::string& dest, int64_t bytes) = 0;
+                                  const std::string& part, const std::string& dest, int64_t bytes,
+                                  const std::string& sha256) = 0;
   // The stored file `path` (relative to the run directory, already checked by the service) that `site`
   // asks for: an absolute path. NotFound when there is no such file.
   virtual absl::StatusOr<std::string> FileSource(const std::string& site, const std::string& path) = 0;

@@ -72,7 +72,7 @@ class CountingHandler : public CoordinatorHandler {
     return FileGrant{(fs::path(store) / path).string(), 12 * 1000 * 1000};
   }
   absl::Status FileCommit(const std::string&, const std::string&, const std::string&, const std::string& part,
-                          const std::string& dest, int64_t) override {
+                          const std::string& dest, int64_t, const std::string&) override {
     ++calls;
     fs::rename(part, dest);
     return absl::OkStatus();
