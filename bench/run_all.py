@@ -153,7 +153,7 @@ def run_meridian(emu, bin_dir, work, name, job, steps, split, repeats, extra="")
     for i, (s, _) in enumerate(SITES, start=1):
         listen, advertise = emu.addresses[s]
         emu.start(s, f"{bin_dir}/meridian-executor --coordinator {emu.coordinator} --site {s} "
-                     f"--certs {work}/certs --listen {listen} --advertise {advertise}", os.path.join(run, f"executor-{s}.log"))
+                     f"--certs {work}/certs/bundles/{s} --listen {listen} --advertise {advertise}", os.path.join(run, f"executor-{s}.log"))
     out = []
     for line in coord.stdout:
         out.append(line)
@@ -294,7 +294,7 @@ def run_static_pipeline(bin_dir, work, name, job, codecs, ops, steps):
         ap = os.path.join(out, f"assign{k}.json")
         json.dump(a, open(ap, "w"))
         procs.append(subprocess.Popen(
-            f"{bin_dir}/meridian-executor --site {sites[k]} --certs {work}/static-certs --listen 127.0.0.1:{ports[k]} "
+            f"{bin_dir}/meridian-executor --site {sites[k]} --certs {work}/static-certs/bundles/{sites[k]} --listen 127.0.0.1:{ports[k]} "
             f"--assignment {ap} --job {job} --steps {steps}", shell=True, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True))
     outs = [p.communicate()[0] for p in procs]

@@ -35,6 +35,11 @@ int Doctor(const std::string& cluster_path) {
     absl::Status s = core::CheckIdentityFiles(certs, name);
     report(absl::StrCat("identity '", name, "' in ", certs), s);
     if (!s.ok()) continue;
+    if (name != core::kCoordinatorName) {
+      // What the executor will be given, and will refuse if it holds the CA's or another site's key.
+      const std::string bundle = core::SiteBundleDir(certs, name);
+      report(absl::StrCat("bundle for site '", name, "' in ", bundle), core::CheckSiteBundle(bundle, name));
+    }
     // The certificate must name the host it is dialled at (or peers verify by the site name, which
     // every Meridian certificate carries; a foreign certificate might not).
     std::string cmd = absl::StrCat("openssl x509 -noout -checkhost ", host, " -checkip ", host, " -in ", certs, "/",

@@ -64,6 +64,9 @@ int CertsInit(const std::string& spec_path, const std::string& out, bool force) 
   }
   std::cout << "wrote " << written.size() << " files to " << out << " (CA, coordinator, "
             << r.spec->cluster->sites.size() << " sites); keep ca.key secret\n";
+  std::cout << "give each site only its bundle:\n";
+  for (const auto& site : r.spec->cluster->sites)
+    std::cout << "  " << site.name << ": " << core::SiteBundleDir(out, site.name) << "\n";
   return kExitOk;
 }
 
@@ -77,6 +80,7 @@ int CertsIssue(const std::string& ca_dir, const std::string& site, const std::st
     return s.code() == absl::StatusCode::kInternal ? kExitFailure : kExitInvalid;
   }
   for (const auto& w : written) std::cout << "wrote " << w << "\n";
+  std::cout << "give site '" << site << "' only " << core::SiteBundleDir(ca_dir, site) << "\n";
   return kExitOk;
 }
 
@@ -107,7 +111,9 @@ int main(int argc, char** argv) {
   std::string spec_path, out_dir;
   bool force = false;
   init->add_option("--spec", spec_path, "Cluster spec (YAML)")->required();
-  init->add_option("--out", out_dir, "Directory for ca.pem, ca.key, NAME.pem, NAME.key")->required();
+  init->add_option("--out", out_dir,
+                   "Directory for ca.pem, ca.key, NAME.pem, NAME.key, and bundles/SITE/ for each site")
+      ->required();
   init->add_flag("--force", force, "Replace existing keys and certificates");
   init->callback([&] { rc = CertsInit(spec_path, out_dir, force); });
   auto* issue = certs->add_subcommand("issue", "Sign a key+certificate for one more site with an existing CA");

@@ -22,6 +22,7 @@
 #include "compression/activation_delta.h"
 #include "coordinator/coordinator.h"
 #include "coordinator/run_machine.h"
+#include "core/certs.h"
 #include "core/checkpoint_dir.h"
 #include "core/files.h"
 #include "core/log.h"
@@ -384,8 +385,8 @@ class RunDriver {
               << " (run " << run_id_ << ")\njoin each site with:\n";
     for (const auto& s : spec.sites)
       std::cout << "  meridian-executor --coordinator " << spec.coordinator.ToString() << " --site " << s.name
-                << " --certs " << in_.certs << " --listen " << s.address.ToString() << " --device " << s.devices.front()
-                << "\n";
+                << " --certs " << core::SiteBundleDir(in_.certs, s.name) << " --listen " << s.address.ToString()
+                << " --device " << s.devices.front() << "\n";
     std::cout << std::flush;
     if (spec.metrics_port > 0) {
       metrics_http_.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {

@@ -149,6 +149,7 @@ absl::Status EnsureDir(const std::string& dir) {
 
 struct Leaf {
   std::string name, host;
+  bool bundle = true;  // also write bundles/NAME/ (every site; not the coordinator)
 };
 
 absl::Status WriteLeaves(const std::string& dir, X509* ca, EVP_PKEY* ca_key, const std::vector<Leaf>& leaves,
@@ -162,6 +163,18 @@ absl::Status WriteLeaves(const std::string& dir, X509* ca, EVP_PKEY* ca_key, con
     MERIDIAN_RETURN_IF_ERROR(WriteFileAtomic(base + ".pem", CertPem(cert.get()), 0644));
     written->push_back(base + ".pem");
     written->push_back(base + ".key");
+    if (!leaf.bundle) continue;
+    // The site's bundle: what that site needs and nothing more (no CA key, no other site's key).
+    const std::string bundle = SiteBundleDir(dir, leaf.name);
+    MERIDIAN_RETURN_IF_ERROR(EnsureDir(bundle));
+    ::chmod(bundle.c_str(), 0700);
+    const std::string bbase = absl::StrCat(bundle, "/", leaf.name);
+    MERIDIAN_RETURN_IF_ERROR(WriteFileAtomic(bundle + "/ca.pem", CertPem(ca), 0644));
+    MERIDIAN_RETURN_IF_ERROR(WriteFileAtomic(bbase + ".key", KeyPem(key.get()), 0600));
+    MERIDIAN_RETURN_IF_ERROR(WriteFileAtomic(bbase + ".pem", CertPem(cert.get()), 0644));
+    written->push_back(bundle + "/ca.pem");
+    written->push_back(bbase + ".pem");
+    written->push_back(bbase + ".key");
   }
   return absl::OkStatus();
 }
@@ -178,12 +191,13 @@ absl::Status RefuseOverwrite(const std::vector<std::string>& paths, const CertOp
 
 absl::Status InitClusterCerts(const ClusterSpec& spec, const std::string& dir, const CertOptions& o,
                               std::vector<std::string>* written) {
-  std::vector<Leaf> leaves = {{kCoordinatorName, spec.coordinator.host}};
-  for (const auto& s : spec.sites) leaves.push_back({s.name, s.address.host});
+  std::vector<Leaf> leaves = {{kCoordinatorName, spec.coordinator.host, false}};
+  for (const auto& s : spec.sites) leaves.push_back({s.name, s.address.host, true});
   std::vector<std::string> targets = {dir + "/ca.pem", dir + "/ca.key"};
   for (const auto& l : leaves) {
     targets.push_back(absl::StrCat(dir, "/", l.name, ".pem"));
     targets.push_back(absl::StrCat(dir, "/", l.name, ".key"));
+    if (l.bundle) targets.push_back(absl::StrCat(SiteBundleDir(dir, l.name), "/", l.name, ".key"));
   }
   MERIDIAN_RETURN_IF_ERROR(RefuseOverwrite(targets, o));
   MERIDIAN_RETURN_IF_ERROR(EnsureDir(dir));
@@ -205,8 +219,12 @@ absl::Status IssueSiteCert(const std::string& ca_dir, const std::string& name, c
   if (name.empty() || name.size() > 63 ||
       name.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_") != std::string::npos)
     return absl::InvalidArgumentError(absl::StrCat("--site: '", name, "' is not a valid site name"));
+  if (name == kCoordinatorName)
+    return absl::InvalidArgumentError(absl::StrCat("--site: '", name, "' is the coordinator's name"));
   MERIDIAN_RETURN_IF_ERROR(
-      RefuseOverwrite({absl::StrCat(ca_dir, "/", name, ".key"), absl::StrCat(ca_dir, "/", name, ".pem")}, o));
+      RefuseOverwrite({absl::StrCat(ca_dir, "/", name, ".key"), absl::StrCat(ca_dir, "/", name, ".pem"),
+                       absl::StrCat(SiteBundleDir(ca_dir, name), "/", name, ".key")},
+                      o));
   BioPtr cb(BIO_new_file((ca_dir + "/ca.pem").c_str(), "r"));
   if (!cb) return absl::NotFoundError(absl::StrCat(ca_dir, "/ca.pem: cannot open"));
   X509Ptr ca(PEM_read_bio_X509(cb.get(), nullptr, nullptr, nullptr));
@@ -217,7 +235,7 @@ absl::Status IssueSiteCert(const std::string& ca_dir, const std::string& name, c
   if (!ca_key) return absl::InvalidArgumentError(OpenSslError(absl::StrCat(ca_dir, "/ca.key: not a PEM private key")));
   if (X509_check_private_key(ca.get(), ca_key.get()) != 1)
     return absl::InvalidArgumentError(absl::StrCat(ca_dir, "/ca.key does not belong to ", ca_dir, "/ca.pem"));
-  return WriteLeaves(ca_dir, ca.get(), ca_key.get(), {{name, ep.host}}, o, written);
+  return WriteLeaves(ca_dir, ca.get(), ca_key.get(), {{name, ep.host, true}}, o, written);
 }
 
 absl::StatusOr<std::string> CertificateCommonName(const std::string& pem_path) {
@@ -260,6 +278,31 @@ absl::Status CheckIdentityFiles(const std::string& dir, const std::string& name)
   if (X509_NAME_get_text_by_NID(X509_get_subject_name(cert.get()), NID_commonName, cn, sizeof cn) < 0 || name != cn)
     return absl::FailedPreconditionError(absl::StrCat(cert_path, " names '", cn, "', not '", name, "'"));
   return absl::OkStatus();
+}
+
+std::string SiteBundleDir(const std::string& certs_dir, const std::string& site) {
+  return absl::StrCat(certs_dir, "/bundles/", site);
+}
+
+absl::Status CheckSiteBundle(const std::string& dir, const std::string& site) {
+  std::error_code ec;
+  std::filesystem::directory_iterator it(dir, ec);
+  if (ec) return absl::NotFoundError(absl::StrCat(dir, ": cannot list the certificate directory: ", ec.message()));
+  const std::string own_key = site + ".key";
+  for (const auto& e : it) {
+    const std::string file = e.path().filename().string();
+    if (file == "ca.key")
+      return absl::FailedPreconditionError(
+          absl::StrCat(e.path().string(),
+                       ": the cluster CA's private key must not be at a site (anyone holding it can mint "
+                       "identities); give site '",
+                       site, "' only ", SiteBundleDir("CERTS", site), " from `meridian certs init`"));
+    if (file.size() > 4 && file.compare(file.size() - 4, 4, ".key") == 0 && file != own_key)
+      return absl::FailedPreconditionError(absl::StrCat(e.path().string(), ": another identity's private key in site '",
+                                                        site, "'s certificate directory; give it only ",
+                                                        SiteBundleDir("CERTS", site)));
+  }
+  return CheckIdentityFiles(dir, site);
 }
 
 }  // namespace meridian::core

@@ -50,7 +50,8 @@ class CertsTest : public ::testing::Test {
 TEST_F(CertsTest, EveryCertificateVerifiesWithOpenssl) {
   std::vector<std::string> written;
   ASSERT_TRUE(InitClusterCerts(Spec("c1"), D(), {}, &written).ok());
-  EXPECT_EQ(written.size(), 8u);  // ca + coordinator + 2 sites, pem and key each
+  // ca + coordinator + 2 sites, pem and key each; and each site's bundle: ca.pem, its pem and key
+  EXPECT_EQ(written.size(), 14u);
   for (const char* n : {"coordinator", "fast", "far"}) {
     auto [rc, out] = Shell("openssl verify -CAfile " + D("ca.pem") + " " + D(std::string(n) + ".pem"));
     EXPECT_EQ(rc, 0) << out;
@@ -68,11 +69,36 @@ TEST_F(CertsTest, EveryCertificateVerifiesWithOpenssl) {
 TEST_F(CertsTest, KeysArePrivate) {
   std::vector<std::string> written;
   ASSERT_TRUE(InitClusterCerts(Spec("c1"), D(), {}, &written).ok());
-  for (const char* k : {"ca.key", "coordinator.key", "fast.key"}) {
+  for (const char* k : {"ca.key", "coordinator.key", "fast.key", "bundles/fast/fast.key"}) {
     struct stat st;
     ASSERT_EQ(::stat(D(k).c_str(), &st), 0);
     EXPECT_EQ(st.st_mode & 0777, 0600u) << k;
   }
+}
+
+TEST_F(CertsTest, SiteBundleHoldsOnlyItsOwnIdentity) {
+  std::vector<std::string> w;
+  ASSERT_TRUE(InitClusterCerts(Spec("c1"), D(), {}, &w).ok());
+  EXPECT_EQ(SiteBundleDir(D(), "fast"), D("bundles/fast"));
+  EXPECT_TRUE(CheckSiteBundle(D("bundles/fast"), "fast").ok());
+  EXPECT_TRUE(CheckSiteBundle(D("bundles/far"), "far").ok());
+  // The full directory holds the CA's key: refused, naming it.
+  absl::Status whole = CheckSiteBundle(D(), "fast");
+  EXPECT_EQ(whole.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(whole.message()), HasSubstr(D("ca.key")));
+  // Another site's key in the bundle: refused, naming it.
+  fs::copy_file(D("far.key"), D("bundles/fast/far.key"));
+  absl::Status other = CheckSiteBundle(D("bundles/fast"), "fast");
+  EXPECT_EQ(other.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(other.message()), HasSubstr(D("bundles/fast/far.key")));
+  fs::remove(D("bundles/fast/far.key"));
+  // A site given another site's bundle.
+  EXPECT_FALSE(CheckSiteBundle(D("bundles/far"), "fast").ok());
+  EXPECT_EQ(CheckSiteBundle(D("nowhere"), "fast").code(), absl::StatusCode::kNotFound);
+  // Issuing one more site writes its bundle too.
+  ASSERT_TRUE(IssueSiteCert(D(), "late", "127.0.0.1", {}, &w).ok());
+  EXPECT_TRUE(CheckSiteBundle(D("bundles/late"), "late").ok());
+  EXPECT_FALSE(IssueSiteCert(D(), "coordinator", "127.0.0.1", {}, &w).ok());
 }
 
 TEST_F(CertsTest, CertificateFromAnotherCaDoesNotVerify) {

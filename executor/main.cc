@@ -19,6 +19,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/certs.h"
 #include "core/files.h"
 #include "core/log.h"
 #include "core/run_layout.h"
@@ -179,7 +180,9 @@ int main(int argc, char** argv) {
   };
   opt("--coordinator", &f.coordinator, "Coordinator address HOST:PORT (env MERIDIAN_COORDINATOR)");
   opt("--site", &f.site, "This site's name, as in the cluster spec and its certificate (env MERIDIAN_SITE)");
-  opt("--certs", &f.certs, "Directory with ca.pem, SITE.pem, SITE.key (env MERIDIAN_CERTS)");
+  opt("--certs", &f.certs,
+      "The site's bundle: a directory with ca.pem, SITE.pem, SITE.key and no other key (CERTS/bundles/SITE from "
+      "`meridian certs init`; env MERIDIAN_CERTS)");
   opt("--listen", &f.listen, "Address for the peer service HOST:PORT (env MERIDIAN_LISTEN)");
   opt("--device", &f.device, "cpu or cuda:N (env MERIDIAN_DEVICE)");
   opt("--spec", &f.spec, "Cluster spec to take defaults from (env MERIDIAN_SPEC)");
@@ -227,6 +230,11 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (!profile_job.empty()) Leave(Guarded([&] { return RunProfile(*options, profile_job, out.empty() ? "." : out); }));
+  // A site holds its own identity only: never the CA's key nor another site's (docs/security.md).
+  if (absl::Status s = core::CheckSiteBundle(options->certs, options->site); !s.ok()) {
+    spdlog::error("{}", absl::StrCat("bad certificate directory for site '", options->site, "': ", s.message()));
+    return 2;
+  }
   if (!assignment.empty()) {
     if (job.empty()) {
       spdlog::error("--assignment needs --job JOB.yaml");

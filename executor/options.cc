@@ -1,6 +1,7 @@
 #include "executor/options.h"
 
 #include "absl/strings/str_cat.h"
+#include "core/certs.h"
 #include "core/cluster_spec.h"
 
 namespace meridian::executor {
@@ -49,7 +50,7 @@ absl::StatusOr<ExecutorOptions> ResolveOptions(const ExecutorFlags& flags,
   if (auto v = pick(flags.certs, "MERIDIAN_CERTS", &certs_src))
     o.certs = *v;
   else if (cluster)
-    o.certs = core::ResolveRelative(spec->path, cluster->certs_dir);
+    o.certs = core::SiteBundleDir(core::ResolveRelative(spec->path, cluster->certs_dir), o.site);
   if (o.certs.empty()) return absl::InvalidArgumentError("no certificate directory: pass --certs DIR");
   std::string listen_src = "spec";
   if (auto v = pick(flags.listen, "MERIDIAN_LISTEN", &listen_src))

@@ -14,7 +14,7 @@ namespace meridian::executor {
 struct ExecutorOptions {
   std::string coordinator;  // host:port of the coordinator
   std::string site;         // this executor's site name (the CN of its certificate)
-  std::string certs;        // directory with ca.pem, SITE.pem, SITE.key
+  std::string certs;        // directory with ca.pem, SITE.pem, SITE.key (from the spec: its bundles/SITE)
   std::string listen;       // host:port for the peer service (default: the site's address in the spec)
   std::string device = "cpu";
 };

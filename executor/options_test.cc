@@ -31,7 +31,7 @@ TEST(ExecutorOptions, FlagsOverEnvironmentOverSpec) {
   ASSERT_TRUE(o.ok()) << o.status();
   EXPECT_EQ(o->coordinator, "127.0.0.1:7400");
   EXPECT_EQ(o->listen, "127.0.0.1:7402");
-  EXPECT_THAT(o->certs, HasSubstr("runs/local/certs"));
+  EXPECT_THAT(o->certs, HasSubstr("runs/local/certs/bundles/medium"));
   EXPECT_EQ(o->device, "cpu");
   auto e = ResolveOptions(f, Env({{"MERIDIAN_COORDINATOR", "10.0.0.1:9000"}, {"MERIDIAN_DEVICE", "cuda:1"}}));
   ASSERT_TRUE(e.ok());

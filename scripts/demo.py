@@ -82,7 +82,7 @@ def main():
         time.sleep(0.5)
         for s, _ in SITES:
             listen, advertise = addresses[s]
-            emu.start(s, f"{bin_dir}/meridian-executor --coordinator {emu.coordinator} --site {s} --certs {certs} "
+            emu.start(s, f"{bin_dir}/meridian-executor --coordinator {emu.coordinator} --site {s} --certs {certs}/bundles/{s} "
                          f"--listen {listen} --advertise {advertise}", os.path.join(run, f"executor-{s}.log"))
         t0 = time.time()
         log = []

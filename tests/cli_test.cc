@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -136,6 +137,16 @@ TEST_F(Cli, CertsInitAndIssueVerifyWithOpenssl) {
   EXPECT_THAT(san.out, HasSubstr("IP Address:198.51.100.7"));
   EXPECT_EQ(fs::status(out + "/tokyo.key").permissions() & fs::perms::all,
             fs::perms::owner_read | fs::perms::owner_write);
+  EXPECT_THAT(issue.out, HasSubstr("give site 'tokyo' only " + out + "/bundles/tokyo"));
+  // Each site's bundle holds the CA certificate and that site's identity, nothing else.
+  EXPECT_THAT(r.out, HasSubstr("  virginia: " + out + "/bundles/virginia"));
+  for (const char* n : {"frankfurt", "virginia", "oregon", "singapore", "tokyo"}) {
+    std::set<std::string> files;
+    for (const auto& e : fs::directory_iterator(out + "/bundles/" + n)) files.insert(e.path().filename().string());
+    EXPECT_EQ(files, (std::set<std::string>{"ca.pem", std::string(n) + ".pem", std::string(n) + ".key"})) << n;
+    EXPECT_EQ(Exec("openssl verify -CAfile " + out + "/ca.pem " + out + "/bundles/" + n + "/" + n + ".pem").rc, 0);
+  }
+  EXPECT_FALSE(fs::exists(out + "/bundles/coordinator"));
 }
 
 TEST_F(Cli, DoctorChecksEveryIdentity) {
@@ -147,6 +158,13 @@ TEST_F(Cli, DoctorChecksEveryIdentity) {
   EXPECT_EQ(ok.rc, 0) << ok.out << ok.err;
   EXPECT_THAT(ok.out, HasSubstr("ok    identity 'b'"));
   EXPECT_THAT(ok.out, HasSubstr("no coordinator answers at 127.0.0.1:1"));
+  EXPECT_THAT(ok.out, HasSubstr("ok    bundle for site 'b'"));
+  // A bundle that carries the CA's key fails, naming the file.
+  fs::copy_file(dir_ / "certs" / "ca.key", dir_ / "certs" / "bundles" / "a" / "ca.key");
+  auto leaky = Exec(Bin("meridian") + " doctor " + spec);
+  EXPECT_EQ(leaky.rc, 1);
+  EXPECT_THAT(leaky.out, HasSubstr("FAIL  bundle for site 'a'"));
+  EXPECT_THAT(leaky.out, HasSubstr("bundles/a/ca.key: the cluster CA's private key must not be at a site"));
   fs::remove(dir_ / "certs" / "b.key");
   auto bad = Exec(Bin("meridian") + " doctor " + spec);
   EXPECT_EQ(bad.rc, 1);
@@ -182,16 +200,28 @@ TEST_F(Cli, ExecutorJoinFailsFastWithOneActionableMessage) {
   std::string certs = (dir_ / "certs").string();
   ASSERT_EQ(Exec(Bin("meridian") + " certs init --spec " + Src("examples/clusters/local.yaml") + " --out " + certs).rc,
             0);
+  const std::string bundle = certs + "/bundles/fast";
   // Nobody listens on this port: a clear "cannot join" within the timeout.
   auto r =
-      Exec(Bin("meridian-executor") + " --site fast --coordinator 127.0.0.1:1 --certs " + certs + " --join-timeout 2");
+      Exec(Bin("meridian-executor") + " --site fast --coordinator 127.0.0.1:1 --certs " + bundle + " --join-timeout 2");
   EXPECT_EQ(r.rc, 1);
   EXPECT_THAT(r.err, HasSubstr("cannot join the coordinator at 127.0.0.1:1 as site 'fast'"));
-  // A site whose certificate is missing: rejected before any network traffic.
-  auto u = Exec(Bin("meridian-executor") + " --site atlantis --coordinator 127.0.0.1:1 --certs " + certs);
+  // The whole certificate directory, with the CA's key: refused before any network traffic, naming the file.
+  auto whole = Exec(Bin("meridian-executor") + " --site fast --coordinator 127.0.0.1:1 --certs " + certs);
+  EXPECT_EQ(whole.rc, 2);
+  EXPECT_THAT(whole.err, HasSubstr(certs + "/ca.key: the cluster CA's private key must not be at a site"));
+  // Another site's bundle holds another identity's key.
+  auto u = Exec(Bin("meridian-executor") + " --site atlantis --coordinator 127.0.0.1:1 --certs " + bundle);
   EXPECT_EQ(u.rc, 2);
-  EXPECT_THAT(u.err, HasSubstr("atlantis.pem"));
-  auto bad = Exec(Bin("meridian-executor") + " --site fast --coordinator nope --certs " + certs);
+  EXPECT_THAT(u.err, HasSubstr("fast.key: another identity's private key"));
+  // A bundle with no certificate for the site.
+  fs::create_directories(dir_ / "empty");
+  fs::copy_file(bundle + "/ca.pem", dir_ / "empty" / "ca.pem");
+  auto missing = Exec(Bin("meridian-executor") + " --site atlantis --coordinator 127.0.0.1:1 --certs " +
+                      (dir_ / "empty").string());
+  EXPECT_EQ(missing.rc, 2);
+  EXPECT_THAT(missing.err, HasSubstr("atlantis.pem"));
+  auto bad = Exec(Bin("meridian-executor") + " --site fast --coordinator nope --certs " + bundle);
   EXPECT_EQ(bad.rc, 2);
   EXPECT_THAT(bad.err, HasSubstr("coordinator address"));
 }

@@ -73,7 +73,7 @@ class CoordinatorTest : public ::testing::Test {
   std::unique_ptr<Process> Executor(const std::string& site, const std::string& certs_dir = "") {
     return std::make_unique<Process>(
         Bin("meridian-executor") + " --coordinator 127.0.0.1:" + std::to_string(coord_port_) + " --site " + site +
-        " --certs " + (certs_dir.empty() ? (dir_ / "certs").string() : certs_dir) +
+        " --certs " + ((certs_dir.empty() ? dir_ / "certs" : fs::path(certs_dir)) / "bundles" / site).string() +
         " --listen 127.0.0.1:" + std::to_string(ports_.count(site) ? ports_[site] : FreePort()) + " 2>&1");
   }
   std::unique_ptr<Process> Coordinator(const std::string& extra = "") {

@@ -139,9 +139,9 @@ class PipelineTest : public ::testing::Test {
       std::ofstream(apath) << a << "}";
       for (int i : site_of[k])
         procs.push_back(std::make_unique<Process>(
-            Bin("meridian-executor") + " --site " + names[i] + " --certs " + (dir_ / "certs").string() +
-            " --listen 127.0.0.1:" + std::to_string(ports[i]) + " --assignment " + apath + " --job " + job + " --out " +
-            out.string() + " " + extra + " 2>&1"));
+            Bin("meridian-executor") + " --site " + names[i] + " --certs " +
+            (dir_ / "certs" / "bundles" / names[i]).string() + " --listen 127.0.0.1:" + std::to_string(ports[i]) +
+            " --assignment " + apath + " --job " + job + " --out " + out.string() + " " + extra + " 2>&1"));
     }
     std::vector<std::string> outputs;
     for (auto& p : procs) outputs.push_back(p->ReadAll(300s));
@@ -238,10 +238,10 @@ TEST_F(PipelineTest, SendsOverASlowLinkDoNotBlockTheComputeThread) {
     std::ofstream(dir_ / "s1.json") << "{\"stage\": 1, \"num_stages\": 2, \"first_op\": 3, \"last_op\": 5, "
                                        "\"prev_site\": \"a\", \"prev_address\": \""
                                     << a << "\"}";
-    Process p0((*wan)->Exec("a") + Bin("meridian-executor") + " --site a --certs " + certs + " --listen " + a +
-               " --assignment " + (dir_ / "s0.json").string() + " --job " + job + " 2>&1");
-    Process p1((*wan)->Exec("b") + Bin("meridian-executor") + " --site b --certs " + certs + " --listen " + b +
-               " --assignment " + (dir_ / "s1.json").string() + " --job " + job + " 2>&1");
+    Process p0((*wan)->Exec("a") + Bin("meridian-executor") + " --site a --certs " + certs + "/bundles/a --listen " +
+               a + " --assignment " + (dir_ / "s0.json").string() + " --job " + job + " 2>&1");
+    Process p1((*wan)->Exec("b") + Bin("meridian-executor") + " --site b --certs " + certs + "/bundles/b --listen " +
+               b + " --assignment " + (dir_ / "s1.json").string() + " --job " + job + " 2>&1");
     const std::string out0 = p0.ReadAll(300s), out1 = p1.ReadAll(300s);
     EXPECT_EQ(p0.Wait(60s), 0) << out0;
     EXPECT_EQ(p1.Wait(60s), 0) << out1;
@@ -269,8 +269,9 @@ TEST_F(PipelineTest, AnAssignmentWithABadDepthOrQueueIsRefusedNamingTheField) {
   fs::path apath = dir_ / "bad.json";
   for (const char* field : {"\"in_flight\": -1", "\"in_flight\": \"deep\"", "\"send_queue_bytes\": 0"}) {
     std::ofstream(apath) << "{\"stage\": 0, \"num_stages\": 1, \"first_op\": 0, \"last_op\": 5, " << field << "}";
-    Process p(Bin("meridian-executor") + " --site a --certs " + (dir_ / "certs").string() + " --listen 127.0.0.1:" +
-              std::to_string(FreePort()) + " --assignment " + apath.string() + " --job " + job + " 2>&1");
+    Process p(Bin("meridian-executor") + " --site a --certs " + (dir_ / "certs" / "bundles" / "a").string() +
+              " --listen 127.0.0.1:" + std::to_string(FreePort()) + " --assignment " + apath.string() + " --job " +
+              job + " 2>&1");
     std::string out = p.ReadAll(60s);
     EXPECT_EQ(p.Wait(30s), 2) << out;
     EXPECT_THAT(out, HasSubstr(std::string(field).substr(1, std::string(field).find('"', 1) - 1))) << out;
@@ -677,8 +678,9 @@ TEST_F(PipelineTest, PeerKilledMidRunFailsTheOtherStageNamingIt) {
       << pa << "\"}";
   auto run = [&](const char* site, int port, const std::string& a) {
     return std::make_unique<Process>(Bin("meridian-executor") + " --site " + site + " --certs " +
-                                     (dir_ / "certs").string() + " --listen 127.0.0.1:" + std::to_string(port) +
-                                     " --assignment " + a + " --job " + job + " --step-timeout 8 2>&1");
+                                     (dir_ / "certs" / "bundles" / site).string() +
+                                     " --listen 127.0.0.1:" + std::to_string(port) + " --assignment " + a + " --job " +
+                                     job + " --step-timeout 8 2>&1");
   };
   auto pa_proc = run("a", pa, a0);
   auto pb_proc = run("b", pb, a1);
@@ -703,8 +705,9 @@ TEST_F(PipelineTest, ReplicaKilledMidRunFailsTheOtherReplicaNamingIt) {
                             << R"("}, {"site": "b", "address": "127.0.0.1:)" << pb << R"("}]})";
   auto run = [&](const char* site, int port) {
     return std::make_unique<Process>(Bin("meridian-executor") + " --site " + site + " --certs " +
-                                     (dir_ / "certs").string() + " --listen 127.0.0.1:" + std::to_string(port) +
-                                     " --assignment " + assignment + " --job " + job + " --step-timeout 8 2>&1");
+                                     (dir_ / "certs" / "bundles" / site).string() +
+                                     " --listen 127.0.0.1:" + std::to_string(port) + " --assignment " + assignment +
+                                     " --job " + job + " --step-timeout 8 2>&1");
   };
   auto a = run("a", pa);
   auto b = run("b", pb);
@@ -732,7 +735,7 @@ TEST_F(PipelineTest, WrongShapeAndCorruptFramesFailNamingPeerAndStage) {
     Process prev(Bin("meridian-peertool") + " serve --certs " + (dir_ / "certs").string() +
                  " --self a --allow b --listen 127.0.0.1:" + std::to_string(pa));
     ASSERT_THAT(prev.ReadLine(10s), HasSubstr("listening"));
-    Process stage1(Bin("meridian-executor") + " --site b --certs " + (dir_ / "certs").string() +
+    Process stage1(Bin("meridian-executor") + " --site b --certs " + (dir_ / "certs" / "bundles" / "b").string() +
                    " --listen 127.0.0.1:" + std::to_string(pb) + " --assignment " + a1 + " --job " + job +
                    " --step-timeout 20 2>&1");
     std::this_thread::sleep_for(1500ms);
