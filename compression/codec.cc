@@ -237,12 +237,35 @@ void DequantizeInt2(const uint8_t* payload, int64_t n, int block, float* out) {
   }
 }
 
+// A block scale is valid when it is finite, non-negative and small enough that every code times it stays
+// finite (codes are at most 128 in magnitude): a forged scale cannot make a decoded value infinite.
+constexpr float kMaxScale = std::numeric_limits<float>::max() / 128.0f;
 bool ScalesValid(const uint8_t* scales, int64_t blocks) {
   for (int64_t i = 0; i < blocks; ++i) {
     float s = Get<float>(scales + 4 * i);
-    if (!(s >= 0 && s <= std::numeric_limits<float>::max())) return false;
+    if (!(s >= 0 && s <= kMaxScale)) return false;
   }
   return true;
+}
+
+// fp16 encoding saturates at the largest finite half (65504) instead of overflowing to infinity.
+absl::Status EncodeFp16Saturating(const float* x, int64_t n, uint8_t* out) {
+  constexpr float kHalfMax = 65504.0f;
+  constexpr int64_t kChunk = 4096;
+  float clamped[kChunk];
+  for (int64_t b0 = 0; b0 < n; b0 += kChunk) {
+    const int64_t len = std::min(kChunk, n - b0);
+    float amax;
+    if (!AbsMax(x + b0, len, &amax))
+      return absl::InvalidArgumentError(absl::StrCat("non-finite value in elements [", b0, ", ", b0 + len, ")"));
+    const float* src = x + b0;
+    if (amax > kHalfMax) {
+      for (int64_t i = 0; i < len; ++i) clamped[i] = std::clamp(src[i], -kHalfMax, kHalfMax);
+      src = clamped;
+    }
+    core::FromFloat32(DType::kFloat16, src, out + 2 * b0, static_cast<size_t>(len));
+  }
+  return absl::OkStatus();
 }
 
 // ---- top-k ----
@@ -419,9 +442,11 @@ absl::Status EncodeFloat(const float* x, const std::vector<int64_t>& shape, int6
     case CodecKind::kIdentity:
       std::memcpy(p, raw_input ? raw_input : static_cast<const void*>(x), h.raw_len);
       break;
-    case CodecKind::kFp16:
-      core::FromFloat32(DType::kFloat16, x, p, static_cast<size_t>(n));
+    case CodecKind::kFp16: {
+      absl::Status s = EncodeFp16Saturating(x, n, p);
+      if (!s.ok()) return s;
       break;
+    }
     case CodecKind::kBf16:
       core::FromFloat32(DType::kBFloat16, x, p, static_cast<size_t>(n));
       break;
@@ -737,11 +762,11 @@ absl::Status DecodePayload(const Header& h, const uint8_t* data, uint8_t* out_by
       core::ToFloat32(DType::kBFloat16, payload, f, static_cast<size_t>(n));
       break;
     case CodecKind::kInt8:
-      if (!ScalesValid(payload, Blocks(n, h.block))) return Corrupt("NaN, infinite or negative scale");
+      if (!ScalesValid(payload, Blocks(n, h.block))) return Corrupt("NaN, infinite, negative or oversized scale");
       DequantizeInt8(payload, n, h.block, f);
       break;
     case CodecKind::kInt4: {
-      if (!ScalesValid(payload, Blocks(n, h.block))) return Corrupt("NaN, infinite or negative scale");
+      if (!ScalesValid(payload, Blocks(n, h.block))) return Corrupt("NaN, infinite, negative or oversized scale");
       const uint8_t* q = payload + 4 * Blocks(n, h.block);
       for (int64_t i = 0; i < (n + 1) / 2; ++i)
         if ((q[i] & 15) == 0 || (q[i] >> 4) == 0) return Corrupt("int4 code out of range");
@@ -749,7 +774,7 @@ absl::Status DecodePayload(const Header& h, const uint8_t* data, uint8_t* out_by
       break;
     }
     case CodecKind::kInt2: {
-      if (!ScalesValid(payload, Blocks(n, h.block))) return Corrupt("NaN, infinite or negative scale");
+      if (!ScalesValid(payload, Blocks(n, h.block))) return Corrupt("NaN, infinite, negative or oversized scale");
       const uint8_t* q = payload + 4 * Blocks(n, h.block);
       if (n % 4 && (q[n / 4] >> (2 * (n % 4)))) return Corrupt("int2 bits beyond the tensor");
       DequantizeInt2(payload, n, h.block, f);
@@ -794,7 +819,7 @@ absl::Status DecodePayload(const Header& h, const uint8_t* data, uint8_t* out_by
       std::fill(f, f + n, 0.0f);
       std::vector<float> vals(static_cast<size_t>(h.count));
       if (h.flags & kFlagTopkInt8) {
-        if (!ScalesValid(end, Blocks(h.count, h.block))) return Corrupt("NaN, infinite or negative scale");
+        if (!ScalesValid(end, Blocks(h.count, h.block))) return Corrupt("NaN, infinite, negative or oversized scale");
         DequantizeInt8(end, h.count, h.block, vals.data());
       } else {
         std::memcpy(vals.data(), end, 4 * vals.size());

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 
 #include "compression/internal/crc32c.h"
@@ -119,6 +120,25 @@ TEST(Codec, Fp16AndBf16ExactForRepresentableValues) {
     ASSERT_TRUE(t.ok());
     EXPECT_EQ(0, std::memcmp(t->data<float>(), in.data(), 4 * in.size())) << c;
   }
+}
+
+TEST(Codec, Fp16SaturatesInsteadOfOverflowing) {
+  std::vector<float> in = {1e6f, -3e38f, 1.0f, 65519.0f, -70000.0f};
+  auto f = Encode(View(in, {5}), *CodecSpec::Parse("fp16"));
+  ASSERT_TRUE(f.ok()) << f.status();
+  auto t = Decode(f->data(), f->size());
+  ASSERT_TRUE(t.ok());
+  const float* y = t->data<float>();
+  EXPECT_EQ(y[0], 65504.0f);
+  EXPECT_EQ(y[1], -65504.0f);
+  EXPECT_EQ(y[2], 1.0f);
+  EXPECT_EQ(y[3], 65504.0f);
+  EXPECT_EQ(y[4], -65504.0f);
+  // Non-finite input is refused, not encoded.
+  std::vector<float> bad = {1.0f, NAN};
+  auto b = Encode(View(bad, {2}), *CodecSpec::Parse("fp16"));
+  EXPECT_FALSE(b.ok());
+  EXPECT_THAT(std::string(b.status().message()), HasSubstr("non-finite"));
 }
 
 TEST(Codec, TopKKeepsExactlyTheLargestAndIsExactThere) {
@@ -247,9 +267,10 @@ TEST(Frame, ResealedCorruptionsAreCaughtByValidation) {
     return f;
   };
   auto base = SampleFrame("int8", 1024);
-  const float nan = NAN, inf = INFINITY, neg = -1.0f;
+  // A scale so large that 127 times it is infinite is capped like NaN, infinite and negative ones.
+  const float nan = NAN, inf = INFINITY, neg = -1.0f, huge_scale = std::numeric_limits<float>::max() / 2;
   const size_t payload = 56 + 8;
-  for (float s : {nan, inf, neg}) {
+  for (float s : {nan, inf, neg, huge_scale}) {
     auto f = set(base, payload, &s, 4);
     auto t = Decode(f.data(), f.size());
     EXPECT_THAT(std::string(t.status().message()), HasSubstr("scale")) << s;
