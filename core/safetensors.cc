@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -91,6 +92,10 @@ absl::StatusOr<SafetensorsFile> ParseSafetensors(const std::string& bytes, const
     for (const auto& d : e["shape"]) {
       if (!d.is_number_unsigned()) return Bad(path, absl::StrCat("tensor '", name, "' has a bad dimension"));
       uint64_t v = d.get<uint64_t>();
+      // A dimension must fit int64 (shapes are int64 everywhere); with a zero elsewhere in the shape the
+      // size check below cannot catch it.
+      if (v > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+        return Bad(path, absl::StrCat("tensor '", name, "' has dimension ", v, ", out of range"));
       if (v != 0 && numel > data_size / v)
         return Bad(path, absl::StrCat("tensor '", name, "' is larger than the file"));
       numel *= v;

@@ -78,6 +78,11 @@ TEST(Safetensors, RejectsMalformedFiles) {
               HasSubstr("belong to no tensor"));
   auto good = SerializeSafetensors(Sample());
   EXPECT_THAT(err(good.substr(0, good.size() - 3)), HasSubstr("outside"));
+  // With a zero dimension the byte count is 0 whatever the other dimensions say: a dimension beyond int64
+  // would wrap negative.
+  EXPECT_THAT(
+      err(WithHeader(R"({"a": {"dtype": "F32", "shape": [0, 18446744073709551615], "data_offsets": [0, 0]}})", 0)),
+      HasSubstr("has dimension 18446744073709551615, out of range"));
 }
 
 }  // namespace

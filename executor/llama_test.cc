@@ -122,6 +122,33 @@ core::LoraSpec Lora(double dropout = 0) {
   return l;
 }
 
+TEST(Trainer, AdamWStateRoundTripsAndRefusesMomentsOfAnotherShape) {
+  core::OptimizerSpec spec;
+  spec.name = "adamw";
+  AdamW opt(spec);
+  torch::Tensor w = torch::ones({3, 2}, torch::requires_grad()), b = torch::ones({2}, torch::requires_grad());
+  std::vector<std::pair<std::string, torch::Tensor>> params = {{"w", w}, {"b", b}};
+  (w.sum() * 2 + b.sum()).backward();
+  opt.Step(params, 0.1);
+  auto state = opt.ExportState();
+  ASSERT_EQ(state.size(), 4u);
+  AdamW back(spec);
+  ASSERT_TRUE(back.ImportState(params, state, opt.steps(), torch::kCPU).ok());
+  EXPECT_EQ(back.steps(), 1);
+  auto again = back.ExportState();
+  for (const auto& [k, t] : state) EXPECT_TRUE(torch::equal(again.at(k), t)) << k;
+  // A forged checkpoint whose moment would broadcast against its parameter.
+  auto forged = state;
+  forged["optim.m.w"] = torch::zeros({1, 2});
+  AdamW hurt(spec);
+  absl::Status s = hurt.ImportState(params, forged, 1, torch::kCPU);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(std::string(s.message()),
+              testing::HasSubstr("optim.m.w has shape [1, 2] Float but parameter w has [3, 2] Float"));
+  EXPECT_EQ(hurt.steps(), 0);
+  EXPECT_TRUE(hurt.ExportState().empty());
+}
+
 TEST(Lora, OnlyAdaptersTrainAndTheMergedModelComputesTheSameFunction) {
   auto cfg = ParseLlamaConfigText(kLoraConfig, "config.json");
   ASSERT_TRUE(cfg.ok()) << cfg.status();

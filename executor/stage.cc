@@ -588,11 +588,8 @@ absl::Status StageWorker::Restore(const Checkpoint& c) {
   return GuardTorch(absl::StrCat(Where(), ": restoring ", c.path), [&]() -> absl::Status {
     if (absl::Status s = model_->Load(c.tensors); !s.ok())
       return Annotate(s, absl::StrCat(Where(), ": restoring from ", c.path));
-    std::map<std::string, torch::Tensor> mine;
-    for (const auto& [name, p] : model_->parameters())
-      for (const char* kind : {"optim.m.", "optim.v."})
-        if (auto it = c.tensors.find(kind + name); it != c.tensors.end()) mine[it->first] = it->second.to(device_);
-    opt_.ImportState(mine, c.step);
+    if (absl::Status s = opt_.ImportState(model_->parameters(), c.tensors, c.step, device_); !s.ok())
+      return Annotate(s, absl::StrCat(Where(), ": restoring from ", c.path));
     return absl::OkStatus();
   });
 }

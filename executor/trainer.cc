@@ -115,15 +115,28 @@ std::map<std::string, torch::Tensor> AdamW::ExportState() const {
   return out;
 }
 
-void AdamW::ImportState(const std::map<std::string, torch::Tensor>& state, int64_t steps) {
-  t_ = steps;
-  state_.clear();
-  for (const auto& [key, t] : state) {
-    if (key.rfind("optim.m.", 0) == 0) state_[key.substr(8)].first = t.clone();
-    if (key.rfind("optim.v.", 0) == 0) state_[key.substr(8)].second = t.clone();
+absl::Status AdamW::ImportState(const std::vector<std::pair<std::string, torch::Tensor>>& params,
+                                const std::map<std::string, torch::Tensor>& state, int64_t steps,
+                                torch::Device device) {
+  std::map<std::string, std::pair<torch::Tensor, torch::Tensor>> restored;
+  for (const auto& [name, p] : params) {
+    torch::Tensor moments[2];
+    for (int i = 0; i < 2; ++i) {
+      const std::string key = (i == 0 ? "optim.m." : "optim.v.") + name;
+      auto it = state.find(key);
+      if (it == state.end()) continue;
+      // A moment must match its parameter: a wrong shape would broadcast silently or fail mid-step.
+      if (it->second.sizes() != p.sizes() || it->second.scalar_type() != p.scalar_type())
+        return absl::DataLossError(absl::StrCat(key, " has shape ", c10::str(it->second.sizes()), " ",
+                                                c10::toString(it->second.scalar_type()), " but parameter ", name,
+                                                " has ", c10::str(p.sizes()), " ", c10::toString(p.scalar_type())));
+      moments[i] = it->second.to(device).clone();
+    }
+    if (moments[0].defined() && moments[1].defined()) restored[name] = {moments[0], moments[1]};  // both or neither
   }
-  for (auto it = state_.begin(); it != state_.end();)  // both moments or neither
-    it = (it->second.first.defined() && it->second.second.defined()) ? std::next(it) : state_.erase(it);
+  state_ = std::move(restored);
+  t_ = steps;
+  return absl::OkStatus();
 }
 
 double GradSquareSum(const std::vector<std::pair<std::string, torch::Tensor>>& params) {

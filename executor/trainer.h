@@ -74,8 +74,12 @@ class AdamW {
   int64_t steps() const { return t_; }
   // State for checkpoints: "optim.m.<param>", "optim.v.<param>" tensors and the step count.
   std::map<std::string, torch::Tensor> ExportState() const;
-  // Restores what ExportState produced (missing entries start from zero).
-  void ImportState(const std::map<std::string, torch::Tensor>& state, int64_t steps);
+  // Restores, for each of `params`, the moments "optim.m.<name>" and "optim.v.<name>" of `state` (other
+  // entries are ignored; a parameter missing either moment starts from zero) onto `device`, and the step
+  // count. A moment whose shape or dtype differs from its parameter's is DataLoss naming both, and nothing
+  // is restored then.
+  absl::Status ImportState(const std::vector<std::pair<std::string, torch::Tensor>>& params,
+                           const std::map<std::string, torch::Tensor>& state, int64_t steps, torch::Device device);
 
  private:
   core::OptimizerSpec spec_;
