@@ -165,8 +165,10 @@ void Coordinator::SetFileDir(const std::string& dir) {
 }
 
 void Coordinator::SetFileWriters(std::map<std::string, int> writers, int64_t max_step, int64_t max_bytes,
-                                 int checkpoint_interval, int64_t resume_step) {
+                                 int checkpoint_interval, int64_t resume_step,
+                                 std::map<std::string, std::set<std::string>> readable) {
   std::lock_guard<std::mutex> l(mu_);
+  readable_ = std::move(readable);
   file_writers_ = std::move(writers);
   file_max_step_ = max_step;
   file_max_bytes_ = max_bytes;
@@ -329,11 +331,16 @@ absl::StatusOr<std::string> Coordinator::FileSource(const std::string& site, con
     if (file_dir_.empty())
       return absl::FailedPreconditionError(
           absl::StrCat("site '", site, "' asked for ", path, ", but this coordinator keeps no files"));
-    // Only the files of the step the running attempt resumes from, and only to its sites.
+    // Only the files of the step the running attempt resumes from that the site's stage needs, and only
+    // to the attempt's sites.
     const std::optional<core::SiteFile> file = core::ParseSiteFile(path);
     if (!file || file->step != resume_step_ || !stages_.count(site))
       return absl::PermissionDeniedError(absl::StrCat("site '", site, "' asked for ", path,
                                                       ", which is not a file of the step this attempt resumes from"));
+    auto mine = readable_.find(site);
+    if (mine == readable_.end() || !mine->second.count(path))
+      return absl::PermissionDeniedError(
+          absl::StrCat("site '", site, "' asked for ", path, ", which holds none of its stage's tensors"));
     dir = file_dir_;
   }
   const std::filesystem::path src = std::filesystem::path(dir) / path;
@@ -400,6 +407,7 @@ void Coordinator::BeginJob(const std::string& job_id, std::map<std::string, int>
     job_id_ = job_id;
     stages_ = std::move(stages);
     file_writers_.clear();
+    readable_.clear();
     for (auto& [name, site] : sites_) site.done.reset(), site.metrics.reset();
     progress_.step = -1;
   }

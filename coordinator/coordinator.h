@@ -92,9 +92,11 @@ class Coordinator : public rpc::CoordinatorHandler {
   // interval ahead of the progress (counted from `resume_step`), and a stage's JSON must describe the
   // shard its writer sent (stage, the plan's number of stages, SHA-256); once every writer sent both
   // files of a step, the coordinator writes the step's manifest (core/checkpoint_dir.h), which alone
-  // makes the step count. Sites then fetch only files of `resume_step`. BeginJob clears it.
+  // makes the step count. A site fetches only the files `readable` lists for it (the run machine's choice:
+  // every stage JSON of `resume_step` and the shards holding its own stage's tensors). BeginJob clears it.
   void SetFileWriters(std::map<std::string, int> writers, int64_t max_step, int64_t max_bytes,
-                      int checkpoint_interval = 0, int64_t resume_step = 0);
+                      int checkpoint_interval = 0, int64_t resume_step = 0,
+                      std::map<std::string, std::set<std::string>> readable = {});
   // What Inspect reports besides the live state: the run's profile, graph and current plan (JSON).
   void SetRunInfo(std::string profile_json, std::string graph_json, std::string plan_json);
   // Per-site logs: from now on LogSite appends its lines with a UTC timestamp to DIR/<site>.log. The run
@@ -144,6 +146,7 @@ class Coordinator : public rpc::CoordinatorHandler {
   int64_t file_max_step_ = 0, file_max_bytes_ = 0;
   int checkpoint_interval_ = 0;
   int64_t resume_step_ = 0;
+  std::map<std::string, std::set<std::string>> readable_;  // site -> the run files it may fetch
   struct StepUploads {  // what the writers of the running attempt sent of one checkpoint step
     std::map<int, std::string> shard_sha256, meta_sha256;  // by stage
   };

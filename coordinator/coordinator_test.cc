@@ -96,7 +96,9 @@ TEST(CoordinatorFiles, OnlyEachStagesWriterSendsItsOwnFilesOfTheRunningAttempt) 
   // Fetching (since #19: only the sites of the running attempt, only the step it resumes from, only what
   // the coordinator has).
   c.BeginJob("j3", {{"a", 0}, {"c", 1}});
-  c.SetFileWriters({{"a", 0}, {"c", 1}}, 100, 1000, 50, 100);
+  c.SetFileWriters({{"a", 0}, {"c", 1}}, 100, 1000, 50, 100,
+                   {{"c", {"checkpoints/step-100/stage-1.json", "checkpoints/step-100/stage-1.safetensors"}},
+                    {"a", {"checkpoints/step-100/stage-1.json"}}});
   EXPECT_EQ(c.FileSource("c", "checkpoints/step-100/stage-1.json").status().code(), absl::StatusCode::kNotFound);
   std::ofstream(dir / "checkpoints" / "step-100" / "stage-1.json") << "{}";
   auto src = c.FileSource("c", "checkpoints/step-100/stage-1.json");
@@ -106,6 +108,11 @@ TEST(CoordinatorFiles, OnlyEachStagesWriterSendsItsOwnFilesOfTheRunningAttempt) 
             absl::StatusCode::kPermissionDenied);  // not a site of the attempt
   EXPECT_EQ(c.FileSource("c", "checkpoints/step-50/stage-1.json").status().code(),
             absl::StatusCode::kPermissionDenied);  // not the resume point
+  std::ofstream(dir / "checkpoints" / "step-100" / "stage-1.safetensors") << "x";
+  EXPECT_TRUE(c.FileSource("c", "checkpoints/step-100/stage-1.safetensors").ok());
+  auto foreign = c.FileSource("a", "checkpoints/step-100/stage-1.safetensors");  // another stage's shard
+  EXPECT_EQ(foreign.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(std::string(foreign.status().message()), testing::HasSubstr("holds none of its stage's tensors"));
   fs::remove_all(dir);
 }
 

@@ -326,7 +326,8 @@ class RunDriver {
               coord_.StopAll();
             } else if constexpr (std::is_same_v<T, BeginAttempt>) {
               coord_.BeginJob(a.job_id, a.stages);
-              coord_.SetFileWriters(a.file_writers, a.max_step, a.max_file_bytes, a.checkpoint_interval, a.resume_step);
+              coord_.SetFileWriters(a.file_writers, a.max_step, a.max_file_bytes, a.checkpoint_interval, a.resume_step,
+                                    a.readable);
             } else if constexpr (std::is_same_v<T, PublishRunInfo>) {
               coord_.SetRunInfo(a.profile_json, a.graph_json, a.plan_json);
             } else if constexpr (std::is_same_v<T, WriteRunFile>) {

@@ -9,6 +9,7 @@
 #include "absl/strings/str_format.h"
 #include "compression/activation_delta.h"
 #include "core/run_layout.h"
+#include "job/job.h"
 #include "partitioner/schedule.h"
 
 namespace meridian::coordinator {
@@ -268,8 +269,13 @@ void RunMachine::StartAttempt() {
   }
   if (absl::Status s = FindResumePoint(); !s.ok()) return Fail(std::string(s.message()));
   const bool store = c_.job.checkpoint.store == core::CheckpointStore::kCoordinator;
+  std::map<std::string, std::set<std::string>> readable;
+  for (size_t k = 0; k < plan_->stages.size(); ++k) {
+    const std::vector<std::string> files = ResumeFilesFor(k);
+    for (const auto& site : plan_->stages[k].site_names) readable[site].insert(files.begin(), files.end());
+  }
   Out(BeginAttempt{job_id_, std::move(stages), std::move(writers), c_.steps, max_file_bytes_,
-                   store ? c_.job.checkpoint.interval : 0, std::max<int64_t>(resume_step_, 0)});
+                   store ? c_.job.checkpoint.interval : 0, std::max<int64_t>(resume_step_, 0), std::move(readable)});
   // What an abandoned attempt left above the resume point would otherwise mix with the steps written
   // again (after BeginAttempt: no file of the attempt before lands any more).
   if (store && resume_step_ > 0) Out(RemoveCheckpointsAbove{resume_step_});
@@ -353,7 +359,7 @@ absl::Status RunMachine::PlanAttempt() {
 // newest complete, intact step of RUN/checkpoints and names its files, which the stages fetch.
 absl::Status RunMachine::FindResumePoint() {
   resume_step_ = resume_ ? -1 : 0;
-  resume_files_.clear();
+  resume_files_.reset();
   if (!resume_ || c_.job.checkpoint.store != core::CheckpointStore::kCoordinator) return absl::OkStatus();
   std::string skipped;
   auto found = c_.find_checkpoint ? c_.find_checkpoint(&skipped)
@@ -364,9 +370,27 @@ absl::Status RunMachine::FindResumePoint() {
                      " (job.checkpoint.store: coordinator keeps checkpoints in RUN/checkpoints)"));
   if (!skipped.empty()) Say(absl::StrCat("checkpoints skipped: ", skipped, "\n"));
   resume_step_ = found->step;
-  for (const auto& f : found->files) resume_files_.push_back(core::CheckpointFile(found->step, f));
-  Say(absl::StrCat("resuming from step ", found->step, " of the coordinator's checkpoints (", found->path, ")\n"));
+  resume_files_ = std::move(*found);
+  Say(absl::StrCat("resuming from step ", resume_step_, " of the coordinator's checkpoints (", resume_files_->path,
+                   ")\n"));
   return absl::OkStatus();
+}
+
+std::vector<std::string> RunMachine::ResumeFilesFor(size_t k) const {
+  std::vector<std::string> out;
+  if (!resume_files_) return out;
+  std::set<std::string> ops;
+  for (int op = plan_->stages[k].first_op; op <= plan_->stages[k].last_op; ++op) ops.insert(graph_.ops[op].name);
+  for (const auto& f : resume_files_->files) {
+    bool needed = true;  // stage JSONs, and shards whose JSON lists no tensors
+    if (auto t = resume_files_->shard_tensors.find(f); t != resume_files_->shard_tensors.end())
+      needed = std::any_of(t->second.begin(), t->second.end(), [&](const std::string& name) {
+        const std::optional<std::string> op = job::OpNameOfTensor(name);
+        return op && ops.count(*op);
+      });
+    if (needed) out.push_back(core::CheckpointFile(resume_step_, f));
+  }
+  return out;
 }
 
 // Sends every site of the plan (every replica of every stage) its assignment for the attempt.
@@ -434,7 +458,7 @@ void RunMachine::Assign() {
       a->set_weights_to_coordinator(true);  // RUN/weights/stage-K.safetensors, through PutFile
       a->set_checkpoints_to_coordinator(job.checkpoint.store == core::CheckpointStore::kCoordinator);
       a->set_resume_step(resume_step_);  // 0 afresh; -1 each stage loads the newest intact checkpoint; S
-      for (const auto& f : resume_files_) a->add_resume_files(f);
+      for (const auto& f : ResumeFilesFor(k)) a->add_resume_files(f);
       Out(LogSite{
           site, absl::StrCat("assigned stage ", k + 1, "/", st.size(), " (ops ", st[k].first_op, "-", st[k].last_op,
                              ") of job ", job_id_, k > 0 ? absl::StrCat(", after '", st[k - 1].site_names[0], "'") : "",

@@ -84,6 +84,9 @@ struct BeginAttempt {
   // resumes from (Coordinator::SetFileWriters checks uploads and serves fetches against them).
   int checkpoint_interval = 0;
   int64_t resume_step = 0;
+  // store: coordinator, resuming: the files of resume_step each site may fetch (its assignment's
+  // resume_files).
+  std::map<std::string, std::set<std::string>> readable;
 };
 // What `meridian status` and `meridian profile` show of the run (JSON).
 struct PublishRunInfo {
@@ -223,8 +226,12 @@ class RunMachine {
   int attempts_ = 0;
   std::string job_id_;
   bool resume_ = false;
-  int64_t resume_step_ = 0;                // 0 afresh; -1 each stage loads the newest intact; S: step S
-  std::vector<std::string> resume_files_;  // store: coordinator: the files of resume_step_
+  int64_t resume_step_ = 0;  // 0 afresh; -1 each stage loads the newest intact; S: step S
+  // store: coordinator: the resume step's files, and the tensors each shard holds (when its JSON lists them).
+  std::optional<core::CheckpointFiles> resume_files_;
+  // The resume step's files that stage `k` of the plan needs: every stage JSON, and the shards holding a
+  // tensor of one of its ops (a shard whose JSON lists no tensors: every stage).
+  std::vector<std::string> ResumeFilesFor(size_t k) const;
   Attempt attempt_;
   int64_t progress_step_ = -1;  // the current attempt's last step reported by stage 0
   double last_loss_ = 0;

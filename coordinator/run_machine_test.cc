@@ -401,7 +401,17 @@ TEST(RunMachine, TheCoordinatorsStoreResumesFromItsNewestStepAndIsPruned) {
   c.job.checkpoint.keep = 2;
   c.find_checkpoint = [](std::string* skipped) -> absl::StatusOr<core::CheckpointFiles> {
     *skipped = "step-15: incomplete (1 of 3 stages); ";
-    return core::CheckpointFiles{10, "/runs/t/checkpoints/step-10", {"stage-0.safetensors", "stage-0.json"}};
+    // Written by the first plan: a ops 0-1, b ops 2-3, c ops 4-5.
+    core::CheckpointFiles f{10,
+                            "/runs/t/checkpoints/step-10",
+                            {"stage-0.safetensors", "stage-0.json", "stage-1.safetensors", "stage-1.json",
+                             "stage-2.safetensors", "stage-2.json"}};
+    f.shard_tensors["stage-0.safetensors"] = {"model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+                                              "optim.m.model.embed_tokens.weight"};
+    f.shard_tensors["stage-1.safetensors"] = {"model.layers.0.mlp.up_proj.weight",
+                                              "model.layers.1.input_layernorm.weight"};
+    f.shard_tensors["stage-2.safetensors"] = {"model.layers.1.mlp.down_proj.weight", "lm_head.weight"};
+    return f;
   };
   Driver d(c);
   d.JoinAndProfile({"a", "b", "c"});
@@ -419,11 +429,24 @@ TEST(RunMachine, TheCoordinatorsStoreResumesFromItsNewestStepAndIsPruned) {
   auto removed = All<RemoveCheckpointsAbove>(resumed);
   ASSERT_EQ(removed.size(), 1u);
   EXPECT_EQ(removed[0].step, 10);
+  // The new plan: a ops 0-2, b ops 3-5. Each site gets every JSON and only the shards holding its ops.
   auto assigned = Assignments(resumed);
   ASSERT_EQ(assigned.count("a"), 1u);
   EXPECT_EQ(assigned["a"].resume_step(), 10);
   EXPECT_THAT(std::vector<std::string>(assigned["a"].resume_files().begin(), assigned["a"].resume_files().end()),
-              ElementsAre("checkpoints/step-10/stage-0.safetensors", "checkpoints/step-10/stage-0.json"));
+              ElementsAre("checkpoints/step-10/stage-0.safetensors", "checkpoints/step-10/stage-0.json",
+                          "checkpoints/step-10/stage-1.safetensors", "checkpoints/step-10/stage-1.json",
+                          "checkpoints/step-10/stage-2.json"));
+  EXPECT_THAT(std::vector<std::string>(assigned["b"].resume_files().begin(), assigned["b"].resume_files().end()),
+              ElementsAre("checkpoints/step-10/stage-0.json", "checkpoints/step-10/stage-1.safetensors",
+                          "checkpoints/step-10/stage-1.json", "checkpoints/step-10/stage-2.safetensors",
+                          "checkpoints/step-10/stage-2.json"));
+  // The coordinator serves each site those files alone.
+  auto begun = All<BeginAttempt>(resumed);
+  ASSERT_EQ(begun.size(), 1u);
+  EXPECT_EQ(begun[0].readable["b"].count("checkpoints/step-10/stage-0.safetensors"), 0u);
+  EXPECT_EQ(begun[0].readable["b"].count("checkpoints/step-10/stage-2.safetensors"), 1u);
+  EXPECT_EQ(begun[0].readable["a"].count("checkpoints/step-10/stage-2.safetensors"), 0u);
 }
 
 // A compromised site: progress it could forge is not believed.

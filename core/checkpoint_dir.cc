@@ -14,6 +14,9 @@ namespace {
 
 namespace fs = std::filesystem;
 
+// A stage JSON lists its tensor names: a few hundred for a 70B model. Anything far larger is not one.
+constexpr int64_t kMaxStageMetaBytes = int64_t{16} << 20;
+
 // stage-K.json's content, or nullopt when it is not one (not JSON, a field missing or of the wrong type,
 // a stage outside [0, num_stages), a shard not named after its stage).
 std::optional<StageMeta> ParseStageMeta(const std::string& text, int64_t step) {
@@ -77,7 +80,7 @@ std::optional<std::map<int, StageMeta>> CompleteStages(const std::string& step_d
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(step_dir, ec)) {
     if (e.path().extension() != ".json") continue;
-    auto text = ReadFile(e.path().string());
+    auto text = ReadFile(e.path().string(), kMaxStageMetaBytes);
     if (!text.ok()) continue;
     std::optional<StageMeta> m = ParseStageMeta(*text, step);
     if (!m) continue;
@@ -224,6 +227,11 @@ absl::StatusOr<CheckpointFiles> FindLatestManifested(const std::string& dir, std
         f.files.push_back(name);
       }
     if (!intact) continue;
+    for (int k = 0; k < m->num_stages; ++k) {  // the JSONs were just checked against the manifest
+      auto text = ReadFile((fs::path(path) / StageMetaName(k)).string(), kMaxStageMetaBytes);
+      std::optional<StageMeta> meta = text.ok() ? ParseStageMeta(*text, step) : std::nullopt;
+      if (meta && meta->tensors) f.shard_tensors[StageShardName(k)] = *meta->tensors;
+    }
     if (skipped) *skipped = why;
     return f;
   }

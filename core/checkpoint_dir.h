@@ -47,6 +47,8 @@ struct CheckpointFiles {
   int64_t step = 0;
   std::string path;                // DIR/step-S
   std::vector<std::string> files;  // in it: each stage's shard, then its JSON
+  // FindLatestManifested: shard file name -> the tensors its stage JSON lists (shards listing none absent).
+  std::map<std::string, std::vector<std::string>> shard_tensors;
 };
 absl::StatusOr<CheckpointFiles> FindLatestCheckpoint(const std::string& dir, std::string* skipped = nullptr);
 

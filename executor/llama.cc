@@ -13,35 +13,6 @@
 
 namespace meridian::executor {
 
-std::string OpName(const LlamaConfig& c, int op) {
-  if (op == 0) return "embed";
-  if (op == c.num_ops() - 1) return "head";
-  return absl::StrCat("layer", (op - 1) / 2, (op - 1) % 2 == 0 ? ".attn" : ".mlp");
-}
-
-std::vector<std::pair<std::string, std::vector<int64_t>>> OpParameters(const LlamaConfig& c, int op) {
-  const int64_t d = c.shape.hidden_size, h = c.shape.intermediate_size, v = c.shape.vocab_size;
-  const int64_t kv = static_cast<int64_t>(c.head_dim()) * c.shape.num_key_value_heads;
-  if (op == 0) return {{"model.embed_tokens.weight", {v, d}}};
-  if (op == c.num_ops() - 1) {
-    std::vector<std::pair<std::string, std::vector<int64_t>>> p = {{"model.norm.weight", {d}}};
-    if (!c.shape.tie_word_embeddings) p.push_back({"lm_head.weight", {v, d}});
-    return p;
-  }
-  const int layer = (op - 1) / 2;
-  const std::string pre = absl::StrCat("model.layers.", layer, ".");
-  if ((op - 1) % 2 == 0)
-    return {{pre + "input_layernorm.weight", {d}},
-            {pre + "self_attn.q_proj.weight", {d, d}},
-            {pre + "self_attn.k_proj.weight", {kv, d}},
-            {pre + "self_attn.v_proj.weight", {kv, d}},
-            {pre + "self_attn.o_proj.weight", {d, d}}};
-  return {{pre + "post_attention_layernorm.weight", {d}},
-          {pre + "mlp.gate_proj.weight", {h, d}},
-          {pre + "mlp.up_proj.weight", {h, d}},
-          {pre + "mlp.down_proj.weight", {d, h}}};
-}
-
 absl::Status CheckSlice(const LlamaConfig& c, int first_op, int last_op) {
   if (first_op < 0 || first_op > last_op || last_op >= c.num_ops())
     return absl::InvalidArgumentError(

@@ -28,10 +28,8 @@ using job::LlamaConfig;
 using job::LoadLlamaConfig;
 using job::ParseLlamaConfigText;
 
-std::string OpName(const LlamaConfig& c, int op);
-
-// HF names and shapes of the parameters of op `op`.
-std::vector<std::pair<std::string, std::vector<int64_t>>> OpParameters(const LlamaConfig& c, int op);
+using job::OpName;
+using job::OpParameters;
 
 // OK when [first_op, last_op] is a slice a StageModel can hold; else InvalidArgument saying why.
 absl::Status CheckSlice(const LlamaConfig& c, int first_op, int last_op);

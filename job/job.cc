@@ -1,11 +1,17 @@
 #include "job/job.h"
 
 #include <algorithm>
+#include <cstring>
 #include <filesystem>
+#include <optional>
+#include <string_view>
 
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "core/files.h"
 
 namespace meridian::job {
@@ -99,6 +105,59 @@ absl::StatusOr<JobInputs> LoadJobInputs(const std::string& job_path) {
   }
   if (!spec.spec->job) return absl::InvalidArgumentError(absl::StrCat(job_path, ": has no 'job' section"));
   return PrepareJobInputs(*spec.spec->job, job_path);
+}
+
+std::string OpName(const LlamaConfig& c, int op) {
+  if (op == 0) return "embed";
+  if (op == c.num_ops() - 1) return "head";
+  return absl::StrCat("layer", (op - 1) / 2, (op - 1) % 2 == 0 ? ".attn" : ".mlp");
+}
+
+std::vector<std::pair<std::string, std::vector<int64_t>>> OpParameters(const LlamaConfig& c, int op) {
+  const int64_t d = c.shape.hidden_size, h = c.shape.intermediate_size, v = c.shape.vocab_size;
+  const int64_t kv = static_cast<int64_t>(c.head_dim()) * c.shape.num_key_value_heads;
+  if (op == 0) return {{"model.embed_tokens.weight", {v, d}}};
+  if (op == c.num_ops() - 1) {
+    std::vector<std::pair<std::string, std::vector<int64_t>>> p = {{"model.norm.weight", {d}}};
+    if (!c.shape.tie_word_embeddings) p.push_back({"lm_head.weight", {v, d}});
+    return p;
+  }
+  const int layer = (op - 1) / 2;
+  const std::string pre = absl::StrCat("model.layers.", layer, ".");
+  if ((op - 1) % 2 == 0)
+    return {{pre + "input_layernorm.weight", {d}},
+            {pre + "self_attn.q_proj.weight", {d, d}},
+            {pre + "self_attn.k_proj.weight", {kv, d}},
+            {pre + "self_attn.v_proj.weight", {kv, d}},
+            {pre + "self_attn.o_proj.weight", {d, d}}};
+  return {{pre + "post_attention_layernorm.weight", {d}},
+          {pre + "mlp.gate_proj.weight", {h, d}},
+          {pre + "mlp.up_proj.weight", {h, d}},
+          {pre + "mlp.down_proj.weight", {d, h}}};
+}
+
+std::optional<std::string> OpNameOfTensor(const std::string& tensor_name) {
+  absl::string_view tensor = tensor_name;
+  for (absl::string_view prefix : {"optim.m.", "optim.v."})
+    if (absl::StartsWith(tensor, prefix)) tensor.remove_prefix(prefix.size());
+  std::string name(tensor);
+  for (const char* lora : {".lora_A.weight", ".lora_B.weight"})
+    if (absl::EndsWith(name, lora)) name = absl::StrCat(name.substr(0, name.size() - std::strlen(lora)), ".weight");
+  if (name == "model.embed_tokens.weight") return "embed";
+  if (name == "model.norm.weight" || name == "lm_head.weight") return "head";
+  absl::string_view rest = name;
+  if (!absl::ConsumePrefix(&rest, "model.layers.")) return std::nullopt;
+  const size_t dot = rest.find('.');
+  int layer = 0;
+  if (dot == absl::string_view::npos || !absl::SimpleAtoi(rest.substr(0, dot), &layer) || layer < 0 ||
+      rest.substr(0, dot) != absl::StrCat(layer))
+    return std::nullopt;
+  rest.remove_prefix(dot + 1);
+  if (rest == "input_layernorm.weight" || absl::StartsWith(rest, "self_attn."))
+    return absl::StrCat("layer", layer, ".attn");
+  if (rest == "post_attention_layernorm.weight" || absl::StartsWith(rest, "mlp."))
+    return absl::StrCat("layer", layer, ".mlp");
+  return std::nullopt;
 }
 
 }  // namespace meridian::job

@@ -8,7 +8,11 @@
 #define MERIDIAN_JOB_JOB_H_
 
 #include <memory>
+#include <optional>
 #include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "core/cluster_spec.h"
@@ -25,6 +29,18 @@ struct LlamaConfig {
   int head_dim() const { return shape.hidden_size / shape.num_attention_heads; }
   int num_ops() const { return 2 * shape.num_hidden_layers + 2; }
 };
+
+// The partitioner's name of op `op` (partitioner::BuildLlamaGraph's spelling): "embed", "layerL.attn",
+// "layerL.mlp", "head".
+std::string OpName(const LlamaConfig& c, int op);
+
+// HF names and shapes of the parameters of op `op`.
+std::vector<std::pair<std::string, std::vector<int64_t>>> OpParameters(const LlamaConfig& c, int op);
+
+// The op (OpName) a checkpoint tensor belongs to: a parameter of OpParameters, its LoRA adapters
+// (".lora_A.weight", ".lora_B.weight") or its AdamW moments ("optim.m.", "optim.v."); nullopt for a name
+// of none. Lets the coordinator tell which checkpoint shards a stage's op range needs without torch.
+std::optional<std::string> OpNameOfTensor(const std::string& tensor);
 
 // Reads an HF config.json (partitioner::ParseLlamaConfig for the shape). Errors name the file and field.
 absl::StatusOr<LlamaConfig> LoadLlamaConfig(const std::string& path);

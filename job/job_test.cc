@@ -25,6 +25,31 @@ std::string WriteJob(const std::string& name, const std::string& job_yaml, int v
   return (dir / "job.yaml").string();
 }
 
+// Every parameter, adapter and moment maps back to its op under the partitioner's op names, so the
+// coordinator's shard scoping agrees with what the executors load.
+TEST(OpNames, EveryCheckpointTensorMapsToItsOpInThePartitionersSpelling) {
+  auto c = ParseLlamaConfigText(
+      R"({"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 12,
+          "num_attention_heads": 4, "tie_word_embeddings": false})",
+      "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  partitioner::OpGraph g = partitioner::BuildLlamaGraph(c->shape, ProfiledGraphOptions(1, 8, false));
+  ASSERT_EQ(static_cast<int>(g.ops.size()), c->num_ops());
+  for (int op = 0; op < c->num_ops(); ++op) {
+    EXPECT_EQ(OpName(*c, op), g.ops[op].name);
+    for (const auto& [name, shape] : OpParameters(*c, op)) {
+      EXPECT_EQ(OpNameOfTensor(name), g.ops[op].name) << name;
+      EXPECT_EQ(OpNameOfTensor("optim.v." + name), g.ops[op].name) << name;
+      const std::string stem = name.substr(0, name.size() - 7);  // without ".weight"
+      EXPECT_EQ(OpNameOfTensor(stem + ".lora_A.weight"), g.ops[op].name) << name;
+      EXPECT_EQ(OpNameOfTensor("optim.m." + stem + ".lora_B.weight"), g.ops[op].name) << name;
+    }
+  }
+  for (const char* stranger : {"", "model.layers.x.mlp.up_proj.weight", "model.layers.-1.mlp.up_proj.weight",
+                               "model.layers.01.mlp.up_proj.weight", "model.layers.3.rotary.inv_freq", "evil"})
+    EXPECT_EQ(OpNameOfTensor(stranger), std::nullopt) << stranger;
+}
+
 TEST(JobInputs, ASyntheticJobResolvesItsModelAndBatching) {
   const std::string path = WriteJob("synthetic",
                                     "job:\n  model: model\n  data: synthetic\n  steps: 3\n  global_batch: 8\n"
