@@ -374,7 +374,9 @@ class RunDriver {
     coord_.SetLogDir(RunFile(core::kSiteLogDir));  // one log per site: RUN/sites/<site>.log
     coord_.SetFileDir(in_.run_dir);                // the stages' final weights arrive in RUN/weights
     const core::ClusterSpec& spec = in_.spec;
-    auto started = rpc::StartMtlsServer(in_.certs, "coordinator", spec.coordinator.ToString(), {&service_});
+    auto started = rpc::StartMtlsServer(
+        in_.certs, "coordinator", spec.coordinator.ToString(), {&service_}, nullptr,
+        rpc::ServerThreadsFor(static_cast<int>(spec.sites.size()), rpc::CoordinatorService::kStreamsPerSite));
     if (!started.ok()) {
       const bool bad_certs = started.status().code() != absl::StatusCode::kUnavailable;
       std::cerr << "meridian run: " << started.status().message()

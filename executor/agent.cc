@@ -201,7 +201,9 @@ Agent::Agent(ExecutorOptions options, v1::RegisterResponse registration, rpc::Co
       peer_service_(o_.site, cluster_sites_, &inbox_) {}
 
 int Agent::Run() {
-  auto started = rpc::StartMtlsServer(o_.certs, o_.site, o_.listen, {&peer_service_});
+  auto started = rpc::StartMtlsServer(
+      o_.certs, o_.site, o_.listen, {&peer_service_}, nullptr,
+      rpc::ServerThreadsFor(static_cast<int>(cluster_sites_.size()), rpc::PeerLimits().max_streams_per_peer));
   if (!started.ok()) {
     spdlog::error("{}", absl::StrCat(started.status().message()));
     return started.status().code() == absl::StatusCode::kUnavailable ? 1 : 2;

@@ -62,8 +62,11 @@ int RunStatic(const executor::ExecutorOptions& o, const std::string& assignment_
   if (steps <= 0) steps = setup->job.steps;
   // Serve the peer stream: only the neighbours may send to this stage.
   rpc::TensorInbox inbox;
-  rpc::PeerService service(o.site, executor::StagePeers(*a, o.site), &inbox);
-  auto started = rpc::StartMtlsServer(o.certs, o.site, o.listen, {&service});
+  const std::set<std::string> peers = executor::StagePeers(*a, o.site);
+  rpc::PeerService service(o.site, peers, &inbox);
+  auto started = rpc::StartMtlsServer(
+      o.certs, o.site, o.listen, {&service}, nullptr,
+      rpc::ServerThreadsFor(static_cast<int>(peers.size()), rpc::PeerLimits().max_streams_per_peer));
   if (!started.ok()) {
     spdlog::error("{}", absl::StrCat(started.status().message()));
     return started.status().code() == absl::StatusCode::kUnavailable ? 1 : 2;

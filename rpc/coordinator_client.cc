@@ -11,6 +11,7 @@
 #include "core/run_layout.h"
 #include "proto/meridian.grpc.pb.h"
 #include "rpc/credentials.h"
+#include "rpc/idle_watch.h"
 #include "rpc/status.h"
 
 namespace meridian::rpc {
@@ -59,8 +60,11 @@ class GrpcCommandStream final : public CoordinatorClient::CommandStream {
 
 class GrpcCoordinatorClient final : public CoordinatorClient {
  public:
-  GrpcCoordinatorClient(std::shared_ptr<grpc::Channel> channel, std::string address)
-      : stub_(v1::Coordinator::NewStub(std::move(channel))), address_(std::move(address)) {}
+  GrpcCoordinatorClient(std::shared_ptr<grpc::Channel> channel, std::string address,
+                        std::chrono::milliseconds transfer_idle)
+      : stub_(v1::Coordinator::NewStub(std::move(channel))),
+        address_(std::move(address)),
+        transfer_idle_(transfer_idle) {}
 
   absl::StatusOr<v1::RegisterResponse> Register(const v1::RegisterRequest& req, Timeout timeout) override {
     return Unary<v1::RegisterResponse>(&v1::Coordinator::Stub::Register, req, timeout, /*wait_for_ready=*/true);
@@ -89,8 +93,9 @@ class GrpcCoordinatorClient final : public CoordinatorClient {
     std::error_code ec;
     const auto size = fs::file_size(local, ec);
     if (ec) return absl::InternalError(absl::StrCat("cannot read ", local, ": ", ec.message()));
+    // No deadline: at 1 Mbit/s a shard takes hours. The bound is time without progress.
     grpc::ClientContext ctx;
-    ctx.set_deadline(Deadline(std::chrono::seconds(60 + static_cast<int64_t>(size / 1000000))));
+    IdleWatch idle(transfer_idle_, [&ctx] { ctx.TryCancel(); });
     v1::FileAck ack;
     auto writer = stub_->PutFile(&ctx, &ack);
     bool first = true;
@@ -100,7 +105,9 @@ class GrpcCoordinatorClient final : public CoordinatorClient {
       first = false;
       c.set_data(data.data(), data.size());
       if (last) c.set_sha256(sha);
-      return writer->Write(c);
+      const bool ok = writer->Write(c);
+      idle.Touch();
+      return ok;
     });
     if (!read.ok()) {  // never a checksum of part of the file
       ctx.TryCancel();
@@ -109,6 +116,9 @@ class GrpcCoordinatorClient final : public CoordinatorClient {
     }
     writer->WritesDone();
     grpc::Status s = writer->Finish();
+    if (idle.fired())
+      return absl::DeadlineExceededError(absl::StrCat("sending ", path, " to the coordinator at ", address_,
+                                                      ": no progress for ", idle.idle().count() / 1000.0, " s"));
     if (!s.ok())
       return FromGrpc(s, absl::StrCat("sending ", path, " (", size, " bytes) to the coordinator at ", address_));
     if (ack.bytes() != static_cast<int64_t>(size))
@@ -126,8 +136,9 @@ class GrpcCoordinatorClient final : public CoordinatorClient {
     std::ofstream out(local, std::ios::binary | std::ios::trunc);
     if (!out) return absl::InternalError(absl::StrCat("fetching ", path, ": cannot write ", local));
     core::Sha256 sha;
+    // No deadline: at 1 Mbit/s a shard takes hours. The bound is time without progress.
     grpc::ClientContext ctx;
-    ctx.set_deadline(Deadline(std::chrono::hours(1)));
+    IdleWatch idle(transfer_idle_, [&ctx] { ctx.TryCancel(); });
     v1::FileRequest req;
     req.set_site(site);
     req.set_path(path);
@@ -136,6 +147,7 @@ class GrpcCoordinatorClient final : public CoordinatorClient {
     std::string want;
     int64_t bytes = 0;
     while (reader->Read(&c)) {
+      idle.Touch();
       out.write(c.data().data(), static_cast<std::streamsize>(c.data().size()));
       sha.Update(c.data());
       bytes += static_cast<int64_t>(c.data().size());
@@ -143,6 +155,9 @@ class GrpcCoordinatorClient final : public CoordinatorClient {
     }
     grpc::Status s = reader->Finish();
     out.close();
+    if (idle.fired())
+      return absl::DeadlineExceededError(absl::StrCat("fetching ", path, " from the coordinator at ", address_,
+                                                      ": no progress for ", idle.idle().count() / 1000.0, " s"));
     if (!s.ok()) return FromGrpc(s, absl::StrCat("fetching ", path, " from the coordinator at ", address_));
     if (!out) return absl::InternalError(absl::StrCat("writing ", local, " failed"));
     if (want.empty() || sha.HexDigest() != want)
@@ -166,6 +181,7 @@ class GrpcCoordinatorClient final : public CoordinatorClient {
 
   std::unique_ptr<v1::Coordinator::Stub> stub_;
   const std::string address_;
+  const std::chrono::milliseconds transfer_idle_;
 };
 
 // ---- In process ----
@@ -271,11 +287,12 @@ class InProcessClient final : public CoordinatorClient {
 
 absl::StatusOr<std::unique_ptr<CoordinatorClient>> ConnectCoordinator(const std::string& certs_dir,
                                                                       const std::string& identity,
-                                                                      const std::string& address) {
+                                                                      const std::string& address,
+                                                                      std::chrono::milliseconds transfer_idle) {
   auto creds = MakeChannelCredentials(certs_dir, identity);
   if (!creds.ok()) return creds.status();
   auto channel = grpc::CreateCustomChannel(address, *creds, PeerChannelArguments("coordinator"));
-  return std::unique_ptr<CoordinatorClient>(new GrpcCoordinatorClient(std::move(channel), address));
+  return std::unique_ptr<CoordinatorClient>(new GrpcCoordinatorClient(std::move(channel), address, transfer_idle));
 }
 
 std::unique_ptr<CoordinatorClient> InProcessCoordinatorClient(CoordinatorHandler* handler) {

@@ -45,11 +45,13 @@ class CoordinatorClient {
   virtual absl::Status ReportDone(const v1::StageDone& done, Timeout timeout) = 0;
   // Sends the local file `local` to the coordinator's run directory as `path` (core/run_layout.h's site
   // files), for `site` in attempt `job_id`, with its SHA-256; the coordinator stores it whole or not at
-  // all. The deadline allows 1 MB/s plus a minute.
+  // all. No deadline (a slow link may take hours): DeadlineExceeded after kTransferIdleTimeout without
+  // progress.
   virtual absl::Status PutFile(const std::string& site, const std::string& job_id, const std::string& local,
                                const std::string& path) = 0;
   // Fetches the run directory's checkpoint file `path` into the local file `local` (its directory is
-  // created), checking the SHA-256 the coordinator sends.
+  // created), checking the SHA-256 the coordinator sends. No deadline: DeadlineExceeded after
+  // kTransferIdleTimeout without a chunk.
   virtual absl::Status GetFile(const std::string& site, const std::string& path, const std::string& local) = 0;
   virtual absl::StatusOr<v1::InspectResponse> Inspect(Timeout timeout) = 0;
 };
@@ -57,9 +59,12 @@ class CoordinatorClient {
 // A client of the coordinator at `address`, presenting `identity`'s certificate from `certs_dir` (a site's
 // name, or "coordinator" for the operator). Fails only when the credentials do not load; an unreachable
 // coordinator shows in the calls.
-absl::StatusOr<std::unique_ptr<CoordinatorClient>> ConnectCoordinator(const std::string& certs_dir,
-                                                                      const std::string& identity,
-                                                                      const std::string& address);
+// How long a file transfer may go without progress (GetFile and PutFile of the gRPC client).
+inline constexpr std::chrono::seconds kTransferIdleTimeout{300};
+
+absl::StatusOr<std::unique_ptr<CoordinatorClient>> ConnectCoordinator(
+    const std::string& certs_dir, const std::string& identity, const std::string& address,
+    std::chrono::milliseconds transfer_idle = kTransferIdleTimeout);
 
 // A client that calls `handler` in this process. `handler` must outlive it.
 std::unique_ptr<CoordinatorClient> InProcessCoordinatorClient(CoordinatorHandler* handler);

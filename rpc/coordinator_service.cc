@@ -9,6 +9,7 @@
 #include "core/run_layout.h"
 #include "core/version.h"
 #include "rpc/credentials.h"
+#include "rpc/idle_watch.h"
 #include "rpc/status.h"
 
 namespace meridian::rpc {
@@ -163,7 +164,10 @@ grpc::Status CoordinatorService::PutFile(grpc::ServerContext* ctx, grpc::ServerR
   core::Sha256 sha;
   int64_t bytes = 0;
   std::string want;
+  IdleWatch idle(std::chrono::milliseconds(upload_idle_ms_.load()),
+                 [ctx] { ctx->TryCancel(); });  // a stalled upload must not hold its slot
   do {
+    idle.Touch();
     if (!want.empty()) return fail(grpc::StatusCode::INVALID_ARGUMENT, "a chunk after the one with the SHA-256");
     if (chunk.data().size() > kMaxFileChunkBytes)
       return fail(grpc::StatusCode::INVALID_ARGUMENT,
@@ -180,6 +184,9 @@ grpc::Status CoordinatorService::PutFile(grpc::ServerContext* ctx, grpc::ServerR
   } while (reader->Read(&chunk));
   out.close();
   if (!out) return fail(grpc::StatusCode::INTERNAL, absl::StrCat("writing ", part, " failed"));
+  if (idle.fired())
+    return fail(grpc::StatusCode::CANCELLED,
+                absl::StrCat("no data for ", idle.idle().count(), " ms after ", bytes, " bytes; the upload is ended"));
   if (ctx->IsCancelled()) return fail(grpc::StatusCode::CANCELLED, absl::StrCat("cut off after ", bytes, " bytes"));
   if (want.empty())
     return fail(grpc::StatusCode::DATA_LOSS, absl::StrCat("no SHA-256 after ", bytes, " bytes (cut off?)"));
@@ -195,6 +202,22 @@ grpc::Status CoordinatorService::PutFile(grpc::ServerContext* ctx, grpc::ServerR
 grpc::Status CoordinatorService::GetFile(grpc::ServerContext* ctx, const v1::FileRequest* req,
                                          grpc::ServerWriter<v1::FileChunk>* writer) {
   if (grpc::Status s = Authorise(ctx, req->site()); !s.ok()) return s;
+  const std::string site = req->site();
+  {
+    std::lock_guard<std::mutex> l(per_site_mu_);
+    if (fetching_[site] >= kFetchesPerSite)
+      return {grpc::StatusCode::RESOURCE_EXHAUSTED,
+              absl::StrCat("GetFile from site '", site, "': already ", kFetchesPerSite, " fetches running")};
+    ++fetching_[site];
+  }
+  struct Done {
+    CoordinatorService* s;
+    std::string site;
+    ~Done() {
+      std::lock_guard<std::mutex> l(s->per_site_mu_);
+      --s->fetching_[site];
+    }
+  } done{this, site};
   if (!IsCheckpointFile(req->path()))
     return {grpc::StatusCode::INVALID_ARGUMENT,
             absl::StrCat("GetFile from site '", req->site(), "': path '", req->path(),

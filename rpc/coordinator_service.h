@@ -62,6 +62,10 @@ class CoordinatorHandler {
 class CoordinatorService final : public v1::Coordinator::Service {
  public:
   static constexpr int kUploadsPerSite = 2;
+  static constexpr int kFetchesPerSite = 2;
+  // The long-lived calls one site may hold open at once: its command stream, its uploads and its fetches
+  // (the server's thread cap is sized from it: ServerThreadsFor).
+  static constexpr int kStreamsPerSite = 1 + kUploadsPerSite + kFetchesPerSite;
   CoordinatorService(std::set<std::string> sites, CoordinatorHandler* handler);
   grpc::Status Register(grpc::ServerContext* ctx, const v1::RegisterRequest* req, v1::RegisterResponse* resp) override;
   grpc::Status Heartbeat(grpc::ServerContext* ctx, const v1::HeartbeatRequest* req,
@@ -75,19 +79,26 @@ class CoordinatorService final : public v1::Coordinator::Service {
   grpc::Status ReportDone(grpc::ServerContext* ctx, const v1::StageDone* req, v1::MetricsAck* resp) override;
   // Read-only; allowed to the "coordinator" identity and to every site.
   grpc::Status Inspect(grpc::ServerContext* ctx, const v1::InspectRequest* req, v1::InspectResponse* resp) override;
-  // At most kUploadsPerSite at once per site (ResourceExhausted beyond).
+  // At most kUploadsPerSite at once per site (ResourceExhausted beyond); ended after the upload idle
+  // timeout without a chunk.
   // Writes the stream to a temporary file beside FileDestination's path, within its size bound, checks the
   // SHA-256, syncs it, then has FileCommit rename it into place; a refused or broken upload leaves no
   // file. Paths other than
   // "weights/stage-K.safetensors" and "checkpoints/step-S/stage-K.{safetensors,json}" are refused
   // (InvalidArgument) before the handler is asked.
   grpc::Status PutFile(grpc::ServerContext* ctx, grpc::ServerReader<v1::FileChunk>* reader, v1::FileAck* ack) override;
-  // Streams FileSource's file in 1 MiB chunks, the SHA-256 with the last. Only checkpoint paths.
+  // Streams FileSource's file in 1 MiB chunks, the SHA-256 with the last. Only checkpoint paths; at most
+  // kFetchesPerSite at once per site (ResourceExhausted beyond).
   grpc::Status GetFile(grpc::ServerContext* ctx, const v1::FileRequest* req,
                        grpc::ServerWriter<v1::FileChunk>* writer) override;
 
   // Calls that reached the handler (tests check that rejected calls never do).
   int64_t handled_calls() const { return handled_.load(); }
+
+  // An upload that sends nothing for this long is ended (Cancelled) and leaves no file; it then no longer
+  // holds one of its site's kUploadsPerSite. Default kUploadIdleTimeout; applies to uploads begun after.
+  static constexpr std::chrono::seconds kUploadIdleTimeout{60};
+  void set_upload_idle_timeout(std::chrono::milliseconds idle) { upload_idle_ms_ = idle.count(); }
 
  private:
   grpc::Status Authorise(grpc::ServerContext* ctx, const std::string& claimed_site);
@@ -95,9 +106,11 @@ class CoordinatorService final : public v1::Coordinator::Service {
   CoordinatorHandler* handler_;
   std::atomic<int64_t> handled_{0};
   std::atomic<int64_t> uploads_{0};  // names each upload's temporary file
+  std::atomic<int64_t> upload_idle_ms_{std::chrono::milliseconds(kUploadIdleTimeout).count()};
   std::mutex per_site_mu_;
   std::map<std::string, int64_t> command_streams_;  // by site: the newest stream's number; guarded
   std::map<std::string, int> uploading_;            // by site: PutFile calls running; guarded
+  std::map<std::string, int> fetching_;             // by site: GetFile calls running; guarded
 };
 
 }  // namespace meridian::rpc

@@ -12,6 +12,7 @@
 #include <array>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -368,6 +369,74 @@ void UseAsAnExecutorWould(CoordinatorClient* client, const fs::path& dir) {
   EXPECT_EQ(client->GetFile("a", "checkpoints/step-9/stage-0.json", back.string()).code(), absl::StatusCode::kNotFound);
 }
 
+// A site that begins uploads and sends nothing more cannot hold its upload slots: each is ended after the
+// idle timeout, leaves no file, and the site's next upload is served.
+TEST_F(CoordinatorAuthTest, StalledUploadsAreEndedAndFreeTheirSlots) {
+  service_->set_upload_idle_timeout(std::chrono::milliseconds(500));
+  auto creds = MakeChannelCredentials((dir_ / "ours").string(), "a");
+  ASSERT_TRUE(creds.ok());
+  auto stub = v1::Coordinator::NewStub(
+      grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(port_), *creds, PeerChannelArguments("coordinator")));
+  struct Stalled {
+    grpc::ClientContext ctx;
+    v1::FileAck ack;
+    std::unique_ptr<grpc::ClientWriter<v1::FileChunk>> writer;
+  };
+  std::vector<std::unique_ptr<Stalled>> stalled;
+  for (int i = 0; i < CoordinatorService::kUploadsPerSite; ++i) {
+    auto s = std::make_unique<Stalled>();
+    s->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    s->writer = stub->PutFile(&s->ctx, &s->ack);
+    v1::FileChunk c;
+    c.set_site("a");
+    c.set_job_id("job-1");
+    c.set_path("checkpoints/step-4/stage-" + std::to_string(i) + ".safetensors");
+    c.set_data(std::string(1000, 'x'));
+    ASSERT_TRUE(s->writer->Write(c));
+    stalled.push_back(std::move(s));
+  }
+  for (auto& s : stalled) EXPECT_EQ(s->writer->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_FALSE(fs::exists(dir_ / "store" / "checkpoints" / "step-4" / "stage-0.safetensors"));
+  for (const auto& e : fs::recursive_directory_iterator(dir_ / "store"))
+    EXPECT_FALSE(e.is_regular_file()) << e.path();  // no partial file either
+  v1::FileAck ack;
+  grpc::Status next =
+      Upload(dir_ / "ours", port_, "a", "a", "job-1", "checkpoints/step-4/stage-0.safetensors", "data", 4, "", &ack);
+  EXPECT_TRUE(next.ok()) << next.error_message();
+}
+
+// A coordinator that sends one chunk of a file and then nothing: the client gives up after its idle
+// timeout, not after a deadline guessed from the size.
+class StallingService final : public v1::Coordinator::Service {
+ public:
+  grpc::Status GetFile(grpc::ServerContext* ctx, const v1::FileRequest*,
+                       grpc::ServerWriter<v1::FileChunk>* writer) override {
+    v1::FileChunk c;
+    c.set_data(std::string(1000, 'x'));
+    writer->Write(c);
+    for (int i = 0; i < 300 && !ctx->IsCancelled(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    return grpc::Status::OK;
+  }
+};
+
+TEST_F(CoordinatorAuthTest, AFetchThatStopsMakingProgressFailsAfterTheIdleTimeout) {
+  StallingService stalling;
+  grpc::ServerBuilder builder;
+  ConfigureServer(&builder);
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", *MakeServerCredentials((dir_ / "ours").string(), "coordinator"), &port);
+  builder.RegisterService(&stalling);
+  auto server = builder.BuildAndStart();
+  ASSERT_TRUE(server);
+  auto client = ConnectCoordinator((dir_ / "ours").string(), "a", "127.0.0.1:" + std::to_string(port),
+                                   std::chrono::milliseconds(700));
+  ASSERT_TRUE(client.ok());
+  absl::Status s = (*client)->GetFile("a", "checkpoints/step-4/stage-0.safetensors", (dir_ / "got").string());
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("no progress for"));
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+}
+
 TEST_F(CoordinatorAuthTest, TheGrpcCoordinatorClientServesAnExecutor) {
   auto client = ConnectCoordinator((dir_ / "ours").string(), "a", "127.0.0.1:" + std::to_string(port_));
   ASSERT_TRUE(client.ok()) << client.status();
@@ -407,7 +476,7 @@ TEST_F(CoordinatorAuthTest, ASiteOpeningManyCommandStreamsHoldsOne) {
   IdleHandler idle;
   CoordinatorService service(std::set<std::string>{"a", "b"}, &idle);
   grpc::ServerBuilder builder;
-  ConfigureServer(&builder);
+  ConfigureServer(&builder, ServerThreadsFor(2, CoordinatorService::kStreamsPerSite));  // as `meridian run` does
   int port = 0;
   builder.AddListeningPort("127.0.0.1:0", *MakeServerCredentials((dir_ / "ours").string(), "coordinator"), &port);
   builder.RegisterService(&service);
@@ -415,7 +484,9 @@ TEST_F(CoordinatorAuthTest, ASiteOpeningManyCommandStreamsHoldsOne) {
   ASSERT_TRUE(server);
   const std::string address = "127.0.0.1:" + std::to_string(port);
   // Raw streams. Under load the server may start their handlers in any order and late, so: open 1,000,
-  // wait until every one reached the service, then open one more, which supersedes whichever was held.
+  // wait until the service has seen all it will, then open one more, which supersedes whichever was held.
+  // With the thread cap, streams that find every thread busy are refused by gRPC (ResourceExhausted)
+  // rather than queued; the others reach the service and are superseded.
   auto creds = MakeChannelCredentials((dir_ / "ours").string(), "a");
   ASSERT_TRUE(creds.ok());
   auto stub = v1::Coordinator::NewStub(grpc::CreateCustomChannel(address, *creds, PeerChannelArguments("coordinator")));
@@ -433,18 +504,25 @@ TEST_F(CoordinatorAuthTest, ASiteOpeningManyCommandStreamsHoldsOne) {
   };
   std::vector<std::unique_ptr<Open>> streams;
   for (int i = 0; i < 1000; ++i) streams.push_back(open());
-  for (int i = 0; i < 1200 && service.handled_calls() < 1000; ++i)
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  ASSERT_EQ(service.handled_calls(), 1000);
+  for (int i = 0, quiet = 0; i < 1200 && service.handled_calls() < 1000 && quiet < 10; ++i) {
+    const int64_t before = service.handled_calls();
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    quiet = service.handled_calls() == before ? quiet + 1 : 0;
+  }
   std::this_thread::sleep_for(std::chrono::seconds(1));  // each registers its stream just after that count
   auto last = open();
-  int superseded = 0;
+  int superseded = 0, refused = 0;
   for (auto& o : streams) {
     v1::Command c;
     EXPECT_FALSE(o->reader->Read(&c));
-    superseded += o->reader->Finish().error_code() == grpc::StatusCode::CANCELLED;
+    const grpc::Status s = o->reader->Finish();
+    superseded += s.error_code() == grpc::StatusCode::CANCELLED;
+    refused += s.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED;
   }
-  EXPECT_EQ(superseded, 1000);
+  EXPECT_EQ(superseded + refused, 1000) << superseded << " superseded, " << refused << " refused";
+  std::cout << superseded << " superseded, " << refused << " refused by the thread cap\n";
+  EXPECT_GE(superseded, 1);
+  EXPECT_LE(service.handled_calls(), 1001);
   last->ctx.TryCancel();
   (void)last->reader->Finish();
   // The other site is still served.

@@ -32,11 +32,18 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
 // subjectAltName, so the TLS hostname check uses the site name whatever address is dialled.
 grpc::ChannelArguments PeerChannelArguments(const std::string& peer_name);
 
-// Threads a server may run calls on (each running call holds one); 0: gRPC's default, unbounded. Not
-// bounded by default: with gRPC 1.51's sync server, calls beyond the bound wait for a thread instead of
-// being refused, so one site opening calls without end would starve the others. Services bound what one
-// site may hold open instead (CoordinatorService: one command stream, kUploadsPerSite uploads).
+// Threads a server may run calls on (each running call holds one); 0: gRPC's default, unbounded. With
+// gRPC 1.51's sync server, calls beyond the bound wait for a thread instead of being refused, so a bound
+// alone would let one site starve the others: the services first bound what each client may hold open
+// (CoordinatorService::kStreamsPerSite, PeerLimits::max_streams_per_peer), and ServerThreadsFor sizes the
+// bound above their sum.
 inline constexpr int kServerThreads = 0;
+// Threads for `clients` clients of `streams_per_client` long-lived calls each, plus room for short unary
+// calls (which hold a thread only while they run): the server's thread cap.
+inline int ServerThreadsFor(int clients, int streams_per_client) {
+  constexpr int kUnaryHeadroom = 32;
+  return clients * streams_per_client + kUnaryHeadroom;
+}
 
 // Message-size limits and keepalive policy matching PeerChannelArguments, no SO_REUSEPORT (a port in use
 // fails to bind), and at most `max_threads` threads for calls (0: unbounded); call on every ServerBuilder.

@@ -132,25 +132,32 @@ grpc::Status PeerService::Authorise(grpc::ServerContext* ctx, std::string* peer)
   return grpc::Status::OK;
 }
 
+PeerService::StreamSlot::StreamSlot(PeerService* service, std::string peer)
+    : service_(service), peer_(std::move(peer)) {
+  std::lock_guard<std::mutex> l(service_->allowed_mu_);
+  if (service_->open_streams_[peer_] >= service_->limits_.max_streams_per_peer) return;
+  ++service_->open_streams_[peer_];
+  held_ = true;
+}
+
+PeerService::StreamSlot::~StreamSlot() {
+  if (!held_) return;
+  std::lock_guard<std::mutex> l(service_->allowed_mu_);
+  --service_->open_streams_[peer_];
+}
+
+grpc::Status PeerService::StreamSlot::Refusal() const {
+  return {
+      grpc::StatusCode::RESOURCE_EXHAUSTED,
+      absl::StrCat("peer '", peer_, "' already has ", service_->limits_.max_streams_per_peer, " streams open here")};
+}
+
 grpc::Status PeerService::Stream(grpc::ServerContext* ctx, grpc::ServerReader<v1::TensorChunk>* reader,
                                  v1::StreamAck* ack) {
   std::string peer;
   if (grpc::Status s = Authorise(ctx, &peer); !s.ok()) return s;
-  {
-    std::lock_guard<std::mutex> l(allowed_mu_);
-    if (open_streams_[peer] >= limits_.max_streams_per_peer)
-      return {grpc::StatusCode::RESOURCE_EXHAUSTED,
-              absl::StrCat("peer '", peer, "' already has ", limits_.max_streams_per_peer, " streams open here")};
-    ++open_streams_[peer];
-  }
-  struct Close {
-    PeerService* s;
-    std::string peer;
-    ~Close() {
-      std::lock_guard<std::mutex> l(s->allowed_mu_);
-      --s->open_streams_[peer];
-    }
-  } close{this, peer};
+  StreamSlot slot(this, peer);
+  if (!slot.held()) return slot.Refusal();
   inbox_->ClearPeer(peer);
   struct Partial {
     std::vector<uint8_t> data;  // grows as the bytes arrive (probe payloads are counted, not kept)
@@ -245,6 +252,8 @@ grpc::Status PeerService::Pull(grpc::ServerContext* ctx, const v1::PullRequest* 
                                grpc::ServerWriter<v1::TensorChunk>* writer) {
   std::string peer;
   if (grpc::Status s = Authorise(ctx, &peer); !s.ok()) return s;
+  StreamSlot slot(this, peer);  // a probe holds a thread while it writes: it counts as a stream
+  if (!slot.held()) return slot.Refusal();
   if (req->bytes() < 0 || req->bytes() > kMaxFrameBytes)
     return {grpc::StatusCode::INVALID_ARGUMENT, "pull size out of range"};
   const int chunk = req->chunk_bytes() > 0 ? std::min(req->chunk_bytes(), kChunkBytes) : kChunkBytes;

@@ -80,7 +80,7 @@ class TensorInbox {
 struct PeerLimits {
   int64_t max_frame_bytes = int64_t{2} << 30;  // a frame may claim at most this
   int max_partial_frames = 16;                 // frames begun and not finished, per stream
-  int max_streams_per_peer = 4;                // streams open at once from one peer
+  int max_streams_per_peer = 4;                // streams (tensor streams and probes) open at once from one peer
   // Bytes a peer's frames may occupy: the ones waiting in the inbox plus its streams' partial frames.
   int64_t max_peer_bytes = int64_t{2} << 30;
 };
@@ -113,6 +113,19 @@ class PeerService final : public v1::Peer::Service {
 
  private:
   grpc::Status Authorise(grpc::ServerContext* ctx, std::string* peer);
+  // One of `peer`'s limits.max_streams_per_peer streams (Stream and Pull calls), held for the call's life.
+  class StreamSlot {
+   public:
+    StreamSlot(PeerService* service, std::string peer);
+    ~StreamSlot();
+    bool held() const { return held_; }
+    grpc::Status Refusal() const;  // ResourceExhausted naming the peer
+
+   private:
+    PeerService* service_;
+    std::string peer_;
+    bool held_ = false;
+  };
   std::string self_;
   std::mutex allowed_mu_;
   std::set<std::string> allowed_;            // guarded by allowed_mu_
