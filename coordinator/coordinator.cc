@@ -166,9 +166,10 @@ void Coordinator::SetFileDir(const std::string& dir) {
 
 void Coordinator::SetFileWriters(std::map<std::string, int> writers, int64_t max_step, int64_t max_bytes,
                                  int checkpoint_interval, int64_t resume_step,
-                                 std::map<std::string, std::set<std::string>> readable) {
+                                 std::map<std::string, std::set<std::string>> readable, int64_t quota_bytes) {
   std::lock_guard<std::mutex> l(mu_);
   readable_ = std::move(readable);
+  quota_bytes_ = quota_bytes;
   file_writers_ = std::move(writers);
   file_max_step_ = max_step;
   file_max_bytes_ = max_bytes;
@@ -187,6 +188,7 @@ absl::StatusOr<rpc::CoordinatorHandler::FileGrant> Coordinator::FileDestination(
   const int stage = file->stage;
   FileGrant grant;
   std::string dir;
+  int64_t quota = 0;
   {
     std::lock_guard<std::mutex> l(mu_);
     if (file_dir_.empty())
@@ -219,6 +221,7 @@ absl::StatusOr<rpc::CoordinatorHandler::FileGrant> Coordinator::FileDestination(
     }
     dir = file_dir_;
     grant.max_bytes = file_max_bytes_;
+    quota = quota_bytes_;
   }
   const std::filesystem::path dest = std::filesystem::path(dir) / path;
   std::error_code ec;
@@ -226,6 +229,23 @@ absl::StatusOr<rpc::CoordinatorHandler::FileGrant> Coordinator::FileDestination(
   if (ec)
     return absl::InternalError(absl::StrCat("site '", site, "' sent ", path, ": cannot create ",
                                             dest.parent_path().string(), ": ", ec.message()));
+  if (quota > 0) {  // what is stored (partial uploads included) and what the disk has left bound the grant
+    int64_t used = 0;
+    for (const char* sub : {"checkpoints", "weights"})
+      for (auto it = std::filesystem::recursive_directory_iterator(std::filesystem::path(dir) / sub, ec);
+           !ec && it != std::filesystem::recursive_directory_iterator(); it.increment(ec))
+        if (it->is_regular_file(ec)) used += static_cast<int64_t>(it->file_size(ec));
+    ec.clear();
+    const std::filesystem::space_info disk = std::filesystem::space(dest.parent_path(), ec);
+    const int64_t free_bytes = ec ? 0 : static_cast<int64_t>(disk.available);
+    const int64_t room = std::min(quota - used, free_bytes - (int64_t{64} << 20));
+    if (room <= 0)
+      return absl::ResourceExhaustedError(
+          absl::StrCat("site '", site, "' sent ", path, ", but the coordinator's store is full: ", used,
+                       " bytes stored of its ", quota, "-byte quota, ", free_bytes, " bytes free on the disk"));
+    grant.max_bytes = std::min(grant.max_bytes, room);
+    ec.clear();
+  }
   grant.path = dest.string();
   return grant;
 }

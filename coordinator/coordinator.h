@@ -93,10 +93,12 @@ class Coordinator : public rpc::CoordinatorHandler {
   // shard its writer sent (stage, the plan's number of stages, SHA-256); once every writer sent both
   // files of a step, the coordinator writes the step's manifest (core/checkpoint_dir.h), which alone
   // makes the step count. A site fetches only the files `readable` lists for it (the run machine's choice:
-  // every stage JSON of `resume_step` and the shards holding its own stage's tensors). BeginJob clears it.
+  // every stage JSON of `resume_step` and the shards holding its own stage's tensors). With `quota_bytes`
+  // > 0 the files under the run directory's checkpoints/ and weights/ may total at most that: an upload
+  // is granted what is left of it, and of the filesystem's free space. BeginJob clears it.
   void SetFileWriters(std::map<std::string, int> writers, int64_t max_step, int64_t max_bytes,
                       int checkpoint_interval = 0, int64_t resume_step = 0,
-                      std::map<std::string, std::set<std::string>> readable = {});
+                      std::map<std::string, std::set<std::string>> readable = {}, int64_t quota_bytes = 0);
   // What Inspect reports besides the live state: the run's profile, graph and current plan (JSON).
   void SetRunInfo(std::string profile_json, std::string graph_json, std::string plan_json);
   // Per-site logs: from now on LogSite appends its lines with a UTC timestamp to DIR/<site>.log. The run
@@ -147,6 +149,7 @@ class Coordinator : public rpc::CoordinatorHandler {
   int checkpoint_interval_ = 0;
   int64_t resume_step_ = 0;
   std::map<std::string, std::set<std::string>> readable_;  // site -> the run files it may fetch
+  int64_t quota_bytes_ = 0;                                // 0: none
   struct StepUploads {  // what the writers of the running attempt sent of one checkpoint step
     std::map<int, std::string> shard_sha256, meta_sha256;  // by stage
   };

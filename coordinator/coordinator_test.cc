@@ -116,6 +116,32 @@ TEST(CoordinatorFiles, OnlyEachStagesWriterSendsItsOwnFilesOfTheRunningAttempt) 
   fs::remove_all(dir);
 }
 
+// The store's quota bounds what sites may upload, whatever each file's own bound.
+TEST(CoordinatorFiles, UploadsAreGrantedWhatIsLeftOfTheStoresQuota) {
+  const fs::path dir = fs::temp_directory_path() / ("meridian_quota_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  core::ClusterSpec spec;
+  spec.name = "t";
+  spec.sites = {{"a", {"127.0.0.1", 2}}};
+  Coordinator c(spec, "run");
+  c.SetFileDir(dir.string());
+  c.BeginJob("j", {{"a", 0}});
+  c.SetFileWriters({{"a", 0}}, 100, 1 << 20, 10, 0, {}, 5000);
+  auto first = c.FileDestination("a", "j", "checkpoints/step-10/stage-0.safetensors");
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(first->max_bytes, 5000);  // the quota, below the file's own bound
+  std::ofstream(first->path) << std::string(4000, 'x');
+  auto second = c.FileDestination("a", "j", "checkpoints/step-10/stage-0.json");
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(second->max_bytes, 1000);
+  fs::create_directories(dir / "weights");
+  std::ofstream(dir / "weights" / "stage-0.safetensors") << std::string(1000, 'x');  // weights count too
+  auto full = c.FileDestination("a", "j", "checkpoints/step-10/stage-0.json");
+  EXPECT_EQ(full.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(full.status().message()), testing::HasSubstr("the coordinator's store is full"));
+  fs::remove_all(dir);
+}
+
 // A compromised stage writer cannot make a forged or premature step count: a step counts only once the
 // coordinator has each writer's shard and a JSON that describes it, and has written the manifest.
 TEST(CoordinatorFiles, OnlyAManifestedStepCountsAndForgedUploadsAreRefused) {

@@ -247,8 +247,24 @@ class RunDriver {
 
   // The run's exit code: 0 trained, 1 failed, 2 bad certificates.
   int Main() {
+    RunConfig config = MachineConfig();
+    if (config.job.checkpoint.store == core::CheckpointStore::kCoordinator) {
+      // The store's quota must fit on the disk before any site is asked to train.
+      std::error_code ec;
+      const fs::space_info disk = fs::space(in_.run_dir, ec);
+      const int64_t quota = StoreQuotaBytes(config);
+      if (!ec && static_cast<int64_t>(disk.available) < quota) {
+        std::cerr << absl::StrFormat(
+            "meridian run: %s: job.checkpoint.store: coordinator keeps up to %.2f GiB (%d checkpoints kept, one being "
+            "written, one arriving, and the weights), but only %.2f GiB is free there; free space, lower "
+            "job.checkpoint.keep, or use store: shared\n",
+            in_.run_dir, quota / double(int64_t{1} << 30), config.job.checkpoint.keep,
+            disk.available / double(int64_t{1} << 30));
+        return 1;
+      }
+    }
     if (int rc = StartServices(); rc != 0) return rc;
-    RunMachine machine(MachineConfig());
+    RunMachine machine(std::move(config));
     std::set<std::string> silent;
     std::optional<int> exit = Perform(machine.Handle({clock_(), RunStarted{}}));
     while (!exit) {
@@ -327,7 +343,7 @@ class RunDriver {
             } else if constexpr (std::is_same_v<T, BeginAttempt>) {
               coord_.BeginJob(a.job_id, a.stages);
               coord_.SetFileWriters(a.file_writers, a.max_step, a.max_file_bytes, a.checkpoint_interval, a.resume_step,
-                                    a.readable);
+                                    a.readable, a.store_quota_bytes);
             } else if constexpr (std::is_same_v<T, PublishRunInfo>) {
               coord_.SetRunInfo(a.profile_json, a.graph_json, a.plan_json);
             } else if constexpr (std::is_same_v<T, WriteRunFile>) {

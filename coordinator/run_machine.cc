@@ -275,7 +275,8 @@ void RunMachine::StartAttempt() {
     for (const auto& site : plan_->stages[k].site_names) readable[site].insert(files.begin(), files.end());
   }
   Out(BeginAttempt{job_id_, std::move(stages), std::move(writers), c_.steps, max_file_bytes_,
-                   store ? c_.job.checkpoint.interval : 0, std::max<int64_t>(resume_step_, 0), std::move(readable)});
+                   store ? c_.job.checkpoint.interval : 0, std::max<int64_t>(resume_step_, 0), std::move(readable),
+                   store ? StoreQuotaBytes(c_) : 0});
   // What an abandoned attempt left above the resume point would otherwise mix with the steps written
   // again (after BeginAttempt: no file of the attempt before lands any more).
   if (store && resume_step_ > 0) Out(RemoveCheckpointsAbove{resume_step_});
@@ -374,6 +375,13 @@ absl::Status RunMachine::FindResumePoint() {
   Say(absl::StrCat("resuming from step ", resume_step_, " of the coordinator's checkpoints (", resume_files_->path,
                    ")\n"));
   return absl::OkStatus();
+}
+
+int64_t StoreQuotaBytes(const RunConfig& c) {
+  double state_bytes = 0;
+  for (const auto& op : c.graph.ops) state_bytes += op.param_bytes + op.optimizer_bytes;
+  const int64_t per_step = static_cast<int64_t>(state_bytes) + (int64_t{64} << 20);
+  return (c.job.checkpoint.keep + 3) * per_step;  // keep + 2 steps, and the weights
 }
 
 std::vector<std::string> RunMachine::ResumeFilesFor(size_t k) const {

@@ -87,6 +87,7 @@ struct BeginAttempt {
   // store: coordinator, resuming: the files of resume_step each site may fetch (its assignment's
   // resume_files).
   std::map<std::string, std::set<std::string>> readable;
+  int64_t store_quota_bytes = 0;  // StoreQuotaBytes; 0: the store is not used
 };
 // What `meridian status` and `meridian profile` show of the run (JSON).
 struct PublishRunInfo {
@@ -148,6 +149,13 @@ struct RunConfig {
   // job.checkpoint.store: coordinator.
   std::function<absl::StatusOr<core::CheckpointFiles>(std::string* skipped)> find_checkpoint;
 };
+
+// The most the coordinator's store (the run directory's checkpoints/ and weights/, with
+// job.checkpoint.store: coordinator) may hold: job.checkpoint.keep + 2 steps (the kept ones, the one being
+// written, the one arriving) and the final weights, each at most the model's training state (the graph's
+// parameter and optimizer bytes) plus 64 MiB of headers. Uploads beyond it are refused; `meridian run`
+// checks it against the free space before any site joins.
+int64_t StoreQuotaBytes(const RunConfig& config);
 
 class RunMachine {
  public:

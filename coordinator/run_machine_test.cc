@@ -444,6 +444,8 @@ TEST(RunMachine, TheCoordinatorsStoreResumesFromItsNewestStepAndIsPruned) {
   // The coordinator serves each site those files alone.
   auto begun = All<BeginAttempt>(resumed);
   ASSERT_EQ(begun.size(), 1u);
+  EXPECT_EQ(begun[0].store_quota_bytes, StoreQuotaBytes(c));
+  EXPECT_GT(StoreQuotaBytes(c), 5 * (int64_t{64} << 20));  // keep 2: four steps' and the weights' headers at least
   EXPECT_EQ(begun[0].readable["b"].count("checkpoints/step-10/stage-0.safetensors"), 0u);
   EXPECT_EQ(begun[0].readable["b"].count("checkpoints/step-10/stage-2.safetensors"), 1u);
   EXPECT_EQ(begun[0].readable["a"].count("checkpoints/step-10/stage-2.safetensors"), 0u);

@@ -59,7 +59,7 @@ class IdleWatch {
   std::atomic<bool> fired_{false};
   std::mutex mu_;
   std::condition_variable cv_;
-  bool done_ = false;  // guarded by mu_
+  bool done_ = false;   // guarded by mu_
   std::thread thread_;  // last: starts once the members above are built
 };
 

@@ -97,6 +97,22 @@ void ExpectWeightsOfTheReference(const fs::path& dir) {
   for (const auto& [name, t] : want->tensors) EXPECT_LE(testing::RelativeL2(got[name], t), 1e-5) << name;
 }
 
+// A store that cannot fit on the disk is refused before any site is asked to train: a 70B-parameter
+// model's training state, times the checkpoints kept, is far more than this machine's disk.
+TEST_F(CoordinatorTest, ACoordinatorStoreLargerThanTheDiskIsRefusedAtStart) {
+  std::ofstream(dir_ / "model" / "config.json")
+      << R"({"vocab_size": 32000, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+            "num_attention_heads": 64, "num_key_value_heads": 8})";
+  SetSteps(10);
+  std::ofstream(dir_ / "job.yaml", std::ios::app) << "  checkpoint: {interval: 5, keep: 3, store: coordinator}\n";
+  auto coord = Coordinator();
+  const std::string out = coord->ReadAll(60s);
+  EXPECT_EQ(coord->Wait(30s), 1) << out;
+  EXPECT_THAT(out, HasSubstr("job.checkpoint.store: coordinator keeps up to"));
+  EXPECT_THAT(out, HasSubstr("3 checkpoints kept"));
+  EXPECT_THAT(out, Not(HasSubstr("join each site with")));
+}
+
 TEST_F(CoordinatorTest, JoinProfilePlanTrainMatchesTheReference) {
   SetSteps(3);
   const int metrics_port = FreePort();
