@@ -699,6 +699,11 @@ absl::StatusOr<std::vector<uint8_t>> Encode(const core::TensorView& in, const Co
   return frame;
 }
 
+int64_t MaxEncodedBytes(int64_t numel) {
+  numel = std::max<int64_t>(numel, 0);
+  return 4 * numel + numel / 4 + (int64_t{64} << 10);
+}
+
 absl::StatusOr<FrameInfo> InspectFrame(const uint8_t* data, size_t size) {
   auto h = ParseHeader(data, size, DecodeLimits{});
   if (!h.ok()) return h.status();

@@ -66,6 +66,12 @@ absl::StatusOr<core::Tensor> Decode(const uint8_t* data, size_t size, const Deco
 absl::Status DecodeInto(const uint8_t* data, size_t size, core::DType dtype, const std::vector<int64_t>& shape,
                         void* out);
 
+// An upper bound on the frame -- or AQ-SGD delta message (activation_delta.h) -- that any codec makes of a
+// float32 tensor of `numel` elements: identity's 4 bytes an element, plus room for top-k's bitmap, block
+// scales, zstd's worst case and headers. A receiver checks a frame's claimed size against it before
+// buffering, so a peer cannot make it hold more than its tensors justify.
+int64_t MaxEncodedBytes(int64_t numel);
+
 // Header facts of a frame without decoding it (validated as in Decode).
 struct FrameInfo {
   CodecSpec spec;

@@ -141,6 +141,24 @@ TEST(Codec, Fp16SaturatesInsteadOfOverflowing) {
   EXPECT_THAT(std::string(b.status().message()), HasSubstr("non-finite"));
 }
 
+// The receivers' bound on a frame's size holds for every codec, even on incompressible data.
+TEST(Codec, MaxEncodedBytesBoundsEveryCodec) {
+  for (int64_t n : {1, 7, 1000, 65537}) {
+    std::vector<float> x(static_cast<size_t>(n));
+    std::mt19937 rng(static_cast<unsigned>(n));
+    std::uniform_real_distribution<float> u(-1e3f, 1e3f);
+    for (auto& v : x) v = u(rng);
+    for (const char* c : {"identity", "identity+zstd", "fp16", "bf16+zstd", "int8", "int4+zstd", "int2", "topk:k=1",
+                          "topk:k=1+zstd", "topk-int8:k=1", "topk:k=0.5"}) {
+      auto spec = CodecSpec::Parse(c);
+      ASSERT_TRUE(spec.ok()) << c;
+      auto f = Encode(View(x, {n}), *spec);
+      ASSERT_TRUE(f.ok()) << c << f.status();
+      EXPECT_LE(static_cast<int64_t>(f->size()), MaxEncodedBytes(n)) << c << " " << n;
+    }
+  }
+}
+
 TEST(Codec, TopKKeepsExactlyTheLargestAndIsExactThere) {
   auto x = Gaussian(100000, 3);
   auto f = Encode(View(x, {100000}), *CodecSpec::Parse("topk:k=0.01"));

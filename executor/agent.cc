@@ -369,6 +369,7 @@ void Agent::OnAssign(const v1::StageAssignment& pa) {
     auto created = StageWorker::Create(*setup, a, &inbox_, o_.certs, o_.site, device_, std::chrono::seconds(60));
     if (!created.ok()) return created.status();
     worker = std::move(*created);
+    peer_service_.SetFrameBounds(worker->ExpectedFrames());
     // Checkpoints: job.checkpoint.dir (store: shared), or a scratch directory whose shards go to the
     // coordinator (store: coordinator), from which a resumed stage fetches the step it is given.
     const bool via_coordinator = pa.checkpoints_to_coordinator();
@@ -488,6 +489,7 @@ void Agent::OnAssign(const v1::StageAssignment& pa) {
   // job's frames. The per-peer bounds hold meanwhile.
   peer_service_.SetAllowedPeers(cluster_sites_);
   peer_service_.SetJob(std::nullopt);
+  peer_service_.SetFrameBounds({});  // the next attempt's shapes may differ (another micro-batch count)
   (void)coordinator_->ReportDone(result, kReportTimeout);
 }
 

@@ -82,6 +82,7 @@ int RunStatic(const executor::ExecutorOptions& o, const std::string& assignment_
       executor::StageWorker::Create(*setup, *a, &inbox, o.certs, o.site, device, std::chrono::seconds(timeout_s));
   if (!created.ok()) return fail(created.status());
   executor::StageWorker& worker = **created;
+  service.SetFrameBounds(worker.ExpectedFrames());
   // Checkpoints: job.checkpoint.dir (relative to the job file) every job.checkpoint.interval steps.
   executor::StageRun run;
   run.steps = steps;

@@ -594,6 +594,17 @@ absl::Status StageWorker::Restore(const Checkpoint& c) {
   });
 }
 
+rpc::FrameBounds StageWorker::ExpectedFrames() const {
+  rpc::FrameBounds b;
+  b.activations = compression::MaxEncodedBytes(int64_t{setup_.micro_batch_size} * setup_.job.sequence_length *
+                                               setup_.model.shape.hidden_size);
+  int64_t largest = a_.bucket_bytes / 4;
+  for (const auto& [n, p] : model_->parameters()) largest = std::max<int64_t>(largest, p.numel());
+  b.replica_gradients = compression::MaxEncodedBytes(largest);
+  b.control = compression::MaxEncodedBytes(16);  // two doubles (send_pair)
+  return b;
+}
+
 std::set<std::string> StageWorker::CheckpointTensorNames() const {
   std::set<std::string> names;
   for (const auto& [n, p] : model_->parameters()) names.insert({n, "optim.m." + n, "optim.v." + n});

@@ -92,6 +92,10 @@ class StageWorker {
   // Closes the outgoing streams (waits for the neighbours' acknowledgements).
   absl::Status Finish();
   std::map<std::string, torch::Tensor> Parameters() const;
+  // The largest frame this stage's peers can rightly send it, by direction: its micro-batch's activations
+  // (or their gradients), a replica gradient bucket (at least its largest parameter), a control message.
+  // The peer service refuses frames claiming more (PeerService::SetFrameBounds).
+  rpc::FrameBounds ExpectedFrames() const;
   // The checkpoint tensors Restore uses: each trained parameter and its two AdamW moments, by name.
   std::set<std::string> CheckpointTensorNames() const;
   // Replica 0 of each stage writes the stage's checkpoint shards and weights (all replicas hold the same).

@@ -113,6 +113,11 @@ void PeerService::SetJob(std::optional<std::string> job_id) {
   job_ = std::move(job_id);
 }
 
+void PeerService::SetFrameBounds(FrameBounds bounds) {
+  std::lock_guard<std::mutex> l(allowed_mu_);
+  bounds_ = bounds;
+}
+
 void PeerService::SetAllowedPeers(std::set<std::string> allowed_peers) {
   std::lock_guard<std::mutex> l(allowed_mu_);
   allowed_ = std::move(allowed_peers);
@@ -177,7 +182,14 @@ grpc::Status PeerService::Stream(grpc::ServerContext* ctx, grpc::ServerReader<v1
     TensorKey key = KeyOf(c);
     if (key.direction != v1::PROBE) job = key.job_id;
     const bool probe = key.direction == v1::PROBE;
-    const int64_t max_frame = probe ? kMaxFrameBytes : limits_.max_frame_bytes;
+    int64_t max_frame = probe ? kMaxFrameBytes : limits_.max_frame_bytes;
+    if (!probe) {
+      std::lock_guard<std::mutex> l(allowed_mu_);
+      const int64_t bound = key.direction == v1::REPLICA_GRADIENT ? bounds_.replica_gradients
+                            : key.direction == v1::CONTROL        ? bounds_.control
+                                                                  : bounds_.activations;
+      if (bound > 0) max_frame = std::min(max_frame, bound);
+    }
     if (c.frame_bytes() <= 0 || c.frame_bytes() > max_frame)
       return fail(grpc::StatusCode::INVALID_ARGUMENT,
                   absl::StrCat("peer '", peer, "' sent ", key.ToString(), " with frame size ", c.frame_bytes(),

@@ -85,6 +85,15 @@ struct PeerLimits {
   int64_t max_peer_bytes = int64_t{2} << 30;
 };
 
+// The largest frame a stage expects per direction (0: only PeerLimits::max_frame_bytes bounds it), from
+// its tensors' shapes (compression::MaxEncodedBytes): activations and their gradients, replica gradient
+// buckets, control messages.
+struct FrameBounds {
+  int64_t activations = 0;        // FORWARD and BACKWARD
+  int64_t replica_gradients = 0;  // REPLICA_GRADIENT
+  int64_t control = 0;            // CONTROL
+};
+
 // The Peer service. Only callers whose certificate CN is in `allowed_peers` are served; others get
 // PermissionDenied before any chunk is read. A stream's frames are buffered as their bytes arrive (never
 // at the size a chunk claims) within `limits`; a peer that exceeds them has its stream ended with
@@ -97,6 +106,10 @@ class PeerService final : public v1::Peer::Service {
   // counted in dropped_frames(). An empty id drops every frame (probes still work); nullopt, the default,
   // delivers every job's frames (static mode).
   void SetJob(std::optional<std::string> job_id);
+  // From now on a frame claiming more than `bounds` allows for its direction ends its stream with
+  // InvalidArgument naming the peer and the key (probes keep their own bound). Default: none beyond the
+  // limits. Set by a stage once it knows its shapes.
+  void SetFrameBounds(FrameBounds bounds);
   int64_t dropped_frames() const { return dropped_frames_.load(); }
   // Replaces who is served from now on (a joined executor narrows it to its stage's peers while it runs
   // an assignment); streams already open go on.
@@ -131,6 +144,7 @@ class PeerService final : public v1::Peer::Service {
   std::set<std::string> allowed_;            // guarded by allowed_mu_
   std::optional<std::string> job_;           // guarded by allowed_mu_
   std::map<std::string, int> open_streams_;  // by peer; guarded by allowed_mu_
+  FrameBounds bounds_;                       // guarded by allowed_mu_
   TensorInbox* inbox_;
   const PeerLimits limits_;
   std::atomic<int64_t> dropped_frames_{0};

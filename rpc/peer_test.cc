@@ -343,5 +343,36 @@ TEST_F(PeerTest, OnlyTheCurrentJobsFramesFromTheCurrentPeersAreDelivered) {
   EXPECT_FALSE((*refused)->Send({"attempt-2", 1, 0, 0, v1::FORWARD, 0}, Frame(1000)).ok() && (*refused)->Finish().ok());
 }
 
+// A frame larger than its key's tensors justify is refused before it is buffered, per direction.
+TEST_F(PeerTest, AFrameLargerThanItsDirectionExpectsIsRefusedNamingPeerAndKey) {
+  StartServer();
+  FrameBounds bounds;
+  bounds.activations = compression::MaxEncodedBytes(1000);
+  bounds.control = compression::MaxEncodedBytes(16);
+  service_->SetFrameBounds(bounds);
+  {
+    auto stream = Client("a")->OpenStream(std::chrono::seconds(30));
+    ASSERT_TRUE(stream.ok());
+    ASSERT_TRUE((*stream)->Send({"j", 0, 0, 0, v1::FORWARD, 0}, Frame(1000, "identity")).ok());
+    // Replica buckets have no bound set here: only the limits' bound applies.
+    ASSERT_TRUE((*stream)->Send({"j", 0, 0, 0, v1::REPLICA_GRADIENT, 0}, Frame(100000, "identity")).ok());
+    EXPECT_TRUE((*stream)->Finish().ok());
+  }
+  EXPECT_TRUE(inbox_.Wait("a", {"j", 0, 0, 0, v1::FORWARD, 0}, Clock::now() + std::chrono::seconds(5)).ok());
+  for (v1::Direction d : {v1::FORWARD, v1::BACKWARD, v1::CONTROL}) {
+    auto stream = Client("a")->OpenStream(std::chrono::seconds(30));
+    ASSERT_TRUE(stream.ok());
+    const TensorKey key{"j", 1, 0, 0, d, 0};
+    absl::Status sent = (*stream)->Send(key, Frame(100000, "identity"));
+    absl::Status done = sent.ok() ? (*stream)->Finish().status() : sent;
+    EXPECT_FALSE(done.ok()) << d;
+    auto waited = inbox_.Wait("a", key, Clock::now() + std::chrono::seconds(5));
+    ASSERT_FALSE(waited.ok());
+    EXPECT_THAT(std::string(waited.status().message()), HasSubstr("peer 'a' sent " + key.ToString()));
+    EXPECT_THAT(std::string(waited.status().message()), HasSubstr("at most"));
+    inbox_.ClearPeer("a");
+  }
+}
+
 }  // namespace
 }  // namespace meridian::rpc
