@@ -370,6 +370,7 @@ void Agent::OnAssign(const v1::StageAssignment& pa) {
     if (!created.ok()) return created.status();
     worker = std::move(*created);
     peer_service_.SetFrameBounds(worker->ExpectedFrames());
+    if (o_.fault_nan_gradient_step >= 0 && !nan_fault_fired_) worker->InjectNanGradientAt(o_.fault_nan_gradient_step);
     // Checkpoints: job.checkpoint.dir (store: shared), or a scratch directory whose shards go to the
     // coordinator (store: coordinator), from which a resumed stage fetches the step it is given.
     const bool via_coordinator = pa.checkpoints_to_coordinator();
@@ -474,6 +475,7 @@ void Agent::OnAssign(const v1::StageAssignment& pa) {
   if (worker) {
     result.set_wire_bytes(worker->wire_bytes());
     result.set_raw_bytes(worker->raw_bytes());
+    nan_fault_fired_ |= worker->nan_gradient_sent();
   }
   if (!run_result.status.ok()) {
     result.set_error(std::string(run_result.status.message()));

@@ -46,6 +46,7 @@ class Agent {
 
   const ExecutorOptions o_;
   const v1::RegisterResponse reg_;
+  bool nan_fault_fired_ = false;  // the injected fault (o_.fault_nan_gradient_step) fires in one attempt only
   rpc::CoordinatorClient* coordinator_;
   const std::set<std::string> cluster_sites_;  // every other site: who may connect while no stage runs
   const torch::Device device_;

@@ -17,6 +17,7 @@
 #include <iostream>
 #include <sstream>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/certs.h"
@@ -213,6 +214,11 @@ int main(int argc, char** argv) {
   app.add_option("--log-level", log_level,
                  "Diagnostics on stderr from this level up: trace, debug (every command and step), info, warning, "
                  "error, off");
+  std::string fault;
+  app.add_option("--fault", fault,
+                 "Tests only: nan-gradient:STEP sends the previous stage a NaN activation gradient at step STEP "
+                 "(0-based) of the first attempt that reaches it, as a compromised site would")
+      ->group("");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -232,6 +238,14 @@ int main(int argc, char** argv) {
   if (!options.ok()) {
     spdlog::error("{}", absl::StrCat(options.status().message()));
     return 2;
+  }
+  if (!fault.empty()) {
+    int64_t step = -1;
+    if (fault.rfind("nan-gradient:", 0) != 0 || !absl::SimpleAtoi(fault.substr(13), &step) || step < 0) {
+      spdlog::error("--fault '{}': expected nan-gradient:STEP", fault);
+      return 2;
+    }
+    options->fault_nan_gradient_step = step;
   }
   if (!profile_job.empty()) Leave(Guarded([&] { return RunProfile(*options, profile_job, out.empty() ? "." : out); }));
   // A site holds its own identity only: never the CA's key nor another site's (docs/security.md).

@@ -17,6 +17,10 @@ struct ExecutorOptions {
   std::string certs;        // directory with ca.pem, SITE.pem, SITE.key (from the spec: its bundles/SITE)
   std::string listen;       // host:port for the peer service (default: the site's address in the spec)
   std::string device = "cpu";
+  // Fault injection, for the hostile-site tests only (`--fault nan-gradient:STEP`): at optimizer step STEP
+  // (0-based) of the first attempt that reaches it, this site sends its previous stage a NaN activation
+  // gradient, as a compromised or broken site would. -1: none.
+  int64_t fault_nan_gradient_step = -1;
 };
 
 // Values given on the command line; unset ones fall back to the environment, then the spec.

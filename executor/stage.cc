@@ -7,6 +7,7 @@
 #include <cstring>
 #include <filesystem>
 #include <iostream>
+#include <limits>
 #include <set>
 
 #include <nlohmann/json.hpp>
@@ -428,7 +429,14 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
           if (s.output.requires_grad()) timed([&] { s.output.backward(*g); });
         }
         if (!model_->has_embed()) {
-          if (auto st = Send(*prev, {a_.job_id, step, mb, a_.stage, v1::BACKWARD, 0}, s.input.grad(), bwd_codec_,
+          torch::Tensor grad = s.input.grad();
+          if (step == nan_gradient_step_ && !nan_gradient_sent_) {  // fault injection (tests)
+            grad = torch::full_like(grad, std::numeric_limits<float>::quiet_NaN());
+            nan_gradient_sent_ = true;
+            spdlog::warn("{}", absl::StrCat(Where(), ": fault injection: a NaN activation gradient to '", *prev,
+                                            "' at step ", step + 1));
+          }
+          if (auto st = Send(*prev, {a_.job_id, step, mb, a_.stage, v1::BACKWARD, 0}, grad, bwd_codec_,
                              bwd_ef_.count(*prev) ? bwd_ef_[*prev].get() : nullptr);
               !st.ok())
             return st;

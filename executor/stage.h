@@ -96,6 +96,10 @@ class StageWorker {
   // (or their gradients), a replica gradient bucket (at least its largest parameter), a control message.
   // The peer service refuses frames claiming more (PeerService::SetFrameBounds).
   rpc::FrameBounds ExpectedFrames() const;
+  // Fault injection (ExecutorOptions::fault_nan_gradient_step): the first activation gradient this stage
+  // sends at step `step` is all NaN. nan_gradient_sent() says whether it was.
+  void InjectNanGradientAt(int64_t step) { nan_gradient_step_ = step; }
+  bool nan_gradient_sent() const { return nan_gradient_sent_; }
   // The checkpoint tensors Restore uses: each trained parameter and its two AdamW moments, by name.
   std::set<std::string> CheckpointTensorNames() const;
   // Replica 0 of each stage writes the stage's checkpoint shards and weights (all replicas hold the same).
@@ -169,6 +173,8 @@ class StageWorker {
   std::string scratch_dir_;
   std::unique_ptr<GradientAverager> averager_;  // with more than one replica
   int64_t wire_bytes_ = 0, raw_bytes_ = 0, replica_wire_bytes_ = 0, replica_raw_bytes_ = 0;
+  int64_t nan_gradient_step_ = -1;
+  bool nan_gradient_sent_ = false;
   int64_t replica_buckets_ = 0, replica_buckets_during_backward_ = 0;
   double compute_seconds_ = 0, wait_seconds_ = 0, send_blocked_seconds_ = 0, codec_seconds_ = 0;
 };

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <regex>
 #include <set>
 #include <thread>
 
@@ -452,6 +453,65 @@ TEST_F(CoordinatorTest, CheckpointsKeptByTheCoordinatorCarryARunOverALostSite) {
     for (std::string l; std::getline(in, l);) fetched += l.find("fetching checkpoints/step-") != std::string::npos;
   }
   EXPECT_GE(fetched, 2);  // at least each stage's own shard and JSON
+  ExpectWeightsOfTheReference(dir_);
+}
+
+// A compromised site during `meridian run` (#19): site c, holding its real bundle, forges uploads and a
+// fetch through the coordinator's API, and sends its neighbour a NaN activation gradient. The forgeries
+// are refused; the NaN fails the step at its neighbour, every stage resumes from the newest checkpoint
+// (finite values only), and the run ends with the weights of `meridian train-local`: nothing forged was
+// ever resumed from.
+TEST_F(CoordinatorTest, ACompromisedSitesForgeriesAreRefusedAndItsNanIsRecoveredFrom) {
+  SetSteps(40);
+  std::ofstream(dir_ / "job.yaml", std::ios::app) << "  checkpoint: {interval: 10, store: coordinator}\n";
+  std::ofstream(dir_ / "plan.json") << R"({"stages": [{"sites": ["a"], "last_op": 1}, {"sites": ["b"], "last_op": 3},
+                                                      {"sites": ["c"], "last_op": 5}]})";
+  auto coord = Coordinator("--plan " + (dir_ / "plan.json").string());
+  std::string log;
+  const std::string listening = ReadUntil(coord.get(), "coordinator for cluster", &log, 50);
+  std::smatch run_id;
+  ASSERT_TRUE(std::regex_search(listening, run_id, std::regex("\\(run ([^)]+)\\)"))) << log;
+  auto a = Executor("a"), b = Executor("b");
+  auto c =
+      std::make_unique<Process>(Bin("meridian-executor") + " --coordinator 127.0.0.1:" + std::to_string(coord_port_) +
+                                " --site c --certs " + (dir_ / "certs" / "bundles" / "c").string() +
+                                " --listen 127.0.0.1:" + std::to_string(ports_["c"]) + " --fault nan-gradient:30 2>&1");
+  ASSERT_TRUE(ReadUntilStep(coord.get(), 12, &log)) << log;  // step 10's checkpoint is in the store
+  // Site c's certificate, forged requests. Each is refused, whatever the timing within the run.
+  const std::string tool = Bin("meridian-peertool") + " %s --certs " + (dir_ / "certs" / "bundles" / "c").string() +
+                           " --self c --coordinator 127.0.0.1:" + std::to_string(coord_port_);
+  auto as_c = [&](const std::string& mode, const std::string& args) {
+    char head[4096];
+    std::snprintf(head, sizeof head, tool.c_str(), mode.c_str());
+    Process p(std::string(head) + " " + args + " 2>&1");
+    std::string out = p.ReadAll(30s);
+    return std::make_pair(p.Wait(30s), out);
+  };
+  const std::string forged = (dir_ / "forged.json").string();
+  std::ofstream(forged) << R"({"step": 10, "stage": 0, "num_stages": 1, "shard": "stage-0.safetensors",
+                              "sha256": ")"
+                        << std::string(64, '0') << "\"}";
+  auto [rc1, out1] =
+      as_c("put", "--job-id " + run_id[1].str() + " --path checkpoints/step-10/stage-0.json --file " + forged);
+  EXPECT_EQ(rc1, 1) << out1;
+  EXPECT_THAT(out1, HasSubstr("PERMISSION_DENIED"));
+  EXPECT_THAT(out1, HasSubstr("it writes stage 2's files, not stage 0's"));
+  auto [rc2, out2] =
+      as_c("put", "--job-id " + run_id[1].str() + " --path checkpoints/step-990/stage-2.json --file " + forged);
+  EXPECT_EQ(rc2, 1) << out2;
+  EXPECT_THAT(out2, HasSubstr("INVALID_ARGUMENT"));
+  EXPECT_THAT(out2, HasSubstr("a step beyond the job's 40"));
+  auto [rc3, out3] = as_c("get", "--path checkpoints/step-10/stage-0.safetensors --file " + (dir_ / "stolen").string());
+  EXPECT_EQ(rc3, 1) << out3;
+  EXPECT_THAT(out3, HasSubstr("PERMISSION_DENIED"));
+  EXPECT_FALSE(fs::exists(dir_ / "stolen") && fs::file_size(dir_ / "stolen") > 0);
+  // The NaN at step 31 fails the step, and the run recovers from step 30's checkpoint.
+  log += coord->ReadAll(300s);
+  ASSERT_EQ(coord->Wait(30s), 0) << log;
+  EXPECT_THAT(log, HasSubstr("failed on corrupt or non-finite data"));
+  EXPECT_THAT(log, HasSubstr("resuming from step 30 of the coordinator's checkpoints"));
+  EXPECT_THAT(log, HasSubstr("done: 40 steps"));
+  EXPECT_THAT(c->ReadAll(10s), HasSubstr("fault injection: a NaN activation gradient to 'b' at step 31"));
   ExpectWeightsOfTheReference(dir_);
 }
 

@@ -4,6 +4,10 @@
 //   probe --certs DIR --self NAME --peer NAME --address HOST:PORT [--seconds S]   (prints profile links JSON)
 //   send  --certs DIR --self NAME --peer NAME --address HOST:PORT --frame-mib M --frames K  (prints goodput)
 //         [--codec C] [--job-id ID] [--corrupt 1]: frame i is sent as (ID, step i, micro-batch 0, stage 0, FORWARD)
+// and, as a site calling the coordinator (the hostile-site tests: a valid certificate, forged requests):
+//   put   --certs DIR --self NAME --coordinator HOST:PORT --job-id ID --path RUN_PATH --file LOCAL
+//   get   --certs DIR --self NAME --coordinator HOST:PORT --path RUN_PATH --file LOCAL
+// each exits 0 when the coordinator accepted, else 1 with its error on stderr.
 #include <grpcpp/grpcpp.h>
 
 #include <chrono>
@@ -18,6 +22,7 @@
 #include <nlohmann/json.hpp>
 
 #include "compression/codec.h"
+#include "rpc/coordinator_client.h"
 #include "rpc/credentials.h"
 #include "rpc/peer.h"
 
@@ -25,7 +30,7 @@ using namespace meridian;
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::fprintf(stderr, "usage: meridian-peertool serve|probe|send --flag value ...\n");
+    std::fprintf(stderr, "usage: meridian-peertool serve|probe|send|put|get --flag value ...\n");
     return 2;
   }
   std::string mode = argv[1];
@@ -56,6 +61,21 @@ int main(int argc, char** argv) {
     std::printf("listening %d\n", port);
     std::fflush(stdout);
     (*server)->Wait();
+    return 0;
+  }
+  if (mode == "put" || mode == "get") {
+    auto coordinator = rpc::ConnectCoordinator(need("--certs"), need("--self"), need("--coordinator"));
+    if (!coordinator.ok()) {
+      std::fprintf(stderr, "meridian-peertool: %s\n", std::string(coordinator.status().message()).c_str());
+      return 2;
+    }
+    const absl::Status s = mode == "put"
+                               ? (*coordinator)->PutFile(f["--self"], need("--job-id"), need("--file"), need("--path"))
+                               : (*coordinator)->GetFile(f["--self"], need("--path"), need("--file"));
+    if (!s.ok()) {
+      std::fprintf(stderr, "meridian-peertool %s: %s\n", mode.c_str(), s.ToString().c_str());
+      return 1;
+    }
     return 0;
   }
   auto client = rpc::PeerClient::Create(need("--certs"), need("--self"), need("--peer"), need("--address"));
