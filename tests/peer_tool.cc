@@ -2,7 +2,8 @@
 // harness and the transport benchmarks.
 //   serve --certs DIR --self NAME --allow PEER[,PEER] --listen HOST:PORT [--max-peer-bytes B] [--job ID]
 //   probe --certs DIR --self NAME --peer NAME --address HOST:PORT [--seconds S]   (prints profile links JSON)
-//   send  --certs DIR --self NAME --peer NAME --address HOST:PORT --frame-mib M --frames K  (prints goodput)
+//   send  --certs DIR --self NAME --peer NAME --address HOST:PORT --frame-mib M|--elements N --frames K
+//         (prints goodput)
 //         [--codec C] [--job-id ID] [--corrupt 1]: frame i is sent as (ID, step i, micro-batch 0, stage 0, FORWARD)
 // and, as a site calling the coordinator (the hostile-site tests: a valid certificate, forged requests):
 //   put   --certs DIR --self NAME --coordinator HOST:PORT --job-id ID --path RUN_PATH --file LOCAL
@@ -115,9 +116,11 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (mode == "send") {
-    const int64_t mib = std::atoll(need("--frame-mib").c_str());
+    // --elements N sends N float32 elements instead of --frame-mib M MiB.
+    const int64_t elements =
+        f.count("--elements") ? std::atoll(f["--elements"].c_str()) : std::atoll(need("--frame-mib").c_str()) << 18;
     const int frames = std::atoi(need("--frames").c_str());
-    std::vector<float> x(static_cast<size_t>(mib) << 18);
+    std::vector<float> x(static_cast<size_t>(elements));
     for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(i % 9973) * 0.001f;
     auto frame = compression::Encode({core::DType::kFloat32, {static_cast<int64_t>(x.size())}, x.data()},
                                      *compression::CodecSpec::Parse(f.count("--codec") ? f["--codec"] : "identity"));
