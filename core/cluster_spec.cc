@@ -45,6 +45,7 @@ const char* ToString(CheckpointStore store) {
 }
 
 const char* ToString(OnFailure on_failure) { return on_failure == OnFailure::kWait ? "wait" : "replan"; }
+const char* ToString(SyncMode mode) { return mode == SyncMode::kDiloco ? "diloco" : "every_step"; }
 
 const SiteSpec* ClusterSpec::FindSite(const std::string& name) const {
   for (const auto& s : sites)
@@ -430,7 +431,7 @@ void ParseJob(Checker& c, const YAML::Node& n, JobSpec* j) {
   const std::string ctx = "job";
   if (!c.Map(n, ctx,
              {"model", "tokenizer", "data", "steps", "global_batch", "micro_batches", "sequence_length", "seed",
-              "replication", "optimizer", "compression", "checkpoint", "lora", "eval_fraction"}))
+              "replication", "optimizer", "compression", "sync", "checkpoint", "lora", "eval_fraction"}))
     return;
   j->line = n.Mark().line + 1;
   c.String(n, "model", ctx, true, &j->model);
@@ -483,6 +484,40 @@ void ParseJob(Checker& c, const YAML::Node& n, JobSpec* j) {
       if (spill) cp.activation_spill_bytes = *spill;
       c.Double(o, "topk_fraction", oc, false, 0, 1, true, &cp.topk_fraction);
       c.Bool(o, "error_feedback", oc, &cp.error_feedback);
+    }
+  }
+  if (YAML::Node o = n["sync"]; o.IsDefined() && !o.IsNull()) {
+    const std::string oc = "job.sync";
+    if (c.Map(o, oc, {"mode", "inner_steps", "outer_optimizer", "codec", "error_feedback", "fragments", "overlap"})) {
+      SyncSpec& s = j->sync;
+      c.Choice(o, "mode", oc, {SyncMode::kEveryStep, SyncMode::kDiloco}, &s.mode);
+      c.IntAs(o, "inner_steps", oc, false, 1, 100000000, &s.inner_steps);
+      c.IntAs(o, "fragments", oc, false, 1, 1 << 16, &s.fragments);
+      c.Choice(o, "codec", oc, {"identity", "fp16", "bf16", "int8", "int4", "int2", "topk", "topk-int8"}, &s.codec);
+      c.Bool(o, "error_feedback", oc, &s.error_feedback);
+      c.Bool(o, "overlap", oc, &s.overlap);
+      if (YAML::Node oo = o["outer_optimizer"]; oo.IsDefined() && !oo.IsNull()) {
+        const std::string ooc = "job.sync.outer_optimizer";
+        if (c.Map(oo, ooc, {"name", "lr", "momentum"})) {
+          c.Choice(oo, "name", ooc, {"nesterov", "sgd"}, &s.outer_optimizer);
+          c.Double(oo, "lr", ooc, false, 0, 100, true, &s.outer_lr);
+          c.Double(oo, "momentum", ooc, false, 0, 1, false, &s.outer_momentum);
+          if (s.outer_momentum >= 1)
+            c.Error(oo["momentum"].Mark(), "job.sync.outer_optimizer.momentum: must be below 1");
+        }
+      }
+      if (s.mode == SyncMode::kDiloco) {
+        if (s.inner_steps % s.fragments != 0)
+          c.Error(
+              (o["fragments"].IsDefined() ? o["fragments"] : o).Mark(),
+              absl::StrCat("job.sync.fragments: ", s.fragments, " does not divide job.sync.inner_steps ", s.inner_steps,
+                           " (fragment f syncs every inner_steps at offset f x inner_steps / "
+                           "fragments)"));
+        if (s.overlap)
+          c.Error((o["overlap"].IsDefined() ? o["overlap"] : o).Mark(),
+                  "job.sync.overlap: an exchange overlapped with the inner steps is not built yet; set "
+                  "overlap: false (the replicas then wait for each outer exchange)");
+      }
     }
   }
   if (YAML::Node o = n["checkpoint"]; o.IsDefined() && !o.IsNull()) {

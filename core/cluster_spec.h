@@ -71,9 +71,11 @@ struct OptimizerSpec {
 enum class CompressionPolicy { kAdaptive, kNone, kFixed };  // adaptive | none | fixed
 enum class CheckpointStore { kShared, kCoordinator };       // shared | coordinator
 enum class OnFailure { kReplan, kWait };                    // replan | wait
+enum class SyncMode { kEveryStep, kDiloco };                // every_step | diloco
 const char* ToString(CompressionPolicy policy);
 const char* ToString(CheckpointStore store);
 const char* ToString(OnFailure on_failure);
+const char* ToString(SyncMode mode);
 
 struct CompressionSpec {
   CompressionPolicy policy = CompressionPolicy::kAdaptive;
@@ -86,6 +88,25 @@ struct CompressionSpec {
   // activation_spill; beyond both, new sequences go as int8 without deltas.
   double activation_memory_bytes = 2.0 * (1 << 30);
   double activation_spill_bytes = 16.0 * (1 << 30);
+};
+
+// How the replicas of a stage synchronise (job.sync; docs/sync.md).
+struct SyncSpec {
+  SyncMode mode = SyncMode::kEveryStep;  // every_step: the gradient sum every step (exact)
+  // diloco: each replica runs `inner_steps` (H) optimizer steps on its own micro-batches, then the replicas
+  // average their pseudo-gradients (outer parameters - local parameters), compressed with `codec` and error
+  // feedback, and the outer optimizer steps the outer parameters. With `fragments` F > 1, fragment f of the
+  // stage's parameters is synchronised every H inner steps at offset f H / F (Streaming DiLoCo).
+  int inner_steps = 50;
+  std::string outer_optimizer = "nesterov";  // nesterov | sgd
+  double outer_lr = 0.7;
+  double outer_momentum = 0.9;
+  std::string codec = "int4";
+  bool error_feedback = true;
+  int fragments = 1;
+  // The exchange running while inner steps continue (the update applied one sync later). Not built yet:
+  // `meridian validate` refuses `overlap: true` with diloco, so the default is spelled out in a job.
+  bool overlap = true;
 };
 
 struct CheckpointSpec {
@@ -119,6 +140,7 @@ struct JobSpec {
   bool replication = true;  // let the planner replicate stages across sites
   OptimizerSpec optimizer;
   CompressionSpec compression;
+  SyncSpec sync;
   CheckpointSpec checkpoint;
   LoraSpec lora;
   int line = 0;

@@ -68,6 +68,33 @@ TEST(ClusterSpec, JobOnlyFile) {
   EXPECT_EQ(r.spec->job->micro_batches, 4);
 }
 
+TEST(ClusterSpec, SyncDefaultsToEveryStepAndParsesDiloco) {
+  auto every = ParseSpec("job:\n  model: m\n", "job.yaml");
+  ASSERT_TRUE(every.errors.empty());
+  EXPECT_EQ(every.spec->job->sync.mode, SyncMode::kEveryStep);
+  auto r = ParseSpec(
+      "job:\n  model: m\n  sync:\n    mode: diloco\n    inner_steps: 20\n    fragments: 4\n    codec: int8\n"
+      "    overlap: false\n    outer_optimizer: {name: sgd, lr: 1, momentum: 0}\n",
+      "job.yaml");
+  ASSERT_TRUE(r.errors.empty()) << r.errors[0].ToString();
+  const SyncSpec& s = r.spec->job->sync;
+  EXPECT_EQ(s.mode, SyncMode::kDiloco);
+  EXPECT_EQ(s.inner_steps, 20);
+  EXPECT_EQ(s.fragments, 4);
+  EXPECT_EQ(s.codec, "int8");
+  EXPECT_FALSE(s.overlap);
+  EXPECT_EQ(s.outer_optimizer, "sgd");
+  EXPECT_DOUBLE_EQ(s.outer_lr, 1);
+  EXPECT_DOUBLE_EQ(s.outer_momentum, 0);
+  auto d = ParseSpec("job:\n  model: m\n  sync: {mode: diloco, overlap: false}\n", "job.yaml");
+  ASSERT_TRUE(d.errors.empty());
+  EXPECT_EQ(d.spec->job->sync.inner_steps, 50);
+  EXPECT_EQ(d.spec->job->sync.outer_optimizer, "nesterov");
+  EXPECT_DOUBLE_EQ(d.spec->job->sync.outer_lr, 0.7);
+  EXPECT_DOUBLE_EQ(d.spec->job->sync.outer_momentum, 0.9);
+  EXPECT_EQ(d.spec->job->sync.codec, "int4");
+}
+
 struct BadCase {
   const char* name;
   std::string yaml;
@@ -189,6 +216,14 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"job_bad_codec", "job:\n  model: m\n  compression: {policy: fixed, activations: int3}\n", "'int3' is not one of", 3},
         BadCase{"job_bad_lora_target", "job:\n  model: m\n  lora: {r: 8, target_modules: [attn]}\n", "each entry must be one of", 3},
         BadCase{"job_lr_zero", "job:\n  model: m\n  optimizer: {lr: 0}\n", "must be greater than 0", 3},
+        BadCase{"job_sync_mode", "job:\n  model: m\n  sync: {mode: gossip}\n", "'gossip' is not one of every_step, diloco", 3},
+        BadCase{"job_sync_outer", "job:\n  model: m\n  sync:\n    mode: diloco\n    overlap: false\n    outer_optimizer: {name: adam}\n",
+                "job.sync.outer_optimizer.name: 'adam' is not one of nesterov, sgd", 6},
+        BadCase{"job_sync_momentum", "job:\n  model: m\n  sync:\n    outer_optimizer: {momentum: 1}\n", "momentum: must be below 1", 4},
+        BadCase{"job_sync_codec", "job:\n  model: m\n  sync: {mode: diloco, overlap: false, codec: int4-delta}\n", "'int4-delta' is not one of", 3},
+        BadCase{"job_sync_fragments", "job:\n  model: m\n  sync:\n    mode: diloco\n    overlap: false\n    inner_steps: 10\n    fragments: 3\n",
+                "job.sync.fragments: 3 does not divide job.sync.inner_steps 10", 7},
+        BadCase{"job_sync_overlap", "job:\n  model: m\n  sync: {mode: diloco}\n", "job.sync.overlap: an exchange overlapped", 3},
         BadCase{"job_unknown_key", "job:\n  model: m\n  epochs: 3\n", "unknown key 'epochs'", 3},
         BadCase{"cluster_key_in_job_file", "coordinator: {address: 127.0.0.1:7000}\njob:\n  model: m\n", "belongs to a cluster spec", 1},
         BadCase{"min_sites_too_many", WithSites(kTwoSites, "min_sites: 5\n"), "more than the 2 sites", 6},

@@ -1,6 +1,7 @@
 // The libtorch LLaMA against an independent Python implementation (tests/llama_oracle.py, python3-torch).
 #include "executor/llama.h"
 #include "executor/checkpoint.h"
+#include "executor/diloco.h"
 #include "executor/replica_sync.h"
 
 #include <gmock/gmock.h>
@@ -147,6 +148,54 @@ TEST(Trainer, AdamWStateRoundTripsAndRefusesMomentsOfAnotherShape) {
               testing::HasSubstr("optim.m.w has shape [1, 2] Float but parameter w has [3, 2] Float"));
   EXPECT_EQ(hurt.steps(), 0);
   EXPECT_TRUE(hurt.ExportState().empty());
+}
+
+TEST(Diloco, FragmentsAreContiguousBalancedAndRotate) {
+  EXPECT_EQ(SplitFragments({10, 10, 10, 10}, 2), (std::vector<std::vector<int>>{{0, 1}, {2, 3}}));
+  EXPECT_EQ(SplitFragments({100, 1, 1, 1}, 2), (std::vector<std::vector<int>>{{0}, {1, 2, 3}}));
+  EXPECT_EQ(SplitFragments({1, 1, 100}, 3), (std::vector<std::vector<int>>{{0}, {1}, {2}}));
+  EXPECT_EQ(SplitFragments({5, 5}, 1), (std::vector<std::vector<int>>{{0, 1}}));
+  EXPECT_EQ(SplitFragments({5}, 4).size(), 1u);  // no more fragments than parameters
+  // H = 6, F = 3: a fragment every 2 steps, fragment 1 first, each every 6 steps.
+  std::vector<int> due;
+  for (int64_t step = 0; step < 12; ++step) due.push_back(FragmentDueAfter(step, 6, 3));
+  EXPECT_EQ(due, (std::vector<int>{-1, 1, -1, 2, -1, 0, -1, 1, -1, 2, -1, 0}));
+  EXPECT_EQ(FragmentDueAfter(49, 50, 1), 0);
+  EXPECT_EQ(FragmentDueAfter(48, 50, 1), -1);
+}
+
+TEST(Diloco, OuterOptimizers) {
+  core::SyncSpec sgd;
+  sgd.outer_optimizer = "sgd";
+  sgd.outer_lr = 1;
+  sgd.outer_momentum = 0;
+  torch::Tensor outer = torch::tensor({1.0f, 2.0f}), m = torch::zeros({2}), delta = torch::tensor({0.5f, -1.0f});
+  OuterStep(sgd, delta, m, outer);
+  EXPECT_TRUE(torch::allclose(outer, torch::tensor({0.5f, 3.0f})));  // outer - delta: the replicas' mean
+  core::SyncSpec nesterov;                                           // lr 0.7, momentum 0.9
+  outer = torch::tensor({1.0f});
+  m = torch::zeros({1});
+  OuterStep(nesterov, torch::tensor({1.0f}), m, outer);  // m = 1; update = 1 + 0.9 = 1.9
+  EXPECT_NEAR(outer.item<float>(), 1.0f - 0.7f * 1.9f, 1e-6);
+  OuterStep(nesterov, torch::tensor({1.0f}), m, outer);  // m = 1.9; update = 1 + 1.71 = 2.71
+  EXPECT_NEAR(m.item<float>(), 1.9f, 1e-6);
+  EXPECT_NEAR(outer.item<float>(), 1.0f - 0.7f * 1.9f - 0.7f * 2.71f, 1e-5);
+}
+
+TEST(Diloco, OuterStateRoundTripsThroughACheckpointAndRefusesOtherShapes) {
+  core::SyncSpec spec;
+  torch::Tensor w = torch::ones({2, 2});
+  OuterSync a(spec, 0.5, {{"w", w}});
+  auto state = a.ExportState();
+  ASSERT_EQ(state.size(), 2u);
+  EXPECT_TRUE(state.count("outer.param.w") && state.count("outer.momentum.w"));
+  state["outer.param.w"] = torch::full({2, 2}, 3.0f);
+  OuterSync b(spec, 0.5, {{"w", w}});
+  ASSERT_TRUE(b.ImportState(state).ok());
+  EXPECT_TRUE(torch::equal(b.ExportState()["outer.param.w"], torch::full({2, 2}, 3.0f)));
+  state["outer.momentum.w"] = torch::zeros({3});
+  EXPECT_EQ(b.ImportState(state).code(), absl::StatusCode::kDataLoss);
+  EXPECT_FALSE(a.AfterInnerStep(49).ok());  // no averager attached
 }
 
 TEST(Lora, OnlyAdaptersTrainAndTheMergedModelComputesTheSameFunction) {

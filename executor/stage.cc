@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "core/checkpoint_dir.h"
 #include "core/log.h"
 #include "core/status.h"
@@ -212,6 +213,15 @@ StageWorker::StageWorker(JobSetup setup, StageAssignment a, rpc::TensorInbox* in
   if (!bwd_codec_.lossless() && setup_.job.compression.error_feedback)
     for (const auto& site : a_.prev_replicas.sites)
       bwd_ef_[site] = std::make_unique<compression::ErrorFeedback>(bwd_codec_);
+  // DiLoCo (job.sync.mode: diloco) among this stage's replicas: inner steps on the own micro-batches, an
+  // outer exchange every job.sync.inner_steps (executor/diloco.h).
+  if (init_status_.ok() && setup_.job.sync.mode == core::SyncMode::kDiloco && a_.replicas.sites.size() > 1) {
+    const int M = setup_.micro_batches;
+    const int mine = static_cast<int>(std::count(owner_.begin(), owner_.end(), replica_));
+    own_micro_batches_ = mine;
+    outer_ =
+        std::make_unique<OuterSync>(setup_.job.sync, M > 0 ? static_cast<double>(mine) / M : 0.0, model_->parameters());
+  }
 }
 
 std::string StageWorker::Where() const {
@@ -265,7 +275,22 @@ absl::Status StageWorker::Connect() {
       // A replica waits for its peers' whole step: each of their receives may take up to timeout_.
       o.timeout = timeout_ * (2 * setup_.micro_batches + 2);
       o.where = Where();
-      averager_ = std::make_unique<GradientAverager>(o, model_->parameters(), inbox_, scatter, gather);
+      if (outer_) {  // DiLoCo: one averager per fragment, for the pseudo-gradients, with the sync's codec
+        auto codec = compression::CodecSpec::Parse(setup_.job.sync.codec);
+        if (!codec.ok()) return Annotate(codec.status(), absl::StrCat(Where(), ": job.sync.codec"));
+        o.codec = *codec;
+        o.error_feedback = setup_.job.sync.error_feedback;
+        const auto params = model_->parameters();
+        std::vector<std::unique_ptr<GradientAverager>> averagers;
+        for (const auto& fragment : outer_->fragments()) {
+          std::vector<std::pair<std::string, torch::Tensor>> mine;
+          for (int i : fragment) mine.push_back(params[i]);
+          averagers.push_back(std::make_unique<GradientAverager>(o, mine, inbox_, scatter, gather));
+        }
+        outer_->Attach(std::move(averagers));
+      } else {
+        averager_ = std::make_unique<GradientAverager>(o, model_->parameters(), inbox_, scatter, gather);
+      }
     }
     return absl::OkStatus();
   });
@@ -497,6 +522,14 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
                                                 ") in step ", step + 1));
       return std::make_pair(v[0], v[1]);
     };
+    // DiLoCo: this replica's gradient covers its own micro-batches only; scaled by M / m_i, the inner step
+    // is a full step on them.
+    if (outer_ && own_micro_batches_ > 0 && own_micro_batches_ < M) {
+      torch::NoGradGuard no_grad;
+      const double scale = static_cast<double>(M) / own_micro_batches_;
+      for (auto& [n, p] : model_->parameters())
+        if (p.grad().defined()) p.mutable_grad().mul_(scale);
+    }
     const auto& R = a_.replicas.sites;
     const bool first = a_.stage == 0, last = a_.stage == a_.num_stages - 1;
     double square = 0, loss = loss_sum;
@@ -542,6 +575,24 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
       ClipByGlobalNorm(model_->parameters(), square, setup_.job.optimizer.grad_clip);
       opt_.Step(model_->parameters(), LearningRate(setup_.job.optimizer, step, total_steps));
     });
+    if (outer_) {  // DiLoCo: the fragment due after this inner step, if any
+      const int64_t wire0 = outer_->wire_bytes(), raw0 = outer_->raw_bytes();
+      const auto t0 = Clock::now();
+      absl::Status synced = outer_->AfterInnerStep(step);
+      if (!synced.ok()) return Annotate(synced, absl::StrCat(Where(), ": outer synchronisation after step ", step + 1));
+      if (outer_->last_sync().step == step) {
+        wait_seconds_ += std::chrono::duration<double>(Clock::now() - t0).count();
+        replica_wire_bytes_ += outer_->wire_bytes() - wire0;
+        replica_raw_bytes_ += outer_->raw_bytes() - raw0;
+        wire_bytes_ += outer_->wire_bytes() - wire0;
+        raw_bytes_ += outer_->raw_bytes() - raw0;
+        const auto& l = outer_->last_sync();
+        spdlog::info("{}",
+                     absl::StrFormat("%s: outer sync of fragment %d after step %d: %d bytes on the wire (%d "
+                                     "as float32), %.3f s, drift %.4g",
+                                     Where(), l.fragment, step + 1, l.wire_bytes, l.raw_bytes, l.seconds, l.drift));
+      }
+    }
     // A write that failed after its frame was queued fails this step, not a neighbour's wait later.
     for (const auto& [site, sender] : senders_)
       if (absl::Status s = sender->error(); !s.ok()) return Annotate(s, Where());
@@ -570,6 +621,8 @@ absl::Status StageWorker::SaveCheckpoint(const std::string& dir, int64_t steps_d
   return GuardTorch(absl::StrCat(Where(), ": checkpoint of step ", steps_done), [&]() -> absl::Status {
     std::map<std::string, torch::Tensor> all = Parameters();
     for (auto& [k, v] : opt_.ExportState()) all[k] = v;
+    if (outer_)
+      for (auto& [k, v] : outer_->ExportState()) all[k] = v;
     for (const auto& [name, t] : all)  // a checkpoint holds finite values only: recovery resumes from it
       if (t.is_floating_point() && !torch::isfinite(t).all().item<bool>())
         return absl::DataLossError(absl::StrCat(Where(), ": ", name, " is not finite after step ", steps_done,
@@ -598,6 +651,9 @@ absl::Status StageWorker::Restore(const Checkpoint& c) {
       return Annotate(s, absl::StrCat(Where(), ": restoring from ", c.path));
     if (absl::Status s = opt_.ImportState(model_->parameters(), c.tensors, c.step, device_); !s.ok())
       return Annotate(s, absl::StrCat(Where(), ": restoring from ", c.path));
+    if (outer_)
+      if (absl::Status s = outer_->ImportState(c.tensors); !s.ok())
+        return Annotate(s, absl::StrCat(Where(), ": restoring from ", c.path));
     return absl::OkStatus();
   });
 }
@@ -615,7 +671,11 @@ rpc::FrameBounds StageWorker::ExpectedFrames() const {
 
 std::set<std::string> StageWorker::CheckpointTensorNames() const {
   std::set<std::string> names;
-  for (const auto& [n, p] : model_->parameters()) names.insert({n, "optim.m." + n, "optim.v." + n});
+  for (const auto& [n, p] : model_->parameters()) {
+    names.insert({n, "optim.m." + n, "optim.v." + n});
+    if (outer_)
+      for (const auto& s : OuterSync::StateNames(n)) names.insert(s);
+  }
   return names;
 }
 

@@ -17,6 +17,7 @@
 #include "compression/activation_delta.h"
 #include "compression/codec.h"
 #include "executor/checkpoint.h"
+#include "executor/diloco.h"
 #include "executor/replica_sync.h"
 #include "executor/trainer.h"
 #include "partitioner/schedule.h"
@@ -171,7 +172,9 @@ class StageWorker {
   bool said_delta_fallback_ = false;
   bool prev_delta_ = false;  // the previous stage sends AQ-SGD delta messages (prev_forward_codec)
   std::string scratch_dir_;
-  std::unique_ptr<GradientAverager> averager_;  // with more than one replica
+  std::unique_ptr<GradientAverager> averager_;  // with more than one replica, every_step sync
+  std::unique_ptr<OuterSync> outer_;            // with more than one replica, diloco sync
+  int own_micro_batches_ = 0;                   // diloco: this replica's micro-batches per step
   int64_t wire_bytes_ = 0, raw_bytes_ = 0, replica_wire_bytes_ = 0, replica_raw_bytes_ = 0;
   int64_t nan_gradient_step_ = -1;
   bool nan_gradient_sent_ = false;

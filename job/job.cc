@@ -138,8 +138,8 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> OpParameters(const Lla
 
 std::optional<std::string> OpNameOfTensor(const std::string& tensor_name) {
   absl::string_view tensor = tensor_name;
-  for (absl::string_view prefix : {"optim.m.", "optim.v."})
-    if (absl::StartsWith(tensor, prefix)) tensor.remove_prefix(prefix.size());
+  for (absl::string_view prefix : {"optim.m.", "optim.v.", "outer.param.", "outer.momentum."})
+    if (absl::ConsumePrefix(&tensor, prefix)) break;
   std::string name(tensor);
   for (const char* lora : {".lora_A.weight", ".lora_B.weight"})
     if (absl::EndsWith(name, lora)) name = absl::StrCat(name.substr(0, name.size() - std::strlen(lora)), ".weight");

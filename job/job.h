@@ -38,7 +38,8 @@ std::string OpName(const LlamaConfig& c, int op);
 std::vector<std::pair<std::string, std::vector<int64_t>>> OpParameters(const LlamaConfig& c, int op);
 
 // The op (OpName) a checkpoint tensor belongs to: a parameter of OpParameters, its LoRA adapters
-// (".lora_A.weight", ".lora_B.weight") or its AdamW moments ("optim.m.", "optim.v."); nullopt for a name
+// (".lora_A.weight", ".lora_B.weight"), its AdamW moments ("optim.m.", "optim.v.") or its DiLoCo outer state
+// ("outer.param.", "outer.momentum."); nullopt for a name
 // of none. Lets the coordinator tell which checkpoint shards a stage's op range needs without torch.
 std::optional<std::string> OpNameOfTensor(const std::string& tensor);
 

@@ -40,6 +40,7 @@ TEST(OpNames, EveryCheckpointTensorMapsToItsOpInThePartitionersSpelling) {
     for (const auto& [name, shape] : OpParameters(*c, op)) {
       EXPECT_EQ(OpNameOfTensor(name), g.ops[op].name) << name;
       EXPECT_EQ(OpNameOfTensor("optim.v." + name), g.ops[op].name) << name;
+      EXPECT_EQ(OpNameOfTensor("outer.momentum." + name), g.ops[op].name) << name;
       const std::string stem = name.substr(0, name.size() - 7);  // without ".weight"
       EXPECT_EQ(OpNameOfTensor(stem + ".lora_A.weight"), g.ops[op].name) << name;
       EXPECT_EQ(OpNameOfTensor("optim.m." + stem + ".lora_B.weight"), g.ops[op].name) << name;

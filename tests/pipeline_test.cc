@@ -558,6 +558,44 @@ TEST_F(PipelineTest, ReplicatedStagesMatchTheSingleProcessTrainer) {
   }
 }
 
+// DiLoCo among a stage's replicas (#17): with H = 1, inner SGD, outer SGD at lr 1 without momentum and the
+// identity codec, the outer exchange of weighted pseudo-gradients equals every-step gradient averaging,
+// so the run equals the single-process trainer (also with uneven micro-batch shares and fragments).
+TEST_F(PipelineTest, DilocoWithOneInnerStepEqualsEveryStepAveraging) {
+  const std::string job = (dir_ / "diloco.yaml").string();
+  auto write = [&](int inner_steps, int fragments, const char* outer) {
+    std::ofstream(job) << "job:\n  model: model\n  data: synthetic\n  steps: 4\n  global_batch: 4\n"
+                          "  micro_batches: 4\n  sequence_length: 16\n  seed: 7\n"
+                          "  optimizer: {name: sgd, lr: 0.5, warmup_steps: 0, grad_clip: 0}\n"
+                          "  compression: {policy: none}\n"
+                          "  sync:\n    mode: diloco\n    inner_steps: "
+                       << inner_steps << "\n    fragments: " << fragments
+                       << "\n    codec: identity\n    overlap: false\n"
+                       << "    outer_optimizer: " << outer << "\n";
+  };
+  write(1, 1, "{name: sgd, lr: 1, momentum: 0}");
+  std::vector<double> ref_losses, losses;
+  auto want = Reference(job, &ref_losses);
+  std::vector<std::string> logs;
+  ExpectClose(Distributed(job, {{0, 5, {1, 3}}}, "identity", "identity", &losses, "", nullptr, "identity", &logs),
+              want);
+  ASSERT_EQ(losses.size(), 4u);
+  for (int i = 0; i < 4; ++i) EXPECT_NEAR(losses[i], ref_losses[i], 1e-5 * ref_losses[i]);
+  for (const auto& log : logs) EXPECT_THAT(log, HasSubstr("outer sync of fragment 0 after step 4"));
+  ExpectClose(Distributed(job, {{0, 1}, {2, 3, {2, 2}}, {4, 5}}, "identity", "identity", nullptr), want);
+  // Fragments each synchronised every inner step (H = F = 2 with H / F = 1: fragment 0, then 1, ...) are not
+  // one averaging per step; H = 2 is not either. Both still train, and the replicas agree after each sync.
+  write(2, 2, "{name: nesterov, lr: 0.7, momentum: 0.9}");
+  logs.clear();
+  Distributed(job, {{0, 5, {2, 2}}}, "identity", "identity", &losses, "", nullptr, "identity", &logs);
+  ASSERT_EQ(losses.size(), 4u);
+  EXPECT_LT(losses.back(), losses.front());
+  for (const auto& log : logs) {
+    EXPECT_THAT(log, HasSubstr("outer sync of fragment 1 after step 1"));
+    EXPECT_THAT(log, HasSubstr("outer sync of fragment 0 after step 2"));
+  }
+}
+
 // Lossy replica gradient sums stay close to the exact loss: int8 activations and gradients on the
 // pipeline link with int8 replica sums (the strongest codec of the planner's gradient menu) over 30 steps.
 TEST_F(PipelineTest, CompressedReplicaGradientsStayWithinTwoPercentOfTheIdentityLoss) {
@@ -724,7 +762,16 @@ TEST_F(PipelineTest, ReplicaKilledMidRunFailsTheOtherReplicaNamingIt) {
 
 TEST_F(PipelineTest, WrongShapeAndCorruptFramesFailNamingPeerAndStage) {
   std::string job = Job("job", 2);
-  for (bool corrupt : {false, true}) {
+  struct Case {
+    const char* send;    // the tool's frame
+    const char* expect;  // in the stage's error
+  };
+  // The stage expects [1, 16, 32] float32 activations (2 KiB): a frame of another shape within the size
+  // such a frame may have, the same frame corrupted, and a frame far larger than it may be (refused as it
+  // arrives, before it is buffered).
+  for (const Case& c :
+       {Case{" --elements 1000", "expected float32"}, Case{" --elements 1000 --corrupt 1", "corrupt frame"},
+        Case{" --frame-mib 1", "with frame size 1048640 (at most"}}) {
     int pa = FreePort(), pb = FreePort();
     std::string a1 = (dir_ / "a1.json").string();
     std::ofstream(a1)
@@ -739,17 +786,17 @@ TEST_F(PipelineTest, WrongShapeAndCorruptFramesFailNamingPeerAndStage) {
                    " --listen 127.0.0.1:" + std::to_string(pb) + " --assignment " + a1 + " --job " + job +
                    " --step-timeout 20 2>&1");
     std::this_thread::sleep_for(1500ms);
-    // Site a's certificate, but a tool that sends a 1 MiB tensor where [1, 16, 32] is expected.
+    // Site a's certificate, but a tool that sends a bad tensor where [1, 16, 32] is expected.
     Process fake(Bin("meridian-peertool") + " send --certs " + (dir_ / "certs").string() +
-                 " --self a --peer b --address 127.0.0.1:" + std::to_string(pb) +
-                 " --frame-mib 1 --frames 1 --job-id job" + (corrupt ? " --corrupt 1" : "") + " 2>&1");
+                 " --self a --peer b --address 127.0.0.1:" + std::to_string(pb) + c.send +
+                 " --frames 1 --job-id job 2>&1");
     fake.Wait(30s);
     int rc = stage1.Wait(30s);
     std::string err = stage1.ReadAll(5s);
     EXPECT_EQ(rc, 1) << err;
     EXPECT_THAT(err, HasSubstr("stage 1 (site 'b')"));
     EXPECT_THAT(err, HasSubstr("peer 'a'"));
-    EXPECT_THAT(err, HasSubstr(corrupt ? "corrupt frame" : "expected float32"));
+    EXPECT_THAT(err, HasSubstr(c.expect));
   }
 }
 

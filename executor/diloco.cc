@@ -1,0 +1,133 @@
+#include "executor/diloco.h"
+
+#include <chrono>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+
+namespace meridian::executor {
+
+std::vector<std::vector<int>> SplitFragments(const std::vector<int64_t>& numels, int fragments) {
+  const int n = static_cast<int>(numels.size());
+  fragments = std::max(1, std::min(fragments, std::max(n, 1)));
+  int64_t total = 0;
+  for (int64_t x : numels) total += x;
+  std::vector<std::vector<int>> out(static_cast<size_t>(fragments));
+  int64_t seen = 0;
+  for (int i = 0, f = 0; i < n; ++i) {
+    // Move to the next group once this one holds its share, keeping a parameter for every later group.
+    while (f + 1 < fragments && !out[f].empty() &&
+           (seen * fragments >= total * (f + 1) || n - i <= fragments - 1 - f))
+      ++f;
+    out[f].push_back(i);
+    seen += numels[i];
+  }
+  return out;
+}
+
+int FragmentDueAfter(int64_t step, int inner_steps, int fragments) {
+  const int64_t period = std::max(1, inner_steps / std::max(1, fragments));
+  const int64_t t = step + 1;
+  if (t % period != 0) return -1;
+  return static_cast<int>((t / period) % std::max(1, fragments));
+}
+
+void OuterStep(const core::SyncSpec& spec, const torch::Tensor& delta, torch::Tensor& momentum, torch::Tensor& outer) {
+  torch::NoGradGuard no_grad;
+  momentum.mul_(spec.outer_momentum).add_(delta);
+  if (spec.outer_optimizer == "nesterov")
+    outer.add_(delta + spec.outer_momentum * momentum, -spec.outer_lr);
+  else
+    outer.add_(momentum, -spec.outer_lr);
+}
+
+OuterSync::OuterSync(core::SyncSpec spec, double weight, std::vector<std::pair<std::string, torch::Tensor>> params)
+    : spec_(std::move(spec)), weight_(weight), params_(std::move(params)) {
+  torch::NoGradGuard no_grad;
+  std::vector<int64_t> numels;
+  for (const auto& [name, p] : params_) {
+    outer_.push_back(p.detach().clone());
+    momentum_.push_back(torch::zeros_like(p.detach()));
+    numels.push_back(p.numel());
+  }
+  fragments_ = SplitFragments(numels, spec_.fragments);
+}
+
+void OuterSync::Attach(std::vector<std::unique_ptr<GradientAverager>> averagers) { averagers_ = std::move(averagers); }
+
+absl::Status OuterSync::AfterInnerStep(int64_t step) {
+  const int f = FragmentDueAfter(step, spec_.inner_steps, static_cast<int>(fragments_.size()));
+  if (f < 0) return absl::OkStatus();
+  if (f >= static_cast<int>(averagers_.size()) || !averagers_[f])
+    return absl::FailedPreconditionError("outer synchronisation: no averager attached for fragment " +
+                                         std::to_string(f));
+  const auto t0 = std::chrono::steady_clock::now();
+  torch::NoGradGuard no_grad;
+  double drift2 = 0;
+  for (int i : fragments_[f]) {
+    torch::Tensor& p = params_[i].second;
+    torch::Tensor delta = outer_[i] - p.detach();
+    drift2 += delta.to(torch::kFloat64).pow(2).sum().item<double>();
+    p.mutable_grad() = delta * weight_;  // the averager sums what .grad holds over the replicas
+  }
+  GradientAverager& averager = *averagers_[f];
+  const int64_t wire0 = averager.wire_bytes(), raw0 = averager.raw_bytes();
+  averager.BeginStep(step);
+  absl::Status s = averager.Finish();
+  if (!s.ok()) return s;
+  for (int i : fragments_[f]) {
+    torch::Tensor& p = params_[i].second;
+    OuterStep(spec_, p.grad(), momentum_[i], outer_[i]);
+    p.detach().copy_(outer_[i]);
+    p.mutable_grad() = torch::Tensor();
+  }
+  last_.fragment = f;
+  last_.step = step;
+  last_.wire_bytes = averager.wire_bytes() - wire0;
+  last_.raw_bytes = averager.raw_bytes() - raw0;
+  last_.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  last_.drift = std::sqrt(drift2);
+  wire_bytes_ += last_.wire_bytes;
+  raw_bytes_ += last_.raw_bytes;
+  return absl::OkStatus();
+}
+
+std::vector<std::string> OuterSync::StateNames(const std::string& name) {
+  return {"outer.param." + name, "outer.momentum." + name};
+}
+
+std::map<std::string, torch::Tensor> OuterSync::ExportState() const {
+  std::map<std::string, torch::Tensor> out;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto names = StateNames(params_[i].first);
+    out[names[0]] = outer_[i].detach().cpu();
+    out[names[1]] = momentum_[i].detach().cpu();
+  }
+  return out;
+}
+
+absl::Status OuterSync::ImportState(const std::map<std::string, torch::Tensor>& state) {
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> outer, momentum;  // by default: the parameters as they are now (just restored)
+  for (const auto& [name, p] : params_) {
+    outer.push_back(p.detach().clone());
+    momentum.push_back(torch::zeros_like(p.detach()));
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto names = StateNames(params_[i].first);
+    for (int k = 0; k < 2; ++k) {
+      auto it = state.find(names[k]);
+      if (it == state.end()) continue;
+      const torch::Tensor& p = params_[i].second;
+      if (it->second.sizes() != p.sizes())
+        return absl::DataLossError(absl::StrCat(names[k], " has shape ", c10::str(it->second.sizes()),
+                                                " but parameter ", params_[i].first, " has ", c10::str(p.sizes())));
+      (k == 0 ? outer : momentum)[i] = it->second.to(p.device(), p.scalar_type()).clone();
+    }
+  }
+  outer_ = std::move(outer);
+  momentum_ = std::move(momentum);
+  return absl::OkStatus();
+}
+
+}  // namespace meridian::executor

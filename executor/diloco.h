@@ -1,0 +1,99 @@
+// DiLoCo-style outer synchronisation of a replicated stage (job.sync.mode: diloco; docs/sync.md).
+//
+// Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models" (2023), and
+// Streaming DiLoCo (2025) for the fragments. Instead of summing gradients every step, each replica of a
+// stage runs its inner optimizer on its own micro-batches, and every H inner steps the replicas
+//   1. compute their pseudo-gradient, delta_i = outer - local, weighted by their share of the step's
+//      micro-batches (w_i = m_i / M, so the weights sum to 1);
+//   2. sum the weighted pseudo-gradients with the replica gradient averager (executor/replica_sync.h):
+//      reduce-scatter + all-gather, compressed with job.sync.codec and error feedback per peer, every
+//      replica ending with the same bits;
+//   3. step the outer parameters with the outer optimizer (Nesterov momentum or SGD) and set every
+//      replica's parameters to them.
+// With F fragments, the stage's parameters are cut into F contiguous groups of about equal size, and
+// fragment f is synchronised after inner step t (1-based) when t is a multiple of H / F and
+// (t / (H / F)) mod F == f: one fragment every H / F steps, each every H steps.
+//
+// Inner steps scale this replica's gradient by M / m_i, so that each inner step is a full step on its own
+// micro-batches; with H = 1, inner SGD, outer SGD at lr 1 without momentum and the identity codec this
+// equals every-step gradient averaging (a test).
+//
+// Thread-compatible: used by the stage's thread only.
+#ifndef MERIDIAN_EXECUTOR_DILOCO_H_
+#define MERIDIAN_EXECUTOR_DILOCO_H_
+
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "absl/status/status.h"
+#include "core/cluster_spec.h"
+#include "executor/replica_sync.h"
+
+namespace meridian::executor {
+
+// Parameter indices of each of `fragments` contiguous groups of about equal total size (`numels` in the
+// model's order); every group holds at least one parameter when there are enough.
+std::vector<std::vector<int>> SplitFragments(const std::vector<int64_t>& numels, int fragments);
+
+// The fragment synchronised after inner step `step` (0-based), or -1 for none.
+int FragmentDueAfter(int64_t step, int inner_steps, int fragments);
+
+// One outer optimizer step: `outer` -= lr * update, with `momentum` (same shape) updated in place:
+// sgd: m = mu m + delta, update = m; nesterov: m = mu m + delta, update = delta + mu m.
+void OuterStep(const core::SyncSpec& spec, const torch::Tensor& delta, torch::Tensor& momentum, torch::Tensor& outer);
+
+class OuterSync {
+ public:
+  // `params`: the stage's trained parameters in the model's order (their current values become the outer
+  // parameters until ImportState says otherwise). `weight`: this replica's share of the micro-batches.
+  OuterSync(core::SyncSpec spec, double weight, std::vector<std::pair<std::string, torch::Tensor>> params);
+
+  // The parameter groups, one per fragment (SplitFragments of the parameters), for building one averager
+  // each; then Attach them in the same order. Sync fails with FailedPrecondition before Attach.
+  const std::vector<std::vector<int>>& fragments() const { return fragments_; }
+  void Attach(std::vector<std::unique_ptr<GradientAverager>> averagers);
+
+  // After inner step `step` (0-based) has been applied to the parameters: synchronises the fragment due,
+  // if any. Errors are the averager's (naming the stage, replica and bucket).
+  absl::Status AfterInnerStep(int64_t step);
+
+  // Checkpoint state: "outer.param.<name>" and "outer.momentum.<name>" for every parameter.
+  std::map<std::string, torch::Tensor> ExportState() const;
+  // Restores what ExportState wrote, after the parameters were restored; a parameter missing from `state`
+  // takes its current value as outer parameter and zero momentum. A shape mismatch is DataLoss naming the
+  // tensor, and nothing is restored then.
+  absl::Status ImportState(const std::map<std::string, torch::Tensor>& state);
+  // The checkpoint names ExportState uses for parameter `name`.
+  static std::vector<std::string> StateNames(const std::string& name);
+
+  // The last synchronisation: its fragment, wire bytes, seconds, and the drift (this replica's
+  // unweighted pseudo-gradient norm over the fragment).
+  struct LastSync {
+    int fragment = -1;
+    int64_t step = -1;
+    int64_t wire_bytes = 0, raw_bytes = 0;
+    double seconds = 0, drift = 0;
+  };
+  const LastSync& last_sync() const { return last_; }
+  int64_t wire_bytes() const { return wire_bytes_; }
+  int64_t raw_bytes() const { return raw_bytes_; }
+
+ private:
+  core::SyncSpec spec_;
+  double weight_;
+  std::vector<std::pair<std::string, torch::Tensor>> params_;
+  std::vector<torch::Tensor> outer_, momentum_;  // per parameter, on the parameter's device
+  std::vector<std::vector<int>> fragments_;
+  std::vector<std::unique_ptr<GradientAverager>> averagers_;
+  LastSync last_;
+  int64_t wire_bytes_ = 0, raw_bytes_ = 0;
+};
+
+}  // namespace meridian::executor
+
+#endif  // MERIDIAN_EXECUTOR_DILOCO_H_
