@@ -513,10 +513,6 @@ void ParseJob(Checker& c, const YAML::Node& n, JobSpec* j) {
               absl::StrCat("job.sync.fragments: ", s.fragments, " does not divide job.sync.inner_steps ", s.inner_steps,
                            " (fragment f syncs every inner_steps at offset f x inner_steps / "
                            "fragments)"));
-        if (s.overlap)
-          c.Error((o["overlap"].IsDefined() ? o["overlap"] : o).Mark(),
-                  "job.sync.overlap: an exchange overlapped with the inner steps is not built yet; set "
-                  "overlap: false (the replicas then wait for each outer exchange)");
       }
     }
   }

@@ -104,8 +104,8 @@ struct SyncSpec {
   std::string codec = "int4";
   bool error_feedback = true;
   int fragments = 1;
-  // The exchange running while inner steps continue (the update applied one sync later). Not built yet:
-  // `meridian validate` refuses `overlap: true` with diloco, so the default is spelled out in a job.
+  // The exchange runs while the inner steps continue, and is applied at the next synchronisation point
+  // (H / F inner steps later), keeping the local progress made meanwhile. false: the replicas wait for it.
   bool overlap = true;
 };
 

@@ -86,13 +86,14 @@ TEST(ClusterSpec, SyncDefaultsToEveryStepAndParsesDiloco) {
   EXPECT_EQ(s.outer_optimizer, "sgd");
   EXPECT_DOUBLE_EQ(s.outer_lr, 1);
   EXPECT_DOUBLE_EQ(s.outer_momentum, 0);
-  auto d = ParseSpec("job:\n  model: m\n  sync: {mode: diloco, overlap: false}\n", "job.yaml");
+  auto d = ParseSpec("job:\n  model: m\n  sync: {mode: diloco}\n", "job.yaml");
   ASSERT_TRUE(d.errors.empty());
   EXPECT_EQ(d.spec->job->sync.inner_steps, 50);
   EXPECT_EQ(d.spec->job->sync.outer_optimizer, "nesterov");
   EXPECT_DOUBLE_EQ(d.spec->job->sync.outer_lr, 0.7);
   EXPECT_DOUBLE_EQ(d.spec->job->sync.outer_momentum, 0.9);
   EXPECT_EQ(d.spec->job->sync.codec, "int4");
+  EXPECT_TRUE(d.spec->job->sync.overlap);
 }
 
 struct BadCase {
@@ -223,7 +224,6 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"job_sync_codec", "job:\n  model: m\n  sync: {mode: diloco, overlap: false, codec: int4-delta}\n", "'int4-delta' is not one of", 3},
         BadCase{"job_sync_fragments", "job:\n  model: m\n  sync:\n    mode: diloco\n    overlap: false\n    inner_steps: 10\n    fragments: 3\n",
                 "job.sync.fragments: 3 does not divide job.sync.inner_steps 10", 7},
-        BadCase{"job_sync_overlap", "job:\n  model: m\n  sync: {mode: diloco}\n", "job.sync.overlap: an exchange overlapped", 3},
         BadCase{"job_unknown_key", "job:\n  model: m\n  epochs: 3\n", "unknown key 'epochs'", 3},
         BadCase{"cluster_key_in_job_file", "coordinator: {address: 127.0.0.1:7000}\njob:\n  model: m\n", "belongs to a cluster spec", 1},
         BadCase{"min_sites_too_many", WithSites(kTwoSites, "min_sites: 5\n"), "more than the 2 sites", 6},

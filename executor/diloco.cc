@@ -16,8 +16,7 @@ std::vector<std::vector<int>> SplitFragments(const std::vector<int64_t>& numels,
   int64_t seen = 0;
   for (int i = 0, f = 0; i < n; ++i) {
     // Move to the next group once this one holds its share, keeping a parameter for every later group.
-    while (f + 1 < fragments && !out[f].empty() &&
-           (seen * fragments >= total * (f + 1) || n - i <= fragments - 1 - f))
+    while (f + 1 < fragments && !out[f].empty() && (seen * fragments >= total * (f + 1) || n - i <= fragments - 1 - f))
       ++f;
     out[f].push_back(i);
     seen += numels[i];
@@ -50,46 +49,116 @@ OuterSync::OuterSync(core::SyncSpec spec, double weight, std::vector<std::pair<s
     momentum_.push_back(torch::zeros_like(p.detach()));
     numels.push_back(p.numel());
   }
+  snapshot_.resize(params_.size());
   fragments_ = SplitFragments(numels, spec_.fragments);
+  for (const auto& fragment : fragments_) {
+    buffers_.emplace_back();
+    for (int i : fragment)
+      buffers_.back().emplace_back(params_[i].first,
+                                   torch::zeros(params_[i].second.sizes(), torch::kFloat32).set_requires_grad(true));
+  }
+}
+
+OuterSync::~OuterSync() {
+  if (exchange_.joinable()) {
+    if (pending_ >= 0 && pending_ < static_cast<int>(averagers_.size())) averagers_[pending_]->Abort();
+    exchange_.join();
+  }
 }
 
 void OuterSync::Attach(std::vector<std::unique_ptr<GradientAverager>> averagers) { averagers_ = std::move(averagers); }
 
-absl::Status OuterSync::AfterInnerStep(int64_t step) {
-  const int f = FragmentDueAfter(step, spec_.inner_steps, static_cast<int>(fragments_.size()));
-  if (f < 0) return absl::OkStatus();
-  if (f >= static_cast<int>(averagers_.size()) || !averagers_[f])
-    return absl::FailedPreconditionError("outer synchronisation: no averager attached for fragment " +
-                                         std::to_string(f));
-  const auto t0 = std::chrono::steady_clock::now();
+void OuterSync::Exchange(int f, int64_t step) {
+  GradientAverager& averager = *averagers_[f];
+  averager.BeginStep(step);
+  exchange_status_ = averager.Finish();
+}
+
+void OuterSync::Begin(int f, int64_t step, bool overlap) {
   torch::NoGradGuard no_grad;
-  double drift2 = 0;
-  for (int i : fragments_[f]) {
+  drift2_ = 0;
+  const auto& fragment = fragments_[f];
+  for (size_t k = 0; k < fragment.size(); ++k) {
+    const int i = fragment[k];
+    torch::Tensor local = params_[i].second.detach();
+    torch::Tensor delta = outer_[i] - local;
+    drift2_ += delta.to(torch::kFloat64).pow(2).sum().item<double>();
+    buffers_[f][k].second.mutable_grad() = (delta * weight_).to(torch::kCPU, torch::kFloat32);
+    if (overlap) snapshot_[i] = local.clone();
+  }
+  pending_ = f;
+  pending_step_ = step;
+  began_ = std::chrono::steady_clock::now();
+  if (overlap)
+    exchange_ = std::thread([this, f, step] { Exchange(f, step); });
+  else
+    Exchange(f, step);
+}
+
+absl::Status OuterSync::Complete() {
+  if (pending_ < 0) return absl::OkStatus();
+  const int f = pending_;
+  const bool overlapped = exchange_.joinable();
+  if (overlapped) {
+    const auto t0 = std::chrono::steady_clock::now();
+    exchange_.join();
+    last_wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  pending_ = -1;
+  if (!exchange_status_.ok()) return exchange_status_;
+  torch::NoGradGuard no_grad;
+  const auto& fragment = fragments_[f];
+  for (size_t k = 0; k < fragment.size(); ++k) {
+    const int i = fragment[k];
     torch::Tensor& p = params_[i].second;
-    torch::Tensor delta = outer_[i] - p.detach();
-    drift2 += delta.to(torch::kFloat64).pow(2).sum().item<double>();
-    p.mutable_grad() = delta * weight_;  // the averager sums what .grad holds over the replicas
+    const torch::Tensor sum = buffers_[f][k].second.grad().to(p.device(), p.scalar_type());
+    OuterStep(spec_, sum, momentum_[i], outer_[i]);
+    if (overlapped) {  // keep what this replica learnt while the exchange ran
+      p.detach().copy_(outer_[i] + (p.detach() - snapshot_[i]));
+      snapshot_[i] = torch::Tensor();
+    } else {
+      p.detach().copy_(outer_[i]);
+    }
   }
   GradientAverager& averager = *averagers_[f];
-  const int64_t wire0 = averager.wire_bytes(), raw0 = averager.raw_bytes();
-  averager.BeginStep(step);
-  absl::Status s = averager.Finish();
-  if (!s.ok()) return s;
-  for (int i : fragments_[f]) {
-    torch::Tensor& p = params_[i].second;
-    OuterStep(spec_, p.grad(), momentum_[i], outer_[i]);
-    p.detach().copy_(outer_[i]);
-    p.mutable_grad() = torch::Tensor();
-  }
   last_.fragment = f;
-  last_.step = step;
-  last_.wire_bytes = averager.wire_bytes() - wire0;
-  last_.raw_bytes = averager.raw_bytes() - raw0;
-  last_.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  last_.drift = std::sqrt(drift2);
+  last_.step = pending_step_;
+  last_.wire_bytes = averager.wire_bytes() - wire_bytes_at_begin_;
+  last_.raw_bytes = averager.raw_bytes() - raw_bytes_at_begin_;
+  last_.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - began_).count();
+  last_.drift = std::sqrt(drift2_);
   wire_bytes_ += last_.wire_bytes;
   raw_bytes_ += last_.raw_bytes;
   return absl::OkStatus();
+}
+
+absl::Status OuterSync::AfterInnerStep(int64_t step) {
+  last_wait_seconds_ = 0;
+  const int f = FragmentDueAfter(step, spec_.inner_steps, static_cast<int>(fragments_.size()));
+  if (f < 0) return absl::OkStatus();
+  if (averagers_.size() != fragments_.size())
+    return absl::FailedPreconditionError("outer synchronisation: no averager attached");
+  if (absl::Status s = Complete(); !s.ok()) return s;
+  wire_bytes_at_begin_ = averagers_[f]->wire_bytes();
+  raw_bytes_at_begin_ = averagers_[f]->raw_bytes();
+  Begin(f, step, spec_.overlap);
+  if (!spec_.overlap) return Complete();
+  return absl::OkStatus();
+}
+
+absl::Status OuterSync::Finish(int64_t step) {
+  const auto t0 = std::chrono::steady_clock::now();
+  if (averagers_.size() != fragments_.size())
+    return absl::FailedPreconditionError("outer synchronisation: no averager attached");
+  absl::Status s = Complete();
+  for (int f = 0; s.ok() && f < static_cast<int>(fragments_.size()); ++f) {
+    wire_bytes_at_begin_ = averagers_[f]->wire_bytes();
+    raw_bytes_at_begin_ = averagers_[f]->raw_bytes();
+    Begin(f, step, /*overlap=*/false);
+    s = Complete();
+  }
+  last_wait_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return s;
 }
 
 std::vector<std::string> OuterSync::StateNames(const std::string& name) {

@@ -18,15 +18,27 @@
 // micro-batches; with H = 1, inner SGD, outer SGD at lr 1 without momentum and the identity codec this
 // equals every-step gradient averaging (a test).
 //
-// Thread-compatible: used by the stage's thread only.
+// With `overlap` the exchange of a fragment runs on a thread of its own while the inner steps go on, and
+// is applied at the next synchronisation point (H / F inner steps later), keeping the local progress made
+// meanwhile: parameters = new outer parameters + (parameters now - parameters when the exchange began).
+// The stage waits only when an exchange has not finished by then. After the run's last inner step Finish
+// completes what is pending and synchronises every fragment once more without overlap, so every replica
+// ends with the same weights.
+//
+// The exchange works on buffers of its own (CPU float32), never on the parameters' .grad, and uses
+// streams of its own; the stage's thread keeps its streams for activations and control messages.
+// Thread-compatible: the public methods are called by the stage's thread only.
 #ifndef MERIDIAN_EXECUTOR_DILOCO_H_
 #define MERIDIAN_EXECUTOR_DILOCO_H_
 
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
+
+#include <chrono>
 
 #include <torch/torch.h>
 
@@ -53,14 +65,23 @@ class OuterSync {
   // parameters until ImportState says otherwise). `weight`: this replica's share of the micro-batches.
   OuterSync(core::SyncSpec spec, double weight, std::vector<std::pair<std::string, torch::Tensor>> params);
 
-  // The parameter groups, one per fragment (SplitFragments of the parameters), for building one averager
-  // each; then Attach them in the same order. Sync fails with FailedPrecondition before Attach.
-  const std::vector<std::vector<int>>& fragments() const { return fragments_; }
+  ~OuterSync();  // waits for an exchange in flight (its averager gives up within a second once aborted)
+
+  // The exchange buffers of each fragment (named after the parameters; leaf tensors whose .grad carries
+  // the pseudo-gradient in and the sum out), for building one averager each over them; then Attach the
+  // averagers in the same order. Synchronisation fails with FailedPrecondition before Attach.
+  const std::vector<std::vector<std::pair<std::string, torch::Tensor>>>& buffers() const { return buffers_; }
   void Attach(std::vector<std::unique_ptr<GradientAverager>> averagers);
 
   // After inner step `step` (0-based) has been applied to the parameters: synchronises the fragment due,
-  // if any. Errors are the averager's (naming the stage, replica and bucket).
+  // if any (with overlap: applies the exchange in flight, then starts this one). Errors are the
+  // averager's (naming the stage, replica and bucket).
   absl::Status AfterInnerStep(int64_t step);
+  // After the run's last inner step `step`: completes what is in flight, then synchronises every fragment
+  // without overlap, so that every replica ends with the outer parameters.
+  absl::Status Finish(int64_t step);
+  // Seconds the last AfterInnerStep or Finish waited for an exchange.
+  double last_wait_seconds() const { return last_wait_seconds_; }
 
   // Checkpoint state: "outer.param.<name>" and "outer.momentum.<name>" for every parameter.
   std::map<std::string, torch::Tensor> ExportState() const;
@@ -71,8 +92,9 @@ class OuterSync {
   // The checkpoint names ExportState uses for parameter `name`.
   static std::vector<std::string> StateNames(const std::string& name);
 
-  // The last synchronisation: its fragment, wire bytes, seconds, and the drift (this replica's
-  // unweighted pseudo-gradient norm over the fragment).
+  // The last synchronisation applied: its fragment, the inner step after which it began, wire bytes,
+  // seconds from its start to its application, and the drift (this replica's unweighted pseudo-gradient
+  // norm over the fragment).
   struct LastSync {
     int fragment = -1;
     int64_t step = -1;
@@ -84,13 +106,30 @@ class OuterSync {
   int64_t raw_bytes() const { return raw_bytes_; }
 
  private:
+  // Loads fragment f's weighted pseudo-gradient into its buffers' .grad (snapshotting the parameters
+  // with overlap), and runs the exchange (on the caller's thread or a new one).
+  void Begin(int f, int64_t step, bool overlap);
+  // Waits for the exchange begun for fragment `pending_` and applies it; no-op when none is in flight.
+  absl::Status Complete();
+  void Exchange(int f, int64_t step);  // BeginStep + Finish of fragment f's averager; sets exchange_status_
+
   core::SyncSpec spec_;
   double weight_;
   std::vector<std::pair<std::string, torch::Tensor>> params_;
   std::vector<torch::Tensor> outer_, momentum_;  // per parameter, on the parameter's device
-  std::vector<std::vector<int>> fragments_;
+  std::vector<torch::Tensor> snapshot_;          // overlap: per parameter, its value when its exchange began
+  std::vector<std::vector<int>> fragments_;      // parameter indices per fragment
+  std::vector<std::vector<std::pair<std::string, torch::Tensor>>> buffers_;  // per fragment, per parameter
   std::vector<std::unique_ptr<GradientAverager>> averagers_;
+  int pending_ = -1;           // the fragment whose exchange is in flight (overlap), -1 for none
+  int64_t pending_step_ = -1;  // the inner step after which it began
+  std::thread exchange_;
+  absl::Status exchange_status_;  // written by the exchange thread, read after joining it
+  double drift2_ = 0;             // of the exchange in flight
+  std::chrono::steady_clock::time_point began_;
   LastSync last_;
+  int64_t wire_bytes_at_begin_ = 0, raw_bytes_at_begin_ = 0;  // the pending fragment's averager's counters
+  double last_wait_seconds_ = 0;
   int64_t wire_bytes_ = 0, raw_bytes_ = 0;
 };
 

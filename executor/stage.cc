@@ -280,13 +280,19 @@ absl::Status StageWorker::Connect() {
         if (!codec.ok()) return Annotate(codec.status(), absl::StrCat(Where(), ": job.sync.codec"));
         o.codec = *codec;
         o.error_feedback = setup_.job.sync.error_feedback;
-        const auto params = model_->parameters();
-        std::vector<std::unique_ptr<GradientAverager>> averagers;
-        for (const auto& fragment : outer_->fragments()) {
-          std::vector<std::pair<std::string, torch::Tensor>> mine;
-          for (int i : fragment) mine.push_back(params[i]);
-          averagers.push_back(std::make_unique<GradientAverager>(o, mine, inbox_, scatter, gather));
+        // Streams of its own for the sums (an overlapped exchange runs beside the stage's control messages
+        // on replica_streams_); the scatter streams are free, with no per-step averaging.
+        std::map<std::string, rpc::PeerClient::OutStream*> sums;
+        for (size_t i = 0; i < R.sites.size(); ++i) {
+          if (R.sites[i] == self_) continue;
+          auto stream = OpenStream(R.sites[i], R.addresses[i]);
+          if (!stream.ok()) return stream.status();
+          diloco_streams_[R.sites[i]] = std::move(*stream);
+          sums[R.sites[i]] = diloco_streams_[R.sites[i]].get();
         }
+        std::vector<std::unique_ptr<GradientAverager>> averagers;
+        for (const auto& buffers : outer_->buffers())
+          averagers.push_back(std::make_unique<GradientAverager>(o, buffers, inbox_, scatter, sums));
         outer_->Attach(std::move(averagers));
       } else {
         averager_ = std::make_unique<GradientAverager>(o, model_->parameters(), inbox_, scatter, gather);
@@ -575,13 +581,13 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
       ClipByGlobalNorm(model_->parameters(), square, setup_.job.optimizer.grad_clip);
       opt_.Step(model_->parameters(), LearningRate(setup_.job.optimizer, step, total_steps));
     });
-    if (outer_) {  // DiLoCo: the fragment due after this inner step, if any
+    if (outer_) {  // DiLoCo: the fragment due after this inner step, if any; after the last, all of them
       const int64_t wire0 = outer_->wire_bytes(), raw0 = outer_->raw_bytes();
-      const auto t0 = Clock::now();
-      absl::Status synced = outer_->AfterInnerStep(step);
+      const int64_t synced_before = outer_->last_sync().step;
+      absl::Status synced = step + 1 == total_steps ? outer_->Finish(step) : outer_->AfterInnerStep(step);
       if (!synced.ok()) return Annotate(synced, absl::StrCat(Where(), ": outer synchronisation after step ", step + 1));
-      if (outer_->last_sync().step == step) {
-        wait_seconds_ += std::chrono::duration<double>(Clock::now() - t0).count();
+      wait_seconds_ += outer_->last_wait_seconds();
+      if (outer_->last_sync().step != synced_before) {
         replica_wire_bytes_ += outer_->wire_bytes() - wire0;
         replica_raw_bytes_ += outer_->raw_bytes() - raw0;
         wire_bytes_ += outer_->wire_bytes() - wire0;
@@ -590,7 +596,7 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
         spdlog::info("{}",
                      absl::StrFormat("%s: outer sync of fragment %d after step %d: %d bytes on the wire (%d "
                                      "as float32), %.3f s, drift %.4g",
-                                     Where(), l.fragment, step + 1, l.wire_bytes, l.raw_bytes, l.seconds, l.drift));
+                                     Where(), l.fragment, l.step + 1, l.wire_bytes, l.raw_bytes, l.seconds, l.drift));
       }
     }
     // A write that failed after its frame was queued fails this step, not a neighbour's wait later.
@@ -603,12 +609,13 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
 
 absl::Status StageWorker::Finish() {
   return GuardTorch(Where(), [&]() -> absl::Status {
-    averager_.reset();                       // its streams close below
+    averager_.reset();  // its streams close below
+    outer_.reset();
     for (auto& [site, sender] : senders_) {  // what is still queued goes out first
       auto r = sender->Finish();
       if (!r.ok()) return Annotate(r.status(), Where());
     }
-    for (auto* streams : {&streams_, &replica_streams_})
+    for (auto* streams : {&streams_, &replica_streams_, &diloco_streams_})
       for (auto& [site, s] : *streams) {
         auto r = s->Finish();
         if (!r.ok()) return Annotate(r.status(), Where());

@@ -165,7 +165,8 @@ class StageWorker {
   // To this stage's other replicas: the first streams (gradient scatter), the second (gradient sums,
   // loss and norm messages). The neighbours' streams are inside senders_.
   std::map<std::string, std::unique_ptr<rpc::PeerClient::OutStream>> streams_, replica_streams_;
-  std::map<std::string, std::unique_ptr<rpc::QueuedSender>> senders_;  // to the neighbours' sites
+  std::map<std::string, std::unique_ptr<rpc::PeerClient::OutStream>> diloco_streams_;  // DiLoCo's sums
+  std::map<std::string, std::unique_ptr<rpc::QueuedSender>> senders_;                  // to the neighbours' sites
   // AQ-SGD: per next-stage site, the activations it reconstructed; per previous-stage site, ours.
   std::map<std::string, std::unique_ptr<compression::DeltaEncoder>> delta_out_;
   std::map<std::string, std::unique_ptr<compression::DeltaDecoder>> delta_in_;

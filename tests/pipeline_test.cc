@@ -563,14 +563,16 @@ TEST_F(PipelineTest, ReplicatedStagesMatchTheSingleProcessTrainer) {
 // so the run equals the single-process trainer (also with uneven micro-batch shares and fragments).
 TEST_F(PipelineTest, DilocoWithOneInnerStepEqualsEveryStepAveraging) {
   const std::string job = (dir_ / "diloco.yaml").string();
-  auto write = [&](int inner_steps, int fragments, const char* outer) {
-    std::ofstream(job) << "job:\n  model: model\n  data: synthetic\n  steps: 4\n  global_batch: 4\n"
+  auto write = [&](int inner_steps, int fragments, const char* outer, bool overlap = false, int steps = 4,
+                   const char* codec = "identity") {
+    std::ofstream(job) << "job:\n  model: model\n  data: synthetic\n  steps: " << steps
+                       << "\n  global_batch: 4\n"
                           "  micro_batches: 4\n  sequence_length: 16\n  seed: 7\n"
                           "  optimizer: {name: sgd, lr: 0.5, warmup_steps: 0, grad_clip: 0}\n"
                           "  compression: {policy: none}\n"
                           "  sync:\n    mode: diloco\n    inner_steps: "
-                       << inner_steps << "\n    fragments: " << fragments
-                       << "\n    codec: identity\n    overlap: false\n"
+                       << inner_steps << "\n    fragments: " << fragments << "\n    codec: " << codec
+                       << "\n    overlap: " << (overlap ? "true" : "false") << "\n"
                        << "    outer_optimizer: " << outer << "\n";
   };
   write(1, 1, "{name: sgd, lr: 1, momentum: 0}");
@@ -593,6 +595,17 @@ TEST_F(PipelineTest, DilocoWithOneInnerStepEqualsEveryStepAveraging) {
   for (const auto& log : logs) {
     EXPECT_THAT(log, HasSubstr("outer sync of fragment 1 after step 1"));
     EXPECT_THAT(log, HasSubstr("outer sync of fragment 0 after step 2"));
+  }
+  // Overlapped (the default), int4 with error feedback: each exchange is applied two steps after it began,
+  // and the last step synchronises once more without overlap.
+  write(2, 1, "{name: nesterov, lr: 0.7, momentum: 0.9}", true, 6, "int4");
+  logs.clear();
+  Distributed(job, {{0, 5, {3, 1}}}, "identity", "identity", &losses, "", nullptr, "identity", &logs);
+  ASSERT_EQ(losses.size(), 6u);
+  EXPECT_LT(losses.back(), losses.front());
+  for (const auto& log : logs) {
+    EXPECT_THAT(log, HasSubstr("outer sync of fragment 0 after step 2"));  // applied after step 4
+    EXPECT_THAT(log, HasSubstr("outer sync of fragment 0 after step 6"));
   }
 }
 
