@@ -300,6 +300,13 @@ absl::Status RunMachine::PlanAttempt() {
     if (!lost_.count(l.from) && !lost_.count(l.to)) live.links.push_back(l);
   partitioner::PlanOptions po;
   po.micro_batches = c_.micro_batches;
+  if (job.sync.mode == core::SyncMode::kDiloco) {
+    po.sync.diloco = true;
+    po.sync.inner_steps = job.sync.inner_steps;
+    po.sync.fragments = job.sync.fragments;
+    po.sync.overlap = job.sync.overlap;
+    if (auto codec = partitioner::PriceCodec(job.sync.codec); codec.ok()) po.sync.codec = *codec;
+  }
   po.adaptive_compression = job.compression.policy == core::CompressionPolicy::kAdaptive;
   po.deep_pipeline = true;
   if (c_.revisit_fraction) po.link_codecs = partitioner::DefaultLinkCodecs(*c_.revisit_fraction);

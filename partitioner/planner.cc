@@ -240,6 +240,10 @@ Evaluation Evaluate(const CostModel& cm, const Layout& L, const PlanOptions& o, 
       inv_bw = std::max(inv_bw, sum);
     }
     auto sync = [&](double ratio) { return 2.0 * (ratio * grad / r * inv_bw + max_lat); };
+    if (o.sync.diloco) {  // a whole exchange every H steps; its per-step share is settled below
+      e.allreduce[k] = sync(o.sync.codec.ratio);
+      continue;
+    }
     if (!o.adaptive_compression) {
       e.allreduce[k] = sync(1.0);
     } else {
@@ -252,6 +256,15 @@ Evaluation Evaluate(const CostModel& cm, const Layout& L, const PlanOptions& o, 
       e.grad_codec[k] = pick;
       e.allreduce[k] = sync(o.gradient_codecs[pick].ratio);
     }
+  }
+  if (o.sync.diloco) {
+    // Per step: the exchange / H, or with overlap what the exchanges take beyond the H steps of compute
+    // they run beside (each fragment's exchange, 1/F of the bytes, beside H/F steps).
+    Evaluation compute = e;
+    std::fill(compute.allreduce.begin(), compute.allreduce.end(), 0.0);
+    SumUp(M, &compute);
+    const double H = std::max(1, o.sync.inner_steps);
+    for (double& x : e.allreduce) x = o.sync.overlap ? std::max(0.0, x - H * compute.total) / H : x / H;
   }
   SumUp(M, &e);
   (void)g;
@@ -798,6 +811,12 @@ Codec Priced(const compression::CodecSpec& spec) {
 }
 
 }  // namespace
+
+absl::StatusOr<Codec> PriceCodec(const std::string& codec) {
+  auto spec = compression::CodecSpec::Parse(codec);
+  if (!spec.ok()) return spec.status();
+  return Priced(*spec);
+}
 
 std::vector<Codec> DefaultLinkCodecs(double revisit_fraction) {
   std::vector<Codec> menu;

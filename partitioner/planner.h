@@ -32,8 +32,25 @@ std::vector<Codec> DefaultLinkCodecs(double revisit_fraction = 0);
 // in planner.cc), priced the same way.
 std::vector<Codec> DefaultGradientCodecs();
 
+// A codec of compression/ (CodecSpec::Parse's spelling) as the cost model prices it: its payload per
+// float32 input byte. InvalidArgument for a name that is not a codec.
+absl::StatusOr<Codec> PriceCodec(const std::string& codec);
+
+// How replicas synchronise (job.sync). Every step: the gradient sum, priced per step in the gradient
+// menu's codec. DiLoCo: the same reduce-scatter + all-gather of pseudo-gradients in `codec`'s ratio, once
+// every `inner_steps` steps; with `overlap`, each fragment's exchange runs beside the H / F steps until it
+// is applied, so a step pays only what the exchanges take beyond the compute of those steps.
+struct SyncModel {
+  bool diloco = false;
+  int inner_steps = 50;
+  int fragments = 1;
+  bool overlap = true;
+  Codec codec{"int4", 0.140625};  // PriceCodec("int4"): half a byte an element and a float32 scale per 64
+};
+
 struct PlanOptions {
   int micro_batches = 8;
+  SyncModel sync;
   // Reference model (docs/cost-model.md): every link uses `ratio`, no replication.
   double ratio = 1.0;
   // Extensions; both off gives exactly the reference model.

@@ -409,6 +409,47 @@ TEST(Planner, ReplicasReplacePipelineStagesWhenThatIsFaster) {
   EXPECT_TRUE(explained);
 }
 
+// Two equal sites on an 8 Mbit/s link and a model with 40 MB of weights and gradients: summing gradients
+// every step (about 5 s in int8) costs more than a 2-stage pipeline saves, so every-step sync keeps the
+// pipeline; DiLoCo's exchange every 50 steps (about 3 s in int4) costs nothing per step when it overlaps
+// the compute, and 3 s / 50 without overlap, so replicas win.
+TEST(Planner, DilocoSyncIsPricedPerRoundAndMakesReplicasWorthIt) {
+  OpGraph g;
+  for (int i = 0; i < 2; ++i) g.ops.push_back({"op" + std::to_string(i), 1e9, 2e9, 2e7, 4e7, 1e3, {}});
+  g.ops[1].inputs = {0};
+  ClusterProfile p;
+  p.sites = {{"a", 1e9, 1e12, {}}, {"b", 1e9, 1e12, {}}};
+  LinkAll(&p, 1e6, 0.05);
+  PlanOptions o;
+  o.micro_batches = 4;
+  o.replication = true;
+  o.adaptive_compression = true;
+  auto every = PlanPipeline(g, p, o);
+  ASSERT_TRUE(every.ok()) << every.status();
+  EXPECT_EQ(every->stages.size(), 2u);
+  for (const auto& s : every->stages) EXPECT_EQ(s.sites.size(), 1u);
+  o.sync.diloco = true;
+  o.sync.inner_steps = 50;
+  auto int4 = PriceCodec("int4");
+  ASSERT_TRUE(int4.ok());
+  EXPECT_DOUBLE_EQ(int4->ratio, o.sync.codec.ratio);
+  auto diloco = PlanPipeline(g, p, o);
+  ASSERT_TRUE(diloco.ok()) << diloco.status();
+  ASSERT_EQ(diloco->stages.size(), 1u);
+  EXPECT_EQ(diloco->stages[0].sites.size(), 2u);
+  EXPECT_DOUBLE_EQ(diloco->stages[0].allreduce_seconds, 0.0);  // hidden behind 50 steps of compute
+  EXPECT_LT(diloco->predicted_step_seconds, every->predicted_step_seconds);
+  o.sync.overlap = false;
+  auto waiting = PlanPipeline(g, p, o);
+  ASSERT_TRUE(waiting.ok());
+  ASSERT_EQ(waiting->stages.size(), 1u);
+  // The exchange: a reduce-scatter and an all-gather, each sending half of the 20 MB of pseudo-gradients
+  // to the other replica in int4, plus the latency twice; a 50th of it per step.
+  const double exchange = 2 * (int4->ratio * 2e7 / 2 / 1e6 + 0.05);
+  EXPECT_NEAR(waiting->stages[0].allreduce_seconds, exchange / 50, 1e-9);
+  EXPECT_FALSE(PriceCodec("int3").ok());
+}
+
 TEST(Planner, AdaptiveCompressionOnlyCompressesSlowLinks) {
   OpGraph g = Chain(3, 1e9, 8e6);
   ClusterProfile p;
