@@ -143,8 +143,12 @@ class PipelineTest : public ::testing::Test {
             (dir_ / "certs" / "bundles" / names[i]).string() + " --listen 127.0.0.1:" + std::to_string(ports[i]) +
             " --assignment " + apath + " --job " + job + " --out " + out.string() + " " + extra + " 2>&1"));
     }
-    std::vector<std::string> outputs;
-    for (auto& p : procs) outputs.push_back(p->ReadAll(300s));
+    // Every process's output at once: the stages run in lockstep, and one blocked on a full pipe while
+    // this reads another to its end would stall them all.
+    std::vector<std::string> outputs(procs.size());
+    std::vector<std::thread> readers;
+    for (size_t i = 0; i < procs.size(); ++i) readers.emplace_back([&, i] { outputs[i] = procs[i]->ReadAll(300s); });
+    for (auto& r : readers) r.join();
     const std::string& log0 = outputs[0];
     if (log) *log = log0;
     if (logs) *logs = outputs;
@@ -646,6 +650,38 @@ TEST_F(PipelineTest, TopkReplicaGradientsWithErrorFeedbackStayWithinTwoPercentOf
   std::ofstream(no_feedback) << text;
   Distributed(no_feedback, stages, "int8", "int8", &topk_without_feedback, "", nullptr, "topk:k=0.1");
   EXPECT_GT(TailMean(topk_without_feedback, 20), 1.02 * TailMean(exact, 20));
+}
+
+// Two pipelines of two stages (4 processes; each stage's two replicas take 2 of the 4 micro-batches, so
+// micro-batch m runs through the same pipeline at both stages), synchronised by DiLoCo every 20 inner steps
+// (Nesterov at lr 0.7 with momentum 0.5, int4 pseudo-gradients with error feedback, overlapped) against
+// every-step gradient sums: the mean loss of the last 20 of 400 steps, at equal tokens, within 2% (#17).
+// (The paper's momentum 0.9 misses here: +12% without overlap, +45% with it; docs/sync.md has the table.)
+TEST_F(PipelineTest, TwoDilocoPipelinesTrainWithinTwoPercentOfEveryStepAveraging) {
+  const int steps = 400;
+  const std::vector<Stage> stages = {{0, 2, {2, 2}}, {3, 5, {2, 2}}};
+  std::vector<double> every, diloco;
+  std::vector<std::string> logs;
+  Distributed(Job("every", steps), stages, "identity", "identity", &every);
+  const std::string job = Job("diloco", steps);
+  std::ofstream(job, std::ios::app)
+      << "  sync: {mode: diloco, inner_steps: 20, codec: int4, outer_optimizer: {name: nesterov, lr: 0.7, momentum: "
+         "0.5}}\n";
+  Distributed(job, stages, "identity", "identity", &diloco, "", nullptr, "identity", &logs);
+  ASSERT_EQ(every.size(), static_cast<size_t>(steps));
+  ASSERT_EQ(diloco.size(), static_cast<size_t>(steps));
+  EXPECT_LT(TailMean(every, 20), 0.5 * every.front());  // it trains
+  std::cout << "every step " << TailMean(every, 20) << ", DiLoCo H = 20 " << TailMean(diloco, 20) << "\n";
+  EXPECT_NEAR(TailMean(diloco, 20), TailMean(every, 20), 0.02 * TailMean(every, 20));
+  // 20 exchanges of int4 pseudo-gradients (and the final one) instead of 400 float32 gradient sums: at
+  // least 20 x 7 = 140 times fewer replica bytes (int4 is 0.14 of float32 with its block scales).
+  // (19 exchanges after steps 20, 40, ..., 380, and the one after the last step.)
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(logs[0], m, std::regex("replica sync wire bytes (\\d+) raw bytes (\\d+)"))) << logs[0];
+  const double wire = std::stod(m[1]), exchange_float32 = std::stod(m[2]) / 20;
+  std::cout << "replica bytes: " << wire << " on the wire; every step in float32: " << 400 * exchange_float32 << " ("
+            << 400 * exchange_float32 / wire << "x)\n";
+  EXPECT_GE(400 * exchange_float32 / wire, 130);
 }
 
 // int8 on both directions of the pipeline link. (Top-k on the *activation gradients* of this link misses
