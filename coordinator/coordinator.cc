@@ -396,14 +396,20 @@ absl::StatusOr<v1::InspectResponse> Coordinator::Inspect() {
   const auto now = Clock::now();
   for (const auto& [name, s] : sites_) {
     const double age = std::chrono::duration<double>(now - s.last_heartbeat).count();
-    sites.push_back({{"name", name},
-                     {"registered", s.registered},
-                     {"state", s.registered ? SiteStateName(s.state) : "not joined"},
-                     {"step", s.step + 1},
-                     {"heartbeat_age_seconds", s.registered ? age : -1.0},
-                     {"answering", s.registered && age <= spec_.heartbeat_timeout_seconds},
-                     {"listen", s.listen},
-                     {"device", s.device}});
+    nlohmann::json site = {{"name", name},
+                           {"registered", s.registered},
+                           {"state", s.registered ? SiteStateName(s.state) : "not joined"},
+                           {"step", s.step + 1},
+                           {"heartbeat_age_seconds", s.registered ? age : -1.0},
+                           {"answering", s.registered && age <= spec_.heartbeat_timeout_seconds},
+                           {"listen", s.listen},
+                           {"device", s.device}};
+    if (s.metrics && s.metrics->outer_sync_step() > 0)  // a DiLoCo replica: its last outer synchronisation
+      site["outer_sync"] = {{"after_step", s.metrics->outer_sync_step()},
+                            {"bytes", s.metrics->outer_sync_bytes()},
+                            {"seconds", s.metrics->outer_sync_seconds()},
+                            {"drift", s.metrics->outer_drift()}};
+    sites.push_back(std::move(site));
   }
   nlohmann::json status = {{"cluster", spec_.name},
                            {"run_id", run_id_},

@@ -66,6 +66,12 @@ int RunStatus(const InspectOptions& o) {
                 s["step"].get<long long>(),
                 age < 0 ? "-" : absl::StrCat(static_cast<int>(age * 10) / 10.0, " s ago").c_str(),
                 s["listen"].get<std::string>().c_str());
+    if (s.contains("outer_sync")) {
+      const auto& o = s["outer_sync"];
+      std::printf("%-14s DiLoCo: last outer sync after step %lld, %lld bytes, %.2f s, drift %.4g\n", "",
+                  o["after_step"].get<long long>(), o["bytes"].get<long long>(), o["seconds"].get<double>(),
+                  o["drift"].get<double>());
+    }
   }
   return 0;
 }

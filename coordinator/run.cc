@@ -101,7 +101,12 @@ std::string MetricsText(Coordinator& coord) {
          "Time the site's compute thread was blocked by a send (a full send queue) in its last step.",
          &v1::MetricsReport::send_blocked_seconds},
         {"meridian_site_codec_seconds", "Time the site's compute thread encoded and decoded frames in its last step.",
-         &v1::MetricsReport::codec_seconds}}) {
+         &v1::MetricsReport::codec_seconds},
+        {"meridian_site_outer_sync_seconds",
+         "DiLoCo: seconds the replica's last outer synchronisation took from its start to its application.",
+         &v1::MetricsReport::outer_sync_seconds},
+        {"meridian_site_outer_drift", "DiLoCo: the norm of the replica's last pseudo-gradient (its drift).",
+         &v1::MetricsReport::outer_drift}}) {
     absl::StrAppend(&body, "# HELP ", metric, " ", help, "\n# TYPE ", metric, " gauge\n");
     for (const auto& [name, st] : sites)
       if (st.metrics) absl::StrAppend(&body, metric, "{site=\"", name, "\"} ", ((*st.metrics).*get)(), "\n");
@@ -112,6 +117,13 @@ std::string MetricsText(Coordinator& coord) {
   for (const auto& [name, st] : sites)
     if (st.metrics)
       absl::StrAppend(&body, "meridian_site_sent_bytes{site=\"", name, "\"} ", st.metrics->wire_bytes(), "\n");
+  absl::StrAppend(&body,
+                  "# HELP meridian_site_outer_sync_bytes DiLoCo: bytes the replica sent in its last outer "
+                  "synchronisation.\n# TYPE meridian_site_outer_sync_bytes gauge\n");
+  for (const auto& [name, st] : sites)
+    if (st.metrics && st.metrics->outer_sync_step() > 0)
+      absl::StrAppend(&body, "meridian_site_outer_sync_bytes{site=\"", name, "\"} ", st.metrics->outer_sync_bytes(),
+                      "\n");
   absl::StrAppend(&body, "# HELP meridian_site_uncompressed_bytes What those bytes were before compression.\n",
                   "# TYPE meridian_site_uncompressed_bytes gauge\n");
   for (const auto& [name, st] : sites)

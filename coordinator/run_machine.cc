@@ -540,6 +540,8 @@ void RunMachine::ReportStep(const v1::MetricsReport& p) {
   std::string slowest;
   double slowest_seconds = 0, slowest_wait = 0, most_blocked = 0;
   int64_t wire = 0, raw = 0;
+  int64_t last_sync = 0, sync_bytes = 0;  // DiLoCo: the newest outer sync any replica reported, and its bytes
+  double sync_seconds = 0;
   nlohmann::json stages = nlohmann::json::array();
   for (const auto& [name, m] : attempt_.metrics) {
     if (!attempt_.used.count(name)) continue;
@@ -548,21 +550,39 @@ void RunMachine::ReportStep(const v1::MetricsReport& p) {
     if (m.compute_seconds() > slowest_seconds)
       slowest = name, slowest_seconds = m.compute_seconds(), slowest_wait = m.wait_seconds();
     most_blocked = std::max(most_blocked, m.send_blocked_seconds());
-    stages.push_back({{"site", name},
-                      {"stage", m.stage()},
-                      {"step", m.step() + 1},
-                      {"step_seconds", m.step_seconds()},
-                      {"compute_seconds", m.compute_seconds()},
-                      {"wait_seconds", m.wait_seconds()},
-                      {"send_blocked_seconds", m.send_blocked_seconds()},
-                      {"codec_seconds", m.codec_seconds()}});
+    nlohmann::json stage = {{"site", name},
+                            {"stage", m.stage()},
+                            {"step", m.step() + 1},
+                            {"step_seconds", m.step_seconds()},
+                            {"compute_seconds", m.compute_seconds()},
+                            {"wait_seconds", m.wait_seconds()},
+                            {"send_blocked_seconds", m.send_blocked_seconds()},
+                            {"codec_seconds", m.codec_seconds()}};
+    if (m.outer_sync_step() > 0) {  // DiLoCo: the replica's last outer synchronisation
+      stage["outer_sync_step"] = m.outer_sync_step();
+      stage["outer_sync_bytes"] = m.outer_sync_bytes();
+      stage["outer_sync_seconds"] = m.outer_sync_seconds();
+      stage["outer_drift"] = m.outer_drift();
+      last_sync = std::max(last_sync, m.outer_sync_step());
+      sync_bytes += m.outer_sync_bytes();
+      sync_seconds = std::max(sync_seconds, m.outer_sync_seconds());
+    }
+    stages.push_back(std::move(stage));
+  }
+  std::string diloco;
+  if (c_.job.sync.mode == core::SyncMode::kDiloco) {
+    const int H = c_.job.sync.inner_steps;
+    diloco = absl::StrFormat("  inner step %d/%d", (p.step() % H) + 1, H);
+    if (last_sync > 0)
+      diloco +=
+          absl::StrFormat("  last sync after step %d: %.1f MB, %.2f s", last_sync, sync_bytes / 1e6, sync_seconds);
   }
   Say(
       absl::StrFormat("step %d/%d  loss %.4f  %.0f tokens/s  %.2f s/step  ETA %.0f s  slowest %s (%.2f s compute)  "
-                      "WAN %.1f MB (%.0f%% of uncompressed)  waiting %.2f s  send-blocked %.3f s\n",
+                      "WAN %.1f MB (%.0f%% of uncompressed)  waiting %.2f s  send-blocked %.3f s%s\n",
                       p.step() + 1, c_.steps, p.loss(), el > 0 ? tokens_ / el : 0.0, p.step_seconds(),
                       p.step_seconds() * (c_.steps - p.step() - 1), slowest.empty() ? "-" : slowest, slowest_seconds,
-                      wire / 1e6, raw ? 100.0 * wire / raw : 100.0, slowest_wait, most_blocked));
+                      wire / 1e6, raw ? 100.0 * wire / raw : 100.0, slowest_wait, most_blocked, diloco));
   Out(WriteRunFile{core::kMetricsFile,
                    nlohmann::json{{"step", p.step() + 1},
                                   {"loss", p.loss()},

@@ -451,6 +451,30 @@ TEST(RunMachine, TheCoordinatorsStoreResumesFromItsNewestStepAndIsPruned) {
   EXPECT_EQ(begun[0].readable["a"].count("checkpoints/step-10/stage-2.safetensors"), 0u);
 }
 
+// DiLoCo: the progress line says where the round is and what the last outer sync cost; metrics.jsonl has
+// each replica's sync and drift.
+TEST(RunMachine, DilocoProgressShowsTheRoundAndTheLastOuterSync) {
+  RunConfig c = Config();
+  c.job.sync.mode = core::SyncMode::kDiloco;
+  c.job.sync.inner_steps = 5;
+  Driver d(c);
+  d.JoinAndProfile({"a", "b", "c"});
+  EXPECT_THAT(Printed(d.Feed(MetricsReported{Metrics("a", kRun, 0, 2)})), HasSubstr("inner step 3/5"));
+  v1::MetricsReport m = Metrics("a", kRun, 0, 5);
+  m.set_outer_sync_step(5);
+  m.set_outer_sync_bytes(2500000);
+  m.set_outer_sync_seconds(1.25);
+  m.set_outer_drift(0.5);
+  auto step = d.Feed(MetricsReported{m});
+  EXPECT_THAT(Printed(step), HasSubstr("inner step 1/5  last sync after step 5: 2.5 MB, 1.25 s"));
+  auto jsonl = All<WriteRunFile>(step);
+  ASSERT_EQ(jsonl.size(), 1u);
+  const auto stage = nlohmann::json::parse(jsonl[0].content)["stages"][0];
+  EXPECT_EQ(stage["outer_sync_step"], 5);
+  EXPECT_EQ(stage["outer_sync_bytes"], 2500000);
+  EXPECT_DOUBLE_EQ(stage["outer_drift"].get<double>(), 0.5);
+}
+
 // A compromised site: progress it could forge is not believed.
 TEST(RunMachine, MetricsThatDoNotFitThePlanOrTheStepsBeforeAreIgnored) {
   Driver d(Config());

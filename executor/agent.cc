@@ -448,6 +448,12 @@ void Agent::OnAssign(const v1::StageAssignment& pa) {
       m.set_wait_seconds(worker->last_wait_seconds());
       m.set_send_blocked_seconds(worker->last_send_blocked_seconds());
       m.set_codec_seconds(worker->last_codec_seconds());
+      if (const auto sync = worker->last_outer_sync()) {
+        m.set_outer_sync_step(sync->after_step);
+        m.set_outer_sync_bytes(sync->wire_bytes);
+        m.set_outer_sync_seconds(sync->seconds);
+        m.set_outer_drift(sync->drift);
+      }
       m.set_stage(a.stage);
       reporter.Post(std::move(m));
     };

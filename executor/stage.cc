@@ -665,6 +665,12 @@ absl::Status StageWorker::Restore(const Checkpoint& c) {
   });
 }
 
+std::optional<OuterSyncReport> StageWorker::last_outer_sync() const {
+  if (!outer_ || outer_->last_sync().step < 0) return std::nullopt;
+  const auto& l = outer_->last_sync();
+  return OuterSyncReport{l.step + 1, l.wire_bytes, l.seconds, l.drift};
+}
+
 rpc::FrameBounds StageWorker::ExpectedFrames() const {
   rpc::FrameBounds b;
   b.activations = compression::MaxEncodedBytes(int64_t{setup_.micro_batch_size} * setup_.job.sequence_length *

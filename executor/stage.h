@@ -70,6 +70,13 @@ absl::Status ResolveReplicas(StageAssignment* a, const std::string& self, int mi
 // thread encodes a tensor and queues its frame, and waits only when that neighbour's queue is full.
 //
 // Every public entry returns a Status: libtorch's exceptions are caught at its edge (torch_boundary.h).
+// What a DiLoCo replica last synchronised (StageWorker::last_outer_sync()).
+struct OuterSyncReport {
+  int64_t after_step = 0;  // 1-based inner step after which it began
+  int64_t wire_bytes = 0;
+  double seconds = 0, drift = 0;
+};
+
 class StageWorker {
  public:
   // Builds the stage's slice of the model on `device`. A failure that needs the network or the weights
@@ -101,6 +108,9 @@ class StageWorker {
   // sends at step `step` is all NaN. nan_gradient_sent() says whether it was.
   void InjectNanGradientAt(int64_t step) { nan_gradient_step_ = step; }
   bool nan_gradient_sent() const { return nan_gradient_sent_; }
+  // DiLoCo (job.sync.mode: diloco, replicated stage): the last outer synchronisation applied; nullopt
+  // before the first or without DiLoCo.
+  std::optional<OuterSyncReport> last_outer_sync() const;
   // The checkpoint tensors Restore uses: each trained parameter and its two AdamW moments, by name.
   std::set<std::string> CheckpointTensorNames() const;
   // Replica 0 of each stage writes the stage's checkpoint shards and weights (all replicas hold the same).
