@@ -251,6 +251,43 @@ TEST_F(CoordinatorTest, PinnedPlanWithAReplicatedStageMatchesTheReference) {
   ExpectWeightsOfTheReference(dir_);
 }
 
+// DiLoCo through `meridian run` (#17): a pinned plan whose first stage runs on a and b, synchronised by
+// DiLoCo with one inner step, inner SGD and outer SGD at lr 1 -- every-step averaging by another road --
+// ends with the weights of `meridian train-local`, and the progress and metrics.jsonl show the syncs.
+TEST_F(CoordinatorTest, ADilocoStageThroughTheCoordinatorWithOneInnerStepMatchesTheReference) {
+  SetSteps(4);
+  {
+    std::string text;
+    std::ifstream in(dir_ / "job.yaml");
+    text.assign(std::istreambuf_iterator<char>(in), {});
+    const std::string adamw = "optimizer: {name: adamw, lr: 0.01, warmup_steps: 1, grad_clip: 0.5}";
+    text.replace(text.find(adamw), adamw.size(), "optimizer: {name: sgd, lr: 0.2, warmup_steps: 0, grad_clip: 0}");
+    text +=
+        "  sync:\n    mode: diloco\n    inner_steps: 1\n    codec: identity\n    overlap: false\n"
+        "    outer_optimizer: {name: sgd, lr: 1, momentum: 0}\n";
+    std::ofstream(dir_ / "job.yaml") << text;
+  }
+  std::ofstream(dir_ / "plan.json")
+      << R"({"stages": [{"sites": ["a", "b"], "last_op": 2}, {"sites": ["c"], "last_op": 5}]})";
+  auto coord = Coordinator("--plan " + (dir_ / "plan.json").string());
+  std::this_thread::sleep_for(500ms);
+  auto a = Executor("a"), b = Executor("b"), c = Executor("c");
+  std::string log = coord->ReadAll(180s);
+  ASSERT_EQ(coord->Wait(30s), 0) << log;
+  EXPECT_THAT(log, HasSubstr("done: 4 steps"));
+  EXPECT_THAT(log, HasSubstr("inner step 1/1  last sync after step"));
+  int synced = 0;
+  std::string lines;
+  std::ifstream metrics(dir_ / "run" / "metrics.jsonl");
+  for (std::string line; std::getline(metrics, line);) {
+    lines += line + "\n";
+    const nlohmann::json j = nlohmann::json::parse(line);
+    for (const auto& s : j["stages"]) synced += s.contains("outer_drift");
+  }
+  EXPECT_GE(synced, 2) << lines;
+  ExpectWeightsOfTheReference(dir_);
+}
+
 // A libtorch exception at a site (here the model does not fit in memory while the site measures it)
 // comes back to the coordinator as the site's error, at once -- not through the heartbeat timeout, set
 // to a minute here -- and the executor neither terminates nor hangs: it stops when told to.
