@@ -140,7 +140,7 @@ def write_model(work, cfg, seed):
     return model_dir, sum(t.numel() for t in weights.values())
 
 
-def run_meridian(emu, bin_dir, work, name, job, steps, split, repeats, extra=""):
+def run_meridian(emu, bin_dir, work, name, job, steps, split, repeats, extra="", time_to_second_last=False):
     run = os.path.join(work, name)
     shutil.rmtree(run, ignore_errors=True)
     os.makedirs(run)
@@ -173,6 +173,9 @@ def run_meridian(emu, bin_dir, work, name, job, steps, split, repeats, extra="")
     done = next((l for l in out if l.startswith("done:")), "")
     m = re.search(r"([\d.]+) MB on the links, (\d+)% of uncompressed", done)
     first, last = metrics[0], metrics[-1]
+    final_step_seconds = last["elapsed_seconds"] - metrics[-2]["elapsed_seconds"] if len(metrics) >= 2 else None
+    if time_to_second_last and len(metrics) >= 3:  # DiLoCo: its last step holds the final synchronisation
+        last = metrics[-2]
     if len(metrics) >= 2 and last["step"] > first["step"]:
         # From the end of the first step (warm-up) to the end of the last.
         steady = (last["elapsed_seconds"] - first["elapsed_seconds"]) / (last["step"] - first["step"])
@@ -197,6 +200,8 @@ def run_meridian(emu, bin_dir, work, name, job, steps, split, repeats, extra="")
         "payload_percent": int(m.group(2)) if m else None,
         "wire_bytes": after - before,
         "steps": steps,
+        "final_step_seconds": final_step_seconds,
+        "replicas": [st["sites"] for st in plan["stages"]],
         "plan": ", ".join(f"{st['sites'][0]} ops {st['first_op']}-{st['last_op']}" for st in plan["stages"]),
         "codecs": ", ".join(l["codec"] for l in plan["links"]) or "none",
     }
@@ -261,6 +266,22 @@ class BenchEmulation(Emulation):
 WAN_SPEEDS = [2, 1]
 WAN_RTT_MS = 80
 WAN_BEGIN, WAN_END = "<!-- wan-bound:begin -->", "<!-- wan-bound:end -->"
+
+
+def wan_sites(bin_dir, work, mbit, res, seq, seed):
+    """The three emulated sites, every pair joined at `mbit` Mbit/s with a WAN_RTT_MS RTT, with their spec and
+    certificates; the first time, measures the compute bound into `res`. The caller closes the emulation."""
+    emu = BenchEmulation(bin_dir, mbit, WAN_RTT_MS)
+    try:
+        spec = os.path.join(work, "cluster.yaml")
+        emu.write_spec(spec, "bench", emu.addresses, heartbeat_timeout_s=60)
+        sh(f"{bin_dir}/meridian certs init --spec {spec} --out {work}/certs --force")
+        if res.get("bound") is None:
+            measure_bound(emu, bin_dir, work, seq, seed, res)
+        return emu
+    except BaseException:
+        emu.close()
+        raise
 
 
 def fine_tuning_data(work, seq, global_batch):
@@ -342,13 +363,8 @@ def wan_bound(a, bin_dir, work, cfg, model_dir, weights_params):
     identity = job(os.path.join(work, "wan-identity.yaml"), a.wan_identity_steps, "{policy: none}")
     for mbit in WAN_SPEEDS:
         log(f"WAN-bound: 3 sites, {mbit} Mbit/s links, {WAN_RTT_MS} ms RTT")
-        emu = BenchEmulation(bin_dir, mbit, WAN_RTT_MS)
+        emu = wan_sites(bin_dir, work, mbit, res, seq, seed)
         try:
-            spec = os.path.join(work, "cluster.yaml")
-            emu.write_spec(spec, "bench", emu.addresses, heartbeat_timeout_s=60)
-            sh(f"{bin_dir}/meridian certs init --spec {spec} --out {work}/certs --force")
-            if res.get("bound") is None:
-                measure_bound(emu, bin_dir, work, seq, seed, res)
             r = {}
             log("Meridian, planned, adaptive compression")
             r["meridian"] = run_meridian(emu, bin_dir, work, f"wan-meridian-{mbit}", adaptive, a.wan_steps, "planned",
@@ -393,6 +409,85 @@ def wan_bound(a, bin_dir, work, cfg, model_dir, weights_params):
         codecs.append(codecs[-1] if codecs else ("identity", "identity"))
     res["convergence"] = convergence(a, bin_dir, work, codecs[:2], data)
     return res
+
+
+DILOCO_BEGIN, DILOCO_END = "<!-- wan-diloco:begin -->", "<!-- wan-diloco:end -->"
+
+
+def wan_diloco(a, bin_dir, work, cfg, model_dir, weights_params):
+    """Meridian with job.sync.mode: diloco on the WAN-bound setup (issues #16, #17): the planner's plan, its
+    tokens/s from the end of the first step to the end of the last inner step before the final
+    synchronisation, and that final synchronisation's duration."""
+    seq, global_batch = (32, 12) if a.tiny else (256, 48)
+    micro_batches, seed = global_batch, 20261201
+    res = {"params": weights_params, "seq": seq, "global_batch": global_batch, "rtt_ms": WAN_RTT_MS, "speeds": {},
+           "inner_steps": a.diloco_inner_steps, "steps": a.diloco_steps}
+    data = fine_tuning_data(work, seq, global_batch)
+    wdir = os.path.join(work, "wan-model")
+    shutil.rmtree(wdir, ignore_errors=True)
+    shutil.copytree(model_dir, wdir)
+    sh(f"{bin_dir}/meridian tokenizer train --input {data} --vocab-size {400 if a.tiny else 4000} --out {wdir}")
+    job = os.path.join(work, "wan-diloco.yaml")
+    res["sync"] = (f"{{mode: diloco, inner_steps: {a.diloco_inner_steps}, codec: int4, "
+                   "outer_optimizer: {name: nesterov, lr: 0.7, momentum: 0.5}}")
+    with open(job, "w") as f:
+        f.write(f"job:\n  model: wan-model\n  data: wan-data.txt\n  steps: {a.diloco_steps}\n  global_batch: {global_batch}\n"
+                f"  micro_batches: {micro_batches}\n  sequence_length: {seq}\n  seed: {seed}\n"
+                f"  optimizer: {{name: adamw, lr: {OPT['lr']}, weight_decay: {OPT['weight_decay']}, "
+                f"warmup_steps: {OPT['warmup_steps']}, min_lr_ratio: {OPT['min_lr_ratio']}, "
+                f"grad_clip: {OPT['grad_clip']}}}\n  compression: {{policy: adaptive, error_feedback: true}}\n"
+                f"  sync: {res['sync']}\n")
+    for mbit in [int(x) for x in a.diloco_speeds.split(",")]:
+        log(f"WAN-bound, DiLoCo: 3 sites, {mbit} Mbit/s links, {WAN_RTT_MS} ms RTT")
+        emu = wan_sites(bin_dir, work, mbit, res, seq, seed)
+        try:
+            r = run_meridian(emu, bin_dir, work, f"wan-diloco-{mbit}", job, a.diloco_steps, "planned",
+                             a.profile_repeats, time_to_second_last=True)
+            log(f"  {r['tokens_per_second']:.0f} tokens/s ({100 * r['tokens_per_second'] / res['bound']:.0f}% of the "
+                f"bound), plan {r['replicas']}, final sync step {r['final_step_seconds']:.1f} s")
+            res["speeds"][mbit] = r
+        finally:
+            emu.close()
+    return res
+
+
+def diloco_section(w, command):
+    b = w["bound"]
+    tokens = w["global_batch"] * w["seq"]
+    L = [DILOCO_BEGIN, "## The WAN-bound regime with DiLoCo replicas", "",
+         f"Command: `{command}`. The setup of the section above (the same model, data, three sites at quotas 1.0 / 0.6 "
+         f"/ 0.4, every pair at the given rate with an {w['rtt_ms']} ms RTT), the job with `sync: {w['sync']}` "
+         f"and {w['steps']} steps. The planner prices the DiLoCo exchange per round (docs/sync.md). Timed from the end "
+         "of the first step to the end of the last inner step before the run's final synchronisation, whose step is "
+         "reported on its own.", "",
+         f"Compute bound measured in this run, as in the section above: {b:.0f} tokens/s = "
+         + " + ".join(f"{v:.0f} ({s})" for s, v in w["bound_sites"].items()) + ". That measure trains steps of 4 "
+         "sequences, each ending with an optimizer step over the whole model, while a DiLoCo replica here takes one "
+         "per step over its share of the 48 sequences (10 to 21 of them): its optimizer costs less per token, and a "
+         "run can exceed that bound. The plan's compute bound (the profiled per-op times of every site together, "
+         "per step of the job) is the like-for-like one.", "",
+         "| link | tokens/s | of the measured compute bound | of the plan's compute bound | step (s) | predicted step (s) "
+         "| bytes on the wire per token | final step with the last sync (s) | plan |",
+         "|---|---|---|---|---|---|---|---|---|"]
+    for mbit, x in w["speeds"].items():
+        plan_bound = x["plan_bound_seconds"] / x["step_seconds"] if x.get("plan_bound_seconds") else None
+        L.append(f"| {mbit} Mbit/s | {x['tokens_per_second']:.0f} | {pct(x['tokens_per_second'] / b)} | "
+                 f"{pct(plan_bound) if plan_bound else '-'} | {x['step_seconds']:.1f} | {x['predicted_step_seconds']:.1f} | "
+                 f"{x['wire_bytes'] / max(1, x['steps']) / tokens:.0f} B | {x['final_step_seconds']:.1f} | "
+                 f"{' / '.join('+'.join(s) for s in x['replicas'])}; {x['codecs']} |")
+    L += ["", DILOCO_END, ""]
+    return "\n".join(L)
+
+
+def splice_section(path, section, begin, end):
+    """Replaces the section between `begin` and `end` of `path` (or appends it), leaving the rest as it was."""
+    old = open(path).read() if os.path.exists(path) else "# Benchmark results\n"
+    if begin in old and end in old:
+        head, rest = old.split(begin, 1)
+        new = head + section + rest.split(end, 1)[1].lstrip("\n")
+    else:
+        new = old.rstrip("\n") + "\n\n" + section
+    open(path, "w").write(new)
 
 
 def convergence(a, bin_dir, work, codecs, data):
@@ -472,18 +567,6 @@ def wan_section(w, command):
     return "\n".join(L)
 
 
-def splice_wan_section(path, section):
-    """Replaces the wan-bound section of `path` (or appends it), leaving the rest as it was."""
-    old = open(path).read() if os.path.exists(path) else "# Benchmark results\n"
-    if WAN_BEGIN in old and WAN_END in old:
-        head, rest = old.split(WAN_BEGIN, 1)
-        tail = rest.split(WAN_END, 1)[1].lstrip("\n")
-        new = head + section + tail
-    else:
-        new = old.rstrip("\n") + "\n\n" + section
-    open(path, "w").write(new)
-
-
 def svg_chart(results, bound, path):
     """Grouped bars: tokens/s per system at each link speed, the compute bound as a line."""
     systems = [("meridian", "Meridian (planned, adaptive)", "#1f77b4"),
@@ -531,7 +614,10 @@ def main():
                          "speed, comma-separated; the fastest is used at the others. Default 4: a sweep of 1,4 "
                          "(bench/RESULTS.md, 2026-12-01) found it fastest, and each setting costs about 5 minutes")
     ap.add_argument("--results", default="bench/RESULTS.md")
-    ap.add_argument("--only", choices=["e2e", "components", "wan-bound"])
+    ap.add_argument("--only", choices=["e2e", "components", "wan-bound", "wan-diloco"])
+    ap.add_argument("--diloco-steps", type=int, default=24, help="steps of the WAN-bound DiLoCo runs")
+    ap.add_argument("--diloco-inner-steps", type=int, default=8, help="job.sync.inner_steps of the WAN-bound DiLoCo runs")
+    ap.add_argument("--diloco-speeds", default="2", help="link rates (Mbit/s) of the WAN-bound DiLoCo runs, comma-separated")
     ap.add_argument("--wan-steps", type=int, default=4, help="steps of the WAN-bound planned runs (the first is warm-up)")
     ap.add_argument("--wan-identity-steps", type=int, default=2, help="steps of the WAN-bound identity runs")
     ap.add_argument("--wan-ddp-from", help="take DDP-Gloo's WAN-bound step from this earlier results-wan.json "
@@ -565,12 +651,20 @@ def main():
             "cpu": sh("lscpu | sed -n 's/^Model name: *//p'", check=False).stdout.strip()}
 
     comps = {}
+    if a.only == "wan-diloco":
+        model_dir, params = write_model(work, cfg, seed)
+        w = wan_diloco(a, bin_dir, work, cfg, model_dir, params)
+        json.dump({"info": info, "wan_diloco": w, "seconds": time.time() - t_start},
+                  open(os.path.join(work, "results-wan-diloco.json"), "w"), indent=2, default=str)
+        splice_section(a.results, diloco_section(w, info["command"]), DILOCO_BEGIN, DILOCO_END)
+        log(f"wrote the WAN-bound DiLoCo section of {a.results} ({time.time() - t_start:.0f} s in all)")
+        return
     if a.only == "wan-bound":
         model_dir, params = write_model(work, cfg, seed)
         w = wan_bound(a, bin_dir, work, cfg, model_dir, params)
         json.dump({"info": info, "wan_bound": w, "seconds": time.time() - t_start},
                   open(os.path.join(work, "results-wan.json"), "w"), indent=2, default=str)
-        splice_wan_section(a.results, wan_section(w, info["command"]))
+        splice_section(a.results, wan_section(w, info["command"]), WAN_BEGIN, WAN_END)
         log(f"wrote the WAN-bound section of {a.results} ({time.time() - t_start:.0f} s in all)")
         return
     if a.only != "e2e":
@@ -636,7 +730,7 @@ def main():
               open(os.path.join(work, "results.json"), "w"), indent=2, default=str)
     write_results(a.results, info, comps, e2e, time.time() - t_start, root=os.geteuid() == 0)
     if wan:
-        splice_wan_section(a.results, wan_section(wan, info["command"]))
+        splice_section(a.results, wan_section(wan, info["command"]), WAN_BEGIN, WAN_END)
     log(f"wrote {a.results} ({time.time() - t_start:.0f} s in all)")
 
 

@@ -60,8 +60,8 @@ OuterSync::OuterSync(core::SyncSpec spec, double weight, std::vector<std::pair<s
 }
 
 OuterSync::~OuterSync() {
-  if (exchange_.joinable()) {
-    if (pending_ >= 0 && pending_ < static_cast<int>(averagers_.size())) averagers_[pending_]->Abort();
+  if (exchange_.joinable()) {  // the exchange thread is inside its averager's Finish: cancel, then join it
+    if (pending_ >= 0 && pending_ < static_cast<int>(averagers_.size())) averagers_[pending_]->Cancel();
     exchange_.join();
   }
 }

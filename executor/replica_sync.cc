@@ -69,6 +69,14 @@ void GradientAverager::Stop() {
   if (reduce_thread_.joinable()) reduce_thread_.join();
 }
 
+void GradientAverager::Cancel() {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    abort_ = true;
+  }
+  cv_.notify_all();
+}
+
 void GradientAverager::Abort() {
   Stop();
   std::lock_guard<std::mutex> l(mu_);

@@ -70,6 +70,9 @@ class GradientAverager {
   // Ends a step in progress without completing it (the stage's step failed): its threads give up
   // within a fraction of a second and are joined. No-op without a step in progress.
   void Abort();
+  // Makes a step in progress give up (its waits end within a fraction of a second, and Finish returns
+  // Cancelled) without joining anything: safe from any thread, also while another thread is in Finish.
+  void Cancel();
   // The next backward pass is this replica's last in the step: its gradients are final.
   void CaptureNextBackward();
   // Completes the step: parameters that received no gradient this step contribute zeros (a replica may
