@@ -233,8 +233,13 @@ absl::StatusOr<rpc::CoordinatorHandler::FileGrant> Coordinator::FileDestination(
     int64_t used = 0;
     for (const char* sub : {"checkpoints", "weights"})
       for (auto it = std::filesystem::recursive_directory_iterator(std::filesystem::path(dir) / sub, ec);
-           !ec && it != std::filesystem::recursive_directory_iterator(); it.increment(ec))
-        if (it->is_regular_file(ec)) used += static_cast<int64_t>(it->file_size(ec));
+           !ec && it != std::filesystem::recursive_directory_iterator(); it.increment(ec)) {
+        std::error_code entry;  // a file renamed or removed meanwhile is skipped, not the end of the walk
+        if (it->is_regular_file(entry)) {
+          const auto size = it->file_size(entry);
+          if (!entry) used += static_cast<int64_t>(size);
+        }
+      }
     ec.clear();
     const std::filesystem::space_info disk = std::filesystem::space(dest.parent_path(), ec);
     const int64_t free_bytes = ec ? 0 : static_cast<int64_t>(disk.available);

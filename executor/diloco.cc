@@ -60,7 +60,8 @@ OuterSync::OuterSync(core::SyncSpec spec, double weight, std::vector<std::pair<s
 }
 
 OuterSync::~OuterSync() {
-  if (exchange_.joinable()) {  // the exchange thread is inside its averager's Finish: cancel, then join it
+  if (exchange_.joinable()) {  // the exchange thread may be inside its averager's Finish: cancel, then join it
+    cancelled_ = true;
     if (pending_ >= 0 && pending_ < static_cast<int>(averagers_.size())) averagers_[pending_]->Cancel();
     exchange_.join();
   }
@@ -69,9 +70,18 @@ OuterSync::~OuterSync() {
 void OuterSync::Attach(std::vector<std::unique_ptr<GradientAverager>> averagers) { averagers_ = std::move(averagers); }
 
 void OuterSync::Exchange(int f, int64_t step) {
-  GradientAverager& averager = *averagers_[f];
-  averager.BeginStep(step);
-  exchange_status_ = averager.Finish();
+  try {
+    GradientAverager& averager = *averagers_[f];
+    if (cancelled_) {
+      exchange_status_ = absl::CancelledError("outer synchronisation: the stage ended");
+      return;
+    }
+    averager.BeginStep(step);  // clears the averager's own abort flag: look at ours again after it
+    if (cancelled_) averager.Cancel();
+    exchange_status_ = averager.Finish();
+  } catch (const std::exception& e) {  // on its own thread, outside the stage's torch boundary
+    exchange_status_ = absl::InternalError(absl::StrCat("outer synchronisation of fragment ", f, ": ", e.what()));
+  }
 }
 
 void OuterSync::Begin(int f, int64_t step, bool overlap) {
@@ -86,13 +96,13 @@ void OuterSync::Begin(int f, int64_t step, bool overlap) {
     buffers_[f][k].second.mutable_grad() = (delta * weight_).to(torch::kCPU, torch::kFloat32);
     if (overlap) snapshot_[i] = local.clone();
   }
-  pending_ = f;
   pending_step_ = step;
   began_ = std::chrono::steady_clock::now();
   if (overlap)
-    exchange_ = std::thread([this, f, step] { Exchange(f, step); });
+    exchange_ = std::thread([this, f, step] { Exchange(f, step); });  // may throw: then nothing is pending
   else
     Exchange(f, step);
+  pending_ = f;
 }
 
 absl::Status OuterSync::Complete() {
@@ -112,6 +122,10 @@ absl::Status OuterSync::Complete() {
     const int i = fragment[k];
     torch::Tensor& p = params_[i].second;
     const torch::Tensor sum = buffers_[f][k].second.grad().to(p.device(), p.scalar_type());
+    if (!torch::isfinite(sum).all().item<bool>())
+      return absl::DataLossError(absl::StrCat("outer synchronisation after step ", pending_step_ + 1,
+                                              ": the replicas' ", "summed pseudo-gradient of ", params_[i].first,
+                                              " is not finite"));
     OuterStep(spec_, sum, momentum_[i], outer_[i]);
     if (overlapped) {  // keep what this replica learnt while the exchange ran
       p.detach().copy_(outer_[i] + (p.detach() - snapshot_[i]));

@@ -276,6 +276,7 @@ absl::Status GradientAverager::Finish() {
     std::lock_guard<std::mutex> l(mu_);
     in_step_ = false;
     if (!error_.ok()) return error_;
+    if (abort_) return absl::CancelledError(absl::StrCat(o_.where, ": replica gradient sync: cancelled"));
   }
   for (int b = 0; b < static_cast<int>(buckets_.size()); ++b) {
     Bucket& bucket = buckets_[b];

@@ -26,6 +26,7 @@ StageRunResult RunStage(StageWorker& worker, const StageRun& run) {
     if (run.forget_checkpoints_after_resume) worker.ForgetCheckpointsAfter(run.checkpoint_dir, c->step);
   }
   if (absl::Status s = worker.Connect(); !s.ok()) return {r.steps_done, s};
+  worker.set_final_step(run.steps - 1);
   for (int64_t i = r.steps_done; i < run.steps; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
     auto loss = worker.Step(i, run.total_steps);

@@ -536,6 +536,10 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
       for (auto& [n, p] : model_->parameters())
         if (p.grad().defined()) p.mutable_grad().mul_(scale);
     }
+    // Each DiLoCo replica steps on its own gradient: each checks it (replica 0 also does below, for the norm).
+    if (outer_ && replica_ != 0 && !std::isfinite(GradSquareSum(model_->parameters())))
+      return absl::DataLossError(absl::StrCat(Where(), ": non-finite gradients in step ", step + 1,
+                                              " (the inputs from the previous stage, or the data)"));
     const auto& R = a_.replicas.sites;
     const bool first = a_.stage == 0, last = a_.stage == a_.num_stages - 1;
     double square = 0, loss = loss_sum;
@@ -584,7 +588,8 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
     if (outer_) {  // DiLoCo: the fragment due after this inner step, if any; after the last, all of them
       const int64_t wire0 = outer_->wire_bytes(), raw0 = outer_->raw_bytes();
       const int64_t synced_before = outer_->last_sync().step;
-      absl::Status synced = step + 1 == total_steps ? outer_->Finish(step) : outer_->AfterInnerStep(step);
+      const bool final_step = step + 1 == total_steps || step == final_step_;
+      absl::Status synced = final_step ? outer_->Finish(step) : outer_->AfterInnerStep(step);
       if (!synced.ok()) return Annotate(synced, absl::StrCat(Where(), ": outer synchronisation after step ", step + 1));
       wait_seconds_ += outer_->last_wait_seconds();
       if (outer_->last_sync().step != synced_before) {

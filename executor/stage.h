@@ -107,6 +107,9 @@ class StageWorker {
   // Fault injection (ExecutorOptions::fault_nan_gradient_step): the first activation gradient this stage
   // sends at step `step` is all NaN. nan_gradient_sent() says whether it was.
   void InjectNanGradientAt(int64_t step) { nan_gradient_step_ = step; }
+  // The last step this run will take (0-based), when it ends before the job's last step: DiLoCo then
+  // synchronises every fragment after it, as after the job's last, so the replicas end equal.
+  void set_final_step(int64_t step) { final_step_ = step; }
   bool nan_gradient_sent() const { return nan_gradient_sent_; }
   // DiLoCo (job.sync.mode: diloco, replicated stage): the last outer synchronisation applied; nullopt
   // before the first or without DiLoCo.
@@ -188,6 +191,7 @@ class StageWorker {
   int own_micro_batches_ = 0;                   // diloco: this replica's micro-batches per step
   int64_t wire_bytes_ = 0, raw_bytes_ = 0, replica_wire_bytes_ = 0, replica_raw_bytes_ = 0;
   int64_t nan_gradient_step_ = -1;
+  int64_t final_step_ = -1;
   bool nan_gradient_sent_ = false;
   int64_t replica_buckets_ = 0, replica_buckets_during_backward_ = 0;
   double compute_seconds_ = 0, wait_seconds_ = 0, send_blocked_seconds_ = 0, codec_seconds_ = 0;
