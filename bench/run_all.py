@@ -651,21 +651,18 @@ def main():
             "cpu": sh("lscpu | sed -n 's/^Model name: *//p'", check=False).stdout.strip()}
 
     comps = {}
-    if a.only == "wan-diloco":
+    # The WAN-bound sections, each on its own: (measure, results key, JSON file, section, its markers, name).
+    wan_modes = {"wan-bound": (wan_bound, "wan_bound", "results-wan.json", wan_section, WAN_BEGIN, WAN_END, "WAN-bound"),
+                 "wan-diloco": (wan_diloco, "wan_diloco", "results-wan-diloco.json", diloco_section, DILOCO_BEGIN,
+                                DILOCO_END, "WAN-bound DiLoCo")}
+    if a.only in wan_modes:
+        measure, key, json_name, section, begin, end, what = wan_modes[a.only]
         model_dir, params = write_model(work, cfg, seed)
-        w = wan_diloco(a, bin_dir, work, cfg, model_dir, params)
-        json.dump({"info": info, "wan_diloco": w, "seconds": time.time() - t_start},
-                  open(os.path.join(work, "results-wan-diloco.json"), "w"), indent=2, default=str)
-        splice_section(a.results, diloco_section(w, info["command"]), DILOCO_BEGIN, DILOCO_END)
-        log(f"wrote the WAN-bound DiLoCo section of {a.results} ({time.time() - t_start:.0f} s in all)")
-        return
-    if a.only == "wan-bound":
-        model_dir, params = write_model(work, cfg, seed)
-        w = wan_bound(a, bin_dir, work, cfg, model_dir, params)
-        json.dump({"info": info, "wan_bound": w, "seconds": time.time() - t_start},
-                  open(os.path.join(work, "results-wan.json"), "w"), indent=2, default=str)
-        splice_section(a.results, wan_section(w, info["command"]), WAN_BEGIN, WAN_END)
-        log(f"wrote the WAN-bound section of {a.results} ({time.time() - t_start:.0f} s in all)")
+        w = measure(a, bin_dir, work, cfg, model_dir, params)
+        json.dump({"info": info, key: w, "seconds": time.time() - t_start},
+                  open(os.path.join(work, json_name), "w"), indent=2, default=str)
+        splice_section(a.results, section(w, info["command"]), begin, end)
+        log(f"wrote the {what} section of {a.results} ({time.time() - t_start:.0f} s in all)")
         return
     if a.only != "e2e":
         b = os.path.join(a.build, "bench")
