@@ -13,7 +13,17 @@
 #include "partitioner/schedule.h"
 
 namespace meridian::coordinator {
+
 namespace {
+
+// The model's training state (weights and AdamW moments: the graph's parameter and optimizer bytes), what
+// a checkpoint step or the final weights hold at most besides headers; and room for those headers.
+int64_t TrainingStateBytes(const partitioner::OpGraph& graph) {
+  double bytes = 0;
+  for (const auto& op : graph.ops) bytes += op.param_bytes + op.optimizer_bytes;
+  return static_cast<int64_t>(bytes);
+}
+constexpr int64_t kHeaderBytes = int64_t{64} << 20;
 
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
@@ -242,9 +252,7 @@ absl::Status RunMachine::FinishProfiling() {
   Out(WriteRunFile{core::kGraphFile, graph_json_});
   // A file a site sends holds at most the model's training state (weights and AdamW moments, within
   // param_bytes + optimizer_bytes of the graph) plus its header: twice that bounds it.
-  double state_bytes = 0;
-  for (const auto& op : graph_.ops) state_bytes += op.param_bytes + op.optimizer_bytes;
-  max_file_bytes_ = static_cast<int64_t>(2 * state_bytes) + (int64_t{64} << 20);
+  max_file_bytes_ = 2 * TrainingStateBytes(graph_) + kHeaderBytes;
   t0_ = now_;
   return absl::OkStatus();
 }
@@ -385,9 +393,7 @@ absl::Status RunMachine::FindResumePoint() {
 }
 
 int64_t StoreQuotaBytes(const RunConfig& c) {
-  double state_bytes = 0;
-  for (const auto& op : c.graph.ops) state_bytes += op.param_bytes + op.optimizer_bytes;
-  const int64_t per_step = static_cast<int64_t>(state_bytes) + (int64_t{64} << 20);
+  const int64_t per_step = TrainingStateBytes(c.graph) + kHeaderBytes;
   return (c.job.checkpoint.keep + 3) * per_step;  // keep + 2 steps, and the weights
 }
 

@@ -131,21 +131,10 @@ grpc::Status CoordinatorService::PutFile(grpc::ServerContext* ctx, grpc::ServerR
             absl::StrCat("PutFile from '", PeerCommonName(*ctx), "': the stream carried no chunk")};
   if (grpc::Status s = Authorise(ctx, chunk.site()); !s.ok()) return s;
   const std::string site = chunk.site(), path = chunk.path();
-  {
-    std::lock_guard<std::mutex> l(per_site_mu_);
-    if (uploading_[site] >= kUploadsPerSite)
-      return {grpc::StatusCode::RESOURCE_EXHAUSTED,
-              absl::StrCat("PutFile from site '", site, "': already ", kUploadsPerSite, " uploads running")};
-    ++uploading_[site];
-  }
-  struct Done {
-    CoordinatorService* s;
-    std::string site;
-    ~Done() {
-      std::lock_guard<std::mutex> l(s->per_site_mu_);
-      --s->uploading_[site];
-    }
-  } done{this, site};
+  CallSlots::Slot slot(&uploads_running_, site);
+  if (!slot.held())
+    return {grpc::StatusCode::RESOURCE_EXHAUSTED,
+            absl::StrCat("PutFile from site '", site, "': already ", kUploadsPerSite, " uploads running")};
   if (!IsRunFile(path))
     return {grpc::StatusCode::INVALID_ARGUMENT, absl::StrCat("PutFile from site '", site, "': path '", path,
                                                              "' is not accepted (only weights/stage-K.safetensors and "
@@ -203,21 +192,10 @@ grpc::Status CoordinatorService::GetFile(grpc::ServerContext* ctx, const v1::Fil
                                          grpc::ServerWriter<v1::FileChunk>* writer) {
   if (grpc::Status s = Authorise(ctx, req->site()); !s.ok()) return s;
   const std::string site = req->site();
-  {
-    std::lock_guard<std::mutex> l(per_site_mu_);
-    if (fetching_[site] >= kFetchesPerSite)
-      return {grpc::StatusCode::RESOURCE_EXHAUSTED,
-              absl::StrCat("GetFile from site '", site, "': already ", kFetchesPerSite, " fetches running")};
-    ++fetching_[site];
-  }
-  struct Done {
-    CoordinatorService* s;
-    std::string site;
-    ~Done() {
-      std::lock_guard<std::mutex> l(s->per_site_mu_);
-      --s->fetching_[site];
-    }
-  } done{this, site};
+  CallSlots::Slot slot(&fetches_running_, site);
+  if (!slot.held())
+    return {grpc::StatusCode::RESOURCE_EXHAUSTED,
+            absl::StrCat("GetFile from site '", site, "': already ", kFetchesPerSite, " fetches running")};
   if (!IsCheckpointFile(req->path()))
     return {grpc::StatusCode::INVALID_ARGUMENT,
             absl::StrCat("GetFile from site '", req->site(), "': path '", req->path(),

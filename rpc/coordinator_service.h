@@ -16,6 +16,7 @@
 
 #include "absl/status/statusor.h"
 #include "proto/meridian.grpc.pb.h"
+#include "rpc/call_slots.h"
 
 namespace meridian::rpc {
 
@@ -109,8 +110,8 @@ class CoordinatorService final : public v1::Coordinator::Service {
   std::atomic<int64_t> upload_idle_ms_{std::chrono::milliseconds(kUploadIdleTimeout).count()};
   std::mutex per_site_mu_;
   std::map<std::string, int64_t> command_streams_;  // by site: the newest stream's number; guarded
-  std::map<std::string, int> uploading_;            // by site: PutFile calls running; guarded
-  std::map<std::string, int> fetching_;             // by site: GetFile calls running; guarded
+  CallSlots uploads_running_{kUploadsPerSite};      // PutFile calls by site
+  CallSlots fetches_running_{kFetchesPerSite};      // GetFile calls by site
 };
 
 }  // namespace meridian::rpc

@@ -105,7 +105,11 @@ size_t TensorInbox::pending() const {
 // ---- PeerService ----
 
 PeerService::PeerService(std::string self, std::set<std::string> allowed_peers, TensorInbox* inbox, PeerLimits limits)
-    : self_(std::move(self)), allowed_(std::move(allowed_peers)), inbox_(inbox), limits_(limits) {}
+    : self_(std::move(self)),
+      allowed_(std::move(allowed_peers)),
+      streams_(limits.max_streams_per_peer),
+      inbox_(inbox),
+      limits_(limits) {}
 
 void PeerService::SetJob(std::optional<std::string> job_id) {
   if (job_id) inbox_->DropOtherJobs(*job_id);  // what an abandoned attempt left would count against its peer
@@ -137,32 +141,17 @@ grpc::Status PeerService::Authorise(grpc::ServerContext* ctx, std::string* peer)
   return grpc::Status::OK;
 }
 
-PeerService::StreamSlot::StreamSlot(PeerService* service, std::string peer)
-    : service_(service), peer_(std::move(peer)) {
-  std::lock_guard<std::mutex> l(service_->allowed_mu_);
-  if (service_->open_streams_[peer_] >= service_->limits_.max_streams_per_peer) return;
-  ++service_->open_streams_[peer_];
-  held_ = true;
-}
-
-PeerService::StreamSlot::~StreamSlot() {
-  if (!held_) return;
-  std::lock_guard<std::mutex> l(service_->allowed_mu_);
-  --service_->open_streams_[peer_];
-}
-
-grpc::Status PeerService::StreamSlot::Refusal() const {
-  return {
-      grpc::StatusCode::RESOURCE_EXHAUSTED,
-      absl::StrCat("peer '", peer_, "' already has ", service_->limits_.max_streams_per_peer, " streams open here")};
+grpc::Status PeerService::TooManyStreams(const std::string& peer) const {
+  return {grpc::StatusCode::RESOURCE_EXHAUSTED,
+          absl::StrCat("peer '", peer, "' already has ", streams_.per_client(), " streams open here")};
 }
 
 grpc::Status PeerService::Stream(grpc::ServerContext* ctx, grpc::ServerReader<v1::TensorChunk>* reader,
                                  v1::StreamAck* ack) {
   std::string peer;
   if (grpc::Status s = Authorise(ctx, &peer); !s.ok()) return s;
-  StreamSlot slot(this, peer);
-  if (!slot.held()) return slot.Refusal();
+  CallSlots::Slot slot(&streams_, peer);
+  if (!slot.held()) return TooManyStreams(peer);
   inbox_->ClearPeer(peer);
   struct Partial {
     std::vector<uint8_t> data;  // grows as the bytes arrive (probe payloads are counted, not kept)
@@ -264,8 +253,8 @@ grpc::Status PeerService::Pull(grpc::ServerContext* ctx, const v1::PullRequest* 
                                grpc::ServerWriter<v1::TensorChunk>* writer) {
   std::string peer;
   if (grpc::Status s = Authorise(ctx, &peer); !s.ok()) return s;
-  StreamSlot slot(this, peer);  // a probe holds a thread while it writes: it counts as a stream
-  if (!slot.held()) return slot.Refusal();
+  CallSlots::Slot slot(&streams_, peer);  // a probe holds a thread while it writes: it counts as a stream
+  if (!slot.held()) return TooManyStreams(peer);
   if (req->bytes() < 0 || req->bytes() > kMaxFrameBytes)
     return {grpc::StatusCode::INVALID_ARGUMENT, "pull size out of range"};
   const int chunk = req->chunk_bytes() > 0 ? std::min(req->chunk_bytes(), kChunkBytes) : kChunkBytes;

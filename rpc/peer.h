@@ -25,6 +25,7 @@
 
 #include "absl/status/statusor.h"
 #include "proto/meridian.grpc.pb.h"
+#include "rpc/call_slots.h"
 
 namespace meridian::rpc {
 
@@ -126,25 +127,14 @@ class PeerService final : public v1::Peer::Service {
 
  private:
   grpc::Status Authorise(grpc::ServerContext* ctx, std::string* peer);
-  // One of `peer`'s limits.max_streams_per_peer streams (Stream and Pull calls), held for the call's life.
-  class StreamSlot {
-   public:
-    StreamSlot(PeerService* service, std::string peer);
-    ~StreamSlot();
-    bool held() const { return held_; }
-    grpc::Status Refusal() const;  // ResourceExhausted naming the peer
-
-   private:
-    PeerService* service_;
-    std::string peer_;
-    bool held_ = false;
-  };
+  // ResourceExhausted naming `peer`, which holds all its limits.max_streams_per_peer streams already.
+  grpc::Status TooManyStreams(const std::string& peer) const;
   std::string self_;
   std::mutex allowed_mu_;
-  std::set<std::string> allowed_;            // guarded by allowed_mu_
-  std::optional<std::string> job_;           // guarded by allowed_mu_
-  std::map<std::string, int> open_streams_;  // by peer; guarded by allowed_mu_
-  FrameBounds bounds_;                       // guarded by allowed_mu_
+  std::set<std::string> allowed_;   // guarded by allowed_mu_
+  std::optional<std::string> job_;  // guarded by allowed_mu_
+  CallSlots streams_;               // Stream and Pull calls by peer (a probe holds a thread too)
+  FrameBounds bounds_;              // guarded by allowed_mu_
   TensorInbox* inbox_;
   const PeerLimits limits_;
   std::atomic<int64_t> dropped_frames_{0};
