@@ -601,6 +601,135 @@ def svg_chart(results, bound, path):
     open(path, "w").write("".join(parts))
 
 
+# ---- The simulator against measured runs (issue #18) ----
+
+SIM_BEGIN, SIM_END = "<!-- simulator:begin -->", "<!-- simulator:end -->"
+# Extra small runs: (link Mbit/s, split, compression policy), on the 3 emulated sites with a 40 ms RTT.
+SIM_RUNS = [(20, "planned", "{policy: adaptive, error_feedback: true}"),
+            (20, "even", "{policy: fixed, activations: identity, gradients: identity}"),
+            (20, "even", "{policy: fixed, activations: int8, gradients: int8}"),
+            (5, "planned", "{policy: adaptive, error_feedback: true}"),
+            (5, "even", "{policy: fixed, activations: int8, gradients: int8}"),
+            (5, "even", "{policy: fixed, activations: int4, gradients: int4}"),
+            (2, "planned", "{policy: adaptive, error_feedback: true}"),
+            (2, "even", "{policy: fixed, activations: int4, gradients: int4}"),
+            (2, "even", "{policy: fixed, activations: identity, gradients: identity}"),
+            (100, "planned", "{policy: adaptive, error_feedback: true}")]
+
+
+def measured_step(run_dir, diloco):
+    """The median step of a run (metrics.jsonl) after the first; a DiLoCo run's last step (its final
+    synchronisation) left out. Returns (median seconds, the steps it covers)."""
+    steps = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl"))]
+    steps = [x for x in steps if x["step"] > 1]
+    if diloco and len(steps) > 1:
+        steps = steps[:-1]
+    v = sorted(x["step_seconds"] for x in steps)
+    if not v:
+        return None, 0
+    mid = len(v) // 2
+    return (v[mid] if len(v) % 2 else (v[mid - 1] + v[mid]) / 2), len(v) + 1
+
+
+def simulate_run(bin_dir, run_dir, steps, job=None, calibrate=False):
+    cmd = f"{bin_dir}/meridian simulate --plan {run_dir} --steps {steps} --json"
+    if job:
+        cmd += f" --job {job}"
+    if calibrate:
+        cmd += f" --compute-from {run_dir}/metrics.jsonl"
+    return json.loads(sh(cmd).stdout)
+
+
+def simulator_validation(a, bin_dir, work, cfg, model_dir, weights_params):
+    """Runs the extra small runs, then simulates every run directory under `work` (these and those the
+    other sections left) and compares each simulated step with the measured one."""
+    seq = 32 if a.tiny else 256
+    global_batch = 6 if a.tiny else 12
+    seed = 20261201
+    steps = 8 if a.tiny else 4
+    for i, (mbit, split, compression) in enumerate(SIM_RUNS):
+        name = f"sim-{i + 1:02d}-{mbit}mbit-{split}"
+        job = os.path.join(work, f"{name}.yaml")
+        job_yaml(job, steps, global_batch, global_batch, seq, seed, compression)
+        log(f"simulator validation run {i + 1}/{len(SIM_RUNS)}: {mbit} Mbit/s, {split}, {compression}")
+        emu = BenchEmulation(bin_dir, mbit)
+        try:
+            spec = os.path.join(work, "cluster.yaml")
+            emu.write_spec(spec, "bench", emu.addresses, heartbeat_timeout_s=60)
+            sh(f"{bin_dir}/meridian certs init --spec {spec} --out {work}/certs --force")
+            r = run_meridian(emu, bin_dir, work, name, job, steps, split, a.profile_repeats)
+            log(f"  {r['step_seconds']:.2f} s per step, plan {r['replicas']}, codecs {r['codecs']}")
+        finally:
+            emu.close()
+    rows = []
+    for name in sorted(os.listdir(work)):
+        run = os.path.join(work, name)
+        if not all(os.path.exists(os.path.join(run, f)) for f in ("plan.json", "profile.json", "graph.json", "metrics.jsonl")):
+            continue
+        diloco = name.startswith("wan-diloco")
+        job = os.path.join(work, "wan-diloco.yaml") if diloco else None
+        measured, n = measured_step(run, diloco)
+        if measured is None:
+            continue
+        plan = json.load(open(os.path.join(run, "plan.json")))
+        raw = simulate_run(bin_dir, run, n, job)
+        cal = simulate_run(bin_dir, run, n, job, calibrate=True)
+        rows.append({"run": name, "measured": measured, "steps": n,
+                     "plan": " / ".join("+".join(st["sites"]) for st in plan["stages"]),
+                     "codecs": ", ".join(l["codec"] for l in plan["links"]) or "-",
+                     "sim": cal["median_step_seconds"], "analytic": cal["analytic_step_seconds"],
+                     "sim_profile": raw["median_step_seconds"], "analytic_profile": raw["analytic_step_seconds"],
+                     "planner": plan["predicted_step_seconds"]})
+        x = rows[-1]
+        log(f"  {name}: measured {measured:.2f} s, simulated {x['sim']:.2f} s (profile: {x['sim_profile']:.2f} s), "
+            f"analytic {x['analytic']:.2f} s")
+    return {"rows": rows, "runs": len(SIM_RUNS), "steps": steps, "global_batch": global_batch, "seq": seq}
+
+
+def error_stats(rows, key):
+    e = sorted(abs(r[key] / r["measured"] - 1) for r in rows)
+    if not e:
+        return None, None
+    med = e[len(e) // 2] if len(e) % 2 else (e[len(e) // 2 - 1] + e[len(e) // 2]) / 2
+    p90 = e[min(len(e) - 1, int(0.9 * len(e) + 0.5) - 1)]
+    return med, p90
+
+
+def simulator_section(w, command):
+    rows = w["rows"]
+    L = [SIM_BEGIN, "## The simulator against measured runs", "",
+         f"Command: `{command}`. Every run directory under the bench's work directory is simulated with `meridian "
+         "simulate --plan RUN --steps N --json`: the run's own plan, profile and graph, as many steps as it measured, "
+         "DiLoCo runs with their job's `sync`. Each comparison is of medians over the steps after the first (a DiLoCo "
+         "run's last step, its final synchronisation, left out). The section runs "
+         f"{w['runs']} small runs of its own ({w['global_batch']} sequences of {w['seq']} tokens a step, "
+         f"{w['steps']} steps, three sites at quotas 1.0 / 0.6 / 0.4, 40 ms RTT) at 2 to 100 Mbit/s, planned or even "
+         "splits, identity, int8 or int4 links; the others are those the other sections left there.", "",
+         "Two inputs per run. *With measured compute*: each site's compute per micro-batch is the median its run "
+         "measured (`--compute-from RUN/metrics.jsonl`), the links are the profile's probes: this checks the "
+         "simulation itself (schedules, link queues, synchronisations). *With the profile*: the profile as the "
+         "coordinator measured it before the run, which is what a plan is made from: its per-op times are taken "
+         "while all three sites profile at once on this machine's two cores, and differ from the compute of a "
+         "run in which fewer sites compute.", "",
+         "| run | plan | link codecs | measured step (s) | simulated (s) | error | analytic (s) | error | "
+         "simulated, profile (s) | error | analytic, profile (s) | error |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    err = lambda v, m: f"{100 * (v / m - 1):+.1f}%"  # noqa: E731
+    for r in rows:
+        m = r["measured"]
+        L.append(f"| {r['run']} | {r['plan']} | {r['codecs']} | {m:.2f} | {r['sim']:.2f} | {err(r['sim'], m)} | "
+                 f"{r['analytic']:.2f} | {err(r['analytic'], m)} | {r['sim_profile']:.2f} | {err(r['sim_profile'], m)} | "
+                 f"{r['analytic_profile']:.2f} | {err(r['analytic_profile'], m)} |")
+    L += ["", "| model | inputs | median absolute error | p90 absolute error | runs |", "|---|---|---|---|---|"]
+    for key, model, inputs in (("sim", "simulator", "measured compute"), ("analytic", "analytic", "measured compute"),
+                               ("sim_profile", "simulator", "profile"), ("analytic_profile", "analytic", "profile")):
+        med, p90 = error_stats(rows, key)
+        if med is not None:
+            L.append(f"| {model} | {inputs} | {100 * med:.1f}% | {100 * p90:.1f}% | {len(rows)} |")
+    L += ["", "Target (issue #18): median at most 5%, p90 at most 10%.", "", SIM_END, ""]
+    return "\n".join(L)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build", default="build")
@@ -614,7 +743,7 @@ def main():
                          "speed, comma-separated; the fastest is used at the others. Default 4: a sweep of 1,4 "
                          "(bench/RESULTS.md, 2026-12-01) found it fastest, and each setting costs about 5 minutes")
     ap.add_argument("--results", default="bench/RESULTS.md")
-    ap.add_argument("--only", choices=["e2e", "components", "wan-bound", "wan-diloco"])
+    ap.add_argument("--only", choices=["e2e", "components", "wan-bound", "wan-diloco", "simulator"])
     ap.add_argument("--diloco-steps", type=int, default=24, help="steps of the WAN-bound DiLoCo runs")
     ap.add_argument("--diloco-inner-steps", type=int, default=8, help="job.sync.inner_steps of the WAN-bound DiLoCo runs")
     ap.add_argument("--diloco-speeds", default="2", help="link rates (Mbit/s) of the WAN-bound DiLoCo runs, comma-separated")
@@ -654,7 +783,9 @@ def main():
     # The WAN-bound sections, each on its own: (measure, results key, JSON file, section, its markers, name).
     wan_modes = {"wan-bound": (wan_bound, "wan_bound", "results-wan.json", wan_section, WAN_BEGIN, WAN_END, "WAN-bound"),
                  "wan-diloco": (wan_diloco, "wan_diloco", "results-wan-diloco.json", diloco_section, DILOCO_BEGIN,
-                                DILOCO_END, "WAN-bound DiLoCo")}
+                                DILOCO_END, "WAN-bound DiLoCo"),
+                 "simulator": (simulator_validation, "simulator", "results-simulator.json", simulator_section, SIM_BEGIN,
+                               SIM_END, "simulator validation")}
     if a.only in wan_modes:
         measure, key, json_name, section, begin, end, what = wan_modes[a.only]
         model_dir, params = write_model(work, cfg, seed)

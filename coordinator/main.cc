@@ -11,6 +11,7 @@
 #include "coordinator/inspect.h"
 #include "coordinator/plan_command.h"
 #include "coordinator/run.h"
+#include "coordinator/simulate_command.h"
 #include "core/certs.h"
 #include "core/cluster_spec.h"
 #include "core/log.h"
@@ -128,6 +129,12 @@ int main(int argc, char** argv) {
   auto* plan = app.add_subcommand("plan", "Partition a model's operator graph over a cluster profile");
   coordinator::AddPlanOptions(plan, &plan_options);
   plan->callback([&] { rc = coordinator::RunPlanCommand(plan_options); });
+
+  coordinator::SimulateCommandOptions simulate_options;
+  auto* simulate =
+      app.add_subcommand("simulate", "Simulate a plan event by event: step time, bubble, link and stage times");
+  coordinator::AddSimulateOptions(simulate, &simulate_options);
+  simulate->callback([&] { rc = coordinator::RunSimulateCommand(simulate_options); });
 
   auto* doctor = app.add_subcommand("doctor", "Check the spec, the CA and every site's identity before a run");
   std::string doctor_spec;

@@ -308,16 +308,22 @@ absl::Status RunMachine::PlanAttempt() {
     if (!lost_.count(l.from) && !lost_.count(l.to)) live.links.push_back(l);
   partitioner::PlanOptions po;
   po.micro_batches = c_.micro_batches;
-  if (job.sync.mode == core::SyncMode::kDiloco) {
-    po.sync.diloco = true;
-    po.sync.inner_steps = job.sync.inner_steps;
-    po.sync.fragments = job.sync.fragments;
-    po.sync.overlap = job.sync.overlap;
-    if (auto codec = partitioner::PriceCodec(job.sync.codec); codec.ok()) po.sync.codec = *codec;
-  }
+  po.sync = partitioner::SyncModelOf(job.sync);
   po.adaptive_compression = job.compression.policy == core::CompressionPolicy::kAdaptive;
   po.deep_pipeline = true;
   if (c_.revisit_fraction) po.link_codecs = partitioner::DefaultLinkCodecs(*c_.revisit_fraction);
+  if (job.compression.policy != core::CompressionPolicy::kAdaptive) {
+    // A fixed codec (or none): a menu of that one codec, so that the plan is priced, and plan.json says,
+    // what Assign gives the executors.
+    const bool none = job.compression.policy == core::CompressionPolicy::kNone;
+    auto link = partitioner::PriceCodec(none ? "identity" : job.compression.activations);
+    auto gradient = partitioner::PriceCodec(none ? "identity" : job.compression.gradients);
+    if (link.ok() && gradient.ok()) {
+      po.link_codecs = {*link};
+      po.gradient_codecs = {*gradient};
+      po.adaptive_compression = true;
+    }
+  }
   po.replication = job.replication && !c_.even_split;
   if (c_.even_split) {
     const int n = std::min<int>(static_cast<int>(live.sites.size()), ops);

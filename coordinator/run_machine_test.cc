@@ -216,6 +216,28 @@ TEST(RunMachine, JoinsProfilesPlansAndFinishes) {
   EXPECT_TRUE(d.Feed(Tick{}).empty());  // over
 }
 
+// plan.json says what the executors run: a job's fixed codecs (or none) are the plan's, not identity.
+TEST(RunMachine, APlanOfAFixedCodecRecordsTheCodecItsExecutorsUse) {
+  for (auto policy : {core::CompressionPolicy::kFixed, core::CompressionPolicy::kNone}) {
+    RunConfig c = Config();
+    c.job.compression.policy = policy;
+    c.job.compression.activations = "int8";
+    Driver d(std::move(c));
+    d.JoinAndProfile({"a", "b", "c"});
+    const std::string want = policy == core::CompressionPolicy::kFixed ? "int8" : "identity";
+    std::string plan_json;
+    for (const auto& f : All<WriteRunFile>(d.last()))
+      if (f.name == core::kPlanFile) plan_json = f.content;
+    ASSERT_FALSE(plan_json.empty());
+    const auto links = nlohmann::json::parse(plan_json)["links"];
+    ASSERT_EQ(links.size(), 2u);
+    auto assigned = Assignments(d.last());
+    for (const auto& l : links) EXPECT_EQ(l["codec"], want);
+    EXPECT_EQ(assigned["a"].forward_codec(), want);
+    EXPECT_EQ(assigned["b"].prev_forward_codec(), want);
+  }
+}
+
 TEST(RunMachine, JoinTimeoutNamesTheMissingSites) {
   RunConfig c = Config();
   c.join_timeout_seconds = 10;

@@ -128,7 +128,7 @@ absl::StatusOr<ClusterProfile> ParseProfileJson(const std::string& text, const s
   auto parsed = ParseJson(text, path);
   if (!parsed.ok()) return parsed.status();
   const json& j = *parsed;
-  RETURN_IF(OnlyKeys(j, {"sites", "links", "cluster", "measured_at"}, path, "profile"));
+  RETURN_IF(OnlyKeys(j, {"sites", "links", "cluster", "measured_at", "comment"}, path, "profile"));
   auto sites = j.find("sites");
   if (sites == j.end()) return Bad(path, "sites", "missing");
   if (!sites->is_array() || sites->empty()) return Bad(path, "sites", "expected a non-empty array");
@@ -138,7 +138,9 @@ absl::StatusOr<ClusterProfile> ParseProfileJson(const std::string& text, const s
     const json& s = (*sites)[i];
     std::string ctx = absl::StrCat("sites[", i, "]");
     if (!s.is_object()) return Bad(path, ctx, "expected an object");
-    RETURN_IF(OnlyKeys(s, {"name", "flops_per_second", "memory_bytes", "op_seconds", "device", "gemm_flops_per_second"},
+    RETURN_IF(OnlyKeys(s,
+                       {"name", "flops_per_second", "memory_bytes", "op_seconds", "device", "gemm_flops_per_second",
+                        "uplink_bytes_per_second", "codec_bytes_per_second", "comment"},
                        path, ctx));
     SiteProfile sp;
     RETURN_IF(String(s, "name", path, ctx, &sp.name));
@@ -162,6 +164,20 @@ absl::StatusOr<ClusterProfile> ParseProfileJson(const std::string& text, const s
           return Bad(path, absl::StrCat(ctx, ".gemm_flops_per_second.", it.key()), "must be a non-negative number");
         sp.gemm_flops_per_second[it.key()] = it->get<double>();
       }
+    }
+    RETURN_IF(Number(s, "uplink_bytes_per_second", path, ctx, false, &sp.uplink_bytes_per_second));
+    auto cb = s.find("codec_bytes_per_second");
+    if (cb != s.end()) {
+      if (!cb->is_object()) return Bad(path, ctx + ".codec_bytes_per_second", "expected an object of codec -> bytes/s");
+      for (auto it = cb->begin(); it != cb->end(); ++it) {
+        if (!it->is_number() || !std::isfinite(it->get<double>()) || it->get<double>() <= 0)
+          return Bad(path, absl::StrCat(ctx, ".codec_bytes_per_second.", it.key()), "must be a positive number");
+        sp.codec_bytes_per_second[it.key()] = it->get<double>();
+      }
+    }
+    if (auto c = s.find("comment"); c != s.end()) {
+      if (!c->is_string()) return Bad(path, ctx + ".comment", "expected a string");
+      sp.comment = c->get<std::string>();
     }
     p.sites.push_back(std::move(sp));
   }
@@ -221,6 +237,9 @@ std::string ProfileToJson(const ClusterProfile& p) {
     json js = {{"name", s.name}, {"flops_per_second", s.flops_per_second}, {"memory_bytes", s.memory_bytes}};
     if (!s.op_seconds.empty()) js["op_seconds"] = s.op_seconds;
     if (!s.gemm_flops_per_second.empty()) js["gemm_flops_per_second"] = s.gemm_flops_per_second;
+    if (s.uplink_bytes_per_second > 0) js["uplink_bytes_per_second"] = s.uplink_bytes_per_second;
+    if (!s.codec_bytes_per_second.empty()) js["codec_bytes_per_second"] = s.codec_bytes_per_second;
+    if (!s.comment.empty()) js["comment"] = s.comment;
     sites.push_back(js);
   }
   for (const auto& l : p.links)

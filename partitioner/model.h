@@ -36,6 +36,13 @@ struct SiteProfile {
   // Measured GEMM throughputs by path, informational ("libtorch_fp32"; on CUDA builds "cublas_fp32",
   // "cublas_tf32", "cublas_bf16"): the planner uses op_seconds and flops_per_second.
   std::map<std::string, double> gemm_flops_per_second;
+  // The site's uplink, shared by all its outgoing links, in bytes per second; 0: each link has its own
+  // bandwidth (the planner ignores it; `meridian simulate` queues a site's sends on it).
+  double uplink_bytes_per_second = 0;
+  // Float32 input bytes per second that the site's compute thread encodes (and decodes) with each codec
+  // (compression/ spelling, e.g. "int8"); a codec absent here costs nothing in `meridian simulate`.
+  std::map<std::string, double> codec_bytes_per_second;
+  std::string comment;  // free text: where the figures come from (published specs, a measurement)
 };
 
 // One direction of a link. latency_seconds is one-way.

@@ -815,7 +815,21 @@ Codec Priced(const compression::CodecSpec& spec) {
 absl::StatusOr<Codec> PriceCodec(const std::string& codec) {
   auto spec = compression::CodecSpec::Parse(codec);
   if (!spec.ok()) return spec.status();
-  return Priced(*spec);
+  Codec c = Priced(*spec);
+  // The gradients behind an activation codec travel in compression::GradientCodecBehind's codec.
+  if (const std::string behind = compression::GradientCodecBehind(codec); behind != codec)
+    if (auto b = compression::CodecSpec::Parse(behind); b.ok()) c.gradient_ratio = Priced(*b).ratio;
+  return c;
+}
+
+SyncModel SyncModelOf(const core::SyncSpec& spec) {
+  SyncModel m;
+  m.diloco = spec.mode == core::SyncMode::kDiloco;
+  m.inner_steps = spec.inner_steps;
+  m.fragments = spec.fragments;
+  m.overlap = spec.overlap;
+  if (auto codec = PriceCodec(spec.codec); codec.ok()) m.codec = *codec;
+  return m;
 }
 
 std::vector<Codec> DefaultLinkCodecs(double revisit_fraction) {
@@ -1115,6 +1129,7 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
     }
     plan.links.push_back(lp);
   }
+  plan.sync = o.sync;
   plan.predicted_step_seconds = ev.total;
   plan.fill_drain_seconds = ev.fill;
   plan.steady_seconds = ev.steady;
@@ -1249,6 +1264,13 @@ std::string PlanJson(const Plan& plan, const OpGraph& graph) {
             {"simulated", plan.simulated},
             {"formula_step_seconds", plan.formula_step_seconds},
             {"micro_batches", plan.micro_batches},
+            {"sync", plan.sync.diloco ? json{{"mode", "diloco"},
+                                             {"inner_steps", plan.sync.inner_steps},
+                                             {"fragments", plan.sync.fragments},
+                                             {"overlap", plan.sync.overlap},
+                                             {"codec", plan.sync.codec.name},
+                                             {"ratio", plan.sync.codec.ratio}}
+                                      : json{{"mode", "every_step"}}},
             {"method", plan.method},
             {"bottleneck", plan.bottleneck},
             {"stages", stages},

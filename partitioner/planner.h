@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "core/cluster_spec.h"
 #include "partitioner/model.h"
 
 namespace meridian::partitioner {
@@ -33,7 +34,8 @@ std::vector<Codec> DefaultLinkCodecs(double revisit_fraction = 0);
 std::vector<Codec> DefaultGradientCodecs();
 
 // A codec of compression/ (CodecSpec::Parse's spelling) as the cost model prices it: its payload per
-// float32 input byte. InvalidArgument for a name that is not a codec.
+// float32 input byte; for an AQ-SGD delta codec, gradient_ratio prices the codec its gradients travel in
+// (compression::GradientCodecBehind). InvalidArgument for a name that is not a codec.
 absl::StatusOr<Codec> PriceCodec(const std::string& codec);
 
 // How replicas synchronise (job.sync). Every step: the gradient sum, priced per step in the gradient
@@ -47,6 +49,10 @@ struct SyncModel {
   bool overlap = true;
   Codec codec{"int4", 0.140625};  // PriceCodec("int4"): half a byte an element and a float32 scale per 64
 };
+
+// The job's `sync` section as the cost model prices it (an unknown codec keeps the default's price; the
+// spec's validation has refused it already).
+SyncModel SyncModelOf(const core::SyncSpec& spec);
 
 struct PlanOptions {
   int micro_batches = 8;
@@ -131,6 +137,7 @@ struct Plan {
   std::vector<StagePlan> stages;
   std::vector<LinkPlan> links;
   int micro_batches = 0;
+  SyncModel sync;  // how the replicas synchronise (PlanOptions::sync); in plan.json as "sync"
   double predicted_step_seconds = 0;
   double fill_drain_seconds = 0;  // sum t_k + sum c_k
   double steady_seconds = 0;      // (M - 1) * bottleneck

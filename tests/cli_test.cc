@@ -196,6 +196,40 @@ TEST_F(Cli, PlanTableJsonAndDot) {
   EXPECT_THAT(b.err, HasSubstr("ops[0].backward_flops: missing"));
 }
 
+// `meridian simulate` over a plan the planner wrote, as files and as a run directory.
+TEST_F(Cli, SimulateAPlanFromFilesAndFromARunDirectory) {
+  std::string graph = Src("examples/graphs/llama-7b.json"), profile = Src("examples/profiles/geo.json");
+  auto p = Exec(Bin("meridian") + " plan --graph " + graph + " --profile " + profile + " --micro-batches 16 --json");
+  ASSERT_EQ(p.rc, 0) << p.err;
+  fs::create_directories(dir_ / "run");
+  std::ofstream(dir_ / "run" / "plan.json") << p.out;
+  fs::copy_file(graph, dir_ / "run" / "graph.json");
+  fs::copy_file(profile, dir_ / "run" / "profile.json");
+  const std::string svg = (dir_ / "t.svg").string();
+  auto j = Exec(Bin("meridian") + " simulate --plan " + (dir_ / "run").string() + " --json --svg " + svg);
+  ASSERT_EQ(j.rc, 0) << j.err;
+  auto js = nlohmann::json::parse(j.out);
+  for (const char* key : {"step_seconds", "utilisation", "bubble_fraction", "links", "stages"})
+    EXPECT_TRUE(js.contains(key)) << key;
+  const auto plan = nlohmann::json::parse(p.out);
+  EXPECT_EQ(js["stages"].size(), plan["stages"].size());
+  EXPECT_GE(js["step_seconds"].get<double>(), js["compute_bound_seconds"].get<double>());
+  EXPECT_GT(js["utilisation"].get<double>(), 0);
+  EXPECT_LE(js["utilisation"].get<double>(), 1);
+  std::ifstream in(svg);
+  std::string drawn((std::istreambuf_iterator<char>(in)), {});
+  EXPECT_THAT(drawn, HasSubstr("<svg"));
+  EXPECT_THAT(drawn, HasSubstr(">forward<"));
+  auto t = Exec(Bin("meridian") + " simulate --plan " + (dir_ / "run" / "plan.json").string() + " --graph " + graph +
+                " --profile " + profile);
+  ASSERT_EQ(t.rc, 0) << t.err;
+  EXPECT_THAT(t.out, HasSubstr("simulated step"));
+  std::string bad = Write("p.json", R"({"micro_batches": 4, "stages": [{"sites": ["mars"], "last_op": 65}]})");
+  auto b = Exec(Bin("meridian") + " simulate --plan " + bad + " --graph " + graph + " --profile " + profile);
+  EXPECT_EQ(b.rc, 2);
+  EXPECT_THAT(b.err, HasSubstr("stages[0].sites: site 'mars' is not in the profile"));
+}
+
 TEST_F(Cli, ExecutorJoinFailsFastWithOneActionableMessage) {
   std::string certs = (dir_ / "certs").string();
   ASSERT_EQ(Exec(Bin("meridian") + " certs init --spec " + Src("examples/clusters/local.yaml") + " --out " + certs).rc,

@@ -1,0 +1,35 @@
+// `meridian simulate`: the discrete-event simulator (simulator/) over a plan, from files or a run
+// directory. Kept out of main.cc so that CLI11 wiring stays in main and this can be tested directly.
+#ifndef MERIDIAN_COORDINATOR_SIMULATE_COMMAND_H_
+#define MERIDIAN_COORDINATOR_SIMULATE_COMMAND_H_
+
+#include <string>
+
+namespace CLI {
+class App;
+}
+
+namespace meridian::coordinator {
+
+struct SimulateCommandOptions {
+  // --plan: a plan.json, or a run directory holding plan.json (and profile.json and graph.json, used
+  // unless --profile / --graph say otherwise).
+  std::string graph_path, profile_path, plan_path, svg_path;
+  // A job spec whose `sync` section replaces the plan's (plan.json files written before it recorded one).
+  std::string job_path;
+  // A run's metrics.jsonl: each plan site's compute per micro-batch is set to the median it measured
+  // (steps after the first), its op times scaled alike (simulator::CalibrateCompute).
+  std::string compute_from;
+  int steps = 0;  // 0: the simulator's choice (SimulationOptions::steps)
+  bool json = false;
+};
+
+// Registers the flags of `meridian simulate` on `cmd`.
+void AddSimulateOptions(CLI::App* cmd, SimulateCommandOptions* options);
+// Runs it: prints the summary (or JSON) to stdout and writes the SVG timeline. Returns 0, 2 for bad input
+// files (named, with the field) or a plan that cannot run, 1 when the SVG cannot be written.
+int RunSimulateCommand(const SimulateCommandOptions& options);
+
+}  // namespace meridian::coordinator
+
+#endif  // MERIDIAN_COORDINATOR_SIMULATE_COMMAND_H_

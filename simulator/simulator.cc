@@ -1,0 +1,976 @@
+#include "simulator/simulator.h"
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <map>
+#include <numeric>
+#include <queue>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "nlohmann/json.hpp"
+#include "partitioner/schedule.h"
+
+namespace meridian::simulator {
+namespace {
+
+using partitioner::ClusterProfile;
+using partitioner::OpGraph;
+using partitioner::Plan;
+using json = nlohmann::json;
+
+constexpr double kControlBytes = 16;  // two float64: the gradient norm's square sum and the loss
+
+// A tensor's codec as the simulator charges it: wire bytes per raw byte in each direction, and the name
+// under which a site's codec_bytes_per_second prices its encoding.
+struct LinkCodec {
+  std::string name;
+  double forward_ratio = 1, backward_ratio = 1;
+};
+
+LinkCodec CodecOf(const std::string& name, double ratio) {
+  LinkCodec c{name, ratio, ratio};
+  if (auto priced = partitioner::PriceCodec(name); priced.ok()) c.backward_ratio = priced->backward();
+  return c;
+}
+
+// One stage replica: a site's compute thread and what it is doing.
+struct Worker {
+  int site = 0, stage = 0, replica = 0;
+  double forward = 0, backward = 0;  // seconds per micro-batch
+  std::vector<std::pair<char, int>> order;
+  int micro_batches = 0;
+  // The current step.
+  int step = -1;
+  size_t next = 0;
+  bool busy = false;
+  int last_backward = -1;  // index into order of the last backward pass (the averager's capture)
+  double step_start = 0;
+  std::map<std::pair<int, int>, double> activations, gradients;  // (step, micro-batch) -> arrival
+  std::map<std::pair<int, int>, double> control;                  // (step, sending worker) -> arrival
+  // Phases after the passes: 0 passes, 1 gradient sum, 2 norm, 3 done.
+  int phase = 0;
+  bool sent_up = false;
+  int buckets_done = 0;
+  // DiLoCo: an exchange this replica has begun and not yet received in full; what to do when it has.
+  bool exchange_open = false;
+  std::function<void(double)> resume;
+  // Per-step statistics for the report.
+  std::map<int, double> compute, codec, send, duration;
+};
+
+struct Event {
+  double t;
+  uint64_t seq;
+  std::function<void()> fn;
+  bool operator>(const Event& o) const { return t != o.t ? t > o.t : seq > o.seq; }
+};
+
+class Simulation {
+ public:
+  Simulation(const OpGraph& g, const ClusterProfile& p, const Plan& plan, const SimulationOptions& o)
+      : g_(g), p_(p), plan_(plan), o_(o) {}
+
+  absl::Status Init();
+  void Run(int steps);
+  // After Run: the first site that did not finish every step (the schedules wait on each other), or "".
+  std::string Stuck() const;
+  SimulationResult Result(int steps) const;
+
+ private:
+  double SiteSeconds(int site, int first, int last) const;
+  double CodecSeconds(int site, const std::string& codec, double raw_bytes) const;
+  int WorkerOf(int stage, int micro_batch) const { return stage_workers_[stage][owners_[stage][micro_batch]]; }
+  void At(double t, std::function<void()> fn) { events_.push({t, seq_++, std::move(fn)}); }
+  // Queues `bytes` from site a to site b at time t (FIFO on the link and, when shared, a's uplink); calls
+  // `arrived` one latency after the last byte has left.
+  void Transfer(int a, int b, double bytes, double t, Activity activity, std::function<void(double)> arrived);
+  // A flow of `bytes` sent as chunks, each queued when the previous one has left.
+  void ChunkedTransfer(int a, int b, double bytes, double t, Activity activity, std::function<void(double)> arrived);
+  void StartStep(int w, double t);
+  void TryRun(int w, double now);
+  void PassDone(int w, double start, double end, double codec);
+  void AfterPasses(int w, double t);
+  // A sum over the replicas of a stage (a gradient bucket, or a DiLoCo fragment): each replica, once it
+  // contributes, sends part j to replica j; replica j, with every part and its own, sends the summed part
+  // j to every other replica; a replica is done when it has every summed part.
+  struct Reduction {
+    std::string kind;  // "sync" or "outer_sync"
+    double part_bytes = 0;
+    bool chunked = false;
+    std::vector<bool> contributed;
+    std::vector<int> scattered, gathered;
+    std::function<void(int replica, double t)> done;
+  };
+  using ReductionKey = std::tuple<int, int, int>;  // stage, step, bucket (>= 0) or -1 - fragment
+  void Contribute(const ReductionKey& key, int replica, double t);
+  void MaybeGather(const ReductionKey& key, int j, double t);
+  void BucketReady(int stage, int step, int bucket, int replica, double t);
+  void Advance(int w, double t);
+  void SendControl(int from, int to, double t);
+  void StepDone(int w, double t);
+  void FinishStep(int w, double began_waiting, double t);
+  void ExchangeBegin(int w, double t);
+
+  const OpGraph& g_;
+  const ClusterProfile& p_;
+  const Plan& plan_;
+  const SimulationOptions& o_;
+  int steps_ = 0;
+  std::vector<std::vector<double>> bw_, lat_;
+  std::vector<double> uplink_;
+  std::vector<std::vector<double>> link_free_;
+  std::vector<double> uplink_free_;
+  std::vector<Worker> workers_;
+  std::vector<std::vector<int>> stage_workers_;  // stage -> worker indices in replica order
+  std::vector<std::vector<int>> owners_;         // stage -> micro-batch -> replica
+  std::vector<LinkCodec> links_;                 // per pipeline link
+  std::vector<double> link_bytes_;               // raw bytes per micro-batch crossing each link
+  std::vector<double> grad_bytes_;               // per stage: float32 gradient bytes
+  std::vector<LinkCodec> grad_codec_;            // per stage: replica sum codec
+  std::vector<int> buckets_;                     // per stage
+  std::map<ReductionKey, Reduction> reductions_;
+  std::priority_queue<Event, std::vector<Event>, std::greater<Event>> events_;
+  uint64_t seq_ = 0;
+  std::vector<double> step_end_;  // per step: the last worker to start the next one
+  std::vector<Activity> timeline_;
+  std::map<std::pair<int, int>, std::map<int, std::pair<double, double>>> link_use_;  // (a,b) -> step -> bytes, s
+};
+
+double Simulation::SiteSeconds(int site, int first, int last) const {
+  double t = 0;
+  const auto& sp = p_.sites[site];
+  for (int i = first; i <= last; ++i) {
+    auto it = sp.op_seconds.find(g_.ops[i].name);
+    t += it != sp.op_seconds.end() ? it->second
+                                   : (g_.ops[i].forward_flops + g_.ops[i].backward_flops) / sp.flops_per_second;
+  }
+  return t;
+}
+
+double Simulation::CodecSeconds(int site, const std::string& codec, double raw_bytes) const {
+  const auto& m = p_.sites[site].codec_bytes_per_second;
+  auto it = m.find(codec);
+  return it == m.end() ? 0.0 : raw_bytes / it->second;
+}
+
+absl::Status Simulation::Init() {
+  const int n = static_cast<int>(p_.sites.size());
+  const int S = static_cast<int>(plan_.stages.size());
+  const int M = plan_.micro_batches;
+  if (S == 0) return absl::InvalidArgumentError("plan: no stages");
+  if (M < 1) return absl::InvalidArgumentError("plan: micro_batches must be at least 1");
+  std::map<std::string, int> index;
+  for (int s = 0; s < n; ++s) index[p_.sites[s].name] = s;
+  bw_.assign(n, std::vector<double>(n, 0.0));
+  lat_.assign(n, std::vector<double>(n, 0.0));
+  for (const auto& l : p_.links) {
+    bw_[index.at(l.from)][index.at(l.to)] = l.bandwidth_bytes_per_second;
+    lat_[index.at(l.from)][index.at(l.to)] = l.latency_seconds;
+  }
+  uplink_.resize(n);
+  for (int s = 0; s < n; ++s) uplink_[s] = p_.sites[s].uplink_bytes_per_second;
+  link_free_.assign(n, std::vector<double>(n, 0.0));
+  uplink_free_.assign(n, 0.0);
+  if (static_cast<int>(plan_.links.size()) != S - 1)
+    return absl::InvalidArgumentError(absl::StrCat("plan: ", S, " stages need ", S - 1, " links, not ", plan_.links.size()));
+  stage_workers_.resize(S);
+  owners_.resize(S);
+  for (int k = 0; k < S; ++k) {
+    const auto& st = plan_.stages[k];
+    const std::string where = absl::StrCat("plan: stage ", k + 1);
+    if (st.sites.empty()) return absl::InvalidArgumentError(where + ": no sites");
+    if (st.first_op < 0 || st.last_op < st.first_op || st.last_op >= static_cast<int>(g_.ops.size()))
+      return absl::InvalidArgumentError(absl::StrCat(where, ": ops ", st.first_op, "..", st.last_op, " not in the graph"));
+    if (st.micro_batches.size() != st.sites.size() ||
+        std::accumulate(st.micro_batches.begin(), st.micro_batches.end(), 0) != M)
+      return absl::InvalidArgumentError(absl::StrCat(where, ": micro-batch shares must be one per site, summing to ", M));
+    owners_[k] = partitioner::MicroBatchOwners(st.micro_batches);
+    double f = 0, all = 0;
+    for (int i = st.first_op; i <= st.last_op; ++i)
+      f += g_.ops[i].forward_flops, all += g_.ops[i].forward_flops + g_.ops[i].backward_flops;
+    const double share = all > 0 ? f / all : 1.0 / 3.0;
+    for (size_t r = 0; r < st.sites.size(); ++r) {
+      const int site = st.sites[r];
+      if (site < 0 || site >= n) return absl::InvalidArgumentError(absl::StrCat(where, ": site index ", site, " unknown"));
+      Worker w;
+      w.site = site;
+      w.stage = k;
+      w.replica = static_cast<int>(r);
+      const double t = SiteSeconds(site, st.first_op, st.last_op);
+      w.forward = t * share;
+      w.backward = t * (1 - share);
+      for (auto e : partitioner::PipelineSchedule(k, S, M, st.in_flight))
+        if (owners_[k][e.second] == w.replica) w.order.push_back(e);
+      w.micro_batches = st.micro_batches[r];
+      for (int i = 0; i < static_cast<int>(w.order.size()); ++i)
+        if (w.order[i].first == 'B') w.last_backward = i;
+      stage_workers_[k].push_back(static_cast<int>(workers_.size()));
+      workers_.push_back(std::move(w));
+    }
+    double params = 0;
+    for (int i = st.first_op; i <= st.last_op; ++i) params += g_.ops[i].param_bytes;
+    grad_bytes_.push_back(o_.gradient_bytes_fraction * params);
+    const std::string gc = st.gradient_codec.empty() ? "identity" : st.gradient_codec;
+    if (st.sites.size() > 1 && !plan_.sync.diloco && !partitioner::PriceCodec(gc).ok())
+      return absl::InvalidArgumentError(absl::StrCat(where, ": gradient codec '", gc, "' is not a codec"));
+    grad_codec_.push_back(CodecOf(gc, partitioner::PriceCodec(gc).ok() ? partitioner::PriceCodec(gc)->ratio : 1.0));
+    buckets_.push_back(std::max(1, static_cast<int>(std::ceil(grad_bytes_.back() / std::max<int64_t>(1, o_.bucket_bytes)))));
+    // Every pair of sites that exchange something needs a link both ways.
+    for (int a : st.sites)
+      for (int b : st.sites)
+        if (a != b && st.sites.size() > 1 && bw_[a][b] <= 0)
+          return absl::InvalidArgumentError(absl::StrCat(where, ": replicas '", p_.sites[a].name, "' and '",
+                                                         p_.sites[b].name, "' have no link in the profile"));
+  }
+  for (int k = 0; k + 1 < S; ++k) {
+    const auto& l = plan_.links[k];
+    links_.push_back(CodecOf(l.codec, l.ratio));
+    link_bytes_.push_back(l.bytes);
+    for (int a : plan_.stages[k].sites)
+      for (int b : plan_.stages[k + 1].sites)
+        if (bw_[a][b] <= 0 || bw_[b][a] <= 0)
+          return absl::InvalidArgumentError(absl::StrCat("plan: link ", k + 1, ": sites '", p_.sites[a].name, "' and '",
+                                                         p_.sites[b].name, "' have no link in the profile"));
+  }
+  return absl::OkStatus();
+}
+
+void Simulation::Transfer(int a, int b, double bytes, double t, Activity activity,
+                          std::function<void(double)> arrived) {
+  At(t, [=, this, arrived = std::move(arrived), activity = std::move(activity)]() mutable {
+    double start = std::max(t, link_free_[a][b]);
+    double rate = bw_[a][b];
+    if (uplink_[a] > 0) {
+      start = std::max(start, uplink_free_[a]);
+      rate = std::min(rate, uplink_[a]);
+    }
+    const double end = start + bytes / rate;
+    link_free_[a][b] = end;
+    if (uplink_[a] > 0) uplink_free_[a] = end;
+    activity.start = start;
+    activity.end = end;
+    auto& use = link_use_[{a, b}][activity.step];
+    use.first += bytes;
+    use.second += end - start;
+    timeline_.push_back(activity);
+    At(end + lat_[a][b], [arrived = std::move(arrived), when = end + lat_[a][b]] { arrived(when); });
+  });
+}
+
+void Simulation::ChunkedTransfer(int a, int b, double bytes, double t, Activity activity,
+                                 std::function<void(double)> arrived) {
+  const double chunk = std::max<double>(1, static_cast<double>(o_.chunk_bytes));
+  if (bytes <= chunk) return Transfer(a, b, bytes, t, std::move(activity), std::move(arrived));
+  // The first chunk now; the rest when it has left the link (its arrival minus the latency).
+  Transfer(a, b, chunk, t, activity, [=, this, arrived = std::move(arrived)](double when) mutable {
+    ChunkedTransfer(a, b, bytes - chunk, when - lat_[a][b], activity, std::move(arrived));
+  });
+}
+
+void Simulation::StartStep(int wi, double t) {
+  Worker& w = workers_[wi];
+  w.step += 1;
+  if (w.step >= steps_) return;
+  w.next = 0;
+  w.phase = 0;
+  w.sent_up = false;
+  w.buckets_done = 0;
+  w.step_start = t;
+  TryRun(wi, t);
+}
+
+void Simulation::TryRun(int wi, double now) {
+  Worker& w = workers_[wi];
+  if (w.busy || w.phase != 0 || w.step >= steps_) return;
+  const int S = static_cast<int>(plan_.stages.size());
+  if (w.next >= w.order.size()) return AfterPasses(wi, now);
+  const auto [kind, m] = w.order[w.next];
+  double codec = 0;
+  if (kind == 'F') {
+    if (w.stage > 0) {
+      auto it = w.activations.find({w.step, m});
+      if (it == w.activations.end()) return;
+      w.activations.erase(it);
+      codec += CodecSeconds(w.site, links_[w.stage - 1].name, link_bytes_[w.stage - 1]);
+    }
+    if (w.stage + 1 < S) codec += CodecSeconds(w.site, links_[w.stage].name, link_bytes_[w.stage]);
+  } else {
+    if (w.stage + 1 < S) {
+      auto it = w.gradients.find({w.step, m});
+      if (it == w.gradients.end()) return;
+      w.gradients.erase(it);
+      codec += CodecSeconds(w.site, links_[w.stage].name, link_bytes_[w.stage]);
+    }
+    if (w.stage > 0) codec += CodecSeconds(w.site, links_[w.stage - 1].name, link_bytes_[w.stage - 1]);
+  }
+  const double start = now;
+  const double end = start + (kind == 'F' ? w.forward : w.backward) + codec;
+  w.busy = true;
+  // Replica sums: the last backward pass hands over its buckets as it goes.
+  const int R = static_cast<int>(stage_workers_[w.stage].size());
+  if (kind == 'B' && static_cast<int>(w.next) == w.last_backward && R > 1 && !plan_.sync.diloco) {
+    const int nb = buckets_[w.stage];
+    for (int b = 0; b < nb; ++b)
+      At(start + (end - start) * (b + 1) / nb,
+         [this, stage = w.stage, step = w.step, b, r = w.replica, t = start + (end - start) * (b + 1) / nb] {
+           BucketReady(stage, step, b, r, t);
+         });
+  }
+  At(end, [this, wi, start, end, codec] { PassDone(wi, start, end, codec); });
+}
+
+void Simulation::PassDone(int wi, double start, double end, double codec) {
+  Worker& w = workers_[wi];
+  const int S = static_cast<int>(plan_.stages.size());
+  const auto [kind, m] = w.order[w.next];
+  w.busy = false;
+  w.compute[w.step] += end - start;
+  w.codec[w.step] += codec;
+  timeline_.push_back({p_.sites[w.site].name, kind == 'F' ? "forward" : "backward", w.step, m, "", start, end});
+  if (kind == 'F' && w.stage + 1 < S) {
+    const int to = WorkerOf(w.stage + 1, m);
+    const double bytes = link_bytes_[w.stage] * links_[w.stage].forward_ratio;
+    w.send[w.step] += bytes / bw_[w.site][workers_[to].site];
+    Transfer(w.site, workers_[to].site, bytes, end, {p_.sites[w.site].name, "send", w.step, m, p_.sites[workers_[to].site].name},
+             [this, to, step = w.step, m](double t) {
+               workers_[to].activations[{step, m}] = t;
+               TryRun(to, t);
+             });
+  } else if (kind == 'B' && w.stage > 0) {
+    const int to = WorkerOf(w.stage - 1, m);
+    const double bytes = link_bytes_[w.stage - 1] * links_[w.stage - 1].backward_ratio;
+    w.send[w.step] += bytes / bw_[w.site][workers_[to].site];
+    Transfer(w.site, workers_[to].site, bytes, end, {p_.sites[w.site].name, "send", w.step, m, p_.sites[workers_[to].site].name},
+             [this, to, step = w.step, m](double t) {
+               workers_[to].gradients[{step, m}] = t;
+               TryRun(to, t);
+             });
+  }
+  ++w.next;
+  TryRun(wi, end);
+}
+
+void Simulation::AfterPasses(int wi, double t) {
+  Worker& w = workers_[wi];
+  const int R = static_cast<int>(stage_workers_[w.stage].size());
+  w.phase = R > 1 && !plan_.sync.diloco ? 1 : 2;
+  if (w.phase == 1 && w.last_backward < 0) {
+    // A replica without micro-batches this step hands over zero gradients at once.
+    for (int b = 0; b < buckets_[w.stage]; ++b) BucketReady(w.stage, w.step, b, w.replica, t);
+  }
+  Advance(wi, t);
+}
+
+void Simulation::Contribute(const ReductionKey& key, int replica, double t) {
+  Reduction& red = reductions_.at(key);
+  const int stage = std::get<0>(key), step = std::get<1>(key);
+  const auto& ws = stage_workers_[stage];
+  const int R = static_cast<int>(ws.size());
+  red.contributed[replica] = true;
+  const int from = workers_[ws[replica]].site;
+  for (int j = 0; j < R; ++j) {
+    if (j == replica) continue;
+    const int to = workers_[ws[j]].site;
+    auto arrived = [this, key, j](double when) {
+      ++reductions_.at(key).scattered[j];
+      MaybeGather(key, j, when);
+    };
+    Activity a{p_.sites[from].name, red.kind, step, -1, p_.sites[to].name};
+    if (red.chunked)
+      ChunkedTransfer(from, to, red.part_bytes, t, a, arrived);
+    else
+      Transfer(from, to, red.part_bytes, t, a, arrived);
+  }
+  MaybeGather(key, replica, t);
+}
+
+void Simulation::MaybeGather(const ReductionKey& key, int j, double t) {
+  Reduction& red = reductions_.at(key);
+  const int stage = std::get<0>(key), step = std::get<1>(key);
+  const auto& ws = stage_workers_[stage];
+  const int R = static_cast<int>(ws.size());
+  if (!red.contributed[j] || red.scattered[j] != R - 1) return;
+  red.scattered[j] = -1;  // gathered once
+  const int from = workers_[ws[j]].site;
+  for (int u = 0; u < R; ++u) {
+    if (u == j) continue;
+    const int to = workers_[ws[u]].site;
+    auto arrived = [this, key, u, R](double when) {
+      Reduction& r = reductions_.at(key);
+      if (++r.gathered[u] == R - 1) r.done(u, when);
+    };
+    Activity a{p_.sites[from].name, red.kind, step, -1, p_.sites[to].name};
+    if (red.chunked)
+      ChunkedTransfer(from, to, red.part_bytes, t, a, arrived);
+    else
+      Transfer(from, to, red.part_bytes, t, a, arrived);
+  }
+  if (R == 1) red.done(j, t);
+}
+
+void Simulation::BucketReady(int stage, int step, int bucket, int replica, double t) {
+  const ReductionKey key{stage, step, bucket};
+  auto [it, inserted] = reductions_.try_emplace(key);
+  if (inserted) {
+    const int R = static_cast<int>(stage_workers_[stage].size());
+    Reduction& red = it->second;
+    red.kind = "sync";
+    red.part_bytes = grad_bytes_[stage] / buckets_[stage] / R * grad_codec_[stage].forward_ratio;
+    red.contributed.assign(R, false);
+    red.scattered.assign(R, 0);
+    red.gathered.assign(R, 0);
+    red.done = [this, stage, step](int u, double when) {
+      const int wi = stage_workers_[stage][u];
+      ++workers_[wi].buckets_done;
+      if (workers_[wi].step == step) Advance(wi, when);
+    };
+  }
+  Contribute(key, replica, t);
+}
+
+void Simulation::SendControl(int from, int to, double t) {
+  const Worker& f = workers_[from];
+  const int a = f.site, b = workers_[to].site;
+  Transfer(a, b, kControlBytes, t, {p_.sites[a].name, "control", f.step, -1, p_.sites[b].name},
+           [this, from, to, step = f.step](double arrival) {
+             workers_[to].control[{step, from}] = arrival;
+             if (workers_[to].step == step) Advance(to, arrival);
+           });
+}
+
+// The executor's end of a step (executor/stage.cc): the gradient sum, then the norm and loss messages.
+void Simulation::Advance(int wi, double t) {
+  Worker& w = workers_[wi];
+  if (w.step >= steps_) return;
+  const int S = static_cast<int>(plan_.stages.size());
+  const auto& R = stage_workers_[w.stage];
+  const bool first = w.stage == 0, last = w.stage == S - 1;
+  if (w.phase == 1) {
+    if (w.buckets_done < buckets_[w.stage] || w.next < w.order.size()) return;
+    w.phase = 2;
+  }
+  if (w.phase != 2) return;
+  auto has = [&](int from) { return w.control.count({w.step, from}) > 0; };
+  if (w.replica == 0) {
+    if (last)
+      for (size_t j = 1; j < R.size(); ++j)
+        if (!has(R[j])) return;
+    if (!last && !has(stage_workers_[w.stage + 1][0])) return;
+    if (!first) {
+      const int prev = stage_workers_[w.stage - 1][0];
+      if (!w.sent_up) {
+        w.sent_up = true;
+        SendControl(wi, prev, t);
+      }
+      if (!has(prev)) return;
+    }
+    if (!last)
+      for (int nx : stage_workers_[w.stage + 1]) SendControl(wi, nx, t);
+    if (first)
+      for (size_t j = 1; j < R.size(); ++j) SendControl(wi, R[j], t);
+  } else {
+    if (last && !w.sent_up) {
+      w.sent_up = true;
+      SendControl(wi, R[0], t);
+    }
+    if (!has(first ? R[0] : stage_workers_[w.stage - 1][0])) return;
+  }
+  w.phase = 3;
+  StepDone(wi, t);
+}
+
+void Simulation::ExchangeBegin(int wi, double t) {
+  Worker& w = workers_[wi];
+  const int R = static_cast<int>(stage_workers_[w.stage].size());
+  const int H = std::max(1, plan_.sync.inner_steps), F = std::max(1, plan_.sync.fragments);
+  const int fragment = ((w.step + 1) / std::max(1, H / F)) % F;
+  const ReductionKey key{w.stage, w.step, -1 - fragment};
+  auto [it, inserted] = reductions_.try_emplace(key);
+  if (inserted) {
+    Reduction& red = it->second;
+    red.kind = "outer_sync";
+    red.part_bytes = grad_bytes_[w.stage] / F / R * plan_.sync.codec.ratio;
+    red.chunked = true;
+    red.contributed.assign(R, false);
+    red.scattered.assign(R, 0);
+    red.gathered.assign(R, 0);
+    red.done = [this, stage = w.stage](int u, double when) {
+      Worker& x = workers_[stage_workers_[stage][u]];
+      x.exchange_open = false;
+      if (x.resume) {
+        auto resume = std::move(x.resume);
+        x.resume = nullptr;
+        resume(when);
+      }
+    };
+  }
+  w.exchange_open = true;
+  Contribute(key, w.replica, t);
+}
+
+void Simulation::FinishStep(int wi, double began_waiting, double t) {
+  Worker& w = workers_[wi];
+  if (t > began_waiting)
+    timeline_.push_back({p_.sites[w.site].name, "wait", w.step, -1, "", began_waiting, t});
+  w.duration[w.step] = t - w.step_start;
+  step_end_[w.step] = std::max(step_end_[w.step], t);
+  StartStep(wi, t);
+}
+
+void Simulation::StepDone(int wi, double t) {
+  Worker& w = workers_[wi];
+  for (auto it = w.control.begin(); it != w.control.end();)
+    it = it->first.first <= w.step ? w.control.erase(it) : std::next(it);
+  const int R = static_cast<int>(stage_workers_[w.stage].size());
+  const int H = std::max(1, plan_.sync.inner_steps), F = std::max(1, plan_.sync.fragments);
+  if (!plan_.sync.diloco || R < 2 || (w.step + 1) % std::max(1, H / F) != 0) return FinishStep(wi, t, t);
+  // DiLoCo's synchronisation point (executor/diloco.cc): with overlap, complete the exchange begun a
+  // period ago, then begin this one; without, begin it and wait for it.
+  auto begin = [this, wi, t](double now) {
+    ExchangeBegin(wi, now);
+    Worker& x = workers_[wi];
+    if (!plan_.sync.overlap && x.exchange_open) {
+      x.resume = [this, wi, t](double done) { FinishStep(wi, t, done); };
+      return;
+    }
+    FinishStep(wi, t, now);
+  };
+  if (plan_.sync.overlap && w.exchange_open) {
+    w.resume = begin;
+    return;
+  }
+  begin(t);
+}
+
+void Simulation::Run(int steps) {
+  steps_ = steps;
+  step_end_.assign(steps, 0.0);
+  for (int wi = 0; wi < static_cast<int>(workers_.size()); ++wi) StartStep(wi, 0.0);
+  while (!events_.empty()) {
+    Event e = events_.top();
+    events_.pop();
+    e.fn();
+  }
+}
+
+std::string Simulation::Stuck() const {
+  for (const Worker& w : workers_)
+    if (w.step < steps_)
+      return absl::StrCat("stage ", w.stage + 1, " at site '", p_.sites[w.site].name, "' in step ", w.step + 1);
+  return "";
+}
+
+SimulationResult Simulation::Result(int steps) const {
+  SimulationResult r;
+  double prev = 0;
+  for (int s = 0; s < steps; ++s) {
+    r.step_times.push_back(step_end_[s] - prev);
+    prev = step_end_[s];
+  }
+  std::vector<double> later(r.step_times.begin() + (steps > 1 ? 1 : 0), r.step_times.end());
+  r.step_seconds = std::accumulate(later.begin(), later.end(), 0.0) / later.size();
+  std::vector<double> sorted = later;
+  std::sort(sorted.begin(), sorted.end());
+  r.median_step_seconds = sorted.size() % 2 ? sorted[sorted.size() / 2]
+                                            : (sorted[sorted.size() / 2 - 1] + sorted[sorted.size() / 2]) / 2;
+  const int last = steps - 1;
+  r.last_step_seconds = r.step_times[last];
+  double rate = 0;
+  for (int s = 0; s < static_cast<int>(p_.sites.size()); ++s)
+    rate += 1.0 / SiteSeconds(s, 0, static_cast<int>(g_.ops.size()) - 1);
+  r.compute_bound_seconds = plan_.micro_batches / rate;
+  r.utilisation = r.step_seconds > 0 ? r.compute_bound_seconds / r.step_seconds : 0;
+  double busy = 0;
+  for (const Worker& w : workers_) {
+    SiteReport s;
+    s.site = p_.sites[w.site].name;
+    s.stage = w.stage;
+    s.replica = w.replica;
+    s.micro_batches = w.micro_batches;
+    auto get = [&](const std::map<int, double>& m) {
+      auto it = m.find(last);
+      return it == m.end() ? 0.0 : it->second;
+    };
+    s.compute_seconds = get(w.compute);
+    s.codec_seconds = get(w.codec);
+    s.send_seconds = get(w.send);
+    s.wait_seconds = std::max(0.0, get(w.duration) - s.compute_seconds);
+    busy += s.compute_seconds;
+    r.sites.push_back(s);
+  }
+  r.bubble_fraction =
+      r.last_step_seconds > 0 ? std::max(0.0, 1 - busy / (workers_.size() * r.last_step_seconds)) : 0.0;
+  for (const auto& [ab, per_step] : link_use_) {
+    LinkReport l;
+    l.from = p_.sites[ab.first].name;
+    l.to = p_.sites[ab.second].name;
+    if (auto it = per_step.find(last); it != per_step.end()) {
+      l.bytes = it->second.first;
+      l.busy_fraction = r.last_step_seconds > 0 ? it->second.second / r.last_step_seconds : 0;
+    }
+    r.links.push_back(l);
+  }
+  const double t0 = last > 0 ? step_end_[last - 1] : 0.0;
+  for (const Activity& a : timeline_)
+    if (a.step == last) {
+      Activity x = a;
+      x.start -= t0;
+      x.end -= t0;
+      r.timeline.push_back(x);
+    }
+  std::sort(r.timeline.begin(), r.timeline.end(),
+            [](const Activity& a, const Activity& b) { return a.start < b.start; });
+  std::set<std::string> priced;
+  for (const auto& l : links_)
+    for (const auto& s : p_.sites)
+      if (s.codec_bytes_per_second.count(l.name)) priced.insert(l.name);
+  for (const auto& l : links_)
+    if (l.name != "identity" && !priced.count(l.name))
+      r.notes.push_back(absl::StrCat("codec '", l.name,
+                                     "' has no codec_bytes_per_second in the profile: its encoding costs nothing here"));
+  r.notes.push_back("the optimizer step and data loading are not in the profile and not simulated");
+  if (plan_.sync.diloco)
+    r.notes.push_back(absl::StrFormat("DiLoCo: H = %d, %d fragment(s), %s, codec %s", plan_.sync.inner_steps,
+                                      plan_.sync.fragments, plan_.sync.overlap ? "overlapped" : "not overlapped",
+                                      plan_.sync.codec.name));
+  return r;
+}
+
+// The planner's formula for `plan`'s layout: a fixed pipeline with its replicas and sync, the link codecs
+// chosen by the planner's adaptive rule from the plan's own codecs (so a plan with one codec keeps it).
+absl::StatusOr<double> AnalyticStepSeconds(const OpGraph& graph, const ClusterProfile& profile, const Plan& plan,
+                                           const SimulationOptions& options) {
+  partitioner::PlanOptions o;
+  o.micro_batches = plan.micro_batches;
+  o.sync = plan.sync;
+  o.replication = false;
+  o.deep_pipeline = false;
+  o.gradient_bytes_fraction = options.gradient_bytes_fraction;
+  o.fixed_replicas.resize(plan.stages.size());
+  for (size_t k = 0; k < plan.stages.size(); ++k) {
+    o.fixed_sites.push_back(plan.stages[k].sites[0]);
+    o.fixed_last_ops.push_back(plan.stages[k].last_op);
+    o.fixed_replicas[k].assign(plan.stages[k].sites.begin() + 1, plan.stages[k].sites.end());
+  }
+  std::vector<partitioner::Codec> menu;
+  for (const auto& l : plan.links) {
+    partitioner::Codec c{l.codec, l.ratio};
+    if (auto priced = partitioner::PriceCodec(l.codec); priced.ok()) c = *priced, c.ratio = l.ratio;
+    if (std::none_of(menu.begin(), menu.end(), [&](const partitioner::Codec& m) { return m.name == c.name; }))
+      menu.push_back(c);
+  }
+  if (!menu.empty()) {
+    std::sort(menu.begin(), menu.end(), [](const auto& a, const auto& b) { return a.ratio > b.ratio; });
+    o.link_codecs = menu;
+    o.adaptive_compression = true;
+  }
+  std::vector<partitioner::Codec> gradient;
+  for (const auto& st : plan.stages)
+    if (st.sites.size() > 1 && !st.gradient_codec.empty())
+      if (auto priced = partitioner::PriceCodec(st.gradient_codec); priced.ok()) gradient.push_back(*priced);
+  if (!gradient.empty()) {
+    o.gradient_codecs = {gradient.front()};
+    o.adaptive_compression = true;
+  }
+  auto evaluated = partitioner::PlanPipeline(graph, profile, o);
+  if (!evaluated.ok()) return evaluated.status();
+  return evaluated->formula_step_seconds;
+}
+
+}  // namespace
+
+absl::StatusOr<SimulationResult> Simulate(const OpGraph& graph, const ClusterProfile& profile, const Plan& plan,
+                                          const SimulationOptions& options) {
+  Simulation sim(graph, profile, plan, options);
+  if (absl::Status s = sim.Init(); !s.ok()) return s;
+  int steps = options.steps;
+  if (steps <= 0) steps = plan.sync.diloco ? 2 * std::max(1, plan.sync.inner_steps) + 1 : 3;
+  sim.Run(steps);
+  auto analytic = AnalyticStepSeconds(graph, profile, plan, options);
+  if (std::string stuck = sim.Stuck(); !stuck.empty())
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the plan's schedules wait on each other (in-flight depths increasing along the pipeline?): ", stuck,
+        " never finished"));
+  SimulationResult r = sim.Result(steps);
+  if (analytic.ok())
+    r.analytic_step_seconds = *analytic;
+  else
+    r.notes.push_back(absl::StrCat("analytic model: ", analytic.status().message()));
+  return r;
+}
+
+absl::StatusOr<ClusterProfile> CalibrateCompute(const OpGraph& graph, const ClusterProfile& profile, const Plan& plan,
+                                                const std::map<std::string, double>& seconds) {
+  ClusterProfile out = profile;
+  for (const auto& [name, target] : seconds) {
+    const partitioner::StagePlan* stage = nullptr;
+    int site = -1;
+    for (const auto& st : plan.stages)
+      for (size_t r = 0; r < st.site_names.size(); ++r)
+        if (st.site_names[r] == name) stage = &st, site = st.sites[r];
+    if (!stage) return absl::InvalidArgumentError(absl::StrCat("calibration: site '", name, "' runs no stage of the plan"));
+    if (!(target > 0) || !std::isfinite(target))
+      return absl::InvalidArgumentError(absl::StrCat("calibration: site '", name, "': seconds must be positive"));
+    auto& sp = out.sites[site];
+    double now = 0;
+    for (int i = stage->first_op; i <= stage->last_op; ++i) {
+      auto it = sp.op_seconds.find(graph.ops[i].name);
+      now += it != sp.op_seconds.end() ? it->second
+                                       : (graph.ops[i].forward_flops + graph.ops[i].backward_flops) / sp.flops_per_second;
+    }
+    if (!(now > 0)) return absl::InvalidArgumentError(absl::StrCat("calibration: site '", name, "' computes nothing"));
+    const double factor = target / now;
+    for (auto& [op, t] : sp.op_seconds) t *= factor;
+    sp.flops_per_second /= factor;
+  }
+  return out;
+}
+
+absl::StatusOr<Plan> ParsePlanJson(const std::string& text, const std::string& path, const OpGraph& graph,
+                                   const ClusterProfile& profile) {
+  auto bad = [&](const std::string& field, const std::string& what) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": ", field, ": ", what));
+  };
+  json j = json::parse(text, nullptr, false);
+  if (j.is_discarded() || !j.is_object()) return bad("top level", "not a JSON object");
+  Plan plan;
+  if (!j.contains("micro_batches") || !j["micro_batches"].is_number_integer() || j["micro_batches"].get<int64_t>() < 1 ||
+      j["micro_batches"].get<int64_t>() > (1 << 20))
+    return bad("micro_batches", "expected a positive integer");
+  plan.micro_batches = j["micro_batches"].get<int>();
+  const int M = plan.micro_batches;
+  std::map<std::string, int> index;
+  for (int s = 0; s < static_cast<int>(profile.sites.size()); ++s) index[profile.sites[s].name] = s;
+  const int ops = static_cast<int>(graph.ops.size());
+  if (!j.contains("stages") || !j["stages"].is_array() || j["stages"].empty())
+    return bad("stages", "expected a non-empty list");
+  std::set<std::string> seen;
+  for (size_t k = 0; k < j["stages"].size(); ++k) {
+    const json& st = j["stages"][k];
+    const std::string where = absl::StrCat("stages[", k, "]");
+    if (!st.is_object()) return bad(where, "expected an object");
+    partitioner::StagePlan sp;
+    if (!st.contains("sites") || !st["sites"].is_array() || st["sites"].empty())
+      return bad(where + ".sites", "expected a non-empty list of site names");
+    for (const json& site : st["sites"]) {
+      if (!site.is_string()) return bad(where + ".sites", "expected site names");
+      const std::string name = site.get<std::string>();
+      if (!index.count(name)) return bad(where + ".sites", absl::StrCat("site '", name, "' is not in the profile"));
+      if (!seen.insert(name).second) return bad(where + ".sites", absl::StrCat("site '", name, "' appears twice"));
+      sp.sites.push_back(index[name]);
+      sp.site_names.push_back(name);
+    }
+    sp.first_op = k == 0 ? 0 : plan.stages.back().last_op + 1;
+    if (!st.contains("last_op") || !st["last_op"].is_number_integer())
+      return bad(where + ".last_op", "expected an op index");
+    const int64_t last = st["last_op"].get<int64_t>();
+    if (last < sp.first_op || last >= ops)
+      return bad(where + ".last_op", absl::StrCat(last, " is not an op after ", sp.first_op - 1, " in a graph of ", ops));
+    sp.last_op = static_cast<int>(last);
+    if (st.contains("first_op") && (!st["first_op"].is_number_integer() || st["first_op"].get<int64_t>() != sp.first_op))
+      return bad(where + ".first_op", absl::StrCat("expected ", sp.first_op, " (the op after the previous stage's last)"));
+    if (st.contains("micro_batches")) {
+      const json& mb = st["micro_batches"];
+      if (!mb.is_array() || mb.size() != sp.sites.size())
+        return bad(where + ".micro_batches", "expected one count per site");
+      int sum = 0;
+      for (const json& c : mb) {
+        if (!c.is_number_integer() || c.get<int64_t>() < 0 || c.get<int64_t>() > M)
+          return bad(where + ".micro_batches", "expected non-negative counts");
+        sp.micro_batches.push_back(c.get<int>());
+        sum += sp.micro_batches.back();
+      }
+      if (sum != M) return bad(where + ".micro_batches", absl::StrCat("the counts sum to ", sum, ", not ", M));
+    } else if (sp.sites.size() == 1) {
+      sp.micro_batches = {M};
+    } else {
+      return bad(where + ".micro_batches", "missing (needed for replicas)");
+    }
+    if (st.contains("in_flight")) {
+      if (!st["in_flight"].is_number_integer() || st["in_flight"].get<int64_t>() < 0 || st["in_flight"].get<int64_t>() > M)
+        return bad(where + ".in_flight", absl::StrCat("expected an integer from 0 (1F1B) to ", M));
+      sp.in_flight = st["in_flight"].get<int>();
+    }
+    if (st.contains("gradient_codec")) {
+      if (!st["gradient_codec"].is_string() || !partitioner::PriceCodec(st["gradient_codec"].get<std::string>()).ok())
+        return bad(where + ".gradient_codec", "expected a codec name (compression/)");
+      sp.gradient_codec = st["gradient_codec"].get<std::string>();
+    }
+    plan.stages.push_back(std::move(sp));
+  }
+  if (plan.stages.back().last_op != ops - 1)
+    return bad("stages", absl::StrCat("the last stage ends at op ", plan.stages.back().last_op, ", not the graph's last (",
+                                      ops - 1, ")"));
+  // The bytes crossing each cut: every tensor produced before it and consumed after it.
+  std::vector<int> last_consumer(ops, -1);
+  for (int c = 0; c < ops; ++c)
+    for (int i : graph.ops[c].inputs) last_consumer[i] = std::max(last_consumer[i], c);
+  const int S = static_cast<int>(plan.stages.size());
+  const json links = j.contains("links") ? j["links"] : json::array();
+  if (!links.is_array() || static_cast<int>(links.size()) != S - 1)
+    return bad("links", absl::StrCat("expected ", S - 1, " links (one between each two stages)"));
+  for (int k = 0; k + 1 < S; ++k) {
+    const json& l = links[k];
+    const std::string where = absl::StrCat("links[", k, "]");
+    partitioner::LinkPlan lp;
+    lp.from_stage = k;
+    const int cut = plan.stages[k].last_op;
+    for (int i = 0; i <= cut; ++i)
+      if (last_consumer[i] > cut) lp.bytes += graph.ops[i].output_bytes;
+    if (!l.is_object()) return bad(where, "expected an object");
+    lp.codec = "identity";
+    if (l.contains("codec")) {
+      if (!l["codec"].is_string()) return bad(where + ".codec", "expected a codec name");
+      lp.codec = l["codec"].get<std::string>();
+    }
+    auto priced = partitioner::PriceCodec(lp.codec);
+    if (l.contains("ratio")) {
+      if (!l["ratio"].is_number() || !(l["ratio"].get<double>() > 0) || l["ratio"].get<double>() > 1)
+        return bad(where + ".ratio", "expected a number in (0, 1]");
+      lp.ratio = l["ratio"].get<double>();
+    } else if (priced.ok()) {
+      lp.ratio = priced->ratio;
+    } else {
+      return bad(where + ".codec", absl::StrCat("'", lp.codec, "' is not a codec, and no ratio is given"));
+    }
+    plan.links.push_back(lp);
+  }
+  if (j.contains("sync")) {
+    const json& s = j["sync"];
+    if (!s.is_object() || !s.contains("mode") || !s["mode"].is_string())
+      return bad("sync.mode", "expected every_step or diloco");
+    const std::string mode = s["mode"].get<std::string>();
+    if (mode == "diloco") {
+      plan.sync.diloco = true;
+      auto integer = [&](const char* key, int* out) -> absl::Status {
+        if (!s.contains(key)) return absl::OkStatus();
+        if (!s[key].is_number_integer() || s[key].get<int64_t>() < 1 || s[key].get<int64_t>() > 1000000)
+          return bad(absl::StrCat("sync.", key), "expected a positive integer");
+        *out = s[key].get<int>();
+        return absl::OkStatus();
+      };
+      if (auto st = integer("inner_steps", &plan.sync.inner_steps); !st.ok()) return st;
+      if (auto st = integer("fragments", &plan.sync.fragments); !st.ok()) return st;
+      if (s.contains("overlap")) {
+        if (!s["overlap"].is_boolean()) return bad("sync.overlap", "expected true or false");
+        plan.sync.overlap = s["overlap"].get<bool>();
+      }
+      if (s.contains("codec")) {
+        auto c = s["codec"].is_string() ? partitioner::PriceCodec(s["codec"].get<std::string>())
+                                        : absl::InvalidArgumentError("");
+        if (!c.ok()) return bad("sync.codec", "expected a codec name (compression/)");
+        plan.sync.codec = *c;
+      }
+    } else if (mode != "every_step") {
+      return bad("sync.mode", absl::StrCat("'", mode, "': expected every_step or diloco"));
+    }
+  }
+  if (j.contains("predicted_step_seconds") && j["predicted_step_seconds"].is_number())
+    plan.predicted_step_seconds = j["predicted_step_seconds"].get<double>();
+  return plan;
+}
+
+std::string SimulationJson(const SimulationResult& r) {
+  json links = json::array(), stages = json::array();
+  for (const auto& l : r.links)
+    links.push_back({{"from", l.from}, {"to", l.to}, {"bytes", l.bytes}, {"busy_fraction", l.busy_fraction}});
+  for (const auto& s : r.sites) {
+    if (static_cast<int>(stages.size()) <= s.stage) stages.push_back({{"stage", s.stage}, {"sites", json::array()}});
+    stages[s.stage]["sites"].push_back({{"site", s.site},
+                                        {"replica", s.replica},
+                                        {"micro_batches", s.micro_batches},
+                                        {"compute_seconds", s.compute_seconds},
+                                        {"wait_seconds", s.wait_seconds},
+                                        {"send_seconds", s.send_seconds},
+                                        {"codec_seconds", s.codec_seconds}});
+  }
+  json j = {{"step_seconds", r.step_seconds},
+            {"analytic_step_seconds", r.analytic_step_seconds},
+            {"median_step_seconds", r.median_step_seconds},
+            {"last_step_seconds", r.last_step_seconds},
+            {"step_times", r.step_times},
+            {"compute_bound_seconds", r.compute_bound_seconds},
+            {"utilisation", r.utilisation},
+            {"bubble_fraction", r.bubble_fraction},
+            {"links", links},
+            {"stages", stages},
+            {"notes", r.notes}};
+  return j.dump(2) + "\n";
+}
+
+std::string SimulationTable(const SimulationResult& r) {
+  std::string out = absl::StrFormat(
+      "simulated step %.3f s (median %.3f s over %d steps after the first); compute bound %.3f s: utilisation "
+      "%.1f%%; bubble %.1f%% of the last step; the analytic model: %.3f s\n",
+      r.step_seconds, r.median_step_seconds, static_cast<int>(r.step_times.size()) - 1, r.compute_bound_seconds,
+      100 * r.utilisation, 100 * r.bubble_fraction, r.analytic_step_seconds);
+  absl::StrAppendFormat(&out, "%-6s %-16s %6s %10s %10s %10s %10s\n", "stage", "site", "mb", "compute_s", "wait_s",
+                        "send_s", "codec_s");
+  for (const auto& s : r.sites)
+    absl::StrAppendFormat(&out, "%-6d %-16s %6d %10.3f %10.3f %10.3f %10.3f\n", s.stage + 1, s.site, s.micro_batches,
+                          s.compute_seconds, s.wait_seconds, s.send_seconds, s.codec_seconds);
+  if (!r.links.empty()) absl::StrAppendFormat(&out, "%-34s %14s %6s\n", "link", "bytes/step", "busy");
+  for (const auto& l : r.links)
+    absl::StrAppendFormat(&out, "%-34s %14.0f %5.1f%%\n", l.from + " -> " + l.to, l.bytes, 100 * l.busy_fraction);
+  for (const auto& n : r.notes) absl::StrAppend(&out, "note: ", n, "\n");
+  return out;
+}
+
+std::string TimelineSvg(const SimulationResult& r) {
+  // One colour per activity kind; compute in a row's upper band, traffic out of the site in the lower.
+  static const std::map<std::string, std::string> kColour = {
+      {"forward", "#4e79a7"}, {"backward", "#f28e2b"}, {"send", "#59a14f"},   {"sync", "#b07aa1"},
+      {"outer_sync", "#e15759"}, {"control", "#9c755f"}, {"wait", "#d3d3d3"}};
+  std::vector<std::string> rows;
+  for (const auto& s : r.sites) rows.push_back(s.site);
+  double span = r.last_step_seconds;
+  for (const auto& a : r.timeline) span = std::max(span, a.end);
+  if (span <= 0) span = 1;
+  const double left = 140, width = 900, row_h = 44, top = 30;
+  const double height = top + row_h * rows.size() + 60;
+  auto x = [&](double t) { return left + width * std::max(0.0, t) / span; };
+  std::string svg = absl::StrFormat(
+      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" font-family=\"sans-serif\" "
+      "font-size=\"12\">\n<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n"
+      "<text x=\"%.0f\" y=\"18\">last simulated step: %.3f s (utilisation %.1f%%, bubble %.1f%%)</text>\n",
+      left + width + 20, height, left, r.last_step_seconds, 100 * r.utilisation, 100 * r.bubble_fraction);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const double y = top + row_h * i;
+    absl::StrAppendFormat(&svg, "<text x=\"4\" y=\"%.1f\">%s (stage %d)</text>\n", y + row_h / 2, rows[i],
+                          r.sites[i].stage + 1);
+    absl::StrAppendFormat(&svg, "<line x1=\"%.0f\" x2=\"%.0f\" y1=\"%.1f\" y2=\"%.1f\" stroke=\"#eee\"/>\n", left,
+                          left + width, y + row_h - 2, y + row_h - 2);
+  }
+  for (const auto& a : r.timeline) {
+    auto it = std::find(rows.begin(), rows.end(), a.site);
+    auto colour = kColour.find(a.kind);
+    if (it == rows.end() || colour == kColour.end()) continue;
+    const double y = top + row_h * (it - rows.begin());
+    const bool compute = a.kind == "forward" || a.kind == "backward" || a.kind == "wait";
+    const double y0 = compute ? y + 2 : y + row_h * 0.55, h = compute ? row_h * 0.5 : row_h * 0.35;
+    absl::StrAppendFormat(&svg,
+                          "<rect x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" height=\"%.1f\" fill=\"%s\"><title>%s %s%s "
+                          "%.4f-%.4f s</title></rect>\n",
+                          x(a.start), y0, std::max(0.5, x(a.end) - x(a.start)), h, colour->second, a.kind,
+                          a.micro_batch >= 0 ? absl::StrCat("mb ", a.micro_batch, " ") : "",
+                          a.peer.empty() ? "" : "to " + a.peer, a.start, a.end);
+  }
+  const double ly = top + row_h * rows.size() + 20;
+  double lx = left;
+  for (const char* k : {"forward", "backward", "wait", "send", "sync", "outer_sync", "control"}) {
+    absl::StrAppendFormat(&svg, "<rect x=\"%.0f\" y=\"%.0f\" width=\"12\" height=\"12\" fill=\"%s\"/>", lx, ly,
+                          kColour.at(k));
+    absl::StrAppendFormat(&svg, "<text x=\"%.0f\" y=\"%.0f\">%s</text>\n", lx + 16, ly + 11, k);
+    lx += 110;
+  }
+  absl::StrAppendFormat(&svg, "<text x=\"%.0f\" y=\"%.0f\">0 s</text><text x=\"%.0f\" y=\"%.0f\">%.3f s</text>\n",
+                        left, ly + 34, left + width - 50, ly + 34, span);
+  svg += "</svg>\n";
+  return svg;
+}
+
+}  // namespace meridian::simulator

@@ -1,0 +1,314 @@
+#include "simulator/simulator.h"
+
+#include <random>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "partitioner/schedule.h"
+
+namespace meridian::simulator {
+namespace {
+
+using partitioner::ClusterProfile;
+using partitioner::OpGraph;
+using partitioner::Plan;
+
+// `ops` ops in a chain, each 1 GFLOP forward and 2 backward, `out` bytes of output, 1 MB of parameters.
+OpGraph Chain(int ops, double out = 1e6) {
+  OpGraph g;
+  for (int i = 0; i < ops; ++i) {
+    partitioner::Op op;
+    op.name = "op" + std::to_string(i);
+    op.forward_flops = 1e9;
+    op.backward_flops = 2e9;
+    op.param_bytes = 1e6;
+    op.output_bytes = out;
+    if (i > 0) op.inputs = {i - 1};
+    g.ops.push_back(op);
+  }
+  return g;
+}
+
+// `n` sites of `flops` each, every pair linked both ways at `bandwidth` bytes/s and `latency` s one way.
+ClusterProfile Sites(int n, double flops, double bandwidth, double latency) {
+  ClusterProfile p;
+  for (int i = 0; i < n; ++i) p.sites.push_back({"s" + std::to_string(i), flops, 1e12, {}, {}});
+  for (int a = 0; a < n; ++a)
+    for (int b = 0; b < n; ++b)
+      if (a != b) p.links.push_back({p.sites[a].name, p.sites[b].name, bandwidth, latency});
+  return p;
+}
+
+// A pipeline over sites 0..S-1 with equal op ranges, or with the given stage sites (replicas).
+Plan Pipeline(const OpGraph& g, const ClusterProfile& p, int micro_batches, std::vector<std::vector<int>> sites,
+              const std::string& codec = "identity") {
+  Plan plan;
+  plan.micro_batches = micro_batches;
+  const int S = static_cast<int>(sites.size());
+  const auto last = partitioner::EvenCuts(static_cast<int>(g.ops.size()), S);
+  for (int k = 0; k < S; ++k) {
+    partitioner::StagePlan st;
+    st.sites = sites[k];
+    for (int s : sites[k]) st.site_names.push_back(p.sites[s].name);
+    st.first_op = k == 0 ? 0 : last[k - 1] + 1;
+    st.last_op = last[k];
+    std::vector<double> equal(sites[k].size(), 1.0);
+    st.micro_batches = partitioner::ShareMicroBatches(micro_batches, equal);
+    if (sites[k].size() > 1) st.gradient_codec = "identity";
+    plan.stages.push_back(st);
+  }
+  for (int k = 0; k + 1 < S; ++k) {
+    partitioner::LinkPlan l;
+    l.from_stage = k;
+    l.bytes = g.ops[last[k]].output_bytes;
+    l.codec = codec;
+    l.ratio = partitioner::PriceCodec(codec)->ratio;
+    plan.links.push_back(l);
+  }
+  return plan;
+}
+
+TEST(SimulatorTest, OneStageIsMicroBatchesTimesItsPass) {
+  const OpGraph g = Chain(4);
+  const ClusterProfile p = Sites(1, 1e12, 1e9, 0);
+  const Plan plan = Pipeline(g, p, 8, {{0}});
+  auto r = Simulate(g, p, plan);
+  ASSERT_TRUE(r.ok()) << r.status();
+  const double pass = 4 * 3e9 / 1e12;  // forward + backward of 4 ops
+  EXPECT_NEAR(r->step_seconds, 8 * pass, 1e-9);
+  EXPECT_NEAR(r->step_times[0], 8 * pass, 1e-9);
+  EXPECT_NEAR(r->utilisation, 1.0, 1e-9);
+  EXPECT_NEAR(r->bubble_fraction, 0.0, 1e-9);
+  ASSERT_EQ(r->sites.size(), 1u);
+  EXPECT_NEAR(r->sites[0].compute_seconds, 8 * pass, 1e-9);
+  EXPECT_NEAR(r->sites[0].wait_seconds, 0.0, 1e-9);
+}
+
+TEST(SimulatorTest, BalancedPipelineWithFreeLinksTakesMicroBatchesPlusStagesMinusOnePasses) {
+  for (int S : {2, 3, 4})
+    for (int M : {1, 4, 8, 16}) {
+      const OpGraph g = Chain(2 * S);
+      const ClusterProfile p = Sites(S, 1e12, 1e18, 0);
+      std::vector<std::vector<int>> sites;
+      for (int k = 0; k < S; ++k) sites.push_back({k});
+      auto r = Simulate(g, p, Pipeline(g, p, M, sites));
+      ASSERT_TRUE(r.ok()) << r.status();
+      const double t = 2 * 3e9 / 1e12;  // a stage's forward + backward per micro-batch
+      EXPECT_NEAR(r->step_times[0], (M + S - 1) * t, 1e-6) << "S=" << S << " M=" << M;
+      EXPECT_NEAR(r->step_seconds, (M + S - 1) * t, 1e-6) << "S=" << S << " M=" << M;
+      // The reference cost model is exact here.
+      std::vector<int> order, last = partitioner::EvenCuts(2 * S, S);
+      for (int k = 0; k < S; ++k) order.push_back(k);
+      EXPECT_NEAR(r->step_seconds, partitioner::ReferenceStepTime(g, p, M, 1.0, order, last), 1e-6);
+      EXPECT_NEAR(r->bubble_fraction, (S - 1.0) / (M + S - 1.0), 1e-6);
+    }
+}
+
+TEST(SimulatorTest, OneSaturatedLinkTakesMicroBatchesTimesItsTransferPlusFill) {
+  const int M = 8;
+  const double bytes = 4e6, x = 0.5;  // each activation takes 0.5 s on the link
+  const OpGraph g = Chain(2, bytes);
+  ClusterProfile p = Sites(2, 1e12, 1e18, 0);
+  p.links[0].bandwidth_bytes_per_second = bytes / x;  // s0 -> s1 only; gradients travel free
+  auto r = Simulate(g, p, Pipeline(g, p, M, {{0}, {1}}));
+  ASSERT_TRUE(r.ok()) << r.status();
+  const double f = 1e9 / 1e12, b = 2e9 / 1e12;
+  // The first forward pass, M transfers back to back, then the last micro-batch's passes after it, and the
+  // norm's total down the same link (16 bytes).
+  EXPECT_NEAR(r->step_times[0], f + M * x + (f + b) + b + 16 / (bytes / x), 1e-9);
+  ASSERT_EQ(r->links.size(), 2u);  // s0 -> s1 (activations, the norm down) and s1 -> s0
+  for (const auto& l : r->links) {
+    if (l.from == "s0") {
+      EXPECT_NEAR(l.busy_fraction, (M * x + 16 / (bytes / x)) / r->last_step_seconds, 1e-9);
+    }
+  }
+}
+
+TEST(SimulatorTest, TwoLinksSharingAnUplinkTakeTwiceAsLong) {
+  const int M = 8;
+  const double bytes = 4e6, x = 0.5;
+  const OpGraph g = Chain(2, bytes);
+  ClusterProfile p = Sites(3, 1e14, 1e18, 0);
+  for (auto& l : p.links)
+    if (l.from == "s0") l.bandwidth_bytes_per_second = bytes / x;
+  const Plan plan = Pipeline(g, p, M, {{0}, {1, 2}});  // s0 feeds two replicas, alternately
+  auto separate = Simulate(g, p, plan);
+  p.sites[0].uplink_bytes_per_second = bytes / x;
+  auto shared = Simulate(g, p, plan);
+  ASSERT_TRUE(separate.ok()) << separate.status();
+  ASSERT_TRUE(shared.ok()) << shared.status();
+  // Compute is negligible: the transfers set the step, M/2 per link in parallel, or all M one after another.
+  EXPECT_NEAR(separate->step_times[0], M / 2 * x, 0.01);
+  EXPECT_NEAR(shared->step_times[0], M * x, 0.01);
+  EXPECT_NEAR(shared->step_times[0] / separate->step_times[0], 2.0, 0.01);
+}
+
+// Where the planner's schedule simulation applies (no replicas, no codec costs), one step of the event
+// simulation equals it: the same 1F1B orders and in-flight depths, the same FIFO links and latencies. The
+// norm's control messages take 16 bytes of link time each here, the planner's none.
+TEST(SimulatorTest, AgreesWithThePlannersScheduleSimulationOnRandomPipelines) {
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<double> u(0, 1);
+  for (int trial = 0; trial < 50; ++trial) {
+    const int S = 2 + trial % 4, M = 4 + trial % 13;
+    const OpGraph g = Chain(2 * S, 1e6 * (0.2 + u(rng)));
+    ClusterProfile p = Sites(S, 1e12, 1e7, 0);
+    for (auto& s : p.sites) s.flops_per_second = 1e12 * (0.3 + u(rng));
+    for (auto& l : p.links) l.bandwidth_bytes_per_second = 1e7 * (0.1 + u(rng)), l.latency_seconds = 0.05 * u(rng);
+    std::vector<std::vector<int>> sites;
+    for (int k = 0; k < S; ++k) sites.push_back({k});
+    Plan plan = Pipeline(g, p, M, sites, trial % 2 ? "int8" : "identity");
+    // Deeper pipelines too, never increasing along it.
+    for (int k = 0; k < S; ++k) plan.stages[k].in_flight = trial % 3 == 0 ? 0 : std::min(M, S - k + (S - k) * (trial % 3));
+    auto r = Simulate(g, p, plan, {.steps = 1});
+    ASSERT_TRUE(r.ok()) << r.status();
+
+    partitioner::PipelineTimes t;
+    t.micro_batches = M;
+    for (int k = 0; k < S; ++k) {
+      t.forward_seconds.push_back(2e9 / p.sites[k].flops_per_second);
+      t.backward_seconds.push_back(4e9 / p.sites[k].flops_per_second);
+      t.in_flight.push_back(plan.stages[k].in_flight > 0 ? plan.stages[k].in_flight : S - k);
+    }
+    auto bw = [&](int a, int b) {
+      for (const auto& l : p.links)
+        if (l.from == p.sites[a].name && l.to == p.sites[b].name) return l;
+      return partitioner::LinkProfile{};
+    };
+    double control = 0;
+    for (int k = 0; k + 1 < S; ++k) {
+      const double x = plan.links[k].bytes * plan.links[k].ratio;
+      const double xb = plan.links[k].bytes * partitioner::PriceCodec(plan.links[k].codec)->backward();
+      t.forward_transfer_seconds.push_back(x / bw(k, k + 1).bandwidth_bytes_per_second);
+      t.forward_latency_seconds.push_back(bw(k, k + 1).latency_seconds);
+      t.backward_transfer_seconds.push_back(xb / bw(k + 1, k).bandwidth_bytes_per_second);
+      t.backward_latency_seconds.push_back(bw(k + 1, k).latency_seconds);
+      control += 16 / bw(k, k + 1).bandwidth_bytes_per_second + 16 / bw(k + 1, k).bandwidth_bytes_per_second;
+    }
+    const auto planned = partitioner::SimulatePipeline(t);
+    ASSERT_FALSE(planned.deadlocked);
+    EXPECT_GE(r->step_times[0], planned.step_seconds - 1e-9) << "trial " << trial;
+    EXPECT_LE(r->step_times[0], planned.step_seconds + control + 1e-9) << "trial " << trial;
+  }
+}
+
+TEST(SimulatorTest, ReplicasSumTheirGradientsAfterTheLastBackwardPass) {
+  // Two equal replicas of one stage, 8 MB of float32 gradients (16 MB of param_bytes at fraction 0.5), a
+  // link of 8 MB/s: the reduce-scatter and the all-gather each send half of it both ways, 0.5 s each.
+  OpGraph g = Chain(1);
+  g.ops[0].param_bytes = 16e6;
+  const ClusterProfile p = Sites(2, 1e12, 8e6, 0);
+  Plan plan = Pipeline(g, p, 4, {{0, 1}});
+  auto r = Simulate(g, p, plan, {.steps = 2, .bucket_bytes = 1 << 30});
+  ASSERT_TRUE(r.ok()) << r.status();
+  const double pass = 3e9 / 1e12;
+  EXPECT_NEAR(r->step_times[0], 2 * pass + 0.5 + 0.5 + 2 * 16 / 8e6, 1e-6);
+  // Buckets handed over during the last backward pass overlap the sum with it.
+  auto bucketed = Simulate(g, p, plan, {.steps = 2, .bucket_bytes = 1 << 20});
+  ASSERT_TRUE(bucketed.ok());
+  EXPECT_LT(bucketed->step_times[0], r->step_times[0]);
+  // Not earlier than the last backward pass's start plus the link's 1 s of traffic each way.
+  EXPECT_GT(bucketed->step_times[0], 2 * pass - 2e9 / 1e12 + 1.0);
+}
+
+TEST(SimulatorTest, DilocoSynchronisesEveryInnerStepsAndOverlapHidesTheExchange) {
+  OpGraph g = Chain(1);
+  g.ops[0].param_bytes = 16e6;  // 8 MB of float32 pseudo-gradients
+  const ClusterProfile p = Sites(2, 1e12, 8e6, 0);
+  Plan plan = Pipeline(g, p, 4, {{0, 1}});
+  plan.sync.diloco = true;
+  plan.sync.inner_steps = 4;
+  plan.sync.codec = *partitioner::PriceCodec("identity");
+  const double pass = 3e9 / 1e12, step = 2 * pass + 2 * 16 / 8e6;
+  plan.sync.overlap = false;
+  auto blocking = Simulate(g, p, plan, {.steps = 8});
+  ASSERT_TRUE(blocking.ok()) << blocking.status();
+  // Steps 4 and 8 wait for the exchange (0.5 s + 0.5 s on the link, in 1 MiB chunks); the others do not.
+  for (int s = 0; s < 8; ++s) {
+    const bool sync = (s + 1) % 4 == 0;
+    EXPECT_NEAR(blocking->step_times[s], step + (sync ? 1.0 : 0.0), 0.01) << "step " << s + 1;
+  }
+  // With overlap the exchange runs beside the next 4 steps (4 x 0.012 s: not long enough to hide 1 s of
+  // link time), and step 8 waits for what is left. The norm's messages of steps 5 to 7 queue behind the
+  // exchange's chunks on the same link (1 MiB: 0.13 s), as in the executors: those steps slow down too.
+  plan.sync.overlap = true;
+  auto overlapped = Simulate(g, p, plan, {.steps = 8});
+  ASSERT_TRUE(overlapped.ok());
+  EXPECT_NEAR(overlapped->step_times[3], step, 0.01);
+  for (int s = 4; s < 7; ++s) EXPECT_GT(overlapped->step_times[s], step + 0.1) << "step " << s + 1;
+  const double rest = overlapped->step_times[4] + overlapped->step_times[5] + overlapped->step_times[6] +
+                      overlapped->step_times[7];
+  EXPECT_NEAR(rest, 1.0, 4 * step);
+}
+
+TEST(SimulatorTest, PlanJsonRoundTripsAndErrorsNameTheField) {
+  const OpGraph g = Chain(6);
+  const ClusterProfile p = Sites(3, 1e12, 1e8, 0.01);
+  partitioner::PlanOptions o;
+  o.micro_batches = 6;
+  o.deep_pipeline = true;
+  o.adaptive_compression = true;
+  o.replication = true;
+  auto plan = partitioner::PlanPipeline(g, p, o);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  auto back = ParsePlanJson(partitioner::PlanJson(*plan, g), "plan.json", g, p);
+  ASSERT_TRUE(back.ok()) << back.status();
+  ASSERT_EQ(back->stages.size(), plan->stages.size());
+  for (size_t k = 0; k < plan->stages.size(); ++k) {
+    EXPECT_EQ(back->stages[k].sites, plan->stages[k].sites);
+    EXPECT_EQ(back->stages[k].micro_batches, plan->stages[k].micro_batches);
+    EXPECT_EQ(back->stages[k].in_flight, plan->stages[k].in_flight);
+  }
+  for (size_t k = 0; k < plan->links.size(); ++k) {
+    EXPECT_EQ(back->links[k].codec, plan->links[k].codec);
+    EXPECT_DOUBLE_EQ(back->links[k].bytes, plan->links[k].bytes);
+  }
+  auto sim = Simulate(g, p, *back);
+  ASSERT_TRUE(sim.ok()) << sim.status();
+
+  auto err = [&](const std::string& text) {
+    return std::string(ParsePlanJson(text, "p.json", g, p).status().message());
+  };
+  EXPECT_THAT(err("[]"), testing::HasSubstr("p.json: top level"));
+  EXPECT_THAT(err(R"({"micro_batches": 4, "stages": [{"sites": ["nowhere"], "last_op": 5}]})"),
+              testing::HasSubstr("p.json: stages[0].sites: site 'nowhere' is not in the profile"));
+  EXPECT_THAT(err(R"({"micro_batches": 4, "stages": [{"sites": ["s0"], "last_op": 3}]})"),
+              testing::HasSubstr("p.json: stages: the last stage ends at op 3"));
+  EXPECT_THAT(err(R"({"micro_batches": 4, "stages": [{"sites": ["s0", "s1"], "last_op": 5, "micro_batches": [1, 2]}]})"),
+              testing::HasSubstr("stages[0].micro_batches: the counts sum to 3, not 4"));
+  EXPECT_THAT(err(R"({"micro_batches": 4, "stages": [{"sites": ["s0"], "last_op": 2}, {"sites": ["s1"], "last_op": 5}],
+                      "links": [{"codec": "zip"}]})"),
+              testing::HasSubstr("links[0].codec: 'zip' is not a codec"));
+  EXPECT_THAT(err(R"({"micro_batches": 4, "stages": [{"sites": ["s0"], "last_op": 5}], "sync": {"mode": "often"}})"),
+              testing::HasSubstr("sync.mode"));
+}
+
+TEST(SimulatorTest, IncreasingDepthsAreReportedAsStuckNotHung) {
+  const OpGraph g = Chain(4);
+  const ClusterProfile p = Sites(2, 1e12, 1e8, 0);
+  Plan plan = Pipeline(g, p, 8, {{0}, {1}});
+  plan.stages[0].in_flight = 1;
+  plan.stages[1].in_flight = 4;
+  auto r = Simulate(g, p, plan);
+  ASSERT_FALSE(r.ok());
+  EXPECT_THAT(r.status().message(), testing::HasSubstr("never finished"));
+}
+
+TEST(SimulatorTest, TimelineShowsEverySiteAndActivity) {
+  const OpGraph g = Chain(4);
+  const ClusterProfile p = Sites(3, 1e12, 1e7, 0.02);
+  auto r = Simulate(g, p, Pipeline(g, p, 4, {{0}, {1, 2}}, "int8"));
+  ASSERT_TRUE(r.ok()) << r.status();
+  const std::string svg = TimelineSvg(*r);
+  for (const char* s : {"s0 (stage 1)", "s1 (stage 2)", "s2 (stage 2)", ">forward<", ">backward<", ">send<"})
+    EXPECT_THAT(svg, testing::HasSubstr(s));
+  int forwards = 0;
+  for (const auto& a : r->timeline) forwards += a.kind == "forward";
+  EXPECT_EQ(forwards, 8);  // 4 micro-batches through 2 stages
+  const std::string j = SimulationJson(*r);
+  for (const char* key : {"\"step_seconds\"", "\"utilisation\"", "\"bubble_fraction\"", "\"links\"", "\"stages\""})
+    EXPECT_THAT(j, testing::HasSubstr(key));
+}
+
+}  // namespace
+}  // namespace meridian::simulator
