@@ -649,6 +649,9 @@ def simulator_validation(a, bin_dir, work, cfg, model_dir, weights_params):
     steps = 8 if a.tiny else 4
     for i, (mbit, split, compression) in enumerate(SIM_RUNS):
         name = f"sim-{i + 1:02d}-{mbit}mbit-{split}"
+        if a.sim_reuse and os.path.exists(os.path.join(work, name, "metrics.jsonl")):
+            log(f"simulator validation run {i + 1}/{len(SIM_RUNS)}: reusing {name}")
+            continue
         job = os.path.join(work, f"{name}.yaml")
         job_yaml(job, steps, global_batch, global_batch, seq, seed, compression)
         log(f"simulator validation run {i + 1}/{len(SIM_RUNS)}: {mbit} Mbit/s, {split}, {compression}")
@@ -751,6 +754,8 @@ def main():
     ap.add_argument("--wan-identity-steps", type=int, default=2, help="steps of the WAN-bound identity runs")
     ap.add_argument("--wan-ddp-from", help="take DDP-Gloo's WAN-bound step from this earlier results-wan.json "
                                            "instead of measuring it again (13 minutes at 2 Mbit/s); the table says so")
+    ap.add_argument("--sim-reuse", action="store_true",
+                    help="--only simulator: keep the small runs already in --out (simulate them again only)")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--from-json", help="only rewrite --results from a previous run's results.json (no measuring)")
     a = ap.parse_args()

@@ -2,6 +2,9 @@
 
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
+#include <set>
+
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -14,6 +17,7 @@
 #include "core/cluster_spec.h"
 #include "core/files.h"
 #include "partitioner/model.h"
+#include "simulator/fleet.h"
 #include "simulator/simulator.h"
 
 namespace meridian::coordinator {
@@ -21,15 +25,17 @@ namespace meridian::coordinator {
 namespace {
 
 // Per plan site, the median over a run's steps (after the first) of its compute seconds per micro-batch,
-// from metrics.jsonl lines {"step": N, "stages": [{"site": S, "compute_seconds": X}, ...]}.
+// from metrics.jsonl lines {"stages": [{"site": S, "step": N, "compute_seconds": X}, ...]}. The executor's
+// compute time includes its optimizer step, so the passes set from it carry that too.
 absl::StatusOr<std::map<std::string, double>> MeasuredComputePerMicroBatch(const std::string& path,
-                                                                         const partitioner::Plan& plan) {
+                                                                           const partitioner::Plan& plan) {
   auto text = core::ReadFile(path);
   if (!text.ok()) return text.status();
   std::map<std::string, int> share;
   for (const auto& st : plan.stages)
     for (size_t r = 0; r < st.site_names.size(); ++r) share[st.site_names[r]] = st.micro_batches[r];
   std::map<std::string, std::vector<double>> samples;
+  std::set<std::pair<std::string, int64_t>> seen;
   std::istringstream lines(*text);
   std::string line;
   for (int n = 1; std::getline(lines, line); ++n) {
@@ -37,12 +43,16 @@ absl::StatusOr<std::map<std::string, double>> MeasuredComputePerMicroBatch(const
     auto j = nlohmann::json::parse(line, nullptr, false);
     if (j.is_discarded() || !j.is_object() || !j.contains("stages") || !j["stages"].is_array())
       return absl::InvalidArgumentError(absl::StrCat(path, ":", n, ": expected a metrics object with stages"));
-    if (j.value("step", 0) <= 1) continue;
     for (const auto& s : j["stages"]) {
       if (!s.is_object() || !s.contains("site") || !s["site"].is_string() || !s.contains("compute_seconds") ||
-          !s["compute_seconds"].is_number())
-        return absl::InvalidArgumentError(absl::StrCat(path, ":", n, ": stages: expected site and compute_seconds"));
-      auto it = share.find(s["site"].get<std::string>());
+          !s["compute_seconds"].is_number() || !s.contains("step") || !s["step"].is_number_integer())
+        return absl::InvalidArgumentError(
+            absl::StrCat(path, ":", n, ": stages: expected site, step and compute_seconds"));
+      // Each line repeats every stage's latest report: count each (site, step) once, after the first step.
+      const std::string site = s["site"].get<std::string>();
+      const int64_t step = s["step"].get<int64_t>();
+      if (step <= 1 || !seen.insert({site, step}).second) continue;
+      auto it = share.find(site);
       if (it == share.end() || it->second == 0) continue;
       samples[it->first].push_back(s["compute_seconds"].get<double>() / it->second);
     }
@@ -52,15 +62,17 @@ absl::StatusOr<std::map<std::string, double>> MeasuredComputePerMicroBatch(const
     std::sort(v.begin(), v.end());
     out[site] = v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
   }
-  if (out.empty()) return absl::InvalidArgumentError(absl::StrCat(path, ": no step after the first of the plan's sites"));
+  if (out.empty())
+    return absl::InvalidArgumentError(absl::StrCat(path, ": no step after the first of the plan's sites"));
   return out;
 }
 
 }  // namespace
 
 void AddSimulateOptions(CLI::App* cmd, SimulateCommandOptions* o) {
-  cmd->add_option("--plan", o->plan_path, "plan.json (meridian plan --json, or a run's), or a run directory")
-      ->required();
+  cmd->add_option("--plan", o->plan_path, "plan.json (meridian plan --json, or a run's), or a run directory");
+  cmd->add_option("--fleet", o->fleet_path,
+                  "A fleet (YAML, docs/scale.md): plan and simulate the pipeline, DiLoCo and DDP over it");
   cmd->add_option("--graph", o->graph_path, "Operator graph (graph.json); default: the run directory's");
   cmd->add_option("--profile", o->profile_path, "Cluster profile (profile.json); default: the run directory's");
   cmd->add_option("--steps", o->steps, "Steps to simulate (default: 3, or two DiLoCo rounds)")
@@ -78,6 +90,19 @@ int RunSimulateCommand(const SimulateCommandOptions& o) {
     std::cerr << "meridian simulate: " << status.message() << "\n";
     return 2;
   };
+  if (o.plan_path.empty() == o.fleet_path.empty()) {
+    std::cerr << "meridian simulate: give --plan (a plan or a run directory) or --fleet, one of them\n";
+    return 2;
+  }
+  if (!o.fleet_path.empty()) {
+    auto fleet = simulator::LoadFleet(o.fleet_path);
+    if (!fleet.ok()) return fail(fleet.status());
+    simulator::SimulationOptions so;
+    so.steps = o.steps;
+    const auto systems = simulator::ProjectFleet(*fleet, so);
+    std::cout << (o.json ? simulator::ProjectionJson(*fleet, systems) : simulator::ProjectionTable(*fleet, systems));
+    return 0;
+  }
   std::string plan_path = o.plan_path, graph_path = o.graph_path, profile_path = o.profile_path;
   std::error_code ec;
   if (fs::is_directory(plan_path, ec)) {

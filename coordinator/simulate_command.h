@@ -17,6 +17,9 @@ struct SimulateCommandOptions {
   std::string graph_path, profile_path, plan_path, svg_path;
   // A job spec whose `sync` section replaces the plan's (plan.json files written before it recorded one).
   std::string job_path;
+  // A fleet (simulator/fleet.h, docs/scale.md): plans and simulates the pipeline, DiLoCo and DDP over it
+  // instead of --plan.
+  std::string fleet_path;
   // A run's metrics.jsonl: each plan site's compute per micro-batch is set to the median it measured
   // (steps after the first), its op times scaled alike (simulator::CalibrateCompute).
   std::string compute_from;
@@ -27,7 +30,8 @@ struct SimulateCommandOptions {
 // Registers the flags of `meridian simulate` on `cmd`.
 void AddSimulateOptions(CLI::App* cmd, SimulateCommandOptions* options);
 // Runs it: prints the summary (or JSON) to stdout and writes the SVG timeline. Returns 0, 2 for bad input
-// files (named, with the field) or a plan that cannot run, 1 when the SVG cannot be written.
+// files (named, with the field) or a plan that cannot run, 1 when the SVG cannot be written. With a
+// fleet: the three systems' projections (a system that does not fit says why; still 0).
 int RunSimulateCommand(const SimulateCommandOptions& options);
 
 }  // namespace meridian::coordinator

@@ -23,6 +23,10 @@ using partitioner::Plan;
 using json = nlohmann::json;
 
 constexpr double kControlBytes = 16;  // two float64: the gradient norm's square sum and the loss
+// A sum over R replicas sends 2 R (R - 1) parts per bucket or chunk. Beyond this many transfers per sum,
+// buckets (and DiLoCo chunks) are merged, so that hundreds of replicas simulate in seconds: the overlap
+// of a gradient sum with the last backward pass is then coarser (a note says so).
+constexpr double kMaxTransfersPerSum = 1 << 18;
 
 // A tensor's codec as the simulator charges it: wire bytes per raw byte in each direction, and the name
 // under which a site's codec_bytes_per_second prices its encoding.
@@ -50,7 +54,7 @@ struct Worker {
   int last_backward = -1;  // index into order of the last backward pass (the averager's capture)
   double step_start = 0;
   std::map<std::pair<int, int>, double> activations, gradients;  // (step, micro-batch) -> arrival
-  std::map<std::pair<int, int>, double> control;                  // (step, sending worker) -> arrival
+  std::map<std::pair<int, int>, double> control;                 // (step, sending worker) -> arrival
   // Phases after the passes: 0 passes, 1 gradient sum, 2 norm, 3 done.
   int phase = 0;
   bool sent_up = false;
@@ -59,7 +63,7 @@ struct Worker {
   bool exchange_open = false;
   std::function<void(double)> resume;
   // Per-step statistics for the report.
-  std::map<int, double> compute, codec, send, duration;
+  std::map<int, double> compute, codec, duration;
 };
 
 struct Event {
@@ -78,7 +82,7 @@ class Simulation {
   void Run(int steps);
   // After Run: the first site that did not finish every step (the schedules wait on each other), or "".
   std::string Stuck() const;
-  SimulationResult Result(int steps) const;
+  SimulationResult Result(int steps);
 
  private:
   double SiteSeconds(int site, int first, int last) const;
@@ -86,10 +90,12 @@ class Simulation {
   int WorkerOf(int stage, int micro_batch) const { return stage_workers_[stage][owners_[stage][micro_batch]]; }
   void At(double t, std::function<void()> fn) { events_.push({t, seq_++, std::move(fn)}); }
   // Queues `bytes` from site a to site b at time t (FIFO on the link and, when shared, a's uplink); calls
-  // `arrived` one latency after the last byte has left.
-  void Transfer(int a, int b, double bytes, double t, Activity activity, std::function<void(double)> arrived);
-  // A flow of `bytes` sent as chunks, each queued when the previous one has left.
-  void ChunkedTransfer(int a, int b, double bytes, double t, Activity activity, std::function<void(double)> arrived);
+  // `left` when its last byte has left (optional) and `arrived` one latency later.
+  void Transfer(int a, int b, double bytes, double t, Activity activity, std::function<void(double)> arrived,
+                std::function<void(double)> left = nullptr);
+  // A flow of `bytes` sent as chunks of `chunk` bytes, each queued when the previous one has left.
+  void ChunkedTransfer(int a, int b, double bytes, double chunk, double t, Activity activity,
+                       std::function<void(double)> arrived);
   void StartStep(int w, double t);
   void TryRun(int w, double now);
   void PassDone(int w, double start, double end, double codec);
@@ -100,7 +106,7 @@ class Simulation {
   struct Reduction {
     std::string kind;  // "sync" or "outer_sync"
     double part_bytes = 0;
-    bool chunked = false;
+    double chunk_bytes = 0;  // > 0: parts travel in chunks of this size
     std::vector<bool> contributed;
     std::vector<int> scattered, gathered;
     std::function<void(int replica, double t)> done;
@@ -132,12 +138,21 @@ class Simulation {
   std::vector<double> grad_bytes_;               // per stage: float32 gradient bytes
   std::vector<LinkCodec> grad_codec_;            // per stage: replica sum codec
   std::vector<int> buckets_;                     // per stage
+  bool coarse_ = false;                          // buckets or chunks merged (kMaxTransfersPerSum)
   std::map<ReductionKey, Reduction> reductions_;
   std::priority_queue<Event, std::vector<Event>, std::greater<Event>> events_;
   uint64_t seq_ = 0;
   std::vector<double> step_end_;  // per step: the last worker to start the next one
-  std::vector<Activity> timeline_;
-  std::map<std::pair<int, int>, std::map<int, std::pair<double, double>>> link_use_;  // (a,b) -> step -> bytes, s
+  double last_step_start_ = 0;    // the first worker to start the last step
+  // What happened from step keep_from_ on (the last step, and the DiLoCo exchanges that may still run
+  // during it): passes, waits and transfers (from, to, bytes), each with its times.
+  struct Record {
+    Activity activity;
+    int from = -1, to = -1;
+    double bytes = 0;
+  };
+  int keep_from_ = 0;
+  std::vector<Record> records_;
 };
 
 double Simulation::SiteSeconds(int site, int first, int last) const {
@@ -176,7 +191,8 @@ absl::Status Simulation::Init() {
   link_free_.assign(n, std::vector<double>(n, 0.0));
   uplink_free_.assign(n, 0.0);
   if (static_cast<int>(plan_.links.size()) != S - 1)
-    return absl::InvalidArgumentError(absl::StrCat("plan: ", S, " stages need ", S - 1, " links, not ", plan_.links.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("plan: ", S, " stages need ", S - 1, " links, not ", plan_.links.size()));
   stage_workers_.resize(S);
   owners_.resize(S);
   for (int k = 0; k < S; ++k) {
@@ -184,10 +200,12 @@ absl::Status Simulation::Init() {
     const std::string where = absl::StrCat("plan: stage ", k + 1);
     if (st.sites.empty()) return absl::InvalidArgumentError(where + ": no sites");
     if (st.first_op < 0 || st.last_op < st.first_op || st.last_op >= static_cast<int>(g_.ops.size()))
-      return absl::InvalidArgumentError(absl::StrCat(where, ": ops ", st.first_op, "..", st.last_op, " not in the graph"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": ops ", st.first_op, "..", st.last_op, " not in the graph"));
     if (st.micro_batches.size() != st.sites.size() ||
         std::accumulate(st.micro_batches.begin(), st.micro_batches.end(), 0) != M)
-      return absl::InvalidArgumentError(absl::StrCat(where, ": micro-batch shares must be one per site, summing to ", M));
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": micro-batch shares must be one per site, summing to ", M));
     owners_[k] = partitioner::MicroBatchOwners(st.micro_batches);
     double f = 0, all = 0;
     for (int i = st.first_op; i <= st.last_op; ++i)
@@ -195,7 +213,8 @@ absl::Status Simulation::Init() {
     const double share = all > 0 ? f / all : 1.0 / 3.0;
     for (size_t r = 0; r < st.sites.size(); ++r) {
       const int site = st.sites[r];
-      if (site < 0 || site >= n) return absl::InvalidArgumentError(absl::StrCat(where, ": site index ", site, " unknown"));
+      if (site < 0 || site >= n)
+        return absl::InvalidArgumentError(absl::StrCat(where, ": site index ", site, " unknown"));
       Worker w;
       w.site = site;
       w.stage = k;
@@ -218,7 +237,13 @@ absl::Status Simulation::Init() {
     if (st.sites.size() > 1 && !plan_.sync.diloco && !partitioner::PriceCodec(gc).ok())
       return absl::InvalidArgumentError(absl::StrCat(where, ": gradient codec '", gc, "' is not a codec"));
     grad_codec_.push_back(CodecOf(gc, partitioner::PriceCodec(gc).ok() ? partitioner::PriceCodec(gc)->ratio : 1.0));
-    buckets_.push_back(std::max(1, static_cast<int>(std::ceil(grad_bytes_.back() / std::max<int64_t>(1, o_.bucket_bytes)))));
+    int buckets = std::max(1, static_cast<int>(std::ceil(grad_bytes_.back() / std::max<int64_t>(1, o_.bucket_bytes))));
+    const double R = static_cast<double>(st.sites.size());
+    if (R > 1 && buckets * 2 * R * (R - 1) > kMaxTransfersPerSum) {
+      buckets = std::max(1, static_cast<int>(kMaxTransfersPerSum / (2 * R * (R - 1))));
+      coarse_ = true;
+    }
+    buckets_.push_back(buckets);
     // Every pair of sites that exchange something needs a link both ways.
     for (int a : st.sites)
       for (int b : st.sites)
@@ -239,9 +264,9 @@ absl::Status Simulation::Init() {
   return absl::OkStatus();
 }
 
-void Simulation::Transfer(int a, int b, double bytes, double t, Activity activity,
-                          std::function<void(double)> arrived) {
-  At(t, [=, this, arrived = std::move(arrived), activity = std::move(activity)]() mutable {
+void Simulation::Transfer(int a, int b, double bytes, double t, Activity activity, std::function<void(double)> arrived,
+                          std::function<void(double)> left) {
+  At(t, [=, this, arrived = std::move(arrived), left = std::move(left), activity = std::move(activity)]() mutable {
     double start = std::max(t, link_free_[a][b]);
     double rate = bw_[a][b];
     if (uplink_[a] > 0) {
@@ -253,22 +278,21 @@ void Simulation::Transfer(int a, int b, double bytes, double t, Activity activit
     if (uplink_[a] > 0) uplink_free_[a] = end;
     activity.start = start;
     activity.end = end;
-    auto& use = link_use_[{a, b}][activity.step];
-    use.first += bytes;
-    use.second += end - start;
-    timeline_.push_back(activity);
+    if (activity.step >= keep_from_) records_.push_back({activity, a, b, bytes});
+    if (left) At(end, [left = std::move(left), end] { left(end); });
     At(end + lat_[a][b], [arrived = std::move(arrived), when = end + lat_[a][b]] { arrived(when); });
   });
 }
 
-void Simulation::ChunkedTransfer(int a, int b, double bytes, double t, Activity activity,
+void Simulation::ChunkedTransfer(int a, int b, double bytes, double chunk, double t, Activity activity,
                                  std::function<void(double)> arrived) {
-  const double chunk = std::max<double>(1, static_cast<double>(o_.chunk_bytes));
   if (bytes <= chunk) return Transfer(a, b, bytes, t, std::move(activity), std::move(arrived));
-  // The first chunk now; the rest when it has left the link (its arrival minus the latency).
-  Transfer(a, b, chunk, t, activity, [=, this, arrived = std::move(arrived)](double when) mutable {
-    ChunkedTransfer(a, b, bytes - chunk, when - lat_[a][b], activity, std::move(arrived));
-  });
+  // The first chunk now; the rest when it has left the link.
+  Transfer(
+      a, b, chunk, t, activity, [](double) {},
+      [=, this, arrived = std::move(arrived)](double when) mutable {
+        ChunkedTransfer(a, b, bytes - chunk, chunk, when, activity, std::move(arrived));
+      });
 }
 
 void Simulation::StartStep(int wi, double t) {
@@ -280,6 +304,7 @@ void Simulation::StartStep(int wi, double t) {
   w.sent_up = false;
   w.buckets_done = 0;
   w.step_start = t;
+  if (w.step == steps_ - 1) last_step_start_ = std::min(last_step_start_, t);
   TryRun(wi, t);
 }
 
@@ -330,12 +355,13 @@ void Simulation::PassDone(int wi, double start, double end, double codec) {
   w.busy = false;
   w.compute[w.step] += end - start;
   w.codec[w.step] += codec;
-  timeline_.push_back({p_.sites[w.site].name, kind == 'F' ? "forward" : "backward", w.step, m, "", start, end});
+  if (w.step >= keep_from_)
+    records_.push_back({{p_.sites[w.site].name, kind == 'F' ? "forward" : "backward", w.step, m, "", start, end}});
   if (kind == 'F' && w.stage + 1 < S) {
     const int to = WorkerOf(w.stage + 1, m);
     const double bytes = link_bytes_[w.stage] * links_[w.stage].forward_ratio;
-    w.send[w.step] += bytes / bw_[w.site][workers_[to].site];
-    Transfer(w.site, workers_[to].site, bytes, end, {p_.sites[w.site].name, "send", w.step, m, p_.sites[workers_[to].site].name},
+    Transfer(w.site, workers_[to].site, bytes, end,
+             {p_.sites[w.site].name, "send", w.step, m, p_.sites[workers_[to].site].name},
              [this, to, step = w.step, m](double t) {
                workers_[to].activations[{step, m}] = t;
                TryRun(to, t);
@@ -343,8 +369,8 @@ void Simulation::PassDone(int wi, double start, double end, double codec) {
   } else if (kind == 'B' && w.stage > 0) {
     const int to = WorkerOf(w.stage - 1, m);
     const double bytes = link_bytes_[w.stage - 1] * links_[w.stage - 1].backward_ratio;
-    w.send[w.step] += bytes / bw_[w.site][workers_[to].site];
-    Transfer(w.site, workers_[to].site, bytes, end, {p_.sites[w.site].name, "send", w.step, m, p_.sites[workers_[to].site].name},
+    Transfer(w.site, workers_[to].site, bytes, end,
+             {p_.sites[w.site].name, "send", w.step, m, p_.sites[workers_[to].site].name},
              [this, to, step = w.step, m](double t) {
                workers_[to].gradients[{step, m}] = t;
                TryRun(to, t);
@@ -380,8 +406,8 @@ void Simulation::Contribute(const ReductionKey& key, int replica, double t) {
       MaybeGather(key, j, when);
     };
     Activity a{p_.sites[from].name, red.kind, step, -1, p_.sites[to].name};
-    if (red.chunked)
-      ChunkedTransfer(from, to, red.part_bytes, t, a, arrived);
+    if (red.chunk_bytes > 0)
+      ChunkedTransfer(from, to, red.part_bytes, red.chunk_bytes, t, a, arrived);
     else
       Transfer(from, to, red.part_bytes, t, a, arrived);
   }
@@ -404,8 +430,8 @@ void Simulation::MaybeGather(const ReductionKey& key, int j, double t) {
       if (++r.gathered[u] == R - 1) r.done(u, when);
     };
     Activity a{p_.sites[from].name, red.kind, step, -1, p_.sites[to].name};
-    if (red.chunked)
-      ChunkedTransfer(from, to, red.part_bytes, t, a, arrived);
+    if (red.chunk_bytes > 0)
+      ChunkedTransfer(from, to, red.part_bytes, red.chunk_bytes, t, a, arrived);
     else
       Transfer(from, to, red.part_bytes, t, a, arrived);
   }
@@ -494,7 +520,11 @@ void Simulation::ExchangeBegin(int wi, double t) {
     Reduction& red = it->second;
     red.kind = "outer_sync";
     red.part_bytes = grad_bytes_[w.stage] / F / R * plan_.sync.codec.ratio;
-    red.chunked = true;
+    red.chunk_bytes = std::max<double>(1, static_cast<double>(o_.chunk_bytes));
+    if (std::ceil(red.part_bytes / red.chunk_bytes) * 2 * R * (R - 1) > kMaxTransfersPerSum) {
+      red.chunk_bytes = red.part_bytes * 2 * R * (R - 1) / kMaxTransfersPerSum;
+      coarse_ = true;
+    }
     red.contributed.assign(R, false);
     red.scattered.assign(R, 0);
     red.gathered.assign(R, 0);
@@ -514,8 +544,8 @@ void Simulation::ExchangeBegin(int wi, double t) {
 
 void Simulation::FinishStep(int wi, double began_waiting, double t) {
   Worker& w = workers_[wi];
-  if (t > began_waiting)
-    timeline_.push_back({p_.sites[w.site].name, "wait", w.step, -1, "", began_waiting, t});
+  if (t > began_waiting && w.step >= keep_from_)
+    records_.push_back({{p_.sites[w.site].name, "wait", w.step, -1, "", began_waiting, t}});
   w.duration[w.step] = t - w.step_start;
   step_end_[w.step] = std::max(step_end_[w.step], t);
   StartStep(wi, t);
@@ -548,6 +578,11 @@ void Simulation::StepDone(int wi, double t) {
 
 void Simulation::Run(int steps) {
   steps_ = steps;
+  // The last step, and under DiLoCo the period before it (an exchange begun then may run during it).
+  const int lookback =
+      plan_.sync.diloco ? std::max(1, plan_.sync.inner_steps / std::max(1, plan_.sync.fragments)) + 1 : 1;
+  keep_from_ = std::max(0, steps - 1 - lookback);
+  last_step_start_ = std::numeric_limits<double>::infinity();
   step_end_.assign(steps, 0.0);
   for (int wi = 0; wi < static_cast<int>(workers_.size()); ++wi) StartStep(wi, 0.0);
   while (!events_.empty()) {
@@ -564,7 +599,7 @@ std::string Simulation::Stuck() const {
   return "";
 }
 
-SimulationResult Simulation::Result(int steps) const {
+SimulationResult Simulation::Result(int steps) {
   SimulationResult r;
   double prev = 0;
   for (int s = 0; s < steps; ++s) {
@@ -575,15 +610,34 @@ SimulationResult Simulation::Result(int steps) const {
   r.step_seconds = std::accumulate(later.begin(), later.end(), 0.0) / later.size();
   std::vector<double> sorted = later;
   std::sort(sorted.begin(), sorted.end());
-  r.median_step_seconds = sorted.size() % 2 ? sorted[sorted.size() / 2]
-                                            : (sorted[sorted.size() / 2 - 1] + sorted[sorted.size() / 2]) / 2;
+  r.median_step_seconds =
+      sorted.size() % 2 ? sorted[sorted.size() / 2] : (sorted[sorted.size() / 2 - 1] + sorted[sorted.size() / 2]) / 2;
   const int last = steps - 1;
-  r.last_step_seconds = r.step_times[last];
+  // The last step's window: from the first site starting it to the last one finishing it.
+  const double t0 = last_step_start_, t1 = step_end_[last];
+  r.last_step_seconds = t1 - t0;
   double rate = 0;
   for (int s = 0; s < static_cast<int>(p_.sites.size()); ++s)
     rate += 1.0 / SiteSeconds(s, 0, static_cast<int>(g_.ops.size()) - 1);
   r.compute_bound_seconds = plan_.micro_batches / rate;
   r.utilisation = r.step_seconds > 0 ? r.compute_bound_seconds / r.step_seconds : 0;
+  // Transfers and passes as far as they fall in the window.
+  std::map<std::pair<int, int>, std::pair<double, double>> link_use;  // bytes, seconds
+  std::map<int, double> sent;                                         // site -> seconds its links were busy
+  for (const Record& rec : records_) {
+    if (rec.activity.end < t0 || rec.activity.start > t1) continue;
+    const double a = std::max(rec.activity.start, t0), b = std::min(rec.activity.end, t1);
+    Activity x = rec.activity;
+    x.start = a - t0;
+    x.end = b - t0;
+    r.timeline.push_back(x);
+    if (rec.from < 0) continue;
+    const double d = rec.activity.end - rec.activity.start;
+    auto& use = link_use[{rec.from, rec.to}];
+    use.first += d > 0 ? rec.bytes * (b - a) / d : rec.bytes;
+    use.second += b - a;
+    sent[rec.from] += b - a;
+  }
   double busy = 0;
   for (const Worker& w : workers_) {
     SiteReport s;
@@ -597,31 +651,20 @@ SimulationResult Simulation::Result(int steps) const {
     };
     s.compute_seconds = get(w.compute);
     s.codec_seconds = get(w.codec);
-    s.send_seconds = get(w.send);
+    s.send_seconds = sent.count(w.site) ? sent[w.site] : 0.0;
     s.wait_seconds = std::max(0.0, get(w.duration) - s.compute_seconds);
     busy += s.compute_seconds;
     r.sites.push_back(s);
   }
-  r.bubble_fraction =
-      r.last_step_seconds > 0 ? std::max(0.0, 1 - busy / (workers_.size() * r.last_step_seconds)) : 0.0;
-  for (const auto& [ab, per_step] : link_use_) {
+  r.bubble_fraction = r.last_step_seconds > 0 ? std::max(0.0, 1 - busy / (workers_.size() * r.last_step_seconds)) : 0.0;
+  for (const auto& [ab, use] : link_use) {
     LinkReport l;
     l.from = p_.sites[ab.first].name;
     l.to = p_.sites[ab.second].name;
-    if (auto it = per_step.find(last); it != per_step.end()) {
-      l.bytes = it->second.first;
-      l.busy_fraction = r.last_step_seconds > 0 ? it->second.second / r.last_step_seconds : 0;
-    }
+    l.bytes = use.first;
+    l.busy_fraction = r.last_step_seconds > 0 ? use.second / r.last_step_seconds : 0;
     r.links.push_back(l);
   }
-  const double t0 = last > 0 ? step_end_[last - 1] : 0.0;
-  for (const Activity& a : timeline_)
-    if (a.step == last) {
-      Activity x = a;
-      x.start -= t0;
-      x.end -= t0;
-      r.timeline.push_back(x);
-    }
   std::sort(r.timeline.begin(), r.timeline.end(),
             [](const Activity& a, const Activity& b) { return a.start < b.start; });
   std::set<std::string> priced;
@@ -630,9 +673,11 @@ SimulationResult Simulation::Result(int steps) const {
       if (s.codec_bytes_per_second.count(l.name)) priced.insert(l.name);
   for (const auto& l : links_)
     if (l.name != "identity" && !priced.count(l.name))
-      r.notes.push_back(absl::StrCat("codec '", l.name,
-                                     "' has no codec_bytes_per_second in the profile: its encoding costs nothing here"));
+      r.notes.push_back(absl::StrCat(
+          "codec '", l.name, "' has no codec_bytes_per_second in the profile: its encoding costs nothing here"));
   r.notes.push_back("the optimizer step and data loading are not in the profile and not simulated");
+  if (coarse_)
+    r.notes.push_back("replica sums over many replicas: buckets or chunks merged to keep the simulation short");
   if (plan_.sync.diloco)
     r.notes.push_back(absl::StrFormat("DiLoCo: H = %d, %d fragment(s), %s, codec %s", plan_.sync.inner_steps,
                                       plan_.sync.fragments, plan_.sync.overlap ? "overlapped" : "not overlapped",
@@ -712,15 +757,17 @@ absl::StatusOr<ClusterProfile> CalibrateCompute(const OpGraph& graph, const Clus
     for (const auto& st : plan.stages)
       for (size_t r = 0; r < st.site_names.size(); ++r)
         if (st.site_names[r] == name) stage = &st, site = st.sites[r];
-    if (!stage) return absl::InvalidArgumentError(absl::StrCat("calibration: site '", name, "' runs no stage of the plan"));
+    if (!stage)
+      return absl::InvalidArgumentError(absl::StrCat("calibration: site '", name, "' runs no stage of the plan"));
     if (!(target > 0) || !std::isfinite(target))
       return absl::InvalidArgumentError(absl::StrCat("calibration: site '", name, "': seconds must be positive"));
     auto& sp = out.sites[site];
     double now = 0;
     for (int i = stage->first_op; i <= stage->last_op; ++i) {
       auto it = sp.op_seconds.find(graph.ops[i].name);
-      now += it != sp.op_seconds.end() ? it->second
-                                       : (graph.ops[i].forward_flops + graph.ops[i].backward_flops) / sp.flops_per_second;
+      now += it != sp.op_seconds.end()
+                 ? it->second
+                 : (graph.ops[i].forward_flops + graph.ops[i].backward_flops) / sp.flops_per_second;
     }
     if (!(now > 0)) return absl::InvalidArgumentError(absl::StrCat("calibration: site '", name, "' computes nothing"));
     const double factor = target / now;
@@ -738,8 +785,8 @@ absl::StatusOr<Plan> ParsePlanJson(const std::string& text, const std::string& p
   json j = json::parse(text, nullptr, false);
   if (j.is_discarded() || !j.is_object()) return bad("top level", "not a JSON object");
   Plan plan;
-  if (!j.contains("micro_batches") || !j["micro_batches"].is_number_integer() || j["micro_batches"].get<int64_t>() < 1 ||
-      j["micro_batches"].get<int64_t>() > (1 << 20))
+  if (!j.contains("micro_batches") || !j["micro_batches"].is_number_integer() ||
+      j["micro_batches"].get<int64_t>() < 1 || j["micro_batches"].get<int64_t>() > (1 << 20))
     return bad("micro_batches", "expected a positive integer");
   plan.micro_batches = j["micro_batches"].get<int>();
   const int M = plan.micro_batches;
@@ -769,10 +816,13 @@ absl::StatusOr<Plan> ParsePlanJson(const std::string& text, const std::string& p
       return bad(where + ".last_op", "expected an op index");
     const int64_t last = st["last_op"].get<int64_t>();
     if (last < sp.first_op || last >= ops)
-      return bad(where + ".last_op", absl::StrCat(last, " is not an op after ", sp.first_op - 1, " in a graph of ", ops));
+      return bad(where + ".last_op",
+                 absl::StrCat(last, " is not an op after ", sp.first_op - 1, " in a graph of ", ops));
     sp.last_op = static_cast<int>(last);
-    if (st.contains("first_op") && (!st["first_op"].is_number_integer() || st["first_op"].get<int64_t>() != sp.first_op))
-      return bad(where + ".first_op", absl::StrCat("expected ", sp.first_op, " (the op after the previous stage's last)"));
+    if (st.contains("first_op") &&
+        (!st["first_op"].is_number_integer() || st["first_op"].get<int64_t>() != sp.first_op))
+      return bad(where + ".first_op",
+                 absl::StrCat("expected ", sp.first_op, " (the op after the previous stage's last)"));
     if (st.contains("micro_batches")) {
       const json& mb = st["micro_batches"];
       if (!mb.is_array() || mb.size() != sp.sites.size())
@@ -791,7 +841,8 @@ absl::StatusOr<Plan> ParsePlanJson(const std::string& text, const std::string& p
       return bad(where + ".micro_batches", "missing (needed for replicas)");
     }
     if (st.contains("in_flight")) {
-      if (!st["in_flight"].is_number_integer() || st["in_flight"].get<int64_t>() < 0 || st["in_flight"].get<int64_t>() > M)
+      if (!st["in_flight"].is_number_integer() || st["in_flight"].get<int64_t>() < 0 ||
+          st["in_flight"].get<int64_t>() > M)
         return bad(where + ".in_flight", absl::StrCat("expected an integer from 0 (1F1B) to ", M));
       sp.in_flight = st["in_flight"].get<int>();
     }
@@ -803,8 +854,8 @@ absl::StatusOr<Plan> ParsePlanJson(const std::string& text, const std::string& p
     plan.stages.push_back(std::move(sp));
   }
   if (plan.stages.back().last_op != ops - 1)
-    return bad("stages", absl::StrCat("the last stage ends at op ", plan.stages.back().last_op, ", not the graph's last (",
-                                      ops - 1, ")"));
+    return bad("stages", absl::StrCat("the last stage ends at op ", plan.stages.back().last_op,
+                                      ", not the graph's last (", ops - 1, ")"));
   // The bytes crossing each cut: every tensor produced before it and consumed after it.
   std::vector<int> last_consumer(ops, -1);
   for (int c = 0; c < ops; ++c)
@@ -848,7 +899,7 @@ absl::StatusOr<Plan> ParsePlanJson(const std::string& text, const std::string& p
       plan.sync.diloco = true;
       auto integer = [&](const char* key, int* out) -> absl::Status {
         if (!s.contains(key)) return absl::OkStatus();
-        if (!s[key].is_number_integer() || s[key].get<int64_t>() < 1 || s[key].get<int64_t>() > 1000000)
+        if (!s[key].is_number_integer() || s[key].get<int64_t>() < 1 || s[key].get<int64_t>() > 10000)
           return bad(absl::StrCat("sync.", key), "expected a positive integer");
         *out = s[key].get<int>();
         return absl::OkStatus();
@@ -865,6 +916,12 @@ absl::StatusOr<Plan> ParsePlanJson(const std::string& text, const std::string& p
         if (!c.ok()) return bad("sync.codec", "expected a codec name (compression/)");
         plan.sync.codec = *c;
       }
+      if (s.contains("ratio")) {
+        if (!s["ratio"].is_number() || !(s["ratio"].get<double>() > 0) || s["ratio"].get<double>() > 1)
+          return bad("sync.ratio", "expected a number in (0, 1]");
+        plan.sync.codec.ratio = s["ratio"].get<double>();
+      }
+      if (plan.sync.fragments > plan.sync.inner_steps) return bad("sync.fragments", "more than inner_steps");
     } else if (mode != "every_step") {
       return bad("sync.mode", absl::StrCat("'", mode, "': expected every_step or diloco"));
     }
@@ -923,8 +980,8 @@ std::string SimulationTable(const SimulationResult& r) {
 std::string TimelineSvg(const SimulationResult& r) {
   // One colour per activity kind; compute in a row's upper band, traffic out of the site in the lower.
   static const std::map<std::string, std::string> kColour = {
-      {"forward", "#4e79a7"}, {"backward", "#f28e2b"}, {"send", "#59a14f"},   {"sync", "#b07aa1"},
-      {"outer_sync", "#e15759"}, {"control", "#9c755f"}, {"wait", "#d3d3d3"}};
+      {"forward", "#4e79a7"},    {"backward", "#f28e2b"}, {"send", "#59a14f"}, {"sync", "#b07aa1"},
+      {"outer_sync", "#e15759"}, {"control", "#9c755f"},  {"wait", "#d3d3d3"}};
   std::vector<std::string> rows;
   for (const auto& s : r.sites) rows.push_back(s.site);
   double span = r.last_step_seconds;
@@ -967,8 +1024,8 @@ std::string TimelineSvg(const SimulationResult& r) {
     absl::StrAppendFormat(&svg, "<text x=\"%.0f\" y=\"%.0f\">%s</text>\n", lx + 16, ly + 11, k);
     lx += 110;
   }
-  absl::StrAppendFormat(&svg, "<text x=\"%.0f\" y=\"%.0f\">0 s</text><text x=\"%.0f\" y=\"%.0f\">%.3f s</text>\n",
-                        left, ly + 34, left + width - 50, ly + 34, span);
+  absl::StrAppendFormat(&svg, "<text x=\"%.0f\" y=\"%.0f\">0 s</text><text x=\"%.0f\" y=\"%.0f\">%.3f s</text>\n", left,
+                        ly + 34, left + width - 50, ly + 34, span);
   svg += "</svg>\n";
   return svg;
 }

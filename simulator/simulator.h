@@ -13,8 +13,10 @@
 //     the last stage's first replica to the first stage's and back to every replica; a site starts its
 //     next step when it has the total;
 //   - under DiLoCo (job.sync), each fragment's pseudo-gradients are exchanged every H / F steps, on the
-//     same links, in 1 MiB chunks interleaved with the other traffic; with overlap the stage waits for
-//     an exchange only at the next synchronisation point.
+//     same links, in 1 MiB chunks interleaved with the other traffic (the exchange's streams share the
+//     peer's connection with the control messages, which wait behind the chunk in flight); with overlap
+//     the stage waits for an exchange only at the next synchronisation point. The run's final
+//     synchronisation is not simulated.
 // Not modelled: the optimizer step and data loading (not in the profile), TCP dynamics (a link is its
 // measured bandwidth), compute slowed by the site's own sends.
 //
@@ -70,7 +72,7 @@ struct LinkReport {
 };
 
 struct SimulationResult {
-  double step_seconds = 0;           // mean step after the first (includes DiLoCo rounds when simulated)
+  double step_seconds = 0;  // mean step after the first (includes DiLoCo rounds when simulated)
   // The planner's steady-state formula (docs/cost-model.md) for the same layout and profile, its codecs
   // chosen from the plan's own: what the analytic model predicts, beside the simulation. 0 when the
   // planner cannot evaluate the layout (its message is in notes).
@@ -97,10 +99,9 @@ absl::StatusOr<SimulationResult> Simulate(const partitioner::OpGraph& graph, con
 // `seconds_per_micro_batch[site]` (e.g. what a run measured, metrics.jsonl): every op time of the site
 // (op_seconds, else FLOPs over flops_per_second) is scaled by one factor. Sites not named keep their times.
 // InvalidArgument for a site the plan does not use or a non-positive time.
-absl::StatusOr<partitioner::ClusterProfile> CalibrateCompute(const partitioner::OpGraph& graph,
-                                                             const partitioner::ClusterProfile& profile,
-                                                             const partitioner::Plan& plan,
-                                                             const std::map<std::string, double>& seconds_per_micro_batch);
+absl::StatusOr<partitioner::ClusterProfile> CalibrateCompute(
+    const partitioner::OpGraph& graph, const partitioner::ClusterProfile& profile, const partitioner::Plan& plan,
+    const std::map<std::string, double>& seconds_per_micro_batch);
 
 // A whole plan read back from its JSON (`meridian plan --json`, a run's plan.json): stages with sites,
 // op ranges, micro-batch shares, in-flight depths and gradient codecs; links with codecs and ratios; the

@@ -1,6 +1,10 @@
 #include "simulator/simulator.h"
 
+#include <filesystem>
+#include <fstream>
 #include <random>
+
+#include "simulator/fleet.h"
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -118,8 +122,10 @@ TEST(SimulatorTest, OneSaturatedLinkTakesMicroBatchesTimesItsTransferPlusFill) {
   EXPECT_NEAR(r->step_times[0], f + M * x + (f + b) + b + 16 / (bytes / x), 1e-9);
   ASSERT_EQ(r->links.size(), 2u);  // s0 -> s1 (activations, the norm down) and s1 -> s0
   for (const auto& l : r->links) {
+    // In the last step's window (from s0 starting it): M activations, the norm's total down at its end,
+    // and the previous step's total, which s0 sends as it starts this one.
     if (l.from == "s0") {
-      EXPECT_NEAR(l.busy_fraction, (M * x + 16 / (bytes / x)) / r->last_step_seconds, 1e-9);
+      EXPECT_NEAR(l.busy_fraction, (M * x + 2 * 16 / (bytes / x)) / r->last_step_seconds, 1e-9);
     }
   }
 }
@@ -159,7 +165,8 @@ TEST(SimulatorTest, AgreesWithThePlannersScheduleSimulationOnRandomPipelines) {
     for (int k = 0; k < S; ++k) sites.push_back({k});
     Plan plan = Pipeline(g, p, M, sites, trial % 2 ? "int8" : "identity");
     // Deeper pipelines too, never increasing along it.
-    for (int k = 0; k < S; ++k) plan.stages[k].in_flight = trial % 3 == 0 ? 0 : std::min(M, S - k + (S - k) * (trial % 3));
+    for (int k = 0; k < S; ++k)
+      plan.stages[k].in_flight = trial % 3 == 0 ? 0 : std::min(M, S - k + (S - k) * (trial % 3));
     auto r = Simulate(g, p, plan, {.steps = 1});
     ASSERT_TRUE(r.ok()) << r.status();
 
@@ -236,9 +243,18 @@ TEST(SimulatorTest, DilocoSynchronisesEveryInnerStepsAndOverlapHidesTheExchange)
   ASSERT_TRUE(overlapped.ok());
   EXPECT_NEAR(overlapped->step_times[3], step, 0.01);
   for (int s = 4; s < 7; ++s) EXPECT_GT(overlapped->step_times[s], step + 0.1) << "step " << s + 1;
-  const double rest = overlapped->step_times[4] + overlapped->step_times[5] + overlapped->step_times[6] +
-                      overlapped->step_times[7];
+  const double rest =
+      overlapped->step_times[4] + overlapped->step_times[5] + overlapped->step_times[6] + overlapped->step_times[7];
   EXPECT_NEAR(rest, 1.0, 4 * step);
+  for (const auto& l : overlapped->links) EXPECT_LE(l.busy_fraction, 1 + 1e-9) << l.from << " -> " << l.to;
+
+  // Two fragments: half the bytes every 2 steps (0.25 s + 0.25 s on the link when not overlapped).
+  plan.sync.overlap = false;
+  plan.sync.fragments = 2;
+  auto fragments = Simulate(g, p, plan, {.steps = 8});
+  ASSERT_TRUE(fragments.ok());
+  for (int s = 0; s < 8; ++s)
+    EXPECT_NEAR(fragments->step_times[s], step + ((s + 1) % 2 == 0 ? 0.5 : 0.0), 0.01) << "step " << s + 1;
 }
 
 TEST(SimulatorTest, PlanJsonRoundTripsAndErrorsNameTheField) {
@@ -274,8 +290,9 @@ TEST(SimulatorTest, PlanJsonRoundTripsAndErrorsNameTheField) {
               testing::HasSubstr("p.json: stages[0].sites: site 'nowhere' is not in the profile"));
   EXPECT_THAT(err(R"({"micro_batches": 4, "stages": [{"sites": ["s0"], "last_op": 3}]})"),
               testing::HasSubstr("p.json: stages: the last stage ends at op 3"));
-  EXPECT_THAT(err(R"({"micro_batches": 4, "stages": [{"sites": ["s0", "s1"], "last_op": 5, "micro_batches": [1, 2]}]})"),
-              testing::HasSubstr("stages[0].micro_batches: the counts sum to 3, not 4"));
+  EXPECT_THAT(
+      err(R"({"micro_batches": 4, "stages": [{"sites": ["s0", "s1"], "last_op": 5, "micro_batches": [1, 2]}]})"),
+      testing::HasSubstr("stages[0].micro_batches: the counts sum to 3, not 4"));
   EXPECT_THAT(err(R"({"micro_batches": 4, "stages": [{"sites": ["s0"], "last_op": 2}, {"sites": ["s1"], "last_op": 5}],
                       "links": [{"codec": "zip"}]})"),
               testing::HasSubstr("links[0].codec: 'zip' is not a codec"));
@@ -300,14 +317,100 @@ TEST(SimulatorTest, TimelineShowsEverySiteAndActivity) {
   auto r = Simulate(g, p, Pipeline(g, p, 4, {{0}, {1, 2}}, "int8"));
   ASSERT_TRUE(r.ok()) << r.status();
   const std::string svg = TimelineSvg(*r);
-  for (const char* s : {"s0 (stage 1)", "s1 (stage 2)", "s2 (stage 2)", ">forward<", ">backward<", ">send<"})
+  for (const char* s : {"s0 (stage 1)", "s1 (stage 2)", "s2 (stage 2)", "<title>forward mb", "<title>backward mb",
+                        "<title>send mb", "<title>control"})
     EXPECT_THAT(svg, testing::HasSubstr(s));
+  for (const auto& a : r->timeline) {
+    EXPECT_GE(a.start, 0) << a.kind;
+    EXPECT_LE(a.end, r->last_step_seconds + 1e-9) << a.kind;
+  }
   int forwards = 0;
   for (const auto& a : r->timeline) forwards += a.kind == "forward";
   EXPECT_EQ(forwards, 8);  // 4 micro-batches through 2 stages
   const std::string j = SimulationJson(*r);
   for (const char* key : {"\"step_seconds\"", "\"utilisation\"", "\"bubble_fraction\"", "\"links\"", "\"stages\""})
     EXPECT_THAT(j, testing::HasSubstr(key));
+}
+
+}  // namespace
+}  // namespace meridian::simulator
+
+namespace meridian::simulator {
+namespace {
+
+std::string Source(const std::string& path) { return std::string(MERIDIAN_TEST_SOURCE_DIR) + "/" + path; }
+
+TEST(FleetTest, TheExampleFleetHasItsSitesLinksAndThreeSystems) {
+  auto fleet = LoadFleet(Source("examples/fleets/llama7b-geo.yaml"));
+  ASSERT_TRUE(fleet.ok()) << fleet.status();
+  ASSERT_EQ(fleet->profile.sites.size(), 8u);
+  EXPECT_EQ(fleet->profile.links.size(), 8u * 7u);
+  // 8 H100s at 989.4 TFLOP/s and MFU 0.4; 8 x 80 GiB.
+  EXPECT_DOUBLE_EQ(fleet->profile.sites[0].flops_per_second, 8 * 989.4e12 * 0.4);
+  EXPECT_DOUBLE_EQ(fleet->profile.sites[0].memory_bytes, 8 * 85899345920.0);
+  EXPECT_DOUBLE_EQ(fleet->profile.sites[0].uplink_bytes_per_second, 1e9 / 8);
+  auto latency = [&](const std::string& a, const std::string& b) {
+    for (const auto& l : fleet->profile.links)
+      if (l.from.rfind(a, 0) == 0 && l.to.rfind(b, 0) == 0) return l.latency_seconds;
+    return -1.0;
+  };
+  EXPECT_DOUBLE_EQ(latency("us-east", "us-east"), 0.001);    // intra-region, 2 ms RTT
+  EXPECT_DOUBLE_EQ(latency("us-east", "us-west"), 0.025);    // intra-continent, 50 ms
+  EXPECT_DOUBLE_EQ(latency("us-east", "eu-west"), 0.0375);   // transatlantic, 75 ms
+  EXPECT_DOUBLE_EQ(latency("asia-east", "us-west"), 0.055);  // transpacific, 110 ms
+  EXPECT_DOUBLE_EQ(latency("eu-west", "asia-east"), 0.075);  // Europe-Asia, 150 ms
+  EXPECT_EQ(fleet->graph.ops.size(), 66u);                   // LLaMA-7B: embed, 32 x (attn, mlp), head
+  const auto systems = ProjectFleet(*fleet);
+  ASSERT_EQ(systems.size(), 3u);
+  for (const auto& s : systems) {
+    ASSERT_TRUE(s.feasible) << s.system << ": " << s.why;
+    EXPECT_GT(s.tokens_per_second, 0);
+    EXPECT_GT(s.utilisation, 0);
+    EXPECT_LE(s.utilisation, 1 + 1e-9);
+    EXPECT_GT(s.step_seconds, 0);
+  }
+  EXPECT_EQ(systems[0].system, "pipeline");
+  EXPECT_EQ(systems[2].system, "ddp");
+  EXPECT_THAT(systems[2].layout, testing::HasSubstr("1 stage (sites per stage: 8)"));
+  // DiLoCo sends its pseudo-gradients once every 50 steps instead of every step: at 1 Gbit/s it is faster.
+  EXPECT_GT(systems[1].tokens_per_second, systems[2].tokens_per_second);
+}
+
+TEST(FleetTest, AModelLargerThanASiteCannotRunAsDdp) {
+  const std::string dir = ::testing::TempDir() + "/fleet70b";
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir + "/f.yaml") << "model: " << Source("examples/models/llama-70b/config.json") << "\n"
+                                 << "gpus: " << Source("examples/profiles/gpus") << "\n"
+                                 << "bandwidth_gbit: 10\nmicro_batches: 16\n"
+                                 << "sites:\n  - {gpu: h100-sxm, count: 4, region: us-east}\n";
+  auto fleet = LoadFleet(dir + "/f.yaml");
+  ASSERT_TRUE(fleet.ok()) << fleet.status();
+  const auto systems = ProjectFleet(*fleet, {.steps = 2});
+  ASSERT_EQ(systems.size(), 3u);
+  EXPECT_TRUE(systems[0].feasible) << systems[0].why;  // 70B x 16 bytes does not fit 640 GiB: a pipeline does
+  EXPECT_FALSE(systems[2].feasible);
+  EXPECT_FALSE(systems[2].why.empty());
+}
+
+TEST(FleetTest, ErrorsNameTheFileAndField) {
+  const std::string dir = ::testing::TempDir() + "/fleetbad";
+  std::filesystem::create_directories(dir);
+  auto err = [&](const std::string& body) {
+    std::ofstream(dir + "/f.yaml") << "model: " << Source("examples/models/llama-7b/config.json") << "\n"
+                                   << "gpus: " << Source("examples/profiles/gpus") << "\n"
+                                   << body;
+    return std::string(LoadFleet(dir + "/f.yaml").status().message());
+  };
+  EXPECT_THAT(err("bandwidth_gbit: 1\nsites:\n  - {gpu: tpu-v9, region: us-east}\n"),
+              testing::HasSubstr("f.yaml: sites[0].gpu: device 'tpu-v9'"));
+  EXPECT_THAT(err("sites:\n  - {gpu: h100-sxm, region: us-east}\n"),
+              testing::HasSubstr("f.yaml: bandwidth_gbit: missing"));
+  EXPECT_THAT(err("bandwidth_gbit: 1\nsites:\n  - {gpu: h100-sxm, region: us-east}\n  - {gpu: l40s, region: mars-1}\n"),
+              testing::HasSubstr("no preset for regions 'us-east' and 'mars-1'"));
+  EXPECT_THAT(err("bandwidth_gbit: 1\nspeed: 3\nsites:\n  - {gpu: h100-sxm, region: us-east}\n"),
+              testing::HasSubstr("f.yaml: speed: unknown field"));
+  EXPECT_THAT(err("bandwidth_gbit: 1\nsites:\n  - {gpu: ../../etc/passwd, region: us-east}\n"),
+              testing::HasSubstr("is not a device profile name"));
 }
 
 }  // namespace
