@@ -694,7 +694,7 @@ def error_stats(rows, key):
     if not e:
         return None, None
     med = e[len(e) // 2] if len(e) % 2 else (e[len(e) // 2 - 1] + e[len(e) // 2]) / 2
-    p90 = e[min(len(e) - 1, int(0.9 * len(e) + 0.5) - 1)]
+    p90 = e[max(0, -(-9 * len(e) // 10) - 1)]  # nearest rank: the ceil(0.9 n)-th smallest
     return med, p90
 
 
