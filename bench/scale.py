@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Meridian projected onto real GPU fleets (issue #18): writes docs/scale.md.
 
-For LLaMA-7B and LLaMA-70B, 8, 64 and 256 sites, and links of 1 and 10 Gbit/s, writes a fleet file
+For LLaMA-7B and LLaMA-70B, 8, 64 and 256 sites, and links of 1 and 10 Gbit/s (8 sequences of 2048 tokens per site and step), writes a fleet file
 (simulator/fleet.h's format) under --out and runs `meridian simulate --fleet FILE --json` on it, which plans
 and simulates three systems: Meridian's pipeline with replicas, the same with DiLoCo replicas, and DDP (the
 whole model at every site, gradients summed every step). Sites are 8-GPU nodes, a quarter each of H100 SXM,
@@ -23,7 +23,8 @@ GPUS = ["h100-sxm", "a100-80gb", "l40s", "rtx-4090"]
 CONTINENTS = ["us", "eu", "asia"]
 
 
-def fleet_file(out, name, model, sites, gbit, micro_batches=64):
+def fleet_file(out, name, model, sites, gbit, micro_batches=None):
+    micro_batches = micro_batches or 8 * sites  # the global batch grows with the fleet: 8 sequences a site
     path = os.path.join(out, f"{name}.yaml")
     lines = [f"# bench/scale.py: {model}, {sites} sites, {gbit} Gbit/s", f"fleet: {name}",
              f"model: {os.path.relpath(os.path.join(ROOT, 'examples', 'models', model, 'config.json'), out)}",
@@ -69,12 +70,12 @@ def main():
     cfg = json.load(open(os.path.join(ROOT, "examples", "models", "llama-7b", "config.json")))
     cfg["num_hidden_layers"] = 511
     json.dump(cfg, open(os.path.join(big, "config.json"), "w"), indent=2)
-    path = fleet_file(out, "llama-1024ops-256-10g", "llama-7b", 256, 10)
-    text = open(path).read().replace(
+    big_path = fleet_file(out, "llama-1024ops-256-10g", "llama-7b", 256, 10, micro_batches=64)
+    text = open(big_path).read().replace(
         os.path.relpath(os.path.join(ROOT, "examples", "models", "llama-7b", "config.json"), out),
         os.path.relpath(os.path.join(big, "config.json"), out))
-    open(path, "w").write(text)
-    big_res, big_secs = simulate(meridian, path)
+    open(big_path, "w").write(text)
+    big_res, big_secs = simulate(meridian, big_path)
     print(f"256 sites x 1024 ops: {big_secs:.1f} s", flush=True)
 
     rel = lambda p: os.path.relpath(p, ROOT)  # noqa: E731
@@ -118,11 +119,27 @@ def main():
                 cells.append(s["layout"].replace(" (sites per stage: ", ": ").rstrip(")"))
         L.append(f"| {model} | {sites} | {gbit} Gbit/s | {bound:,.0f} | " + " | ".join(cells) +
                  f" | `meridian simulate --fleet {rel(path)}` |")
+    def tps(model, sites, gbit, system):
+        res = next(r[4] for r in rows if r[:3] == (model, sites, gbit))
+        s = next(x for x in res["systems"] if x["system"] == system)
+        return s["tokens_per_second"] if s["feasible"] else None
+    summary = []
+    for model in ("llama-7b", "llama-70b"):
+        for gbit in (1, 10):
+            d, p, q = tps(model, 256, gbit, "diloco"), tps(model, 256, gbit, "pipeline"), tps(model, 256, gbit, "ddp")
+            summary.append(f"{model} on 256 sites at {gbit} Gbit/s: DiLoCo {d:,.0f} tokens/s, the pipeline {p:,.0f}"
+                           + (f", DDP {q:,.0f} (DiLoCo {d / q:.0f}x as fast)" if q else ", DDP does not fit a site"))
+    L += ["", "**What it shows.** " + "; ".join(summary) + ". Gradient sums every step across the WAN (DDP, and the "
+          "pipeline's replicas) are bound by the links from a few sites on; DiLoCo's exchange every 50 steps keeps "
+          "adding sites useful, and a model too large for one site is trained as a pipeline (or DiLoCo over pipeline "
+          "stages)."]
     big_sys = {s["system"]: s for s in big_res["systems"]}
     if reasons:
         L += [""] + [f"[{i + 1}] {r}" + "  " for i, r in enumerate(reasons)]
-    L += ["", f"**Planning and simulating at scale.** 256 sites and a 1024-op model (LLaMA-7B's shape with 511 "
-          f"layers, 10 Gbit/s): `meridian simulate --fleet {rel(path)}` plans and simulates the three systems in "
+    L += ["", "Wall time here of planning and simulating each fleet's three systems: " +
+          ", ".join(f"{m} {n} sites {g} Gbit/s {t:.0f} s" for m, n, g, _, _, t in rows) + ".", "",
+          f"**Planning and simulating at scale.** 256 sites and a 1024-op model (LLaMA-7B's shape with 511 "
+          f"layers, 10 Gbit/s, 64 micro-batches a step): `meridian simulate --fleet {rel(big_path)}` plans and simulates the three systems in "
           f"{big_secs:.1f} s on this machine (pipeline: planned in {big_sys['pipeline']['plan_seconds']:.1f} s, "
           f"simulated in {big_sys['pipeline']['simulate_seconds']:.1f} s). Target: under 30 s.", "",
           "Fleet files are written to runs/scale/ (not kept in the repository); examples/fleets/llama7b-geo.yaml is "

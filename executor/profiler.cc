@@ -7,6 +7,8 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "compression/codec.h"
+#include "compression/policy.h"
 #include "core/log.h"
 #include "executor/torch_boundary.h"
 #include "executor/trainer.h"
@@ -42,6 +44,33 @@ double MeasureGemmFlops(torch::Device device, int n, int repeats) {
     t.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
   }
   return 2.0 * n * n * n / Median(t);
+}
+
+std::map<std::string, double> MeasureCodecBytesPerSecond(int64_t elements, int repeats) {
+  std::vector<float> data(static_cast<size_t>(std::max<int64_t>(elements, 1024)));
+  uint32_t x = 12345;  // a fixed pseudo-random signal: the codecs' speed does not depend on its values
+  for (float& v : data) {
+    x = x * 1664525u + 1013904223u;
+    v = static_cast<float>(static_cast<int32_t>(x >> 8) - (1 << 23)) / (1 << 23);
+  }
+  const core::TensorView view{core::DType::kFloat32, {static_cast<int64_t>(data.size())}, data.data()};
+  const double bytes = 4.0 * data.size();
+  std::map<std::string, double> out;
+  for (const compression::CodecSpec& spec : compression::ActivationMenu()) {
+    if (spec.kind == compression::CodecKind::kIdentity) continue;
+    std::vector<double> times;
+    std::vector<uint8_t> frame;
+    for (int r = 0; r <= repeats; ++r) {
+      const auto t0 = Clock::now();
+      if (!compression::EncodeTo(view, spec, &frame).ok()) break;
+      auto decoded = compression::Decode(frame.data(), frame.size());
+      if (!decoded.ok()) break;
+      if (r > 0) times.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    }
+    if (static_cast<int>(times.size()) == repeats && Median(times) > 0)
+      out[spec.ShortString()] = 2 * bytes / Median(times);
+  }
+  return out;
 }
 
 double AvailableMemoryBytes(torch::Device device) {
@@ -83,6 +112,9 @@ absl::StatusOr<OpProfile> ProfileModel(const LlamaConfig& c, int mbs, int seq, c
                             absl::StrCat("measuring ", device.str(), " through cuBLAS: ", g.status().message()));
       }
     }
+    // The codecs on one micro-batch's hidden states (at most 16M floats: the rate, not the size, matters).
+    out.site.codec_bytes_per_second = MeasureCodecBytesPerSecond(
+        std::min<int64_t>(int64_t{mbs} * seq * c.shape.hidden_size, int64_t{1} << 24), std::min(repeats, 3));
     SyntheticData data{1, c.shape.vocab_size};
     auto tokens = data.MicroBatch(0, 0, mbs, seq).to(device);
     auto inputs = tokens.slice(1, 0, seq), targets = tokens.slice(1, 1, seq + 1);

@@ -27,6 +27,13 @@ absl::StatusOr<OpProfile> ProfileModel(const LlamaConfig& config, int micro_batc
                                        const std::string& site_name, torch::Device device, int repeats = 5,
                                        const core::LoraSpec& lora = {});
 
+// Float32 input bytes per second that this process encodes and decodes with each codec of the activation
+// menu (compression::ActivationMenu, identity left out), on `elements` floats of a micro-batch's hidden
+// states: 2 x bytes / (encode + decode seconds), the median of `repeats`, so that charging the encoding
+// at the sender and the decoding at the receiver at this rate adds up to the measured round trip. On the
+// host CPU, as the executor's codecs run there. In SiteProfile::codec_bytes_per_second.
+std::map<std::string, double> MeasureCodecBytesPerSecond(int64_t elements, int repeats = 3);
+
 // fp32 matrix-multiply throughput of the device (FLOP/s), the median of a few n x n products.
 double MeasureGemmFlops(torch::Device device, int n = 512, int repeats = 5);
 

@@ -314,10 +314,19 @@ struct SimulatedLayout {
   SimulatedStep step;
 };
 
+// With `depths`, those in-flight depths rather than ChooseInFlight's (a quick trial of a layout's codecs).
 SimulatedLayout SimulateLayout(const CostModel& cm, const Layout& L, const Evaluation& ev, const PlanOptions& o,
-                               const OpGraph& g) {
+                               const OpGraph& g, const std::vector<int>* depths = nullptr) {
   SimulatedLayout r;
   if (ev.total == kInf) return r;
+  if (depths) {
+    PipelineTimes t = TimesOf(cm, L, ev, o, g);
+    r.in_flight = *depths;
+    t.in_flight = r.in_flight;
+    r.step = SimulatePipeline(t);
+    r.total = r.step.step_seconds + ev.sync;
+    return r;
+  }
   const int S = static_cast<int>(L.sites.size()), M = cm.micro_batches();
   std::vector<int> cap(S);
   for (int k = 0; k < S; ++k) {
@@ -356,17 +365,23 @@ void ChooseLinkCodecsBySimulation(const CostModel& cm, const Layout& L, const Pl
   for (int k = 0; k + 1 < S; ++k) set(&trial, k, strongest);
   *sim = SimulateLayout(cm, L, trial, o, g);
   const double limit = sim->total * 1.01;
+  // Beyond kDepthsPerTrial stages each trial keeps the bar's depths (ChooseInFlight per trial would cost
+  // links x codecs x its search), and the depths are chosen once more for the codecs chosen.
+  constexpr int kDepthsPerTrial = 8;
+  const std::vector<int> bar_depths = sim->in_flight;
+  const std::vector<int>* fixed = S > kDepthsPerTrial ? &bar_depths : nullptr;
   for (int k = 0; k + 1 < S; ++k)
     for (int codec = 0; codec < strongest; ++codec) {
       Evaluation lighter = trial;
       set(&lighter, k, codec);
-      SimulatedLayout st = SimulateLayout(cm, L, lighter, o, g);
+      SimulatedLayout st = SimulateLayout(cm, L, lighter, o, g, fixed);
       if (st.total <= limit) {
         trial = lighter;
         *sim = st;
         break;
       }
     }
+  if (fixed) *sim = SimulateLayout(cm, L, trial, o, g);
   *ev = trial;
   SumUp(cm.micro_batches(), ev);
 }
@@ -873,18 +888,28 @@ double ReferenceStepTime(const OpGraph& graph, const ClusterProfile& profile, in
 }
 
 // Adds sites unused by `layout`, one at a time, as a replica of the stage where it lowers the predicted
-// step time most, while any does; `ev` is kept as the layout's evaluation.
+// step time most, while any does; `ev` is kept as the layout's evaluation. Beyond exact_max_sites sites,
+// each round tries the kReplicaCandidates fastest unused sites (by whole-model time) rather than all of
+// them, so that hundreds of sites plan in seconds.
 void ReplicateGreedily(const CostModel& cm, const PlanOptions& o, const OpGraph& graph, Layout* layout,
                        Evaluation* ev) {
+  constexpr int kReplicaCandidates = 8;
   const int n = cm.sites();
   std::vector<bool> used(n, false);
   for (const auto& R : layout->sites)
     for (int s : R) used[s] = true;
+  std::vector<int> by_speed(n);
+  std::iota(by_speed.begin(), by_speed.end(), 0);
+  std::stable_sort(by_speed.begin(), by_speed.end(),
+                   [&](int a, int b) { return cm.WholeModelTime(a) < cm.WholeModelTime(b); });
+  const int limit = n > o.exact_max_sites ? kReplicaCandidates : n;
   while (true) {
     double best_total = ev->total;
     Layout best_layout;
-    for (int s = 0; s < n; ++s) {
+    int tried = 0;
+    for (int s : by_speed) {
       if (used[s]) continue;
+      if (tried++ == limit) break;
       for (size_t k = 0; k < layout->sites.size(); ++k) {
         Layout trial = *layout;
         trial.sites[k].push_back(s);

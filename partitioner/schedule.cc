@@ -149,13 +149,25 @@ std::vector<int> ChooseInFlight(const PipelineTimes& t, const std::vector<int>& 
     return SimulatePipeline(trial).step_seconds;
   };
   double best = cost(d);
-  // Coordinate descent: each stage's depth within what its neighbours allow, for the shortest step.
+  // Coordinate descent: each stage's depth within what its neighbours allow, for the shortest step. A
+  // range of more than kFullRange depths (hundreds of micro-batches) is sampled: its ends and the
+  // current depth plus and minus powers of two, so that each try stays O(log M) simulations.
+  constexpr int kFullRange = 32;
   for (int round = 0; round < 3; ++round) {
     bool improved = false;
     for (int k = 0; k < S; ++k) {
       const int from = std::max(lo[k], k + 1 < S ? d[k + 1] : 1);
       const int to = std::min(hi[k], k > 0 ? d[k - 1] : hi[k]);
-      for (int v = from; v <= to; ++v) {
+      std::vector<int> tries;
+      if (to - from <= kFullRange) {
+        for (int v = from; v <= to; ++v) tries.push_back(v);
+      } else {
+        tries = {from, to};
+        for (int step = 1; step <= to - from; step *= 2)
+          for (int v : {d[k] - step, d[k] + step})
+            if (v >= from && v <= to) tries.push_back(v);
+      }
+      for (int v : tries) {
         if (v == d[k]) continue;
         std::vector<int> c = d;
         c[k] = v;
@@ -169,13 +181,27 @@ std::vector<int> ChooseInFlight(const PipelineTimes& t, const std::vector<int>& 
   // stage's depth bounds the previous one's from below.
   constexpr double kDepthTolerance = 0.005;
   const double limit = best * (1 + kDepthTolerance);
-  for (int k = S - 1; k >= 0; --k)
-    while (d[k] > std::max(lo[k], k + 1 < S ? d[k + 1] : 1)) {
+  for (int k = S - 1; k >= 0; --k) {
+    const int floor = std::max(lo[k], k + 1 < S ? d[k + 1] : 1);
+    if (d[k] - floor > kFullRange) {
+      // Bisection for the shallowest depth within the limit (the step does not grow with depth here).
+      int ok = d[k], bad = floor - 1;
+      while (ok - bad > 1) {
+        const int mid = bad + (ok - bad) / 2;
+        std::vector<int> c = d;
+        c[k] = mid;
+        (cost(c) > limit ? bad : ok) = mid;
+      }
+      d[k] = ok;
+      continue;
+    }
+    while (d[k] > floor) {
       std::vector<int> c = d;
       --c[k];
       if (cost(c) > limit) break;
       d = c;
     }
+  }
   return d;
 }
 

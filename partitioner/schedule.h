@@ -67,7 +67,9 @@ SimulatedStep SimulatePipeline(const PipelineTimes& times);
 // steady pace, as a TCP window covers the bandwidth-delay product; at least 1F1B's num_stages - k, at
 // most `max_in_flight[k]` (memory) and the micro-batches, never increasing along the pipeline; then
 // deepened or made shallower stage by stage while the simulated step gets shorter; finally made as
-// shallow as it can be for at most 0.5% more simulated step (memory is worth more than that).
+// shallow as it can be for at most 0.5% more simulated step (memory is worth more than that). Ranges of
+// more than 32 depths are sampled (powers of two around the current depth; bisection when making it
+// shallow), so that thousands of micro-batches plan in seconds.
 // REQUIRES: max_in_flight[k] >= num_stages - k (1F1B fits), sizes as in PipelineTimes.
 std::vector<int> ChooseInFlight(const PipelineTimes& times, const std::vector<int>& max_in_flight);
 

@@ -38,9 +38,9 @@ absl::Status Get(const YAML::Node& node, const char* key, const std::string& pat
   return absl::OkStatus();
 }
 
-#define RETURN_IF_ERROR(expr)    \
-  do {                           \
-    absl::Status status_ = expr; \
+#define RETURN_IF_ERROR(expr)          \
+  do {                                 \
+    absl::Status status_ = expr;       \
     if (!status_.ok()) return status_; \
   } while (0)
 
@@ -84,9 +84,11 @@ partitioner::Codec OnBf16(partitioner::Codec c) {
 
 std::string Layout(const partitioner::Plan& plan) {
   std::vector<std::string> parts;
-  for (const auto& st : plan.stages) parts.push_back(std::to_string(st.sites.size()));
-  return absl::StrCat(plan.stages.size(), plan.stages.size() == 1 ? " stage" : " stages", " (sites per stage: ",
-                      absl::StrJoin(parts, "+"), ")");
+  bool single = true;
+  for (const auto& st : plan.stages) parts.push_back(std::to_string(st.sites.size())), single &= st.sites.size() == 1;
+  const std::string stages = absl::StrCat(plan.stages.size(), plan.stages.size() == 1 ? " stage" : " stages");
+  if (single) return absl::StrCat(stages, ", one site each");
+  return absl::StrCat(stages, " (sites per stage: ", absl::StrJoin(parts, "+"), ")");
 }
 
 }  // namespace
@@ -106,9 +108,9 @@ absl::StatusOr<Fleet> LoadFleet(const std::string& path) {
   try {
     for (auto it = root.begin(); it != root.end(); ++it) {
       const std::string key = it->first.Scalar();
-      static const char* kKeys[] = {"fleet",         "model", "sequence_length", "micro_batch_size", "micro_batches",
-                                    "gpus",          "links", "bandwidth_gbit",  "uplink_shared",    "sites",
-                                    "diloco"};
+      static const char* kKeys[] = {"fleet",         "model", "sequence_length", "micro_batch_size",
+                                    "micro_batches", "gpus",  "links",           "bandwidth_gbit",
+                                    "uplink_shared", "sites", "diloco"};
       if (std::find(std::begin(kKeys), std::end(kKeys), key) == std::end(kKeys)) return Bad(path, key, "unknown field");
     }
     f.name = fs::path(path).stem().string();
@@ -245,7 +247,8 @@ absl::StatusOr<Fleet> LoadFleet(const std::string& path) {
     for (const auto& [what, n] : gpu_sites) f.notes.push_back(absl::StrCat(n, " site(s) of ", what));
     for (const auto& [kind, n] : kinds)
       f.notes.push_back(absl::StrCat(n, " directed links ", kind, " (", links_path, ")"));
-    f.notes.push_back(absl::StrFormat("every link %.3g Gbit/s%s", gbit, shared ? ", a site's links sharing its uplink" : ""));
+    f.notes.push_back(
+        absl::StrFormat("every link %.3g Gbit/s%s", gbit, shared ? ", a site's links sharing its uplink" : ""));
   } catch (const YAML::Exception& e) {
     return Bad(path, e.mark.is_null() ? "fleet" : absl::StrCat("line ", e.mark.line + 1), e.msg);
   }
@@ -320,11 +323,11 @@ double ComputeBound(const Fleet& f) {
 
 std::string ProjectionTable(const Fleet& fleet, const std::vector<SystemProjection>& systems) {
   const double bound = ComputeBound(fleet);
-  std::string out = absl::StrFormat("fleet %s: %d sites, %d micro-batches of %d tokens; compute bound %.3f s a step "
-                                    "(%.0f tokens/s)\n",
-                                    fleet.name, fleet.profile.sites.size(), fleet.micro_batches,
-                                    fleet.tokens_per_micro_batch, bound,
-                                    fleet.micro_batches * static_cast<double>(fleet.tokens_per_micro_batch) / bound);
+  std::string out = absl::StrFormat(
+      "fleet %s: %d sites, %d micro-batches of %d tokens; compute bound %.3f s a step "
+      "(%.0f tokens/s)\n",
+      fleet.name, fleet.profile.sites.size(), fleet.micro_batches, fleet.tokens_per_micro_batch, bound,
+      fleet.micro_batches * static_cast<double>(fleet.tokens_per_micro_batch) / bound);
   for (const auto& n : fleet.notes) absl::StrAppend(&out, "  ", n, "\n");
   absl::StrAppendFormat(&out, "%-9s %12s %14s %8s %12s  %s\n", "system", "step_s", "tokens/s", "util", "analytic_s",
                         "layout");

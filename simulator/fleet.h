@@ -49,14 +49,14 @@ struct Fleet {
 absl::StatusOr<Fleet> LoadFleet(const std::string& path);
 
 struct SystemProjection {
-  std::string system;       // "pipeline", "diloco", "ddp"
-  bool feasible = false;    // false: `why` says what does not fit
+  std::string system;     // "pipeline", "diloco", "ddp"
+  bool feasible = false;  // false: `why` says what does not fit
   std::string why;
   std::string layout;       // stages and replicas, e.g. "4 stages x 16 replicas"
   double step_seconds = 0;  // simulated
   double analytic_step_seconds = 0;
   double tokens_per_second = 0;
-  double utilisation = 0;  // of the fleet's compute bound
+  double utilisation = 0;                         // of the fleet's compute bound
   double plan_seconds = 0, simulate_seconds = 0;  // wall time of planning and simulating here
 };
 

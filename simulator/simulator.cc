@@ -169,6 +169,9 @@ double Simulation::SiteSeconds(int site, int first, int last) const {
 double Simulation::CodecSeconds(int site, const std::string& codec, double raw_bytes) const {
   const auto& m = p_.sites[site].codec_bytes_per_second;
   auto it = m.find(codec);
+  // An AQ-SGD delta codec quantises as its base codec does (its store's bookkeeping is not priced).
+  if (it == m.end() && codec.size() > 6 && codec.compare(codec.size() - 6, 6, "-delta") == 0)
+    it = m.find(codec.substr(0, codec.size() - 6));
   return it == m.end() ? 0.0 : raw_bytes / it->second;
 }
 
@@ -669,8 +672,8 @@ SimulationResult Simulation::Result(int steps) {
             [](const Activity& a, const Activity& b) { return a.start < b.start; });
   std::set<std::string> priced;
   for (const auto& l : links_)
-    for (const auto& s : p_.sites)
-      if (s.codec_bytes_per_second.count(l.name)) priced.insert(l.name);
+    for (int s = 0; s < static_cast<int>(p_.sites.size()); ++s)
+      if (CodecSeconds(s, l.name, 1) > 0) priced.insert(l.name);
   for (const auto& l : links_)
     if (l.name != "identity" && !priced.count(l.name))
       r.notes.push_back(absl::StrCat(
