@@ -238,6 +238,7 @@ struct ProbeOptions {
   int64_t bulk_bytes = 8 << 20;
   std::chrono::seconds deadline{60};
   bool both_ways = false;  // also time a bulk stream and a bulk pull at once
+  int repeats = 1;         // each bulk measurement this many times, the best kept
 };
 absl::StatusOr<LinkMeasurement> ProbeLink(PeerClient& client, const ProbeOptions& options);
 
