@@ -261,6 +261,20 @@ class BenchEmulation(Emulation):
         self.procs = [p for p in self.procs if p not in procs]
 
 
+def open_sites(bin_dir, work, mbit, rtt_ms=RTT_MS, heartbeat_timeout_s=20):
+    """The three emulated sites, every pair joined at `mbit` Mbit/s with an `rtt_ms` RTT, with their spec
+    (work/cluster.yaml) and certificates. The caller closes the emulation."""
+    emu = BenchEmulation(bin_dir, mbit, rtt_ms)
+    try:
+        spec = os.path.join(work, "cluster.yaml")
+        emu.write_spec(spec, "bench", emu.addresses, heartbeat_timeout_s=heartbeat_timeout_s)
+        sh(f"{bin_dir}/meridian certs init --spec {spec} --out {work}/certs --force")
+        return emu
+    except BaseException:
+        emu.close()
+        raise
+
+
 # ---- The WAN-bound regime (issue #16): links of 1-2 Mbit/s, 80 ms RTT ----
 
 WAN_SPEEDS = [2, 1]
@@ -271,11 +285,8 @@ WAN_BEGIN, WAN_END = "<!-- wan-bound:begin -->", "<!-- wan-bound:end -->"
 def wan_sites(bin_dir, work, mbit, res, seq, seed):
     """The three emulated sites, every pair joined at `mbit` Mbit/s with a WAN_RTT_MS RTT, with their spec and
     certificates; the first time, measures the compute bound into `res`. The caller closes the emulation."""
-    emu = BenchEmulation(bin_dir, mbit, WAN_RTT_MS)
+    emu = open_sites(bin_dir, work, mbit, WAN_RTT_MS, heartbeat_timeout_s=60)
     try:
-        spec = os.path.join(work, "cluster.yaml")
-        emu.write_spec(spec, "bench", emu.addresses, heartbeat_timeout_s=60)
-        sh(f"{bin_dir}/meridian certs init --spec {spec} --out {work}/certs --force")
         if res.get("bound") is None:
             measure_bound(emu, bin_dir, work, seq, seed, res)
         return emu
@@ -655,11 +666,8 @@ def simulator_validation(a, bin_dir, work, cfg, model_dir, weights_params):
         job = os.path.join(work, f"{name}.yaml")
         job_yaml(job, steps, global_batch, global_batch, seq, seed, compression)
         log(f"simulator validation run {i + 1}/{len(SIM_RUNS)}: {mbit} Mbit/s, {split}, {compression}")
-        emu = BenchEmulation(bin_dir, mbit)
+        emu = open_sites(bin_dir, work, mbit, heartbeat_timeout_s=60)
         try:
-            spec = os.path.join(work, "cluster.yaml")
-            emu.write_spec(spec, "bench", emu.addresses, heartbeat_timeout_s=60)
-            sh(f"{bin_dir}/meridian certs init --spec {spec} --out {work}/certs --force")
             r = run_meridian(emu, bin_dir, work, name, job, steps, split, a.profile_repeats)
             log(f"  {r['step_seconds']:.2f} s per step, plan {r['replicas']}, codecs {r['codecs']}")
         finally:
@@ -819,11 +827,8 @@ def main():
         best_accum = None
         for mbit in SPEEDS:
             log(f"emulating 3 sites, {mbit} Mbit/s links, {RTT_MS} ms RTT")
-            emu = BenchEmulation(bin_dir, mbit)
+            emu = open_sites(bin_dir, work, mbit)
             try:
-                spec = os.path.join(work, "cluster.yaml")
-                emu.write_spec(spec, "bench", emu.addresses, heartbeat_timeout_s=20)
-                sh(f"{bin_dir}/meridian certs init --spec {spec} --out {work}/certs --force")
                 if e2e["bound"] is None:
                     measure_bound(emu, bin_dir, work, seq, seed, e2e)
                 r = {}
