@@ -628,7 +628,7 @@ SimulationResult Simulation::Result(int steps) {
   std::map<std::pair<int, int>, std::pair<double, double>> link_use;  // bytes, seconds
   std::map<int, double> sent;                                         // site -> seconds its links were busy
   for (const Record& rec : records_) {
-    if (rec.activity.end < t0 || rec.activity.start > t1) continue;
+    if (rec.activity.end <= t0 || rec.activity.start >= t1) continue;  // outside the window (or at its edge)
     const double a = std::max(rec.activity.start, t0), b = std::min(rec.activity.end, t1);
     Activity x = rec.activity;
     x.start = a - t0;
