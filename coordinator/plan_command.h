@@ -21,6 +21,9 @@ struct PlanCommandOptions {
   bool no_replication = false;
   bool force_heuristic = false;
   double revisit_fraction = 0;  // > 0: AQ-SGD's int4-delta on the adaptive menu (DefaultLinkCodecs)
+  // > 0: the planner's K best candidate layouts, each planned as a fixed layout and simulated
+  // (simulator/), ranked by simulated step; says when that ranking differs from the planner's.
+  int simulate = 0;
   // --live: plan over a running coordinator's measured profile and graph instead of files.
   bool live = false;
   std::string coordinator, certs_dir, identity = "coordinator";

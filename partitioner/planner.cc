@@ -1054,7 +1054,13 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
   auto predicted = [&](const Layout& L, const Evaluation& e) {
     return o.deep_pipeline ? SimulateLayout(cm, L, e, o, graph).total : e.total;
   };
-  double current = predicted(layout, ev);       // the prediction for `layout` as it stands
+  // Every layout compared below, with its prediction (Plan::candidates).
+  std::vector<PlanCandidate> considered;
+  auto consider = [&](const Layout& L, double x) {
+    if (x < kInf) considered.push_back({L.sites, L.last, x});
+  };
+  double current = predicted(layout, ev);  // the prediction for `layout` as it stands
+  consider(layout, current);
   size_t formula_stages = layout.sites.size();  // the formula's best pipeline, before any simulation
   size_t simulated_stages = formula_stages;     // the pipeline the simulation preferred among those
   if (o.deep_pipeline && alternatives.size() > 1) {
@@ -1066,7 +1072,9 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
       for (int site : c.order) trial.sites.push_back({site});
       trial.last = c.last;
       Evaluation te = Evaluate(cm, trial, o, graph);
-      if (const double x = predicted(trial, te); x < current * (1 - 1e-9)) layout = trial, ev = te, current = x;
+      const double x = predicted(trial, te);
+      consider(trial, x);
+      if (x < current * (1 - 1e-9)) layout = trial, ev = te, current = x;
     }
     formula_stages = stages_before;
     simulated_stages = layout.sites.size();
@@ -1076,6 +1084,7 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
     const size_t pipeline_stages = layout.sites.size();
     ReplicateGreedily(cm, o, graph, &layout, &ev);
     current = predicted(layout, ev);
+    consider(layout, current);
     std::vector<int> by_speed(n);
     std::iota(by_speed.begin(), by_speed.end(), 0);
     std::stable_sort(by_speed.begin(), by_speed.end(),
@@ -1088,7 +1097,9 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
       trial.last = c.last;
       Evaluation te = Evaluate(cm, trial, o, graph);
       ReplicateGreedily(cm, o, graph, &trial, &te);
-      if (const double x = predicted(trial, te); x < current * (1 - 1e-9)) layout = trial, ev = te, current = x;
+      const double x = predicted(trial, te);
+      consider(trial, x);
+      if (x < current * (1 - 1e-9)) layout = trial, ev = te, current = x;
     }
     int replicas = 0;
     for (const auto& R : layout.sites) replicas += static_cast<int>(R.size()) - 1;
@@ -1155,6 +1166,13 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
     plan.links.push_back(lp);
   }
   plan.sync = o.sync;
+  std::stable_sort(considered.begin(), considered.end(), [](const PlanCandidate& a, const PlanCandidate& b) {
+    return a.predicted_seconds < b.predicted_seconds;
+  });
+  for (const auto& c : considered)
+    if (std::none_of(plan.candidates.begin(), plan.candidates.end(),
+                     [&](const PlanCandidate& d) { return d.sites == c.sites && d.last_ops == c.last_ops; }))
+      plan.candidates.push_back(c);
   plan.predicted_step_seconds = ev.total;
   plan.fill_drain_seconds = ev.fill;
   plan.steady_seconds = ev.steady;

@@ -133,6 +133,15 @@ struct LinkPlan {
   double ratio = 1.0;
 };
 
+// A layout the planner compared: per stage its sites (the first runs it, the others replicate it) and its
+// last op, with the step the planner predicted for it (the simulated schedule with deep_pipeline, else the
+// formula; before the final choice of link codecs by simulation).
+struct PlanCandidate {
+  std::vector<std::vector<int>> sites;
+  std::vector<int> last_ops;
+  double predicted_seconds = 0;
+};
+
 struct Plan {
   std::vector<StagePlan> stages;
   std::vector<LinkPlan> links;
@@ -150,6 +159,10 @@ struct Plan {
   std::string bottleneck;          // e.g. "stage 2 compute (oregon)"
   std::string method;              // "exact" or "heuristic"
   std::vector<std::string> notes;  // explanations: method, unused sites, compression choices
+  // The distinct layouts compared after the search (the pipelines of each stage count, with and without
+  // replicas), best prediction first; a fixed layout's is itself alone. `meridian plan --simulate K`
+  // re-ranks them.
+  std::vector<PlanCandidate> candidates;
 };
 
 // Plans `graph` over `profile`. Errors: InvalidArgument for inconsistent inputs (op_seconds naming an

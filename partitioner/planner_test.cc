@@ -216,6 +216,33 @@ TEST(Planner, FourTimesFasterSiteGetsAboutFourTimesTheWork) {
   EXPECT_EQ(slow_ops, 20);
 }
 
+// The layouts compared after the search come back best first and distinct, the chosen one among them.
+TEST(Planner, CandidatesAreTheComparedLayoutsBestFirst) {
+  OpGraph g = Chain(40);
+  ClusterProfile p;
+  p.sites = {{"a", 4e9, 1e12, {}}, {"b", 2e9, 1e12, {}}, {"c", 1e9, 1e12, {}}};
+  LinkAll(&p, 1e7, 0.02);
+  PlanOptions o;
+  o.micro_batches = 8;
+  o.deep_pipeline = true;
+  o.replication = true;
+  o.adaptive_compression = true;
+  auto plan = PlanPipeline(g, p, o);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_GE(plan->candidates.size(), 2u);
+  for (size_t i = 1; i < plan->candidates.size(); ++i) {
+    EXPECT_LE(plan->candidates[i - 1].predicted_seconds, plan->candidates[i].predicted_seconds);
+    for (size_t j = 0; j < i; ++j)
+      EXPECT_FALSE(plan->candidates[i].sites == plan->candidates[j].sites &&
+                   plan->candidates[i].last_ops == plan->candidates[j].last_ops);
+  }
+  std::vector<std::vector<int>> chosen;
+  std::vector<int> last;
+  for (const auto& st : plan->stages) chosen.push_back(st.sites), last.push_back(st.last_op);
+  EXPECT_TRUE(std::any_of(plan->candidates.begin(), plan->candidates.end(),
+                          [&](const PlanCandidate& c) { return c.sites == chosen && c.last_ops == last; }));
+}
+
 // A fixed layout (the even-split ablation) is evaluated by the same cost model, not searched: the
 // 50/50 split of the previous case costs what the formula says, and more than the planned 80/20 split.
 TEST(Planner, FixedLayoutIsEvaluatedNotSearched) {

@@ -230,6 +230,36 @@ TEST_F(Cli, SimulateAPlanFromFilesAndFromARunDirectory) {
   EXPECT_THAT(b.err, HasSubstr("stages[0].sites: site 'mars' is not in the profile"));
 }
 
+// `meridian plan --simulate K`: the planner's K best layouts, simulated and ranked.
+TEST_F(Cli, PlanSimulateRanksThePlannersBestCandidatesBySimulation) {
+  std::string graph = Src("examples/graphs/llama-7b.json"), profile = Src("examples/profiles/geo.json");
+  auto j = Exec(Bin("meridian") + " plan --graph " + graph + " --profile " + profile +
+                " --micro-batches 16 --simulate 3 --json");
+  ASSERT_EQ(j.rc, 0) << j.err;
+  auto js = nlohmann::json::parse(j.out);
+  ASSERT_EQ(js["simulated_candidates"].size(), 3u);
+  std::set<int> ranks;
+  double previous = 0;
+  int first = 0;
+  for (const auto& c : js["simulated_candidates"]) {
+    ranks.insert(c["simulated_rank"].get<int>());
+    EXPECT_GE(c["predicted_seconds"].get<double>(), previous);  // in the planner's order
+    previous = c["predicted_seconds"].get<double>();
+    EXPECT_GT(c["simulated_seconds"].get<double>(), 0);
+    if (c["simulated_rank"].get<int>() == 1) first = &c - &js["simulated_candidates"][0];
+  }
+  EXPECT_EQ(ranks, (std::set<int>{1, 2, 3}));
+  EXPECT_EQ(js["ranking_changed"].get<bool>(), first != 0);
+  ASSERT_FALSE(js["stages"].empty());  // the plan the simulation ranks first
+  auto t =
+      Exec(Bin("meridian") + " plan --graph " + graph + " --profile " + profile + " --micro-batches 16 --simulate 3");
+  ASSERT_EQ(t.rc, 0) << t.err;
+  EXPECT_THAT(t.out, HasSubstr("sim_rank"));
+  EXPECT_TRUE(t.out.find("the simulation changes the ranking") != std::string::npos ||
+              t.out.find("the simulation keeps the planner's first candidate") != std::string::npos)
+      << t.out;
+}
+
 TEST_F(Cli, ExecutorJoinFailsFastWithOneActionableMessage) {
   std::string certs = (dir_ / "certs").string();
   ASSERT_EQ(Exec(Bin("meridian") + " certs init --spec " + Src("examples/clusters/local.yaml") + " --out " + certs).rc,
