@@ -1,5 +1,6 @@
 #include "partitioner/model.h"
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <set>
@@ -204,6 +205,52 @@ absl::StatusOr<ClusterProfile> ParseProfileJson(const std::string& text, const s
     }
   }
   return p;
+}
+
+double OpSeconds(const Op& op, const SiteProfile& site) {
+  auto it = site.op_seconds.find(op.name);
+  return it != site.op_seconds.end() ? it->second : (op.forward_flops + op.backward_flops) / site.flops_per_second;
+}
+
+double RangeSeconds(const OpGraph& graph, const SiteProfile& site, int first, int last) {
+  double t = 0;
+  for (int i = first; i <= last; ++i) t += OpSeconds(graph.ops[i], site);
+  return t;
+}
+
+double ForwardShare(const OpGraph& graph, int first, int last) {
+  double f = 0, all = 0;
+  for (int i = first; i <= last; ++i)
+    f += graph.ops[i].forward_flops, all += graph.ops[i].forward_flops + graph.ops[i].backward_flops;
+  return all > 0 ? f / all : 1.0 / 3.0;
+}
+
+std::vector<double> CutBytes(const OpGraph& graph) {
+  const int n = static_cast<int>(graph.ops.size());
+  // A tensor produced by op i and last consumed by op j crosses every cut p with i <= p < j.
+  std::vector<int> last_consumer(n, -1);
+  for (int j = 0; j < n; ++j)
+    for (int i : graph.ops[j].inputs) last_consumer[i] = std::max(last_consumer[i], j);
+  std::vector<double> diff(n + 1, 0.0);
+  for (int i = 0; i < n; ++i)
+    if (last_consumer[i] > i) {
+      diff[i] += graph.ops[i].output_bytes;
+      diff[last_consumer[i]] -= graph.ops[i].output_bytes;
+    }
+  std::vector<double> cut(std::max(n - 1, 0), 0.0);
+  double run = 0;
+  for (int p = 0; p + 1 < n; ++p) {
+    run += diff[p];
+    cut[p] = std::max(run, 0.0);
+  }
+  return cut;
+}
+
+double ComputeBoundSeconds(const OpGraph& graph, const ClusterProfile& profile, int micro_batches) {
+  double rate = 0;
+  for (const auto& site : profile.sites)
+    rate += 1.0 / RangeSeconds(graph, site, 0, static_cast<int>(graph.ops.size()) - 1);
+  return micro_batches / rate;
 }
 
 absl::StatusOr<OpGraph> LoadGraphFile(const std::string& path) {

@@ -57,6 +57,20 @@ struct ClusterProfile {
   std::vector<LinkProfile> links;
 };
 
+// One op's forward+backward seconds per micro-batch at `site`: its measured op_seconds, else its FLOPs over
+// the site's flops_per_second (docs/cost-model.md).
+double OpSeconds(const Op& op, const SiteProfile& site);
+// Ops [first, last]'s OpSeconds at `site`, summed in order.
+double RangeSeconds(const OpGraph& graph, const SiteProfile& site, int first, int last);
+// The share of ops [first, last]'s time that the forward pass takes, by FLOPs (1/3 without FLOPs).
+double ForwardShare(const OpGraph& graph, int first, int last);
+// Per cut p (0 <= p < ops - 1): the bytes crossing it, every output of an op at or before p that an op
+// after p consumes, each tensor once.
+std::vector<double> CutBytes(const OpGraph& graph);
+// `micro_batches` micro-batches over every site's whole-model rate together: the step if every site's
+// throughput could be used with no communication and no memory limit.
+double ComputeBoundSeconds(const OpGraph& graph, const ClusterProfile& profile, int micro_batches);
+
 // Parse and validate. `path` is used in messages ("graph.json: ops[3].inputs[0]: ...").
 absl::StatusOr<OpGraph> ParseGraphJson(const std::string& text, const std::string& path);
 absl::StatusOr<ClusterProfile> ParseProfileJson(const std::string& text, const std::string& path);

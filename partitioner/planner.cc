@@ -38,38 +38,15 @@ class CostModel {
         sites_(static_cast<int>(p.sites.size())),
         pipelined_(pipelined_links) {
     time_prefix_.assign(sites_, std::vector<double>(n_ + 1, 0.0));
-    for (int s = 0; s < sites_; ++s) {
-      const SiteProfile& sp = p.sites[s];
-      for (int i = 0; i < n_; ++i) {
-        const Op& op = g.ops[i];
-        auto it = sp.op_seconds.find(op.name);
-        double t =
-            it != sp.op_seconds.end() ? it->second : (op.forward_flops + op.backward_flops) / sp.flops_per_second;
-        time_prefix_[s][i + 1] = time_prefix_[s][i] + t;
-      }
-    }
+    for (int s = 0; s < sites_; ++s)
+      for (int i = 0; i < n_; ++i) time_prefix_[s][i + 1] = time_prefix_[s][i] + OpSeconds(g.ops[i], p.sites[s]);
     state_prefix_.assign(n_ + 1, 0.0);
     act_prefix_.assign(n_ + 1, 0.0);
     for (int i = 0; i < n_; ++i) {
       state_prefix_[i + 1] = state_prefix_[i] + g.ops[i].param_bytes + g.ops[i].optimizer_bytes;
       act_prefix_[i + 1] = act_prefix_[i] + g.ops[i].output_bytes;
     }
-    // A tensor produced by op i and last consumed by op j crosses every cut p with i <= p < j.
-    std::vector<int> last_consumer(n_, -1);
-    for (int j = 0; j < n_; ++j)
-      for (int i : g.ops[j].inputs) last_consumer[i] = std::max(last_consumer[i], j);
-    std::vector<double> diff(n_ + 1, 0.0);
-    for (int i = 0; i < n_; ++i)
-      if (last_consumer[i] > i) {
-        diff[i] += g.ops[i].output_bytes;
-        diff[last_consumer[i]] -= g.ops[i].output_bytes;
-      }
-    cut_bytes_.assign(std::max(n_ - 1, 0), 0.0);
-    double run = 0;
-    for (int p = 0; p + 1 < n_; ++p) {
-      run += diff[p];
-      cut_bytes_[p] = std::max(run, 0.0);
-    }
+    cut_bytes_ = partitioner::CutBytes(g);
     bw_.assign(sites_, std::vector<double>(sites_, 0.0));
     lat_.assign(sites_, std::vector<double>(sites_, 0.0));
     std::map<std::string, int> index;
@@ -281,9 +258,7 @@ PipelineTimes TimesOf(const CostModel& cm, const Layout& L, const Evaluation& ev
   t.micro_batches = cm.micro_batches();
   for (int k = 0; k < S; ++k) {
     const int a = k == 0 ? 0 : L.last[k - 1] + 1, b = L.last[k];
-    double f = 0, all = 0;
-    for (int i = a; i <= b; ++i) f += g.ops[i].forward_flops, all += g.ops[i].forward_flops + g.ops[i].backward_flops;
-    const double share = all > 0 ? f / all : 1.0 / 3.0;
+    const double share = ForwardShare(g, a, b);
     t.forward_seconds.push_back(ev.t[k] * share);
     t.backward_seconds.push_back(ev.t[k] * (1 - share));
   }
@@ -1182,9 +1157,7 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
     plan.simulated = true;
     plan.predicted_step_seconds = sim.total;
   }
-  double rate = 0;
-  for (int s = 0; s < n; ++s) rate += 1.0 / cm.WholeModelTime(s);
-  plan.compute_bound_seconds = o.micro_batches / rate;
+  plan.compute_bound_seconds = ComputeBoundSeconds(graph, profile, o.micro_batches);
 
   // The bottleneck: the largest per-micro-batch term.
   double worst = -1;

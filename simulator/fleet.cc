@@ -12,6 +12,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "core/files.h"
+#include "core/status.h"
 #include "nlohmann/json.hpp"
 
 namespace meridian::simulator {
@@ -37,12 +38,6 @@ absl::Status Get(const YAML::Node& node, const char* key, const std::string& pat
   }
   return absl::OkStatus();
 }
-
-#define RETURN_IF_ERROR(expr)          \
-  do {                                 \
-    absl::Status status_ = expr;       \
-    if (!status_.ok()) return status_; \
-  } while (0)
 
 absl::StatusOr<json> ReadJson(const std::string& path) {
   auto text = core::ReadFile(path);
@@ -114,9 +109,9 @@ absl::StatusOr<Fleet> LoadFleet(const std::string& path) {
       if (std::find(std::begin(kKeys), std::end(kKeys), key) == std::end(kKeys)) return Bad(path, key, "unknown field");
     }
     f.name = fs::path(path).stem().string();
-    RETURN_IF_ERROR(Get(root, "fleet", path, "fleet", "a name", &f.name));
+    MERIDIAN_RETURN_IF_ERROR(Get(root, "fleet", path, "fleet", "a name", &f.name));
     std::string model_file;
-    RETURN_IF_ERROR(Get(root, "model", path, "model", "a path", &model_file));
+    MERIDIAN_RETURN_IF_ERROR(Get(root, "model", path, "model", "a path", &model_file));
     if (model_file.empty()) return Bad(path, "model", "missing (an HF config.json of a LLaMA-architecture model)");
     const std::string model = (dir / model_file).string();
     auto config = core::ReadFile(model);
@@ -126,23 +121,24 @@ absl::StatusOr<Fleet> LoadFleet(const std::string& path) {
     partitioner::LlamaGraphOptions go;  // bf16 weights, gradients and activations; AdamW state in fp32
     go.sequence_length = 2048;
     go.micro_batch_size = 1;
-    RETURN_IF_ERROR(Get(root, "sequence_length", path, "sequence_length", "an integer", &go.sequence_length));
-    RETURN_IF_ERROR(Get(root, "micro_batch_size", path, "micro_batch_size", "an integer", &go.micro_batch_size));
+    MERIDIAN_RETURN_IF_ERROR(Get(root, "sequence_length", path, "sequence_length", "an integer", &go.sequence_length));
+    MERIDIAN_RETURN_IF_ERROR(
+        Get(root, "micro_batch_size", path, "micro_batch_size", "an integer", &go.micro_batch_size));
     if (go.sequence_length < 1 || go.sequence_length > (1 << 20)) return Bad(path, "sequence_length", "out of range");
     if (go.micro_batch_size < 1 || go.micro_batch_size > 4096) return Bad(path, "micro_batch_size", "out of range");
     f.graph = partitioner::BuildLlamaGraph(*shape, go);
     f.tokens_per_micro_batch = go.sequence_length * go.micro_batch_size;
-    RETURN_IF_ERROR(Get(root, "micro_batches", path, "micro_batches", "an integer", &f.micro_batches));
+    MERIDIAN_RETURN_IF_ERROR(Get(root, "micro_batches", path, "micro_batches", "an integer", &f.micro_batches));
     if (f.micro_batches < 1 || f.micro_batches > 65536) return Bad(path, "micro_batches", "expected 1 to 65536");
     if (!root["bandwidth_gbit"]) return Bad(path, "bandwidth_gbit", "missing");
     double gbit = 0;
-    RETURN_IF_ERROR(Get(root, "bandwidth_gbit", path, "bandwidth_gbit", "a number of Gbit/s", &gbit));
+    MERIDIAN_RETURN_IF_ERROR(Get(root, "bandwidth_gbit", path, "bandwidth_gbit", "a number of Gbit/s", &gbit));
     if (!(gbit > 0) || gbit > 1e4) return Bad(path, "bandwidth_gbit", "expected a positive number of Gbit/s");
     bool shared = true;
-    RETURN_IF_ERROR(Get(root, "uplink_shared", path, "uplink_shared", "true or false", &shared));
+    MERIDIAN_RETURN_IF_ERROR(Get(root, "uplink_shared", path, "uplink_shared", "true or false", &shared));
     std::string gpus_dir = "../profiles/gpus", links_file = "links.json";
-    RETURN_IF_ERROR(Get(root, "gpus", path, "gpus", "a directory", &gpus_dir));
-    RETURN_IF_ERROR(Get(root, "links", path, "links", "a file name", &links_file));
+    MERIDIAN_RETURN_IF_ERROR(Get(root, "gpus", path, "gpus", "a directory", &gpus_dir));
+    MERIDIAN_RETURN_IF_ERROR(Get(root, "links", path, "links", "a file name", &links_file));
     const std::string gpus = (dir / gpus_dir).lexically_normal().string();
     const std::string links_path = (fs::path(gpus) / links_file).string();
     auto presets = ReadJson(links_path);
@@ -178,10 +174,10 @@ absl::StatusOr<Fleet> LoadFleet(const std::string& path) {
       if (!g.IsMap() || !g["gpu"] || !g["region"]) return Bad(path, field, "needs gpu and region");
       std::string gpu_name, region;
       int per_site = 8, count = 1;
-      RETURN_IF_ERROR(Get(g, "gpu", path, field + ".gpu", "a device profile name", &gpu_name));
-      RETURN_IF_ERROR(Get(g, "region", path, field + ".region", "a region name", &region));
-      RETURN_IF_ERROR(Get(g, "per_site", path, field + ".per_site", "an integer", &per_site));
-      RETURN_IF_ERROR(Get(g, "count", path, field + ".count", "an integer", &count));
+      MERIDIAN_RETURN_IF_ERROR(Get(g, "gpu", path, field + ".gpu", "a device profile name", &gpu_name));
+      MERIDIAN_RETURN_IF_ERROR(Get(g, "region", path, field + ".region", "a region name", &region));
+      MERIDIAN_RETURN_IF_ERROR(Get(g, "per_site", path, field + ".per_site", "an integer", &per_site));
+      MERIDIAN_RETURN_IF_ERROR(Get(g, "count", path, field + ".count", "an integer", &count));
       auto gpu = LoadGpu(gpus, gpu_name, path, field + ".gpu");
       if (!gpu.ok()) return gpu.status();
       if (per_site < 1 || per_site > 4096) return Bad(path, field + ".per_site", "expected 1 to 4096 GPUs");
@@ -228,11 +224,11 @@ absl::StatusOr<Fleet> LoadFleet(const std::string& path) {
     f.diloco.diloco = true;
     if (const YAML::Node d = root["diloco"]) {
       if (!d.IsMap()) return Bad(path, "diloco", "expected a mapping");
-      RETURN_IF_ERROR(Get(d, "inner_steps", path, "diloco.inner_steps", "an integer", &f.diloco.inner_steps));
-      RETURN_IF_ERROR(Get(d, "fragments", path, "diloco.fragments", "an integer", &f.diloco.fragments));
-      RETURN_IF_ERROR(Get(d, "overlap", path, "diloco.overlap", "true or false", &f.diloco.overlap));
+      MERIDIAN_RETURN_IF_ERROR(Get(d, "inner_steps", path, "diloco.inner_steps", "an integer", &f.diloco.inner_steps));
+      MERIDIAN_RETURN_IF_ERROR(Get(d, "fragments", path, "diloco.fragments", "an integer", &f.diloco.fragments));
+      MERIDIAN_RETURN_IF_ERROR(Get(d, "overlap", path, "diloco.overlap", "true or false", &f.diloco.overlap));
       std::string codec;
-      RETURN_IF_ERROR(Get(d, "codec", path, "diloco.codec", "a codec name", &codec));
+      MERIDIAN_RETURN_IF_ERROR(Get(d, "codec", path, "diloco.codec", "a codec name", &codec));
       if (!codec.empty()) {
         auto c = partitioner::PriceCodec(codec);
         if (!c.ok()) return Bad(path, "diloco.codec", std::string(c.status().message()));
@@ -310,19 +306,8 @@ std::vector<SystemProjection> ProjectFleet(const Fleet& fleet, const SimulationO
   return out;
 }
 
-namespace {
-
-double ComputeBound(const Fleet& f) {
-  double rate = 0, flops = 0;
-  for (const auto& op : f.graph.ops) flops += op.forward_flops + op.backward_flops;
-  for (const auto& s : f.profile.sites) rate += s.flops_per_second / flops;
-  return f.micro_batches / rate;
-}
-
-}  // namespace
-
 std::string ProjectionTable(const Fleet& fleet, const std::vector<SystemProjection>& systems) {
-  const double bound = ComputeBound(fleet);
+  const double bound = partitioner::ComputeBoundSeconds(fleet.graph, fleet.profile, fleet.micro_batches);
   std::string out = absl::StrFormat(
       "fleet %s: %d sites, %d micro-batches of %d tokens; compute bound %.3f s a step "
       "(%.0f tokens/s)\n",
@@ -360,7 +345,8 @@ std::string ProjectionJson(const Fleet& fleet, const std::vector<SystemProjectio
               {"sites", fleet.profile.sites.size()},
               {"micro_batches", fleet.micro_batches},
               {"tokens_per_micro_batch", fleet.tokens_per_micro_batch},
-              {"compute_bound_seconds", ComputeBound(fleet)},
+              {"compute_bound_seconds",
+               partitioner::ComputeBoundSeconds(fleet.graph, fleet.profile, fleet.micro_batches)},
               {"notes", fleet.notes},
               {"systems", sys}}
              .dump(2) +

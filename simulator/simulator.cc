@@ -85,7 +85,6 @@ class Simulation {
   SimulationResult Result(int steps);
 
  private:
-  double SiteSeconds(int site, int first, int last) const;
   double CodecSeconds(int site, const std::string& codec, double raw_bytes) const;
   int WorkerOf(int stage, int micro_batch) const { return stage_workers_[stage][owners_[stage][micro_batch]]; }
   void At(double t, std::function<void()> fn) { events_.push({t, seq_++, std::move(fn)}); }
@@ -155,17 +154,6 @@ class Simulation {
   std::vector<Record> records_;
 };
 
-double Simulation::SiteSeconds(int site, int first, int last) const {
-  double t = 0;
-  const auto& sp = p_.sites[site];
-  for (int i = first; i <= last; ++i) {
-    auto it = sp.op_seconds.find(g_.ops[i].name);
-    t += it != sp.op_seconds.end() ? it->second
-                                   : (g_.ops[i].forward_flops + g_.ops[i].backward_flops) / sp.flops_per_second;
-  }
-  return t;
-}
-
 double Simulation::CodecSeconds(int site, const std::string& codec, double raw_bytes) const {
   const auto& m = p_.sites[site].codec_bytes_per_second;
   auto it = m.find(codec);
@@ -210,10 +198,7 @@ absl::Status Simulation::Init() {
       return absl::InvalidArgumentError(
           absl::StrCat(where, ": micro-batch shares must be one per site, summing to ", M));
     owners_[k] = partitioner::MicroBatchOwners(st.micro_batches);
-    double f = 0, all = 0;
-    for (int i = st.first_op; i <= st.last_op; ++i)
-      f += g_.ops[i].forward_flops, all += g_.ops[i].forward_flops + g_.ops[i].backward_flops;
-    const double share = all > 0 ? f / all : 1.0 / 3.0;
+    const double share = partitioner::ForwardShare(g_, st.first_op, st.last_op);
     for (size_t r = 0; r < st.sites.size(); ++r) {
       const int site = st.sites[r];
       if (site < 0 || site >= n)
@@ -222,7 +207,7 @@ absl::Status Simulation::Init() {
       w.site = site;
       w.stage = k;
       w.replica = static_cast<int>(r);
-      const double t = SiteSeconds(site, st.first_op, st.last_op);
+      const double t = partitioner::RangeSeconds(g_, p_.sites[site], st.first_op, st.last_op);
       w.forward = t * share;
       w.backward = t * (1 - share);
       for (auto e : partitioner::PipelineSchedule(k, S, M, st.in_flight))
@@ -619,10 +604,7 @@ SimulationResult Simulation::Result(int steps) {
   // The last step's window: from the first site starting it to the last one finishing it.
   const double t0 = last_step_start_, t1 = step_end_[last];
   r.last_step_seconds = t1 - t0;
-  double rate = 0;
-  for (int s = 0; s < static_cast<int>(p_.sites.size()); ++s)
-    rate += 1.0 / SiteSeconds(s, 0, static_cast<int>(g_.ops.size()) - 1);
-  r.compute_bound_seconds = plan_.micro_batches / rate;
+  r.compute_bound_seconds = partitioner::ComputeBoundSeconds(g_, p_, plan_.micro_batches);
   r.utilisation = r.step_seconds > 0 ? r.compute_bound_seconds / r.step_seconds : 0;
   // Transfers and passes as far as they fall in the window.
   std::map<std::pair<int, int>, std::pair<double, double>> link_use;  // bytes, seconds
@@ -765,13 +747,7 @@ absl::StatusOr<ClusterProfile> CalibrateCompute(const OpGraph& graph, const Clus
     if (!(target > 0) || !std::isfinite(target))
       return absl::InvalidArgumentError(absl::StrCat("calibration: site '", name, "': seconds must be positive"));
     auto& sp = out.sites[site];
-    double now = 0;
-    for (int i = stage->first_op; i <= stage->last_op; ++i) {
-      auto it = sp.op_seconds.find(graph.ops[i].name);
-      now += it != sp.op_seconds.end()
-                 ? it->second
-                 : (graph.ops[i].forward_flops + graph.ops[i].backward_flops) / sp.flops_per_second;
-    }
+    const double now = partitioner::RangeSeconds(graph, sp, stage->first_op, stage->last_op);
     if (!(now > 0)) return absl::InvalidArgumentError(absl::StrCat("calibration: site '", name, "' computes nothing"));
     const double factor = target / now;
     for (auto& [op, t] : sp.op_seconds) t *= factor;
@@ -859,10 +835,7 @@ absl::StatusOr<Plan> ParsePlanJson(const std::string& text, const std::string& p
   if (plan.stages.back().last_op != ops - 1)
     return bad("stages", absl::StrCat("the last stage ends at op ", plan.stages.back().last_op,
                                       ", not the graph's last (", ops - 1, ")"));
-  // The bytes crossing each cut: every tensor produced before it and consumed after it.
-  std::vector<int> last_consumer(ops, -1);
-  for (int c = 0; c < ops; ++c)
-    for (int i : graph.ops[c].inputs) last_consumer[i] = std::max(last_consumer[i], c);
+  const std::vector<double> cut_bytes = partitioner::CutBytes(graph);
   const int S = static_cast<int>(plan.stages.size());
   const json links = j.contains("links") ? j["links"] : json::array();
   if (!links.is_array() || static_cast<int>(links.size()) != S - 1)
@@ -872,9 +845,7 @@ absl::StatusOr<Plan> ParsePlanJson(const std::string& text, const std::string& p
     const std::string where = absl::StrCat("links[", k, "]");
     partitioner::LinkPlan lp;
     lp.from_stage = k;
-    const int cut = plan.stages[k].last_op;
-    for (int i = 0; i <= cut; ++i)
-      if (last_consumer[i] > cut) lp.bytes += graph.ops[i].output_bytes;
+    lp.bytes = cut_bytes[plan.stages[k].last_op];
     if (!l.is_object()) return bad(where, "expected an object");
     lp.codec = "identity";
     if (l.contains("codec")) {
