@@ -33,6 +33,7 @@ import os
 import re
 import selectors
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -635,11 +636,10 @@ def measured_step(run_dir, diloco):
     steps = [x for x in steps if x["step"] > 1]
     if diloco and len(steps) > 1:
         steps = steps[:-1]
-    v = sorted(x["step_seconds"] for x in steps)
+    v = [x["step_seconds"] for x in steps]
     if not v:
         return None, 0
-    mid = len(v) // 2
-    return (v[mid] if len(v) % 2 else (v[mid - 1] + v[mid]) / 2), len(v) + 1
+    return statistics.median(v), len(v) + 1
 
 
 def simulate_run(bin_dir, run_dir, steps, job=None, calibrate=False):
@@ -701,7 +701,7 @@ def error_stats(rows, key):
     e = sorted(abs(r[key] / r["measured"] - 1) for r in rows)
     if not e:
         return None, None
-    med = e[len(e) // 2] if len(e) % 2 else (e[len(e) // 2 - 1] + e[len(e) // 2]) / 2
+    med = statistics.median(e)
     p90 = e[max(0, -(-9 * len(e) // 10) - 1)]  # nearest rank: the ceil(0.9 n)-th smallest
     return med, p90
 
