@@ -72,13 +72,7 @@ int SimulateCandidates(const PlanCommandOptions& o, const partitioner::OpGraph& 
     if (static_cast<int>(rows.size()) == o.simulate) break;
     partitioner::PlanOptions fixed = po;
     fixed.replication = false;
-    fixed.fixed_sites.clear();
-    fixed.fixed_last_ops = c.last_ops;
-    fixed.fixed_replicas.clear();
-    for (const auto& R : c.sites) {
-      fixed.fixed_sites.push_back(R[0]);
-      fixed.fixed_replicas.emplace_back(R.begin() + 1, R.end());
-    }
+    partitioner::PinLayout(c.sites, c.last_ops, &fixed);
     auto plan = partitioner::PlanPipeline(graph, profile, fixed);
     if (!plan.ok()) continue;
     auto sim = simulator::Simulate(graph, profile, *plan);

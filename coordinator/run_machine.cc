@@ -354,12 +354,14 @@ absl::Status RunMachine::PlanAttempt() {
                                                        pinned.back().last_op, ", but the job's model has ", ops,
                                                        " ops (0-", ops - 1, ")"));
       po.replication = false;
+      std::vector<std::vector<int>> sites;
+      std::vector<int> last_ops;
       for (const auto& st : pinned) {
-        po.fixed_sites.push_back(index(st.sites[0]));
-        po.fixed_last_ops.push_back(st.last_op);
-        po.fixed_replicas.emplace_back();
-        for (size_t r = 1; r < st.sites.size(); ++r) po.fixed_replicas.back().push_back(index(st.sites[r]));
+        sites.emplace_back();
+        for (const auto& site : st.sites) sites.back().push_back(index(site));
+        last_ops.push_back(st.last_op);
       }
+      partitioner::PinLayout(sites, last_ops, &po);
     }
   }
   auto planned = partitioner::PlanPipeline(graph_, live, po);

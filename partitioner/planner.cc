@@ -714,6 +714,16 @@ std::string SiteList(const ClusterProfile& p, const std::vector<int>& s) {
 
 }  // namespace
 
+void PinLayout(const std::vector<std::vector<int>>& sites, const std::vector<int>& last_ops, PlanOptions* o) {
+  o->fixed_sites.clear();
+  o->fixed_replicas.clear();
+  o->fixed_last_ops = last_ops;
+  for (const auto& R : sites) {
+    o->fixed_sites.push_back(R.empty() ? -1 : R[0]);
+    o->fixed_replicas.emplace_back(R.empty() ? R.end() : R.begin() + 1, R.end());
+  }
+}
+
 std::vector<int> EvenCuts(int ops, int stages) {
   std::vector<int> last;
   int end = -1;

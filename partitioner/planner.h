@@ -83,6 +83,10 @@ struct PlanOptions {
   std::vector<std::vector<int>> fixed_replicas;
 };
 
+// Pins `options` to a layout: stage k runs on sites[k][0], is replicated on sites[k][1...] and ends at op
+// last_ops[k] (the fields fixed_sites, fixed_last_ops and fixed_replicas, replaced).
+void PinLayout(const std::vector<std::vector<int>>& sites, const std::vector<int>& last_ops, PlanOptions* options);
+
 // A pipeline layout read from a plan.json (`meridian plan --json`, a run's plan.json, or one written by
 // hand): per stage, its sites (the first runs the stage, the others replicate it) and its last op.
 struct PinnedStage {

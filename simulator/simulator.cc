@@ -680,12 +680,10 @@ absl::StatusOr<double> AnalyticStepSeconds(const OpGraph& graph, const ClusterPr
   o.replication = false;
   o.deep_pipeline = false;
   o.gradient_bytes_fraction = options.gradient_bytes_fraction;
-  o.fixed_replicas.resize(plan.stages.size());
-  for (size_t k = 0; k < plan.stages.size(); ++k) {
-    o.fixed_sites.push_back(plan.stages[k].sites[0]);
-    o.fixed_last_ops.push_back(plan.stages[k].last_op);
-    o.fixed_replicas[k].assign(plan.stages[k].sites.begin() + 1, plan.stages[k].sites.end());
-  }
+  std::vector<std::vector<int>> sites;
+  std::vector<int> last_ops;
+  for (const auto& st : plan.stages) sites.push_back(st.sites), last_ops.push_back(st.last_op);
+  partitioner::PinLayout(sites, last_ops, &o);
   std::vector<partitioner::Codec> menu;
   for (const auto& l : plan.links) {
     partitioner::Codec c{l.codec, l.ratio};
