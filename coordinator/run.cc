@@ -53,7 +53,8 @@ void AddRunOptions(CLI::App* cmd, RunOptions* o) {
                   "Held-out examples scored by exact match before and after training (JSONL jobs; 0: none)")
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--profile-repeats", o->profile_repeats,
-                  "Timed forward+backward passes per operator when the sites measure the model (median kept)")
+                  "Timed forward+backward passes per operator when the sites measure the model (at least; the mean "
+                  "over at least 50 ms of them is kept)")
       ->check(CLI::Range(1, 100));
   cmd->add_option("--split", o->split,
                   "planned: the partitioner's plan; even: the sites in the spec's order with equal op counts "

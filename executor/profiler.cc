@@ -19,9 +19,25 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double Median(std::vector<double> v) {
-  std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
-  return v[v.size() / 2];
+// Seconds per call of `timed_call` (which runs one call and returns the seconds of its timed part), as
+// the mean over at least `repeats` calls and at least kMinTimedSeconds of timed time, after one untimed
+// warm-up call. A mean over a window, not a median of single calls: a device throttled in periods (a
+// cgroup CPU quota, as the emulated sites have, or a GPU at its power cap) runs most short calls at full
+// speed and stalls in a few, and a stage's step sees the average. Returns -1 when a call fails (< 0).
+constexpr double kMinTimedSeconds = 0.05;
+constexpr int kMaxCalls = 10000;
+template <typename F>
+double SustainedSeconds(F timed_call, int repeats) {
+  if (timed_call() < 0) return -1;  // warm-up
+  double total = 0;
+  int calls = 0;
+  while (calls < repeats || (total < kMinTimedSeconds && calls < kMaxCalls)) {
+    const double t = timed_call();
+    if (t < 0) return -1;
+    total += t;
+    ++calls;
+  }
+  return total / calls;
 }
 
 void Sync(torch::Device d) {
@@ -34,16 +50,15 @@ double MeasureGemmFlops(torch::Device device, int n, int repeats) {
   torch::NoGradGuard ng;
   auto a = torch::randn({n, n}, torch::TensorOptions().device(device));
   auto b = torch::randn({n, n}, torch::TensorOptions().device(device));
-  (void)torch::mm(a, b);
-  Sync(device);
-  std::vector<double> t;
-  for (int i = 0; i < repeats; ++i) {
-    auto t0 = Clock::now();
-    auto c = torch::mm(a, b);
-    Sync(device);
-    t.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
-  }
-  return 2.0 * n * n * n / Median(t);
+  const double seconds = SustainedSeconds(
+      [&] {
+        auto t0 = Clock::now();
+        auto c = torch::mm(a, b);
+        Sync(device);
+        return std::chrono::duration<double>(Clock::now() - t0).count();
+      },
+      repeats);
+  return 2.0 * n * n * n / seconds;
 }
 
 std::map<std::string, double> MeasureCodecBytesPerSecond(int64_t elements, int repeats) {
@@ -58,17 +73,16 @@ std::map<std::string, double> MeasureCodecBytesPerSecond(int64_t elements, int r
   std::map<std::string, double> out;
   for (const compression::CodecSpec& spec : compression::ActivationMenu()) {
     if (spec.kind == compression::CodecKind::kIdentity) continue;
-    std::vector<double> times;
     std::vector<uint8_t> frame;
-    for (int r = 0; r <= repeats; ++r) {
-      const auto t0 = Clock::now();
-      if (!compression::EncodeTo(view, spec, &frame).ok()) break;
-      auto decoded = compression::Decode(frame.data(), frame.size());
-      if (!decoded.ok()) break;
-      if (r > 0) times.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
-    }
-    if (static_cast<int>(times.size()) == repeats && Median(times) > 0)
-      out[spec.ShortString()] = 2 * bytes / Median(times);
+    const double seconds = SustainedSeconds(
+        [&]() -> double {
+          const auto t0 = Clock::now();
+          if (!compression::EncodeTo(view, spec, &frame).ok()) return -1;
+          if (!compression::Decode(frame.data(), frame.size()).ok()) return -1;
+          return std::chrono::duration<double>(Clock::now() - t0).count();
+        },
+        repeats);
+    if (seconds > 0) out[spec.ShortString()] = 2 * bytes / seconds;
   }
   return out;
 }
@@ -125,23 +139,24 @@ absl::StatusOr<OpProfile> ProfileModel(const LlamaConfig& c, int mbs, int seq, c
         continue;
       }
       StageModel m(c, op, op, 1, device, lora);
-      std::vector<double> times;
-      for (int r = 0; r <= repeats; ++r) {
-        torch::Tensor in =
-            op == 0 ? inputs : torch::randn(hidden, torch::TensorOptions().device(device)).requires_grad_(true);
-        Sync(device);
-        auto t0 = Clock::now();
-        auto y = m.Forward(in);
-        if (op == c.num_ops() - 1) {
-          CrossEntropySum(y, targets, static_cast<double>(targets.numel())).backward();
-        } else if (y.requires_grad()) {  // under LoRA the embedding needs no backward pass
-          y.backward(torch::ones_like(y));
-        }
-        Sync(device);
-        if (r > 0) times.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
-        for (auto& [n, p] : m.parameters()) p.mutable_grad() = torch::Tensor();
-      }
-      out.site.op_seconds[OpName(c, op)] = Median(times);
+      out.site.op_seconds[OpName(c, op)] = SustainedSeconds(
+          [&] {
+            torch::Tensor in =
+                op == 0 ? inputs : torch::randn(hidden, torch::TensorOptions().device(device)).requires_grad_(true);
+            Sync(device);
+            auto t0 = Clock::now();
+            auto y = m.Forward(in);
+            if (op == c.num_ops() - 1) {
+              CrossEntropySum(y, targets, static_cast<double>(targets.numel())).backward();
+            } else if (y.requires_grad()) {  // under LoRA the embedding needs no backward pass
+              y.backward(torch::ones_like(y));
+            }
+            Sync(device);
+            const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+            for (auto& [n, p] : m.parameters()) p.mutable_grad() = torch::Tensor();
+            return seconds;
+          },
+          repeats);
     }
     return out;
   });

@@ -1,7 +1,9 @@
 // Measures what the partitioner needs on this executor's own device: GEMM throughput, and for every op of
 // the job's model the forward+backward seconds per micro-batch and the parameter and output bytes.
 // Results are in the partitioner's formats (graph.json ops, profile.json site). Confined to the caller's
-// thread; results vary run to run by the device's noise (medians of repeats are taken).
+// thread; results vary run to run by the device's noise. Every time is a mean over at least `repeats`
+// calls and 50 ms of timed calls (after a warm-up), so that a device throttled in periods (a CPU quota,
+// a power cap) is measured at its sustained speed, not at the full speed most short calls get.
 #ifndef MERIDIAN_EXECUTOR_PROFILER_H_
 #define MERIDIAN_EXECUTOR_PROFILER_H_
 
@@ -18,7 +20,8 @@ struct OpProfile {
   partitioner::SiteProfile site;  // name, measured flops_per_second, memory_bytes, op_seconds
 };
 
-// `repeats` timed forward+backward passes per op after one warm-up; the median is kept. With `lora`
+// At least `repeats` timed forward+backward passes per op (and 50 ms of them) after one warm-up; their
+// mean is kept. With `lora`
 // enabled the ops are timed as LoRA trains them (frozen weights: no weight gradients) and the graph's
 // memory counts no gradients or optimizer state for the base weights. On a CUDA device the profile also
 // holds cuBLAS's GEMM throughputs (FP32, TF32, BF16), measured directly (gpu/probe.h), and the device's
@@ -29,12 +32,12 @@ absl::StatusOr<OpProfile> ProfileModel(const LlamaConfig& config, int micro_batc
 
 // Float32 input bytes per second that this process encodes and decodes with each codec of the activation
 // menu (compression::ActivationMenu, identity left out), on `elements` floats of a micro-batch's hidden
-// states: 2 x bytes / (encode + decode seconds), the median of `repeats`, so that charging the encoding
-// at the sender and the decoding at the receiver at this rate adds up to the measured round trip. On the
-// host CPU, as the executor's codecs run there. In SiteProfile::codec_bytes_per_second.
+// states: 2 x bytes / (encode + decode seconds), the mean of at least `repeats` (and 50 ms), so that charging the
+// encoding at the sender and the decoding at the receiver at this rate adds up to the measured round trip. On the host
+// CPU, as the executor's codecs run there. In SiteProfile::codec_bytes_per_second.
 std::map<std::string, double> MeasureCodecBytesPerSecond(int64_t elements, int repeats = 3);
 
-// fp32 matrix-multiply throughput of the device (FLOP/s), the median of a few n x n products.
+// fp32 matrix-multiply throughput of the device (FLOP/s), over at least `repeats` n x n products and 50 ms.
 double MeasureGemmFlops(torch::Device device, int n = 512, int repeats = 5);
 
 // Memory available to a stage on this device: MemAvailable on CPU. (On CUDA, ProfileModel replaces it
