@@ -149,7 +149,8 @@ int main(int argc, char** argv) {
     // The coordinator links no torch: the model tools export and evaluate what it trained.
     if (rc == kExitOk)
       rc = model_tools::AfterRun({run_options.job_path.empty() ? run_options.cluster_path : run_options.job_path,
-                                  run_options.run_dir, run_options.export_dir, run_options.eval_examples});
+                                  run_options.run_dir, run_options.export_dir, run_options.eval_examples,
+                                  run_options.steps});
   });
 
   model_tools::TrainLocalOptions train_options;

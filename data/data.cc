@@ -101,6 +101,7 @@ absl::StatusOr<std::vector<Example>> ReadInstructions(const std::string& path) {
       return absl::IsNotFound(s) ? absl::InvalidArgumentError(absl::StrCat(where(), "missing field 'response'")) : s;
     }
     if (e.response.empty()) return absl::InvalidArgumentError(absl::StrCat(where(), "field 'response' is empty"));
+    if (absl::Status s = field("kind", &e.kind); !s.ok() && !absl::IsNotFound(s)) return s;
     out.push_back(std::move(e));
   }
   if (out.empty()) return absl::InvalidArgumentError(absl::StrCat(path, ": no examples"));

@@ -45,11 +45,13 @@ absl::Status TrainTokenizer(const std::vector<std::string>& inputs, int vocab_si
 struct Example {
   std::string prompt;
   std::string response;
-  int line = 0;  // 1-based line in the JSONL file
+  std::string kind;  // optional "kind" of the line (a task name); evaluation reports accuracy per kind
+  int line = 0;      // 1-based line in the JSONL file
 };
 
 // Reads JSONL instruction data: one object per line with string fields "prompt" and "response"
-// (Alpaca-style "instruction" [+ "input"] / "output" are accepted too). Blank lines are skipped.
+// (Alpaca-style "instruction" [+ "input"] / "output" are accepted too), and optionally a string "kind"
+// naming the task the line belongs to. Blank lines are skipped; other fields are ignored.
 // Errors name the file, line and field.
 absl::StatusOr<std::vector<Example>> ReadInstructions(const std::string& path);
 

@@ -65,13 +65,15 @@ TEST_F(DataTest, TokenizerLoadErrorsNameTheFile) {
 
 TEST_F(DataTest, ReadsPromptResponseAndAlpacaLayouts) {
   auto p = Write(*dir_ / "ok.jsonl",
-                 "{\"prompt\": \"a\", \"response\": \"b\"}\n\n"
+                 "{\"prompt\": \"a\", \"response\": \"b\", \"kind\": \"copy\"}\n\n"
                  "{\"instruction\": \"do\", \"input\": \"x\", \"output\": \"y\"}\n");
   auto ex = ReadInstructions(p);
   ASSERT_TRUE(ex.ok()) << ex.status();
   ASSERT_EQ(ex->size(), 2u);
   EXPECT_EQ((*ex)[0].prompt, "a");
   EXPECT_EQ((*ex)[0].response, "b");
+  EXPECT_EQ((*ex)[0].kind, "copy");
+  EXPECT_EQ((*ex)[1].kind, "");
   EXPECT_EQ((*ex)[1].prompt, "do\nx");
   EXPECT_EQ((*ex)[1].response, "y");
   EXPECT_EQ((*ex)[1].line, 3);
@@ -87,6 +89,7 @@ TEST_F(DataTest, BadInstructionLinesAreNamedByFileAndLine) {
       {"{\"prompt\": 3, \"response\": \"b\"}\n", "bad.jsonl:1: field 'prompt' is not a string"},
       {"{\"prompt\": \"a\", \"response\": \"\"}\n", "bad.jsonl:1: field 'response' is empty"},
       {"{\"x\": \"a\"}\n", "bad.jsonl:1: missing field 'prompt' (or 'instruction')"},
+      {"{\"prompt\": \"a\", \"response\": \"b\", \"kind\": 7}\n", "bad.jsonl:1: field 'kind' is not a string"},
       {"\n\n", "bad.jsonl: no examples"},
   };
   for (const auto& c : cases) {

@@ -5,6 +5,16 @@
 
 namespace meridian::executor {
 
+std::map<std::string, EvalResult::Tally> EvalResult::ByKind() const {
+  std::map<std::string, Tally> out;
+  for (const EvalSample& s : samples) {
+    Tally& t = out[s.kind];
+    ++t.examples;
+    t.correct += s.correct;
+  }
+  return out;
+}
+
 absl::StatusOr<EvalResult> EvaluateExactMatch(const JobSetup& setup,
                                               const std::map<std::string, torch::Tensor>& parameters,
                                               torch::Device device, int max_examples) {
@@ -49,7 +59,7 @@ absl::StatusOr<EvalResult> EvaluateExactMatch(const JobSetup& setup,
         ids.push_back(next);
         generated.push_back(static_cast<int>(next));
       }
-      EvalSample s{e.prompt, e.response, tok.Decode(generated), false};
+      EvalSample s{e.prompt, e.response, tok.Decode(generated), e.kind, false};
       s.correct = data::ExactMatch(s.generated, s.expected);
       r.correct += s.correct;
       ++r.examples;

@@ -16,6 +16,7 @@ namespace meridian::executor {
 
 struct EvalSample {
   std::string prompt, expected, generated;
+  std::string kind;  // the example's data::Example::kind ("" when the data names none)
   bool correct = false;
 };
 
@@ -24,6 +25,13 @@ struct EvalResult {
   int correct = 0;
   double accuracy() const { return examples ? static_cast<double>(correct) / examples : 0.0; }
   std::vector<EvalSample> samples;  // every evaluated example, in held-out order
+
+  struct Tally {
+    int examples = 0, correct = 0;
+    double accuracy() const { return examples ? static_cast<double>(correct) / examples : 0.0; }
+  };
+  // Exact match per kind of example (samples' `kind`; examples without one under ""), by kind name.
+  std::map<std::string, Tally> ByKind() const;
 };
 
 // Generates greedily for up to `max_examples` (0: all) held-out examples of `setup`'s JSONL data with the

@@ -5,7 +5,13 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <limits>
+#include <set>
 
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "core/checkpoint_dir.h"
+#include "core/cluster_spec.h"
 #include "core/files.h"
 #include "core/run_layout.h"
 #include "data/data.h"
@@ -15,6 +21,57 @@
 #include "nlohmann/json.hpp"
 
 namespace meridian::model_tools {
+namespace {
+
+// {kind: {examples, correct, accuracy}}; the key of examples without a kind is "".
+nlohmann::json ByKindJson(const executor::EvalResult& r) {
+  nlohmann::json j = nlohmann::json::object();
+  for (const auto& [kind, t] : r.ByKind())
+    j[kind] = {{"examples", t.examples}, {"correct", t.correct}, {"accuracy", t.accuracy()}};
+  return j;
+}
+
+nlohmann::json SamplesJson(const executor::EvalResult& r) {
+  nlohmann::json j = nlohmann::json::array();
+  for (const auto& s : r.samples)
+    j.push_back({{"prompt", s.prompt},
+                 {"expected", s.expected},
+                 {"generated", s.generated},
+                 {"kind", s.kind},
+                 {"correct", s.correct}});
+  return j;
+}
+
+// `meridian eval --json`: {examples, correct, accuracy, by_kind, samples}.
+nlohmann::json EvalJson(const executor::EvalResult& r) {
+  return {{"examples", r.examples},
+          {"correct", r.correct},
+          {"accuracy", r.accuracy()},
+          {"by_kind", ByKindJson(r)},
+          {"samples", SamplesJson(r)}};
+}
+
+// One line per kind when the data names kinds: "  KIND  A% (N examples)", or with `before`
+// "  KIND  B% -> A% (N examples)".
+void PrintByKind(const executor::EvalResult& r, const executor::EvalResult* before) {
+  const auto kinds = r.ByKind();
+  if (kinds.size() == 1 && kinds.begin()->first.empty()) return;
+  const auto was = before ? before->ByKind() : std::map<std::string, executor::EvalResult::Tally>{};
+  for (const auto& [kind, t] : kinds) {
+    const std::string name = kind.empty() ? "(no kind)" : kind;
+    if (before) {
+      auto it = was.find(kind);
+      std::printf("  %-12s %5.1f%% -> %5.1f%%  (%d examples)\n", name.c_str(),
+                  it == was.end() ? 0.0 : 100 * it->second.accuracy(), 100 * t.accuracy(), t.examples);
+    } else {
+      std::printf("  %-12s %5.1f%%  (%d of %d)\n", name.c_str(), 100 * t.accuracy(), t.correct, t.examples);
+    }
+  }
+}
+
+absl::Status EvaluateRun(const executor::JobSetup& setup, const AfterRunOptions& o);  // defined below
+
+}  // namespace
 
 void AddTrainLocalOptions(CLI::App* cmd, TrainLocalOptions* o) {
   cmd->add_option("JOB", o->job_path, "Job spec (YAML with a 'job' section)")->required();
@@ -60,6 +117,13 @@ void AddEvalOptions(CLI::App* cmd, EvalOptions* o) {
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--json", o->json_out, "Also write the result as JSON to this file");
   cmd->add_option("--device", o->device, "cpu or cuda:N");
+  cmd->add_option("--run", o->run_dir,
+                  "Score a finished `meridian run` directory instead, as the run does when it ends: the initial "
+                  "model, each checkpoint kept, the trained weights (RUN/weights); writes RUN/eval.json")
+      ->excludes("--weights")
+      ->excludes("--json");
+  cmd->add_option("--steps", o->steps, "With --run: the run's last step (default: the job's steps)")
+      ->check(CLI::NonNegativeNumber);
 }
 
 int RunEval(const EvalOptions& o) {
@@ -67,6 +131,22 @@ int RunEval(const EvalOptions& o) {
   if (!setup.ok()) {
     std::cerr << "meridian eval: " << setup.status().message() << "\n";
     return 2;
+  }
+  if (!o.run_dir.empty()) {
+    if (o.device != "cpu") {
+      std::cerr << "meridian eval: --run scores on the cpu, as the run does; drop --device\n";
+      return 2;
+    }
+    AfterRunOptions run;
+    run.job_path = o.job_path;
+    run.run_dir = o.run_dir;
+    run.eval_examples = o.max_examples > 0 ? o.max_examples : std::numeric_limits<int>::max();
+    run.steps = o.steps;
+    if (absl::Status s = EvaluateRun(*setup, run); !s.ok()) {
+      std::cerr << "meridian eval: " << o.run_dir << ": " << s.message() << "\n";
+      return s.code() == absl::StatusCode::kFailedPrecondition || absl::IsNotFound(s) ? 2 : 1;
+    }
+    return 0;
   }
   std::map<std::string, torch::Tensor> params;
   if (!o.weights.empty()) {
@@ -85,17 +165,18 @@ int RunEval(const EvalOptions& o) {
     return r.status().code() == absl::StatusCode::kFailedPrecondition ? 2 : 1;
   }
   std::printf("exact match: %d/%d (%.1f%%) on held-out examples\n", r->correct, r->examples, 100 * r->accuracy());
+  PrintByKind(*r, nullptr);
   for (int i = 0; i < std::min<int>(o.show, static_cast<int>(r->samples.size())); ++i) {
     const auto& s = r->samples[i];
     std::printf("  %s %s -> '%s' (expected '%s')\n", s.correct ? "ok  " : "MISS", s.prompt.c_str(), s.generated.c_str(),
                 s.expected.c_str());
   }
   if (!o.json_out.empty()) {
-    nlohmann::json j = {{"examples", r->examples}, {"correct", r->correct}, {"accuracy", r->accuracy()}};
-    for (const auto& s : r->samples)
-      j["samples"].push_back(
-          {{"prompt", s.prompt}, {"expected", s.expected}, {"generated", s.generated}, {"correct", s.correct}});
-    std::ofstream(o.json_out) << j.dump(2) << "\n";
+    nlohmann::json j = EvalJson(*r);
+    if (absl::Status s = core::WriteFileAtomic(o.json_out, j.dump(2) + "\n"); !s.ok()) {
+      std::cerr << "meridian eval: --json: " << s.message() << "\n";
+      return 1;
+    }
   }
   return 0;
 }
@@ -156,26 +237,69 @@ int RunTokenizerTrain(const TokenizerOptions& o) {
 
 namespace {
 
-// Held-out exact match of the initial model and of the trained one (the stage shards in RUN/weights);
-// prints one line and writes RUN/eval.json.
-absl::Status EvaluateRun(const executor::JobSetup& setup, const std::string& run_dir, int max_examples) {
-  auto trained = executor::LoadStageShards((std::filesystem::path(run_dir) / core::kWeightsDir).string());
+// Held-out exact match of the initial model, of every complete checkpoint the run's checkpoint
+// directory keeps below the last step, and of the trained model (the stage shards in RUN/weights). Prints
+// the scores (per kind when the data names kinds) and a few held-out prompts answered before and after,
+// and writes RUN/eval.json.
+absl::Status EvaluateRun(const executor::JobSetup& setup, const AfterRunOptions& o) {
+  const std::filesystem::path run(o.run_dir);
+  auto trained = executor::LoadStageShards((run / core::kWeightsDir).string());
   if (!trained.ok()) return trained.status();
-  auto before = executor::EvaluateExactMatch(setup, {}, torch::kCPU, max_examples);
+  auto before = executor::EvaluateExactMatch(setup, {}, torch::kCPU, o.eval_examples);
   if (!before.ok()) return before.status();
-  auto after = executor::EvaluateExactMatch(setup, *trained, torch::kCPU, max_examples);
+  const int64_t last_step = o.steps > 0 ? o.steps : setup.job.steps;
+  nlohmann::json curve = nlohmann::json::array();
+  curve.push_back({{"step", 0}, {"accuracy", before->accuracy()}, {"by_kind", ByKindJson(*before)}});
+  const std::string checkpoints = setup.job.checkpoint.store == core::CheckpointStore::kCoordinator
+                                      ? (run / core::kCheckpointsDir).string()
+                                      : core::ResolveRelative(o.job_path, setup.job.checkpoint.dir);
+  if (auto steps = core::StepDirs(checkpoints); steps.ok()) {
+    for (auto it = steps->rbegin(); it != steps->rend(); ++it) {  // oldest first
+      const auto& [step, dir] = *it;
+      std::string why;
+      if (step >= last_step || !core::CompleteStages(dir, &why, /*verify_hashes=*/true)) continue;
+      auto tensors = executor::LoadStageShards(dir);
+      if (!tensors.ok()) return tensors.status();
+      auto at = executor::EvaluateExactMatch(setup, *tensors, torch::kCPU, o.eval_examples);
+      if (!at.ok()) return at.status();
+      curve.push_back({{"step", step}, {"accuracy", at->accuracy()}, {"by_kind", ByKindJson(*at)}});
+    }
+  }
+  auto after = executor::EvaluateExactMatch(setup, *trained, torch::kCPU, o.eval_examples);
   if (!after.ok()) return after.status();
-  std::printf("held-out exact match: %.1f%% before -> %.1f%% after training (%d examples)\n", 100 * before->accuracy(),
-              100 * after->accuracy(), after->examples);
-  for (int i = 0; i < std::min<int>(3, static_cast<int>(after->samples.size())); ++i)
-    std::printf("  %s -> '%s' (expected '%s')\n", after->samples[i].prompt.c_str(), after->samples[i].generated.c_str(),
-                after->samples[i].expected.c_str());
-  nlohmann::json j = {
-      {"examples", after->examples}, {"accuracy_before", before->accuracy()}, {"accuracy_after", after->accuracy()}};
-  for (const auto& s : after->samples)
-    j["samples"].push_back(
-        {{"prompt", s.prompt}, {"expected", s.expected}, {"generated", s.generated}, {"correct", s.correct}});
-  return core::WriteFileAtomic((std::filesystem::path(run_dir) / core::kEvalFile).string(), j.dump(2) + "\n");
+  curve.push_back({{"step", last_step}, {"accuracy", after->accuracy()}, {"by_kind", ByKindJson(*after)}});
+
+  std::printf("held-out exact match: %.1f%% before -> %.1f%% after training (%d examples never trained on)\n",
+              100 * before->accuracy(), 100 * after->accuracy(), after->examples);
+  PrintByKind(*after, &*before);
+  if (curve.size() > 2) {
+    std::string points;
+    for (const auto& c : curve)
+      points += absl::StrFormat("%sstep %d %.1f%%", points.empty() ? "" : ", ", c["step"].get<int64_t>(),
+                                100 * c["accuracy"].get<double>());
+    std::printf("  during training: %s\n", points.c_str());
+  }
+  // A few held-out prompts with both answers: the first of each kind, then the first ones, up to 5.
+  std::vector<size_t> shown;
+  std::set<std::string> kinds;
+  for (size_t i = 0; i < after->samples.size() && shown.size() < 5; ++i)
+    if (kinds.insert(after->samples[i].kind).second) shown.push_back(i);
+  for (size_t i = 0; i < after->samples.size() && shown.size() < 3; ++i)
+    if (std::find(shown.begin(), shown.end(), i) == shown.end()) shown.push_back(i);
+  for (size_t i : shown) {
+    const auto& a = after->samples[i];
+    std::printf("  %-32s before '%s' -> after '%s' %s\n", a.prompt.c_str(), before->samples[i].generated.c_str(),
+                a.generated.c_str(), a.correct ? "(right)" : absl::StrCat("(expected '", a.expected, "')").c_str());
+  }
+  nlohmann::json j = {{"examples", after->examples},
+                      {"accuracy_before", before->accuracy()},
+                      {"accuracy_after", after->accuracy()},
+                      {"by_kind_before", ByKindJson(*before)},
+                      {"by_kind_after", ByKindJson(*after)},
+                      {"curve", curve},
+                      {"samples_before", SamplesJson(*before)},
+                      {"samples", SamplesJson(*after)}};
+  return core::WriteFileAtomic((run / core::kEvalFile).string(), j.dump(2) + "\n");
 }
 
 }  // namespace
@@ -202,7 +326,7 @@ int AfterRun(const AfterRunOptions& o) {
     }
   }
   if (const data::Dataset* d = setup->data.dataset(); d && !d->held_out().empty() && evaluate) {
-    if (absl::Status s = EvaluateRun(*setup, o.run_dir, o.eval_examples); !s.ok()) {
+    if (absl::Status s = EvaluateRun(*setup, o); !s.ok()) {
       std::cerr << "meridian run: evaluation failed: " << s.message() << "\n";
       rc = 1;
     }

@@ -31,7 +31,8 @@ int RunTrainLocal(const TrainLocalOptions& options);
 
 struct EvalOptions {
   std::string job_path, weights, json_out, device = "cpu";
-  int max_examples = 0, show = 5;
+  std::string run_dir;  // --run: score a finished run as `meridian run` does after training (AfterRun)
+  int max_examples = 0, show = 5, steps = 0;
 };
 void AddEvalOptions(CLI::App* cmd, EvalOptions* options);
 int RunEval(const EvalOptions& options);
@@ -53,11 +54,14 @@ int RunTokenizerTrain(const TokenizerOptions& options);
 
 // What `meridian run` does once the coordinator has finished a job: with `export_dir`, writes the run's
 // stage shards (RUN/weights) as one HF model directory there; for instruction data with a held-out split
-// and `eval_examples` > 0, scores held-out exact match of the initial and the trained model, prints one
-// line and writes RUN/eval.json. Returns 0, or 1 when either fails (with a message on stderr).
+// and `eval_examples` > 0, scores held-out exact match (at most `eval_examples` examples) of the initial
+// model, of each complete checkpoint kept below the last step, and of the trained model; prints the
+// scores (per kind of example too) with a few answers before and after, and writes RUN/eval.json
+// (docs/coordinator.md). Returns 0, or 1 when either fails (with a message on stderr).
 struct AfterRunOptions {
   std::string job_path, run_dir, export_dir;
   int eval_examples = 0;
+  int steps = 0;  // the run's last step (0: the job's steps); checkpoints below it are scored too
 };
 int AfterRun(const AfterRunOptions& options);
 

@@ -353,7 +353,8 @@ TEST_F(PipelineTest, InstructionFineTuningFromPretrainedWeightsMatchesTheSingleP
   {
     std::ofstream jsonl(dir_ / "inst.jsonl");
     for (int i = 0; i < 40; ++i)
-      jsonl << "{\"prompt\": \"opposite of word" << i << " =>\", \"response\": \"word" << (i + 1) % 40 << "\"}\n";
+      jsonl << "{\"prompt\": \"opposite of word" << i << " =>\", \"response\": \"word" << (i + 1) % 40
+            << "\", \"kind\": \"" << (i % 2 ? "odd" : "even") << "\"}\n";
   }
   ASSERT_NO_FATAL_FAILURE(
       TextModel(dir_ / "words.txt", 400,
@@ -373,7 +374,8 @@ TEST_F(PipelineTest, InstructionFineTuningFromPretrainedWeightsMatchesTheSingleP
   const std::string job = (dir_ / "ft.yaml").string();
   std::ofstream(job) << "job:\n  model: base\n  data: inst.jsonl\n  eval_fraction: 0.1\n  steps: 3\n"
                         "  global_batch: 4\n  micro_batches: 2\n  sequence_length: 16\n  seed: 5"
-                     << opt << "  compression: {policy: fixed, activations: identity, gradients: identity}\n";
+                     << opt << "  compression: {policy: fixed, activations: identity, gradients: identity}\n"
+                     << "  checkpoint: {interval: 1, keep: 5}\n";
   std::vector<double> ref_losses, dist_losses;
   auto want = Reference(job, &ref_losses);
   ASSERT_EQ(ref_losses.size(), 3u);
@@ -403,6 +405,40 @@ TEST_F(PipelineTest, InstructionFineTuningFromPretrainedWeightsMatchesTheSingleP
   auto j = partitioner_json::Load((dir_ / "eval.json").string());
   EXPECT_EQ(j["examples"], 4);  // 10% of 40
   EXPECT_EQ(j["samples"].size(), 4u);
+  // Scores per kind of line: every held-out example counted under its kind.
+  int by_kind = 0;
+  for (const auto& [kind, t] : j["by_kind"].items()) {
+    EXPECT_TRUE(kind == "odd" || kind == "even") << kind;
+    by_kind += t["examples"].get<int>();
+  }
+  EXPECT_EQ(by_kind, 4);
+  for (const auto& sample : j["samples"]) EXPECT_TRUE(sample["kind"] == "odd" || sample["kind"] == "even") << sample;
+
+  // A finished run scored as `meridian run` does at its end (`meridian eval --run`): the initial model,
+  // each checkpoint kept below the last step (the executors wrote steps 1, 2 and 3 into the job's
+  // checkpoint directory), and the trained weights.
+  fs::create_directories(dir_ / "run" / "weights");
+  for (const auto& e : fs::directory_iterator(dir_ / "dist2"))
+    if (e.path().extension() == ".safetensors") fs::copy_file(e.path(), dir_ / "run" / "weights" / e.path().filename());
+  Process rev(Bin("meridian") + " eval " + job + " --run " + (dir_ / "run").string() + " 2>&1");
+  std::string rev_out = rev.ReadAll(120s);
+  ASSERT_EQ(rev.Wait(30s), 0) << rev_out;
+  EXPECT_THAT(rev_out, HasSubstr("held-out exact match:"));
+  EXPECT_THAT(rev_out, HasSubstr("during training: step 0 "));
+  auto run_eval = partitioner_json::Load((dir_ / "run" / "eval.json").string());
+  ASSERT_EQ(run_eval["curve"].size(), 4u) << run_eval["curve"];
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(run_eval["curve"][i]["step"], i);
+  EXPECT_EQ(run_eval["curve"][0]["accuracy"], run_eval["accuracy_before"]);
+  EXPECT_EQ(run_eval["curve"][3]["accuracy"], run_eval["accuracy_after"]);
+  EXPECT_EQ(run_eval["samples_before"].size(), 4u);
+  ASSERT_EQ(run_eval["samples"].size(), 4u);
+  for (const char* key : {"by_kind_before", "by_kind_after"}) {
+    int n = 0;
+    for (const auto& [kind, t] : run_eval[key].items()) n += t["examples"].get<int>();
+    EXPECT_EQ(n, 4) << key;
+  }
+  // The run's two stage shards, merged, generate what train-local's equal weights generate.
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(run_eval["samples"][i]["generated"], j["samples"][i]["generated"]) << i;
 
   // LoRA on the same job: `meridian eval` of the PEFT adapter (applied to the job's base) generates what
   // the merged export generates; an adapter given to a job without job.lora is refused naming it.

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Builds the small base model that examples/llm-finetune/finetune.yaml fine-tunes, from text on this
 # machine (Debian's license texts, /usr/share/common-licenses), with Meridian itself:
-#   1. the task data (make_data.py) and a SentencePiece tokenizer (`meridian tokenizer train`),
-#   2. a LLaMA-architecture config.json sized for it (d_model 256, 4 layers, 8 heads / 4 KV heads),
+#   1. the task data (make_data.py; MAKE_DATA_ARGS passes it options) and a SentencePiece tokenizer
+#      (`meridian tokenizer train`),
+#   2. a LLaMA-architecture config.json sized for it (d_model 128, 4 layers, 4 heads / 2 KV heads, tied
+#      embeddings: 1.0M parameters),
 #   3. brief pre-training on the text (`meridian train-local`), which writes an HF model directory.
 # usage: build_base.sh [WORK_DIR] [PRETRAIN_STEPS]   (defaults: examples/llm-finetune/work, 150)
-# Needs a build (scripts/build.sh). Takes about a minute on 2 cores.
+# A base already in WORK_DIR/base built by the same script, generator, text and steps is reused.
+# Needs a build (scripts/build.sh). Takes about half a minute on 2 cores.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
@@ -18,24 +21,36 @@ export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}" OMP_NUM_THREADS="${OMP_
 # The text: every license text Debian ships (symlinks resolved, each once).
 find /usr/share/common-licenses -maxdepth 1 -type f -o -maxdepth 1 -type l | xargs -n1 readlink -f | sort -u \
   | xargs cat > "$work/corpus.txt"
-python3 "$here/make_data.py" "$work/opposites.jsonl" --words "$work/words.txt"
-"$bin/meridian" tokenizer train --input "$work/corpus.txt" --input "$work/words.txt" --vocab-size 2000 \
+# A base built from the same script, task generator, text and step count is reused (the demo's cache).
+key=$( (cat "$0" "$here/make_data.py" "$work/corpus.txt"; echo "steps=$steps ${MAKE_DATA_ARGS:-}") | sha256sum | cut -c1-16)
+if [ -f "$work/base/model.safetensors" ] && [ "$(cat "$work/base/.built-from" 2>/dev/null)" = "$key" ]; then
+  echo "reusing the base model in $work/base (built by the same script from the same text; delete it to rebuild)"
+  exit 0
+fi
+rm -rf "$work/base"
+python3 "$here/make_data.py" "$work/tasks.jsonl" --text "$work/corpus.txt" ${MAKE_DATA_ARGS:-}
+# The tokenizer learns from the text alone (no task line, so held-out inputs stay unseen), plus the
+# letters and digits standing alone, in both cases, often enough that each is one piece ("▁a", "▁A").
+for _ in $(seq 100); do
+  echo "a b c d e f g h i j k l m n o p q r s t u v w x y z A B C D E F G H I J K L M N O P Q R S T U V W X Y Z 0 1 2 3 4 5 6 7 8 9"
+done > "$work/charset.txt"
+"$bin/meridian" tokenizer train --input "$work/corpus.txt" --input "$work/charset.txt" --vocab-size 2000 \
   --out "$work/base-init" 2>/dev/null
 cat > "$work/base-init/config.json" <<JSON
 {
   "architectures": ["LlamaForCausalLM"],
   "model_type": "llama",
   "vocab_size": 2048,
-  "hidden_size": 256,
-  "intermediate_size": 704,
+  "hidden_size": 128,
+  "intermediate_size": 352,
   "num_hidden_layers": 4,
-  "num_attention_heads": 8,
-  "num_key_value_heads": 4,
+  "num_attention_heads": 4,
+  "num_key_value_heads": 2,
   "max_position_embeddings": 256,
   "rms_norm_eps": 1e-05,
   "rope_theta": 10000.0,
   "hidden_act": "silu",
-  "tie_word_embeddings": false,
+  "tie_word_embeddings": true,
   "bos_token_id": 1,
   "eos_token_id": 2,
   "torch_dtype": "float32"
@@ -56,4 +71,5 @@ YAML
 echo "pre-training the base model for $steps steps on $(wc -c < "$work/corpus.txt") bytes of text"
 "$bin/meridian" train-local "$work/pretrain.yaml" --out "$work/base" \
   | awk 'NR == 1 || NR % 25 == 0 {print "  " $0; fflush()}'
+echo "$key" > "$work/base/.built-from"
 echo "wrote $work/base (config.json, model.safetensors, tokenizer.model)"
