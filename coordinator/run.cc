@@ -50,7 +50,8 @@ void AddRunOptions(CLI::App* cmd, RunOptions* o) {
                 "Continue from the newest intact checkpoint (of job.checkpoint.dir, or of RUN/checkpoints with "
                 "job.checkpoint.store: coordinator)");
   cmd->add_option("--eval-examples", o->eval_examples,
-                  "Held-out examples scored by exact match before and after training (JSONL jobs; 0: none)")
+                  "Held-out examples scored by exact match before, at each checkpoint of the run and after training "
+                  "(JSONL jobs; 0: none)")
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--profile-repeats", o->profile_repeats,
                   "Timed forward+backward passes per operator when the sites measure the model (at least; the mean "

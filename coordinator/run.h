@@ -26,7 +26,7 @@ struct RunOptions {
   std::string split = "planned";    // "even": sites in spec order, equal op counts (ablation)
   std::string plan_path;            // non-empty: train this plan.json's layout (sites, replicas, cuts)
   bool resume = false;              // stages start from the newest intact checkpoint
-  int eval_examples = 200;          // JSONL jobs: held-out examples scored before and after (0: none)
+  int eval_examples = 200;          // JSONL jobs: held-out examples scored before, per checkpoint, after (0: none)
 };
 
 void AddRunOptions(CLI::App* cmd, RunOptions* options);

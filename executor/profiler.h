@@ -1,7 +1,8 @@
 // Measures what the partitioner needs on this executor's own device: GEMM throughput, and for every op of
 // the job's model the forward+backward seconds per micro-batch and the parameter and output bytes.
 // Results are in the partitioner's formats (graph.json ops, profile.json site). Confined to the caller's
-// thread; results vary run to run by the device's noise. Every time is a mean over at least `repeats`
+// thread; results vary run to run by the device's noise. Every time measured here (not gpu/probe.h's
+// cuBLAS figures, medians of their own) is a mean over at least `repeats`
 // calls and 50 ms of timed calls (after a warm-up), so that a device throttled in periods (a CPU quota,
 // a power cap) is measured at its sustained speed, not at the full speed most short calls get.
 #ifndef MERIDIAN_EXECUTOR_PROFILER_H_

@@ -7,6 +7,7 @@
 #include <iostream>
 #include <limits>
 #include <set>
+#include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -15,6 +16,7 @@
 #include "core/files.h"
 #include "core/run_layout.h"
 #include "data/data.h"
+#include "executor/checkpoint.h"
 #include "executor/evaluate.h"
 #include "executor/export.h"
 #include "executor/trainer.h"
@@ -51,8 +53,8 @@ nlohmann::json EvalJson(const executor::EvalResult& r) {
           {"samples", SamplesJson(r)}};
 }
 
-// One line per kind when the data names kinds: "  KIND  A% (N examples)", or with `before`
-// "  KIND  B% -> A% (N examples)".
+// One line per kind when the data names kinds: "  KIND  A%  (C of N)", or with `before`
+// "  KIND  B% -> A%  (N examples)".
 void PrintByKind(const executor::EvalResult& r, const executor::EvalResult* before) {
   const auto kinds = r.ByKind();
   if (kinds.size() == 1 && kinds.begin()->first.empty()) return;
@@ -117,13 +119,17 @@ void AddEvalOptions(CLI::App* cmd, EvalOptions* o) {
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--json", o->json_out, "Also write the result as JSON to this file");
   cmd->add_option("--device", o->device, "cpu or cuda:N");
-  cmd->add_option("--run", o->run_dir,
-                  "Score a finished `meridian run` directory instead, as the run does when it ends: the initial "
-                  "model, each checkpoint kept, the trained weights (RUN/weights); writes RUN/eval.json")
-      ->excludes("--weights")
-      ->excludes("--json");
-  cmd->add_option("--steps", o->steps, "With --run: the run's last step (default: the job's steps)")
-      ->check(CLI::NonNegativeNumber);
+  auto* run = cmd->add_option("--run", o->run_dir,
+                              "Score a finished `meridian run` directory instead, as the run does when it ends: "
+                              "the initial model, each checkpoint of the run, the trained weights (RUN/weights), "
+                              "on every held-out example unless --max; writes RUN/eval.json")
+                  ->excludes("--weights")
+                  ->excludes("--json")
+                  ->excludes("--show");
+  cmd->add_option("--steps", o->steps,
+                  "With --run: the run's last step (default: the last in RUN/metrics.jsonl, else the job's steps)")
+      ->check(CLI::NonNegativeNumber)
+      ->needs(run);
 }
 
 int RunEval(const EvalOptions& o) {
@@ -241,29 +247,93 @@ namespace {
 // directory keeps below the last step, and of the trained model (the stage shards in RUN/weights). Prints
 // the scores (per kind when the data names kinds) and a few held-out prompts answered before and after,
 // and writes RUN/eval.json.
+// What RUN/metrics.jsonl says of the run: its last step, and when its training began (the file's last
+// write less the last line's elapsed_seconds, less a minute's slack). `known` is false without the file.
+struct RunWindow {
+  bool known = false;
+  int64_t last_step = 0;
+  std::filesystem::file_time_type began;
+};
+
+RunWindow ReadRunWindow(const std::filesystem::path& metrics) {
+  RunWindow w;
+  auto text = core::ReadFile(metrics.string());
+  if (!text.ok()) return w;
+  std::istringstream lines(*text);
+  nlohmann::json last;
+  for (std::string line; std::getline(lines, line);) {
+    auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (j.is_object() && j.contains("step") && j["step"].is_number_integer()) last = std::move(j);
+  }
+  std::error_code ec;
+  const auto written = std::filesystem::last_write_time(metrics, ec);
+  if (last.is_null() || ec) return w;
+  const double elapsed = last.value("elapsed_seconds", 0.0);
+  w.known = true;
+  w.last_step = last["step"].get<int64_t>();
+  w.began = written - std::chrono::duration_cast<std::filesystem::file_time_type::duration>(
+                          std::chrono::duration<double>(std::max(elapsed, 0.0) + 60.0));
+  return w;
+}
+
 absl::Status EvaluateRun(const executor::JobSetup& setup, const AfterRunOptions& o) {
   const std::filesystem::path run(o.run_dir);
   auto trained = executor::LoadStageShards((run / core::kWeightsDir).string());
   if (!trained.ok()) return trained.status();
   auto before = executor::EvaluateExactMatch(setup, {}, torch::kCPU, o.eval_examples);
   if (!before.ok()) return before.status();
-  const int64_t last_step = o.steps > 0 ? o.steps : setup.job.steps;
+  const RunWindow window = ReadRunWindow(run / core::kMetricsFile);
+  const int64_t last_step = o.steps > 0 ? o.steps : window.known ? window.last_step : setup.job.steps;
   nlohmann::json curve = nlohmann::json::array();
   curve.push_back({{"step", 0}, {"accuracy", before->accuracy()}, {"by_kind", ByKindJson(*before)}});
-  const std::string checkpoints = setup.job.checkpoint.store == core::CheckpointStore::kCoordinator
-                                      ? (run / core::kCheckpointsDir).string()
-                                      : core::ResolveRelative(o.job_path, setup.job.checkpoint.dir);
-  if (auto steps = core::StepDirs(checkpoints); steps.ok()) {
-    for (auto it = steps->rbegin(); it != steps->rend(); ++it) {  // oldest first
-      const auto& [step, dir] = *it;
-      std::string why;
-      if (step >= last_step || !core::CompleteStages(dir, &why, /*verify_hashes=*/true)) continue;
-      auto tensors = executor::LoadStageShards(dir);
-      if (!tensors.ok()) return tensors.status();
-      auto at = executor::EvaluateExactMatch(setup, *tensors, torch::kCPU, o.eval_examples);
-      if (!at.ok()) return at.status();
-      curve.push_back({{"step", step}, {"accuracy", at->accuracy()}, {"by_kind", ByKindJson(*at)}});
+  // The checkpoints this run wrote: steps below the last at the job's interval, complete and intact,
+  // manifested by the coordinator when it keeps them, and written since this run's training began (a
+  // shared directory may hold another run's). One that cannot be scored is named and skipped.
+  const bool coordinator_store = setup.job.checkpoint.store == core::CheckpointStore::kCoordinator;
+  const std::string checkpoints = coordinator_store ? (run / core::kCheckpointsDir).string()
+                                                    : core::ResolveRelative(o.job_path, setup.job.checkpoint.dir);
+  const int interval = setup.job.checkpoint.interval;
+  std::set<std::string> wanted;  // what the trained weights hold: every parameter, or the LoRA adapters
+  for (const auto& [name, t] : *trained) wanted.insert(name);
+  std::vector<std::string> skipped;
+  std::vector<std::pair<int64_t, std::string>> step_dirs;  // newest first
+  if (interval > 0)
+    if (auto listed = core::StepDirs(checkpoints); listed.ok()) step_dirs = std::move(*listed);
+  for (auto it = step_dirs.rbegin(); it != step_dirs.rend(); ++it) {  // oldest first
+    const auto& [step, dir] = *it;
+    if (step >= last_step || step % interval != 0) continue;
+    std::string why;
+    auto stages = core::CompleteStages(dir, &why, /*verify_hashes=*/true);
+    if (!stages) {
+      skipped.push_back(absl::StrCat(dir, ": ", why));
+      continue;
     }
+    if (coordinator_store && !core::ReadManifest(dir, &why)) {
+      skipped.push_back(absl::StrCat(dir, ": ", why));
+      continue;
+    }
+    if (window.known) {
+      std::error_code ec;
+      const auto written = std::filesystem::last_write_time(
+          std::filesystem::path(dir) / core::StageMetaName(stages->begin()->first), ec);
+      if (ec || written < window.began) {
+        skipped.push_back(absl::StrCat(dir, ": written before this run's training began"));
+        continue;
+      }
+    }
+    auto ck = executor::LoadCheckpointFor(dir, wanted);
+    if (!ck.ok()) {
+      skipped.push_back(absl::StrCat(dir, ": ", ck.status().message()));
+      continue;
+    }
+    for (auto t = ck->tensors.begin(); t != ck->tensors.end();)  // optimizer state is not scored
+      t = wanted.count(t->first) ? std::next(t) : ck->tensors.erase(t);
+    auto at = executor::EvaluateExactMatch(setup, ck->tensors, torch::kCPU, o.eval_examples);
+    if (!at.ok()) {
+      skipped.push_back(absl::StrCat(dir, ": ", at.status().message()));
+      continue;
+    }
+    curve.push_back({{"step", step}, {"accuracy", at->accuracy()}, {"by_kind", ByKindJson(*at)}});
   }
   auto after = executor::EvaluateExactMatch(setup, *trained, torch::kCPU, o.eval_examples);
   if (!after.ok()) return after.status();
@@ -279,7 +349,9 @@ absl::Status EvaluateRun(const executor::JobSetup& setup, const AfterRunOptions&
                                 100 * c["accuracy"].get<double>());
     std::printf("  during training: %s\n", points.c_str());
   }
-  // A few held-out prompts with both answers: the first of each kind, then the first ones, up to 5.
+  for (const std::string& why : skipped) std::printf("  checkpoint not scored: %s\n", why.c_str());
+  // A few held-out prompts with both answers: the first of each kind (up to 5), then the first ones until
+  // there are 3.
   std::vector<size_t> shown;
   std::set<std::string> kinds;
   for (size_t i = 0; i < after->samples.size() && shown.size() < 5; ++i)

@@ -31,8 +31,12 @@ int RunTrainLocal(const TrainLocalOptions& options);
 
 struct EvalOptions {
   std::string job_path, weights, json_out, device = "cpu";
-  std::string run_dir;  // --run: score a finished run as `meridian run` does after training (AfterRun)
-  int max_examples = 0, show = 5, steps = 0;
+  int max_examples = 0, show = 5;
+  // --run: score a finished run directory as `meridian run` does after training (the initial model,
+  // each checkpoint of the run, RUN/weights) and write RUN/eval.json; `steps` (with it only) is the
+  // run's last step (0: RUN/metrics.jsonl's last, else the job's steps).
+  std::string run_dir;
+  int steps = 0;
 };
 void AddEvalOptions(CLI::App* cmd, EvalOptions* options);
 int RunEval(const EvalOptions& options);
@@ -55,13 +59,15 @@ int RunTokenizerTrain(const TokenizerOptions& options);
 // What `meridian run` does once the coordinator has finished a job: with `export_dir`, writes the run's
 // stage shards (RUN/weights) as one HF model directory there; for instruction data with a held-out split
 // and `eval_examples` > 0, scores held-out exact match (at most `eval_examples` examples) of the initial
-// model, of each complete checkpoint kept below the last step, and of the trained model; prints the
-// scores (per kind of example too) with a few answers before and after, and writes RUN/eval.json
-// (docs/coordinator.md). Returns 0, or 1 when either fails (with a message on stderr).
+// model, of each checkpoint this run wrote below its last step (complete, intact, manifested when the
+// coordinator keeps them, newer than the run's training; one that cannot be scored is named and
+// skipped), and of the trained model; prints the scores (per kind of example too) with a few answers
+// before and after, and writes RUN/eval.json (docs/coordinator.md). Returns 0, or 1 when either fails (with a message
+// on stderr).
 struct AfterRunOptions {
   std::string job_path, run_dir, export_dir;
   int eval_examples = 0;
-  int steps = 0;  // the run's last step (0: the job's steps); checkpoints below it are scored too
+  int steps = 0;  // the run's last step (0: RUN/metrics.jsonl's last, else the job's steps)
 };
 int AfterRun(const AfterRunOptions& options);
 

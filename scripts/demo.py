@@ -33,18 +33,19 @@ LINKS = [("fast", "medium", 100), ("medium", "slow", 100), ("fast", "slow", 20)]
 RTT_MS = 40
 
 
-def svg_curve(losses, curve, path):
-    """The loss per step (left axis) and held-out exact match at each evaluation point (right axis, %)."""
+def svg_curve(points, curve, path):
+    """The loss per step (left axis; points: [(step, loss)] in the order reported) and held-out exact
+    match at each evaluation point (right axis, %; curve: eval.json's [{step, accuracy}])."""
     w, h, pad = 680, 340, 50
+    losses = [l for _, l in points]
     lo, hi = min(losses), max(losses)
-    n = max(len(losses) - 1, 1)
-    x = lambda step: pad + (step - 1) * (w - 2 * pad) / n  # noqa: E731
-    pts = " ".join(f"{x(i + 1):.1f},{h - pad - (l - lo) / max(hi - lo, 1e-9) * (h - 2 * pad):.1f}"
-                   for i, l in enumerate(losses))
+    last = max([s for s, _ in points] + [c["step"] for c in curve])
+    x = lambda step: pad + step * (w - 2 * pad) / max(last, 1)  # noqa: E731
+    pts = " ".join(f"{x(s):.1f},{h - pad - (l - lo) / max(hi - lo, 1e-9) * (h - 2 * pad):.1f}" for s, l in points)
     acc = ""
     if curve:
         ya = lambda a: h - pad - a * (h - 2 * pad)  # noqa: E731
-        apts = [(x(max(c["step"], 1)), ya(c["accuracy"]), c) for c in curve]
+        apts = [(x(c["step"]), ya(c["accuracy"]), c) for c in curve]
         acc = (f'<polyline fill="none" stroke="#d62728" stroke-width="2" stroke-dasharray="5,3" '
                f'points="{" ".join(f"{px:.1f},{py:.1f}" for px, py, _ in apts)}"/>')
         for px, py, c in apts:
@@ -60,7 +61,7 @@ def svg_curve(losses, curve, path):
         f'<line x1="{pad}" y1="{h - pad}" x2="{w - pad}" y2="{h - pad}" stroke="black"/>'
         f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{h - pad}" stroke="black"/>'
         f'<polyline fill="none" stroke="#1f77b4" stroke-width="2" points="{pts}"/>{acc}'
-        f'<text x="{w / 2}" y="{h - 14}" text-anchor="middle">step (1 - {len(losses)}): '
+        f'<text x="{w / 2}" y="{h - 14}" text-anchor="middle">step (0 - {last}): '
         f'<tspan fill="#1f77b4">training loss</tspan>, '
         f'<tspan fill="#d62728">held-out exact match (inputs never trained on)</tspan></text>'
         f'<text x="{pad}" y="{pad - 10}" fill="#1f77b4">loss {hi:.3f}</text>'
@@ -90,6 +91,8 @@ def main():
     certs = os.path.join(run, "certs")
     os.environ.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
     base = os.path.abspath(a.base)
+    if os.path.commonpath([base, run]) == run:
+        sys.exit(f"demo.py: --base {a.base} is inside --run {a.run}, which each demo run starts afresh")
     print(f"-- building the base model and tokenizer in {a.base} (examples/llm-finetune/build_base.sh)", flush=True)
     subprocess.run(["bash", os.path.join(example, "build_base.sh"), base, str(a.pretrain_steps)],
                    check=True, env=dict(os.environ, MERIDIAN_BIN=bin_dir))
@@ -130,7 +133,7 @@ def main():
         plan = json.load(open(os.path.join(run, "plan.json")))
         ev = os.path.join(run, "eval.json")
         e = json.load(open(ev)) if os.path.exists(ev) else None
-        svg_curve(losses, e["curve"] if e else [], os.path.join(run, "loss.svg"))
+        svg_curve([(m["step"], m["loss"]) for m in metrics], e["curve"] if e else [], os.path.join(run, "loss.svg"))
         done = [l for l in log if l.startswith("done:")]
         print("\n== summary")
         print("plan:        " + ", ".join(f"{s['sites'][0]} ops {s['first_op']}-{s['last_op']}" for s in plan["stages"]))

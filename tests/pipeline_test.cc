@@ -79,12 +79,14 @@ class PipelineTest : public ::testing::Test {
     return path;
   }
 
-  std::map<std::string, core::Tensor> Reference(const std::string& job, std::vector<double>* losses = nullptr) {
-    Process p(Bin("meridian") + " train-local " + job + " --out " + (dir_ / "local").string());
+  // `meridian train-local` of `job` into dir_/`out`; its weights.
+  std::map<std::string, core::Tensor> Reference(const std::string& job, std::vector<double>* losses = nullptr,
+                                                const std::string& out_dir = "local") {
+    Process p(Bin("meridian") + " train-local " + job + " --out " + (dir_ / out_dir).string());
     std::string out = p.ReadAll(120s);
     EXPECT_EQ(p.Wait(60s), 0) << out;
     if (losses) *losses = Losses(out);
-    auto f = core::ReadSafetensors((dir_ / "local" / "model.safetensors").string());
+    auto f = core::ReadSafetensors((dir_ / out_dir / "model.safetensors").string());
     EXPECT_TRUE(f.ok()) << f.status();
     return f.ok() ? f->tensors : std::map<std::string, core::Tensor>{};
   }
@@ -390,7 +392,7 @@ TEST_F(PipelineTest, InstructionFineTuningFromPretrainedWeightsMatchesTheSingleP
     std::ofstream(seeded) << text;
   }
   std::vector<double> seeded_losses;
-  Reference(seeded, &seeded_losses);
+  Reference(seeded, &seeded_losses, "local-seeded");
   ASSERT_EQ(seeded_losses.size(), 3u);
   EXPECT_GT(std::abs(seeded_losses[0] - ref_losses[0]), 1e-3 * ref_losses[0]);
   ExpectClose(Distributed(job, {{0, 2}, {3, 5}}, "identity", "identity", &dist_losses), want);
@@ -437,7 +439,8 @@ TEST_F(PipelineTest, InstructionFineTuningFromPretrainedWeightsMatchesTheSingleP
     for (const auto& [kind, t] : run_eval[key].items()) n += t["examples"].get<int>();
     EXPECT_EQ(n, 4) << key;
   }
-  // The run's two stage shards, merged, generate what train-local's equal weights generate.
+  // The run's two stage shards, merged, generate what train-local's weights of the same job (dir_/local,
+  // equal within 1e-5) generate.
   for (int i = 0; i < 4; ++i) EXPECT_EQ(run_eval["samples"][i]["generated"], j["samples"][i]["generated"]) << i;
 
   // LoRA on the same job: `meridian eval` of the PEFT adapter (applied to the job's base) generates what

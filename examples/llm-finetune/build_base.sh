@@ -6,8 +6,11 @@
 #   2. a LLaMA-architecture config.json sized for it (d_model 128, 4 layers, 4 heads / 2 KV heads, tied
 #      embeddings: 1.0M parameters),
 #   3. brief pre-training on the text (`meridian train-local`), which writes an HF model directory.
-# usage: build_base.sh [WORK_DIR] [PRETRAIN_STEPS]   (defaults: examples/llm-finetune/work, 150)
-# A base already in WORK_DIR/base built by the same script, generator, text and steps is reused.
+# usage: [PRETRAIN_SEQ=64] [PRETRAIN_BATCH=16] build_base.sh [WORK_DIR] [PRETRAIN_STEPS]
+#        (defaults: examples/llm-finetune/work, 150 steps of 16 sequences of 64 tokens). The stronger
+#        base that LoRA needs (examples/llm-finetune/README.md):
+#        PRETRAIN_SEQ=256 PRETRAIN_BATCH=8 build_base.sh examples/llm-finetune/work-strong 800
+# A base already in WORK_DIR/base built by the same script from the same text and steps is reused.
 # Needs a build (scripts/build.sh). Takes about half a minute on 2 cores.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -21,14 +24,19 @@ export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}" OMP_NUM_THREADS="${OMP_
 # The text: every license text Debian ships (symlinks resolved, each once).
 find /usr/share/common-licenses -maxdepth 1 -type f -o -maxdepth 1 -type l | xargs -n1 readlink -f | sort -u \
   | xargs cat > "$work/corpus.txt"
-# A base built from the same script, task generator, text and step count is reused (the demo's cache).
-key=$( (cat "$0" "$here/make_data.py" "$work/corpus.txt"; echo "steps=$steps ${MAKE_DATA_ARGS:-}") | sha256sum | cut -c1-16)
-if [ -f "$work/base/model.safetensors" ] && [ "$(cat "$work/base/.built-from" 2>/dev/null)" = "$key" ]; then
+# The task data: cheap and deterministic, so written every time (the base does not depend on it).
+python3 "$here/make_data.py" "$work/tasks.jsonl" --text "$work/corpus.txt" ${MAKE_DATA_ARGS:-}
+# A base built by the same script from the same text and step count is reused (the demo's cache). The
+# key does not cover the meridian binary: delete WORK_DIR/base after changing its tokenizer or trainer.
+pre_seq="${PRETRAIN_SEQ:-64}"
+pre_batch="${PRETRAIN_BATCH:-16}"
+key=$( (cat "$0" "$work/corpus.txt"; echo "steps=$steps seq=$pre_seq batch=$pre_batch") | sha256sum | cut -c1-16)
+if [ "$(cat "$work/base/.built-from" 2>/dev/null)" = "$key" ] && [ -f "$work/base/model.safetensors" ] \
+   && [ -f "$work/base/config.json" ] && [ -f "$work/base/tokenizer.model" ]; then
   echo "reusing the base model in $work/base (built by the same script from the same text; delete it to rebuild)"
   exit 0
 fi
 rm -rf "$work/base"
-python3 "$here/make_data.py" "$work/tasks.jsonl" --text "$work/corpus.txt" ${MAKE_DATA_ARGS:-}
 # The tokenizer learns from the text alone (no task line, so held-out inputs stay unseen), plus the
 # letters and digits standing alone, in both cases, often enough that each is one piece ("▁a", "▁A").
 for _ in $(seq 100); do
@@ -62,13 +70,13 @@ job:
   model: base-init
   data: corpus.txt
   steps: $steps
-  global_batch: 16
+  global_batch: $pre_batch
   micro_batches: 1
-  sequence_length: 64
+  sequence_length: $pre_seq
   seed: 11
   optimizer: {name: adamw, lr: 3e-3, weight_decay: 0.01, warmup_steps: 10, min_lr_ratio: 0.1, grad_clip: 1.0}
 YAML
-echo "pre-training the base model for $steps steps on $(wc -c < "$work/corpus.txt") bytes of text"
+echo "pre-training the base model for $steps steps of $pre_batch x $pre_seq tokens on $(wc -c < "$work/corpus.txt") bytes of text"
 "$bin/meridian" train-local "$work/pretrain.yaml" --out "$work/base" \
   | awk 'NR == 1 || NR % 25 == 0 {print "  " $0; fflush()}'
 echo "$key" > "$work/base/.built-from"

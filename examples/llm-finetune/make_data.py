@@ -60,7 +60,9 @@ def main():
     ap.add_argument("--per-kind", type=int, default=20000, help="examples of each kind")
     ap.add_argument("--seed", type=int, default=7)
     a = ap.parse_args()
-    kinds = [k for k in a.kinds.split(",") if k]
+    kinds = list(dict.fromkeys(k for k in a.kinds.split(",") if k))  # each once, in the given order
+    if not kinds or a.per_kind < 1:
+        sys.exit("make_data.py: --kinds names no kind, or --per-kind is below 1")
     for k in kinds:
         if k not in KINDS:
             sys.exit(f"make_data.py: --kinds: unknown kind '{k}' (known: {', '.join(KINDS)})")
