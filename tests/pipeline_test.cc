@@ -25,6 +25,7 @@ namespace meridian {
 namespace {
 
 namespace fs = std::filesystem;
+using ::testing::ContainsRegex;
 using ::testing::HasSubstr;
 using testing::Process;
 using namespace std::chrono_literals;
@@ -422,12 +423,17 @@ TEST_F(PipelineTest, InstructionFineTuningFromPretrainedWeightsMatchesTheSingleP
   fs::create_directories(dir_ / "run" / "weights");
   for (const auto& e : fs::directory_iterator(dir_ / "dist2"))
     if (e.path().extension() == ".safetensors") fs::copy_file(e.path(), dir_ / "run" / "weights" / e.path().filename());
-  Process rev(Bin("meridian") + " eval " + job + " --run " + (dir_ / "run").string() + " 2>&1");
-  std::string rev_out = rev.ReadAll(120s);
-  ASSERT_EQ(rev.Wait(30s), 0) << rev_out;
+  // `meridian eval --run` of dir_/run: its output (the command must succeed) and RUN/eval.json.
+  auto score_run = [&](std::string* out) {
+    Process p(Bin("meridian") + " eval " + job + " --run " + (dir_ / "run").string() + " 2>&1");
+    *out = p.ReadAll(120s);
+    EXPECT_EQ(p.Wait(30s), 0) << *out;
+    return partitioner_json::Load((dir_ / "run" / "eval.json").string());
+  };
+  std::string rev_out;
+  auto run_eval = score_run(&rev_out);
   EXPECT_THAT(rev_out, HasSubstr("held-out exact match:"));
   EXPECT_THAT(rev_out, HasSubstr("during training: step 0 "));
-  auto run_eval = partitioner_json::Load((dir_ / "run" / "eval.json").string());
   ASSERT_EQ(run_eval["curve"].size(), 4u) << run_eval["curve"];
   for (int i = 0; i < 4; ++i) EXPECT_EQ(run_eval["curve"][i]["step"], i);
   EXPECT_EQ(run_eval["curve"][0]["accuracy"], run_eval["accuracy_before"]);
@@ -442,6 +448,25 @@ TEST_F(PipelineTest, InstructionFineTuningFromPretrainedWeightsMatchesTheSingleP
   // The run's two stage shards, merged, generate what train-local's weights of the same job (dir_/local,
   // equal within 1e-5) generate.
   for (int i = 0; i < 4; ++i) EXPECT_EQ(run_eval["samples"][i]["generated"], j["samples"][i]["generated"]) << i;
+
+  // Only this run's intact checkpoints count. With RUN/metrics.jsonl saying when training began, a
+  // checkpoint written an hour before (another run's, in a shared directory) is left out; so is one whose
+  // shard no longer matches its SHA-256. Each is named, and the run's evaluation still succeeds.
+  std::ofstream(dir_ / "run" / "metrics.jsonl") << "{\"step\": 3, \"elapsed_seconds\": 600.0, \"loss\": 1.0}\n";
+  fs::last_write_time(dir_ / "checkpoints" / "step-1" / "stage-0.json",
+                      fs::file_time_type::clock::now() - std::chrono::hours(1));
+  {
+    std::fstream shard(dir_ / "checkpoints" / "step-2" / "stage-1.safetensors", std::ios::in | std::ios::out);
+    shard.seekp(-4, std::ios::end);
+    shard.write("XXXX", 4);
+  }
+  std::string rev2_out;
+  auto run_eval2 = score_run(&rev2_out);
+  EXPECT_THAT(rev2_out, HasSubstr("step-1: written before this run's training began"));
+  EXPECT_THAT(rev2_out, ContainsRegex("checkpoint not scored: .*step-2"));
+  ASSERT_EQ(run_eval2["curve"].size(), 2u) << run_eval2["curve"];
+  EXPECT_EQ(run_eval2["curve"][1]["step"], 3);
+  EXPECT_EQ(run_eval2["accuracy_after"], run_eval["accuracy_after"]);
 
   // LoRA on the same job: `meridian eval` of the PEFT adapter (applied to the job's base) generates what
   // the merged export generates; an adapter given to a job without job.lora is refused naming it.
