@@ -1222,7 +1222,13 @@ std::string PlanTable(const Plan& plan, const OpGraph& graph, const ClusterProfi
     if (k < plan.links.size()) link = absl::StrFormat("%.4g s %s", plan.links[k].seconds, plan.links[k].codec);
     out += absl::StrFormat("%-5d %-22s %-34s %9.4g s %22s %9.2f / %7.2f GiB\n", k + 1, absl::StrJoin(s.site_names, "+"),
                            ops, s.compute_seconds, link, gib(s.memory_bytes), gib(s.memory_available_bytes));
-    if (s.sites.size() > 1)
+    if (s.sites.size() > 1 && plan.sync.diloco)
+      out += absl::StrFormat(
+          "      replicas run %s of the %d micro-batches as DiLoCo workers: %s exchanges every %d steps%s, "
+          "%.4g s per step beyond their compute\n",
+          absl::StrJoin(s.micro_batches, "/"), plan.micro_batches, plan.sync.codec.name, plan.sync.inner_steps,
+          plan.sync.overlap ? " (overlapped)" : "", s.allreduce_seconds);
+    else if (s.sites.size() > 1)
       out += absl::StrFormat(
           "      replicas run %s of the %d micro-batches and average gradients (reduce-scatter + all-gather): "
           "%.4g s per step (%s)\n",

@@ -474,6 +474,11 @@ TEST(Planner, DilocoSyncIsPricedPerRoundAndMakesReplicasWorthIt) {
   // to the other replica in int4, plus the latency twice; a 50th of it per step.
   const double exchange = 2 * (int4->ratio * 2e7 / 2 / 1e6 + 0.05);
   EXPECT_NEAR(waiting->stages[0].allreduce_seconds, exchange / 50, 1e-9);
+  // The plan table says how the replicas meet: DiLoCo rounds, not per-step gradient averaging.
+  const std::string table = PlanTable(*waiting, g, p);
+  EXPECT_THAT(table, ::testing::HasSubstr("as DiLoCo workers: int4 exchanges every 50 steps"));
+  EXPECT_THAT(table, ::testing::Not(::testing::HasSubstr("average gradients")));
+  EXPECT_THAT(PlanTable(*diloco, g, p), ::testing::HasSubstr("every 50 steps (overlapped)"));
   EXPECT_FALSE(PriceCodec("int3").ok());
 }
 
