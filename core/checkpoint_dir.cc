@@ -206,34 +206,37 @@ std::optional<Manifest> ReadManifest(const std::string& step_dir, std::string* w
   return m;
 }
 
+std::optional<CheckpointFiles> ManifestedCheckpoint(const std::string& step_dir, int64_t step, std::string* why) {
+  std::optional<Manifest> m = ReadManifest(step_dir, why);
+  if (!m) return std::nullopt;
+  CheckpointFiles f{step, step_dir, {}};
+  for (int k = 0; k < m->num_stages; ++k)
+    for (const auto& [name, sha] : {std::pair<std::string, std::string>{StageShardName(k), m->stages[k].shard_sha256},
+                                    {StageMetaName(k), m->stages[k].meta_sha256}}) {
+      auto digest = Sha256OfFile((fs::path(step_dir) / name).string());
+      if (!digest.ok() || *digest != sha) {
+        absl::StrAppend(why, step_dir, "/", name, ": does not match the manifest (truncated, corrupt or replaced); ");
+        return std::nullopt;
+      }
+      f.files.push_back(name);
+    }
+  for (int k = 0; k < m->num_stages; ++k) {  // the JSONs were just checked against the manifest
+    auto text = ReadFile((fs::path(step_dir) / StageMetaName(k)).string(), kMaxStageMetaBytes);
+    std::optional<StageMeta> meta = text.ok() ? ParseStageMeta(*text, step) : std::nullopt;
+    if (meta && meta->tensors) f.shard_tensors[StageShardName(k)] = *meta->tensors;
+  }
+  return f;
+}
+
 absl::StatusOr<CheckpointFiles> FindLatestManifested(const std::string& dir, std::string* skipped) {
   auto steps = StepDirs(dir);
   if (!steps.ok()) return steps.status();
   std::string why;
   for (const auto& [step, path] : *steps) {
-    std::optional<Manifest> m = ReadManifest(path, &why);
-    if (!m) continue;
-    CheckpointFiles f{step, path, {}};
-    bool intact = true;
-    for (int k = 0; intact && k < m->num_stages; ++k)
-      for (const auto& [name, sha] : {std::pair<std::string, std::string>{StageShardName(k), m->stages[k].shard_sha256},
-                                      {StageMetaName(k), m->stages[k].meta_sha256}}) {
-        auto digest = Sha256OfFile((fs::path(path) / name).string());
-        if (!digest.ok() || *digest != sha) {
-          absl::StrAppend(&why, path, "/", name, ": does not match the manifest (truncated, corrupt or replaced); ");
-          intact = false;
-          break;
-        }
-        f.files.push_back(name);
-      }
-    if (!intact) continue;
-    for (int k = 0; k < m->num_stages; ++k) {  // the JSONs were just checked against the manifest
-      auto text = ReadFile((fs::path(path) / StageMetaName(k)).string(), kMaxStageMetaBytes);
-      std::optional<StageMeta> meta = text.ok() ? ParseStageMeta(*text, step) : std::nullopt;
-      if (meta && meta->tensors) f.shard_tensors[StageShardName(k)] = *meta->tensors;
-    }
+    std::optional<CheckpointFiles> f = ManifestedCheckpoint(path, step, &why);
+    if (!f) continue;
     if (skipped) *skipped = why;
-    return f;
+    return *std::move(f);
   }
   if (skipped) *skipped = why;
   return absl::NotFoundError(absl::StrCat(dir, ": no manifested, intact checkpoint", why.empty() ? "" : ": ", why));

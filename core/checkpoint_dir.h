@@ -84,6 +84,11 @@ std::string ManifestJson(const Manifest& manifest);
 // Reads step_dir/manifest.json; nullopt (with why, appended) when absent or malformed.
 std::optional<Manifest> ReadManifest(const std::string& step_dir, std::string* why);
 
+// Step directory `step_dir` (of step `step`) when the coordinator manifested it and each of its stages'
+// shard and JSON matches the manifest's SHA-256: its files and, per shard, the tensors its stage JSON
+// lists. Otherwise nullopt, with the reason appended to `why`.
+std::optional<CheckpointFiles> ManifestedCheckpoint(const std::string& step_dir, int64_t step, std::string* why);
+
 // The newest manifested step under `dir` whose files all match the manifest's SHA-256 (a newer one that
 // does not is skipped, and `skipped` says why). NotFound when there is none.
 absl::StatusOr<CheckpointFiles> FindLatestManifested(const std::string& dir, std::string* skipped = nullptr);

@@ -20,16 +20,16 @@ struct EvalSample {
   bool correct = false;
 };
 
-struct EvalResult {
+// Exact matches among scored examples.
+struct EvalTally {
   int examples = 0;
   int correct = 0;
   double accuracy() const { return examples ? static_cast<double>(correct) / examples : 0.0; }
-  std::vector<EvalSample> samples;  // every evaluated example, in held-out order
+};
 
-  struct Tally {
-    int examples = 0, correct = 0;
-    double accuracy() const { return examples ? static_cast<double>(correct) / examples : 0.0; }
-  };
+struct EvalResult : EvalTally {  // over every scored example
+  using Tally = EvalTally;
+  std::vector<EvalSample> samples;  // every evaluated example, in held-out order
   // Exact match per kind of example (samples' `kind`; examples without one under ""), by kind name.
   std::map<std::string, Tally> ByKind() const;
 };

@@ -243,10 +243,6 @@ int RunTokenizerTrain(const TokenizerOptions& o) {
 
 namespace {
 
-// Held-out exact match of the initial model, of every complete checkpoint the run's checkpoint
-// directory keeps below the last step, and of the trained model (the stage shards in RUN/weights). Prints
-// the scores (per kind when the data names kinds) and a few held-out prompts answered before and after,
-// and writes RUN/eval.json.
 // What RUN/metrics.jsonl says of the run: its last step, and when its training began (the file's last
 // write less the last line's elapsed_seconds, less a minute's slack). `known` is false without the file.
 struct RunWindow {
@@ -276,6 +272,9 @@ RunWindow ReadRunWindow(const std::filesystem::path& metrics) {
   return w;
 }
 
+// Held-out exact match of the initial model, of each checkpoint this run wrote below its last step, and
+// of the trained model (the stage shards in RUN/weights). Prints the scores (per kind when the data names
+// kinds) and a few held-out prompts answered before and after, and writes RUN/eval.json.
 absl::Status EvaluateRun(const executor::JobSetup& setup, const AfterRunOptions& o) {
   const std::filesystem::path run(o.run_dir);
   auto trained = executor::LoadStageShards((run / core::kWeightsDir).string());
@@ -286,9 +285,10 @@ absl::Status EvaluateRun(const executor::JobSetup& setup, const AfterRunOptions&
   const int64_t last_step = o.steps > 0 ? o.steps : window.known ? window.last_step : setup.job.steps;
   nlohmann::json curve = nlohmann::json::array();
   curve.push_back({{"step", 0}, {"accuracy", before->accuracy()}, {"by_kind", ByKindJson(*before)}});
-  // The checkpoints this run wrote: steps below the last at the job's interval, complete and intact,
-  // manifested by the coordinator when it keeps them, and written since this run's training began (a
-  // shared directory may hold another run's). One that cannot be scored is named and skipped.
+  // The checkpoints this run wrote: steps below the last at the job's interval, complete (with the
+  // coordinator's store: manifested, every file matching the manifest), written since this run's training
+  // began (a shared directory may hold another run's), and intact (LoadCheckpointFor checks each shard
+  // against its SHA-256). One that cannot be scored is named and skipped.
   const bool coordinator_store = setup.job.checkpoint.store == core::CheckpointStore::kCoordinator;
   const std::string checkpoints = coordinator_store ? (run / core::kCheckpointsDir).string()
                                                     : core::ResolveRelative(o.job_path, setup.job.checkpoint.dir);
@@ -303,19 +303,15 @@ absl::Status EvaluateRun(const executor::JobSetup& setup, const AfterRunOptions&
     const auto& [step, dir] = *it;
     if (step >= last_step || step % interval != 0) continue;
     std::string why;
-    auto stages = core::CompleteStages(dir, &why, /*verify_hashes=*/true);
-    if (!stages) {
-      skipped.push_back(absl::StrCat(dir, ": ", why));
-      continue;
-    }
-    if (coordinator_store && !core::ReadManifest(dir, &why)) {
+    const bool complete = coordinator_store ? core::ManifestedCheckpoint(dir, step, &why).has_value()
+                                            : core::CompleteStages(dir, &why, /*verify_hashes=*/false).has_value();
+    if (!complete) {
       skipped.push_back(absl::StrCat(dir, ": ", why));
       continue;
     }
     if (window.known) {
       std::error_code ec;
-      const auto written = std::filesystem::last_write_time(
-          std::filesystem::path(dir) / core::StageMetaName(stages->begin()->first), ec);
+      const auto written = std::filesystem::last_write_time(std::filesystem::path(dir) / core::StageMetaName(0), ec);
       if (ec || written < window.began) {
         skipped.push_back(absl::StrCat(dir, ": written before this run's training began"));
         continue;

@@ -294,25 +294,21 @@ SimulatedLayout SimulateLayout(const CostModel& cm, const Layout& L, const Evalu
                                const OpGraph& g, const std::vector<int>* depths = nullptr) {
   SimulatedLayout r;
   if (ev.total == kInf) return r;
-  if (depths) {
-    PipelineTimes t = TimesOf(cm, L, ev, o, g);
-    r.in_flight = *depths;
-    t.in_flight = r.in_flight;
-    r.step = SimulatePipeline(t);
-    r.total = r.step.step_seconds + ev.sync;
-    return r;
-  }
-  const int S = static_cast<int>(L.sites.size()), M = cm.micro_batches();
-  std::vector<int> cap(S);
-  for (int k = 0; k < S; ++k) {
-    const int a = k == 0 ? 0 : L.last[k - 1] + 1, b = L.last[k];
-    int d = std::min(M, S - k);
-    while (d < M && std::all_of(L.sites[k].begin(), L.sites[k].end(), [&](int s) { return cm.Fits(s, a, b, d + 1); }))
-      ++d;
-    cap[k] = d;
-  }
   PipelineTimes t = TimesOf(cm, L, ev, o, g);
-  r.in_flight = ChooseInFlight(t, cap);
+  if (depths) {
+    r.in_flight = *depths;
+  } else {
+    const int S = static_cast<int>(L.sites.size()), M = cm.micro_batches();
+    std::vector<int> cap(S);
+    for (int k = 0; k < S; ++k) {
+      const int a = k == 0 ? 0 : L.last[k - 1] + 1, b = L.last[k];
+      int d = std::min(M, S - k);
+      while (d < M && std::all_of(L.sites[k].begin(), L.sites[k].end(), [&](int s) { return cm.Fits(s, a, b, d + 1); }))
+        ++d;
+      cap[k] = d;
+    }
+    r.in_flight = ChooseInFlight(t, cap);
+  }
   t.in_flight = r.in_flight;
   r.step = SimulatePipeline(t);
   r.total = r.step.step_seconds + ev.sync;

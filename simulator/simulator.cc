@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "compression/codec.h"
 #include "nlohmann/json.hpp"
 #include "partitioner/schedule.h"
 
@@ -158,8 +159,10 @@ double Simulation::CodecSeconds(int site, const std::string& codec, double raw_b
   const auto& m = p_.sites[site].codec_bytes_per_second;
   auto it = m.find(codec);
   // An AQ-SGD delta codec quantises as its base codec does (its store's bookkeeping is not priced).
-  if (it == m.end() && codec.size() > 6 && codec.compare(codec.size() - 6, 6, "-delta") == 0)
-    it = m.find(codec.substr(0, codec.size() - 6));
+  if (auto spec = compression::CodecSpec::Parse(codec); it == m.end() && spec.ok() && spec->delta) {
+    spec->delta = false;
+    it = m.find(spec->ShortString());
+  }
   return it == m.end() ? 0.0 : raw_bytes / it->second;
 }
 
