@@ -157,6 +157,19 @@ void Coordinator::SetRunInfo(std::string profile_json, std::string graph_json, s
   profile_json_ = std::move(profile_json);
   graph_json_ = std::move(graph_json);
   plan_json_ = std::move(plan_json);
+  plan_ = nlohmann::json::parse(plan_json_, nullptr, false);
+  if (plan_.is_discarded()) plan_ = nullptr;
+  const nlohmann::json profile = nlohmann::json::parse(profile_json_, nullptr, false);
+  links_ = nlohmann::json::array();
+  gemm_flops_.clear();
+  if (profile.is_object()) {
+    if (profile.contains("links") && profile["links"].is_array()) links_ = profile["links"];
+    if (profile.contains("sites") && profile["sites"].is_array())
+      for (const auto& site : profile["sites"])
+        if (site.is_object() && site.contains("name") && site["name"].is_string() &&
+            site.contains("flops_per_second") && site["flops_per_second"].is_number())
+          gemm_flops_[site["name"].get<std::string>()] = site["flops_per_second"].get<double>();
+  }
 }
 
 void Coordinator::SetFileDir(const std::string& dir) {
@@ -347,6 +360,9 @@ void Coordinator::WriteManifestIfComplete(int64_t step, const std::string& step_
                                              core::ManifestJson(m));
       !s.ok())
     std::fprintf(stderr, "meridian run: %s\n", std::string(s.message()).c_str());
+  else
+    AddEventLocked("checkpoint", "",
+                   absl::StrCat("step ", step, ": every stage's checkpoint arrived and checked out; manifest written"));
 }
 
 absl::StatusOr<std::string> Coordinator::FileSource(const std::string& site, const std::string& path) {
@@ -395,12 +411,61 @@ void Coordinator::LogSite(const std::string& site, const std::string& text) {
 }
 
 absl::StatusOr<v1::InspectResponse> Coordinator::Inspect() {
-  std::lock_guard<std::mutex> l(mu_);
   v1::InspectResponse r;
+  r.set_status_json(RunJson());
+  std::lock_guard<std::mutex> l(mu_);
+  r.set_profile_json(profile_json_);
+  r.set_graph_json(graph_json_);
+  r.set_plan_json(plan_json_);
+  return r;
+}
+
+void Coordinator::SetRunFacts(int64_t steps, int64_t tokens_per_step) {
+  std::lock_guard<std::mutex> l(mu_);
+  total_steps_ = steps;
+  tokens_per_step_ = tokens_per_step;
+}
+
+void Coordinator::RecordStep(nlohmann::json step) {
+  std::lock_guard<std::mutex> l(mu_);
+  if (!step.is_object()) return;
+  step["seq"] = ++step_seq_;
+  steps_.push_back(std::move(step));
+  while (steps_.size() > kStepsKept) steps_.pop_front();
+}
+
+void Coordinator::RecordEvent(const std::string& kind, const std::string& site, const std::string& text) {
+  std::lock_guard<std::mutex> l(mu_);
+  AddEventLocked(kind, site, text);
+}
+
+void Coordinator::SetEventLog(const std::string& path) {
+  std::lock_guard<std::mutex> l(mu_);
+  event_log_.close();
+  event_log_.clear();
+  event_log_.open(path, std::ios::app);
+  if (!event_log_) std::fprintf(stderr, "meridian run: %s: cannot write the event log\n", path.c_str());
+}
+
+void Coordinator::AddEventLocked(const std::string& kind, const std::string& site, const std::string& text) {
+  nlohmann::json e = {{"time", absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ", absl::Now(), absl::UTCTimeZone())},
+                      {"step", progress_.step + 1},
+                      {"kind", kind},
+                      {"site", site},
+                      {"text", text}};
+  // Text from a site (a stage's error) may carry any bytes: replaced, never thrown on.
+  if (event_log_.is_open()) event_log_ << e.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << std::endl;
+  run_events_.push_back(std::move(e));
+  while (run_events_.size() > kEventsKept) run_events_.pop_front();
+}
+
+std::string Coordinator::RunJson(int64_t after) const {
+  std::lock_guard<std::mutex> l(mu_);
   nlohmann::json sites = nlohmann::json::array();
   const auto now = Clock::now();
   for (const auto& [name, s] : sites_) {
     const double age = std::chrono::duration<double>(now - s.last_heartbeat).count();
+    auto stage = stages_.find(name);
     nlohmann::json site = {{"name", name},
                            {"registered", s.registered},
                            {"state", s.registered ? SiteStateName(s.state) : "not joined"},
@@ -408,7 +473,18 @@ absl::StatusOr<v1::InspectResponse> Coordinator::Inspect() {
                            {"heartbeat_age_seconds", s.registered ? age : -1.0},
                            {"answering", s.registered && age <= spec_.heartbeat_timeout_seconds},
                            {"listen", s.listen},
-                           {"device", s.device}};
+                           {"device", s.device},
+                           {"stage", stage == stages_.end() ? -1 : stage->second}};
+    if (auto g = gemm_flops_.find(name); g != gemm_flops_.end()) site["gemm_flops_per_second"] = g->second;
+    if (s.metrics)  // its stage's latest step
+      site["metrics"] = {{"step", s.metrics->step() + 1},
+                         {"step_seconds", s.metrics->step_seconds()},
+                         {"compute_seconds", s.metrics->compute_seconds()},
+                         {"wait_seconds", s.metrics->wait_seconds()},
+                         {"send_blocked_seconds", s.metrics->send_blocked_seconds()},
+                         {"codec_seconds", s.metrics->codec_seconds()},
+                         {"sent_bytes", s.metrics->wire_bytes()},
+                         {"uncompressed_bytes", s.metrics->raw_bytes()}};
     if (s.metrics && s.metrics->outer_sync_step() > 0)  // a DiLoCo replica: its last outer synchronisation
       site["outer_sync"] = {{"after_step", s.metrics->outer_sync_step()},
                             {"bytes", s.metrics->outer_sync_bytes()},
@@ -416,6 +492,16 @@ absl::StatusOr<v1::InspectResponse> Coordinator::Inspect() {
                             {"drift", s.metrics->outer_drift()}};
     sites.push_back(std::move(site));
   }
+  nlohmann::json run = {{"steps", total_steps_}, {"tokens_per_step", tokens_per_step_}};
+  if (plan_.is_object() && tokens_per_step_ > 0) {
+    const double predicted = plan_.value("predicted_step_seconds", 0.0);
+    const double bound = plan_.value("compute_bound_seconds", 0.0);
+    if (predicted > 0) run["predicted_tokens_per_second"] = tokens_per_step_ / predicted;
+    if (bound > 0) run["compute_bound_tokens_per_second"] = tokens_per_step_ / bound;
+  }
+  nlohmann::json steps = nlohmann::json::array();
+  for (const auto& st : steps_)
+    if (st["seq"].get<int64_t>() > after) steps.push_back(st);
   nlohmann::json status = {{"cluster", spec_.name},
                            {"run_id", run_id_},
                            {"job_id", job_id_},
@@ -424,12 +510,13 @@ absl::StatusOr<v1::InspectResponse> Coordinator::Inspect() {
                              {"loss", progress_.loss},
                              {"step_seconds", progress_.step_seconds},
                              {"tokens", progress_.tokens}}},
-                           {"sites", sites}};
-  r.set_status_json(status.dump(2));
-  r.set_profile_json(profile_json_);
-  r.set_graph_json(graph_json_);
-  r.set_plan_json(plan_json_);
-  return r;
+                           {"sites", sites},
+                           {"run", run},
+                           {"plan", plan_},
+                           {"links", links_.is_array() ? links_ : nlohmann::json::array()},
+                           {"steps", steps},
+                           {"events", nlohmann::json(run_events_)}};
+  return status.dump(2, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
 void Coordinator::BeginJob(const std::string& job_id, std::map<std::string, int> stages) {

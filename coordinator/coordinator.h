@@ -19,6 +19,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "coordinator/run_machine.h"
 #include "core/cluster_spec.h"
 #include "core/run_layout.h"
@@ -101,6 +103,25 @@ class Coordinator : public rpc::CoordinatorHandler {
                       std::map<std::string, std::set<std::string>> readable = {}, int64_t quota_bytes = 0);
   // What Inspect reports besides the live state: the run's profile, graph and current plan (JSON).
   void SetRunInfo(std::string profile_json, std::string graph_json, std::string plan_json);
+
+  // ---- The run's history, for RunJson (the dashboard's /api/run and `meridian status --json`). ----
+  // The run's size: its optimizer steps and the tokens each trains on (global batch x sequence length).
+  void SetRunFacts(int64_t steps, int64_t tokens_per_step);
+  // One completed step: a line of RUN/metrics.jsonl (coordinator/run_machine.cc, ReportStep), parsed.
+  // The newest kStepsKept are kept, each numbered in the order recorded ("seq", from 1: a resumed attempt
+  // records step numbers again, so the numbers alone do not say what is new).
+  void RecordStep(nlohmann::json step);
+  // One event (RecordEvent in coordinator/run_machine.h), stamped now (UTC) with the progress step; the
+  // newest kEventsKept are kept, and each is appended to the event log once SetEventLog named one. The
+  // coordinator adds its own: a "checkpoint" when its store completes a step's manifest.
+  void RecordEvent(const std::string& kind, const std::string& site, const std::string& text);
+  // From now on every event is also appended as a JSON line to `path` (RUN/events.jsonl).
+  void SetEventLog(const std::string& path);
+  static constexpr size_t kStepsKept = 2000, kEventsKept = 1000;
+  // The run as one JSON document (docs/coordinator.md, "The run as JSON"): cluster, run and job ids,
+  // progress, every site's state and latest metrics, the plan, the measured links, the predicted and
+  // compute-bound tokens/s, the steps recorded after seq `after` (0: all kept) and every kept event.
+  std::string RunJson(int64_t after = 0) const;
   // Per-site logs: from now on LogSite appends its lines with a UTC timestamp to DIR/<site>.log. The run
   // loop logs the machine's decisions about a site (join, measurements, assignments, progress, lost and
   // back, completion); the handlers log the files a site sends and fetches.
@@ -143,7 +164,15 @@ class Coordinator : public rpc::CoordinatorHandler {
   std::string job_id_;
   std::map<std::string, int> stages_;  // the running attempt's plan: site -> stage
   std::string profile_json_, graph_json_, plan_json_;
-  std::string file_dir_;  // guarded by mu_, as the three below
+  nlohmann::json plan_, links_;                    // plan_json_ parsed, and profile_json_'s links
+  std::map<std::string, double> gemm_flops_;       // each measured site's GEMM speed (profile_json_)
+  int64_t total_steps_ = 0, tokens_per_step_ = 0;  // SetRunFacts
+  std::deque<nlohmann::json> steps_, run_events_;  // RecordStep (with "seq"), RecordEvent: the newest kept
+  int64_t step_seq_ = 0;                           // steps recorded so far
+  std::ofstream event_log_;                        // SetEventLog's file
+  void AddEventLocked(const std::string& kind, const std::string& site,
+                      const std::string& text);  // REQUIRES: mu_ held
+  std::string file_dir_;                         // guarded by mu_, as the three below
   std::map<std::string, int> file_writers_;
   int64_t file_max_step_ = 0, file_max_bytes_ = 0;
   int checkpoint_interval_ = 0;

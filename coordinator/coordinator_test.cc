@@ -201,5 +201,54 @@ TEST(CoordinatorFiles, OnlyAManifestedStepCountsAndForgedUploadsAreRefused) {
   fs::remove_all(dir);
 }
 
+// The run as JSON (/api/run, `meridian status --json`): steps numbered in the order recorded (a resumed
+// attempt's steps come again under new numbers), `after` returning only the newer ones, the tokens/s the
+// plan predicts, events with their site, and the event log on disk with a hostile site's bytes replaced.
+TEST(CoordinatorRunJson, StepsEventsAndPredictionsAsTheDashboardReadsThem) {
+  const fs::path dir = fs::temp_directory_path() / ("meridian_runjson_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  core::ClusterSpec spec;
+  spec.name = "t";
+  spec.sites = {{"a", {"127.0.0.1", 2}}, {"b", {"127.0.0.1", 3}}};
+  Coordinator c(spec, "run");
+  c.SetEventLog((dir / "events.jsonl").string());
+  c.SetRunFacts(100, 64);
+  c.SetRunInfo(R"({"sites": [{"name": "a", "flops_per_second": 2e9}], "links": [{"from": "a", "to": "b",
+                   "bandwidth_bytes_per_second": 1e6, "latency_seconds": 0.01}]})",
+               "{}", R"({"predicted_step_seconds": 0.5, "compute_bound_seconds": 0.25, "stages": []})");
+  c.BeginJob("j1", {{"a", 0}, {"b", 1}});
+  for (int step : {1, 2, 3, 2, 3})  // the attempt after a resume from step 1 trains 2 and 3 again
+    c.RecordStep({{"step", step}, {"loss", 1.0 / step}});
+  c.RecordStep(nlohmann::json());  // not a step: ignored
+  c.RecordEvent("lost", "b", "no heartbeat for 5 s");
+  c.RecordEvent("stage_failed", "b", std::string("bad \xff bytes"));
+  auto j = nlohmann::json::parse(c.RunJson());
+  ASSERT_EQ(j["steps"].size(), 5u);
+  EXPECT_EQ(j["steps"][3]["step"], 2);
+  EXPECT_EQ(j["steps"][3]["seq"], 4);
+  auto newer = nlohmann::json::parse(c.RunJson(3));
+  ASSERT_EQ(newer["steps"].size(), 2u);
+  EXPECT_EQ(newer["steps"][0]["seq"], 4);
+  EXPECT_DOUBLE_EQ(j["run"]["predicted_tokens_per_second"].get<double>(), 128.0);
+  EXPECT_DOUBLE_EQ(j["run"]["compute_bound_tokens_per_second"].get<double>(), 256.0);
+  EXPECT_EQ(j["run"]["steps"], 100);
+  EXPECT_EQ(j["links"].size(), 1u);
+  ASSERT_EQ(j["sites"].size(), 2u);
+  EXPECT_EQ(j["sites"][0]["stage"], 0);
+  EXPECT_DOUBLE_EQ(j["sites"][0]["gemm_flops_per_second"].get<double>(), 2e9);
+  EXPECT_FALSE(j["sites"][1].contains("gemm_flops_per_second"));
+  ASSERT_EQ(j["events"].size(), 2u);
+  EXPECT_EQ(j["events"][0]["kind"], "lost");
+  EXPECT_EQ(j["events"][0]["site"], "b");
+  std::ifstream log(dir / "events.jsonl");
+  std::vector<nlohmann::json> lines;
+  for (std::string l; std::getline(log, l);) lines.push_back(nlohmann::json::parse(l));
+  ASSERT_EQ(lines.size(), 2u);
+  EXPECT_EQ(lines[1]["kind"], "stage_failed");
+  EXPECT_EQ(lines[1]["text"], "bad \xef\xbf\xbd bytes");  // U+FFFD
+  fs::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace meridian::coordinator

@@ -27,6 +27,7 @@
 #include "core/files.h"
 #include "core/log.h"
 #include "core/run_layout.h"
+#include "dashboard/dashboard.h"
 #include "job/job.h"
 #include "partitioner/planner.h"
 #include "partitioner/schedule.h"
@@ -377,6 +378,8 @@ class RunDriver {
               std::string problems;
               core::RemoveCheckpointsAbove(CheckpointDir(), a.step, &problems);
               if (!problems.empty()) spdlog::warn("checkpoints: {}", problems);
+            } else if constexpr (std::is_same_v<T, RecordEvent>) {
+              coord_.RecordEvent(a.kind, a.site, a.text);  // the dashboard's events and RUN/events.jsonl
             } else if constexpr (std::is_same_v<T, Exit>) {
               exit = a.code;
             }
@@ -387,6 +390,8 @@ class RunDriver {
 
   // RUN/metrics.jsonl grows by a line per step (kept open); the other run files are written whole.
   void WriteRun(const WriteRunFile& f) {
+    if (f.name == core::kMetricsFile)  // a step: the dashboard's charts and `meridian status --json` show it
+      coord_.RecordStep(nlohmann::json::parse(f.content, nullptr, false));
     if (f.append) {
       std::ofstream& out = appended_[f.name];
       if (!out.is_open()) out.open(RunFile(f.name.c_str()), std::ios::app);
@@ -403,6 +408,8 @@ class RunDriver {
   int StartServices() {
     coord_.SetLogDir(RunFile(core::kSiteLogDir));  // one log per site: RUN/sites/<site>.log
     coord_.SetFileDir(in_.run_dir);                // the stages' final weights arrive in RUN/weights
+    coord_.SetEventLog(RunFile(core::kEventsFile));
+    coord_.SetRunFacts(in_.steps, static_cast<int64_t>(in_.job.global_batch) * in_.job.sequence_length);
     const core::ClusterSpec& spec = in_.spec;
     auto started = rpc::StartMtlsServer(
         in_.certs, "coordinator", spec.coordinator.ToString(), {&service_}, nullptr,
@@ -425,15 +432,42 @@ class RunDriver {
       metrics_http_.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
         res.set_content(MetricsText(coord_), "text/plain; version=0.0.4");
       });
+      // The dashboard (dashboard/dashboard.h): its page and the run as JSON, which it polls.
+      metrics_http_.Get("/api/run", [this](const httplib::Request& req, httplib::Response& res) {
+        int64_t after = 0;
+        if (req.has_param("after")) {
+          const std::string v = req.get_param_value("after");
+          if (v.empty() || v.size() > 18 || v.find_first_not_of("0123456789") != std::string::npos) {
+            res.status = 400;
+            res.set_content("after: expected a step sequence number (a non-negative integer)\n", "text/plain");
+            return;
+          }
+          after = std::stoll(v);
+        }
+        res.set_header("Cache-Control", "no-store");
+        res.set_content(coord_.RunJson(after), "application/json");
+      });
+      for (const dashboard::Asset& asset : dashboard::Assets()) {
+        auto serve = [asset](const httplib::Request&, httplib::Response& res) {
+          res.set_header("Content-Security-Policy", dashboard::kContentSecurityPolicy);
+          res.set_header("X-Content-Type-Options", "nosniff");
+          res.set_content(asset.body.data(), asset.body.size(), std::string(asset.mime).c_str());
+        };
+        metrics_http_.Get(std::string(asset.path), serve);
+        if (asset.path == "/") metrics_http_.Get("/index.html", serve);
+      }
       // Unauthenticated and read-only: on the coordinator's own host unless the spec says otherwise, and
       // served by two threads at most.
       const std::string host = spec.metrics_address.empty() ? spec.coordinator.host : spec.metrics_address;
       metrics_http_.new_task_queue = [] { return new httplib::ThreadPool(2); };
       if (!metrics_http_.bind_to_port(host, spec.metrics_port)) {
-        std::cerr << "meridian run: cannot serve /metrics on " << host << ":" << spec.metrics_port << "\n";
+        std::cerr << "meridian run: cannot serve /metrics and the dashboard on " << host << ":" << spec.metrics_port
+                  << "\n";
         return 1;
       }
       metrics_thread_ = std::thread([this] { metrics_http_.listen_after_bind(); });
+      std::cout << "dashboard: http://" << host << ":" << spec.metrics_port << "/ (and /metrics, /api/run)\n"
+                << std::flush;
     }
     return 0;
   }

@@ -116,6 +116,7 @@ void RunMachine::OnRegistered(const SiteRegistered& e) {
   s.listen = e.listen;  // a restarted executor may listen elsewhere
   s.device = e.device;  // (silence is the heartbeats' to end: HeartbeatBack follows a re-registration)
   Out(LogSite{e.site, absl::StrCat("joined: listens on ", e.listen, ", device ", e.device)});
+  Note("join", e.site, absl::StrCat("joined: listens on ", e.listen, ", device ", e.device));
   const size_t need = c_.spec.min_sites > 0 ? static_cast<size_t>(c_.spec.min_sites) : c_.spec.sites.size();
   if (phase_ == Phase::kJoining && started_ && Registered() >= need) StartProfiling();
 }
@@ -246,6 +247,9 @@ absl::Status RunMachine::FinishProfiling() {
     absl::StrAppendFormat(&lines, "  link %-10s -> %-10s %8.1f Mbit/s, %6.1f ms one way\n", l.from, l.to,
                           l.bandwidth_bytes_per_second * 8 / 1e6, l.latency_seconds * 1e3);
   Say(lines);
+  Note("profiled", "",
+       absl::StrCat("measured ", profile_.sites.size(), " sites' devices and the model, and ", profile_.links.size(),
+                    " links"));
   graph_ = c_.graph;
   graph_json_ = partitioner::GraphToJson(graph_);
   Out(WriteRunFile{core::kProfileFile, partitioner::ProfileToJson(profile_)});
@@ -372,6 +376,24 @@ absl::Status RunMachine::PlanAttempt() {
     return absl::InternalError("the plan's in-flight depths increase along the pipeline (a planner bug)");
   plan_ = std::move(*planned);
   Say(partitioner::PlanTable(*plan_, graph_, live));
+  {
+    std::string layout;
+    for (const auto& st : plan_->stages) {
+      if (!layout.empty()) layout += " -> ";
+      for (size_t i = 0; i < st.site_names.size(); ++i) layout += (i ? "+" : "") + st.site_names[i];
+    }
+    std::string why;  // a re-plan says what the attempt before it ran into
+    if (attempts_ > 0)
+      why = !attempt_.lost.empty() ? absl::StrCat(" after ", attempt_.lost)
+            : !attempt_.failure.empty()
+                ? absl::StrCat(" after site '", attempt_.failed_site, "' failed: ", attempt_.failure)
+                : "";
+    if (!lost_.empty()) why += absl::StrCat(" (without ", Quoted({lost_.begin(), lost_.end()}), ")");
+    Note(attempts_ == 0 ? "plan" : "replan", "",
+         absl::StrFormat("%s: %d stage(s) %s, predicted %.3f s/step; bottleneck %s%s",
+                         attempts_ == 0 ? "planned" : "re-planned", plan_->stages.size(), layout,
+                         plan_->predicted_step_seconds, plan_->bottleneck, why));
+  }
   const std::string plan_json = partitioner::PlanJson(*plan_, graph_);
   Out(WriteRunFile{core::kPlanFile, plan_json});
   Out(PublishRunInfo{partitioner::ProfileToJson(live), graph_json_, plan_json});
@@ -496,6 +518,11 @@ void RunMachine::Assign() {
       Out(SendCommand{site, std::move(c)});
     }
   }
+  if (resume_)
+    Note("resume", "",
+         resume_step_ > 0
+             ? absl::StrCat("every stage resumes from step ", resume_step_, " (the coordinator's checkpoints)")
+             : "every stage resumes from the newest intact checkpoint");
   Say(absl::StrCat("training: ", st.size(), " stages, ", c_.steps, " steps",
                    !resume_ ? ""
                    : resume_step_ > 0
@@ -537,6 +564,9 @@ void RunMachine::OnMetrics(const MetricsReported& e) {
   // The coordinator's checkpoint store keeps job.checkpoint.keep complete steps (the stages prune a
   // shared directory themselves).
   const auto& ck = c_.job.checkpoint;
+  if (ck.store != core::CheckpointStore::kCoordinator && ck.interval > 0 && (r.step() + 1) % ck.interval == 0)
+    Note("checkpoint", "",
+         absl::StrCat("step ", r.step() + 1, ": every stage saves a checkpoint to ", ck.dir, " (store: shared)"));
   if (ck.store == core::CheckpointStore::kCoordinator && ck.interval > 0) {
     const int64_t newest = (r.step() + 1) / ck.interval * ck.interval;
     if (newest > pruned_at_) {
@@ -644,6 +674,7 @@ void RunMachine::OnDone(const StageReportedDone& e) {
         if (s == d.site()) stage = static_cast<int>(k);
     attempt_.failure = Clean(d.error());
     Say(absl::StrCat("stage ", stage, " at site '", d.site(), "' failed: ", attempt_.failure, "\n"));
+    Note("stage_failed", d.site(), absl::StrCat("stage ", stage, " failed: ", attempt_.failure));
     attempt_.failed_site = d.site();
     attempt_.failure_code = d.error_code();
     attempt_.deadline = now_ + After(c_.spec.heartbeat_timeout_seconds + 1);
@@ -692,6 +723,7 @@ void RunMachine::OnBack(const HeartbeatBack& e) {
   if (it == sites_.end() || !it->second.silent) return;
   it->second.silent = false;
   Out(LogSite{e.site, "heartbeats again"});
+  Note("back", e.site, "heartbeats again");
   if (phase_ == Phase::kWaitingForReturn &&
       std::none_of(lost_.begin(), lost_.end(), [&](const std::string& s) { return sites_[s].silent; })) {
     Say(absl::StrCat("recovery: ", Quoted(std::vector<std::string>(lost_.begin(), lost_.end())),
@@ -729,6 +761,8 @@ void RunMachine::EndAttempt() {
     Say(absl::StrCat("recovery: site '", attempt_.failed_site, "' failed on corrupt or non-finite data (",
                      attempt_.failure, "); resuming every stage from the newest intact checkpoint (",
                      data_loss_recoveries_, " of at most ", c_.max_data_loss_recoveries, " such recoveries)\n"));
+    Note("recovery", attempt_.failed_site,
+         absl::StrCat("failed on corrupt or non-finite data; every stage resumes from the newest intact checkpoint"));
     phase_ = Phase::kDraining;
     attempt_.deadline = now_ + After(c_.drain_seconds);
     for (const auto& u : attempt_.used)
@@ -745,6 +779,10 @@ void RunMachine::EndAttempt() {
                        : absl::StrCat("; then site '", attempt_.failed_site, "' failed: ", attempt_.failure));
   Say(absl::StrCat("lost: ", what, "\n"));
   attempt_.lost = what;
+  for (const auto& n : silent)
+    Note("lost", n,
+         absl::StrCat("no heartbeat for ", spec.heartbeat_timeout_seconds, " s; ",
+                      spec.on_failure == core::OnFailure::kWait ? "waiting for it" : "re-planning without it"));
   for (const auto& n : silent)
     Out(LogSite{n,
                 absl::StrCat("lost: no heartbeat for ", spec.heartbeat_timeout_seconds, " s; ",
@@ -794,6 +832,7 @@ void RunMachine::Finish() {
       "final loss %.4f; weights in %s/%s\n",
       c_.steps, el, el / c_.steps, plan_->predicted_step_seconds, wire / 1e6, raw ? 100.0 * wire / raw : 100.0,
       last_loss_, c_.run_dir, core::kWeightsDir));
+  Note("done", "", absl::StrFormat("%d steps in %.1f s, final loss %.4f", c_.steps, el, last_loss_));
   Out(StopAll{});
   Out(Exit{0});
   phase_ = Phase::kFinished;
@@ -801,6 +840,7 @@ void RunMachine::Finish() {
 
 void RunMachine::Fail(const std::string& message) {
   Out(Print{absl::StrCat("meridian run: ", message, "\n"), /*to_stderr=*/true});
+  Note("failed", "", message);
   Out(StopAll{});
   Out(Exit{1});
   phase_ = Phase::kFinished;

@@ -114,11 +114,19 @@ struct PruneCheckpoints {
 struct RemoveCheckpointsAbove {
   int64_t step = 0;
 };
+// One entry of the run's event log (RUN/events.jsonl, the dashboard's and `meridian status --json`'s
+// "events"): `kind` is one of "join", "profiled", "plan", "replan", "resume", "checkpoint",
+// "stage_failed", "lost", "back", "recovery", "done", "failed"; `site` names the site it concerns (""
+// for the run as a whole); `text` is the sentence shown. (The coordinator adds "checkpoint" events of its
+// own store when a step's manifest is written.)
+struct RecordEvent {
+  std::string kind, site, text;
+};
 struct Exit {  // the run is over: stop the service; the process exits with `code`
   int code = 0;
 };
 using Action = std::variant<SendCommand, StopAll, BeginAttempt, PublishRunInfo, WriteRunFile, Print, LogSite,
-                            PruneCheckpoints, RemoveCheckpointsAbove, Exit>;
+                            PruneCheckpoints, RemoveCheckpointsAbove, RecordEvent, Exit>;
 
 // What a run is given: the specs and `meridian run`'s options, already validated.
 struct RunConfig {
@@ -213,6 +221,9 @@ class RunMachine {
 
   void Out(Action a) { out_.push_back(std::move(a)); }
   void Say(std::string line) { Out(Print{std::move(line), false}); }
+  void Note(std::string kind, std::string site, std::string text) {
+    Out(RecordEvent{std::move(kind), std::move(site), std::move(text)});
+  }
   std::vector<std::string> SilentUsed() const;  // the silent sites of the current attempt's plan
   size_t Registered() const;
 

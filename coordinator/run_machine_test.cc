@@ -277,6 +277,37 @@ TEST(RunMachine, LostSiteWithReplanResumesOverTheSitesLeft) {
   EXPECT_EQ(ExitCode(d.Feed(StageReportedDone{Done("c", "r-1")})), 0);
 }
 
+// The event log (RUN/events.jsonl, the dashboard's events): joins, the plan, a lost site, the re-plan
+// with its reason, the resume point and the end, each naming its site where it has one.
+TEST(RunMachine, EventsRecordJoinsPlansLossesReplansAndTheEnd) {
+  Driver d(Config(core::OnFailure::kReplan));
+  std::vector<RecordEvent> events;
+  auto keep = [&](const std::vector<Action>& out) {
+    for (auto& e : All<RecordEvent>(out)) events.push_back(e);
+  };
+  keep(d.Feed(RunStarted{}));
+  for (const char* s : {"a", "b", "c"}) keep(d.Feed(SiteRegistered{s, std::string("127.0.0.1:9") + s, "cpu"}));
+  for (const char* s : {"a", "b", "c"}) keep(d.Feed(ProfileReported{Profile(s)}));
+  keep(d.Feed(MetricsReported{Metrics("a", kRun, 0, 6)}));
+  keep(d.Feed(HeartbeatLost{"b"}));
+  keep(d.Feed(StageReportedDone{Done("a", kRun, "stream to peer 'b' broke")}));
+  keep(d.Feed(StageReportedDone{Done("c", kRun, "stream from peer 'b' broke")}));
+  d.Feed(StageReportedDone{Done("a", "r-1")});
+  keep(d.Feed(StageReportedDone{Done("c", "r-1")}));
+  std::vector<std::string> kinds;
+  for (const auto& e : events) kinds.push_back(e.kind);
+  EXPECT_THAT(kinds, ElementsAre("join", "join", "join", "profiled", "plan", "lost", "replan", "resume", "done"));
+  EXPECT_EQ(events[0].site, "a");
+  EXPECT_THAT(events[4].text, HasSubstr("planned: 3 stage(s) a -> b -> c"));
+  EXPECT_EQ(events[5].site, "b");
+  EXPECT_THAT(events[5].text, HasSubstr("re-planning without it"));
+  EXPECT_THAT(events[6].text, HasSubstr("re-planned: 2 stage(s) a -> c"));
+  EXPECT_THAT(events[6].text, HasSubstr("after site 'b' stopped answering"));
+  EXPECT_THAT(events[6].text, HasSubstr("(without 'b')"));
+  EXPECT_THAT(events[7].text, HasSubstr("resumes from the newest intact checkpoint"));
+  EXPECT_THAT(events[8].text, HasSubstr("20 steps in"));
+}
+
 TEST(RunMachine, SurvivorsThatNeverAnswerAreWaitedForAtMostTheDrainTime) {
   Driver d(Config());
   d.JoinAndProfile({"a", "b", "c"});

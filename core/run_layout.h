@@ -4,6 +4,7 @@
 //
 //   RUN/profile.json, graph.json, plan.json   what `meridian run` measured and planned
 //   RUN/metrics.jsonl, eval.json              one line per step; held-out exact match
+//   RUN/events.jsonl                          one line per event: joins, plans, losses, checkpoints
 //   RUN/sites/<site>.log                      the coordinator's log of each site
 //   RUN/weights/stage-K.safetensors           each stage's final parameters
 //   RUN/checkpoints/step-S/stage-K.safetensors, stage-K.json
@@ -25,6 +26,7 @@ inline constexpr char kGraphFile[] = "graph.json";
 inline constexpr char kPlanFile[] = "plan.json";
 inline constexpr char kMetricsFile[] = "metrics.jsonl";
 inline constexpr char kEvalFile[] = "eval.json";
+inline constexpr char kEventsFile[] = "events.jsonl";
 inline constexpr char kSiteLogDir[] = "sites";
 inline constexpr char kWeightsDir[] = "weights";
 inline constexpr char kCheckpointsDir[] = "checkpoints";

@@ -656,6 +656,84 @@ TEST_F(CoordinatorTest, StatusProfileLivePlanAndSiteLogsOfARunningJob) {
   }
 }
 
+// The dashboard in a real browser (#23): a 3-stage run with /metrics on, its page opened in headless
+// Chromium while it trains. The DOM shows the 3 sites training, every stage of the plan, a loss-chart
+// point per completed step; the page logged nothing to the console (no error, no CSP violation). The
+// screenshot lands in the build directory (docs/images/dashboard.png is one).
+TEST_F(CoordinatorTest, TheDashboardShowsTheRunInAHeadlessBrowser) {
+  ASSERT_TRUE(fs::exists("/usr/bin/chromium")) << "Debian's chromium is missing: run scripts/setup.sh";
+  SetSteps(100000);
+  const int metrics_port = FreePort();
+  {
+    std::string text;
+    std::ifstream in(dir_ / "cluster.yaml");
+    text.assign(std::istreambuf_iterator<char>(in), {});
+    text.replace(text.find("}\nsecurity"), 1, ", metrics_port: " + std::to_string(metrics_port) + "}");
+    std::ofstream(dir_ / "cluster.yaml") << text;
+  }
+  std::ofstream(dir_ / "plan.json")
+      << R"({"stages": [{"sites": ["a"], "last_op": 1}, {"sites": ["b"], "last_op": 3}, {"sites": ["c"], "last_op": 5}]})";
+  // The coordinator writes its progress to a file: nothing here has to keep a pipe drained.
+  const fs::path out = dir_ / "coordinator.out";
+  auto coord = Coordinator("--plan " + (dir_ / "plan.json").string() + " > " + out.string());
+  std::this_thread::sleep_for(500ms);
+  auto a = Executor("a"), b = Executor("b"), c = Executor("c");
+  auto read_out = [&] {
+    std::ifstream in(out);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  for (int i = 0; i < 600 && read_out().find("step 5/") == std::string::npos; ++i) {
+    ASSERT_EQ(coord->Wait(1ms), -1) << read_out();
+    std::this_thread::sleep_for(100ms);
+  }
+  ASSERT_THAT(read_out(), HasSubstr("step 5/")) << read_out();
+  const std::string url = "http://127.0.0.1:" + std::to_string(metrics_port) + "/";
+  EXPECT_THAT(read_out(), HasSubstr("dashboard: " + url));
+  Process bad_query("curl -s -o /dev/null -w '%{http_code}' '" + url + "api/run?after=x'");
+  EXPECT_EQ(bad_query.ReadAll(10s), "400\n");
+
+  const std::string chromium =
+      "/usr/bin/chromium --headless --no-sandbox --disable-gpu --disable-dev-shm-usage "
+      "--enable-logging=stderr --v=0 --virtual-time-budget=6000 --user-data-dir=" +
+      (dir_ / "chromium").string() + " ";
+  Process dump(chromium + "--dump-dom " + url + " 2> " + (dir_ / "console.txt").string());
+  const std::string dom = dump.ReadAll(90s);
+  ASSERT_EQ(dump.Wait(30s), 0) << dom;
+  std::string console;
+  {
+    std::ifstream in(dir_ / "console.txt");
+    console.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  // Anything the page logs (an exception, a refused script or style, a failed fetch) is a console line.
+  EXPECT_THAT(console, Not(HasSubstr("CONSOLE"))) << console;
+  EXPECT_THAT(dom, Not(HasSubstr("data-page-errors"))) << dom;
+  for (const char* s : {"a", "b", "c"})
+    EXPECT_THAT(dom, HasSubstr(std::string("data-site=\"") + s + "\" data-state=\"training\"")) << dom;
+  int k = 0;
+  for (const char* s : {"a", "b", "c"}) {
+    EXPECT_THAT(dom, HasSubstr("data-stage=\"" + std::to_string(k) + "\" data-sites=\"" + s + "\"")) << dom;
+    ++k;
+  }
+  EXPECT_THAT(dom, Not(HasSubstr("data-stage=\"3\"")));
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(dom, m, std::regex("data-completed-steps=\"([0-9]+)\""))) << dom;
+  const int completed = std::stoi(m[1]);
+  EXPECT_GE(completed, 5);
+  ASSERT_TRUE(std::regex_search(dom, m, std::regex("id=\"loss-chart\"[^>]*data-points=\"([0-9]+)\""))) << dom;
+  EXPECT_GE(std::stoi(m[1]), completed);
+  EXPECT_THAT(dom, HasSubstr("data-kind=\"plan\""));
+  EXPECT_THAT(dom, HasSubstr("data-kind=\"join\""));
+
+  const fs::path shot = fs::path(MERIDIAN_TEST_BINARY_DIR) / "dashboard.png";
+  fs::remove(shot);
+  Process screenshot(chromium + "--window-size=1400,1250 --screenshot=" + shot.string() + " " + url + " 2>/dev/null");
+  screenshot.ReadAll(90s);
+  ASSERT_EQ(screenshot.Wait(30s), 0);
+  ASSERT_TRUE(fs::exists(shot));
+  EXPECT_GT(fs::file_size(shot), 20000u);         // a rendered page, not a blank one
+  EXPECT_EQ(coord->Wait(1ms), -1) << read_out();  // still training throughout
+}
+
 // A killed coordinator: the executors stop cleanly within 10 s.
 TEST_F(CoordinatorTest, CoordinatorLossStopsExecutorsWithinTenSeconds) {
   SetSteps(100000);

@@ -56,10 +56,20 @@ class Process {
       buf_.append(chunk, static_cast<size_t>(n));
     }
   }
-  // All remaining stdout until EOF or timeout.
+  // All remaining stdout until EOF or until `timeout` passes without output; a last line without a
+  // newline gets one.
   std::string ReadAll(std::chrono::milliseconds timeout) {
-    std::string all;
-    for (std::string l; !(l = ReadLine(timeout)).empty() || !buf_.empty();) all += l + "\n";
+    for (;;) {
+      pollfd p{out_, POLLIN, 0};
+      if (out_ < 0 || poll(&p, 1, static_cast<int>(timeout.count())) <= 0) break;
+      char chunk[4096];
+      ssize_t n = read(out_, chunk, sizeof chunk);
+      if (n <= 0) break;
+      buf_.append(chunk, static_cast<size_t>(n));
+    }
+    std::string all = std::move(buf_);
+    buf_.clear();
+    if (!all.empty() && all.back() != '\n') all += '\n';
     return all;
   }
   void Kill(int sig) {
