@@ -9,6 +9,7 @@
 
 #include "coordinator/doctor.h"
 #include "coordinator/inspect.h"
+#include "coordinator/launch_command.h"
 #include "coordinator/plan_command.h"
 #include "coordinator/run.h"
 #include "coordinator/simulate_command.h"
@@ -162,6 +163,12 @@ int main(int argc, char** argv) {
   auto* eval = app.add_subcommand("eval", "Held-out exact-match accuracy of a model on a job's instruction data");
   model_tools::AddEvalOptions(eval, &eval_options);
   eval->callback([&] { rc = model_tools::RunEval(eval_options); });
+
+  coordinator::LaunchCommandOptions launch_options;
+  auto* launch = app.add_subcommand(
+      "launch", "Start the executors of the sites with ssh: sections over SSH, and stop them on Ctrl-C");
+  coordinator::AddLaunchOptions(launch, &launch_options);
+  launch->callback([&] { rc = coordinator::RunLaunch(launch_options); });
 
   coordinator::InspectOptions status_options;
   auto* status = app.add_subcommand("status", "Progress and every site's state of a running job");

@@ -21,6 +21,7 @@
 #include "absl/strings/str_format.h"
 #include "compression/activation_delta.h"
 #include "coordinator/coordinator.h"
+#include "coordinator/launch_command.h"
 #include "coordinator/run_machine.h"
 #include "core/certs.h"
 #include "core/checkpoint_dir.h"
@@ -67,6 +68,12 @@ void AddRunOptions(CLI::App* cmd, RunOptions* o) {
                   "or hand-written) whose stages give their sites (the first runs the stage, the others replicate "
                   "it) and last_op; shares, codecs and the prediction come from this run's measurements")
       ->excludes(cmd->get_option("--split"));
+  cmd->add_option("--launch", o->launch,
+                  "ssh: start the executor of every site with an ssh: section over SSH (copying its certificate "
+                  "bundle), follow their logs into RUN/sites, and stop them when the run ends or on Ctrl-C")
+      ->check(CLI::IsMember({"ssh"}));
+  cmd->add_flag("--accept-new-host-keys", o->accept_new_host_keys,
+                "--launch ssh: on first contact, record an unknown host's key in known_hosts (and say which)");
   cmd->add_option(
       "--export", o->export_dir,
       "After training, write the whole model there as HF safetensors + config.json, whatever the partition");
@@ -254,8 +261,22 @@ class RunDriver {
         clock_(std::move(clock)),
         run_id_(absl::StrFormat("%016x", std::mt19937_64(std::random_device{}())())),
         coord_(in_.spec, run_id_, &events_),
-        service_(SiteNames(in_.spec), &coord_) {}
+        service_(SiteNames(in_.spec), &coord_) {
+    launch::LaunchOptions lo;
+    lo.accept_new_host_keys = o.accept_new_host_keys;
+    launcher_ = std::make_unique<launch::SshLauncher>(
+        lo,
+        [this](const std::string& site, const std::string& line) {
+          coord_.LogSite(site, "executor: " + line);  // the remote log's problems, in RUN/sites/<site>.log
+        },
+        [this](const std::string& site, const std::string& msg) {
+          coord_.LogSite(site, msg);
+          std::printf("launch: site '%s': %s\n", site.c_str(), msg.c_str());
+          std::fflush(stdout);
+        });
+  }
   ~RunDriver() {  // /metrics reads coord_: stop it before the members go
+    launcher_->StopAll();
     metrics_http_.stop();
     if (metrics_thread_.joinable()) metrics_thread_.join();
   }
@@ -279,10 +300,24 @@ class RunDriver {
       }
     }
     if (int rc = StartServices(); rc != 0) return rc;
+    InstallInterruptHandler();  // Ctrl-C: stop the sites, then exit 130
+    if (o_.launch == "ssh") {
+      if (absl::Status st = LaunchSshSites(in_.spec, in_.certs, in_.spec.coordinator.ToString(), launcher_.get());
+          !st.ok()) {
+        std::cerr << "meridian run: --launch ssh: " << st.message() << "\n";
+        return st.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+      }
+    }
     RunMachine machine(std::move(config));
     std::set<std::string> silent;
     std::optional<int> exit = Perform(machine.Handle({clock_(), RunStarted{}}));
     while (!exit) {
+      if (const int sig = g_interrupted.load(); sig != 0) {
+        std::fprintf(stderr, "meridian run: interrupted (%s); stopping the sites\n", strsignal(sig));
+        coord_.StopAll();
+        exit = 130;
+        break;
+      }
       // Heartbeats: a site going silent or answering again is an event of its own.
       const Clock::time_point now = clock_();
       const std::vector<std::string> silent_now = coord_.Silent(now);
@@ -304,6 +339,7 @@ class RunDriver {
     }
     // Let the stop commands reach the executors, then end the service.
     std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    launcher_->StopAll();  // executors started over SSH that are still there (they were sent stop first)
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(*exit == 0 ? 5 : 2));
     return *exit;
   }
@@ -424,9 +460,12 @@ class RunDriver {
     std::cout << "coordinator for cluster '" << spec.name << "' listening on " << spec.coordinator.ToString()
               << " (run " << run_id_ << ")\njoin each site with:\n";
     for (const auto& s : spec.sites)
-      std::cout << "  meridian-executor --coordinator " << spec.coordinator.ToString() << " --site " << s.name
-                << " --certs " << core::SiteBundleDir(in_.certs, s.name) << " --listen " << s.address.ToString()
-                << " --device " << s.devices.front() << "\n";
+      if (o_.launch == "ssh" && s.ssh)
+        std::cout << "  site '" << s.name << "': started over SSH at " << s.ssh->host << " (--launch ssh)\n";
+      else
+        std::cout << "  meridian-executor --coordinator " << spec.coordinator.ToString() << " --site " << s.name
+                  << " --certs " << core::SiteBundleDir(in_.certs, s.name) << " --listen " << s.address.ToString()
+                  << " --device " << s.devices.front() << "\n";
     std::cout << std::flush;
     if (spec.metrics_port > 0) {
       metrics_http_.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
@@ -484,6 +523,7 @@ class RunDriver {
   Coordinator coord_;
   rpc::CoordinatorService service_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<launch::SshLauncher> launcher_;  // --launch ssh
   httplib::Server metrics_http_;
   std::thread metrics_thread_;
   std::map<std::string, std::ofstream> appended_;  // run files written a line at a time

@@ -19,14 +19,16 @@ namespace meridian::coordinator {
 struct RunOptions {
   std::string cluster_path, job_path, run_dir = "runs/meridian";
   int steps = 0;
-  double join_timeout_seconds = 0;  // 0: wait for the sites indefinitely
-  int micro_batches = 0;            // 0: the job's
-  std::string export_dir;           // non-empty: consolidated HF export after training
-  int profile_repeats = 5;          // timed passes per op in the sites' model measurement
-  std::string split = "planned";    // "even": sites in spec order, equal op counts (ablation)
-  std::string plan_path;            // non-empty: train this plan.json's layout (sites, replicas, cuts)
-  bool resume = false;              // stages start from the newest intact checkpoint
-  int eval_examples = 200;          // JSONL jobs: held-out examples scored before, per checkpoint, after (0: none)
+  double join_timeout_seconds = 0;    // 0: wait for the sites indefinitely
+  int micro_batches = 0;              // 0: the job's
+  std::string export_dir;             // non-empty: consolidated HF export after training
+  int profile_repeats = 5;            // timed passes per op in the sites' model measurement
+  std::string split = "planned";      // "even": sites in spec order, equal op counts (ablation)
+  std::string plan_path;              // non-empty: train this plan.json's layout (sites, replicas, cuts)
+  bool resume = false;                // stages start from the newest intact checkpoint
+  int eval_examples = 200;            // JSONL jobs: held-out examples scored before, per checkpoint, after (0: none)
+  std::string launch;                 // "ssh": start the executors of the sites with ssh: (docs/launch.md)
+  bool accept_new_host_keys = false;  // --launch ssh: record unknown host keys on first contact
 };
 
 void AddRunOptions(CLI::App* cmd, RunOptions* options);

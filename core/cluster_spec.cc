@@ -315,7 +315,51 @@ void ParseEmulation(Checker& c, const YAML::Node& n, const std::string& ctx, Emu
   c.IntAs(n, "threads", ctx, false, 1, 256, &e->threads);
 }
 
-void ParseSites(Checker& c, const YAML::Node& n, ClusterSpec* cs) {
+// A word that goes on ssh's command line or into the remote shell's: no option look-alike, no shell syntax.
+bool IsSafeSshWord(const std::string& v, bool path) {
+  if (v.empty() || v.size() > 1024 || v[0] == '-') return false;
+  for (char ch : v) {
+    const bool ok = std::isalnum(static_cast<unsigned char>(ch)) || ch == '.' || ch == '_' || ch == '-' || ch == ':' ||
+                    (path && (ch == '/' || ch == '+' || ch == '@' || ch == ','));
+    if (!ok) return false;
+  }
+  return true;
+}
+
+void ParseSsh(Checker& c, const YAML::Node& n, const std::string& ctx, const std::string& spec_path, SshSpec* ssh) {
+  if (!c.Map(n, ctx, {"host", "user", "port", "identity_file", "known_hosts", "workdir", "executor"})) return;
+  c.Field(n, "host", ctx, true, [&](const std::string& v) -> std::string {
+    if (!IsSafeSshWord(v, false) || v.find(':') != std::string::npos)
+      return absl::StrCat("'", v, "' is not a host name or IPv4 address (letters, digits, '.', '-', '_')");
+    ssh->host = v;
+    return "";
+  });
+  c.Field(n, "user", ctx, false, [&](const std::string& v) -> std::string {
+    if (!IsSafeSshWord(v, false) || v.find(':') != std::string::npos)
+      return absl::StrCat("'", v, "' is not a user name (letters, digits, '.', '-', '_'; not starting with '-')");
+    ssh->user = v;
+    return "";
+  });
+  c.IntAs(n, "port", ctx, false, 1, 65535, &ssh->port);
+  for (auto [key, out, remote] :
+       {std::tuple<const char*, std::string*, bool>{"identity_file", &ssh->identity_file, false},
+        {"known_hosts", &ssh->known_hosts, false},
+        {"workdir", &ssh->workdir, true},
+        {"executor", &ssh->executor, true}}) {
+    c.Field(n, key, ctx, false, [&, key = key, out = out, remote = remote](const std::string& v) -> std::string {
+      if (!IsSafeSshWord(v, true))
+        return absl::StrCat("'", v,
+                            "' is not a plain path (letters, digits and . _ - / + @ , :; no spaces, quotes, '~' "
+                            "or leading '-')");
+      if (remote && std::string(key) == "workdir" && (v == "/" || v.find("..") != std::string::npos))
+        return absl::StrCat("'", v, "' must name a folder of its own (not '/', no '..')");
+      *out = remote ? v : ResolveRelative(spec_path, v);
+      return "";
+    });
+  }
+}
+
+void ParseSites(Checker& c, const YAML::Node& n, ClusterSpec* cs, const std::string& spec_path) {
   if (!n.IsSequence()) {
     c.Error(n.Mark(), absl::StrCat("sites: expected a list of sites, found ", KindName(n)));
     return;
@@ -326,7 +370,7 @@ void ParseSites(Checker& c, const YAML::Node& n, ClusterSpec* cs) {
   size_t i = 0;
   for (const auto& sn : n) {
     std::string ctx = absl::StrCat("sites[", i++, "]");
-    if (!c.Map(sn, ctx, {"name", "address", "devices", "emulation", "memory"})) continue;
+    if (!c.Map(sn, ctx, {"name", "address", "devices", "emulation", "memory", "ssh"})) continue;
     SiteSpec s;
     s.line = sn.Mark().line + 1;
     c.Field(sn, "name", ctx, true, [&](const std::string& v) -> std::string {
@@ -382,6 +426,11 @@ void ParseSites(Checker& c, const YAML::Node& n, ClusterSpec* cs) {
       s.emulation = e;
     }
     c.Quantity(sn, "memory", ctx, false, ParseBytes, &s.memory_bytes);
+    if (sn["ssh"].IsDefined() && !sn["ssh"].IsNull()) {
+      SshSpec ssh;
+      ParseSsh(c, sn["ssh"], ctx + ".ssh", spec_path, &ssh);
+      s.ssh = ssh;
+    }
     cs->sites.push_back(std::move(s));
   }
 }
@@ -712,7 +761,7 @@ SpecLoadResult ParseSpec(const std::string& text, const std::string& path) {
           }
         }
         c.Choice(root, "on_failure", "spec", {OnFailure::kReplan, OnFailure::kWait}, &cs.on_failure);
-        ParseSites(c, root["sites"], &cs);
+        ParseSites(c, root["sites"], &cs, path);
         c.IntAs(root, "min_sites", "spec", false, 0, 100000, &cs.min_sites);
         if (cs.min_sites > static_cast<int>(cs.sites.size()))
           c.Error(root["min_sites"].Mark(),

@@ -39,11 +39,27 @@ struct EmulationSpec {
   int threads = 1;         // intra-op threads for the executor
 };
 
+// How `meridian launch` (and `meridian run --launch ssh`) starts a site's executor over OpenSSH
+// (docs/launch.md). Every field is checked by the loader so that nothing reaches ssh's command line or the
+// remote shell that could be read as an option or as shell syntax.
+struct SshSpec {
+  std::string host;  // required: a host name or address (not starting with '-')
+  std::string user;  // default "": ssh's own (the local user, or ~/.ssh/config)
+  int port = 22;
+  std::string identity_file;  // the private key; "": ssh's defaults. Resolved against the spec's folder
+  std::string known_hosts;    // "": ssh's own (~/.ssh/known_hosts). Resolved against the spec's folder
+  // On the remote host: the folder for the site's certificates, the executor's log and pid (relative:
+  // to the login's home), and the executor binary (a path, or a name on the remote PATH).
+  std::string workdir = "meridian";
+  std::string executor = "meridian-executor";
+};
+
 struct SiteSpec {
   std::string name;                         // [A-Za-z0-9_-], 1..63 chars; becomes the certificate CN
   Endpoint address;                         // where the executor listens for its peers
   std::vector<std::string> devices{"cpu"};  // "cpu" or "cuda:N"
   std::optional<EmulationSpec> emulation;
+  std::optional<SshSpec> ssh;          // set: `meridian launch` starts this site's executor over SSH
   std::optional<double> memory_bytes;  // optional cap on the memory the planner may use at this site
   int line = 0;                        // position in the file, for later messages
 };

@@ -60,6 +60,25 @@ TEST(ClusterSpec, BundledExamplesAreValid) {
   EXPECT_DOUBLE_EQ(*geo.spec->cluster->sites[0].memory_bytes, 320.0 * (1ull << 30));
 }
 
+TEST(ClusterSpec, SshSectionWithDefaultsAndPathsResolvedAgainstTheSpec) {
+  auto r = ParseSpec(std::string(kValid).replace(std::string(kValid).find("    address: 127.0.0.1:7002\n"), 28,
+                                                 "    address: 127.0.0.1:7002\n    ssh: {host: b.example.com, user: "
+                                                 "train, port: 2222, identity_file: keys/id, workdir: /srv/m}\n"),
+                     "/etc/meridian/t.yaml");
+  ASSERT_TRUE(r.errors.empty()) << r.errors[0].ToString();
+  const ClusterSpec& c = *r.spec->cluster;
+  EXPECT_FALSE(c.sites[0].ssh.has_value());
+  ASSERT_TRUE(c.sites[1].ssh.has_value());
+  const SshSpec& ssh = *c.sites[1].ssh;
+  EXPECT_EQ(ssh.host, "b.example.com");
+  EXPECT_EQ(ssh.user, "train");
+  EXPECT_EQ(ssh.port, 2222);
+  EXPECT_EQ(ssh.identity_file, "/etc/meridian/keys/id");
+  EXPECT_EQ(ssh.known_hosts, "");  // ssh's own
+  EXPECT_EQ(ssh.workdir, "/srv/m");
+  EXPECT_EQ(ssh.executor, "meridian-executor");
+}
+
 TEST(ClusterSpec, JobOnlyFile) {
   auto r = ParseSpec("job:\n  model: m\n  steps: 5\n  global_batch: 8\n  micro_batches: 4\n", "job.yaml");
   ASSERT_TRUE(r.errors.empty()) << r.errors[0].ToString();
@@ -231,6 +250,19 @@ INSTANTIATE_TEST_SUITE_P(
                 "timeout must be longer", 6},
         BadCase{"coordinator_same_as_site", WithSites("  - {name: a, address: 127.0.0.1:7000}\n"), "is also site 'a'", 2},
         BadCase{"alias_bomb", AliasBomb(), "too large or too deep once aliases are expanded", 1},
+        BadCase{"ssh_host_option", WithSites("  - {name: a, address: 127.0.0.1:7001, ssh: {host: -oProxyCommand=x}}\n"),
+                "site 'a'.ssh.host: '-oProxyCommand=x' is not a host name", 4},
+        BadCase{"ssh_no_host", WithSites("  - {name: a, address: 127.0.0.1:7001, ssh: {user: root}}\n"),
+                "site 'a'.ssh: missing required key 'host'", 4},
+        BadCase{"ssh_workdir_shell",
+                WithSites("  - {name: a, address: 127.0.0.1:7001, ssh: {host: h, workdir: \"x; rm -rf ~\"}}\n"),
+                "site 'a'.ssh.workdir: 'x; rm -rf ~' is not a plain path", 4},
+        BadCase{"ssh_workdir_up", WithSites("  - {name: a, address: 127.0.0.1:7001, ssh: {host: h, workdir: ../x}}\n"),
+                "must name a folder of its own", 4},
+        BadCase{"ssh_port", WithSites("  - {name: a, address: 127.0.0.1:7001, ssh: {host: h, port: 70000}}\n"),
+                "site 'a'.ssh.port", 4},
+        BadCase{"ssh_unknown_key", WithSites("  - {name: a, address: 127.0.0.1:7001, ssh: {host: h, password: x}}\n"),
+                "password", 4},
         BadCase{"deep_nesting_100k", Nested(100000), "nesting is too deep", 1},
         BadCase{"deep_dash_nesting_100k", [] {
                   std::string s;

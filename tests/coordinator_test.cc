@@ -734,6 +734,200 @@ TEST_F(CoordinatorTest, TheDashboardShowsTheRunInAHeadlessBrowser) {
   EXPECT_EQ(coord->Wait(1ms), -1) << read_out();  // still training throughout
 }
 
+// ---- `meridian launch` and `meridian run --launch ssh` (#23), with Debian's sshd in network namespaces
+// made by tests/ssh/sites.sh: three "remote" sites, each an sshd with its own host key on a bridge in a
+// hub namespace, where the coordinator runs.
+class SshLaunchTest : public CoordinatorTest {
+ protected:
+  void SetUp() override {
+    if (::geteuid() != 0) GTEST_SKIP() << "needs root (network namespaces and sshd)";
+    CoordinatorTest::SetUp();
+    prefix_ = "mssh" + std::to_string(::getpid() % 100000);
+    net_ = "10.213." + std::to_string(150 + ::getpid() % 100);
+    ssh_ = dir_ / "ssh";
+    Process up("bash " + std::string(MERIDIAN_TEST_SOURCE_DIR) + "/tests/ssh/sites.sh up " + ssh_.string() + " " +
+               prefix_ + " " + net_ + " a b c 2>&1");
+    const std::string out = up.ReadAll(60s);
+    ASSERT_EQ(up.Wait(30s), 0) << out;
+    coord_port_ = FreePort();
+    WriteCluster({});
+  }
+  void TearDown() override {
+    if (ssh_.empty()) return;
+    Process down("bash " + std::string(MERIDIAN_TEST_SOURCE_DIR) + "/tests/ssh/sites.sh down " + ssh_.string() + " " +
+                 prefix_ + " a b c 2>&1");
+    down.Wait(30s);
+    CoordinatorTest::TearDown();
+  }
+  // The cluster spec: every site on the bridge with an ssh: section; `ssh_overrides[site]` adds to or
+  // replaces its fields (YAML flow text).
+  void WriteCluster(std::map<std::string, std::string> ssh_overrides) {
+    std::ofstream spec(dir_ / "cluster.yaml");
+    spec << "cluster: t\ncoordinator: {address: " << net_ << ".1:" << coord_port_
+         << "}\nsecurity: {certs: certs}\nheartbeat: {interval: 1s, timeout: 4s}\nsites:\n";
+    int i = 2;
+    for (const char* s : {"a", "b", "c"}) {
+      const std::string host = net_ + "." + std::to_string(i++);
+      std::map<std::string, std::string> f = {{"host", host},
+                                              {"user", "root"},
+                                              {"identity_file", (ssh_ / "user_key").string()},
+                                              {"known_hosts", (ssh_ / "known_hosts").string()},
+                                              {"workdir", (dir_ / ("remote-" + std::string(s))).string()},
+                                              {"executor", Bin("meridian-executor")}};
+      if (ssh_overrides.count(s)) {
+        std::string o = ssh_overrides[s];
+        f[o.substr(0, o.find(':'))] = o.substr(o.find(':') + 2);
+      }
+      spec << "  - {name: " << s << ", address: " << host << ":" << FreePort() << ", ssh: {";
+      bool first = true;
+      for (const auto& [k, v] : f) spec << (first ? "" : ", ") << k << ": " << v, first = false;
+      spec << "}}\n";
+    }
+    spec.close();
+    Process certs(Bin("meridian") + " certs init --force --spec " + (dir_ / "cluster.yaml").string() + " --out " +
+                  (dir_ / "certs").string() + " 2>&1");
+    ASSERT_EQ(certs.Wait(30s), 0);
+  }
+  std::string Hub() const { return "exec ip netns exec " + prefix_ + "-hub "; }
+  // How many executors of this test's cluster run anywhere (the namespaces share the process table).
+  int ExecutorsRunning() const {
+    Process p("pgrep -f -c -- '[-]-coordinator " + net_ + ".1:" + std::to_string(coord_port_) + "'");
+    return std::atoi(p.ReadAll(10s).c_str());
+  }
+  bool NoExecutorWithin(std::chrono::seconds limit) const {
+    for (auto end = std::chrono::steady_clock::now() + limit; std::chrono::steady_clock::now() < end;) {
+      if (ExecutorsRunning() == 0) return true;
+      std::this_thread::sleep_for(200ms);
+    }
+    return false;
+  }
+  std::string prefix_, net_;
+  fs::path ssh_;
+};
+
+// End to end through --launch ssh: the bundles copied, the executors started over SSH, the run trained to
+// the weights of `meridian train-local`, the executors gone afterwards; only each site's own key went to it.
+TEST_F(SshLaunchTest, ARunLaunchedOverSshTrainsLikeTrainLocalAndLeavesNoExecutor) {
+  SetSteps(6);
+  Process run(Hub() + Bin("meridian") + " run " + (dir_ / "cluster.yaml").string() + " " +
+              (dir_ / "job.yaml").string() + " --run-dir " + (dir_ / "run").string() +
+              " --join-timeout 60 --launch ssh 2>&1");
+  const std::string log = run.ReadAll(180s);
+  ASSERT_EQ(run.Wait(60s), 0) << log;
+  EXPECT_THAT(log, HasSubstr("site 'a': started over SSH at " + net_ + ".2"));
+  EXPECT_THAT(log, Not(HasSubstr("meridian-executor --coordinator")));  // no join line to paste
+  EXPECT_THAT(log, HasSubstr("done: 6 steps"));
+  for (const char* s : {"a", "b", "c"}) {
+    EXPECT_THAT(log, ContainsRegex(std::string("launch: site '") + s + "': stopped meridian-executor"));
+    const fs::path certs = dir_ / ("remote-" + std::string(s)) / "certs";
+    std::set<std::string> files;
+    for (const auto& e : fs::directory_iterator(certs)) files.insert(e.path().filename().string());
+    EXPECT_EQ(files, (std::set<std::string>{"ca.pem", std::string(s) + ".pem", std::string(s) + ".key"})) << s;
+    EXPECT_EQ(fs::status(certs / (std::string(s) + ".key")).permissions() & fs::perms::group_all, fs::perms::none);
+    std::ifstream site_log(dir_ / "run" / "sites" / (std::string(s) + ".log"));
+    std::string text((std::istreambuf_iterator<char>(site_log)), {});
+    EXPECT_THAT(text, HasSubstr("started meridian-executor (pid ")) << s;
+  }
+  EXPECT_TRUE(NoExecutorWithin(10s));
+  ExpectWeightsOfTheReference(dir_);
+}
+
+// What cannot work fails fast naming the site: a key the host refuses, a host whose key is unknown, an
+// executor of another version. A site that did start is stopped again.
+TEST_F(SshLaunchTest, AWrongKeyAnUnknownHostOrAnotherVersionIsRefusedNamingTheSite) {
+  const std::string launch = Hub() + Bin("meridian") + " launch " + (dir_ / "cluster.yaml").string() + " 2>&1";
+  auto attempt = [&](const char* what) {
+    const auto t0 = std::chrono::steady_clock::now();
+    Process p(launch);
+    std::string out = p.ReadAll(30s);
+    EXPECT_EQ(p.Wait(30s), 1) << what << ": " << out;
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s) << what;
+    EXPECT_TRUE(NoExecutorWithin(10s)) << what;
+    return out;
+  };
+  Process keygen("ssh-keygen -q -t ed25519 -N '' -f " + (ssh_ / "stranger_key").string());
+  ASSERT_EQ(keygen.Wait(30s), 0);
+  WriteCluster({{"b", "identity_file: " + (ssh_ / "stranger_key").string()}});
+  std::string out = attempt("wrong key");
+  EXPECT_THAT(out, HasSubstr("site 'b' (root@" + net_ + ".3:22)"));
+  EXPECT_THAT(out, HasSubstr("refused the key " + (ssh_ / "stranger_key").string()));
+
+  std::ofstream(ssh_ / "empty_known_hosts") << "";
+  WriteCluster({{"c", "known_hosts: " + (ssh_ / "empty_known_hosts").string()}});
+  out = attempt("unknown host");
+  EXPECT_THAT(out, HasSubstr("site 'c'"));
+  EXPECT_THAT(out, HasSubstr("is not in " + (ssh_ / "empty_known_hosts").string()));
+  EXPECT_THAT(out, HasSubstr("--accept-new-host-keys"));
+
+  std::ofstream(dir_ / "old-executor") << "#!/bin/sh\necho meridian-executor 0.0.1\n";
+  fs::permissions(dir_ / "old-executor", fs::perms::owner_all);
+  WriteCluster({{"a", "executor: " + (dir_ / "old-executor").string()}});
+  out = attempt("another version");
+  EXPECT_THAT(out, HasSubstr("site 'a'"));
+  EXPECT_THAT(out, HasSubstr("says 'meridian-executor 0.0.1', but this coordinator is meridian-executor "));
+}
+
+// The executors' own problems come back over SSH: started against a coordinator that is not there, each
+// logs that it cannot join and exits; `meridian launch` prints those lines naming the site, sees every
+// executor gone and exits 0.
+TEST_F(SshLaunchTest, TheExecutorsLoggedProblemsComeBackNamingTheSite) {
+  Process launch(Hub() + Bin("meridian") + " launch " + (dir_ / "cluster.yaml").string() + " --coordinator " + net_ +
+                 ".1:" + std::to_string(FreePort()) + " 2>&1");
+  const std::string out = launch.ReadAll(60s);
+  EXPECT_EQ(launch.Wait(30s), 0) << out;
+  for (const char* s : {"a", "b", "c"})
+    EXPECT_THAT(out, ContainsRegex(std::string("site '") + s +
+                                   "': .*error meridian-executor: cannot join the "
+                                   "coordinator at "))
+        << out;
+  EXPECT_THAT(out, HasSubstr("launch: every executor has exited"));
+  EXPECT_EQ(ExecutorsRunning(), 0);
+}
+
+// First contact with --accept-new-host-keys records the keys and says which; Ctrl-C (SIGINT) of
+// `meridian launch` and of `meridian run --launch ssh` leaves no executor running on any site.
+TEST_F(SshLaunchTest, AcceptedHostKeysAreNamedAndCtrlCLeavesNoExecutorRunning) {
+  std::ofstream(ssh_ / "new_known_hosts") << "";
+  WriteCluster({{"a", "known_hosts: " + (ssh_ / "new_known_hosts").string()}});
+  const fs::path out = dir_ / "launch.out";
+  {
+    Process launch(Hub() + Bin("meridian") + " launch " + (dir_ / "cluster.yaml").string() +
+                   " --accept-new-host-keys > " + out.string() + " 2>&1");
+    std::string text;
+    for (int i = 0; i < 300 && text.find("executors started") == std::string::npos; ++i) {
+      std::this_thread::sleep_for(100ms);
+      std::ifstream in(out);
+      text.assign(std::istreambuf_iterator<char>(in), {});
+    }
+    ASSERT_THAT(text, HasSubstr("launch: 3 executors started")) << text;
+    EXPECT_THAT(text, HasSubstr("launch: site 'a': accepted the new host key of root@" + net_ + ".2:22 into " +
+                                (ssh_ / "new_known_hosts").string() + ": " + net_ + ".2 ED25519 SHA256:"));
+    EXPECT_EQ(ExecutorsRunning(), 3);
+    launch.Kill(SIGINT);
+    EXPECT_EQ(launch.Wait(30s), 130);
+    EXPECT_TRUE(NoExecutorWithin(10s));
+  }
+  SetSteps(100000);
+  const fs::path run_out = dir_ / "run.out";
+  Process run(Hub() + Bin("meridian") + " run " + (dir_ / "cluster.yaml").string() + " " +
+              (dir_ / "job.yaml").string() + " --run-dir " + (dir_ / "run").string() +
+              " --join-timeout 60 --launch ssh > " + run_out.string() + " 2>&1");
+  std::string text;
+  for (int i = 0; i < 900 && text.find("step 3/") == std::string::npos; ++i) {
+    std::this_thread::sleep_for(100ms);
+    std::ifstream in(run_out);
+    text.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  ASSERT_THAT(text, HasSubstr("step 3/")) << text;
+  EXPECT_EQ(ExecutorsRunning(), 3);
+  run.Kill(SIGINT);
+  EXPECT_EQ(run.Wait(60s), 130);
+  EXPECT_TRUE(NoExecutorWithin(10s));
+  std::ifstream in(run_out);
+  text.assign(std::istreambuf_iterator<char>(in), {});
+  EXPECT_THAT(text, HasSubstr("meridian run: interrupted (Interrupt); stopping the sites"));
+}
+
 // A killed coordinator: the executors stop cleanly within 10 s.
 TEST_F(CoordinatorTest, CoordinatorLossStopsExecutorsWithinTenSeconds) {
   SetSteps(100000);

@@ -1,0 +1,110 @@
+#include "coordinator/launch_command.h"
+
+#include <signal.h>
+
+#include <CLI/CLI.hpp>
+
+#include <chrono>
+#include <future>
+#include <iostream>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "core/certs.h"
+
+namespace meridian::coordinator {
+
+std::atomic<int> g_interrupted{0};
+
+void InstallInterruptHandler() {
+  struct sigaction sa {};
+  sa.sa_handler = [](int sig) { g_interrupted.store(sig); };
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+}
+
+absl::Status LaunchSshSites(const core::ClusterSpec& spec, const std::string& certs_dir,
+                            const std::string& coordinator, launch::SshLauncher* launcher) {
+  std::vector<std::pair<std::string, std::future<absl::Status>>> running;
+  for (const auto& site : spec.sites) {
+    if (!site.ssh) continue;
+    launch::SiteLaunch s;
+    s.site = site.name;
+    s.ssh = *site.ssh;
+    s.bundle_dir = core::SiteBundleDir(certs_dir, site.name);
+    s.coordinator = coordinator;
+    s.listen = site.address.ToString();
+    s.device = site.devices.front();
+    running.emplace_back(site.name, std::async(std::launch::async, [launcher, s] { return launcher->Launch(s); }));
+  }
+  if (running.empty())
+    return absl::InvalidArgumentError(
+        "no site of the cluster spec has an 'ssh:' section; add one to each site to start over SSH (docs/launch.md)");
+  std::string errors;
+  for (auto& [site, f] : running)
+    if (absl::Status st = f.get(); !st.ok()) absl::StrAppend(&errors, errors.empty() ? "" : "\n", st.message());
+  if (errors.empty()) return absl::OkStatus();
+  launcher->StopAll();
+  return absl::UnavailableError(errors);
+}
+
+void AddLaunchOptions(CLI::App* cmd, LaunchCommandOptions* o) {
+  cmd->add_option("CLUSTER", o->cluster_path, "Cluster spec (YAML) whose sites have ssh: sections")->required();
+  cmd->add_option("--coordinator", o->coordinator, "HOST:PORT the executors join (default: the spec's coordinator)");
+  cmd->add_flag("--accept-new-host-keys", o->accept_new_host_keys,
+                "On first contact, record an unknown host's key in known_hosts (and say which); a changed key is "
+                "still refused");
+}
+
+int RunLaunch(const LaunchCommandOptions& o) {
+  auto r = core::LoadSpecFile(o.cluster_path);
+  if (!r.errors.empty()) {
+    for (const auto& d : r.errors) std::cerr << d.ToString() << "\n";
+    return 2;
+  }
+  if (!r.spec->cluster) {
+    std::cerr << "meridian launch: " << o.cluster_path << ": not a cluster spec (no 'sites')\n";
+    return 2;
+  }
+  const core::ClusterSpec& spec = *r.spec->cluster;
+  InstallInterruptHandler();
+  launch::LaunchOptions lo;
+  lo.accept_new_host_keys = o.accept_new_host_keys;
+  launch::SshLauncher launcher(
+      lo, [](const std::string& site, const std::string& line) { std::cerr << "site '" << site << "': " << line << "\n"; },
+      [](const std::string& site, const std::string& msg) { std::cout << "launch: site '" << site << "': " << msg << "\n"
+                                                                      << std::flush; });
+  const std::string coordinator = o.coordinator.empty() ? spec.coordinator.ToString() : o.coordinator;
+  if (absl::Status st =
+          LaunchSshSites(spec, core::ResolveRelative(o.cluster_path, spec.certs_dir), coordinator, &launcher);
+      !st.ok()) {
+    std::cerr << "meridian launch: " << st.message() << "\n";
+    return st.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+  }
+  for (const auto& site : spec.sites)
+    if (!site.ssh)
+      std::cout << "  site '" << site.name << "' has no ssh: section; start it with: meridian-executor --coordinator "
+                << coordinator << " --site " << site.name << " --certs "
+                << core::SiteBundleDir(core::ResolveRelative(o.cluster_path, spec.certs_dir), site.name)
+                << " --listen " << site.address.ToString() << "\n";
+  std::cout << "launch: " << launcher.Started().size()
+            << " executors started; Ctrl-C stops them, or wait for them to finish\n"
+            << std::flush;
+  for (auto last = std::chrono::steady_clock::now(); !g_interrupted.load();) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    if (std::chrono::steady_clock::now() - last < std::chrono::seconds(5)) continue;
+    last = std::chrono::steady_clock::now();
+    if (launcher.StillRunning().empty()) {
+      std::cout << "launch: every executor has exited\n";
+      launcher.StopAll();  // ends the log streams
+      return 0;
+    }
+  }
+  std::cout << "launch: interrupted; stopping the executors\n" << std::flush;
+  launcher.StopAll();
+  return 130;
+}
+
+}  // namespace meridian::coordinator
