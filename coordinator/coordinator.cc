@@ -77,6 +77,7 @@ absl::StatusOr<v1::RegisterResponse> Coordinator::Register(const v1::RegisterReq
 
 absl::StatusOr<v1::HeartbeatResponse> Coordinator::Heartbeat(const v1::HeartbeatRequest& r) {
   v1::HeartbeatResponse resp;
+  bool leaving = false;  // the first heartbeat that says so
   {
     std::lock_guard<std::mutex> l(mu_);
     Site& s = sites_[r.site()];
@@ -85,9 +86,42 @@ absl::StatusOr<v1::HeartbeatResponse> Coordinator::Heartbeat(const v1::Heartbeat
     s.state = r.state();
     s.step = r.step();
     resp.set_stop(stopping_);
+    resp.set_end_after_step(boundary_step_);
+    resp.set_end_job_id(boundary_job_);
+    leaving = r.leaving() && !s.leaving;
+    s.leaving = s.leaving || r.leaving();
   }
   cv_.notify_all();
+  if (leaving && events_) events_->Push(SiteLeaving{r.site(), "its executor got SIGTERM"});
   return resp;
+}
+
+absl::StatusOr<v1::DrainResponse> Coordinator::Drain(const std::string& site) {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (!spec_.FindSite(site))
+      return absl::NotFoundError(absl::StrCat("site '", site, "' is not in cluster '", spec_.name, "'"));
+    Site& s = sites_[site];
+    if (!s.registered) return absl::FailedPreconditionError(absl::StrCat("site '", site, "' has not joined"));
+    if (s.leaving) {
+      v1::DrainResponse r;
+      r.set_message(absl::StrCat("site '", site, "' is already leaving"));
+      return r;
+    }
+    s.leaving = true;
+  }
+  if (events_) events_->Push(SiteLeaving{site, "meridian drain"});
+  v1::DrainResponse r;
+  r.set_message(absl::StrCat("site '", site,
+                             "' leaves at the next step boundary: the stages save that step, and the run goes on "
+                             "without it from there"));
+  return r;
+}
+
+void Coordinator::SetBoundary(const std::string& job_id, int64_t step) {
+  std::lock_guard<std::mutex> l(mu_);
+  boundary_job_ = step > 0 ? job_id : "";
+  boundary_step_ = step;
 }
 
 absl::StatusOr<std::optional<v1::Command>> Coordinator::NextCommand(const std::string& site,

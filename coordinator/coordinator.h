@@ -57,6 +57,7 @@ class Coordinator : public rpc::CoordinatorHandler {
     std::optional<v1::ProfileReport> profile;
     std::optional<v1::StageDone> done;
     std::optional<v1::MetricsReport> metrics;  // the latest of the current attempt
+    bool leaving = false;                      // it asked to leave (SiteLeaving was enqueued once)
   };
   struct Progress {
     int64_t step = -1;
@@ -78,6 +79,7 @@ class Coordinator : public rpc::CoordinatorHandler {
   absl::Status Profile(const v1::ProfileReport& r) override;
   absl::Status Done(const v1::StageDone& d) override;
   absl::StatusOr<v1::InspectResponse> Inspect() override;
+  absl::StatusOr<v1::DrainResponse> Drain(const std::string& site) override;
   absl::StatusOr<FileGrant> FileDestination(const std::string& site, const std::string& job_id,
                                             const std::string& path) override;
   absl::Status FileCommit(const std::string& site, const std::string& job_id, const std::string& path,
@@ -133,6 +135,9 @@ class Coordinator : public rpc::CoordinatorHandler {
   // not fit the plan and the site's earlier reports (they would forge the progress).
   void BeginJob(const std::string& job_id, std::map<std::string, int> stages = {});
   void Send(const std::string& site, v1::Command c);
+  // Every heartbeat answer from now on carries the step boundary (SetBoundary in run_machine.h); step 0
+  // clears it.
+  void SetBoundary(const std::string& job_id, int64_t step);
   void StopAll();
   // Registered sites whose last heartbeat is older than the spec's heartbeat timeout at `now` (a site
   // whose stage is done may exit: it is never silent).
@@ -162,6 +167,8 @@ class Coordinator : public rpc::CoordinatorHandler {
   std::map<std::string, Site> sites_;
   Progress progress_;
   std::string job_id_;
+  std::string boundary_job_;  // SetBoundary
+  int64_t boundary_step_ = 0;
   std::map<std::string, int> stages_;  // the running attempt's plan: site -> stage
   std::string profile_json_, graph_json_, plan_json_;
   nlohmann::json plan_, links_;                    // plan_json_ parsed, and profile_json_'s links

@@ -76,6 +76,24 @@ int RunStatus(const InspectOptions& o) {
   return 0;
 }
 
+void AddDrainOptions(CLI::App* cmd, InspectOptions* o) {
+  cmd->add_option("SITE", o->site, "The site to re-plan without")->required();
+  AddCommon(cmd, o);
+}
+
+int RunDrain(const InspectOptions& o) {
+  auto client = rpc::ConnectCoordinator(o.certs_dir, o.identity, o.address);
+  if (!client.ok()) return Fail("drain", absl::FailedPreconditionError(std::string(client.status().message())));
+  auto r = (*client)->Drain(o.site, std::chrono::seconds(10));
+  if (!r.ok())
+    return Fail("drain", absl::Status(r.status().code() == absl::StatusCode::kFailedPrecondition
+                                          ? absl::StatusCode::kUnavailable  // an unjoined site: not a usage error
+                                          : r.status().code(),
+                                      absl::StrCat("coordinator at ", o.address, ": ", r.status().message())));
+  std::printf("%s\n", r->message().c_str());
+  return 0;
+}
+
 void AddProfileOptions(CLI::App* cmd, InspectOptions* o) {
   AddCommon(cmd, o);
   cmd->add_option("--out", o->out_path, "Write profile.json there instead of printing it");

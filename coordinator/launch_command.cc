@@ -25,8 +25,8 @@ void InstallInterruptHandler() {
   sigaction(SIGTERM, &sa, nullptr);
 }
 
-absl::Status LaunchSshSites(const core::ClusterSpec& spec, const std::string& certs_dir,
-                            const std::string& coordinator, launch::SshLauncher* launcher) {
+absl::Status LaunchSshSites(const core::ClusterSpec& spec, const std::string& certs_dir, const std::string& coordinator,
+                            launch::SshLauncher* launcher) {
   std::vector<std::pair<std::string, std::future<absl::Status>>> running;
   for (const auto& site : spec.sites) {
     if (!site.ssh) continue;
@@ -73,9 +73,11 @@ int RunLaunch(const LaunchCommandOptions& o) {
   launch::LaunchOptions lo;
   lo.accept_new_host_keys = o.accept_new_host_keys;
   launch::SshLauncher launcher(
-      lo, [](const std::string& site, const std::string& line) { std::cerr << "site '" << site << "': " << line << "\n"; },
-      [](const std::string& site, const std::string& msg) { std::cout << "launch: site '" << site << "': " << msg << "\n"
-                                                                      << std::flush; });
+      lo,
+      [](const std::string& site, const std::string& line) { std::cerr << "site '" << site << "': " << line << "\n"; },
+      [](const std::string& site, const std::string& msg) {
+        std::cout << "launch: site '" << site << "': " << msg << "\n" << std::flush;
+      });
   const std::string coordinator = o.coordinator.empty() ? spec.coordinator.ToString() : o.coordinator;
   if (absl::Status st =
           LaunchSshSites(spec, core::ResolveRelative(o.cluster_path, spec.certs_dir), coordinator, &launcher);
@@ -87,8 +89,8 @@ int RunLaunch(const LaunchCommandOptions& o) {
     if (!site.ssh)
       std::cout << "  site '" << site.name << "' has no ssh: section; start it with: meridian-executor --coordinator "
                 << coordinator << " --site " << site.name << " --certs "
-                << core::SiteBundleDir(core::ResolveRelative(o.cluster_path, spec.certs_dir), site.name)
-                << " --listen " << site.address.ToString() << "\n";
+                << core::SiteBundleDir(core::ResolveRelative(o.cluster_path, spec.certs_dir), site.name) << " --listen "
+                << site.address.ToString() << "\n";
   std::cout << "launch: " << launcher.Started().size()
             << " executors started; Ctrl-C stops them, or wait for them to finish\n"
             << std::flush;

@@ -21,8 +21,8 @@ namespace meridian::coordinator {
 // Starts every `ssh:` site of `spec` at once, each joining `coordinator` with its bundle from `certs_dir`.
 // On any failure stops those that started and returns every site's error, one per line. Errors: the spec
 // has no `ssh:` site (InvalidArgument), or what Launch said (naming the site).
-absl::Status LaunchSshSites(const core::ClusterSpec& spec, const std::string& certs_dir,
-                            const std::string& coordinator, launch::SshLauncher* launcher);
+absl::Status LaunchSshSites(const core::ClusterSpec& spec, const std::string& certs_dir, const std::string& coordinator,
+                            launch::SshLauncher* launcher);
 
 // Set by SIGINT and SIGTERM once InstallInterruptHandler ran (async-signal-safe).
 extern std::atomic<int> g_interrupted;

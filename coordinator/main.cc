@@ -170,6 +170,11 @@ int main(int argc, char** argv) {
   coordinator::AddLaunchOptions(launch, &launch_options);
   launch->callback([&] { rc = coordinator::RunLaunch(launch_options); });
 
+  coordinator::InspectOptions drain_options;
+  auto* drain = app.add_subcommand("drain", "Re-plan a running job without a site, at the next step boundary");
+  coordinator::AddDrainOptions(drain, &drain_options);
+  drain->callback([&] { rc = coordinator::RunDrain(drain_options); });
+
   coordinator::InspectOptions status_options;
   auto* status = app.add_subcommand("status", "Progress and every site's state of a running job");
   coordinator::AddStatusOptions(status, &status_options);

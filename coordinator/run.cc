@@ -240,6 +240,7 @@ std::string EventName(const EventQueue::Body& event) {
           return absl::StrCat("profile of site '", e.report.site(), "'");
         if constexpr (std::is_same_v<T, MetricsReported>)
           return absl::StrCat("metrics of site '", e.report.site(), "', step ", e.report.step() + 1);
+        if constexpr (std::is_same_v<T, SiteLeaving>) return absl::StrCat("site '", e.site, "' leaving: ", e.why);
         if constexpr (std::is_same_v<T, StageReportedDone>)
           return absl::StrCat("site '", e.done.site(), "' done with attempt ", e.done.job_id(),
                               e.done.error().empty() ? "" : ": ", e.done.error());
@@ -391,6 +392,8 @@ class RunDriver {
               coord_.Send(a.site, a.command);
             } else if constexpr (std::is_same_v<T, StopAll>) {
               coord_.StopAll();
+            } else if constexpr (std::is_same_v<T, SetBoundary>) {
+              coord_.SetBoundary(a.job_id, a.step);
             } else if constexpr (std::is_same_v<T, BeginAttempt>) {
               coord_.BeginJob(a.job_id, a.stages);
               coord_.SetFileWriters(a.file_writers, a.max_step, a.max_file_bytes, a.checkpoint_interval, a.resume_step,

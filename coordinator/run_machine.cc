@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 
 #include <nlohmann/json.hpp>
 
@@ -83,6 +84,8 @@ std::vector<Action> RunMachine::Handle(const Event& event) {
           OnLost(e);
         } else if constexpr (std::is_same_v<T, HeartbeatBack>) {
           OnBack(e);
+        } else if constexpr (std::is_same_v<T, SiteLeaving>) {
+          OnLeaving(e);
         } else {
           OnTick();
         }
@@ -123,7 +126,8 @@ void RunMachine::OnRegistered(const SiteRegistered& e) {
 
 void RunMachine::StartProfiling() {
   for (const auto& [name, s] : sites_)
-    if (s.registered && !s.silent) joined_.push_back(name);  // one that went silent since is not asked
+    if (s.registered && !s.silent && !leaving_.count(name))
+      joined_.push_back(name);  // one that went silent since, or asked to leave, is not asked
   asked_ = std::set<std::string>(joined_.begin(), joined_.end());
   Say(absl::StrCat(joined_.size(), " sites joined; measuring devices, the model and the links\n"));
   phase_ = Phase::kProfiling;
@@ -264,10 +268,18 @@ absl::Status RunMachine::FinishProfiling() {
 // ---- Attempts ----
 
 void RunMachine::StartAttempt() {
+  for (const auto& site : leaving_)  // a site that asked to leave is in no plan again; it is stopped
+    if (stopped_.insert(site).second && sites_[site].registered) {
+      v1::Command stop;
+      stop.set_stop(true);
+      Out(SendCommand{site, std::move(stop)});
+      Out(LogSite{site, "left the run; told to stop"});
+    }
   if (c_.spec.on_failure == core::OnFailure::kReplan)  // a site silent since it was measured is not planned with
     for (const auto& site : profile_.sites)
       if (sites_[site.name].silent) lost_.insert(site.name);
-  if (lost_.size() >= profile_.sites.size()) return Fail("every measured site stopped answering; no site left");
+  if (Excluded().size() >= profile_.sites.size())
+    return Fail("every measured site stopped answering or left; no site left");
   if (absl::Status s = PlanAttempt(); !s.ok()) return Fail(std::string(s.message()));
   // A new attempt first: from now on no file of the one before lands (FindResumePoint cleans up).
   job_id_ = attempts_ == 0 ? c_.run_id : absl::StrCat(c_.run_id, "-", attempts_);
@@ -307,9 +319,9 @@ absl::Status RunMachine::PlanAttempt() {
   const int ops = static_cast<int>(graph_.ops.size());
   partitioner::ClusterProfile live;
   for (const auto& site : profile_.sites)
-    if (!lost_.count(site.name)) live.sites.push_back(site);
+    if (!Excluded().count(site.name)) live.sites.push_back(site);
   for (const auto& l : profile_.links)
-    if (!lost_.count(l.from) && !lost_.count(l.to)) live.links.push_back(l);
+    if (!Excluded().count(l.from) && !Excluded().count(l.to)) live.links.push_back(l);
   partitioner::PlanOptions po;
   po.micro_batches = c_.micro_batches;
   po.sync = partitioner::SyncModelOf(job.sync);
@@ -388,7 +400,8 @@ absl::Status RunMachine::PlanAttempt() {
             : !attempt_.failure.empty()
                 ? absl::StrCat(" after site '", attempt_.failed_site, "' failed: ", attempt_.failure)
                 : "";
-    if (!lost_.empty()) why += absl::StrCat(" (without ", Quoted({lost_.begin(), lost_.end()}), ")");
+    if (const std::set<std::string> out = Excluded(); !out.empty())
+      why += absl::StrCat(" (without ", Quoted(std::vector<std::string>(out.begin(), out.end())), ")");
     Note(attempts_ == 0 ? "plan" : "replan", "",
          absl::StrFormat("%s: %d stage(s) %s, predicted %.3f s/step; bottleneck %s%s",
                          attempts_ == 0 ? "planned" : "re-planned", plan_->stages.size(), layout,
@@ -406,6 +419,11 @@ absl::Status RunMachine::PlanAttempt() {
 absl::Status RunMachine::FindResumePoint() {
   resume_step_ = resume_ ? -1 : 0;
   resume_files_.reset();
+  const int64_t exact = std::exchange(switch_step_, 0);  // after a switch: that step, nothing else
+  if (resume_ && exact > 0 && c_.job.checkpoint.store != core::CheckpointStore::kCoordinator) {
+    resume_step_ = exact;  // each stage loads the newest of the shared directory and checks it is this one
+    return absl::OkStatus();
+  }
   if (!resume_ || c_.job.checkpoint.store != core::CheckpointStore::kCoordinator) return absl::OkStatus();
   std::string skipped;
   auto found = c_.find_checkpoint ? c_.find_checkpoint(&skipped)
@@ -415,6 +433,10 @@ absl::Status RunMachine::FindResumePoint() {
         absl::StrCat("cannot resume: ", found.status().message(),
                      " (job.checkpoint.store: coordinator keeps checkpoints in RUN/checkpoints)"));
   if (!skipped.empty()) Say(absl::StrCat("checkpoints skipped: ", skipped, "\n"));
+  if (exact > 0 && found->step != exact)
+    return absl::DataLossError(absl::StrCat("the switch's checkpoint of step ", exact,
+                                            " is not the newest intact one of the coordinator's store (step ",
+                                            found->step, ")"));
   resume_step_ = found->step;
   resume_files_ = std::move(*found);
   Say(absl::StrCat("resuming from step ", resume_step_, " of the coordinator's checkpoints (", resume_files_->path,
@@ -524,10 +546,12 @@ void RunMachine::Assign() {
              ? absl::StrCat("every stage resumes from step ", resume_step_, " (the coordinator's checkpoints)")
              : "every stage resumes from the newest intact checkpoint");
   Say(absl::StrCat("training: ", st.size(), " stages, ", c_.steps, " steps",
-                   !resume_ ? ""
-                   : resume_step_ > 0
-                       ? absl::StrCat(", resuming from step ", resume_step_, " (the coordinator's checkpoints)")
-                       : ", resuming from the newest intact checkpoint",
+                   !resume_           ? ""
+                   : resume_step_ > 0 ? absl::StrCat(", resuming from step ", resume_step_,
+                                                     c_.job.checkpoint.store == core::CheckpointStore::kCoordinator
+                                                         ? " (the coordinator's checkpoints)"
+                                                         : " (each stage's checkpoint of that step)")
+                                      : ", resuming from the newest intact checkpoint",
                    "\n"));
 }
 
@@ -559,6 +583,7 @@ void RunMachine::OnMetrics(const MetricsReported& e) {
   if (r.step() > data_loss_at_) data_loss_recoveries_ = 0;  // past where data went bad: a new count
   progress_step_ = r.step();
   last_loss_ = r.loss();
+  last_step_seconds_ = r.step_seconds();
   tokens_ += r.tokens();
   ReportStep(r);
   // The coordinator's checkpoint store keeps job.checkpoint.keep complete steps (the stages prune a
@@ -664,7 +689,7 @@ void RunMachine::OnDone(const StageReportedDone& e) {
       if (!attempt_.done.count(u) && !sites_[u].silent) return;
     return AfterDrain();
   }
-  if (phase_ != Phase::kTraining) return;
+  if (phase_ != Phase::kTraining && phase_ != Phase::kSwitching) return;
   if (!d.error().empty()) {
     // Said at once, with the site and its stage; heartbeats then get the time to name a site that died
     // (a stage fails when a neighbour dies).
@@ -684,6 +709,7 @@ void RunMachine::OnDone(const StageReportedDone& e) {
   }
   for (const auto& u : attempt_.used)
     if (!attempt_.done.count(u)) return;
+  if (phase_ == Phase::kSwitching) return CompleteSwitch();
   Finish();
 }
 
@@ -700,6 +726,7 @@ void RunMachine::OnLost(const HeartbeatLost& e) {
         Fail(absl::StrCat("site '", e.site, "' stopped answering"));
       return;
     case Phase::kTraining:
+    case Phase::kSwitching:
       if (attempt_.used.count(e.site)) {  // a silent spare site does not interrupt the attempt
         attempt_.failure = "no heartbeat";
         EndAttempt();
@@ -742,7 +769,83 @@ void RunMachine::OnTick() {
     return Fail(absl::StrCat("sites did not join in time:", missing));
   }
   if (phase_ == Phase::kFailing && now_ >= attempt_.deadline) return EndAttempt();
+  if (phase_ == Phase::kSwitching && now_ >= attempt_.deadline) {
+    Say(absl::StrCat("switch: the stages did not all end at step ", boundary_, " in time; ending the attempt\n"));
+    attempt_.failure = absl::StrCat("the switch at step ", boundary_, " did not complete");
+    Out(SetBoundary{"", 0});
+    return EndAttempt();
+  }
   if (phase_ == Phase::kDraining && now_ >= attempt_.deadline) return AfterDrain();
+}
+
+// ---- Sites leaving: a switch at a step boundary ----
+
+void RunMachine::OnLeaving(const SiteLeaving& e) {
+  auto it = sites_.find(e.site);
+  if (it == sites_.end() || !it->second.registered || !leaving_.insert(e.site).second) return;
+  Out(LogSite{e.site, absl::StrCat("asked to leave (", e.why, ")")});
+  const bool running = attempt_.used.count(e.site) > 0;
+  switch (phase_) {
+    case Phase::kTraining:
+      if (running) return BeginSwitch(absl::StrCat("site '", e.site, "' leaves (", e.why, ")"));
+      break;
+    case Phase::kSwitching:  // already switching: the next plan leaves this one out too
+      Note("leave", e.site, absl::StrCat("asked to leave (", e.why, "); the switch under way leaves it out too"));
+      return;
+    default:
+      break;
+  }
+  // Joining, measuring, between attempts, or a spare: no stage to end; the next plan leaves it out.
+  Note("leave", e.site,
+       absl::StrCat("asked to leave (", e.why, "); it runs no stage: no plan includes it from now on"));
+  // While measuring, it finishes with the others (the attempt's start stops it); otherwise it stops now.
+  if (phase_ == Phase::kProfiling && std::find(joined_.begin(), joined_.end(), e.site) != joined_.end()) return;
+  stopped_.insert(e.site);
+  v1::Command stop;
+  stop.set_stop(true);
+  Out(SendCommand{e.site, std::move(stop)});
+}
+
+void RunMachine::BeginSwitch(const std::string& why) {
+  // Far enough ahead that every stage hears of it (through its heartbeats' answers) before it gets
+  // there: three heartbeat intervals of steps, and at least two steps.
+  const double per_step = std::max(last_step_seconds_, 1e-3);
+  const int64_t margin =
+      std::max<int64_t>(2, static_cast<int64_t>(std::ceil(3 * c_.spec.heartbeat_interval_seconds / per_step - 1e-9)));
+  int64_t reached = progress_step_ + 1;
+  for (const auto& [site, m] : attempt_.metrics) reached = std::max<int64_t>(reached, m.step() + 1);
+  const int64_t step = reached + margin;
+  attempt_.lost = why;
+  if (step >= c_.steps) {
+    Say(absl::StrCat("switch: ", why, "; the run ends at step ", c_.steps, " first, so it leaves then\n"));
+    Note("leave", "", absl::StrCat(why, "; the run ends at step ", c_.steps, " first, so it leaves then"));
+    return;
+  }
+  boundary_ = step;
+  phase_ = Phase::kSwitching;
+  attempt_.deadline = now_ + After(c_.drain_seconds + 2 * margin * per_step);
+  Out(SetBoundary{job_id_, step});
+  Say(absl::StrCat("switch: ", why, "; every stage ends after step ", step,
+                   " with its checkpoint, and the sites "
+                   "left resume from there\n"));
+  Note("switch", "",
+       absl::StrCat(why, "; every stage ends after step ", step,
+                    " with its checkpoint of that step, then a new plan resumes from it"));
+}
+
+void RunMachine::CompleteSwitch() {
+  Out(SetBoundary{"", 0});
+  bool aligned = true;
+  for (const auto& [site, d] : attempt_.done) aligned &= d.error().empty() && d.steps() == boundary_;
+  resume_ = true;
+  if (aligned) {
+    switch_step_ = boundary_;
+    Say(absl::StrCat("switch: every stage saved step ", boundary_, "; re-planning\n"));
+  } else {
+    Say(absl::StrCat("switch: the stages did not all end at step ", boundary_,
+                     "; resuming from the newest intact checkpoint\n"));
+  }
+  StartAttempt();
 }
 
 // ---- Recovery ----
@@ -817,8 +920,8 @@ void RunMachine::AfterDrain() {
     return StartAttempt();
   }
   for (const auto& s : SilentUsed()) lost_.insert(s);  // went silent while the others drained
-  if (lost_.size() >= profile_.sites.size()) return Fail(absl::StrCat(attempt_.lost, "; no site left"));
-  Say(absl::StrCat("recovery: re-planning over the ", profile_.sites.size() - lost_.size(),
+  if (Excluded().size() >= profile_.sites.size()) return Fail(absl::StrCat(attempt_.lost, "; no site left"));
+  Say(absl::StrCat("recovery: re-planning over the ", profile_.sites.size() - Excluded().size(),
                    " sites left and resuming from the newest intact checkpoint\n"));
   StartAttempt();
 }

@@ -8,6 +8,11 @@
 //
 // Phases: joining (until min_sites registered, or the join timeout) -> profiling (every joined site
 // measures its device, the model and its links) -> attempts (plan, assign, supervise) -> done or failed.
+// A site that asks to leave (SiteLeaving) while it runs a stage is switched away from at a step boundary:
+// the machine picks a step S a few heartbeats ahead, every stage ends after step S with its checkpoint of
+// S (switching), and the next attempt, planned without the site, resumes from exactly step S -- no step
+// lost, none repeated; the site is then told to stop. Should the stages not all end at S, the machine
+// resumes from the newest intact checkpoint instead, as after a loss.
 // When a site is lost during an attempt -- its heartbeats stop, or a stage fails and heartbeats then name
 // a silent site -- the survivors abandon the attempt (draining), then the machine re-plans without the
 // lost sites (on_failure: replan) or waits for them to return (wait), and every stage resumes from the
@@ -58,11 +63,16 @@ struct HeartbeatLost {  // no heartbeat for the spec's timeout (a site whose sta
 struct HeartbeatBack {  // a lost site heartbeats again
   std::string site;
 };
+// A site asks to leave at the next step boundary: `meridian drain`, or its executor got SIGTERM (a spot
+// preemption notice). `why` says which, for messages.
+struct SiteLeaving {
+  std::string site, why;
+};
 struct Tick {};  // time passed
 struct Event {
   Clock::time_point now;
   std::variant<RunStarted, SiteRegistered, ProfileReported, MetricsReported, StageReportedDone, HeartbeatLost,
-               HeartbeatBack, Tick>
+               HeartbeatBack, SiteLeaving, Tick>
       what;
 };
 
@@ -72,6 +82,12 @@ struct SendCommand {
   v1::Command command;
 };
 struct StopAll {};  // every registered site gets a stop command
+// The running attempt `job_id` ends once `step` steps are done, every stage saving its checkpoint of that
+// step first (the sites learn it from their heartbeats' answers); step 0 clears it.
+struct SetBoundary {
+  std::string job_id;
+  int64_t step = 0;
+};
 // A new attempt at the job: from now on only its reports count and only `file_writers` (site -> the stage
 // whose weights and checkpoint shards it writes) may send files, for steps up to `max_step`, of at most
 // `max_file_bytes`.
@@ -116,17 +132,17 @@ struct RemoveCheckpointsAbove {
 };
 // One entry of the run's event log (RUN/events.jsonl, the dashboard's and `meridian status --json`'s
 // "events"): `kind` is one of "join", "profiled", "plan", "replan", "resume", "checkpoint",
-// "stage_failed", "lost", "back", "recovery", "done", "failed"; `site` names the site it concerns (""
-// for the run as a whole); `text` is the sentence shown. (The coordinator adds "checkpoint" events of its
-// own store when a step's manifest is written.)
+// "stage_failed", "lost", "back", "recovery", "leave", "switch", "done", "failed"; `site` names the site it concerns
+// ("" for the run as a whole); `text` is the sentence shown. (The coordinator adds "checkpoint" events of its own store
+// when a step's manifest is written.)
 struct RecordEvent {
   std::string kind, site, text;
 };
 struct Exit {  // the run is over: stop the service; the process exits with `code`
   int code = 0;
 };
-using Action = std::variant<SendCommand, StopAll, BeginAttempt, PublishRunInfo, WriteRunFile, Print, LogSite,
-                            PruneCheckpoints, RemoveCheckpointsAbove, RecordEvent, Exit>;
+using Action = std::variant<SendCommand, StopAll, SetBoundary, BeginAttempt, PublishRunInfo, WriteRunFile, Print,
+                            LogSite, PruneCheckpoints, RemoveCheckpointsAbove, RecordEvent, Exit>;
 
 // What a run is given: the specs and `meridian run`'s options, already validated.
 struct RunConfig {
@@ -172,7 +188,16 @@ class RunMachine {
   // Takes one event; returns what to do. Events must come in time order.
   std::vector<Action> Handle(const Event& event);
 
-  enum class Phase { kJoining, kProfiling, kTraining, kFailing, kDraining, kWaitingForReturn, kFinished };
+  enum class Phase {
+    kJoining,
+    kProfiling,
+    kTraining,
+    kSwitching,  // ending the attempt at a step boundary to re-plan (a site leaves)
+    kFailing,
+    kDraining,
+    kWaitingForReturn,
+    kFinished
+  };
   Phase phase() const { return phase_; }
   // The attempt running (or last run): "" before the first.
   const std::string& job_id() const { return job_id_; }
@@ -202,7 +227,10 @@ class RunMachine {
   void OnDone(const StageReportedDone& e);
   void OnLost(const HeartbeatLost& e);
   void OnBack(const HeartbeatBack& e);
+  void OnLeaving(const SiteLeaving& e);
   void OnTick();
+  void BeginSwitch(const std::string& why);  // kTraining -> kSwitching
+  void CompleteSwitch();                     // every stage of the attempt ended while switching
 
   void StartProfiling();
   // Checks one site's measurements before they are believed: its own device, op times of this model's
@@ -256,6 +284,17 @@ class RunMachine {
   double last_loss_ = 0;
   int64_t tokens_ = 0;  // over every attempt
   int64_t pruned_at_ = 0;
+  std::set<std::string> leaving_;  // asked to leave: in no plan from now on, stopped once they run no stage
+  std::set<std::string> stopped_;  // leaving sites told to stop
+  // The sites no plan may use: lost (re-planned around) or leaving.
+  std::set<std::string> Excluded() const {
+    std::set<std::string> out = lost_;
+    out.insert(leaving_.begin(), leaving_.end());
+    return out;
+  }
+  int64_t boundary_ = 0;          // kSwitching: the step the attempt ends after
+  int64_t switch_step_ = 0;       // the next attempt resumes from exactly this step (0: the newest intact)
+  double last_step_seconds_ = 0;  // stage 0's latest step
   int data_loss_recoveries_ = 0;  // attempts in a row ended by corrupt or non-finite data
   int64_t data_loss_at_ = -1;     // the progress when the last of them ended
   std::vector<Action> out_;

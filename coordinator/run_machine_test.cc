@@ -308,6 +308,86 @@ TEST(RunMachine, EventsRecordJoinsPlansLossesReplansAndTheEnd) {
   EXPECT_THAT(events[8].text, HasSubstr("20 steps in"));
 }
 
+v1::StageDone DoneAt(const std::string& site, const std::string& job_id, int64_t steps) {
+  v1::StageDone d = Done(site, job_id);
+  d.set_steps(steps);
+  return d;
+}
+
+// A site that asks to leave while it trains (`meridian drain`, or SIGTERM) is switched away from at a
+// step boundary a few heartbeats ahead: every stage ends there with its checkpoint, the next plan leaves
+// the site out and resumes from exactly that step, and the site is told to stop.
+TEST(RunMachine, ALeavingSiteIsSwitchedAwayFromAtAStepBoundaryWithNothingLost) {
+  RunConfig c = Config();
+  c.spec.heartbeat_interval_seconds = 0.1;  // 3 heartbeats ahead: 3 steps of 0.1 s
+  Driver d(c);
+  d.JoinAndProfile({"a", "b", "c"});
+  d.Feed(MetricsReported{Metrics("b", kRun, 1, 6)});
+  d.Feed(MetricsReported{Metrics("a", kRun, 0, 6)});  // 7 steps done
+  auto out = d.Feed(SiteLeaving{"b", "meridian drain"});
+  auto boundary = All<SetBoundary>(out);
+  ASSERT_EQ(boundary.size(), 1u);
+  EXPECT_EQ(boundary[0].job_id, kRun);
+  EXPECT_EQ(boundary[0].step, 10);
+  EXPECT_EQ(d.machine().phase(), RunMachine::Phase::kSwitching);
+  EXPECT_THAT(Printed(out), HasSubstr("switch: site 'b' leaves (meridian drain); every stage ends after step 10"));
+  EXPECT_TRUE(Assignments(out).empty());
+  d.Feed(MetricsReported{Metrics("a", kRun, 0, 7)});  // the stages go on meanwhile
+  d.Feed(StageReportedDone{DoneAt("a", kRun, 10)});
+  d.Feed(StageReportedDone{DoneAt("c", kRun, 10)});
+  auto switched = d.Feed(StageReportedDone{DoneAt("b", kRun, 10)});
+  EXPECT_THAT(Printed(switched), HasSubstr("switch: every stage saved step 10; re-planning"));
+  auto cleared = All<SetBoundary>(switched);
+  ASSERT_EQ(cleared.size(), 1u);
+  EXPECT_EQ(cleared[0].step, 0);
+  auto assigned = Assignments(switched);
+  EXPECT_THAT(Sites(assigned), ElementsAre("a", "c"));
+  EXPECT_EQ(assigned["a"].resume_step(), 10);  // exactly the boundary: nothing lost, nothing repeated
+  EXPECT_EQ(assigned["c"].resume_step(), 10);
+  EXPECT_EQ(assigned["a"].job_id(), "r-1");
+  bool stopped_b = false;
+  for (const auto& cmd : All<SendCommand>(switched)) stopped_b |= cmd.site == "b" && cmd.command.stop();
+  EXPECT_TRUE(stopped_b);
+  std::vector<std::string> kinds;
+  for (const auto& e : All<RecordEvent>(switched)) kinds.push_back(e.kind);
+  EXPECT_THAT(kinds, ElementsAre("replan", "resume"));
+  EXPECT_THAT(All<RecordEvent>(switched)[0].text, HasSubstr("after site 'b' leaves (meridian drain)"));
+  d.Feed(StageReportedDone{Done("a", "r-1")});
+  EXPECT_EQ(ExitCode(d.Feed(StageReportedDone{Done("c", "r-1")})), 0);
+}
+
+// Stages that do not all end at the boundary (one had passed it) are not trusted to line up: the next
+// attempt resumes from the newest intact checkpoint, as after a loss. A spare that leaves is stopped at
+// once and no switch happens.
+TEST(RunMachine, AMisalignedSwitchResumesFromTheNewestCheckpointAndALeavingSpareJustStops) {
+  RunConfig c = Config();
+  c.spec.heartbeat_interval_seconds = 0.1;
+  Driver d(c);
+  d.JoinAndProfile({"a", "b", "c"});
+  d.Feed(MetricsReported{Metrics("a", kRun, 0, 6)});
+  d.Feed(SiteLeaving{"c", "its executor got SIGTERM"});
+  d.Feed(StageReportedDone{DoneAt("a", kRun, 10)});
+  d.Feed(StageReportedDone{DoneAt("b", kRun, 10)});
+  auto out = d.Feed(StageReportedDone{DoneAt("c", kRun, 12)});
+  EXPECT_THAT(Printed(out), HasSubstr("did not all end at step 10; resuming from the newest intact checkpoint"));
+  auto assigned = Assignments(out);
+  EXPECT_THAT(Sites(assigned), ElementsAre("a", "b"));
+  EXPECT_EQ(assigned["a"].resume_step(), -1);
+
+  Driver spare(Config());
+  spare.Feed(RunStarted{});
+  for (const char* s : {"a", "b", "c"}) spare.Feed(SiteRegistered{s, std::string("127.0.0.1:9") + s, "cpu"});
+  // Leaving while measured: it is measured with the others, left out of the plan and stopped at its start.
+  spare.Feed(SiteLeaving{"c", "meridian drain"});
+  for (const char* s : {"a", "b"}) spare.Feed(ProfileReported{Profile(s)});
+  auto planned = spare.Feed(ProfileReported{Profile("c")});
+  EXPECT_THAT(Sites(Assignments(planned)), ElementsAre("a", "b"));
+  EXPECT_TRUE(All<SetBoundary>(planned).empty());
+  bool stopped_c = false;
+  for (const auto& cmd : All<SendCommand>(planned)) stopped_c |= cmd.site == "c" && cmd.command.stop();
+  EXPECT_TRUE(stopped_c);
+}
+
 TEST(RunMachine, SurvivorsThatNeverAnswerAreWaitedForAtMostTheDrainTime) {
   Driver d(Config());
   d.JoinAndProfile({"a", "b", "c"});

@@ -1,6 +1,7 @@
 #include "executor/agent.h"
 
 #include <grpcpp/grpcpp.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -245,18 +246,41 @@ int Agent::Run() {
 // Heartbeats; the coordinator not answering for `timeout` of trying ends the process. The clock starts at
 // the first failed attempt, not at the last success: a process that was itself stopped (SIGSTOP, a
 // suspended VM) gets a full timeout to reach the coordinator again when it resumes.
+std::atomic<int> g_leave_requested{0};
+
+void InstallLeaveHandler() {
+  struct sigaction sa {};
+  sa.sa_handler = [](int sig) { g_leave_requested.store(sig); };
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGTERM, &sa, nullptr);
+}
+
 void Agent::Heartbeats() {
   const double interval = reg_.heartbeat_interval_seconds() > 0 ? reg_.heartbeat_interval_seconds() : 1.0;
   const double timeout = reg_.heartbeat_timeout_seconds() > interval ? reg_.heartbeat_timeout_seconds() : 5 * interval;
   const auto every = std::chrono::milliseconds(static_cast<int64_t>(interval * 1000));
-  bool failing = false;
+  bool failing = false, said_leaving = false;
   Clock::time_point failing_since;
   for (;;) {
     v1::HeartbeatRequest req;
     req.set_site(o_.site);
     req.set_step(step_);
     req.set_state(state_.load());
-    absl::Status hs = coordinator_->Heartbeat(req, every).status();
+    const bool leaving = g_leave_requested.load() != 0;
+    req.set_leaving(leaving);
+    if (leaving && !said_leaving) {
+      spdlog::warn(
+          "asked to leave (SIGTERM): telling the coordinator, which re-plans without this site at the next "
+          "step boundary and then stops it");
+      said_leaving = true;
+    }
+    absl::StatusOr<v1::HeartbeatResponse> answer = coordinator_->Heartbeat(req, every);
+    absl::Status hs = answer.status();
+    if (hs.ok()) {
+      std::lock_guard<std::mutex> l(heartbeat_mu_);
+      boundary_job_ = answer->end_job_id();
+      boundary_step_ = answer->end_after_step();
+    }
     if (hs.ok()) {
       if (failing) spdlog::warn("the coordinator answers heartbeats again");
       failing = false;
@@ -465,9 +489,17 @@ void Agent::OnAssign(const v1::StageAssignment& pa) {
         return uploader.Start((fs::path(run.checkpoint_dir) / core::StepDirName(step)).string(), step, a.stage);
       };
     run.before_finish = [&] { return uploader.Wait(); };
+    run.end_after = [&]() -> int64_t {  // a switch to another plan, from the heartbeats' answers
+      std::lock_guard<std::mutex> l(heartbeat_mu_);
+      return boundary_job_ == a.job_id ? boundary_step_ : 0;
+    };
     run_result = RunStage(*worker, run);
     (void)uploader.Wait();  // a failed run's upload in flight ends before the scratch directory goes
     if (!run_result.status.ok()) return run_result.status;
+    if (run_result.at_boundary) {
+      spdlog::info("ended at the step boundary {} (checkpoint saved); waiting for the new plan", run_result.steps_done);
+      return absl::OkStatus();
+    }
     if (!worker->writes_shard()) return absl::OkStatus();
     if (pa.weights_to_coordinator()) {  // RUN/weights/stage-K.safetensors
       ScratchDir tmp(absl::StrCat(o_.site, "-weights"));

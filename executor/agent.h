@@ -26,6 +26,11 @@
 
 namespace meridian::executor {
 
+// Set (to the signal's number) by SIGTERM once InstallLeaveHandler ran: the site asks, in its
+// heartbeats, to leave at the next step boundary; the coordinator re-plans without it and stops it.
+extern std::atomic<int> g_leave_requested;
+void InstallLeaveHandler();
+
 class Agent {
  public:
   // `coordinator` (the client this site registered with) must outlive the agent.
@@ -57,6 +62,8 @@ class Agent {
   std::mutex heartbeat_mu_;
   std::condition_variable heartbeat_cv_;
   bool done_ = false, state_changed_ = false;  // guarded by heartbeat_mu_
+  std::string boundary_job_;                   // the coordinator's step boundary (HeartbeatResponse),
+  int64_t boundary_step_ = 0;                  // both guarded by heartbeat_mu_
   int rc_ = 0;
 };
 

@@ -282,5 +282,6 @@ int main(int argc, char** argv) {
   }
   std::cout << "joined cluster '" << registered->cluster() << "' as site '" << options->site << "' (run "
             << registered->run_id() << ")" << std::endl;
+  executor::InstallLeaveHandler();  // SIGTERM: leave at the next step boundary, nothing lost
   Leave(Guarded([&] { return executor::Agent(*options, *registered, client->get()).Run(); }));
 }

@@ -34,11 +34,18 @@ StageRunResult RunStage(StageWorker& worker, const StageRun& run) {
     r.steps_done = i + 1;
     if (run.on_step)
       run.on_step({i, *loss, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()});
-    if (run.checkpoint_interval > 0 && (i + 1) % run.checkpoint_interval == 0 && worker.writes_shard()) {
+    const bool interval = run.checkpoint_interval > 0 && (i + 1) % run.checkpoint_interval == 0;
+    const int64_t boundary = run.end_after ? run.end_after() : 0;
+    const bool at_boundary = boundary > 0 && boundary == i + 1 && i + 1 < run.steps;
+    if ((interval || at_boundary) && worker.writes_shard()) {
       if (absl::Status s = worker.SaveCheckpoint(run.checkpoint_dir, i + 1, run.checkpoint_keep); !s.ok())
         return {r.steps_done, s};
       if (run.on_checkpoint)
         if (absl::Status s = run.on_checkpoint(i + 1); !s.ok()) return {r.steps_done, s};
+    }
+    if (at_boundary) {
+      r.at_boundary = true;
+      break;
     }
   }
   if (run.before_finish)

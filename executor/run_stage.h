@@ -44,11 +44,17 @@ struct StageRun {
   std::function<void(const StepDone&)> on_step;             // after every step
   std::function<absl::Status(int64_t step)> on_checkpoint;  // after this stage wrote step `step`'s shard
   std::function<absl::Status()> before_finish;              // e.g. wait for uploads
+  // A step boundary (a switch to another plan): polled after every step; once it returns S > 0 and
+  // exactly S steps are done (S < steps), the stage saves its checkpoint of step S (unless the interval
+  // just did), calls on_checkpoint, and ends there. A boundary already passed is not honoured (the
+  // coordinator then resumes from the newest intact checkpoint).
+  std::function<int64_t()> end_after;
 };
 
 struct StageRunResult {
-  int64_t steps_done = 0;  // the steps this stage completed (resumed ones included)
-  absl::Status status;     // the first failure, naming the stage, peer or file
+  int64_t steps_done = 0;    // the steps this stage completed (resumed ones included)
+  absl::Status status;       // the first failure, naming the stage, peer or file
+  bool at_boundary = false;  // it ended at end_after's step, not at the last one
 };
 
 StageRunResult RunStage(StageWorker& worker, const StageRun& run);

@@ -107,13 +107,13 @@ std::string KnownHostsFile(const core::SshSpec& ssh) {
 
 // ssh's options for BatchMode logins checked against known_hosts (scp takes the same, with -P).
 std::vector<std::string> CommonOptions(const core::SshSpec& ssh, const LaunchOptions& o) {
-  std::vector<std::string> a = {"-o", "BatchMode=yes",
-                                "-o", absl::StrCat("ConnectTimeout=", o.connect_timeout_seconds),
-                                "-o", "ServerAliveInterval=5",
-                                "-o", "ServerAliveCountMax=3",
-                                "-o", o.accept_new_host_keys ? "StrictHostKeyChecking=accept-new"
-                                                             : "StrictHostKeyChecking=yes",
-                                "-o", "LogLevel=ERROR"};
+  std::vector<std::string> a = {
+      "-o", "BatchMode=yes",
+      "-o", absl::StrCat("ConnectTimeout=", o.connect_timeout_seconds),
+      "-o", "ServerAliveInterval=5",
+      "-o", "ServerAliveCountMax=3",
+      "-o", o.accept_new_host_keys ? "StrictHostKeyChecking=accept-new" : "StrictHostKeyChecking=yes",
+      "-o", "LogLevel=ERROR"};
   if (!ssh.known_hosts.empty()) {
     a.insert(a.end(), {"-o", "UserKnownHostsFile=" + ssh.known_hosts, "-o", "GlobalKnownHostsFile=/dev/null"});
   }
@@ -162,10 +162,11 @@ std::string ExplainSshFailure(const core::SshSpec& ssh, const std::string& e) {
     return absl::StrCat(where, " refused the key ",
                         ssh.identity_file.empty() ? std::string("(ssh's default keys)") : ssh.identity_file,
                         ": add its .pub to the remote user's ~/.ssh/authorized_keys, or set ssh.identity_file");
-  for (const char* unreachable : {"Connection refused", "timed out", "No route to host", "Could not resolve hostname",
-                                  "Network is unreachable"})
+  for (const char* unreachable :
+       {"Connection refused", "timed out", "No route to host", "Could not resolve hostname", "Network is unreachable"})
     if (e.find(unreachable) != std::string::npos)
-      return absl::StrCat("cannot reach ", where, " (", LastLine(e), "): is sshd running there, and the host and "
+      return absl::StrCat("cannot reach ", where, " (", LastLine(e),
+                          "): is sshd running there, and the host and "
                           "ssh.port right?");
   return "";
 }
@@ -253,13 +254,12 @@ absl::Status SshLauncher::Launch(const SiteLaunch& s) {
   const std::string want = absl::StrCat("meridian-executor ", meridian::kVersion);
   const std::string got = Trim(v.out);
   if (v.exit_code != 0 || got != want)
-    return absl::FailedPreconditionError(
-        absl::StrCat(who, ": '", ssh.executor, " --version' there says '", got.empty() ? LastLine(v.err) : got,
-                     "', but this coordinator is ", want, ": install the same version there (or point ssh.executor ",
-                     "at it)"));
+    return absl::FailedPreconditionError(absl::StrCat(
+        who, ": '", ssh.executor, " --version' there says '", got.empty() ? LastLine(v.err) : got,
+        "', but this coordinator is ", want, ": install the same version there (or point ssh.executor ", "at it)"));
   if (!known && options_.accept_new_host_keys) {
-    CommandResult fp =
-        RunCommand({"ssh-keygen", "-l", "-F", KnownHostsName(ssh), "-f", KnownHostsFile(ssh)}, std::chrono::seconds(10));
+    CommandResult fp = RunCommand({"ssh-keygen", "-l", "-F", KnownHostsName(ssh), "-f", KnownHostsFile(ssh)},
+                                  std::chrono::seconds(10));
     std::string key;
     for (const auto& line : absl::StrSplit(fp.out, '\n'))
       if (!line.empty() && line[0] != '#') key = Trim(std::string(line));
@@ -296,8 +296,8 @@ absl::Status SshLauncher::Launch(const SiteLaunch& s) {
   st->pid = pid;
   // 5: follow the log; problems go to the sink.
   int out = -1;
-  st->tail = Spawn(SshArgv(ssh, options_, "tail -n +1 -F " + Remote(ssh, "executor.log") + " 2>/dev/null"), &out,
-                   nullptr);
+  st->tail =
+      Spawn(SshArgv(ssh, options_, "tail -n +1 -F " + Remote(ssh, "executor.log") + " 2>/dev/null"), &out, nullptr);
   if (st->tail > 0)
     st->reader = std::thread([this, out, site = s.site] {
       std::string buf;
@@ -315,8 +315,8 @@ absl::Status SshLauncher::Launch(const SiteLaunch& s) {
       }
       close(out);
     });
-  say_(s.site, absl::StrCat("started meridian-executor (pid ", pid, ") at ", Destination(ssh), ", log in ",
-                            ssh.workdir, "/executor.log there"));
+  say_(s.site, absl::StrCat("started meridian-executor (pid ", pid, ") at ", Destination(ssh), ", log in ", ssh.workdir,
+                            "/executor.log there"));
   std::lock_guard<std::mutex> l(mu_);
   started_.push_back(std::move(st));
   return absl::OkStatus();
@@ -359,14 +359,13 @@ void SshLauncher::StopAll() {
       const std::string cmd =
           absl::StrCat("kill -TERM ", p, " 2>/dev/null; i=0; while kill -0 ", p, " 2>/dev/null && [ $i -lt 50 ]; do ",
                        "sleep 0.1; i=$((i+1)); done; kill -KILL ", p, " 2>/dev/null; true");
-      CommandResult r = RunCommand(SshArgv(s->site.ssh, options_, cmd),
-                                   std::chrono::seconds(options_.connect_timeout_seconds + 20));
-      say_(s->site.site, r.exit_code == 0
-                             ? absl::StrCat("stopped meridian-executor (pid ", p, ")")
-                             : absl::StrCat("could not stop meridian-executor (pid ", p, "): ",
-                                            ExplainSshFailure(s->site.ssh, r.err).empty()
-                                                ? LastLine(r.err)
-                                                : ExplainSshFailure(s->site.ssh, r.err)));
+      CommandResult r =
+          RunCommand(SshArgv(s->site.ssh, options_, cmd), std::chrono::seconds(options_.connect_timeout_seconds + 20));
+      say_(s->site.site, r.exit_code == 0 ? absl::StrCat("stopped meridian-executor (pid ", p, ")")
+                                          : absl::StrCat("could not stop meridian-executor (pid ", p, "): ",
+                                                         ExplainSshFailure(s->site.ssh, r.err).empty()
+                                                             ? LastLine(r.err)
+                                                             : ExplainSshFailure(s->site.ssh, r.err)));
     });
   for (auto& t : stops) t.join();
   for (auto& s : all) {

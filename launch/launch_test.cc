@@ -50,8 +50,9 @@ TEST(Launch, SshFailuresAreExplainedWithWhatToDo) {
   ssh.host = "h";
   ssh.known_hosts = "/kh";
   ssh.identity_file = "/id";
-  EXPECT_THAT(ExplainSshFailure(ssh, "No ED25519 host key is known for h and you have requested strict checking.\n"
-                                     "Host key verification failed.\n"),
+  EXPECT_THAT(ExplainSshFailure(ssh,
+                                "No ED25519 host key is known for h and you have requested strict checking.\n"
+                                "Host key verification failed.\n"),
               HasSubstr("--accept-new-host-keys"));
   EXPECT_THAT(ExplainSshFailure(ssh, "@ WARNING: REMOTE HOST IDENTIFICATION HAS CHANGED! @\n"),
               HasSubstr("ssh-keygen -R h -f /kh"));
@@ -82,7 +83,8 @@ TEST(Launch, RunCommandReportsExitCodesOutputAndTimeouts) {
 }
 
 TEST(Launch, AMissingBundleIsNamedBeforeAnyLogin) {
-  SshLauncher l({}, [](const std::string&, const std::string&) {}, [](const std::string&, const std::string&) {});
+  SshLauncher l(
+      {}, [](const std::string&, const std::string&) {}, [](const std::string&, const std::string&) {});
   SiteLaunch s;
   s.site = "a";
   s.ssh.host = "192.0.2.1";  // TEST-NET: never contacted, the bundle check comes first

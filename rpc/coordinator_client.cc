@@ -84,6 +84,11 @@ class GrpcCoordinatorClient final : public CoordinatorClient {
   absl::Status ReportDone(const v1::StageDone& d, Timeout timeout) override {
     return Unary<v1::MetricsAck>(&v1::Coordinator::Stub::ReportDone, d, timeout).status();
   }
+  absl::StatusOr<v1::DrainResponse> Drain(const std::string& site, Timeout timeout) override {
+    v1::DrainRequest req;
+    req.set_site(site);
+    return Unary<v1::DrainResponse>(&v1::Coordinator::Stub::Drain, req, timeout);
+  }
   absl::StatusOr<v1::InspectResponse> Inspect(Timeout timeout) override {
     return Unary<v1::InspectResponse>(&v1::Coordinator::Stub::Inspect, v1::InspectRequest(), timeout);
   }
@@ -230,6 +235,7 @@ class InProcessClient final : public CoordinatorClient {
   absl::Status ReportProfile(const v1::ProfileReport& r, Timeout) override { return handler_->Profile(r); }
   absl::Status ReportDone(const v1::StageDone& d, Timeout) override { return handler_->Done(d); }
   absl::StatusOr<v1::InspectResponse> Inspect(Timeout) override { return handler_->Inspect(); }
+  absl::StatusOr<v1::DrainResponse> Drain(const std::string& site, Timeout) override { return handler_->Drain(site); }
 
   absl::Status PutFile(const std::string& site, const std::string& job_id, const std::string& local,
                        const std::string& path) override {

@@ -54,6 +54,7 @@ class CoordinatorClient {
   // kTransferIdleTimeout without a chunk.
   virtual absl::Status GetFile(const std::string& site, const std::string& path, const std::string& local) = 0;
   virtual absl::StatusOr<v1::InspectResponse> Inspect(Timeout timeout) = 0;
+  virtual absl::StatusOr<v1::DrainResponse> Drain(const std::string& site, Timeout timeout) = 0;
 };
 
 // A client of the coordinator at `address`, presenting `identity`'s certificate from `certs_dir` (a site's

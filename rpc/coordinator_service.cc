@@ -123,6 +123,19 @@ grpc::Status CoordinatorService::Inspect(grpc::ServerContext* ctx, const v1::Ins
   return grpc::Status::OK;
 }
 
+grpc::Status CoordinatorService::Drain(grpc::ServerContext* ctx, const v1::DrainRequest* req, v1::DrainResponse* resp) {
+  const std::string cn = PeerCommonName(*ctx);
+  if (cn.empty()) return {grpc::StatusCode::UNAUTHENTICATED, "no verified client certificate"};
+  if (cn != "coordinator")
+    return {grpc::StatusCode::PERMISSION_DENIED,
+            absl::StrCat("certificate '", cn, "' may not drain sites: only the operator's (the coordinator's) may")};
+  ++handled_;
+  auto r = handler_->Drain(req->site());
+  if (!r.ok()) return ToGrpc(r.status());
+  *resp = *r;
+  return grpc::Status::OK;
+}
+
 grpc::Status CoordinatorService::PutFile(grpc::ServerContext* ctx, grpc::ServerReader<v1::FileChunk>* reader,
                                          v1::FileAck* ack) {
   v1::FileChunk chunk;

@@ -38,6 +38,9 @@ class CoordinatorHandler {
   virtual absl::Status Profile(const v1::ProfileReport& report) = 0;
   virtual absl::Status Done(const v1::StageDone& done) = 0;
   virtual absl::StatusOr<v1::InspectResponse> Inspect() = 0;
+  // The operator asks that `site` leave at the next step boundary (`meridian drain`). NotFound for a site
+  // outside the cluster, FailedPrecondition when it has not joined.
+  virtual absl::StatusOr<v1::DrainResponse> Drain(const std::string& site) = 0;
   // Where `site`'s file `path` (relative to the run directory, its form already checked by the service) of
   // attempt `job_id` is to be stored -- an absolute path whose directory exists -- and how large it may
   // be. PermissionDenied when `site` does not write that file in the attempt running, FailedPrecondition
@@ -80,6 +83,8 @@ class CoordinatorService final : public v1::Coordinator::Service {
   grpc::Status ReportDone(grpc::ServerContext* ctx, const v1::StageDone* req, v1::MetricsAck* resp) override;
   // Read-only; allowed to the "coordinator" identity and to every site.
   grpc::Status Inspect(grpc::ServerContext* ctx, const v1::InspectRequest* req, v1::InspectResponse* resp) override;
+  // The coordinator's own identity only.
+  grpc::Status Drain(grpc::ServerContext* ctx, const v1::DrainRequest* req, v1::DrainResponse* resp) override;
   // At most kUploadsPerSite at once per site (ResourceExhausted beyond); ended after the upload idle
   // timeout without a chunk.
   // Writes the stream to a temporary file beside FileDestination's path, within its size bound, checks the

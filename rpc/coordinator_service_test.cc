@@ -52,6 +52,12 @@ class CountingHandler : public CoordinatorHandler {
     ++calls;
     return v1::InspectResponse();
   }
+  absl::StatusOr<v1::DrainResponse> Drain(const std::string& site) override {
+    ++calls;
+    v1::DrainResponse r;
+    r.set_message("draining " + site);
+    return r;
+  }
   absl::Status Metrics(const v1::MetricsReport&) override {
     ++calls;
     return absl::OkStatus();

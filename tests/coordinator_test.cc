@@ -734,6 +734,78 @@ TEST_F(CoordinatorTest, TheDashboardShowsTheRunInAHeadlessBrowser) {
   EXPECT_EQ(coord->Wait(1ms), -1) << read_out();  // still training throughout
 }
 
+// Leaving without loss (#21): `meridian drain b` while b runs a stage, then SIGTERM to c's executor (a
+// spot preemption notice). Each time every stage ends at a step boundary with its checkpoint, the sites
+// left are re-planned and resume from exactly that step; the leaving executor is stopped and exits 0.
+// The run ends with every step trained once (metrics.jsonl counts 1..N without a gap or a repeat) and
+// the weights of `meridian train-local`.
+TEST_F(CoordinatorTest, ADrainedSiteAndASigtermedOneAreLeftWithNoStepLostOrRepeated) {
+  SetSteps(2000);
+  std::ofstream(dir_ / "job.yaml", std::ios::app) << "  checkpoint: {dir: ckpt, interval: 400}\n";
+  std::ofstream(dir_ / "plan.json")
+      << R"({"stages": [{"sites": ["a"], "last_op": 1}, {"sites": ["b"], "last_op": 3}, {"sites": ["c"], "last_op": 5}]})";
+  const fs::path out = dir_ / "coordinator.out";
+  auto coord = Coordinator("--plan " + (dir_ / "plan.json").string() + " > " + out.string());
+  std::this_thread::sleep_for(500ms);
+  auto a = Executor("a"), b = Executor("b");
+  Process c("exec " + Bin("meridian-executor") + " --coordinator 127.0.0.1:" + std::to_string(coord_port_) +
+            " --site c --certs " + (dir_ / "certs" / "bundles" / "c").string() +
+            " --listen 127.0.0.1:" + std::to_string(ports_["c"]) + " 2>&1");
+  auto read_out = [&] {
+    std::ifstream in(out);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  auto wait_for = [&](const std::string& what) {
+    for (int i = 0; i < 1200 && read_out().find(what) == std::string::npos; ++i) {
+      if (coord->Wait(1ms) != -1) break;
+      std::this_thread::sleep_for(100ms);
+    }
+    return read_out().find(what) != std::string::npos;
+  };
+  ASSERT_TRUE(wait_for("step 100/")) << read_out();
+  const std::string where =
+      " --coordinator 127.0.0.1:" + std::to_string(coord_port_) + " --certs " + (dir_ / "certs").string();
+  Process stranger(Bin("meridian") + " drain b" + where + " --as a 2>&1");  // a site may not drain another
+  const std::string stranger_out = stranger.ReadAll(20s);
+  EXPECT_EQ(stranger.Wait(10s), 1) << stranger_out;
+  EXPECT_THAT(stranger_out, HasSubstr("only the operator's"));
+  Process unknown(Bin("meridian") + " drain zz" + where + " 2>&1");
+  EXPECT_THAT(unknown.ReadAll(20s), HasSubstr("site 'zz' is not in cluster 't'"));
+  EXPECT_EQ(unknown.Wait(10s), 1);
+  Process drain(Bin("meridian") + " drain b" + where + " 2>&1");
+  const std::string drain_out = drain.ReadAll(20s);
+  ASSERT_EQ(drain.Wait(10s), 0) << drain_out;
+  EXPECT_THAT(drain_out, HasSubstr("site 'b' leaves at the next step boundary"));
+  ASSERT_TRUE(wait_for("switch: every stage saved step")) << read_out();
+  EXPECT_EQ(b->Wait(60s), 0) << "the drained executor is told to stop";
+  ASSERT_TRUE(wait_for("training: 2 stages") || wait_for("training: 1 stages")) << read_out();
+  // Well into the second plan, c's executor is told to go, as a preemption notice would.
+  const std::string so_far = read_out();
+  const int at = std::atoi(so_far.c_str() + so_far.rfind("step ") + 5);
+  ASSERT_LT(at, 1400) << "too late in the run to switch again";
+  ASSERT_TRUE(wait_for("step " + std::to_string(at + 50) + "/")) << read_out();
+  ASSERT_EQ(::kill(c.pid(), SIGTERM), 0);
+  EXPECT_EQ(c.Wait(90s), 0) << "the SIGTERMed executor leaves cleanly once switched away from";
+  ASSERT_EQ(coord->Wait(180s), 0) << read_out();
+  const std::string log = read_out();
+  EXPECT_THAT(log, HasSubstr("switch: site 'b' leaves (meridian drain); every stage ends after step "));
+  EXPECT_THAT(log, HasSubstr("switch: site 'c' leaves (its executor got SIGTERM); every stage ends after step "));
+  EXPECT_THAT(log, Not(HasSubstr("did not all end at step")));
+  EXPECT_THAT(log, Not(HasSubstr("recovery:")));
+  EXPECT_THAT(log, HasSubstr("done: 2000 steps"));
+  std::ifstream jl(dir_ / "run" / "metrics.jsonl");
+  int64_t expect = 1;
+  for (std::string l; std::getline(jl, l); ++expect)
+    ASSERT_EQ(nlohmann::json::parse(l)["step"].get<int64_t>(), expect) << "a step lost or repeated";
+  EXPECT_EQ(expect, 2001);
+  int switches = 0;
+  std::ifstream ev(dir_ / "run" / "events.jsonl");
+  for (std::string l; std::getline(ev, l);) switches += nlohmann::json::parse(l)["kind"] == "switch";
+  EXPECT_EQ(switches, 2);
+  EXPECT_EQ(a->Wait(30s), 0);
+  ExpectWeightsOfTheReference(dir_);
+}
+
 // ---- `meridian launch` and `meridian run --launch ssh` (#23), with Debian's sshd in network namespaces
 // made by tests/ssh/sites.sh: three "remote" sites, each an sshd with its own host key on a bridge in a
 // hub namespace, where the coordinator runs.
