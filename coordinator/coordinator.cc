@@ -446,8 +446,8 @@ void Coordinator::LogSite(const std::string& site, const std::string& text) {
 
 absl::StatusOr<v1::InspectResponse> Coordinator::Inspect() {
   v1::InspectResponse r;
-  r.set_status_json(RunJson());
-  std::lock_guard<std::mutex> l(mu_);
+  r.set_status_json(RunJson(0, kInspectSteps));
+  std::lock_guard<std::mutex> l(mu_);  // (a plan made in between shows in plan_json first: both are current)
   r.set_profile_json(profile_json_);
   r.set_graph_json(graph_json_);
   r.set_plan_json(plan_json_);
@@ -493,64 +493,71 @@ void Coordinator::AddEventLocked(const std::string& kind, const std::string& sit
   while (run_events_.size() > kEventsKept) run_events_.pop_front();
 }
 
-std::string Coordinator::RunJson(int64_t after) const {
-  std::lock_guard<std::mutex> l(mu_);
-  nlohmann::json sites = nlohmann::json::array();
-  const auto now = Clock::now();
-  for (const auto& [name, s] : sites_) {
-    const double age = std::chrono::duration<double>(now - s.last_heartbeat).count();
-    auto stage = stages_.find(name);
-    nlohmann::json site = {{"name", name},
-                           {"registered", s.registered},
-                           {"state", s.registered ? SiteStateName(s.state) : "not joined"},
-                           {"step", s.step + 1},
-                           {"heartbeat_age_seconds", s.registered ? age : -1.0},
-                           {"answering", s.registered && age <= spec_.heartbeat_timeout_seconds},
-                           {"listen", s.listen},
-                           {"device", s.device},
-                           {"stage", stage == stages_.end() ? -1 : stage->second}};
-    if (auto g = gemm_flops_.find(name); g != gemm_flops_.end()) site["gemm_flops_per_second"] = g->second;
-    if (s.metrics)  // its stage's latest step
-      site["metrics"] = {{"step", s.metrics->step() + 1},
-                         {"step_seconds", s.metrics->step_seconds()},
-                         {"compute_seconds", s.metrics->compute_seconds()},
-                         {"wait_seconds", s.metrics->wait_seconds()},
-                         {"send_blocked_seconds", s.metrics->send_blocked_seconds()},
-                         {"codec_seconds", s.metrics->codec_seconds()},
-                         {"sent_bytes", s.metrics->wire_bytes()},
-                         {"uncompressed_bytes", s.metrics->raw_bytes()}};
-    if (s.metrics && s.metrics->outer_sync_step() > 0)  // a DiLoCo replica: its last outer synchronisation
-      site["outer_sync"] = {{"after_step", s.metrics->outer_sync_step()},
-                            {"bytes", s.metrics->outer_sync_bytes()},
-                            {"seconds", s.metrics->outer_sync_seconds()},
-                            {"drift", s.metrics->outer_drift()}};
-    sites.push_back(std::move(site));
+std::string Coordinator::RunJson(int64_t after, size_t max_steps) const {
+  nlohmann::json status;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    nlohmann::json sites = nlohmann::json::array();
+    const auto now = Clock::now();
+    for (const auto& [name, s] : sites_) {
+      const double age = std::chrono::duration<double>(now - s.last_heartbeat).count();
+      auto stage = stages_.find(name);
+      nlohmann::json site = {{"name", name},
+                             {"registered", s.registered},
+                             {"state", s.registered ? SiteStateName(s.state) : "not joined"},
+                             {"step", s.step + 1},
+                             {"heartbeat_age_seconds", s.registered ? age : -1.0},
+                             {"answering", s.registered && age <= spec_.heartbeat_timeout_seconds},
+                             {"listen", s.listen},
+                             {"device", s.device},
+                             {"stage", stage == stages_.end() ? -1 : stage->second}};
+      if (auto g = gemm_flops_.find(name); g != gemm_flops_.end()) site["gemm_flops_per_second"] = g->second;
+      if (s.metrics)  // its stage's latest step
+        site["metrics"] = {{"step", s.metrics->step() + 1},
+                           {"step_seconds", s.metrics->step_seconds()},
+                           {"compute_seconds", s.metrics->compute_seconds()},
+                           {"wait_seconds", s.metrics->wait_seconds()},
+                           {"send_blocked_seconds", s.metrics->send_blocked_seconds()},
+                           {"codec_seconds", s.metrics->codec_seconds()},
+                           {"sent_bytes", s.metrics->wire_bytes()},
+                           {"uncompressed_bytes", s.metrics->raw_bytes()}};
+      if (s.metrics && s.metrics->outer_sync_step() > 0)  // a DiLoCo replica: its last outer synchronisation
+        site["outer_sync"] = {{"after_step", s.metrics->outer_sync_step()},
+                              {"bytes", s.metrics->outer_sync_bytes()},
+                              {"seconds", s.metrics->outer_sync_seconds()},
+                              {"drift", s.metrics->outer_drift()}};
+      sites.push_back(std::move(site));
+    }
+    nlohmann::json run = {{"steps", total_steps_}, {"tokens_per_step", tokens_per_step_}};
+    auto number = [&](const char* key) {  // a plan's figure; 0 when missing or not a number (NaN is null)
+      return plan_.contains(key) && plan_[key].is_number() ? plan_[key].get<double>() : 0.0;
+    };
+    if (plan_.is_object() && tokens_per_step_ > 0) {
+      const double predicted = number("predicted_step_seconds");
+      const double bound = number("compute_bound_seconds");
+      if (predicted > 0) run["predicted_tokens_per_second"] = tokens_per_step_ / predicted;
+      if (bound > 0) run["compute_bound_tokens_per_second"] = tokens_per_step_ / bound;
+    }
+    nlohmann::json steps = nlohmann::json::array();
+    size_t first = steps_.size() > max_steps ? steps_.size() - max_steps : 0;
+    for (size_t i = first; i < steps_.size(); ++i)
+      if (steps_[i]["seq"].get<int64_t>() > after) steps.push_back(steps_[i]);
+    status = {{"cluster", spec_.name},
+              {"run_id", run_id_},
+              {"job_id", job_id_},
+              {"progress",
+               {{"step", progress_.step + 1},
+                {"loss", progress_.loss},
+                {"step_seconds", progress_.step_seconds},
+                {"tokens", progress_.tokens}}},
+              {"sites", sites},
+              {"run", run},
+              {"plan", plan_},
+              {"links", links_.is_array() ? links_ : nlohmann::json::array()},
+              {"steps", steps},
+              {"events", nlohmann::json(run_events_)}};
   }
-  nlohmann::json run = {{"steps", total_steps_}, {"tokens_per_step", tokens_per_step_}};
-  if (plan_.is_object() && tokens_per_step_ > 0) {
-    const double predicted = plan_.value("predicted_step_seconds", 0.0);
-    const double bound = plan_.value("compute_bound_seconds", 0.0);
-    if (predicted > 0) run["predicted_tokens_per_second"] = tokens_per_step_ / predicted;
-    if (bound > 0) run["compute_bound_tokens_per_second"] = tokens_per_step_ / bound;
-  }
-  nlohmann::json steps = nlohmann::json::array();
-  for (const auto& st : steps_)
-    if (st["seq"].get<int64_t>() > after) steps.push_back(st);
-  nlohmann::json status = {{"cluster", spec_.name},
-                           {"run_id", run_id_},
-                           {"job_id", job_id_},
-                           {"progress",
-                            {{"step", progress_.step + 1},
-                             {"loss", progress_.loss},
-                             {"step_seconds", progress_.step_seconds},
-                             {"tokens", progress_.tokens}}},
-                           {"sites", sites},
-                           {"run", run},
-                           {"plan", plan_},
-                           {"links", links_.is_array() ? links_ : nlohmann::json::array()},
-                           {"steps", steps},
-                           {"events", nlohmann::json(run_events_)}};
-  return status.dump(2, ' ', false, nlohmann::json::error_handler_t::replace);
+  return status.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
 void Coordinator::BeginJob(const std::string& job_id, std::map<std::string, int> stages) {

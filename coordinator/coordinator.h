@@ -122,8 +122,12 @@ class Coordinator : public rpc::CoordinatorHandler {
   static constexpr size_t kStepsKept = 2000, kEventsKept = 1000;
   // The run as one JSON document (docs/coordinator.md, "The run as JSON"): cluster, run and job ids,
   // progress, every site's state and latest metrics, the plan, the measured links, the predicted and
-  // compute-bound tokens/s, the steps recorded after seq `after` (0: all kept) and every kept event.
-  std::string RunJson(int64_t after = 0) const;
+  // compute-bound tokens/s, the newest `max_steps` of the steps recorded after seq `after` (0: all kept)
+  // and every kept event. Compact JSON; the state is copied under the lock and serialised outside it.
+  std::string RunJson(int64_t after = 0, size_t max_steps = kStepsKept) const;
+  // What Inspect (`meridian status --json`) carries of the steps: the newest ones (a gRPC message is at
+  // most 8 MiB); /api/run serves all kept.
+  static constexpr size_t kInspectSteps = 200;
   // Per-site logs: from now on LogSite appends its lines with a UTC timestamp to DIR/<site>.log. The run
   // loop logs the machine's decisions about a site (join, measurements, assignments, progress, lost and
   // back, completion); the handlers log the files a site sends and fetches.
@@ -149,6 +153,8 @@ class Coordinator : public rpc::CoordinatorHandler {
 
  private:
   int NumStages() const;  // of the running plan; REQUIRES: mu_ held
+  void AddEventLocked(const std::string& kind, const std::string& site,
+                      const std::string& text);  // REQUIRES: mu_ held
   // What an uploaded stage JSON (`part`) claims; checked against the plan and its writer's shard under mu_.
   struct StageMetaClaims {
     int stage = 0, num_stages = 0;
@@ -170,6 +176,7 @@ class Coordinator : public rpc::CoordinatorHandler {
   std::string boundary_job_;  // SetBoundary
   int64_t boundary_step_ = 0;
   std::map<std::string, int> stages_;  // the running attempt's plan: site -> stage
+  // The run's information and history (SetRunInfo, SetRunFacts, RecordStep, RecordEvent): guarded by mu_.
   std::string profile_json_, graph_json_, plan_json_;
   nlohmann::json plan_, links_;                    // plan_json_ parsed, and profile_json_'s links
   std::map<std::string, double> gemm_flops_;       // each measured site's GEMM speed (profile_json_)
@@ -177,9 +184,7 @@ class Coordinator : public rpc::CoordinatorHandler {
   std::deque<nlohmann::json> steps_, run_events_;  // RecordStep (with "seq"), RecordEvent: the newest kept
   int64_t step_seq_ = 0;                           // steps recorded so far
   std::ofstream event_log_;                        // SetEventLog's file
-  void AddEventLocked(const std::string& kind, const std::string& site,
-                      const std::string& text);  // REQUIRES: mu_ held
-  std::string file_dir_;                         // guarded by mu_, as the three below
+  std::string file_dir_;                           // guarded by mu_, as the three below
   std::map<std::string, int> file_writers_;
   int64_t file_max_step_ = 0, file_max_bytes_ = 0;
   int checkpoint_interval_ = 0;

@@ -47,7 +47,9 @@ int RunStatus(const InspectOptions& o) {
   auto run = InspectCoordinator(o.address, o.certs_dir, o.identity);
   if (!run.ok()) return Fail("status", run.status());
   if (o.json) {
-    std::printf("%s\n", run->status_json.c_str());
+    auto j = nlohmann::json::parse(run->status_json, nullptr, false);  // indented for reading
+    std::printf("%s\n", j.is_discarded() ? run->status_json.c_str()
+                                         : j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
     return 0;
   }
   auto j = nlohmann::json::parse(run->status_json, nullptr, false);

@@ -5,6 +5,7 @@
 #include <CLI/CLI.hpp>
 
 #include <chrono>
+#include <cstring>
 #include <future>
 #include <iostream>
 #include <thread>
@@ -17,12 +18,18 @@ namespace meridian::coordinator {
 
 std::atomic<int> g_interrupted{0};
 
-void InstallInterruptHandler() {
+ScopedInterruptHandler::ScopedInterruptHandler() {
+  g_interrupted.store(0);
   struct sigaction sa {};
   sa.sa_handler = [](int sig) { g_interrupted.store(sig); };
   sigemptyset(&sa.sa_mask);
-  sigaction(SIGINT, &sa, nullptr);
-  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGINT, &sa, &old_int_);
+  sigaction(SIGTERM, &sa, &old_term_);
+}
+
+ScopedInterruptHandler::~ScopedInterruptHandler() {
+  sigaction(SIGINT, &old_int_, nullptr);
+  sigaction(SIGTERM, &old_term_, nullptr);
 }
 
 absl::Status LaunchSshSites(const core::ClusterSpec& spec, const std::string& certs_dir, const std::string& coordinator,
@@ -69,7 +76,7 @@ int RunLaunch(const LaunchCommandOptions& o) {
     return 2;
   }
   const core::ClusterSpec& spec = *r.spec->cluster;
-  InstallInterruptHandler();
+  ScopedInterruptHandler interrupts;
   launch::LaunchOptions lo;
   lo.accept_new_host_keys = o.accept_new_host_keys;
   launch::SshLauncher launcher(
@@ -83,7 +90,13 @@ int RunLaunch(const LaunchCommandOptions& o) {
           LaunchSshSites(spec, core::ResolveRelative(o.cluster_path, spec.certs_dir), coordinator, &launcher);
       !st.ok()) {
     std::cerr << "meridian launch: " << st.message() << "\n";
+    if (const int sig = g_interrupted.load(); sig != 0) return 128 + sig;  // interrupted while starting
     return st.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+  }
+  if (const int sig = g_interrupted.load(); sig != 0) {  // Ctrl-C while the sites were being started
+    std::cout << "launch: interrupted (" << strsignal(sig) << "); stopping the executors\n" << std::flush;
+    launcher.StopAll();
+    return 128 + sig;
   }
   for (const auto& site : spec.sites)
     if (!site.ssh)
@@ -104,9 +117,10 @@ int RunLaunch(const LaunchCommandOptions& o) {
       return 0;
     }
   }
-  std::cout << "launch: interrupted; stopping the executors\n" << std::flush;
+  const int sig = g_interrupted.load();
+  std::cout << "launch: interrupted (" << strsignal(sig) << "); stopping the executors\n" << std::flush;
   launcher.StopAll();
-  return 130;
+  return 128 + sig;
 }
 
 }  // namespace meridian::coordinator

@@ -5,6 +5,8 @@
 #ifndef MERIDIAN_COORDINATOR_LAUNCH_COMMAND_H_
 #define MERIDIAN_COORDINATOR_LAUNCH_COMMAND_H_
 
+#include <signal.h>
+
 #include <atomic>
 #include <string>
 
@@ -24,17 +26,29 @@ namespace meridian::coordinator {
 absl::Status LaunchSshSites(const core::ClusterSpec& spec, const std::string& certs_dir, const std::string& coordinator,
                             launch::SshLauncher* launcher);
 
-// Set by SIGINT and SIGTERM once InstallInterruptHandler ran (async-signal-safe).
+// Set (to the signal's number) by SIGINT and SIGTERM while a ScopedInterruptHandler lives
+// (async-signal-safe); the commands poll it to stop their sites before they exit.
 extern std::atomic<int> g_interrupted;
-void InstallInterruptHandler();
+// Catches SIGINT and SIGTERM for its lifetime; the destructor puts the previous handlers back, so that
+// what runs afterwards (the export and evaluation after `meridian run`) can be interrupted as usual.
+class ScopedInterruptHandler {
+ public:
+  ScopedInterruptHandler();
+  ~ScopedInterruptHandler();
+  ScopedInterruptHandler(const ScopedInterruptHandler&) = delete;
+  ScopedInterruptHandler& operator=(const ScopedInterruptHandler&) = delete;
+
+ private:
+  struct sigaction old_int_, old_term_;
+};
 
 struct LaunchCommandOptions {
   std::string cluster_path, coordinator;
   bool accept_new_host_keys = false;
 };
 void AddLaunchOptions(CLI::App* cmd, LaunchCommandOptions* o);
-// 0 when every executor exited, 130 after Ctrl-C (they were stopped), 1 when a site could not be started
-// (the others were stopped), 2 on invalid input.
+// 0 when every executor exited, 128 + the signal after Ctrl-C (130) or SIGTERM (143) (they were stopped),
+// 1 when a site could not be started (the others were stopped), 2 on invalid input.
 int RunLaunch(const LaunchCommandOptions& o);
 
 }  // namespace meridian::coordinator

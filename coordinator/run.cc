@@ -301,11 +301,12 @@ class RunDriver {
       }
     }
     if (int rc = StartServices(); rc != 0) return rc;
-    InstallInterruptHandler();  // Ctrl-C: stop the sites, then exit 130
+    ScopedInterruptHandler interrupts;  // Ctrl-C or SIGTERM: stop the sites, then exit 128 + the signal
     if (o_.launch == "ssh") {
       if (absl::Status st = LaunchSshSites(in_.spec, in_.certs, in_.spec.coordinator.ToString(), launcher_.get());
           !st.ok()) {
         std::cerr << "meridian run: --launch ssh: " << st.message() << "\n";
+        if (const int sig = g_interrupted.load(); sig != 0) return 128 + sig;
         return st.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
       }
     }
@@ -315,8 +316,9 @@ class RunDriver {
     while (!exit) {
       if (const int sig = g_interrupted.load(); sig != 0) {
         std::fprintf(stderr, "meridian run: interrupted (%s); stopping the sites\n", strsignal(sig));
+        coord_.RecordEvent("failed", "", absl::StrCat("interrupted (", strsignal(sig), "); the sites were stopped"));
         coord_.StopAll();
-        exit = 130;
+        exit = 128 + sig;
         break;
       }
       // Heartbeats: a site going silent or answering again is an event of its own.
@@ -464,7 +466,7 @@ class RunDriver {
               << " (run " << run_id_ << ")\njoin each site with:\n";
     for (const auto& s : spec.sites)
       if (o_.launch == "ssh" && s.ssh)
-        std::cout << "  site '" << s.name << "': started over SSH at " << s.ssh->host << " (--launch ssh)\n";
+        std::cout << "  site '" << s.name << "': to be started over SSH at " << s.ssh->host << " (--launch ssh)\n";
       else
         std::cout << "  meridian-executor --coordinator " << spec.coordinator.ToString() << " --site " << s.name
                   << " --certs " << core::SiteBundleDir(in_.certs, s.name) << " --listen " << s.address.ToString()
@@ -499,9 +501,10 @@ class RunDriver {
         if (asset.path == "/") metrics_http_.Get("/index.html", serve);
       }
       // Unauthenticated and read-only: on the coordinator's own host unless the spec says otherwise, and
-      // served by two threads at most.
+      // served by four threads at most.
       const std::string host = spec.metrics_address.empty() ? spec.coordinator.host : spec.metrics_address;
-      metrics_http_.new_task_queue = [] { return new httplib::ThreadPool(2); };
+      // (4: a dashboard tab holds a worker between its polls; Prometheus still gets one.)
+      metrics_http_.new_task_queue = [] { return new httplib::ThreadPool(4); };
       if (!metrics_http_.bind_to_port(host, spec.metrics_port)) {
         std::cerr << "meridian run: cannot serve /metrics and the dashboard on " << host << ":" << spec.metrics_port
                   << "\n";

@@ -118,8 +118,11 @@ void RunMachine::OnRegistered(const SiteRegistered& e) {
   s.registered = true;
   s.listen = e.listen;  // a restarted executor may listen elsewhere
   s.device = e.device;  // (silence is the heartbeats' to end: HeartbeatBack follows a re-registration)
-  Out(LogSite{e.site, absl::StrCat("joined: listens on ", e.listen, ", device ", e.device)});
-  Note("join", e.site, absl::StrCat("joined: listens on ", e.listen, ", device ", e.device));
+  // (What a site says of itself is its to say: escaped and bounded before it is shown anywhere.)
+  const std::string joined =
+      absl::StrCat("joined: listens on ", Clean(e.listen.substr(0, 300)), ", device ", Clean(e.device.substr(0, 100)));
+  Out(LogSite{e.site, joined});
+  Note("join", e.site, joined);
   const size_t need = c_.spec.min_sites > 0 ? static_cast<size_t>(c_.spec.min_sites) : c_.spec.sites.size();
   if (phase_ == Phase::kJoining && started_ && Registered() >= need) StartProfiling();
 }

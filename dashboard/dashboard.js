@@ -4,7 +4,7 @@
 'use strict';
 
 const POLL_MS = 2000;
-const state = { after: 0, steps: [], drawnPlan: '', failures: 0 };
+const state = { after: 0, steps: [], drawnPlan: '', failures: 0, runId: undefined };
 const errors = [];
 
 function pageError(message) {
@@ -28,15 +28,18 @@ function el(tag, attrs, text) {
   return e;
 }
 
+// Figures may be missing, or null (JSON has no NaN): shown as '-', never thrown on.
+const finite = (v) => typeof v === 'number' && Number.isFinite(v);
+function fixed(v, digits) { return finite(v) ? v.toFixed(digits) : '-'; }
 function fmtBytes(b) {
-  if (b === undefined || b === null) return '-';
+  if (!finite(b)) return '-';
   if (b >= 1e9) return (b / 1e9).toFixed(2) + ' GB';
   if (b >= 1e6) return (b / 1e6).toFixed(2) + ' MB';
   if (b >= 1e3) return (b / 1e3).toFixed(1) + ' kB';
   return b + ' B';
 }
-function fmtSec(s) { return s === undefined ? '-' : s.toFixed(3); }
-function fmtFlops(f) { return f ? (f / 1e9).toFixed(1) + ' GFLOP/s' : '-'; }
+function fmtSec(s) { return fixed(s, 3); }
+function fmtFlops(f) { return finite(f) && f > 0 ? (f / 1e9).toFixed(1) + ' GFLOP/s' : '-'; }
 
 // ---- Plan diagram: one box per stage (its sites, ops and compute per micro-batch), an arrow per cut
 // with its codec and the measured link between the stages' first sites.
@@ -74,7 +77,7 @@ function drawPlan(run) {
       s.first_op === s.last_op ? `op ${s.first_op} (${s.first_op_name})`
         : `ops ${s.first_op}-${s.last_op} (${s.first_op_name} … ${s.last_op_name})`,
       s.sites.length > 1 ? `replicas: ${s.sites.slice(1).join(', ')}` : 'no replicas',
-      `compute ${(s.compute_seconds * 1e3).toFixed(1)} ms / micro-batch`,
+      `compute ${fixed(s.compute_seconds * 1e3, 1)} ms / micro-batch`,
       `in flight ${s.in_flight}` + (k === slowest ? '  — bottleneck' : ''),
     ];
     lines.forEach((t, i) => g.appendChild(el('text', { x: x + 10, y: y + 42 + 18 * i }, t)));
@@ -93,19 +96,19 @@ function drawPlan(run) {
     g.appendChild(el('text', { x: mid, y: y - 26, 'text-anchor': 'middle' }, `codec ${l.codec}`));
     if (m) {
       g.appendChild(el('text', { x: mid, y: y - 10, 'text-anchor': 'middle' },
-                       `${(m.bandwidth_bytes_per_second * 8 / 1e6).toFixed(1)} Mbit/s`));
+                       `${fixed(m.bandwidth_bytes_per_second * 8 / 1e6, 1)} Mbit/s`));
       g.appendChild(el('text', { x: mid, y: y + 18, 'text-anchor': 'middle' },
-                       `RTT ${(m.latency_seconds * 2e3).toFixed(1)} ms`));
+                       `RTT ${fixed(m.latency_seconds * 2e3, 1)} ms`));
     }
     g.appendChild(el('text', { x: mid, y: y + 34, 'text-anchor': 'middle' },
-                     `${(l.seconds * 1e3).toFixed(1)} ms / micro-batch`));
+                     `${fixed(l.seconds * 1e3, 1)} ms / micro-batch`));
     svg.appendChild(g);
   });
   box.appendChild(svg);
   const sync = plan.sync && plan.sync.mode === 'diloco'
     ? `; replicas are DiLoCo workers (sync every ${plan.sync.inner_steps} steps)` : '';
   document.getElementById('plan-bottleneck').textContent =
-    `${plan.method} plan, predicted ${plan.predicted_step_seconds.toFixed(3)} s/step; bottleneck: ${plan.bottleneck}${sync}`;
+    `${plan.method} plan, predicted ${fixed(plan.predicted_step_seconds, 3)} s/step; bottleneck: ${plan.bottleneck}${sync}`;
 }
 
 // ---- Sites table.
@@ -119,7 +122,7 @@ function drawSites(run) {
     const badge = el('span', { class: 'state ' + state.replace(/[^a-z]/g, '') }, state);
     const cells = [
       s.name, badge,
-      s.heartbeat_age_seconds < 0 ? '-' : s.heartbeat_age_seconds.toFixed(1) + ' s ago',
+      !finite(s.heartbeat_age_seconds) || s.heartbeat_age_seconds < 0 ? '-' : s.heartbeat_age_seconds.toFixed(1) + ' s ago',
       String(s.step), s.stage < 0 ? '-' : String(s.stage + 1),
       fmtSec(m.compute_seconds), fmtSec(m.wait_seconds), fmtSec(m.send_blocked_seconds), fmtSec(m.codec_seconds),
       fmtBytes(m.sent_bytes), fmtBytes(m.uncompressed_bytes), s.device || '-', fmtFlops(s.gemm_flops_per_second),
@@ -214,16 +217,21 @@ function drawSummary(run) {
   document.getElementById('run-id').textContent = run.run_id;
   const p = run.progress, total = run.run.steps;
   document.getElementById('step').textContent = `${p.step} / ${total}`;
-  document.getElementById('loss').textContent = p.step > 0 ? p.loss.toFixed(4) : '-';
+  document.getElementById('loss').textContent = p.step > 0 ? fixed(p.loss, 4) : '-';
   const last = state.steps[state.steps.length - 1];
   document.getElementById('tps').textContent =
-    last && last.elapsed_seconds > 0 ? (last.tokens / last.elapsed_seconds).toFixed(0) : '-';
-  document.getElementById('sps').textContent = p.step > 0 ? p.step_seconds.toFixed(3) : '-';
-  document.getElementById('eta').textContent = p.step > 0 ? `${(p.step_seconds * (total - p.step)).toFixed(0)} s` : '-';
-  document.body.dataset.completedSteps = String(p.step);
+    last && last.elapsed_seconds > 0 ? fixed(last.tokens / last.elapsed_seconds, 0) : '-';
+  document.getElementById('sps').textContent = p.step > 0 ? fixed(p.step_seconds, 3) : '-';
+  document.getElementById('eta').textContent = p.step > 0 ? `${fixed(p.step_seconds * (total - p.step), 0)} s` : '-';
+  // The steps the coordinator has recorded (its progress counter may be a report ahead of them).
+  document.body.dataset.completedSteps = String(last ? last.step : 0);
 }
 
 function apply(run) {
+  if (run.run_id !== state.runId) {  // another run on this port (the coordinator restarted): start over
+    if (state.runId !== undefined) { state.after = 0; state.steps = []; state.drawnPlan = ''; }
+    state.runId = run.run_id;
+  }
   for (const s of run.steps) {
     // A resumed attempt trains steps again: what it redoes replaces what the abandoned one did.
     while (state.steps.length && state.steps[state.steps.length - 1].step >= s.step) state.steps.pop();
@@ -240,10 +248,11 @@ function apply(run) {
 
 async function poll() {
   const conn = document.getElementById('connection');
+  let run = null;
   try {
     const r = await fetch(`/api/run?after=${state.after}`, { cache: 'no-store' });
     if (!r.ok) throw new Error(`HTTP ${r.status}`);
-    apply(await r.json());
+    run = await r.json();
     conn.textContent = 'live';
     conn.className = 'fact';
     state.failures = 0;
@@ -252,6 +261,13 @@ async function poll() {
     ++state.failures;
     conn.textContent = `coordinator not answering (${e.message})`;
     conn.className = 'fact lost';
+  }
+  if (run) {
+    try {
+      apply(run);
+    } catch (e) {  // the page's own fault, not the network's: shown as such
+      pageError(`drawing the run: ${e.message}`);
+    }
   }
   setTimeout(poll, POLL_MS);
 }

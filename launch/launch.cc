@@ -13,6 +13,7 @@
 #include <filesystem>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
@@ -39,8 +40,8 @@ std::string LastLine(const std::string& text) {
   return nl == std::string::npos ? t : t.substr(nl + 1);
 }
 
-// Spawns argv with stdin from /dev/null and stdout (and, unless `out_only`, stderr) to pipes, in its
-// own process group. Returns the pid, or -1 with errno set.
+// Spawns argv with stdin from /dev/null and stdout to a pipe, stderr to a second pipe (`err_fd`) or, when
+// `err_fd` is null, to the first; in its own process group. Returns the pid, or -1 with errno set.
 pid_t Spawn(const std::vector<std::string>& argv, int* out_fd, int* err_fd) {
   int out[2], err[2] = {-1, -1};
   if (pipe2(out, O_CLOEXEC) != 0) return -1;
@@ -121,7 +122,21 @@ std::vector<std::string> CommonOptions(const core::SshSpec& ssh, const LaunchOpt
   return a;
 }
 
-std::string Remote(const core::SshSpec& ssh, const std::string& path) { return ShellQuote(ssh.workdir + "/" + path); }
+// A site's own folder under the workdir (sites may share a host and a workdir): WORKDIR/SITE.
+std::string SiteDir(const SiteLaunch& s) { return s.ssh.workdir + "/" + s.site; }
+std::string Remote(const SiteLaunch& s, const std::string& path) { return ShellQuote(SiteDir(s) + "/" + path); }
+
+// A line of a remote log, safe for a terminal and a log file: control characters escaped, at most 4000 bytes.
+std::string CleanLine(const std::string& text) {
+  std::string out;
+  for (unsigned char ch : text.substr(0, 4000))
+    if (ch < 0x20 || ch == 0x7f)
+      absl::StrAppendFormat(&out, "\\x%02x", ch);
+    else
+      out += static_cast<char>(ch);
+  if (text.size() > 4000) out += "...";
+  return out;
+}
 
 }  // namespace
 
@@ -184,8 +199,8 @@ CommandResult RunCommand(const std::vector<std::string>& argv, std::chrono::mill
   int out = -1, err = -1;
   const pid_t pid = Spawn(argv, &out, &err);
   if (pid < 0) {
-    r.err = absl::StrCat(argv[0], ": ", std::strerror(errno));
-    r.exit_code = 127;
+    r.err = absl::StrCat("cannot run ", argv[0], " here: ", std::strerror(errno));
+    r.spawn_failed = true;
     return r;
   }
   const auto deadline = std::chrono::steady_clock::now() + timeout;
@@ -205,17 +220,17 @@ CommandResult RunCommand(const std::vector<std::string>& argv, std::chrono::mill
       const ssize_t n = read(fds[i].fd, buf, sizeof buf);
       if (n > 0) {
         (i == 0 ? r.out : r.err).append(buf, static_cast<size_t>(n));
-        if (r.out.size() + r.err.size() > (size_t{16} << 20)) timed_out = true;  // not what we asked for
+        if (r.out.size() + r.err.size() > (size_t{16} << 20)) r.too_much_output = true;  // not what we asked for
       } else if (n == 0 || errno != EINTR) {
         close(fds[i].fd);
         fds[i].fd = -1;
       }
     }
-    if (timed_out) break;
+    if (timed_out || r.too_much_output) break;
   }
   for (const auto& f : fds)
     if (f.fd >= 0) close(f.fd);
-  if (timed_out) kill(-pid, SIGKILL);
+  if (timed_out || r.too_much_output) kill(-pid, SIGKILL);
   r.exit_code = WaitExit(pid);
   if (timed_out) r.exit_code = -1;
   return r;
@@ -231,10 +246,15 @@ absl::Status SshLauncher::Launch(const SiteLaunch& s) {
   const std::string who = absl::StrCat("site '", s.site, "' (", Destination(ssh), ")");
   const auto limit = std::chrono::seconds(options_.connect_timeout_seconds + 30);
   auto ssh_failed = [&](const CommandResult& r, const std::string& doing) {
+    if (r.spawn_failed) return absl::FailedPreconditionError(absl::StrCat(who, ": ", r.err));
+    if (r.too_much_output)
+      return absl::UnavailableError(absl::StrCat(who, ": ", doing, " printed more than 16 MiB; stopped"));
     if (r.exit_code == -1)
       return absl::DeadlineExceededError(absl::StrCat(who, ": ", doing, " took longer than ", limit.count(), " s"));
-    std::string why = ExplainSshFailure(ssh, r.err);
-    if (why.empty()) why = absl::StrCat(doing, " failed (exit ", r.exit_code, "): ", LastLine(r.err + "\n" + r.out));
+    // 255 is ssh's own failure (login, host key, network); any other code is the remote command's.
+    std::string why = r.exit_code == 255 ? ExplainSshFailure(ssh, r.err) : "";
+    if (why.empty())
+      why = absl::StrCat(doing, " failed (exit ", r.exit_code, "): ", CleanLine(LastLine(r.err + "\n" + r.out)));
     return absl::UnavailableError(absl::StrCat(who, ": ", why));
   };
   for (const auto& f : {std::string("ca.pem"), s.site + ".pem", s.site + ".key"})
@@ -246,7 +266,8 @@ absl::Status SshLauncher::Launch(const SiteLaunch& s) {
       RunCommand({"ssh-keygen", "-F", KnownHostsName(ssh), "-f", KnownHostsFile(ssh)}, std::chrono::seconds(10))
           .exit_code == 0;
   CommandResult v = RunCommand(SshArgv(ssh, options_, ShellQuote(ssh.executor) + " --version"), limit);
-  if (v.exit_code == 255 || v.exit_code == -1) return ssh_failed(v, "logging in");
+  if (v.exit_code == 255 || v.exit_code == -1 || v.spawn_failed || v.too_much_output)
+    return ssh_failed(v, "logging in");
   if (v.exit_code == 127)
     return absl::FailedPreconditionError(absl::StrCat(who, ": no executor at '", ssh.executor, "' there (",
                                                       LastLine(v.err),
@@ -267,26 +288,27 @@ absl::Status SshLauncher::Launch(const SiteLaunch& s) {
                               key.empty() ? "(not found there)" : key));
   }
   // 3: the site's own bundle, and nothing else.
+  // The site's own folder, WORKDIR/SITE, readable by the login alone (the workdir itself is left as it is).
   CommandResult mk = RunCommand(SshArgv(ssh, options_,
-                                        absl::StrCat("mkdir -p ", Remote(ssh, "certs"), " && chmod 700 ",
-                                                     ShellQuote(ssh.workdir), " ", Remote(ssh, "certs"))),
+                                        absl::StrCat("mkdir -p ", Remote(s, "certs"), " && chmod 700 ",
+                                                     ShellQuote(SiteDir(s)), " ", Remote(s, "certs"))),
                                 limit);
-  if (mk.exit_code != 0) return ssh_failed(mk, absl::StrCat("creating ", ssh.workdir, "/certs"));
+  if (mk.exit_code != 0) return ssh_failed(mk, absl::StrCat("creating ", SiteDir(s), "/certs"));
   std::vector<std::string> scp = {"scp", "-q"};
   for (auto& opt : CommonOptions(ssh, options_)) scp.push_back(std::move(opt));
   scp.insert(scp.end(), {"-P", std::to_string(ssh.port)});
   for (const auto& f : {std::string("ca.pem"), s.site + ".pem", s.site + ".key"})
     scp.push_back((fs::path(s.bundle_dir) / f).string());
-  scp.push_back(absl::StrCat(ssh.user.empty() ? "" : ssh.user + "@", ssh.host, ":", ssh.workdir, "/certs/"));
+  scp.push_back(absl::StrCat(ssh.user.empty() ? "" : ssh.user + "@", ssh.host, ":", SiteDir(s), "/certs/"));
   CommandResult cp = RunCommand(scp, limit);
   if (cp.exit_code != 0) return ssh_failed(cp, "copying the certificate bundle (scp)");
   // 4: the executor, detached; its pid comes back.
   std::string start = absl::StrCat(
-      "chmod 600 ", Remote(ssh, "certs/" + s.site + ".key"), " && { nohup ", ShellQuote(ssh.executor),
-      " --coordinator ", ShellQuote(s.coordinator), " --site ", ShellQuote(s.site), " --certs ", Remote(ssh, "certs"),
-      " --listen ", ShellQuote(s.listen), " --device ", ShellQuote(s.device),
+      "chmod 600 ", Remote(s, "certs/" + s.site + ".key"), " && { nohup ", ShellQuote(ssh.executor), " --coordinator ",
+      ShellQuote(s.coordinator), " --site ", ShellQuote(s.site), " --certs ", Remote(s, "certs"), " --listen ",
+      ShellQuote(s.listen), " --device ", ShellQuote(s.device),
       options_.executor_log_level.empty() ? "" : " --log-level " + ShellQuote(options_.executor_log_level), " > ",
-      Remote(ssh, "executor.log"), " 2>&1 < /dev/null & echo $! > ", Remote(ssh, "executor.pid"), "; echo $!; }");
+      Remote(s, "executor.log"), " 2>&1 < /dev/null & echo $! > ", Remote(s, "executor.pid"), "; echo $!; }");
   CommandResult started = RunCommand(SshArgv(ssh, options_, start), limit);
   const std::string pid = Trim(started.out);
   if (started.exit_code != 0 || pid.empty() || pid.find_first_not_of("0123456789") != std::string::npos)
@@ -296,8 +318,10 @@ absl::Status SshLauncher::Launch(const SiteLaunch& s) {
   st->pid = pid;
   // 5: follow the log; problems go to the sink.
   int out = -1;
-  st->tail =
-      Spawn(SshArgv(ssh, options_, "tail -n +1 -F " + Remote(ssh, "executor.log") + " 2>/dev/null"), &out, nullptr);
+  // (--pid: the remote tail ends with the executor, even if this side's ssh went first.)
+  st->tail = Spawn(
+      SshArgv(ssh, options_, absl::StrCat("tail --pid=", pid, " -n +1 -F ", Remote(s, "executor.log"), " 2>/dev/null")),
+      &out, nullptr);
   if (st->tail > 0)
     st->reader = std::thread([this, out, site = s.site] {
       std::string buf;
@@ -310,12 +334,16 @@ absl::Status SshLauncher::Launch(const SiteLaunch& s) {
         buf.append(chunk, static_cast<size_t>(n));
         for (size_t nl; (nl = buf.find('\n')) != std::string::npos; buf.erase(0, nl + 1)) {
           const std::string line = buf.substr(0, nl);
-          if (IsProblemLine(line)) on_problem_(site, line);
+          if (IsProblemLine(line)) on_problem_(site, CleanLine(line));
+        }
+        if (buf.size() > 65536) {  // a "line" that never ends: report its start, drop the rest
+          if (IsProblemLine(buf)) on_problem_(site, CleanLine(buf));
+          buf.clear();
         }
       }
       close(out);
     });
-  say_(s.site, absl::StrCat("started meridian-executor (pid ", pid, ") at ", Destination(ssh), ", log in ", ssh.workdir,
+  say_(s.site, absl::StrCat("started meridian-executor (pid ", pid, ") at ", Destination(ssh), ", log in ", SiteDir(s),
                             "/executor.log there"));
   std::lock_guard<std::mutex> l(mu_);
   started_.push_back(std::move(st));

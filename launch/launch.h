@@ -7,11 +7,13 @@
 //      accept_new_host_keys recorded there on first contact, and then said which key was accepted);
 //   2. checks that the remote `meridian-executor --version` is this build's version;
 //   3. copies the site's own certificate bundle (ca.pem, SITE.pem, SITE.key: never the CA's key or
-//      another site's) into WORKDIR/certs, the key readable by its owner only;
-//   4. starts the executor detached (nohup), its log in WORKDIR/executor.log and pid in
-//      WORKDIR/executor.pid;
-//   5. follows that log (`tail -F` over a second ssh) and hands every line that reports a problem
-//      (an error, a warning, a failure) to the LogSink.
+//      another site's) into WORKDIR/SITE/certs, the folder and the key readable by the login only (each
+//      site has its own folder: sites may share a host and a workdir);
+//   4. starts the executor detached (nohup), its log in WORKDIR/SITE/executor.log and pid in
+//      WORKDIR/SITE/executor.pid;
+//   5. follows that log (`tail -F` over a second ssh, ending with the executor) and hands every line
+//      that reports a problem (an error, a warning, a failure) to the LogSink, control characters
+//      escaped and at most 4000 bytes.
 // StopAll (and the destructor) send SIGTERM to every executor started, SIGKILL 5 s later if it is still
 // there, and end the log streams. docs/launch.md describes the setup.
 //
@@ -108,6 +110,8 @@ bool IsProblemLine(std::string_view line);
 struct CommandResult {
   int exit_code = -1;  // or 128 + the signal; -1 when it timed out (it was killed)
   std::string out, err;
+  bool spawn_failed = false;     // the binary could not be run here (`err` says why)
+  bool too_much_output = false;  // more than 16 MiB: it was killed
 };
 // Runs `argv` (argv[0] found on PATH) in its own process group; kills it after `timeout`.
 CommandResult RunCommand(const std::vector<std::string>& argv, std::chrono::milliseconds timeout);

@@ -886,12 +886,12 @@ TEST_F(SshLaunchTest, ARunLaunchedOverSshTrainsLikeTrainLocalAndLeavesNoExecutor
               " --join-timeout 60 --launch ssh 2>&1");
   const std::string log = run.ReadAll(180s);
   ASSERT_EQ(run.Wait(60s), 0) << log;
-  EXPECT_THAT(log, HasSubstr("site 'a': started over SSH at " + net_ + ".2"));
+  EXPECT_THAT(log, HasSubstr("site 'a': to be started over SSH at " + net_ + ".2"));
   EXPECT_THAT(log, Not(HasSubstr("meridian-executor --coordinator")));  // no join line to paste
   EXPECT_THAT(log, HasSubstr("done: 6 steps"));
   for (const char* s : {"a", "b", "c"}) {
     EXPECT_THAT(log, ContainsRegex(std::string("launch: site '") + s + "': stopped meridian-executor"));
-    const fs::path certs = dir_ / ("remote-" + std::string(s)) / "certs";
+    const fs::path certs = dir_ / ("remote-" + std::string(s)) / s / "certs";
     std::set<std::string> files;
     for (const auto& e : fs::directory_iterator(certs)) files.insert(e.path().filename().string());
     EXPECT_EQ(files, (std::set<std::string>{"ca.pem", std::string(s) + ".pem", std::string(s) + ".key"})) << s;
