@@ -288,6 +288,7 @@ void RunMachine::StartAttempt() {
   job_id_ = attempts_ == 0 ? c_.run_id : absl::StrCat(c_.run_id, "-", attempts_);
   ++attempts_;
   attempt_ = Attempt();
+  drift_.clear();  // the new plan's shares are what each site is measured against
   progress_step_ = -1;
   std::map<std::string, int> stages, writers;  // replica 0 of each stage sends its weights and checkpoints
   for (size_t k = 0; k < plan_->stages.size(); ++k) {
@@ -315,16 +316,18 @@ void RunMachine::StartAttempt() {
   }
 }
 
-// Plans over the sites not lost: the partitioner's plan, the --split even ablation, or --plan's pinned
-// layout (dropped, with a message, once it names a lost site). Prints the table, writes RUN/plan.json.
-absl::Status RunMachine::PlanAttempt() {
-  const core::JobSpec& job = c_.job;
-  const int ops = static_cast<int>(graph_.ops.size());
+partitioner::ClusterProfile RunMachine::LiveProfile() const {
   partitioner::ClusterProfile live;
+  const std::set<std::string> out = Excluded();
   for (const auto& site : profile_.sites)
-    if (!Excluded().count(site.name)) live.sites.push_back(site);
+    if (!out.count(site.name)) live.sites.push_back(site);
   for (const auto& l : profile_.links)
-    if (!Excluded().count(l.from) && !Excluded().count(l.to)) live.links.push_back(l);
+    if (!out.count(l.from) && !out.count(l.to)) live.links.push_back(l);
+  return live;
+}
+
+partitioner::PlanOptions RunMachine::BaseOptions() const {
+  const core::JobSpec& job = c_.job;
   partitioner::PlanOptions po;
   po.micro_batches = c_.micro_batches;
   po.sync = partitioner::SyncModelOf(job.sync);
@@ -344,6 +347,15 @@ absl::Status RunMachine::PlanAttempt() {
     }
   }
   po.replication = job.replication && !c_.even_split;
+  return po;
+}
+
+// Plans over the sites not lost: the partitioner's plan, the --split even ablation, or --plan's pinned
+// layout (dropped, with a message, once it names a lost site). Prints the table, writes RUN/plan.json.
+absl::Status RunMachine::PlanAttempt() {
+  const int ops = static_cast<int>(graph_.ops.size());
+  const partitioner::ClusterProfile live = LiveProfile();
+  partitioner::PlanOptions po = BaseOptions();
   if (c_.even_split) {
     const int n = std::min<int>(static_cast<int>(live.sites.size()), ops);
     for (const auto& site : c_.spec.sites)
@@ -582,6 +594,7 @@ void RunMachine::OnMetrics(const MetricsReported& e) {
   Out(LogSite{r.site(), r.stage() == 0 ? absl::StrFormat("step %d: loss %.4f, %s", r.step() + 1, r.loss(), parts)
                                        : absl::StrFormat("step %d: %s", r.step() + 1, parts)});
   attempt_.metrics[r.site()] = r;
+  CheckDrift(r);
   if (r.stage() != 0 || r.step() <= progress_step_) return;
   if (r.step() > data_loss_at_) data_loss_recoveries_ = 0;  // past where data went bad: a new count
   progress_step_ = r.step();
@@ -834,6 +847,95 @@ void RunMachine::BeginSwitch(const std::string& why) {
   Note("switch", "",
        absl::StrCat(why, "; every stage ends after step ", step,
                     " with its checkpoint of that step, then a new plan resumes from it"));
+}
+
+double RunMachine::PlannedStepCompute(const std::string& site) const {
+  if (!plan_) return 0;
+  for (const auto& st : plan_->stages)
+    for (size_t i = 0; i < st.site_names.size(); ++i) {
+      if (st.site_names[i] != site) continue;
+      for (const auto& p : profile_.sites)
+        if (p.name == site)
+          return partitioner::RangeSeconds(graph_, p, st.first_op, st.last_op) *
+                 (i < st.micro_batches.size() ? st.micro_batches[i] : c_.micro_batches);
+    }
+  return 0;
+}
+
+void RunMachine::CheckDrift(const v1::MetricsReport& r) {
+  const core::ElasticSpec& el = c_.spec.elastic;
+  // A pinned layout (--plan, --split even) is the operator's: re-planning would not be allowed to change it.
+  if (!el.enabled || phase_ != Phase::kTraining || !c_.pinned.empty() || c_.even_split) return;
+  const double planned = PlannedStepCompute(r.site());
+  if (planned <= 0 || !(r.compute_seconds() > 0) || !std::isfinite(r.compute_seconds())) return;
+  Drift& mine = drift_[r.site()];
+  mine.latest = r.compute_seconds() / planned;
+  std::vector<double> latest;
+  for (const auto& [site, d] : drift_) latest.push_back(d.latest);
+  if (latest.size() < 2) return;  // one site alone has nothing to be compared with
+  std::sort(latest.begin(), latest.end());
+  const double common = latest[(latest.size() - 1) / 2];
+  std::vector<double>& q = mine.window;
+  q.push_back(mine.latest / common);
+  if (q.size() > static_cast<size_t>(el.window)) q.erase(q.begin());
+  if (q.size() < static_cast<size_t>(el.window)) return;
+  // Every one of the window's reports off the same way: a noisy or transient step does not count.
+  const bool slower = std::all_of(q.begin(), q.end(), [&](double x) { return x >= 1 + el.drift; });
+  const bool faster = el.drift < 1 && std::all_of(q.begin(), q.end(), [&](double x) { return x <= 1 - el.drift; });
+  if (!slower && !faster) return;
+  std::vector<double> sorted = q;
+  std::sort(sorted.begin(), sorted.end());
+  const double ratio = sorted[sorted.size() / 2];
+  q.clear();
+  // Re-measured from the running stage: the site's op times scale by the median ratio (its profile is
+  // what every later plan prices it with).
+  for (auto& p : profile_.sites)
+    if (p.name == r.site()) {
+      for (auto& [op, t] : p.op_seconds) t *= ratio;
+      p.flops_per_second /= ratio;
+    }
+  for (auto& [site, d] : drift_) d.window.clear();  // the others are measured against the new figures too
+  const std::string what = absl::StrFormat(
+      "site '%s' computed %.2fx its planned time (relative to the other sites) in each of its last %d "
+      "steps",
+      r.site(), ratio, el.window);
+  // The current layout and a new plan, both priced with the re-measured profile.
+  const partitioner::ClusterProfile live = LiveProfile();
+  const partitioner::PlanOptions po = BaseOptions();
+  auto fresh = partitioner::PlanPipeline(graph_, live, po);
+  partitioner::PlanOptions pin = po;
+  std::vector<std::vector<int>> sites;
+  std::vector<int> last_ops;
+  for (const auto& st : plan_->stages) {
+    sites.emplace_back();
+    for (const auto& name : st.site_names)
+      for (size_t i = 0; i < live.sites.size(); ++i)
+        if (live.sites[i].name == name) sites.back().push_back(static_cast<int>(i));
+    last_ops.push_back(st.last_op);
+  }
+  partitioner::PinLayout(sites, last_ops, &pin);
+  auto current = partitioner::PlanPipeline(graph_, live, pin);
+  if (!fresh.ok() || !current.ok()) {
+    Note("straggler", r.site(),
+         absl::StrCat(what, "; re-planning failed: ", (fresh.ok() ? current.status() : fresh.status()).message()));
+    return;
+  }
+  const double gain = 1 - fresh->predicted_step_seconds / current->predicted_step_seconds;
+  const std::string priced =
+      gain > 0 ? absl::StrFormat(
+                     "%s; a new plan predicts %.4f s/step against %.4f s/step for the current one "
+                     "(%.0f%% faster)",
+                     what, fresh->predicted_step_seconds, current->predicted_step_seconds, 100 * gain)
+               : absl::StrFormat("%s; the current plan stays the best (%.4f s/step; a new one predicts %.4f)", what,
+                                 current->predicted_step_seconds, fresh->predicted_step_seconds);
+  Out(LogSite{r.site(), priced});
+  if (gain > el.min_gain) {
+    Note("straggler", r.site(), priced);
+    return BeginSwitch(priced);
+  }
+  Note("straggler", r.site(),
+       absl::StrFormat("%s; not above elastic.min_gain (%.0f%%): no switch", priced, 100 * el.min_gain));
+  Say(absl::StrFormat("straggler: %s; not above elastic.min_gain (%.0f%%): no switch\n", priced, 100 * el.min_gain));
 }
 
 void RunMachine::CompleteSwitch() {

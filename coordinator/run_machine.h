@@ -132,7 +132,8 @@ struct RemoveCheckpointsAbove {
 };
 // One entry of the run's event log (RUN/events.jsonl, the dashboard's and `meridian status --json`'s
 // "events"): `kind` is one of "join", "profiled", "plan", "replan", "resume", "checkpoint",
-// "stage_failed", "lost", "back", "recovery", "leave", "switch", "done", "failed"; `site` names the site it concerns
+// "stage_failed", "lost", "back", "recovery", "leave", "straggler", "switch", "done", "failed"; `site` names the site
+// it concerns
 // ("" for the run as a whole); `text` is the sentence shown. (The coordinator adds "checkpoint" events of its own store
 // when a step's manifest is written.)
 struct RecordEvent {
@@ -230,7 +231,16 @@ class RunMachine {
   void OnLeaving(const SiteLeaving& e);
   void OnTick();
   void BeginSwitch(const std::string& why);  // kTraining -> kSwitching
-  void CompleteSwitch();                     // every stage of the attempt ended while switching
+  // Stragglers (core::ElasticSpec): a used site's step compute against its planned share, relative to
+  // the used sites' common ratio (the lower median of their latest ratios: what every site spends beyond
+  // the profile's op times -- the optimizer, the framework -- cancels); after `window` reports all off by
+  // `drift` the same way, its op times are scaled by their median (re-measured from the running stage)
+  // and the job re-planned, switching when that gains more than min_gain.
+  void CheckDrift(const v1::MetricsReport& r);
+  double PlannedStepCompute(const std::string& site) const;  // its ops x its micro-batches, from profile_
+  partitioner::ClusterProfile LiveProfile() const;           // profile_ without the excluded sites
+  partitioner::PlanOptions BaseOptions() const;              // the job's planning options, no layout pinned
+  void CompleteSwitch();                                     // every stage of the attempt ended while switching
 
   void StartProfiling();
   // Checks one site's measurements before they are believed: its own device, op times of this model's
@@ -295,8 +305,13 @@ class RunMachine {
   int64_t boundary_ = 0;          // kSwitching: the step the attempt ends after
   int64_t switch_step_ = 0;       // the next attempt resumes from exactly this step (0: the newest intact)
   double last_step_seconds_ = 0;  // stage 0's latest step
-  int data_loss_recoveries_ = 0;  // attempts in a row ended by corrupt or non-finite data
-  int64_t data_loss_at_ = -1;     // the progress when the last of them ended
+  struct Drift {
+    double latest = 0;           // the latest report's compute / planned
+    std::vector<double> window;  // the latest `window` of those, relative to the sites' common ratio
+  };
+  std::map<std::string, Drift> drift_;  // by used site, this attempt
+  int data_loss_recoveries_ = 0;        // attempts in a row ended by corrupt or non-finite data
+  int64_t data_loss_at_ = -1;           // the progress when the last of them ended
   std::vector<Action> out_;
 };
 

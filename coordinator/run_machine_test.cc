@@ -1,6 +1,7 @@
 // The run's state machine driven by hand: events in, actions out, time passed explicitly. Each scenario
 // of recovery runs in milliseconds (tests/coordinator_test.cc runs the same ones with real processes).
 #include "coordinator/run_machine.h"
+#include "partitioner/model.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -386,6 +387,75 @@ TEST(RunMachine, AMisalignedSwitchResumesFromTheNewestCheckpointAndALeavingSpare
   bool stopped_c = false;
   for (const auto& cmd : All<SendCommand>(planned)) stopped_c |= cmd.site == "c" && cmd.command.stop();
   EXPECT_TRUE(stopped_c);
+}
+
+// Stragglers (elastic): a site whose stage computes far more than planned in each of `window` reports is
+// re-measured from them and the job re-planned; a big enough gain switches at a step boundary. A slow
+// spell shorter than the window triggers nothing.
+TEST(RunMachine, ASiteThatStaysSlowIsReplannedAroundAndATransientSlowdownIsNot) {
+  RunConfig c = Config();
+  c.even_split = false;  // the planner's layout (a pinned one is never re-planned)
+  c.spec.heartbeat_interval_seconds = 0.1;
+  c.steps = c.job.steps = 100;
+  partitioner::LlamaShape shape;  // large enough per op that the planner pipelines it over the three sites
+  shape.vocab_size = 32000;
+  shape.hidden_size = 1024;
+  shape.intermediate_size = 4096;
+  shape.num_hidden_layers = 8;
+  shape.num_attention_heads = 16;
+  shape.num_key_value_heads = 16;
+  partitioner::LlamaGraphOptions go;
+  go.micro_batch_size = 2;
+  go.sequence_length = 128;
+  c.graph = partitioner::BuildLlamaGraph(shape, go);
+  Driver d(c);
+  d.JoinAndProfile({"a", "b", "c"});
+  ASSERT_EQ(d.machine().phase(), RunMachine::Phase::kTraining);
+  const partitioner::Plan plan = *d.machine().plan();
+  ASSERT_GE(plan.stages.size(), 2u);
+  // The site of the plan's last stage, and what it should compute per step.
+  const partitioner::StagePlan& last = plan.stages.back();
+  const std::string site = last.site_names[0];
+  // Every used site reports each step; the others compute 1.3x their planned time (what the framework
+  // adds to the profile's op times), which is the common ratio the site is compared with.
+  auto report = [&](int step, double factor) {
+    std::vector<Action> out;
+    for (size_t k = 0; k < plan.stages.size(); ++k) {
+      const partitioner::StagePlan& st = plan.stages[k];
+      for (size_t i = 0; i < st.site_names.size(); ++i) {
+        partitioner::SiteProfile p{st.site_names[i], 1e11, 8e9, {}, {}};
+        v1::MetricsReport m = Metrics(st.site_names[i], kRun, static_cast<int>(k), step);
+        const double own = partitioner::RangeSeconds(c.graph, p, st.first_op, st.last_op) * st.micro_batches[i];
+        m.set_compute_seconds(own * 1.3 * (st.site_names[i] == site ? factor : 1.0));
+        auto got = d.Feed(MetricsReported{m});
+        out.insert(out.end(), got.begin(), got.end());
+      }
+    }
+    return out;
+  };
+  auto stragglers = [](const std::vector<Action>& out) {
+    std::vector<RecordEvent> found;
+    for (auto& e : All<RecordEvent>(out))
+      if (e.kind == "straggler") found.push_back(e);
+    return found;
+  };
+  std::vector<RecordEvent> events;
+  int step = 0;
+  for (double f : {1.0, 50.0, 50.0, 50.0, 50.0, 1.02, 1.0, 0.99, 1.01, 1.0})  // 4 slow steps, then normal
+    for (auto& e : stragglers(report(step++, f))) events.push_back(e);
+  EXPECT_TRUE(events.empty()) << events[0].text;
+  EXPECT_EQ(d.machine().phase(), RunMachine::Phase::kTraining);
+  std::vector<Action> out;
+  for (int i = 0; i < 5; ++i) out = report(step++, 50.0);  // slow in each of the window's 5 steps
+  auto straggler = stragglers(out);
+  ASSERT_EQ(straggler.size(), 1u) << Printed(out);
+  EXPECT_EQ(straggler[0].site, site);
+  EXPECT_THAT(straggler[0].text,
+              HasSubstr("computed 50.00x its planned time (relative to the other sites) in each of its last 5 steps"));
+  EXPECT_THAT(straggler[0].text, HasSubstr("faster)"));
+  ASSERT_EQ(All<SetBoundary>(out).size(), 1u) << straggler[0].text;  // a 50x slower site: far faster without
+  EXPECT_EQ(d.machine().phase(), RunMachine::Phase::kSwitching);
+  EXPECT_THAT(Printed(out), HasSubstr("switch: site '" + site + "' computed 50.00x"));
 }
 
 TEST(RunMachine, SurvivorsThatNeverAnswerAreWaitedForAtMostTheDrainTime) {

@@ -727,9 +727,9 @@ SpecLoadResult ParseSpec(const std::string& text, const std::string& path) {
   SpecFile spec;
   spec.path = path;
   try {
-    if (c.Map(
-            root, "spec",
-            {"cluster", "coordinator", "security", "heartbeat", "min_sites", "on_failure", "sites", "links", "job"})) {
+    if (c.Map(root, "spec",
+              {"cluster", "coordinator", "security", "heartbeat", "min_sites", "on_failure", "elastic", "sites",
+               "links", "job"})) {
       const bool has_cluster = root["sites"].IsDefined();
       const bool has_job = root["job"].IsDefined();
       if (!has_cluster && !has_job)
@@ -761,6 +761,14 @@ SpecLoadResult ParseSpec(const std::string& text, const std::string& path) {
           }
         }
         c.Choice(root, "on_failure", "spec", {OnFailure::kReplan, OnFailure::kWait}, &cs.on_failure);
+        if (YAML::Node el = root["elastic"]; el.IsDefined() && !el.IsNull()) {
+          if (c.Map(el, "elastic", {"enabled", "min_gain", "drift", "window"})) {
+            c.Bool(el, "enabled", "elastic", &cs.elastic.enabled);
+            c.Double(el, "min_gain", "elastic", false, 0.0, 0.99, false, &cs.elastic.min_gain);
+            c.Double(el, "drift", "elastic", false, 0.0, 10.0, true, &cs.elastic.drift);
+            c.IntAs(el, "window", "elastic", false, 1, 10000, &cs.elastic.window);
+          }
+        }
         ParseSites(c, root["sites"], &cs, path);
         c.IntAs(root, "min_sites", "spec", false, 0, 100000, &cs.min_sites);
         if (cs.min_sites > static_cast<int>(cs.sites.size()))
@@ -773,7 +781,8 @@ SpecLoadResult ParseSpec(const std::string& text, const std::string& path) {
                                                              " is also site '", s.name, "''s address"));
         spec.cluster = std::move(cs);
       } else {
-        for (const char* k : {"cluster", "coordinator", "security", "heartbeat", "links", "min_sites", "on_failure"})
+        for (const char* k :
+             {"cluster", "coordinator", "security", "heartbeat", "links", "min_sites", "on_failure", "elastic"})
           if (root[k].IsDefined())
             c.Error(root[k].Mark(), absl::StrCat("spec: '", k, "' belongs to a cluster spec, which needs 'sites'"));
       }

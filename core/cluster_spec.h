@@ -162,6 +162,18 @@ struct JobSpec {
   int line = 0;
 };
 
+// How the coordinator adapts a running job (docs/coordinator.md, "Stragglers"): a site whose stage computes
+// at least `drift` slower or faster than planned for `window` reports in a row is re-measured from those
+// reports and the job re-planned; the coordinator switches to the new plan at a step boundary when its
+// predicted step is faster by more than `min_gain`. Sites leaving (`meridian drain`, SIGTERM) are handled
+// whatever `enabled` says.
+struct ElasticSpec {
+  bool enabled = true;
+  double min_gain = 0.10;  // [0, 1)
+  double drift = 0.15;     // (0, 10]
+  int window = 5;          // 1..10000 steps
+};
+
 struct ClusterSpec {
   std::string name;
   Endpoint coordinator;
@@ -172,6 +184,7 @@ struct ClusterSpec {
   double heartbeat_timeout_seconds = 5.0;
   int min_sites = 0;  // 0: wait for every site
   OnFailure on_failure = OnFailure::kReplan;
+  ElasticSpec elastic;
   std::vector<SiteSpec> sites;
   std::vector<LinkSpec> links;
   const SiteSpec* FindSite(const std::string& name) const;

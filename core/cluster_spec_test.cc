@@ -77,6 +77,17 @@ TEST(ClusterSpec, SshSectionWithDefaultsAndPathsResolvedAgainstTheSpec) {
   EXPECT_EQ(ssh.known_hosts, "");  // ssh's own
   EXPECT_EQ(ssh.workdir, "/srv/m");
   EXPECT_EQ(ssh.executor, "meridian-executor");
+  EXPECT_TRUE(c.elastic.enabled);  // defaults
+  EXPECT_DOUBLE_EQ(c.elastic.min_gain, 0.10);
+  EXPECT_DOUBLE_EQ(c.elastic.drift, 0.15);
+  EXPECT_EQ(c.elastic.window, 5);
+  auto e =
+      ParseSpec(std::string(kValid) + "elastic: {enabled: false, min_gain: 0.2, drift: 0.3, window: 8}\n", "e.yaml");
+  ASSERT_TRUE(e.errors.empty()) << e.errors[0].ToString();
+  EXPECT_FALSE(e.spec->cluster->elastic.enabled);
+  EXPECT_DOUBLE_EQ(e.spec->cluster->elastic.min_gain, 0.2);
+  EXPECT_DOUBLE_EQ(e.spec->cluster->elastic.drift, 0.3);
+  EXPECT_EQ(e.spec->cluster->elastic.window, 8);
 }
 
 TEST(ClusterSpec, JobOnlyFile) {
@@ -250,6 +261,9 @@ INSTANTIATE_TEST_SUITE_P(
                 "timeout must be longer", 6},
         BadCase{"coordinator_same_as_site", WithSites("  - {name: a, address: 127.0.0.1:7000}\n"), "is also site 'a'", 2},
         BadCase{"alias_bomb", AliasBomb(), "too large or too deep once aliases are expanded", 1},
+        BadCase{"elastic_drift", WithSites(kTwoSites, "elastic: {drift: 0}\n"), "elastic.drift", 6},
+        BadCase{"elastic_window", WithSites(kTwoSites, "elastic: {window: 0}\n"), "elastic.window", 6},
+        BadCase{"elastic_unknown", WithSites(kTwoSites, "elastic: {gain: 0.2}\n"), "gain", 6},
         BadCase{"ssh_host_option", WithSites("  - {name: a, address: 127.0.0.1:7001, ssh: {host: -oProxyCommand=x}}\n"),
                 "site 'a'.ssh.host: '-oProxyCommand=x' is not a host name", 4},
         BadCase{"ssh_no_host", WithSites("  - {name: a, address: 127.0.0.1:7001, ssh: {user: root}}\n"),
