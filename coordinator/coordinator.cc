@@ -88,6 +88,7 @@ absl::StatusOr<v1::HeartbeatResponse> Coordinator::Heartbeat(const v1::Heartbeat
     resp.set_stop(stopping_);
     resp.set_end_after_step(boundary_step_);
     resp.set_end_job_id(boundary_job_);
+    for (const auto& p : probers_) resp.add_probe_from(p);
     leaving = r.leaving() && !s.leaving;
     s.leaving = s.leaving || r.leaving();
   }
@@ -116,6 +117,11 @@ absl::StatusOr<v1::DrainResponse> Coordinator::Drain(const std::string& site) {
                              "' leaves at the next step boundary: the stages save that step, and the run goes on "
                              "without it from there"));
   return r;
+}
+
+void Coordinator::SetProbers(std::set<std::string> sites) {
+  std::lock_guard<std::mutex> l(mu_);
+  probers_ = std::move(sites);
 }
 
 void Coordinator::SetBoundary(const std::string& job_id, int64_t step) {

@@ -142,6 +142,8 @@ class Coordinator : public rpc::CoordinatorHandler {
   // Every heartbeat answer from now on carries the step boundary (SetBoundary in run_machine.h); step 0
   // clears it.
   void SetBoundary(const std::string& job_id, int64_t step);
+  // Every heartbeat answer from now on names these sites as allowed to probe (a site joining mid-run).
+  void SetProbers(std::set<std::string> sites);
   void StopAll();
   // Registered sites whose last heartbeat is older than the spec's heartbeat timeout at `now` (a site
   // whose stage is done may exit: it is never silent).
@@ -175,6 +177,7 @@ class Coordinator : public rpc::CoordinatorHandler {
   std::string job_id_;
   std::string boundary_job_;  // SetBoundary
   int64_t boundary_step_ = 0;
+  std::set<std::string> probers_;      // SetProbers
   std::map<std::string, int> stages_;  // the running attempt's plan: site -> stage
   // The run's information and history (SetRunInfo, SetRunFacts, RecordStep, RecordEvent): guarded by mu_.
   std::string profile_json_, graph_json_, plan_json_;

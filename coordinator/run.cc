@@ -396,6 +396,8 @@ class RunDriver {
               coord_.StopAll();
             } else if constexpr (std::is_same_v<T, SetBoundary>) {
               coord_.SetBoundary(a.job_id, a.step);
+            } else if constexpr (std::is_same_v<T, SetProbers>) {
+              coord_.SetProbers(a.sites);
             } else if constexpr (std::is_same_v<T, BeginAttempt>) {
               coord_.BeginJob(a.job_id, a.stages);
               coord_.SetFileWriters(a.file_writers, a.max_step, a.max_file_bytes, a.checkpoint_interval, a.resume_step,

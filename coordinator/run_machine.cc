@@ -123,6 +123,7 @@ void RunMachine::OnRegistered(const SiteRegistered& e) {
       absl::StrCat("joined: listens on ", Clean(e.listen.substr(0, 300)), ", device ", Clean(e.device.substr(0, 100)));
   Out(LogSite{e.site, joined});
   Note("join", e.site, joined);
+  failed_joiners_.erase(e.site);  // registered again: it may be measured again
   const size_t need = c_.spec.min_sites > 0 ? static_cast<size_t>(c_.spec.min_sites) : c_.spec.sites.size();
   if (phase_ == Phase::kJoining && started_ && Registered() >= need) StartProfiling();
 }
@@ -135,26 +136,118 @@ void RunMachine::StartProfiling() {
   Say(absl::StrCat(joined_.size(), " sites joined; measuring devices, the model and the links\n"));
   phase_ = Phase::kProfiling;
   for (const auto& site : joined_) {
-    v1::Command c;
-    auto* p = c.mutable_profile();
-    p->set_job_yaml(c_.job_yaml);
-    p->set_job_dir(c_.job_dir);
-    p->set_probe_seconds(1.0);
-    p->set_repeats(c_.profile_repeats);
+    std::vector<std::string> peers;
     for (const auto& other : joined_)
-      if (other > site) {  // each pair once: the lexicographically smaller site probes both directions
-        auto* peer = p->add_peers();
-        peer->set_site(other);
-        peer->set_address(sites_[other].listen);
-      }
+      if (other > site) peers.push_back(other);  // each pair once: the smaller site probes both directions
     Out(LogSite{site, "asked to measure its device, the model and its links"});
-    Out(SendCommand{site, std::move(c)});
+    Out(SendCommand{site, ProfileCommand(site, peers)});
   }
+}
+
+v1::Command RunMachine::ProfileCommand(const std::string& site, const std::vector<std::string>& peers) const {
+  v1::Command c;
+  auto* p = c.mutable_profile();
+  p->set_job_yaml(c_.job_yaml);
+  p->set_job_dir(c_.job_dir);
+  p->set_probe_seconds(1.0);
+  p->set_repeats(c_.profile_repeats);
+  for (const auto& other : peers) {
+    auto* peer = p->add_peers();
+    peer->set_site(other);
+    peer->set_address(sites_.at(other).listen);
+  }
+  return c;
+}
+
+void RunMachine::MaybeMeasureJoiner() {
+  if (phase_ != Phase::kTraining || joiner_asked_) return;
+  if (joiner_.empty()) {  // the first registered site never measured, if any
+    for (const auto& [name, s] : sites_)
+      if (s.registered && !s.silent && !leaving_.count(name) && !lost_.count(name) &&
+          std::none_of(profile_.sites.begin(), profile_.sites.end(),
+                       [&](const partitioner::SiteProfile& p) { return p.name == name; }) &&
+          !failed_joiners_.count(name)) {
+        joiner_ = name;
+        joiner_at_ = now_ + After(2 * c_.spec.heartbeat_interval_seconds);
+        joiner_peers_.clear();
+        for (const auto& p : LiveProfile().sites)
+          if (sites_[p.name].registered && !sites_[p.name].silent) joiner_peers_.insert(p.name);
+        Out(SetProbers{{name}});  // the running sites admit its probes from their next heartbeat on
+        Say(absl::StrCat("join: site '", name, "' joined mid-run; measuring it while training goes on\n"));
+        Note("join", name, "joined mid-run: measuring its device, the model and its links while training goes on");
+        break;
+      }
+    return;
+  }
+  if (now_ < joiner_at_) return;
+  joiner_asked_ = true;
+  Out(LogSite{joiner_, "asked to measure its device, the model and its links to the running sites"});
+  Out(SendCommand{joiner_, ProfileCommand(joiner_, {joiner_peers_.begin(), joiner_peers_.end()})});
+}
+
+void RunMachine::OnJoinerProfile(const v1::ProfileReport& r) {
+  const std::string site = joiner_;
+  joiner_.clear();
+  joiner_asked_ = false;
+  Out(SetProbers{});
+  partitioner::ClusterProfile checked;
+  absl::Status s =
+      r.error().empty() ? CheckProfile(r, &checked, &joiner_peers_) : absl::UnavailableError(Clean(r.error()));
+  if (!s.ok()) {
+    failed_joiners_.insert(site);  // not asked again (it may rejoin: a fresh registration clears this)
+    const std::string why =
+        absl::StrCat("measuring it failed: ", Clean(std::string(s.message())), "; not planned with");
+    Out(LogSite{site, why});
+    Note("join", site, why);
+    Say(absl::StrCat("join: site '", site, "': ", why, "\n"));
+    return;
+  }
+  profile_.sites.push_back(checked.sites[0]);
+  for (const auto& l : checked.links) profile_.links.push_back(l);
+  Out(LogSite{site, "measured its device, the model per op and its links to the running sites"});
+  Out(WriteRunFile{core::kProfileFile, partitioner::ProfileToJson(profile_)});
+  if (!c_.pinned.empty() || c_.even_split || phase_ != Phase::kTraining) {
+    Note("join", site,
+         "measured; the layout is pinned (or the run is not training): planned with from the next attempt");
+    return;
+  }
+  // A plan over every site against the current layout, both priced with the profile as it is now.
+  const partitioner::ClusterProfile live = LiveProfile();
+  const partitioner::PlanOptions po = BaseOptions();
+  auto fresh = partitioner::PlanPipeline(graph_, live, po);
+  partitioner::PlanOptions pin = po;
+  std::vector<std::vector<int>> sites;
+  std::vector<int> last_ops;
+  for (const auto& st : plan_->stages) {
+    sites.emplace_back();
+    for (const auto& name : st.site_names)
+      for (size_t i = 0; i < live.sites.size(); ++i)
+        if (live.sites[i].name == name) sites.back().push_back(static_cast<int>(i));
+    last_ops.push_back(st.last_op);
+  }
+  partitioner::PinLayout(sites, last_ops, &pin);
+  auto current = partitioner::PlanPipeline(graph_, live, pin);
+  if (!fresh.ok() || !current.ok()) {
+    Note("join", site,
+         absl::StrCat("measured; re-planning failed: ", (fresh.ok() ? current.status() : fresh.status()).message()));
+    return;
+  }
+  const double gain = 1 - fresh->predicted_step_seconds / current->predicted_step_seconds;
+  const std::string priced = absl::StrFormat(
+      "site '%s' joined: a plan over %d sites predicts %.4f s/step against %.4f s/step for the current one", site,
+      static_cast<int>(live.sites.size()), fresh->predicted_step_seconds, current->predicted_step_seconds);
+  if (gain > c_.spec.elastic.min_gain) return BeginSwitch(absl::StrFormat("%s (%.0f%% faster)", priced, 100 * gain));
+  Note("join", site,
+       absl::StrFormat("%s: not above elastic.min_gain (%.0f%%); it waits as a spare", priced,
+                       100 * c_.spec.elastic.min_gain));
+  Say(absl::StrFormat("join: %s: not above elastic.min_gain (%.0f%%); it waits as a spare\n", priced,
+                      100 * c_.spec.elastic.min_gain));
 }
 
 void RunMachine::OnProfile(const ProfileReported& e) {
   const v1::ProfileReport& r = e.report;
   if (!sites_.count(r.site())) return;
+  if (joiner_asked_ && r.site() == joiner_) return OnJoinerProfile(r);
   const bool asked = std::find(joined_.begin(), joined_.end(), r.site()) != joined_.end();
   if (phase_ != Phase::kProfiling || !asked || profiles_.count(r.site())) {
     Out(LogSite{r.site(), "sent a profile nobody asked for; ignored"});
@@ -186,7 +279,8 @@ void RunMachine::OnProfile(const ProfileReported& e) {
   StartAttempt();
 }
 
-absl::Status RunMachine::CheckProfile(const v1::ProfileReport& r, partitioner::ClusterProfile* checked) const {
+absl::Status RunMachine::CheckProfile(const v1::ProfileReport& r, partitioner::ClusterProfile* checked,
+                                      const std::set<std::string>* probed) const {
   const std::string& site = r.site();
   auto one = partitioner::ParseProfileJson(absl::StrCat("{\"sites\": [", r.site_profile_json(), "]}"),
                                            absl::StrCat("profile of site '", site, "'"));
@@ -213,7 +307,8 @@ absl::Status RunMachine::CheckProfile(const v1::ProfileReport& r, partitioner::C
     partitioner::LinkProfile link{l["from"], l["to"], l["bandwidth_bytes_per_second"], l["latency_seconds"]};
     // Only the links it measured: between itself and a site it was asked to probe (a later one by name).
     const std::string& other = link.from == site ? link.to : link.from;
-    if ((link.from != site && link.to != site) || other <= site || !asked_.count(other))
+    const bool measured = probed ? probed->count(other) > 0 : other > site && asked_.count(other) > 0;
+    if ((link.from != site && link.to != site) || !measured)
       return absl::InvalidArgumentError(absl::StrCat("a link it did not measure: ", link.from, " -> ", link.to));
     if (!finite(link.bandwidth_bytes_per_second) || link.bandwidth_bytes_per_second <= 0 ||
         !finite(link.latency_seconds))
@@ -734,6 +829,11 @@ void RunMachine::OnLost(const HeartbeatLost& e) {
   if (it == sites_.end() || !it->second.registered || it->second.silent) return;
   it->second.silent = true;
   Out(LogSite{e.site, absl::StrCat("no heartbeat for ", c_.spec.heartbeat_timeout_seconds, " s")});
+  if (e.site == joiner_) {  // a site joining mid-run that went away before it was measured
+    joiner_.clear();
+    joiner_asked_ = false;
+    Out(SetProbers{});
+  }
   switch (phase_) {
     case Phase::kJoining:
       return;
@@ -778,6 +878,7 @@ void RunMachine::OnBack(const HeartbeatBack& e) {
 }
 
 void RunMachine::OnTick() {
+  if (c_.spec.elastic.enabled && phase_ == Phase::kTraining) MaybeMeasureJoiner();
   if (phase_ == Phase::kJoining && started_ && now_ > join_deadline_) {
     std::string missing;
     for (const auto& [name, s] : sites_)

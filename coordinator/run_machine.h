@@ -8,6 +8,7 @@
 //
 // Phases: joining (until min_sites registered, or the join timeout) -> profiling (every joined site
 // measures its device, the model and its links) -> attempts (plan, assign, supervise) -> done or failed.
+// Sites may also join mid-run, and stragglers be re-planned around (core::ElasticSpec), by the same switch.
 // A site that asks to leave (SiteLeaving) while it runs a stage is switched away from at a step boundary:
 // the machine picks a step S a few heartbeats ahead, every stage ends after step S with its checkpoint of
 // S (switching), and the next attempt, planned without the site, resumes from exactly step S -- no step
@@ -82,6 +83,10 @@ struct SendCommand {
   v1::Command command;
 };
 struct StopAll {};  // every registered site gets a stop command
+// Sites that may probe their links to the running sites (a site joining mid-run); empty: none.
+struct SetProbers {
+  std::set<std::string> sites;
+};
 // The running attempt `job_id` ends once `step` steps are done, every stage saving its checkpoint of that
 // step first (the sites learn it from their heartbeats' answers); step 0 clears it.
 struct SetBoundary {
@@ -142,8 +147,8 @@ struct RecordEvent {
 struct Exit {  // the run is over: stop the service; the process exits with `code`
   int code = 0;
 };
-using Action = std::variant<SendCommand, StopAll, SetBoundary, BeginAttempt, PublishRunInfo, WriteRunFile, Print,
-                            LogSite, PruneCheckpoints, RemoveCheckpointsAbove, RecordEvent, Exit>;
+using Action = std::variant<SendCommand, StopAll, SetBoundary, SetProbers, BeginAttempt, PublishRunInfo, WriteRunFile,
+                            Print, LogSite, PruneCheckpoints, RemoveCheckpointsAbove, RecordEvent, Exit>;
 
 // What a run is given: the specs and `meridian run`'s options, already validated.
 struct RunConfig {
@@ -229,6 +234,13 @@ class RunMachine {
   void OnLost(const HeartbeatLost& e);
   void OnBack(const HeartbeatBack& e);
   void OnLeaving(const SiteLeaving& e);
+  // A site of the spec that registers after the sites were measured joins mid-run (core::ElasticSpec):
+  // two heartbeat intervals later (the running sites then admit its probes) it measures its device, the
+  // model and its links to the sites of the run while training goes on; the job is re-planned over all
+  // sites and switched to at a step boundary when that gains more than min_gain.
+  void MaybeMeasureJoiner();
+  void OnJoinerProfile(const v1::ProfileReport& r);
+  v1::Command ProfileCommand(const std::string& site, const std::vector<std::string>& peers) const;
   void OnTick();
   void BeginSwitch(const std::string& why);  // kTraining -> kSwitching
   // Stragglers (core::ElasticSpec): a used site's step compute against its planned share, relative to
@@ -245,7 +257,10 @@ class RunMachine {
   void StartProfiling();
   // Checks one site's measurements before they are believed: its own device, op times of this model's
   // ops, links from or to itself and a site it probed or was probed by, finite values.
-  absl::Status CheckProfile(const v1::ProfileReport& report, partitioner::ClusterProfile* checked) const;
+  // `probed`: the sites a site joining mid-run was asked to probe (nullptr: the initial rule, each pair
+  // once by the lexicographically smaller site).
+  absl::Status CheckProfile(const v1::ProfileReport& report, partitioner::ClusterProfile* checked,
+                            const std::set<std::string>* probed = nullptr) const;
   absl::Status FinishProfiling();
   void StartAttempt();
   absl::Status PlanAttempt();
@@ -305,6 +320,11 @@ class RunMachine {
   int64_t boundary_ = 0;          // kSwitching: the step the attempt ends after
   int64_t switch_step_ = 0;       // the next attempt resumes from exactly this step (0: the newest intact)
   double last_step_seconds_ = 0;  // stage 0's latest step
+  std::string joiner_;            // the site joining mid-run being measured ("" none)
+  Clock::time_point joiner_at_;   // when it may be asked to measure (its probes admitted by then)
+  bool joiner_asked_ = false;
+  std::set<std::string> joiner_peers_;    // the sites it was asked to probe
+  std::set<std::string> failed_joiners_;  // whose measuring failed (until they register again)
   struct Drift {
     double latest = 0;           // the latest report's compute / planned
     std::vector<double> window;  // the latest `window` of those, relative to the sites' common ratio

@@ -458,6 +458,65 @@ TEST(RunMachine, ASiteThatStaysSlowIsReplannedAroundAndATransientSlowdownIsNot) 
   EXPECT_THAT(Printed(out), HasSubstr("switch: site '" + site + "' computed 50.00x"));
 }
 
+// What `site` reports after measuring at `flops`, with its links to `peers` (both directions).
+v1::ProfileReport ProfileAmong(const std::string& site, const std::vector<std::string>& peers, double flops) {
+  v1::ProfileReport r;
+  r.set_site(site);
+  partitioner::ClusterProfile one;
+  one.sites.push_back({site, flops, 8e9, {}, {}});
+  r.set_site_profile_json(nlohmann::json::parse(partitioner::ProfileToJson(one))["sites"][0].dump());
+  r.set_graph_json(partitioner::GraphToJson(SmallGraph()));
+  nlohmann::json links = nlohmann::json::array();
+  for (const auto& other : peers) {
+    links.push_back({{"from", site}, {"to", other}, {"bandwidth_bytes_per_second", 1e9}, {"latency_seconds", 1e-4}});
+    links.push_back({{"from", other}, {"to", site}, {"bandwidth_bytes_per_second", 1e9}, {"latency_seconds", 1e-4}});
+  }
+  r.set_links_json(links.dump());
+  return r;
+}
+
+// A site of the spec that registers after training started is measured while training goes on (the
+// running sites first admit its probes), and a plan over every site that is faster by more than
+// min_gain is switched to at a step boundary; the new attempt runs on it and resumes from that step.
+TEST(RunMachine, ASiteJoiningMidRunIsMeasuredAndSwitchedToWhenThatPays) {
+  RunConfig c = Config();
+  c.even_split = false;
+  c.spec.min_sites = 2;
+  c.spec.heartbeat_interval_seconds = 0.1;
+  c.steps = c.job.steps = 100;
+  Driver d(c);
+  d.Feed(RunStarted{});
+  d.Feed(SiteRegistered{"a", "127.0.0.1:9a", "cpu"});
+  d.Feed(SiteRegistered{"b", "127.0.0.1:9b", "cpu"});
+  d.Feed(ProfileReported{ProfileAmong("a", {"b"}, 1e9)});
+  d.Feed(ProfileReported{ProfileAmong("b", {}, 1e9)});
+  ASSERT_EQ(d.machine().phase(), RunMachine::Phase::kTraining);
+  d.Feed(MetricsReported{Metrics("a", kRun, 0, 9)});
+  auto joined = d.Feed(SiteRegistered{"c", "127.0.0.1:9c", "cpu"});
+  auto probers = All<SetProbers>(joined);
+  ASSERT_EQ(probers.size(), 1u);
+  EXPECT_EQ(probers[0].sites, (std::set<std::string>{"c"}));
+  EXPECT_THAT(Printed(joined), HasSubstr("join: site 'c' joined mid-run; measuring it while training goes on"));
+  EXPECT_TRUE(All<SendCommand>(joined).empty());  // not before the running sites admit its probes
+  auto asked = d.Feed(Tick{}, 0.3);
+  auto commands = All<SendCommand>(asked);
+  ASSERT_EQ(commands.size(), 1u);
+  EXPECT_EQ(commands[0].site, "c");
+  ASSERT_TRUE(commands[0].command.has_profile());
+  ASSERT_EQ(commands[0].command.profile().peers_size(), 2);  // every running site
+  // c is ten times faster than a and b: a plan with it is far faster.
+  auto measured = d.Feed(ProfileReported{ProfileAmong("c", {"a", "b"}, 1e10)});
+  auto boundary = All<SetBoundary>(measured);
+  ASSERT_EQ(boundary.size(), 1u) << Printed(measured);
+  EXPECT_THAT(Printed(measured), HasSubstr("switch: site 'c' joined: a plan over 3 sites predicts"));
+  EXPECT_EQ(All<SetProbers>(measured).size(), 1u);  // no prober any more
+  d.Feed(StageReportedDone{DoneAt("a", kRun, boundary[0].step)});
+  auto switched = d.Feed(StageReportedDone{DoneAt("b", kRun, boundary[0].step)});
+  auto assigned = Assignments(switched);
+  EXPECT_TRUE(assigned.count("c")) << Printed(switched);
+  for (const auto& [site, a] : assigned) EXPECT_EQ(a.resume_step(), boundary[0].step) << site;
+}
+
 TEST(RunMachine, SurvivorsThatNeverAnswerAreWaitedForAtMostTheDrainTime) {
   Driver d(Config());
   d.JoinAndProfile({"a", "b", "c"});

@@ -277,6 +277,7 @@ void Agent::Heartbeats() {
     absl::StatusOr<v1::HeartbeatResponse> answer = coordinator_->Heartbeat(req, every);
     absl::Status hs = answer.status();
     if (hs.ok()) {
+      peer_service_.SetProbers({answer->probe_from().begin(), answer->probe_from().end()});  // a site joining
       std::lock_guard<std::mutex> l(heartbeat_mu_);
       boundary_job_ = answer->end_job_id();
       boundary_step_ = answer->end_after_step();

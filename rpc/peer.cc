@@ -127,13 +127,19 @@ void PeerService::SetAllowedPeers(std::set<std::string> allowed_peers) {
   allowed_ = std::move(allowed_peers);
 }
 
-grpc::Status PeerService::Authorise(grpc::ServerContext* ctx, std::string* peer) {
+void PeerService::SetProbers(std::set<std::string> probers) {
+  std::lock_guard<std::mutex> l(allowed_mu_);
+  probers_ = std::move(probers);
+}
+
+grpc::Status PeerService::Authorise(grpc::ServerContext* ctx, std::string* peer, bool* prober) {
   *peer = PeerCommonName(*ctx);
   if (peer->empty()) return {grpc::StatusCode::UNAUTHENTICATED, "no verified client certificate"};
   bool allowed;
   {
     std::lock_guard<std::mutex> l(allowed_mu_);
     allowed = allowed_.count(*peer) > 0;
+    if (!allowed && prober && probers_.count(*peer)) allowed = *prober = true;
   }
   if (!allowed)
     return {grpc::StatusCode::PERMISSION_DENIED, absl::StrCat("'", *peer, "' may not stream tensors to '", self_, "'")};
@@ -149,7 +155,8 @@ grpc::Status PeerService::TooManyStreams(const std::string& peer) const {
 grpc::Status PeerService::Stream(grpc::ServerContext* ctx, grpc::ServerReader<v1::TensorChunk>* reader,
                                  v1::StreamAck* ack) {
   std::string peer;
-  if (grpc::Status s = Authorise(ctx, &peer); !s.ok()) return s;
+  bool prober = false;  // admitted to measure its link only: probe chunks alone
+  if (grpc::Status s = Authorise(ctx, &peer, &prober); !s.ok()) return s;
   CallSlots::Slot slot(&streams_, peer);
   if (!slot.held()) return TooManyStreams(peer);
   inbox_->ClearPeer(peer);
@@ -169,6 +176,9 @@ grpc::Status PeerService::Stream(grpc::ServerContext* ctx, grpc::ServerReader<v1
   };
   while (reader->Read(&c)) {
     TensorKey key = KeyOf(c);
+    if (prober && key.direction != v1::PROBE)
+      return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                          absl::StrCat("'", peer, "' may only probe its link to '", self_, "', not stream tensors"));
     if (key.direction != v1::PROBE) job = key.job_id;
     const bool probe = key.direction == v1::PROBE;
     int64_t max_frame = probe ? kMaxFrameBytes : limits_.max_frame_bytes;
@@ -244,7 +254,8 @@ grpc::Status PeerService::Stream(grpc::ServerContext* ctx, grpc::ServerReader<v1
 
 grpc::Status PeerService::Echo(grpc::ServerContext* ctx, const v1::Ping* req, v1::Ping* resp) {
   std::string peer;
-  if (grpc::Status s = Authorise(ctx, &peer); !s.ok()) return s;
+  bool prober = false;
+  if (grpc::Status s = Authorise(ctx, &peer, &prober); !s.ok()) return s;
   *resp = *req;
   return grpc::Status::OK;
 }
@@ -252,7 +263,8 @@ grpc::Status PeerService::Echo(grpc::ServerContext* ctx, const v1::Ping* req, v1
 grpc::Status PeerService::Pull(grpc::ServerContext* ctx, const v1::PullRequest* req,
                                grpc::ServerWriter<v1::TensorChunk>* writer) {
   std::string peer;
-  if (grpc::Status s = Authorise(ctx, &peer); !s.ok()) return s;
+  bool prober = false;  // a pull is a probe: probers may
+  if (grpc::Status s = Authorise(ctx, &peer, &prober); !s.ok()) return s;
   CallSlots::Slot slot(&streams_, peer);  // a probe holds a thread while it writes: it counts as a stream
   if (!slot.held()) return TooManyStreams(peer);
   if (req->bytes() < 0 || req->bytes() > kMaxFrameBytes)

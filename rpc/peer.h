@@ -115,6 +115,10 @@ class PeerService final : public v1::Peer::Service {
   // Replaces who is served from now on (a joined executor narrows it to its stage's peers while it runs
   // an assignment); streams already open go on.
   void SetAllowedPeers(std::set<std::string> allowed_peers);
+  // Sites that may measure their link to this one besides the allowed peers -- a site joining a running
+  // job, named by the coordinator: Echo, Pull and Stream calls carrying PROBE chunks only (any other
+  // chunk ends the stream with PermissionDenied). Replaces the set; empty: none.
+  void SetProbers(std::set<std::string> probers);
   grpc::Status Stream(grpc::ServerContext* ctx, grpc::ServerReader<v1::TensorChunk>* reader,
                       v1::StreamAck* ack) override;
   grpc::Status Echo(grpc::ServerContext* ctx, const v1::Ping* req, v1::Ping* resp) override;
@@ -126,12 +130,14 @@ class PeerService final : public v1::Peer::Service {
   int64_t authorised_calls() const { return authorised_calls_.load(); }
 
  private:
-  grpc::Status Authorise(grpc::ServerContext* ctx, std::string* peer);
+  // OK for an allowed peer, or (with `prober` set) for a prober; PermissionDenied naming it otherwise.
+  grpc::Status Authorise(grpc::ServerContext* ctx, std::string* peer, bool* prober = nullptr);
   // ResourceExhausted naming `peer`, which holds all its limits.max_streams_per_peer streams already.
   grpc::Status TooManyStreams(const std::string& peer) const;
   std::string self_;
   std::mutex allowed_mu_;
   std::set<std::string> allowed_;   // guarded by allowed_mu_
+  std::set<std::string> probers_;   // guarded by allowed_mu_
   std::optional<std::string> job_;  // guarded by allowed_mu_
   CallSlots streams_;               // Stream and Pull calls by peer (a probe holds a thread too)
   FrameBounds bounds_;              // guarded by allowed_mu_

@@ -101,13 +101,15 @@ class Emulation:
                          f"--delay-ms {self.rtt_ms / 2} --buffer-bytes {buffer}", os.devnull)
         return f"127.0.0.1:{port}", public
 
-    def write_spec(self, path, cluster, addresses, heartbeat_timeout_s, metrics_port=None):
+    def write_spec(self, path, cluster, addresses, heartbeat_timeout_s, metrics_port=None, elastic=True):
         """Writes the cluster spec of these sites: `addresses` maps a site to (listen, advertise), as
-        site_addresses returns; each site's cpu_quota is recorded under `emulation`."""
+        site_addresses returns; each site's cpu_quota is recorded under `emulation`. elastic=False turns
+        off re-planning around stragglers (a benchmark measures the plan it was given)."""
         metrics = f", metrics_port: {metrics_port}" if metrics_port else ""
         with open(path, "w") as f:
             f.write(f"cluster: {cluster}\ncoordinator: {{address: {self.coordinator}{metrics}}}\n"
-                    f"security: {{certs: certs}}\nheartbeat: {{interval: 1s, timeout: {heartbeat_timeout_s}s}}\nsites:\n")
+                    f"security: {{certs: certs}}\nheartbeat: {{interval: 1s, timeout: {heartbeat_timeout_s}s}}\n"
+                    + ("" if elastic else "elastic: {enabled: false}\n") + "sites:\n")
             for s, q in self.sites:
                 f.write(f"  - {{name: {s}, address: {addresses[s][1]}, emulation: {{cpu_quota: {q}}}}}\n")
 

@@ -885,6 +885,78 @@ TEST_F(CoordinatorTest, AStageSlowedByACpuQuotaIsReplannedAroundWithNoStepLost) 
   ExpectWeightsOfTheReference(dir_);
 }
 
+// Joining mid-run (#21): a 2-site run whose sites are held to a quarter of a core each (a cgroup v1 cpu
+// group made by the test), then a third, unthrottled site registers at step 10. It is measured while
+// training goes on (the running sites admit its probes), the plan over three sites is predicted far
+// faster, and the run switches to it at a step boundary: every step trained once, the weights of
+// `meridian train-local`.
+TEST_F(CoordinatorTest, ASiteJoiningMidRunIsMeasuredAndSwitchedToWithNoStepLost) {
+  const fs::path cpu("/sys/fs/cgroup/cpu");
+  if (::geteuid() != 0 || !fs::exists(cpu / "cgroup.procs"))
+    GTEST_SKIP() << "needs root and the cgroup v1 cpu controller";
+  SetSteps(600);
+  std::ofstream(dir_ / "job.yaml", std::ios::app) << "  checkpoint: {dir: ckpt, interval: 300}\n  replication: false\n";
+  {
+    std::string text;
+    std::ifstream in(dir_ / "cluster.yaml");
+    text.assign(std::istreambuf_iterator<char>(in), {});
+    // (drift: 10 keeps the straggler check, which this machine's noise can set off, out of this test.)
+    text.replace(text.find("elastic: {enabled: false}"), 25, "min_sites: 2\nelastic: {enabled: true, drift: 10}");
+    std::ofstream(dir_ / "cluster.yaml") << text;
+  }
+  const fs::path group = cpu / ("meridian-join-" + std::to_string(::getpid()));
+  fs::create_directories(group);
+  std::ofstream(group / "cpu.cfs_period_us") << 10000;
+  std::ofstream(group / "cpu.cfs_quota_us") << 2500;
+  const fs::path out = dir_ / "coordinator.out";
+  auto coord = Coordinator("> " + out.string());
+  std::this_thread::sleep_for(500ms);
+  auto start = [&](const std::string& s, bool throttled) {
+    return std::make_unique<Process>(
+        (throttled ? "echo $$ > " + (group / "cgroup.procs").string() + " && " : std::string()) + "exec " +
+        Bin("meridian-executor") + " --coordinator 127.0.0.1:" + std::to_string(coord_port_) + " --site " + s +
+        " --certs " + (dir_ / "certs" / "bundles" / s).string() + " --listen 127.0.0.1:" + std::to_string(ports_[s]) +
+        " 2>&1");
+  };
+  auto a = start("a", true), b = start("b", true);
+  auto read_out = [&] {
+    std::ifstream in(out);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  auto wait_for = [&](const std::string& what) {
+    for (int i = 0; i < 1800 && read_out().find(what) == std::string::npos; ++i) {
+      if (coord->Wait(1ms) != -1) break;
+      std::this_thread::sleep_for(100ms);
+    }
+    return read_out().find(what) != std::string::npos;
+  };
+  const bool trained = wait_for("step 10/");
+  auto c = start("c", false);
+  const bool switched = trained && wait_for("switch: every stage saved step");
+  const int rc = coord->Wait(300s);
+  for (auto* e : {a.get(), b.get(), c.get()}) e->Kill(SIGKILL);
+  std::error_code ec;
+  fs::remove(group, ec);
+  ASSERT_TRUE(trained) << read_out();
+  ASSERT_TRUE(switched) << read_out();
+  ASSERT_EQ(rc, 0) << read_out();
+  const std::string log = read_out();
+  EXPECT_THAT(log, HasSubstr("join: site 'c' joined mid-run; measuring it while training goes on"));
+  EXPECT_THAT(log, HasSubstr("switch: site 'c' joined: a plan over 3 sites predicts"));
+  EXPECT_THAT(log, HasSubstr("done: 600 steps"));
+  const auto plan = nlohmann::json::parse(std::ifstream(dir_ / "run" / "plan.json"), nullptr, false);
+  bool uses_c = false;
+  for (const auto& st : plan["stages"])
+    for (const auto& site : st["sites"]) uses_c |= site == "c";
+  EXPECT_TRUE(uses_c) << plan.dump();
+  std::ifstream jl(dir_ / "run" / "metrics.jsonl");
+  int64_t expect = 1;
+  for (std::string l; std::getline(jl, l); ++expect)
+    ASSERT_EQ(nlohmann::json::parse(l)["step"].get<int64_t>(), expect) << "a step lost or repeated";
+  EXPECT_EQ(expect, 601);
+  ExpectWeightsOfTheReference(dir_);
+}
+
 // ---- `meridian launch` and `meridian run --launch ssh` (#23), with Debian's sshd in network namespaces
 // made by tests/ssh/sites.sh: three "remote" sites, each an sshd with its own host key on a bridge in a
 // hub namespace, where the coordinator runs.
