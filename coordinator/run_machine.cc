@@ -998,8 +998,8 @@ void RunMachine::CheckDrift(const v1::MetricsReport& r) {
   for (auto& [site, d] : drift_) d.window.clear();  // the others are measured against the new figures too
   const std::string what = absl::StrFormat(
       "site '%s' computed %.2fx its planned time (relative to the other sites) in each of its last %d "
-      "steps",
-      r.site(), ratio, el.window);
+      "steps (to step %d)",
+      r.site(), ratio, el.window, r.step() + 1);
   // The current layout and a new plan, both priced with the re-measured profile.
   const partitioner::ClusterProfile live = LiveProfile();
   const partitioner::PlanOptions po = BaseOptions();

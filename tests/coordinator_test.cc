@@ -810,17 +810,22 @@ TEST_F(CoordinatorTest, ADrainedSiteAndASigtermedOneAreLeftWithNoStepLostOrRepea
   ExpectWeightsOfTheReference(dir_);
 }
 
-// A straggler (#21): once the plan runs, the executor of its last stage is put under a CPU quota of a
-// tenth of a core (a cgroup v1 cpu group made by the test), as a shared GPU slows down. The coordinator
-// sees that site compute many times its planned time, relative to the others, in each of `window`
+// A straggler (#21): once the plan runs, the executor of its busiest stage is put under a CPU quota of
+// 0.3 of a core (a cgroup v1 cpu group made by the test), as a shared GPU slows down. The coordinator
+// sees that site compute about three times its planned time, relative to the others, in each of `window`
 // steps, re-measures it from those reports, re-plans, and switches at a step boundary; the run still
 // trains every step once and ends with the weights of `meridian train-local`.
 TEST_F(CoordinatorTest, AStageSlowedByACpuQuotaIsReplannedAroundWithNoStepLost) {
   const fs::path cpu("/sys/fs/cgroup/cpu");
   if (::geteuid() != 0 || !fs::exists(cpu / "cgroup.procs"))
     GTEST_SKIP() << "needs root and the cgroup v1 cpu controller";
-  SetSteps(1500);
-  std::ofstream(dir_ / "job.yaml", std::ios::app) << "  checkpoint: {dir: ckpt, interval: 500}\n  replication: false\n";
+  SetSteps(800);
+  std::ofstream(dir_ / "job.yaml", std::ios::app) << "  checkpoint: {dir: ckpt, interval: 400}\n  replication: false\n";
+  // A model whose stages compute for several milliseconds a step: longer than the quota's slices, so
+  // the quota slows every step's compute, as a shared GPU would, not just some.
+  std::ofstream(dir_ / "model" / "config.json")
+      << R"({"vocab_size": 64, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": false})";
   {
     std::string text;
     std::ifstream in(dir_ / "cluster.yaml");
@@ -853,13 +858,22 @@ TEST_F(CoordinatorTest, AStageSlowedByACpuQuotaIsReplannedAroundWithNoStepLost) 
   int used = 0;
   for (const auto& st : plan["stages"]) used += st["sites"].size();
   ASSERT_GE(used, 2) << "the plan must use two sites or more for one to be a straggler: " << plan.dump();
-  const std::string slow = LastStageSite(dir_);
+  // The site of the stage with the most compute: slowing it is what a new plan can help with (a slower
+  // site with little to do changes nothing, and the coordinator rightly keeps the plan then).
+  std::string slow;
+  double most = -1;
+  for (const auto& st : plan["stages"])
+    if (st["compute_seconds"].get<double>() > most)
+      most = st["compute_seconds"].get<double>(), slow = st["sites"][0].get<std::string>();
   const fs::path group = cpu / ("meridian-straggler-" + std::to_string(::getpid()));
   fs::create_directories(group);
-  // A 10 ms period: a stage's millisecond of compute is stretched, not run whole within one quota.
-  std::ofstream(group / "cpu.cfs_period_us") << 10000;
-  std::ofstream(group / "cpu.cfs_quota_us") << 1000;
+  // 1 ms of CPU in every 3.33 ms (the shortest slices the kernel takes): a stage's milliseconds of
+  // compute are stretched, not run whole within one slice.
+  std::ofstream(group / "cpu.cfs_period_us") << 3333;
+  std::ofstream(group / "cpu.cfs_quota_us") << 1000;  // 1.0 -> 0.3 of a core
   std::ofstream(group / "cgroup.procs") << executors[slow]->pid() << std::flush;
+  std::string at_drop = read_out();  // the progress when the quota dropped
+  const int drop_step = std::atoi(at_drop.c_str() + at_drop.rfind("\nstep ") + 6);
   const bool switched = wait_for("switch: every stage saved step");
   const int rc = coord->Wait(300s);
   for (auto& [s, e] : executors) e->Kill(SIGKILL);
@@ -869,19 +883,28 @@ TEST_F(CoordinatorTest, AStageSlowedByACpuQuotaIsReplannedAroundWithNoStepLost) 
   ASSERT_EQ(rc, 0) << read_out();
   const std::string log = read_out();
   EXPECT_THAT(log, HasSubstr("switch: site '" + slow + "' computed "));
-  EXPECT_THAT(log, HasSubstr("done: 1500 steps"));
+  EXPECT_THAT(log, HasSubstr("done: 800 steps"));
   std::ifstream jl(dir_ / "run" / "metrics.jsonl");
   int64_t expect = 1;
   for (std::string l; std::getline(jl, l); ++expect)
     ASSERT_EQ(nlohmann::json::parse(l)["step"].get<int64_t>(), expect) << "a step lost or repeated";
-  EXPECT_EQ(expect, 1501);
-  bool straggler = false;
+  EXPECT_EQ(expect, 801);
+  // The straggler event names the site and the step of its own whose report completed the window. (The
+  // issue asks for the decision within window + 3 steps of the drop; measured here it came 12 to 395
+  // steps after it: see the issue's note. This test checks that it comes, and what follows.)
+  int64_t detected = -1;
   std::ifstream ev(dir_ / "run" / "events.jsonl");
   for (std::string l; std::getline(ev, l);) {
     auto e = nlohmann::json::parse(l);
-    straggler |= e["kind"] == "straggler" && e["site"] == slow;
+    const std::string text = e["text"].get<std::string>();
+    const size_t to = text.find("(to step ");
+    if (detected < 0 && e["kind"] == "straggler" && e["site"] == slow && to != std::string::npos &&
+        std::atoi(text.c_str() + to + 9) >= drop_step)
+      detected = std::atoi(text.c_str() + to + 9);
   }
-  EXPECT_TRUE(straggler);
+  ASSERT_GE(detected, 0) << "no straggler event for site '" << slow << "' after the drop at step " << drop_step;
+  std::printf("straggler: quota dropped at step %d; site '%s' flagged after its step %lld\n", drop_step, slow.c_str(),
+              static_cast<long long>(detected));
   ExpectWeightsOfTheReference(dir_);
 }
 
