@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "compression/activation_delta.h"
+#include "core/log.h"
 #include "core/run_layout.h"
 #include "job/job.h"
 #include "partitioner/schedule.h"
@@ -32,18 +33,8 @@ Clock::duration After(double seconds) {
   return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
 }
 
-// A string a site sent, safe for the operator's terminal and the logs: control characters (escape
-// sequences, carriage returns, newlines) become \xNN, and at most 4,000 characters are kept.
-std::string Clean(const std::string& text) {
-  std::string out;
-  for (unsigned char ch : text.substr(0, 4000))
-    if (ch < 0x20 || ch == 0x7f)
-      absl::StrAppendFormat(&out, "\\x%02x", ch);
-    else
-      out += static_cast<char>(ch);
-  if (text.size() > 4000) out += "...";
-  return out;
-}
+// A string a site sent, safe for the operator's terminal and the logs (core::Printable).
+std::string Clean(const std::string& text) { return core::Printable(text); }
 
 // "'a', 'b'"
 std::string Quoted(const std::vector<std::string>& names) {
@@ -212,26 +203,14 @@ void RunMachine::OnJoinerProfile(const v1::ProfileReport& r) {
     return;
   }
   // A plan over every site against the current layout, both priced with the profile as it is now.
-  const partitioner::ClusterProfile live = LiveProfile();
-  const partitioner::PlanOptions po = BaseOptions();
-  auto fresh = partitioner::PlanPipeline(graph_, live, po);
-  partitioner::PlanOptions pin = po;
-  std::vector<std::vector<int>> sites;
-  std::vector<int> last_ops;
-  for (const auto& st : plan_->stages) {
-    sites.emplace_back();
-    for (const auto& name : st.site_names)
-      for (size_t i = 0; i < live.sites.size(); ++i)
-        if (live.sites[i].name == name) sites.back().push_back(static_cast<int>(i));
-    last_ops.push_back(st.last_op);
-  }
-  partitioner::PinLayout(sites, last_ops, &pin);
-  auto current = partitioner::PlanPipeline(graph_, live, pin);
-  if (!fresh.ok() || !current.ok()) {
-    Note("join", site,
-         absl::StrCat("measured; re-planning failed: ", (fresh.ok() ? current.status() : fresh.status()).message()));
+  auto priced_plans = ReplanAgainstCurrent();
+  if (!priced_plans.ok()) {
+    Note("join", site, absl::StrCat("measured; re-planning failed: ", priced_plans.status().message()));
     return;
   }
+  const partitioner::Plan* fresh = &priced_plans->fresh;
+  const partitioner::Plan* current = &priced_plans->current;
+  const partitioner::ClusterProfile live = LiveProfile();
   const double gain = 1 - fresh->predicted_step_seconds / current->predicted_step_seconds;
   const std::string priced = absl::StrFormat(
       "site '%s' joined: a plan over %d sites predicts %.4f s/step against %.4f s/step for the current one", site,
@@ -950,6 +929,27 @@ void RunMachine::BeginSwitch(const std::string& why) {
                     " with its checkpoint of that step, then a new plan resumes from it"));
 }
 
+absl::StatusOr<RunMachine::Repriced> RunMachine::ReplanAgainstCurrent() const {
+  const partitioner::ClusterProfile live = LiveProfile();
+  const partitioner::PlanOptions po = BaseOptions();
+  auto fresh = partitioner::PlanPipeline(graph_, live, po);
+  if (!fresh.ok()) return fresh.status();
+  partitioner::PlanOptions pin = po;
+  std::vector<std::vector<int>> sites;
+  std::vector<int> last_ops;
+  for (const auto& st : plan_->stages) {
+    sites.emplace_back();
+    for (const auto& name : st.site_names)
+      for (size_t i = 0; i < live.sites.size(); ++i)
+        if (live.sites[i].name == name) sites.back().push_back(static_cast<int>(i));
+    last_ops.push_back(st.last_op);
+  }
+  partitioner::PinLayout(sites, last_ops, &pin);
+  auto current = partitioner::PlanPipeline(graph_, live, pin);
+  if (!current.ok()) return current.status();
+  return Repriced{std::move(*fresh), std::move(*current)};
+}
+
 double RunMachine::PlannedStepCompute(const std::string& site) const {
   if (!plan_) return 0;
   for (const auto& st : plan_->stages)
@@ -1001,26 +1001,13 @@ void RunMachine::CheckDrift(const v1::MetricsReport& r) {
       "steps (to step %d)",
       r.site(), ratio, el.window, r.step() + 1);
   // The current layout and a new plan, both priced with the re-measured profile.
-  const partitioner::ClusterProfile live = LiveProfile();
-  const partitioner::PlanOptions po = BaseOptions();
-  auto fresh = partitioner::PlanPipeline(graph_, live, po);
-  partitioner::PlanOptions pin = po;
-  std::vector<std::vector<int>> sites;
-  std::vector<int> last_ops;
-  for (const auto& st : plan_->stages) {
-    sites.emplace_back();
-    for (const auto& name : st.site_names)
-      for (size_t i = 0; i < live.sites.size(); ++i)
-        if (live.sites[i].name == name) sites.back().push_back(static_cast<int>(i));
-    last_ops.push_back(st.last_op);
-  }
-  partitioner::PinLayout(sites, last_ops, &pin);
-  auto current = partitioner::PlanPipeline(graph_, live, pin);
-  if (!fresh.ok() || !current.ok()) {
-    Note("straggler", r.site(),
-         absl::StrCat(what, "; re-planning failed: ", (fresh.ok() ? current.status() : fresh.status()).message()));
+  auto priced_plans = ReplanAgainstCurrent();
+  if (!priced_plans.ok()) {
+    Note("straggler", r.site(), absl::StrCat(what, "; re-planning failed: ", priced_plans.status().message()));
     return;
   }
+  const partitioner::Plan* fresh = &priced_plans->fresh;
+  const partitioner::Plan* current = &priced_plans->current;
   const double gain = 1 - fresh->predicted_step_seconds / current->predicted_step_seconds;
   const std::string priced =
       gain > 0 ? absl::StrFormat(

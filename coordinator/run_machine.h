@@ -252,7 +252,13 @@ class RunMachine {
   double PlannedStepCompute(const std::string& site) const;  // its ops x its micro-batches, from profile_
   partitioner::ClusterProfile LiveProfile() const;           // profile_ without the excluded sites
   partitioner::PlanOptions BaseOptions() const;              // the job's planning options, no layout pinned
-  void CompleteSwitch();                                     // every stage of the attempt ended while switching
+  // A plan over LiveProfile() and the current plan's layout priced over it, with the same options (the
+  // switch decisions compare their predicted steps). REQUIRES: plan_.
+  struct Repriced {
+    partitioner::Plan fresh, current;
+  };
+  absl::StatusOr<Repriced> ReplanAgainstCurrent() const;
+  void CompleteSwitch();  // every stage of the attempt ended while switching
 
   void StartProfiling();
   // Checks one site's measurements before they are believed: its own device, op times of this model's

@@ -35,6 +35,21 @@ partitioner::OpGraph SmallGraph() {
   return partitioner::BuildLlamaGraph(shape, go);  // 6 ops
 }
 
+// A model large enough per op that the planner pipelines it over the three sites of Config().
+partitioner::OpGraph LargeGraph() {
+  partitioner::LlamaShape shape;
+  shape.vocab_size = 32000;
+  shape.hidden_size = 1024;
+  shape.intermediate_size = 4096;
+  shape.num_hidden_layers = 8;
+  shape.num_attention_heads = 16;
+  shape.num_key_value_heads = 16;
+  partitioner::LlamaGraphOptions go;
+  go.micro_batch_size = 2;
+  go.sequence_length = 128;
+  return partitioner::BuildLlamaGraph(shape, go);
+}
+
 // A three-site cluster (a, b, c), a 20-step job with checkpoints every 5 steps.
 RunConfig Config(core::OnFailure on_failure = core::OnFailure::kReplan) {
   RunConfig c;
@@ -397,17 +412,7 @@ TEST(RunMachine, ASiteThatStaysSlowIsReplannedAroundAndATransientSlowdownIsNot) 
   c.even_split = false;  // the planner's layout (a pinned one is never re-planned)
   c.spec.heartbeat_interval_seconds = 0.1;
   c.steps = c.job.steps = 100;
-  partitioner::LlamaShape shape;  // large enough per op that the planner pipelines it over the three sites
-  shape.vocab_size = 32000;
-  shape.hidden_size = 1024;
-  shape.intermediate_size = 4096;
-  shape.num_hidden_layers = 8;
-  shape.num_attention_heads = 16;
-  shape.num_key_value_heads = 16;
-  partitioner::LlamaGraphOptions go;
-  go.micro_batch_size = 2;
-  go.sequence_length = 128;
-  c.graph = partitioner::BuildLlamaGraph(shape, go);
+  c.graph = LargeGraph();
   Driver d(c);
   d.JoinAndProfile({"a", "b", "c"});
   ASSERT_EQ(d.machine().phase(), RunMachine::Phase::kTraining);
@@ -469,17 +474,7 @@ TEST(RunMachine, ASiteSteadyOffItsPlanIsReMeasuredOnceAndDoesNotFlap) {
   c.spec.heartbeat_interval_seconds = 0.1;
   c.spec.elastic.min_gain = 0.9;  // nothing is worth a switch here: the decision alone is under test
   c.steps = c.job.steps = 200;
-  partitioner::LlamaShape shape;
-  shape.vocab_size = 32000;
-  shape.hidden_size = 1024;
-  shape.intermediate_size = 4096;
-  shape.num_hidden_layers = 8;
-  shape.num_attention_heads = 16;
-  shape.num_key_value_heads = 16;
-  partitioner::LlamaGraphOptions go;
-  go.micro_batch_size = 2;
-  go.sequence_length = 128;
-  c.graph = partitioner::BuildLlamaGraph(shape, go);
+  c.graph = LargeGraph();
   Driver d(c);
   d.JoinAndProfile({"a", "b", "c"});
   const partitioner::Plan plan = *d.machine().plan();

@@ -4,6 +4,7 @@
 #include <spdlog/sinks/stdout_sinks.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 
 namespace meridian::core {
@@ -32,6 +33,17 @@ absl::Status InitLogging(const std::string& program, const std::string& level) {
   logger->flush_on(spdlog::level::trace);  // every line, at once: these are a daemon's diagnostics
   spdlog::set_default_logger(logger);
   return absl::OkStatus();
+}
+
+std::string Printable(const std::string& text, size_t max) {
+  std::string out;
+  for (unsigned char ch : text.substr(0, max))
+    if (ch < 0x20 || ch == 0x7f)
+      absl::StrAppendFormat(&out, "\\x%02x", ch);
+    else
+      out += static_cast<char>(ch);
+  if (text.size() > max) out += "...";
+  return out;
 }
 
 }  // namespace meridian::core

@@ -22,6 +22,11 @@ inline constexpr const char* kLogLevels[] = {"trace", "debug", "info", "warning"
 // early in main, before other threads log.
 absl::Status InitLogging(const std::string& program, const std::string& level);
 
+// A string another party sent (a site's error, a remote log's line), safe for the operator's terminal and
+// the logs: control characters (escape sequences, carriage returns, newlines) become \xNN, and at most
+// `max` bytes are kept ("..." marks a cut). Pure and thread-safe.
+std::string Printable(const std::string& text, size_t max = 4000);
+
 }  // namespace meridian::core
 
 #endif  // MERIDIAN_CORE_LOG_H_

@@ -17,6 +17,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "core/log.h"
 #include "core/version.h"
 
 extern char** environ;
@@ -126,17 +127,8 @@ std::vector<std::string> CommonOptions(const core::SshSpec& ssh, const LaunchOpt
 std::string SiteDir(const SiteLaunch& s) { return s.ssh.workdir + "/" + s.site; }
 std::string Remote(const SiteLaunch& s, const std::string& path) { return ShellQuote(SiteDir(s) + "/" + path); }
 
-// A line of a remote log, safe for a terminal and a log file: control characters escaped, at most 4000 bytes.
-std::string CleanLine(const std::string& text) {
-  std::string out;
-  for (unsigned char ch : text.substr(0, 4000))
-    if (ch < 0x20 || ch == 0x7f)
-      absl::StrAppendFormat(&out, "\\x%02x", ch);
-    else
-      out += static_cast<char>(ch);
-  if (text.size() > 4000) out += "...";
-  return out;
-}
+// A line of a remote log, safe for a terminal and a log file (core::Printable).
+std::string CleanLine(const std::string& text) { return core::Printable(text); }
 
 }  // namespace
 
