@@ -32,6 +32,12 @@ ScopedInterruptHandler::~ScopedInterruptHandler() {
   sigaction(SIGTERM, &old_term_, nullptr);
 }
 
+std::string JoinCommand(const core::SiteSpec& site, const std::string& certs_dir, const std::string& coordinator) {
+  return absl::StrCat("meridian-executor --coordinator ", coordinator, " --site ", site.name, " --certs ",
+                      core::SiteBundleDir(certs_dir, site.name), " --listen ", site.address.ToString(), " --device ",
+                      site.devices.front());
+}
+
 absl::Status LaunchSshSites(const core::ClusterSpec& spec, const std::string& certs_dir, const std::string& coordinator,
                             launch::SshLauncher* launcher) {
   std::vector<std::pair<std::string, std::future<absl::Status>>> running;
@@ -86,24 +92,22 @@ int RunLaunch(const LaunchCommandOptions& o) {
         std::cout << "launch: site '" << site << "': " << msg << "\n" << std::flush;
       });
   const std::string coordinator = o.coordinator.empty() ? spec.coordinator.ToString() : o.coordinator;
-  if (absl::Status st =
-          LaunchSshSites(spec, core::ResolveRelative(o.cluster_path, spec.certs_dir), coordinator, &launcher);
-      !st.ok()) {
+  const std::string certs = core::ResolveRelative(o.cluster_path, spec.certs_dir);
+  auto interrupted = [&](int sig) {  // Ctrl-C or SIGTERM: every executor started is stopped
+    std::cout << "launch: interrupted (" << strsignal(sig) << "); stopping the executors\n" << std::flush;
+    launcher.StopAll();
+    return 128 + sig;
+  };
+  if (absl::Status st = LaunchSshSites(spec, certs, coordinator, &launcher); !st.ok()) {
     std::cerr << "meridian launch: " << st.message() << "\n";
     if (const int sig = g_interrupted.load(); sig != 0) return 128 + sig;  // interrupted while starting
     return st.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
   }
-  if (const int sig = g_interrupted.load(); sig != 0) {  // Ctrl-C while the sites were being started
-    std::cout << "launch: interrupted (" << strsignal(sig) << "); stopping the executors\n" << std::flush;
-    launcher.StopAll();
-    return 128 + sig;
-  }
+  if (const int sig = g_interrupted.load(); sig != 0) return interrupted(sig);  // while the sites were started
   for (const auto& site : spec.sites)
     if (!site.ssh)
-      std::cout << "  site '" << site.name << "' has no ssh: section; start it with: meridian-executor --coordinator "
-                << coordinator << " --site " << site.name << " --certs "
-                << core::SiteBundleDir(core::ResolveRelative(o.cluster_path, spec.certs_dir), site.name) << " --listen "
-                << site.address.ToString() << "\n";
+      std::cout << "  site '" << site.name
+                << "' has no ssh: section; start it with: " << JoinCommand(site, certs, coordinator) << "\n";
   std::cout << "launch: " << launcher.Started().size()
             << " executors started; Ctrl-C stops them, or wait for them to finish\n"
             << std::flush;
@@ -117,10 +121,7 @@ int RunLaunch(const LaunchCommandOptions& o) {
       return 0;
     }
   }
-  const int sig = g_interrupted.load();
-  std::cout << "launch: interrupted (" << strsignal(sig) << "); stopping the executors\n" << std::flush;
-  launcher.StopAll();
-  return 128 + sig;
+  return interrupted(g_interrupted.load());
 }
 
 }  // namespace meridian::coordinator

@@ -26,6 +26,10 @@ namespace meridian::coordinator {
 absl::Status LaunchSshSites(const core::ClusterSpec& spec, const std::string& certs_dir, const std::string& coordinator,
                             launch::SshLauncher* launcher);
 
+// The command that starts `site`'s executor by hand, joining `coordinator` with its bundle from
+// `certs_dir`: what `meridian run` prints for each site, and `meridian launch` for a site without ssh:.
+std::string JoinCommand(const core::SiteSpec& site, const std::string& certs_dir, const std::string& coordinator);
+
 // Set (to the signal's number) by SIGINT and SIGTERM while a ScopedInterruptHandler lives
 // (async-signal-safe); the commands poll it to stop their sites before they exit.
 extern std::atomic<int> g_interrupted;

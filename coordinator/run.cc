@@ -470,9 +470,7 @@ class RunDriver {
       if (o_.launch == "ssh" && s.ssh)
         std::cout << "  site '" << s.name << "': to be started over SSH at " << s.ssh->host << " (--launch ssh)\n";
       else
-        std::cout << "  meridian-executor --coordinator " << spec.coordinator.ToString() << " --site " << s.name
-                  << " --certs " << core::SiteBundleDir(in_.certs, s.name) << " --listen " << s.address.ToString()
-                  << " --device " << s.devices.front() << "\n";
+        std::cout << "  " << JoinCommand(s, in_.certs, spec.coordinator.ToString()) << "\n";
     std::cout << std::flush;
     if (spec.metrics_port > 0) {
       metrics_http_.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {

@@ -210,11 +210,10 @@ void RunMachine::OnJoinerProfile(const v1::ProfileReport& r) {
   }
   const partitioner::Plan* fresh = &priced_plans->fresh;
   const partitioner::Plan* current = &priced_plans->current;
-  const partitioner::ClusterProfile live = LiveProfile();
   const double gain = 1 - fresh->predicted_step_seconds / current->predicted_step_seconds;
   const std::string priced = absl::StrFormat(
       "site '%s' joined: a plan over %d sites predicts %.4f s/step against %.4f s/step for the current one", site,
-      static_cast<int>(live.sites.size()), fresh->predicted_step_seconds, current->predicted_step_seconds);
+      priced_plans->sites, fresh->predicted_step_seconds, current->predicted_step_seconds);
   if (gain > c_.spec.elastic.min_gain) return BeginSwitch(absl::StrFormat("%s (%.0f%% faster)", priced, 100 * gain));
   Note("join", site,
        absl::StrFormat("%s: not above elastic.min_gain (%.0f%%); it waits as a spare", priced,
@@ -346,12 +345,7 @@ absl::Status RunMachine::FinishProfiling() {
 
 void RunMachine::StartAttempt() {
   for (const auto& site : leaving_)  // a site that asked to leave is in no plan again; it is stopped
-    if (stopped_.insert(site).second && sites_[site].registered) {
-      v1::Command stop;
-      stop.set_stop(true);
-      Out(SendCommand{site, std::move(stop)});
-      Out(LogSite{site, "left the run; told to stop"});
-    }
+    if (sites_[site].registered && StopLeaving(site)) Out(LogSite{site, "left the run; told to stop"});
   if (c_.spec.on_failure == core::OnFailure::kReplan)  // a site silent since it was measured is not planned with
     for (const auto& site : profile_.sites)
       if (sites_[site.name].silent) lost_.insert(site.name);
@@ -629,19 +623,16 @@ void RunMachine::Assign() {
       Out(SendCommand{site, std::move(c)});
     }
   }
-  if (resume_)
-    Note("resume", "",
-         resume_step_ > 0
-             ? absl::StrCat("every stage resumes from step ", resume_step_, " (the coordinator's checkpoints)")
-             : "every stage resumes from the newest intact checkpoint");
+  // Where every stage resumes from, said once for the progress line and the event.
+  const std::string from = resume_step_ > 0
+                               ? absl::StrCat("step ", resume_step_,
+                                              c_.job.checkpoint.store == core::CheckpointStore::kCoordinator
+                                                  ? " (the coordinator's checkpoints)"
+                                                  : " (each stage's checkpoint of that step)")
+                               : "the newest intact checkpoint";
+  if (resume_) Note("resume", "", absl::StrCat("every stage resumes from ", from));
   Say(absl::StrCat("training: ", st.size(), " stages, ", c_.steps, " steps",
-                   !resume_           ? ""
-                   : resume_step_ > 0 ? absl::StrCat(", resuming from step ", resume_step_,
-                                                     c_.job.checkpoint.store == core::CheckpointStore::kCoordinator
-                                                         ? " (the coordinator's checkpoints)"
-                                                         : " (each stage's checkpoint of that step)")
-                                      : ", resuming from the newest intact checkpoint",
-                   "\n"));
+                   resume_ ? absl::StrCat(", resuming from ", from) : "", "\n"));
 }
 
 // ---- Supervision ----
@@ -896,10 +887,15 @@ void RunMachine::OnLeaving(const SiteLeaving& e) {
        absl::StrCat("asked to leave (", e.why, "); it runs no stage: no plan includes it from now on"));
   // While measuring, it finishes with the others (the attempt's start stops it); otherwise it stops now.
   if (phase_ == Phase::kProfiling && std::find(joined_.begin(), joined_.end(), e.site) != joined_.end()) return;
-  stopped_.insert(e.site);
+  StopLeaving(e.site);
+}
+
+bool RunMachine::StopLeaving(const std::string& site) {
+  if (!stopped_.insert(site).second) return false;
   v1::Command stop;
   stop.set_stop(true);
-  Out(SendCommand{e.site, std::move(stop)});
+  Out(SendCommand{site, std::move(stop)});
+  return true;
 }
 
 void RunMachine::BeginSwitch(const std::string& why) {
@@ -947,7 +943,7 @@ absl::StatusOr<RunMachine::Repriced> RunMachine::ReplanAgainstCurrent() const {
   partitioner::PinLayout(sites, last_ops, &pin);
   auto current = partitioner::PlanPipeline(graph_, live, pin);
   if (!current.ok()) return current.status();
-  return Repriced{std::move(*fresh), std::move(*current)};
+  return Repriced{std::move(*fresh), std::move(*current), static_cast<int>(live.sites.size())};
 }
 
 double RunMachine::PlannedStepCompute(const std::string& site) const {

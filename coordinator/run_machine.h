@@ -256,6 +256,7 @@ class RunMachine {
   // switch decisions compare their predicted steps). REQUIRES: plan_.
   struct Repriced {
     partitioner::Plan fresh, current;
+    int sites = 0;  // in LiveProfile()
   };
   absl::StatusOr<Repriced> ReplanAgainstCurrent() const;
   void CompleteSwitch();  // every stage of the attempt ended while switching
@@ -315,8 +316,9 @@ class RunMachine {
   double last_loss_ = 0;
   int64_t tokens_ = 0;  // over every attempt
   int64_t pruned_at_ = 0;
-  std::set<std::string> leaving_;  // asked to leave: in no plan from now on, stopped once they run no stage
-  std::set<std::string> stopped_;  // leaving sites told to stop
+  std::set<std::string> leaving_;             // asked to leave: in no plan from now on, stopped once they run no stage
+  std::set<std::string> stopped_;             // leaving sites told to stop
+  bool StopLeaving(const std::string& site);  // sends it the stop command once; whether it did now
   // The sites no plan may use: lost (re-planned around) or leaving.
   std::set<std::string> Excluded() const {
     std::set<std::string> out = lost_;

@@ -243,9 +243,6 @@ int Agent::Run() {
   return rc_;
 }
 
-// Heartbeats; the coordinator not answering for `timeout` of trying ends the process. The clock starts at
-// the first failed attempt, not at the last success: a process that was itself stopped (SIGSTOP, a
-// suspended VM) gets a full timeout to reach the coordinator again when it resumes.
 std::atomic<int> g_leave_requested{0};
 
 void InstallLeaveHandler() {
@@ -255,6 +252,10 @@ void InstallLeaveHandler() {
   sigaction(SIGTERM, &sa, nullptr);
 }
 
+// Heartbeats; the coordinator not answering for `timeout` of trying ends the process. The clock starts at
+// the first failed attempt, not at the last success: a process that was itself stopped (SIGSTOP, a
+// suspended VM) gets a full timeout to reach the coordinator again when it resumes. The answers carry the
+// coordinator's step boundary and the sites that may probe this one.
 void Agent::Heartbeats() {
   const double interval = reg_.heartbeat_interval_seconds() > 0 ? reg_.heartbeat_interval_seconds() : 1.0;
   const double timeout = reg_.heartbeat_timeout_seconds() > interval ? reg_.heartbeat_timeout_seconds() : 5 * interval;
@@ -278,11 +279,11 @@ void Agent::Heartbeats() {
     absl::Status hs = answer.status();
     if (hs.ok()) {
       peer_service_.SetProbers({answer->probe_from().begin(), answer->probe_from().end()});  // a site joining
-      std::lock_guard<std::mutex> l(heartbeat_mu_);
-      boundary_job_ = answer->end_job_id();
-      boundary_step_ = answer->end_after_step();
-    }
-    if (hs.ok()) {
+      {
+        std::lock_guard<std::mutex> l(heartbeat_mu_);
+        boundary_job_ = answer->end_job_id();
+        boundary_step_ = answer->end_after_step();
+      }
       if (failing) spdlog::warn("the coordinator answers heartbeats again");
       failing = false;
     } else if (!failing) {

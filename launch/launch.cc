@@ -92,9 +92,13 @@ int WaitExit(pid_t pid) {
   return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
 }
 
-std::string Destination(const core::SshSpec& ssh) {
-  return absl::StrCat(ssh.user.empty() ? "" : ssh.user + "@", ssh.host, ":", ssh.port);
-}
+// "user@host" (or "host": ssh's own user), as ssh and scp take it.
+std::string Login(const core::SshSpec& ssh) { return absl::StrCat(ssh.user.empty() ? "" : ssh.user + "@", ssh.host); }
+
+std::string Destination(const core::SshSpec& ssh) { return absl::StrCat(Login(ssh), ":", ssh.port); }
+
+// The files of a site's certificate bundle that go to it (core::SiteBundleDir; never the CA's key).
+std::vector<std::string> BundleFiles(const std::string& site) { return {"ca.pem", site + ".pem", site + ".key"}; }
 
 // How known_hosts names the host: "host" on port 22, "[host]:port" elsewhere.
 std::string KnownHostsName(const core::SshSpec& ssh) {
@@ -126,9 +130,6 @@ std::vector<std::string> CommonOptions(const core::SshSpec& ssh, const LaunchOpt
 // A site's own folder under the workdir (sites may share a host and a workdir): WORKDIR/SITE.
 std::string SiteDir(const SiteLaunch& s) { return s.ssh.workdir + "/" + s.site; }
 std::string Remote(const SiteLaunch& s, const std::string& path) { return ShellQuote(SiteDir(s) + "/" + path); }
-
-// A line of a remote log, safe for a terminal and a log file (core::Printable).
-std::string CleanLine(const std::string& text) { return core::Printable(text); }
 
 }  // namespace
 
@@ -246,10 +247,10 @@ absl::Status SshLauncher::Launch(const SiteLaunch& s) {
     // 255 is ssh's own failure (login, host key, network); any other code is the remote command's.
     std::string why = r.exit_code == 255 ? ExplainSshFailure(ssh, r.err) : "";
     if (why.empty())
-      why = absl::StrCat(doing, " failed (exit ", r.exit_code, "): ", CleanLine(LastLine(r.err + "\n" + r.out)));
+      why = absl::StrCat(doing, " failed (exit ", r.exit_code, "): ", core::Printable(LastLine(r.err + "\n" + r.out)));
     return absl::UnavailableError(absl::StrCat(who, ": ", why));
   };
-  for (const auto& f : {std::string("ca.pem"), s.site + ".pem", s.site + ".key"})
+  for (const auto& f : BundleFiles(s.site))
     if (!fs::is_regular_file(fs::path(s.bundle_dir) / f))
       return absl::FailedPreconditionError(absl::StrCat(who, ": the site's certificate bundle ", s.bundle_dir,
                                                         " has no ", f, " (create it with `meridian certs init`)"));
@@ -289,9 +290,8 @@ absl::Status SshLauncher::Launch(const SiteLaunch& s) {
   std::vector<std::string> scp = {"scp", "-q"};
   for (auto& opt : CommonOptions(ssh, options_)) scp.push_back(std::move(opt));
   scp.insert(scp.end(), {"-P", std::to_string(ssh.port)});
-  for (const auto& f : {std::string("ca.pem"), s.site + ".pem", s.site + ".key"})
-    scp.push_back((fs::path(s.bundle_dir) / f).string());
-  scp.push_back(absl::StrCat(ssh.user.empty() ? "" : ssh.user + "@", ssh.host, ":", SiteDir(s), "/certs/"));
+  for (const auto& f : BundleFiles(s.site)) scp.push_back((fs::path(s.bundle_dir) / f).string());
+  scp.push_back(absl::StrCat(Login(ssh), ":", SiteDir(s), "/certs/"));
   CommandResult cp = RunCommand(scp, limit);
   if (cp.exit_code != 0) return ssh_failed(cp, "copying the certificate bundle (scp)");
   // 4: the executor, detached; its pid comes back.
@@ -326,10 +326,10 @@ absl::Status SshLauncher::Launch(const SiteLaunch& s) {
         buf.append(chunk, static_cast<size_t>(n));
         for (size_t nl; (nl = buf.find('\n')) != std::string::npos; buf.erase(0, nl + 1)) {
           const std::string line = buf.substr(0, nl);
-          if (IsProblemLine(line)) on_problem_(site, CleanLine(line));
+          if (IsProblemLine(line)) on_problem_(site, core::Printable(line));
         }
         if (buf.size() > 65536) {  // a "line" that never ends: report its start, drop the rest
-          if (IsProblemLine(buf)) on_problem_(site, CleanLine(buf));
+          if (IsProblemLine(buf)) on_problem_(site, core::Printable(buf));
           buf.clear();
         }
       }

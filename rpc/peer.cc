@@ -135,12 +135,14 @@ void PeerService::SetProbers(std::set<std::string> probers) {
 grpc::Status PeerService::Authorise(grpc::ServerContext* ctx, std::string* peer, bool* prober) {
   *peer = PeerCommonName(*ctx);
   if (peer->empty()) return {grpc::StatusCode::UNAUTHENTICATED, "no verified client certificate"};
-  bool allowed;
+  bool allowed, only_probes;
   {
     std::lock_guard<std::mutex> l(allowed_mu_);
     allowed = allowed_.count(*peer) > 0;
-    if (!allowed && prober && probers_.count(*peer)) allowed = *prober = true;
+    only_probes = !allowed && probers_.count(*peer) > 0;
   }
+  if (prober) *prober = only_probes;
+  allowed = allowed || only_probes;
   if (!allowed)
     return {grpc::StatusCode::PERMISSION_DENIED, absl::StrCat("'", *peer, "' may not stream tensors to '", self_, "'")};
   authorised_calls_++;
@@ -254,8 +256,7 @@ grpc::Status PeerService::Stream(grpc::ServerContext* ctx, grpc::ServerReader<v1
 
 grpc::Status PeerService::Echo(grpc::ServerContext* ctx, const v1::Ping* req, v1::Ping* resp) {
   std::string peer;
-  bool prober = false;
-  if (grpc::Status s = Authorise(ctx, &peer, &prober); !s.ok()) return s;
+  if (grpc::Status s = Authorise(ctx, &peer); !s.ok()) return s;  // a prober too
   *resp = *req;
   return grpc::Status::OK;
 }
@@ -263,8 +264,7 @@ grpc::Status PeerService::Echo(grpc::ServerContext* ctx, const v1::Ping* req, v1
 grpc::Status PeerService::Pull(grpc::ServerContext* ctx, const v1::PullRequest* req,
                                grpc::ServerWriter<v1::TensorChunk>* writer) {
   std::string peer;
-  bool prober = false;  // a pull is a probe: probers may
-  if (grpc::Status s = Authorise(ctx, &peer, &prober); !s.ok()) return s;
+  if (grpc::Status s = Authorise(ctx, &peer); !s.ok()) return s;  // a pull is a probe: probers may
   CallSlots::Slot slot(&streams_, peer);  // a probe holds a thread while it writes: it counts as a stream
   if (!slot.held()) return TooManyStreams(peer);
   if (req->bytes() < 0 || req->bytes() > kMaxFrameBytes)

@@ -130,7 +130,8 @@ class PeerService final : public v1::Peer::Service {
   int64_t authorised_calls() const { return authorised_calls_.load(); }
 
  private:
-  // OK for an allowed peer, or (with `prober` set) for a prober; PermissionDenied naming it otherwise.
+  // OK for an allowed peer or a prober (then *prober, when given, is set: it may only probe);
+  // PermissionDenied naming it otherwise.
   grpc::Status Authorise(grpc::ServerContext* ctx, std::string* peer, bool* prober = nullptr);
   // ResourceExhausted naming `peer`, which holds all its limits.max_streams_per_peer streams already.
   grpc::Status TooManyStreams(const std::string& peer) const;

@@ -73,8 +73,12 @@ class CoordinatorTest : public ::testing::Test {
     text.replace(text.find("STEPS"), 5, std::to_string(steps));
     std::ofstream(dir_ / "job.yaml") << text;
   }
-  std::unique_ptr<Process> Executor(const std::string& site, const std::string& certs_dir = "") {
+  // The executor of `site`, exec'ed by the shell (its Process's pid is the executor's own, for signals),
+  // optionally in the cgroup v1 cpu group `cgroup`.
+  std::unique_ptr<Process> Executor(const std::string& site, const std::string& certs_dir = "",
+                                    const fs::path& cgroup = {}) {
     return std::make_unique<Process>(
+        (cgroup.empty() ? std::string() : "echo $$ > " + (cgroup / "cgroup.procs").string() + " && ") + "exec " +
         Bin("meridian-executor") + " --coordinator 127.0.0.1:" + std::to_string(coord_port_) + " --site " + site +
         " --certs " + ((certs_dir.empty() ? dir_ / "certs" : fs::path(certs_dir)) / "bundles" / site).string() +
         " --listen 127.0.0.1:" + std::to_string(ports_.count(site) ? ports_[site] : FreePort()) + " 2>&1");
@@ -761,10 +765,7 @@ TEST_F(CoordinatorTest, ADrainedSiteAndASigtermedOneAreLeftWithNoStepLostOrRepea
   const fs::path out = dir_ / "coordinator.out";
   auto coord = Coordinator("--plan " + (dir_ / "plan.json").string() + " > " + out.string());
   std::this_thread::sleep_for(500ms);
-  auto a = Executor("a"), b = Executor("b");
-  Process c("exec " + Bin("meridian-executor") + " --coordinator 127.0.0.1:" + std::to_string(coord_port_) +
-            " --site c --certs " + (dir_ / "certs" / "bundles" / "c").string() +
-            " --listen 127.0.0.1:" + std::to_string(ports_["c"]) + " 2>&1");
+  auto a = Executor("a"), b = Executor("b"), c = Executor("c");
   auto read_out = [&] { return ReadText(out); };
   auto wait_for = [&](const std::string& what) { return WaitForText(coord.get(), out, what, 120s); };
   ASSERT_TRUE(wait_for("step 100/")) << read_out();
@@ -791,8 +792,8 @@ TEST_F(CoordinatorTest, ADrainedSiteAndASigtermedOneAreLeftWithNoStepLostOrRepea
   const int at = std::atoi(so_far.c_str() + so_far.rfind("\nstep ") + 6);  // the latest progress line
   ASSERT_LT(at, 1400) << "too late in the run to switch again";
   ASSERT_TRUE(wait_for("step " + std::to_string(at + 50) + "/")) << read_out();
-  ASSERT_EQ(::kill(c.pid(), SIGTERM), 0);
-  EXPECT_EQ(c.Wait(90s), 0) << "the SIGTERMed executor leaves cleanly once switched away from";
+  ASSERT_EQ(::kill(c->pid(), SIGTERM), 0);
+  EXPECT_EQ(c->Wait(90s), 0) << "the SIGTERMed executor leaves cleanly once switched away from";
   ASSERT_EQ(coord->Wait(180s), 0) << read_out();
   const std::string log = read_out();
   EXPECT_THAT(log, HasSubstr("switch: site 'b' leaves (meridian drain); every stage ends after step "));
@@ -846,11 +847,7 @@ TEST_F(CoordinatorTest, DISABLED_AStageSlowedByACpuQuotaIsReplannedAroundWithNoS
   auto coord = Coordinator("> " + out.string());
   std::this_thread::sleep_for(500ms);
   std::map<std::string, std::unique_ptr<Process>> executors;
-  for (const char* s : {"a", "b", "c"})
-    executors[s] = std::make_unique<Process>("exec " + Bin("meridian-executor") +
-                                             " --coordinator 127.0.0.1:" + std::to_string(coord_port_) + " --site " +
-                                             s + " --certs " + (dir_ / "certs" / "bundles" / s).string() +
-                                             " --listen 127.0.0.1:" + std::to_string(ports_[s]) + " 2>&1");
+  for (const char* s : {"a", "b", "c"}) executors[s] = Executor(s);
   auto read_out = [&] { return ReadText(out); };
   auto wait_for = [&](const std::string& what) { return WaitForText(coord.get(), out, what, 180s); };
   ASSERT_TRUE(wait_for("step 100/")) << read_out();
@@ -934,18 +931,11 @@ TEST_F(CoordinatorTest, ASiteJoiningMidRunIsMeasuredAndSwitchedToWithNoStepLost)
   const fs::path out = dir_ / "coordinator.out";
   auto coord = Coordinator("> " + out.string());
   std::this_thread::sleep_for(500ms);
-  auto start = [&](const std::string& s, bool throttled) {
-    return std::make_unique<Process>(
-        (throttled ? "echo $$ > " + (group / "cgroup.procs").string() + " && " : std::string()) + "exec " +
-        Bin("meridian-executor") + " --coordinator 127.0.0.1:" + std::to_string(coord_port_) + " --site " + s +
-        " --certs " + (dir_ / "certs" / "bundles" / s).string() + " --listen 127.0.0.1:" + std::to_string(ports_[s]) +
-        " 2>&1");
-  };
-  auto a = start("a", true), b = start("b", true);
+  auto a = Executor("a", "", group), b = Executor("b", "", group);
   auto read_out = [&] { return ReadText(out); };
   auto wait_for = [&](const std::string& what) { return WaitForText(coord.get(), out, what, 180s); };
   const bool trained = wait_for("step 10/");
-  auto c = start("c", false);
+  auto c = Executor("c");
   const bool switched = trained && wait_for("switch: every stage saved step");
   const int rc = coord->Wait(300s);
   for (auto* e : {a.get(), b.get(), c.get()}) e->Kill(SIGKILL);
