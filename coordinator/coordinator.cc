@@ -68,7 +68,11 @@ absl::StatusOr<v1::RegisterResponse> Coordinator::Register(const v1::RegisterReq
     resp.set_run_id(run_id_);
     resp.set_heartbeat_interval_seconds(spec_.heartbeat_interval_seconds);
     resp.set_heartbeat_timeout_seconds(spec_.heartbeat_timeout_seconds);
-    for (const auto& site : spec_.sites) resp.add_sites(site.name);
+    for (const auto& site : spec_.sites) {
+      resp.add_sites(site.name);
+      if (site.name == r.site() && site.devices.size() > 1)
+        for (const auto& d : site.devices) resp.add_devices(d);
+    }
   }
   cv_.notify_all();
   if (events_) events_->Push(SiteRegistered{r.site(), r.listen_address(), r.device()});

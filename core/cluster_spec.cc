@@ -418,6 +418,18 @@ void ParseSites(Checker& c, const YAML::Node& n, ClusterSpec* cs, const std::str
         if (!ok) c.Error(dev.Mark(), absl::StrCat(ctx, ".devices: '", d, "' is not cpu or cuda:N"));
       }
       if (dev.IsSequence() && devices.empty()) c.Error(dev.Mark(), absl::StrCat(ctx, ".devices: list is empty"));
+      // One worker process per device (docs/executor.md): all of one kind, each CUDA device once.
+      std::set<std::string> seen_devices;
+      for (const auto& d : devices) {
+        if ((d == "cpu") != (devices.front() == "cpu"))
+          c.Error(dev.Mark(), absl::StrCat(ctx,
+                                           ".devices: mixes cpu and cuda devices; a site's workers are all "
+                                           "of one kind"));
+        if (d != "cpu" && !seen_devices.insert(d).second)
+          c.Error(dev.Mark(), absl::StrCat(ctx, ".devices: ", d, " is listed twice"));
+      }
+      if (devices.size() > 64)
+        c.Error(dev.Mark(), absl::StrCat(ctx, ".devices: ", devices.size(), " devices; at most 64 workers per site"));
       if (!devices.empty()) s.devices = devices;
     }
     if (sn["emulation"].IsDefined() && !sn["emulation"].IsNull()) {
@@ -499,7 +511,8 @@ void ParseJob(Checker& c, const YAML::Node& n, JobSpec* j) {
   if (YAML::Node o = n["optimizer"]; o.IsDefined() && !o.IsNull()) {
     const std::string oc = "job.optimizer";
     if (c.Map(o, oc,
-              {"name", "lr", "weight_decay", "beta1", "beta2", "eps", "warmup_steps", "min_lr_ratio", "grad_clip"})) {
+              {"name", "lr", "weight_decay", "beta1", "beta2", "eps", "warmup_steps", "min_lr_ratio", "grad_clip",
+               "zero"})) {
       OptimizerSpec& op = j->optimizer;
       c.Choice(o, "name", oc, {"adamw", "sgd"}, &op.name);
       c.Double(o, "lr", oc, false, 0, 10, true, &op.lr);
@@ -510,6 +523,7 @@ void ParseJob(Checker& c, const YAML::Node& n, JobSpec* j) {
       c.IntAs(o, "warmup_steps", oc, false, 0, 100000000, &op.warmup_steps);
       c.Double(o, "min_lr_ratio", oc, false, 0, 1, false, &op.min_lr_ratio);
       c.Double(o, "grad_clip", oc, false, 0, 1e9, false, &op.grad_clip);
+      c.IntAs(o, "zero", oc, false, 0, 1, &op.zero);
     }
   }
   if (YAML::Node o = n["compression"]; o.IsDefined() && !o.IsNull()) {

@@ -81,6 +81,10 @@ struct OptimizerSpec {
   int warmup_steps = 0;
   double min_lr_ratio = 0.1;  // cosine decays to lr * min_lr_ratio
   double grad_clip = 1.0;     // global gradient-norm clip; 0 disables
+  // ZeRO stage inside a site of several devices (sites[].devices): 1 shards the AdamW moments across the
+  // site's workers (each steps its shard, then the workers gather the parameters); 0 keeps them whole on
+  // every worker. No effect on a site of one device.
+  int zero = 0;
 };
 
 // The spec's choices, as enums past the parser (their YAML spellings: ToString).

@@ -21,10 +21,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/checkpoint_dir.h"
+#include "core/files.h"
 #include "core/log.h"
 #include "core/run_layout.h"
 #include "executor/profiler.h"
 #include "executor/run_stage.h"
+#include "executor/site_group.h"
 #include "executor/stage.h"
 #include "executor/torch_boundary.h"
 #include "rpc/credentials.h"
@@ -185,6 +187,35 @@ StageAssignment FromProto(const v1::StageAssignment& pa) {
   return a;
 }
 
+// The job of an assignment, as every worker of the site prepares it: the job's text, the plan's micro-batch
+// count, the slice checked against the model.
+absl::StatusOr<JobSetup> AssignedJob(const v1::StageAssignment& pa, const StageAssignment& a) {
+  auto setup = JobFromText(pa.job_yaml(), pa.job_dir());
+  if (!setup.ok()) return setup.status();
+  if (pa.micro_batches() > 0) {
+    if (setup->job.global_batch % pa.micro_batches() != 0)
+      return absl::InvalidArgumentError("micro-batches do not divide the global batch");
+    setup->micro_batches = pa.micro_batches();
+    setup->micro_batch_size = setup->job.global_batch / pa.micro_batches();
+  }
+  if (!compression::CodecSpec::Parse(a.gradient_codec).ok())
+    return absl::InvalidArgumentError(absl::StrCat("gradient_codec '", a.gradient_codec, "' is not a codec"));
+  if (absl::Status s = CheckSlice(setup->model, a.first_op, a.last_op); !s.ok()) return s;
+  return setup;
+}
+
+// A site's workers wait this long for each other in a collective: worker 0 may wait for a neighbouring
+// site (or the coordinator's checkpoint) between two of them.
+constexpr std::chrono::minutes kSiteGroupTimeout{10};
+
+// The step boundary, the same on every worker of a site: worker 0's (`mine`) sent to the others.
+int64_t ShareBoundary(SiteGroup* group, int64_t mine) {
+  if (!group) return mine;
+  torch::Tensor t = torch::full({1}, mine, torch::kInt64);
+  if (absl::Status s = group->Broadcast(t); !s.ok()) return mine;  // the step's next collective fails too
+  return t.item<int64_t>();
+}
+
 std::set<std::string> OtherSites(const v1::RegisterResponse& reg, const std::string& self) {
   std::set<std::string> sites(reg.sites().begin(), reg.sites().end());
   sites.erase(self);
@@ -199,6 +230,7 @@ Agent::Agent(ExecutorOptions options, v1::RegisterResponse registration, rpc::Co
       coordinator_(coordinator),
       cluster_sites_(OtherSites(reg_, o_.site)),
       device_(o_.device == "cpu" ? torch::Device(torch::kCPU) : torch::Device(o_.device)),
+      devices_(reg_.devices().begin(), reg_.devices().end()),
       peer_service_(o_.site, cluster_sites_, &inbox_) {}
 
 int Agent::Run() {
@@ -384,20 +416,31 @@ void Agent::OnAssign(const v1::StageAssignment& pa) {
   StageRunResult run_result;
   MetricsReporter reporter(coordinator_);
   run_result.status = GuardTorch(absl::StrCat("stage ", a.stage, " (site '", o_.site, "')"), [&]() -> absl::Status {
-    auto setup = JobFromText(pa.job_yaml(), pa.job_dir());
+    auto setup = AssignedJob(pa, a);
     if (!setup.ok()) return setup.status();
-    if (pa.micro_batches() > 0) {
-      if (setup->job.global_batch % pa.micro_batches() != 0)
-        return absl::InvalidArgumentError("micro-batches do not divide the global batch");
-      setup->micro_batches = pa.micro_batches();
-      setup->micro_batch_size = setup->job.global_batch / pa.micro_batches();
-    }
-    if (!compression::CodecSpec::Parse(a.gradient_codec).ok())
-      return absl::InvalidArgumentError(absl::StrCat("gradient_codec '", a.gradient_codec, "' is not a codec"));
-    if (absl::Status s = CheckSlice(setup->model, a.first_op, a.last_op); !s.ok()) return s;
     auto created = StageWorker::Create(*setup, a, &inbox_, o_.certs, o_.site, device_, std::chrono::seconds(60));
     if (!created.ok()) return created.status();
     worker = std::move(*created);
+    // A site of several devices: workers 1..K-1 run the same stage in lock step (executor/site_group.h),
+    // started for this assignment and stopped with it.
+    ScratchDir site_dir(absl::StrCat(o_.site, "-workers"));
+    std::unique_ptr<WorkerPool> pool;
+    std::unique_ptr<SiteGroup> group;
+    if (devices_.size() > 1) {
+      if (absl::Status s = worker->CanSplit(static_cast<int>(devices_.size())); !s.ok()) return s;
+      if (absl::Status s = site_dir.Create(); !s.ok()) return s;
+      const std::string command = (site_dir.path / "assignment.pb").string(),
+                        store = (site_dir.path / "store").string();
+      if (absl::Status s = core::WriteFileAtomic(command, pa.SerializeAsString()); !s.ok()) return s;
+      auto started = StartSiteWorkers(command, store);
+      if (!started.ok()) return started.status();
+      pool = std::move(*started);
+      auto joined = SiteGroup::Join(store, 0, static_cast<int>(devices_.size()), kSiteGroupTimeout,
+                                    absl::StrCat("site '", o_.site, "'"));
+      if (!joined.ok()) return joined.status();
+      group = std::move(*joined);
+      if (absl::Status s = worker->JoinSite(group.get()); !s.ok()) return s;
+    }
     peer_service_.SetFrameBounds(worker->ExpectedFrames());
     if (o_.fault_nan_gradient_step >= 0 && !nan_fault_fired_) worker->InjectNanGradientAt(o_.fault_nan_gradient_step);
     // Checkpoints: job.checkpoint.dir (store: shared), or a scratch directory whose shards go to the
@@ -492,10 +535,16 @@ void Agent::OnAssign(const v1::StageAssignment& pa) {
       };
     run.before_finish = [&] { return uploader.Wait(); };
     run.end_after = [&]() -> int64_t {  // a switch to another plan, from the heartbeats' answers
-      std::lock_guard<std::mutex> l(heartbeat_mu_);
-      return boundary_job_ == a.job_id ? boundary_step_ : 0;
+      int64_t boundary = 0;
+      {
+        std::lock_guard<std::mutex> l(heartbeat_mu_);
+        boundary = boundary_job_ == a.job_id ? boundary_step_ : 0;
+      }
+      return ShareBoundary(group.get(), boundary);
     };
     run_result = RunStage(*worker, run);
+    // The other workers end with their stage; on a failure here they are killed (the pool's destructor).
+    if (pool && run_result.status.ok()) pool->Stop(std::chrono::seconds(30));
     (void)uploader.Wait();  // a failed run's upload in flight ends before the scratch directory goes
     if (!run_result.status.ok()) return run_result.status;
     if (run_result.at_boundary) {
@@ -536,6 +585,59 @@ void Agent::OnAssign(const v1::StageAssignment& pa) {
   peer_service_.SetJob(std::nullopt);
   peer_service_.SetFrameBounds({});  // the next attempt's shapes may differ (another micro-batch count)
   (void)coordinator_->ReportDone(result, kReportTimeout);
+}
+
+absl::StatusOr<std::unique_ptr<WorkerPool>> Agent::StartSiteWorkers(const std::string& command,
+                                                                    const std::string& store) {
+  const auto level = spdlog::level::to_string_view(spdlog::get_level());
+  return WorkerPool::Start({"--site", o_.site, "--site-store", store, "--site-command", command, "--log-level",
+                            std::string(level.data(), level.size())},
+                           devices_, absl::StrCat("site '", o_.site, "'"));
+}
+
+int RunSiteWorker(const SiteWorkerOptions& w) {
+  const std::string where = absl::StrCat("site '", w.site, "' worker ", w.rank, " of ", w.workers);
+  auto fail = [&](const absl::Status& s) {
+    spdlog::error("{}", absl::StrCat(where, ": ", s.message()));
+    return 1;
+  };
+  auto text = core::ReadFile(w.command);
+  if (!text.ok()) return fail(text.status());
+  v1::StageAssignment pa;
+  if (!pa.ParseFromString(*text)) return fail(absl::DataLossError(absl::StrCat(w.command, ": not an assignment")));
+  const StageAssignment a = FromProto(pa);
+  StageRunResult result;
+  result.status = GuardTorch(where, [&]() -> absl::Status {
+    auto setup = AssignedJob(pa, a);
+    if (!setup.ok()) return setup.status();
+    const torch::Device device = w.device == "cpu" ? torch::Device(torch::kCPU) : torch::Device(w.device);
+    rpc::TensorInbox unused;  // worker 0 receives the site's tensors
+    auto worker = StageWorker::Create(*setup, a, &unused, "", w.site, device, std::chrono::seconds(60));
+    if (!worker.ok()) return worker.status();
+    auto group = SiteGroup::Join(w.store, w.rank, w.workers, kSiteGroupTimeout, absl::StrCat("site '", w.site, "'"));
+    if (!group.ok()) return group.status();
+    if (absl::Status s = (*worker)->JoinSite(group->get()); !s.ok()) return s;
+    spdlog::info("{}", absl::StrCat(where, ": stage ", a.stage, " (ops ", a.first_op, "-", a.last_op, ") on ", w.device,
+                                    ", process ", ::getpid()));
+    // What worker 0 runs, with its decisions (resume step, boundary) received from it.
+    StageRun run;
+    run.steps = pa.steps() > 0 ? pa.steps() : setup->job.steps;
+    run.total_steps = setup->job.steps;
+    run.checkpoint_interval = setup->job.checkpoint.interval;
+    if (pa.resume_step() != 0)
+      run.resume = []() -> absl::StatusOr<Checkpoint> {
+        Checkpoint c;
+        c.path = "worker 0's checkpoint";
+        return c;
+      };
+    SiteGroup* g = group->get();
+    run.end_after = [g] { return ShareBoundary(g, 0); };
+    result = RunStage(**worker, run);
+    return result.status;
+  });
+  if (!result.status.ok()) return fail(result.status);
+  spdlog::info("{}", absl::StrCat(where, ": done after step ", result.steps_done));
+  return 0;
 }
 
 }  // namespace meridian::executor

@@ -31,6 +31,8 @@ namespace meridian::executor {
 extern std::atomic<int> g_leave_requested;
 void InstallLeaveHandler();
 
+class WorkerPool;
+
 class Agent {
  public:
   // `coordinator` (the client this site registered with) must outlive the agent.
@@ -48,6 +50,8 @@ class Agent {
   // The heartbeat thread's loop, until `done_`: a beat every interval, and one at once on a state change.
   void Heartbeats();
   void SetState(v1::SiteState state);
+  // Workers 1..K-1 of this site for one assignment (`command`: its file) over the store file `store`.
+  absl::StatusOr<std::unique_ptr<WorkerPool>> StartSiteWorkers(const std::string& command, const std::string& store);
 
   const ExecutorOptions o_;
   const v1::RegisterResponse reg_;
@@ -55,6 +59,9 @@ class Agent {
   rpc::CoordinatorClient* coordinator_;
   const std::set<std::string> cluster_sites_;  // every other site: who may connect while no stage runs
   const torch::Device device_;
+  // The site's devices (RegisterResponse.devices): more than one runs a worker per device; worker 0, this
+  // process, keeps device_.
+  const std::vector<std::string> devices_;
   rpc::TensorInbox inbox_;
   rpc::PeerService peer_service_;
   std::atomic<int64_t> step_{-1};
@@ -66,6 +73,16 @@ class Agent {
   int64_t boundary_step_ = 0;                  // both guarded by heartbeat_mu_
   int rc_ = 0;
 };
+
+// A worker of a site of several devices (`meridian-executor --site-worker R/K`, started by its site's
+// executor: executor/site_group.h): runs its rows of the stage in `command` (a v1::StageAssignment) in lock
+// step with worker 0 over the c10d store file `store`. Returns the exit code: 0 when the stage ended, 1
+// when it failed (the error is logged, naming the site and worker).
+struct SiteWorkerOptions {
+  std::string site, device, store, command;
+  int rank = 1, workers = 2;
+};
+int RunSiteWorker(const SiteWorkerOptions& options);
 
 }  // namespace meridian::executor
 

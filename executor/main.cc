@@ -29,6 +29,7 @@
 #include "executor/options.h"
 #include "executor/profiler.h"
 #include "executor/run_stage.h"
+#include "executor/site_group.h"
 #include "executor/stage.h"
 #include "partitioner/model.h"
 #include "proto/meridian.grpc.pb.h"
@@ -219,6 +220,12 @@ int main(int argc, char** argv) {
                  "Tests only: nan-gradient:STEP sends the previous stage a NaN activation gradient at step STEP "
                  "(0-based) of the first attempt that reaches it, as a compromised site would")
       ->group("");
+  // A worker of a site of several devices, started by the site's executor (executor/site_group.h).
+  std::string site_worker, site_device = "cpu", site_store, site_command;
+  app.add_option("--site-worker", site_worker, "Internal: worker R/K of this site, started by its executor")->group("");
+  app.add_option("--site-device", site_device, "Internal: the worker's device")->group("");
+  app.add_option("--site-store", site_store, "Internal: the site's c10d store file")->group("");
+  app.add_option("--site-command", site_command, "Internal: the worker's assignment")->group("");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -227,6 +234,17 @@ int main(int argc, char** argv) {
   if (absl::Status s = core::InitLogging("meridian-executor", log_level); !s.ok()) {
     std::cerr << "meridian-executor: " << s.message() << "\n";
     return 2;
+  }
+  if (!site_worker.empty()) {
+    auto rank = executor::ParseSiteWorker(site_worker);
+    if (!rank.ok() || !f.site || site_store.empty() || site_command.empty()) {
+      spdlog::error("{}", rank.ok() ? "--site-worker needs --site, --site-store and --site-command"
+                                    : std::string(rank.status().message()));
+      return 2;
+    }
+    Leave(Guarded([&] {
+      return executor::RunSiteWorker({*f.site, site_device, site_store, site_command, rank->first, rank->second});
+    }));
   }
   if ((!assignment.empty() || !profile_job.empty()) && !f.coordinator)
     f.coordinator = "127.0.0.1:1";                      // unused without a coordinator

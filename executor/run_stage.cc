@@ -22,7 +22,7 @@ StageRunResult RunStage(StageWorker& worker, const StageRun& run) {
     absl::StatusOr<Checkpoint> c = run.resume();
     if (!c.ok()) return {0, c.status()};
     if (absl::Status s = worker.Restore(*c); !s.ok()) return {0, s};
-    r.steps_done = c->step;
+    r.steps_done = worker.restored_step();  // worker 0's, on a site of several devices
     if (run.forget_checkpoints_after_resume) worker.ForgetCheckpointsAfter(run.checkpoint_dir, c->step);
   }
   if (absl::Status s = worker.Connect(); !s.ok()) return {r.steps_done, s};

@@ -229,6 +229,65 @@ std::string StageWorker::Where() const {
                                       : absl::StrCat("stage ", a_.stage, " (site '", self_, "')");
 }
 
+absl::Status StageWorker::JoinSite(SiteGroup* group) {
+  return GuardTorch(Where(), [&]() -> absl::Status {
+    if (!group || group->size() < 2) return absl::OkStatus();
+    if (absl::Status s = CanSplit(group->size()); !s.ok()) return s;
+    group_ = group;
+    reducer_ = std::make_unique<SiteReducer>(group_, model_->parameters(), a_.bucket_bytes);
+    if (setup_.job.optimizer.zero == 1)
+      zero_ =
+          std::make_unique<ShardedAdamW>(setup_.job.optimizer, model_->parameters(), group_->rank(), group_->size());
+    return absl::OkStatus();
+  });
+}
+
+absl::Status StageWorker::CanSplit(int workers) const {
+  if (workers < 2) return absl::OkStatus();
+  if (outer_)
+    return absl::UnimplementedError(absl::StrCat(Where(), ": job.sync.mode diloco on a site of ", workers,
+                                                 " devices is not supported yet; use every_step, or one device"));
+  if (setup_.micro_batch_size < workers)
+    return absl::InvalidArgumentError(absl::StrCat(Where(), ": a micro-batch of ", setup_.micro_batch_size,
+                                                   " sequences cannot be split across the site's ", workers,
+                                                   " workers (devices); use fewer micro-batches per step or fewer "
+                                                   "devices"));
+  return absl::OkStatus();
+}
+
+int64_t StageWorker::optimizer_state_elements() const {
+  if (zero_) return zero_->state_elements();
+  int64_t n = 0;
+  for (const auto& [k, v] : opt_.ExportState()) n += v.numel();
+  return n;
+}
+
+absl::StatusOr<torch::Tensor> StageWorker::ReceiveRows(const std::string* peer, const rpc::TensorKey& key,
+                                                       const std::vector<int64_t>& shape,
+                                                       const std::vector<int64_t>* ids) {
+  if (!group_) return Receive(*peer, key, shape, ids);
+  torch::Tensor whole;
+  if (group_->rank() == 0) {
+    auto t = Receive(*peer, key, shape, ids);
+    if (!t.ok()) return t.status();
+    whole = *t;
+  }
+  const auto t0 = Clock::now();
+  auto mine = group_->Scatter(whole, shape);
+  wait_seconds_ += std::chrono::duration<double>(Clock::now() - t0).count();
+  if (!mine.ok()) return Annotate(mine.status(), absl::StrCat(Where(), ": ", key.ToString()));
+  return mine->to(device_);
+}
+
+absl::StatusOr<torch::Tensor> StageWorker::GatherRows(const torch::Tensor& t, const std::vector<int64_t>& shape) {
+  if (!group_) return t;
+  const auto t0 = Clock::now();
+  auto whole = group_->Gather(t, shape);
+  wait_seconds_ += std::chrono::duration<double>(Clock::now() - t0).count();
+  if (!whole.ok()) return Annotate(whole.status(), Where());
+  return *whole;
+}
+
 absl::StatusOr<std::unique_ptr<rpc::PeerClient::OutStream>> StageWorker::OpenStream(const std::string& site,
                                                                                     const std::string& address) {
   auto& client = clients_[site];
@@ -245,6 +304,7 @@ absl::StatusOr<std::unique_ptr<rpc::PeerClient::OutStream>> StageWorker::OpenStr
 absl::Status StageWorker::Connect() {
   return GuardTorch(Where(), [&]() -> absl::Status {
     if (!init_status_.ok()) return init_status_;
+    if (!talks_to_sites()) return absl::OkStatus();  // worker 0 holds the site's streams
     for (const StageSites* g : {&a_.prev_replicas, &a_.next_replicas})
       for (size_t i = 0; i < g->sites.size(); ++i) {
         auto stream = OpenStream(g->sites[i], g->addresses[i]);
@@ -373,11 +433,13 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
     const int M = setup_.micro_batches, mbs = setup_.micro_batch_size, seq = setup_.job.sequence_length;
     const int64_t d = setup_.model.shape.hidden_size;
     const std::vector<int64_t> hidden = {mbs, seq, d};
+    // This worker's rows of every micro-batch (all of them on a site of one device).
+    const auto [first_row, rows] = group_ ? group_->Rows(mbs, group_->rank()) : std::pair<int64_t, int64_t>{0, mbs};
     // Only the last stage computes the loss, so only it needs the step's count of counted targets.
     const double normaliser = model_->has_head() ? setup_.data.StepTargets(step, M, mbs, seq) : 1.0;
     for (auto& [n, p] : model_->parameters())
       if (p.grad().defined()) p.mutable_grad() = torch::Tensor();
-    compute_seconds_ = wait_seconds_ = send_blocked_seconds_ = codec_seconds_ = 0;
+    compute_seconds_ = wait_seconds_ = send_blocked_seconds_ = codec_seconds_ = site_reduce_seconds_ = 0;
     auto timed = [this](auto&& fn) {
       const auto t0 = Clock::now();
       fn();
@@ -419,16 +481,19 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
         Stash s;
         TrainingData::Batch batch;
         std::vector<int64_t> ids;  // the micro-batch's training sequences (AQ-SGD's keys)
-        if (model_->has_embed() || model_->has_head()) batch = setup_.data.MicroBatch(step, mb, mbs, seq);
+        if (model_->has_embed() || model_->has_head()) {
+          batch = setup_.data.MicroBatch(step, mb, mbs, seq);
+          if (group_) batch = {batch.inputs.narrow(0, first_row, rows), batch.targets.narrow(0, first_row, rows)};
+        }
         if (model_->has_embed()) {
           s.input = batch.inputs.to(device_);
         } else {
-          if (prev_delta_) ids = setup_.data.SequenceIds(step, mb, mbs);
-          auto in = Receive(*prev, {a_.job_id, step, mb, a_.stage - 1, v1::FORWARD, 0}, hidden, &ids);
+          if (prev_delta_ && talks_to_sites()) ids = setup_.data.SequenceIds(step, mb, mbs);
+          auto in = ReceiveRows(prev, {a_.job_id, step, mb, a_.stage - 1, v1::FORWARD, 0}, hidden, &ids);
           if (!in.ok()) return in.status();
           s.input = in->requires_grad_(true);
         }
-        const TrainContext ctx{step, static_cast<int64_t>(mb) * mbs};
+        const TrainContext ctx{step, static_cast<int64_t>(mb) * mbs + first_row};
         torch::Tensor out;
         timed([&] {
           out = model_->Forward(s.input, &ctx);
@@ -439,28 +504,47 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
         });
         if (!model_->has_head()) {
           s.output = out;
-          if (fwd_codec_.delta && ids.empty()) ids = setup_.data.SequenceIds(step, mb, mbs);
-          if (auto st = Send(*next, {a_.job_id, step, mb, a_.stage, v1::FORWARD, 0}, out, fwd_codec_, nullptr, &ids);
-              !st.ok())
-            return st;
+          auto whole = GatherRows(out, hidden);
+          if (!whole.ok()) return whole.status();
+          if (talks_to_sites()) {
+            if (fwd_codec_.delta && ids.empty()) ids = setup_.data.SequenceIds(step, mb, mbs);
+            if (auto st =
+                    Send(*next, {a_.job_id, step, mb, a_.stage, v1::FORWARD, 0}, *whole, fwd_codec_, nullptr, &ids);
+                !st.ok())
+              return st;
+          }
         }
         stash[mb] = std::move(s);
       } else {
         Stash& s = stash[mb];
         // The replica's last backward pass produces the step's final gradients: the averager's hooks send
         // them bucket by bucket while the pass goes on.
-        if (averager_ && i == last_backward) averager_->CaptureNextBackward();
+        // On a site of several workers the site's sum comes first (reducer_), and worker 0 then gives the
+        // averager the summed gradients.
+        if (averager_ && !group_ && i == last_backward) averager_->CaptureNextBackward();
+        if (reducer_ && i == last_backward) reducer_->CaptureNextBackward();
         // Under LoRA the first stages may hold no adapter before the first one: their output then needs no
         // gradient and their backward pass is only the receipt of the gradient.
         if (model_->has_head()) {
           if (s.output.requires_grad()) timed([&] { s.output.backward(); });
         } else {
-          auto g = Receive(*next, {a_.job_id, step, mb, a_.stage + 1, v1::BACKWARD, 0}, hidden);
+          auto g = ReceiveRows(next, {a_.job_id, step, mb, a_.stage + 1, v1::BACKWARD, 0}, hidden);
           if (!g.ok()) return g.status();
           if (s.output.requires_grad()) timed([&] { s.output.backward(*g); });
         }
         if (!model_->has_embed()) {
           torch::Tensor grad = s.input.grad();
+          if (group_) {
+            // Under LoRA a worker's input may get no gradient; the neighbour still expects the tensor.
+            if (!grad.defined()) grad = torch::zeros({rows, seq, d});
+            auto whole = GatherRows(grad, hidden);
+            if (!whole.ok()) return whole.status();
+            if (!talks_to_sites()) {
+              stash.erase(mb);
+              continue;
+            }
+            grad = *whole;
+          }
           if (step == nan_gradient_step_ && !nan_gradient_sent_) {  // fault injection (tests)
             grad = torch::full_like(grad, std::numeric_limits<float>::quiet_NaN());
             nan_gradient_sent_ = true;
@@ -475,6 +559,12 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
         stash.erase(mb);
       }
     }
+    if (reducer_) {  // the site's workers' sum first
+      auto waited = reducer_->Finish();
+      if (!waited.ok()) return Annotate(waited.status(), absl::StrCat(Where(), ": step ", step + 1));
+      site_reduce_seconds_ = *waited;
+      wait_seconds_ += *waited;
+    }
     if (averager_) {
       const auto t0 = Clock::now();
       absl::Status finished = averager_->Finish();
@@ -487,6 +577,23 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
       raw_bytes_ += averager_->raw_bytes() - sync_raw0;
       replica_buckets_ = averager_->buckets_synced();
       replica_buckets_during_backward_ = averager_->buckets_during_backward();
+    }
+    if (group_ && a_.replicas.sites.size() > 1) {  // worker 0 summed over the replicas: to every worker
+      torch::NoGradGuard no_grad;
+      std::vector<torch::Tensor> grads;
+      for (auto& [n, p] : model_->parameters()) grads.push_back(p.grad().reshape({-1}).cpu());
+      torch::Tensor flat = torch::cat(grads);
+      if (absl::Status s = group_->Broadcast(flat); !s.ok()) return Annotate(s, Where());
+      int64_t offset = 0;
+      for (auto& [n, p] : model_->parameters()) {
+        p.mutable_grad() = flat.narrow(0, offset, p.numel()).view(p.sizes()).to(device_).clone();
+        offset += p.numel();
+      }
+    }
+    if (group_) {  // the site's loss: every worker's rows
+      torch::Tensor l = torch::full({1}, loss_sum, torch::kFloat64);
+      if (absl::Status s = group_->AllReduce(l); !s.ok()) return Annotate(s, Where());
+      loss_sum = l.item<double>();
     }
     // Global gradient norm and the step's loss. Replica 0 of each stage takes part for its stage: partial
     // sums flow from the last stage to the first, the total back again to every replica. The values
@@ -543,7 +650,9 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
     const auto& R = a_.replicas.sites;
     const bool first = a_.stage == 0, last = a_.stage == a_.num_stages - 1;
     double square = 0, loss = loss_sum;
-    if (replica_ == 0) {
+    if (!talks_to_sites()) {
+      // Worker 0 of the site takes part in the exchange and hands on its outcome.
+    } else if (replica_ == 0) {
       if (last)  // the other replicas' losses, in replica order
         for (size_t j = 1; j < R.size(); ++j) {
           auto r = recv_pair(R[j], a_.stage, -2);
@@ -581,10 +690,24 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
       square = total->first;
       loss = total->second;
     }
+    if (group_) {
+      torch::Tensor v = torch::tensor({square, loss}, torch::kFloat64);
+      if (absl::Status s = group_->Broadcast(v); !s.ok()) return Annotate(s, Where());
+      square = v[0].item<double>();
+      loss = v[1].item<double>();
+    }
     timed([&] {
       ClipByGlobalNorm(model_->parameters(), square, setup_.job.optimizer.grad_clip);
-      opt_.Step(model_->parameters(), LearningRate(setup_.job.optimizer, step, total_steps));
+      if (zero_)
+        zero_->Step(model_->parameters(), LearningRate(setup_.job.optimizer, step, total_steps));
+      else
+        opt_.Step(model_->parameters(), LearningRate(setup_.job.optimizer, step, total_steps));
     });
+    if (zero_) {
+      const auto t0 = Clock::now();
+      if (absl::Status s = zero_->GatherParameters(*group_, model_->parameters()); !s.ok()) return Annotate(s, Where());
+      site_reduce_seconds_ += std::chrono::duration<double>(Clock::now() - t0).count();
+    }
     if (outer_) {  // DiLoCo: the fragment due after this inner step, if any; after the last, all of them
       const int64_t wire0 = outer_->wire_bytes(), raw0 = outer_->raw_bytes();
       const int64_t synced_before = outer_->last_sync().step;
@@ -632,7 +755,14 @@ absl::Status StageWorker::Finish() {
 absl::Status StageWorker::SaveCheckpoint(const std::string& dir, int64_t steps_done, int keep) const {
   return GuardTorch(absl::StrCat(Where(), ": checkpoint of step ", steps_done), [&]() -> absl::Status {
     std::map<std::string, torch::Tensor> all = Parameters();
-    for (auto& [k, v] : opt_.ExportState()) all[k] = v;
+    if (zero_) {  // the workers' shards of the moments, gathered at worker 0
+      auto moments = zero_->ExportState(*group_, model_->parameters());
+      if (!moments.ok()) return Annotate(moments.status(), Where());
+      for (auto& [k, v] : *moments) all[k] = v;
+    } else {
+      for (auto& [k, v] : opt_.ExportState()) all[k] = v;
+    }
+    if (!talks_to_sites()) return absl::OkStatus();  // worker 0 writes the site's shard
     if (outer_)
       for (auto& [k, v] : outer_->ExportState()) all[k] = v;
     for (const auto& [name, t] : all)  // a checkpoint holds finite values only: recovery resumes from it
@@ -651,7 +781,7 @@ absl::Status StageWorker::SaveCheckpoint(const std::string& dir, int64_t steps_d
 }
 
 void StageWorker::ForgetCheckpointsAfter(const std::string& dir, int64_t step) const {
-  if (a_.stage != 0 || !writes_shard()) return;
+  if (a_.stage != 0 || !writes_shard() || !talks_to_sites()) return;
   std::string problems;
   core::RemoveCheckpointsAbove(dir, step, &problems);
   if (!problems.empty()) spdlog::warn("{}", absl::StrCat(Where(), ": checkpoints: ", problems));
@@ -659,6 +789,8 @@ void StageWorker::ForgetCheckpointsAfter(const std::string& dir, int64_t step) c
 
 absl::Status StageWorker::Restore(const Checkpoint& c) {
   return GuardTorch(absl::StrCat(Where(), ": restoring ", c.path), [&]() -> absl::Status {
+    if (group_) return RestoreSite(c);
+    restored_step_ = c.step;
     if (absl::Status s = model_->Load(c.tensors); !s.ok())
       return Annotate(s, absl::StrCat(Where(), ": restoring from ", c.path));
     if (absl::Status s = opt_.ImportState(model_->parameters(), c.tensors, c.step, device_); !s.ok())
@@ -668,6 +800,57 @@ absl::Status StageWorker::Restore(const Checkpoint& c) {
         return Annotate(s, absl::StrCat(Where(), ": restoring from ", c.path));
     return absl::OkStatus();
   });
+}
+
+// Worker 0 reads the checkpoint; the step, the parameters and the moments then go to every worker.
+absl::Status StageWorker::RestoreSite(const Checkpoint& c) {
+  const auto params = model_->parameters();
+  const bool root = group_->rank() == 0;
+  // [step, then per parameter 1 where the checkpoint has both its moments]
+  torch::Tensor header = torch::zeros({1 + static_cast<int64_t>(params.size())}, torch::kFloat64);
+  if (root) {
+    if (absl::Status s = model_->Load(c.tensors); !s.ok())
+      return Annotate(s, absl::StrCat(Where(), ": restoring from ", c.path));
+    AdamW check(setup_.job.optimizer);  // the moments' shapes, as a site of one device checks them
+    if (absl::Status s = check.ImportState(params, c.tensors, c.step, torch::kCPU); !s.ok())
+      return Annotate(s, absl::StrCat(Where(), ": restoring from ", c.path));
+    header[0] = static_cast<double>(c.step);
+    for (size_t i = 0; i < params.size(); ++i)
+      header[1 + i] = c.tensors.count("optim.m." + params[i].first) && c.tensors.count("optim.v." + params[i].first);
+  }
+  if (absl::Status s = group_->Broadcast(header); !s.ok()) return Annotate(s, Where());
+  auto flat = [&](const std::string& prefix) {
+    std::vector<torch::Tensor> parts;
+    for (const auto& [n, p] : params) {
+      auto it = c.tensors.find(prefix + n);
+      parts.push_back(!root                   ? torch::zeros({p.numel()})
+                      : prefix.empty()        ? p.detach().reshape({-1}).cpu().to(torch::kFloat32)
+                      : it != c.tensors.end() ? it->second.reshape({-1}).to(torch::kFloat32)
+                                              : torch::zeros({p.numel()}));
+    }
+    return torch::cat(parts);
+  };
+  torch::Tensor values = flat(""), m = flat("optim.m."), v = flat("optim.v.");
+  for (torch::Tensor* t : {&values, &m, &v})
+    if (absl::Status s = group_->Broadcast(*t); !s.ok()) return Annotate(s, Where());
+  std::map<std::string, torch::Tensor> state;
+  int64_t offset = 0;
+  {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < params.size(); ++i) {
+      const auto& [n, p] = params[i];
+      p.view({-1}).copy_(values.narrow(0, offset, p.numel()).to(p.device()));
+      if (header[1 + i].item<double>() != 0) {
+        state["optim.m." + n] = m.narrow(0, offset, p.numel()).view(p.sizes()).clone();
+        state["optim.v." + n] = v.narrow(0, offset, p.numel()).view(p.sizes()).clone();
+      }
+      offset += p.numel();
+    }
+  }
+  restored_step_ = static_cast<int64_t>(header[0].item<double>());
+  absl::Status s = zero_ ? zero_->ImportState(params, state, restored_step_)
+                         : opt_.ImportState(params, state, restored_step_, device_);
+  return s.ok() ? s : Annotate(s, Where());
 }
 
 std::optional<OuterSyncReport> StageWorker::last_outer_sync() const {

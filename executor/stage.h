@@ -19,7 +19,9 @@
 #include "executor/checkpoint.h"
 #include "executor/diloco.h"
 #include "executor/replica_sync.h"
+#include "executor/site_group.h"
 #include "executor/trainer.h"
+#include "executor/zero.h"
 #include "partitioner/schedule.h"
 #include "rpc/peer.h"
 
@@ -89,8 +91,16 @@ class StageWorker {
   // Where AQ-SGD's activation spill files go (delta codecs, compression/activation_delta.h); default: the
   // system's temporary directory (TMPDIR). Call before the first Step.
   void set_scratch_dir(std::string dir) { scratch_dir_ = std::move(dir); }
+  // A site of several devices (executor/site_group.h): this worker is `group`'s worker group->rank() and
+  // runs its rows of every micro-batch; worker 0 alone talks to the other sites. With job.optimizer.zero 1
+  // the AdamW moments are sharded across the workers (executor/zero.h). Call before Connect and Restore on
+  // every worker; `group` must outlive this object. DiLoCo sync is refused with several workers.
+  absl::Status JoinSite(SiteGroup* group);
+  // Whether this stage can run on a site of `workers` workers (JoinSite's checks, before any is started):
+  // every worker needs a row of each micro-batch, and DiLoCo is not supported there yet.
+  absl::Status CanSplit(int workers) const;
   // Opens the streams to the neighbours' sites and to this stage's other replicas (they may still be
-  // starting: waited for up to the timeout).
+  // starting: waited for up to the timeout). Workers other than 0 of a site open none.
   // First reports a failure to load the model directory's weights for this slice, if there was one.
   absl::Status Connect();
   // Runs optimizer step `step` of `total_steps`: this replica's micro-batches in the stage's schedule,
@@ -126,8 +136,17 @@ class StageWorker {
   // After resuming from step `step` of `dir`: stage 0's writer removes the step directories above it, so
   // what an abandoned attempt left there cannot mix with the steps written again (RemoveCheckpointsAbove).
   void ForgetCheckpointsAfter(const std::string& dir, int64_t step) const;
-  // Loads this stage's parameters and moments by name from a checkpoint of any partition.
+  // Loads this stage's parameters and moments by name from a checkpoint of any partition. On a site of
+  // several workers only worker 0 reads `checkpoint` and sends the state to the others (collective).
   absl::Status Restore(const Checkpoint& checkpoint);
+  // The step the last Restore resumed at (worker 0's checkpoint's, on every worker of a site).
+  int64_t restored_step() const { return restored_step_; }
+  // Of the last Step: seconds spent waiting for the site's workers' gradient sum after the last backward
+  // pass (0 on a site of one device).
+  double last_site_reduce_seconds() const { return site_reduce_seconds_; }
+  // AdamW moment elements this worker holds: the stage's two per trained element, or with ZeRO-1 its
+  // shard's (ShardedAdamW::state_elements). Counts moments that exist (after the first step or a restore).
+  int64_t optimizer_state_elements() const;
   int64_t wire_bytes() const { return wire_bytes_; }
   // Seconds the last Step spent computing (forward, loss, backward, clipping, optimizer): the step's time
   // without waiting for neighbours or encoding and sending.
@@ -156,6 +175,15 @@ class StageWorker {
   // An activation message of AQ-SGD deltas (a byte frame) is decoded against `ids` with that peer's store.
   absl::StatusOr<torch::Tensor> Receive(const std::string& peer, const rpc::TensorKey& key,
                                         const std::vector<int64_t>& shape, const std::vector<int64_t>* ids = nullptr);
+  // On a site of several workers: worker 0 receives the whole micro-batch's tensor and each worker gets its
+  // rows; alone, Receive.
+  absl::StatusOr<torch::Tensor> ReceiveRows(const std::string* peer, const rpc::TensorKey& key,
+                                            const std::vector<int64_t>& shape,
+                                            const std::vector<int64_t>* ids = nullptr);
+  // The whole micro-batch's tensor from every worker's rows, at worker 0 (undefined at the others); alone, `t`.
+  absl::StatusOr<torch::Tensor> GatherRows(const torch::Tensor& t, const std::vector<int64_t>& shape);
+  bool talks_to_sites() const { return !group_ || group_->rank() == 0; }
+  absl::Status RestoreSite(const Checkpoint& checkpoint);
   compression::ActivationStore::Options DeltaStore(const std::string& peer, const char* side) const;
   absl::StatusOr<std::unique_ptr<rpc::PeerClient::OutStream>> OpenStream(const std::string& site,
                                                                          const std::string& address);
@@ -188,7 +216,12 @@ class StageWorker {
   std::string scratch_dir_;
   std::unique_ptr<GradientAverager> averager_;  // with more than one replica, every_step sync
   std::unique_ptr<OuterSync> outer_;            // with more than one replica, diloco sync
-  int own_micro_batches_ = 0;                   // diloco: this replica's micro-batches per step
+  SiteGroup* group_ = nullptr;                  // a site of several devices (JoinSite)
+  std::unique_ptr<SiteReducer> reducer_;        // with group_: the workers' gradient sum
+  std::unique_ptr<ShardedAdamW> zero_;          // with group_ and job.optimizer.zero 1, instead of opt_
+  int64_t restored_step_ = 0;
+  double site_reduce_seconds_ = 0;
+  int own_micro_batches_ = 0;  // diloco: this replica's micro-batches per step
   int64_t wire_bytes_ = 0, raw_bytes_ = 0, replica_wire_bytes_ = 0, replica_raw_bytes_ = 0;
   int64_t nan_gradient_step_ = -1;
   int64_t final_step_ = -1;

@@ -6,7 +6,7 @@ set -euo pipefail
 
 PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config git clang-format
-  libtorch-dev libopenblas0-pthread
+  libtorch-dev libopenblas0-pthread libgloo-dev
   libgrpc++-dev protobuf-compiler protobuf-compiler-grpc libprotobuf-dev
   libyaml-cpp-dev libssl-dev openssl
   libgtest-dev libgmock-dev libbenchmark-dev

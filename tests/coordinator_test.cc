@@ -73,6 +73,18 @@ class CoordinatorTest : public ::testing::Test {
     text.replace(text.find("STEPS"), 5, std::to_string(steps));
     std::ofstream(dir_ / "job.yaml") << text;
   }
+  // Replaces the first `from` in `file` (of the test's directory) by `to`.
+  void Edit(const std::string& file, const std::string& from, const std::string& to) {
+    std::string text = ReadText(dir_ / file);
+    ASSERT_NE(text.find(from), std::string::npos) << file << " has no " << from;
+    text.replace(text.find(from), from.size(), to);
+    std::ofstream(dir_ / file) << text;
+  }
+  // Gives `site` the devices `devices` (a YAML list) in cluster.yaml.
+  void SetDevices(const std::string& site, const std::string& devices) {
+    Edit("cluster.yaml", "{name: " + site + ", address: 127.0.0.1:" + std::to_string(ports_[site]) + "}",
+         "{name: " + site + ", address: 127.0.0.1:" + std::to_string(ports_[site]) + ", devices: " + devices + "}");
+  }
   // The executor of `site`, exec'ed by the shell (its Process's pid is the executor's own, for signals),
   // optionally in the cgroup v1 cpu group `cgroup`.
   std::unique_ptr<Process> Executor(const std::string& site, const std::string& certs_dir = "",
@@ -270,6 +282,34 @@ TEST_F(CoordinatorTest, PinnedPlanWithAReplicatedStageMatchesTheReference) {
   EXPECT_TRUE(fs::exists(dir_ / "ckpt" / "step-4" / "stage-0.json"));
   EXPECT_TRUE(fs::exists(dir_ / "ckpt" / "step-4" / "stage-1.json"));
   ExpectWeightsOfTheReference(dir_);
+}
+
+// A site of two CPU workers (#22): b runs the second stage of a pinned 2-stage pipeline on two worker
+// processes in a c10d Gloo group, each computing half the rows of every micro-batch; after 4 steps the
+// weights equal `meridian train-local`'s, with the AdamW moments whole on each worker and sharded (ZeRO-1).
+// The site's log names its workers.
+TEST_F(CoordinatorTest, ASiteOfTwoWorkersTrainsLikeTrainLocalWithAndWithoutZero1) {
+  SetSteps(4);
+  Edit("job.yaml", "micro_batches: 4", "micro_batches: 2");
+  SetDevices("b", "[cpu, cpu]");
+  std::ofstream(dir_ / "plan.json")
+      << R"({"stages": [{"sites": ["a"], "last_op": 2}, {"sites": ["b"], "last_op": 5}]})";
+  for (const std::string zero : {"0", "1"}) {
+    SCOPED_TRACE("zero " + zero);
+    if (zero == "1") Edit("job.yaml", "grad_clip: 0.5}", "grad_clip: 0.5, zero: 1}");
+    fs::remove_all(dir_ / "run");
+    auto coord = Coordinator("--plan " + (dir_ / "plan.json").string());
+    std::this_thread::sleep_for(500ms);
+    auto a = Executor("a"), b = Executor("b"), c = Executor("c");
+    std::string log = coord->ReadAll(180s);
+    ASSERT_EQ(coord->Wait(30s), 0) << log;
+    EXPECT_THAT(log, HasSubstr("done: 4 steps"));
+    const std::string site_log = b->ReadAll(30s);
+    for (auto* e : {a.get(), b.get(), c.get()}) EXPECT_EQ(e->Wait(30s), 0);
+    EXPECT_THAT(site_log, ContainsRegex("site 'b': worker 1 of 2 on cpu is process [0-9]+")) << site_log;
+    EXPECT_THAT(site_log, HasSubstr("site 'b' worker 1 of 2: done after step 4")) << site_log;
+    ExpectWeightsOfTheReference(dir_);
+  }
 }
 
 // DiLoCo through `meridian run` (#17): a pinned plan whose first stage runs on a and b, synchronised by

@@ -1,0 +1,364 @@
+#include "executor/site_group.h"
+
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "core/log.h"
+
+namespace meridian::executor {
+
+struct SiteGroup::Impl {
+  c10::intrusive_ptr<::c10d::ProcessGroup> pg;
+};
+
+SiteGroup::SiteGroup(int rank, int size, std::string where)
+    : rank_(rank), size_(size), where_(std::move(where)), impl_(std::make_unique<Impl>()) {}
+
+absl::StatusOr<std::unique_ptr<SiteGroup>> SiteGroup::Join(const std::string& store_path, int rank, int size,
+                                                           std::chrono::milliseconds timeout, std::string where) {
+  std::unique_ptr<SiteGroup> g(new SiteGroup(rank, size, std::move(where)));
+  absl::Status s = g->Guard("joining the site's process group", [&] {
+    auto store = c10::make_intrusive<::c10d::FileStore>(store_path, size);
+    store->setTimeout(timeout);
+    auto opts = ::c10d::ProcessGroupGloo::Options::create();
+    // The workers of a site share its host: loopback, which every network namespace has.
+    opts->devices.push_back(::c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+    opts->timeout = timeout;
+    g->impl_->pg = c10::make_intrusive<::c10d::ProcessGroupGloo>(store, rank, size, opts);
+  });
+  if (!s.ok()) return s;
+  return g;
+}
+
+SiteGroup::~SiteGroup() = default;
+
+absl::Status SiteGroup::Guard(const char* what, const std::function<void()>& fn) {
+  try {
+    fn();
+    return absl::OkStatus();
+  } catch (const std::exception& e) {
+    // Gloo reports a worker gone or late as an exception: the site cannot go on with this group.
+    std::string msg = e.what();
+    if (auto nl = msg.find('\n'); nl != std::string::npos) msg.resize(nl);
+    return absl::UnavailableError(
+        absl::StrCat(where_, " worker ", rank_, " of ", size_, ": ", what, " (c10d/Gloo): ", core::Printable(msg)));
+  }
+}
+
+std::pair<int64_t, int64_t> SiteGroup::Rows(int64_t rows, int worker) const {
+  const int64_t base = rows / size_, extra = rows % size_;
+  const int64_t first = worker * base + std::min<int64_t>(worker, extra);
+  return {first, base + (worker < extra ? 1 : 0)};
+}
+
+absl::StatusOr<torch::Tensor> SiteGroup::Scatter(const torch::Tensor& whole, const std::vector<int64_t>& whole_shape) {
+  torch::Tensor mine;
+  absl::Status s = Guard("scattering a micro-batch's rows", [&] {
+    std::vector<int64_t> shape = whole_shape;
+    if (rank_ == 0) {
+      torch::Tensor w = whole.detach().to(torch::kCPU, torch::kFloat32).contiguous();
+      for (int r = 1; r < size_; ++r) {
+        auto [first, count] = Rows(whole_shape[0], r);
+        std::vector<at::Tensor> part{w.narrow(0, first, count).contiguous()};
+        impl_->pg->send(part, r, 0)->wait();
+      }
+      auto [first, count] = Rows(whole_shape[0], 0);
+      mine = w.narrow(0, first, count).clone();
+    } else {
+      shape[0] = Rows(whole_shape[0], rank_).second;
+      std::vector<at::Tensor> part{torch::empty(shape, torch::kFloat32)};
+      impl_->pg->recv(part, 0, 0)->wait();
+      mine = part[0];
+    }
+  });
+  if (!s.ok()) return s;
+  return mine;
+}
+
+absl::StatusOr<torch::Tensor> SiteGroup::Gather(const torch::Tensor& mine, const std::vector<int64_t>& whole_shape) {
+  torch::Tensor whole;
+  absl::Status s = Guard("gathering a micro-batch's rows", [&] {
+    torch::Tensor m = mine.detach().to(torch::kCPU, torch::kFloat32).contiguous();
+    if (rank_ == 0) {
+      whole = torch::empty(whole_shape, torch::kFloat32);
+      auto [first0, count0] = Rows(whole_shape[0], 0);
+      whole.narrow(0, first0, count0).copy_(m);
+      for (int r = 1; r < size_; ++r) {
+        auto [first, count] = Rows(whole_shape[0], r);
+        std::vector<int64_t> shape = whole_shape;
+        shape[0] = count;
+        std::vector<at::Tensor> part{torch::empty(shape, torch::kFloat32)};
+        impl_->pg->recv(part, r, 0)->wait();
+        whole.narrow(0, first, count).copy_(part[0]);
+      }
+    } else {
+      std::vector<at::Tensor> part{m};
+      impl_->pg->send(part, 0, 0)->wait();
+    }
+  });
+  if (!s.ok()) return s;
+  return whole;
+}
+
+absl::Status SiteGroup::AllReduce(torch::Tensor& t) {
+  return Guard("summing over the workers", [&] {
+    std::vector<at::Tensor> v{t};
+    impl_->pg->allreduce(v)->wait();
+  });
+}
+
+absl::Status SiteGroup::Broadcast(torch::Tensor& t) {
+  return Guard("broadcasting from worker 0", [&] {
+    std::vector<at::Tensor> v{t};
+    ::c10d::BroadcastOptions o;
+    o.rootRank = 0;
+    impl_->pg->broadcast(v, o)->wait();
+  });
+}
+
+absl::StatusOr<torch::Tensor> SiteGroup::AllGather(const torch::Tensor& mine) {
+  torch::Tensor out;
+  absl::Status s = Guard("gathering the workers' shards", [&] {
+    std::vector<at::Tensor> in{mine.detach().to(torch::kCPU, torch::kFloat32).contiguous()};
+    std::vector<std::vector<at::Tensor>> parts(1);
+    for (int r = 0; r < size_; ++r) parts[0].push_back(torch::empty_like(in[0]));
+    impl_->pg->allgather(parts, in)->wait();
+    out = torch::cat(parts[0]);
+  });
+  if (!s.ok()) return s;
+  return out;
+}
+
+SiteGroup::PendingSum SiteGroup::StartAllReduce(torch::Tensor t) {
+  PendingSum p;
+  c10::intrusive_ptr<::c10d::Work> work;
+  absl::Status started = Guard("summing gradients over the workers", [&] {
+    std::vector<at::Tensor> v{t};
+    work = impl_->pg->allreduce(v);
+  });
+  if (!started.ok()) {
+    p.wait_ = [started] { return started; };
+    return p;
+  }
+  p.wait_ = [this, work] { return Guard("summing gradients over the workers", [&] { work->wait(); }); };
+  return p;
+}
+
+absl::Status SiteGroup::PendingSum::Wait() {
+  if (!wait_) return absl::FailedPreconditionError("no sum was started");
+  auto w = std::move(wait_);
+  wait_ = nullptr;
+  return w();
+}
+
+// ---- SiteReducer ----
+
+struct SiteReducer::HookSink {
+  std::mutex mu;
+  SiteReducer* target = nullptr;
+};
+
+SiteReducer::SiteReducer(SiteGroup* group, std::vector<std::pair<std::string, torch::Tensor>> params,
+                         int64_t bucket_bytes)
+    : group_(group), params_(std::move(params)), sink_(std::make_shared<HookSink>()) {
+  sink_->target = this;
+  bucket_of_.assign(params_.size(), -1);
+  offset_of_.assign(params_.size(), 0);
+  const int64_t cap = std::max<int64_t>(bucket_bytes / 4, 1);
+  for (int i = static_cast<int>(params_.size()) - 1; i >= 0; --i) {  // backward's order
+    const int64_t n = params_[i].second.numel();
+    if (buckets_.empty() || (buckets_.back().numel > 0 && buckets_.back().numel + n > cap)) buckets_.emplace_back();
+    Bucket& b = buckets_.back();
+    b.params.push_back(i);
+    b.offsets.push_back(b.numel);
+    offset_of_[i] = static_cast<int>(b.numel);
+    b.numel += n;
+    bucket_of_[i] = static_cast<int>(buckets_.size()) - 1;
+  }
+  for (auto& b : buckets_) b.data = torch::zeros({b.numel}, torch::kFloat32);
+  captured_.assign(params_.size(), false);
+  for (int i = 0; i < static_cast<int>(params_.size()); ++i) {
+    std::shared_ptr<HookSink> sink = sink_;
+    params_[i].second.register_hook([sink, i](const torch::Tensor& grad) {
+      std::lock_guard<std::mutex> l(sink->mu);
+      if (sink->target) sink->target->OnGradient(i, grad);
+    });
+  }
+}
+
+SiteReducer::~SiteReducer() {
+  std::lock_guard<std::mutex> l(sink_->mu);
+  sink_->target = nullptr;
+}
+
+void SiteReducer::CaptureNextBackward() {
+  capturing_ = true;
+  during_backward_ = 0;
+  std::fill(captured_.begin(), captured_.end(), false);
+  for (auto& b : buckets_) {
+    b.pending = static_cast<int>(b.params.size());
+    b.started = false;
+  }
+}
+
+void SiteReducer::OnGradient(int param, const torch::Tensor& grad) {
+  if (!capturing_ || captured_[param]) return;
+  // The hook runs before autograd adds `grad` to .grad: the final gradient is their sum.
+  const torch::Tensor& p = params_[param].second;
+  Capture(param, p.grad().defined() ? p.grad() + grad : grad);
+  const int b = bucket_of_[param];
+  if (buckets_[b].pending == 0) {
+    Start(b);
+    ++during_backward_;
+  }
+}
+
+void SiteReducer::Capture(int param, const torch::Tensor& final_grad) {
+  Bucket& b = buckets_[bucket_of_[param]];
+  auto dst = b.data.narrow(0, offset_of_[param], params_[param].second.numel());
+  if (final_grad.defined())
+    dst.copy_(final_grad.detach().reshape({-1}).to(torch::kCPU, torch::kFloat32));
+  else
+    dst.zero_();
+  captured_[param] = true;
+  --b.pending;
+}
+
+void SiteReducer::Start(int bucket) {
+  Bucket& b = buckets_[bucket];
+  b.started = true;
+  b.sum = group_->StartAllReduce(b.data);
+}
+
+absl::StatusOr<double> SiteReducer::Finish() {
+  const auto t0 = std::chrono::steady_clock::now();
+  if (!capturing_) CaptureNextBackward();  // no backward pass this step (LoRA's frozen first stages)
+  capturing_ = false;
+  for (int i = 0; i < static_cast<int>(params_.size()); ++i)
+    if (!captured_[i]) Capture(i, params_[i].second.grad());
+  for (int b = 0; b < static_cast<int>(buckets_.size()); ++b)
+    if (!buckets_[b].started) Start(b);
+  absl::Status first;
+  for (auto& b : buckets_) {
+    absl::Status s = b.sum.Wait();
+    if (!s.ok() && first.ok()) first = s;
+  }
+  if (!first.ok()) return first;
+  torch::NoGradGuard no_grad;
+  for (int i = 0; i < static_cast<int>(params_.size()); ++i) {
+    torch::Tensor& p = params_[i].second;
+    auto sum = buckets_[bucket_of_[i]].data.narrow(0, offset_of_[i], p.numel()).view(p.sizes());
+    p.mutable_grad() = sum.to(p.device()).clone();
+  }
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// ---- WorkerPool ----
+
+absl::StatusOr<std::pair<int, int>> ParseSiteWorker(const std::string& text) {
+  std::vector<std::string> parts = absl::StrSplit(text, '/');
+  int r = 0, k = 0;
+  if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &r) || !absl::SimpleAtoi(parts[1], &k) || k < 2 || k > 64 ||
+      r < 1 || r >= k)
+    return absl::InvalidArgumentError(absl::StrCat("--site-worker: '", core::Printable(text),
+                                                   "' is not R/K with 1 <= R < K <= 64 (worker 0 is the executor)"));
+  return std::make_pair(r, k);
+}
+
+absl::StatusOr<std::unique_ptr<WorkerPool>> WorkerPool::Start(const std::vector<std::string>& args,
+                                                              const std::vector<std::string>& devices,
+                                                              std::string where) {
+  std::unique_ptr<WorkerPool> pool(new WorkerPool());
+  pool->where_ = std::move(where);
+  const int k = static_cast<int>(devices.size());
+  for (int r = 1; r < k; ++r) {
+    std::vector<std::string> argv = {"/proc/self/exe"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    argv.insert(argv.end(), {"--site-worker", absl::StrCat(r, "/", k), "--site-device", devices[r]});
+    std::vector<char*> cargv;
+    for (auto& a : argv) cargv.push_back(a.data());
+    cargv.push_back(nullptr);
+    const pid_t parent = ::getpid();
+    const pid_t pid = ::fork();
+    if (pid < 0) return absl::InternalError(absl::StrCat(pool->where_, ": cannot start worker ", r, ": ", std::strerror(errno)));
+    if (pid == 0) {
+      // A worker never outlives its executor (kill -9 of the executor included).
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != parent) ::_exit(3);
+      ::execv(cargv[0], cargv.data());
+      ::_exit(127);
+    }
+    pool->pids_.push_back(pid);
+    spdlog::info("{}", absl::StrCat(pool->where_, ": worker ", r, " of ", k, " on ", devices[r], " is process ", pid));
+  }
+  pool->exited_.assign(pool->pids_.size(), false);
+  pool->monitor_ = std::thread([p = pool.get()] { p->Monitor(); });
+  return pool;
+}
+
+void WorkerPool::Monitor() {
+  for (;;) {
+    bool all = true;
+    for (size_t i = 0; i < pids_.size(); ++i) {
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        if (exited_[i]) continue;
+      }
+      int status = 0;
+      const pid_t got = ::waitpid(pids_[i], &status, WNOHANG);
+      if (got == 0) {
+        all = false;
+        continue;
+      }
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        exited_[i] = true;
+      }
+      const bool clean = got == pids_[i] && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+      if (!clean && !stopping_.load()) {
+        const std::string how = WIFSIGNALED(status) ? absl::StrCat("killed by signal ", WTERMSIG(status))
+                                                    : absl::StrCat("exit code ", WEXITSTATUS(status));
+        spdlog::error("{}", absl::StrCat(where_, ": worker ", i + 1, " (process ", pids_[i], ") died (", how,
+                                         "); the site reports itself lost and this executor exits"));
+        for (pid_t other : pids_) ::kill(other, SIGKILL);
+        spdlog::default_logger()->flush();
+        std::_Exit(3);
+      }
+    }
+    if (all) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
+void WorkerPool::Stop(std::chrono::milliseconds grace) {
+  stopping_ = true;
+  const auto until = std::chrono::steady_clock::now() + grace;
+  for (;;) {
+    bool all = true;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      for (bool e : exited_) all &= e;
+    }
+    if (all || std::chrono::steady_clock::now() >= until) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    for (size_t i = 0; i < pids_.size(); ++i)
+      if (!exited_[i]) ::kill(pids_[i], SIGKILL);
+  }
+  if (monitor_.joinable()) monitor_.join();
+}
+
+WorkerPool::~WorkerPool() { Stop(std::chrono::milliseconds(0)); }
+
+}  // namespace meridian::executor

@@ -1,0 +1,158 @@
+// A site of several devices (`sites[].devices` in the cluster spec): one worker process per device, as
+// torchrun starts them, joined in a torch c10d process group -- Gloo, the backend of Debian's CPU libtorch --
+// over a c10d::FileStore in the site's scratch directory. Meridian uses c10d inside a site and its own mTLS
+// streams between sites.
+//
+// Worker 0 is the executor that joined the coordinator: it alone holds the site's identity and streams to
+// the other sites. Workers 1..K-1 are its child processes (WorkerPool), started for each stage it is
+// assigned and for each profile, and compute only. Every worker runs the stage's schedule in lock step,
+// each on its rows of every micro-batch (SiteGroup::Rows): worker 0 scatters what arrives from the
+// neighbouring sites and gathers what leaves. docs/executor.md ("Sites with several devices") says why.
+//
+// Thread-safety: a SiteGroup is used by its stage's thread only (SiteReducer's hooks run on autograd's
+// thread, which on CPU is that same thread); every collective must be entered by every worker in the same
+// order. A WorkerPool is thread-compatible; its monitor thread only reaps and reports.
+#ifndef MERIDIAN_EXECUTOR_SITE_GROUP_H_
+#define MERIDIAN_EXECUTOR_SITE_GROUP_H_
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "absl/status/statusor.h"
+
+namespace meridian::executor {
+
+class SiteGroup {
+ public:
+  // Joins worker `rank` of `size` to the group whose store file is `store_path` (fresh for each group:
+  // a FileStore left by an earlier group would mix the two). Waits up to `timeout` for every worker; the
+  // same timeout bounds each collective afterwards. `where` names the site in errors ("site 'b'").
+  static absl::StatusOr<std::unique_ptr<SiteGroup>> Join(const std::string& store_path, int rank, int size,
+                                                         std::chrono::milliseconds timeout, std::string where);
+  ~SiteGroup();
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  const std::string& where() const { return where_; }
+
+  // The rows [first, first + count) of a micro-batch of `rows` rows that worker `worker` computes: equal
+  // shares, the first rows % size workers one more.
+  std::pair<int64_t, int64_t> Rows(int64_t rows, int worker) const;
+  // Worker 0 passes the whole tensor (dimension 0: `rows`), the others an undefined one; every worker gets
+  // its rows (float32, contiguous, on the CPU).
+  absl::StatusOr<torch::Tensor> Scatter(const torch::Tensor& whole, const std::vector<int64_t>& whole_shape);
+  // Every worker passes its rows; worker 0 gets the whole tensor of `whole_shape`, the others an undefined one.
+  absl::StatusOr<torch::Tensor> Gather(const torch::Tensor& mine, const std::vector<int64_t>& whole_shape);
+  // Sums `t` (CPU, contiguous) over the workers, in place.
+  absl::Status AllReduce(torch::Tensor& t);
+  // Copies worker 0's `t` (CPU, contiguous, the same shape everywhere) to every worker, in place.
+  absl::Status Broadcast(torch::Tensor& t);
+  // Every worker passes `mine` (float32, the same numel everywhere); every worker gets the workers' tensors
+  // concatenated in rank order.
+  absl::StatusOr<torch::Tensor> AllGather(const torch::Tensor& mine);
+  // The asynchronous sum SiteReducer starts from autograd's hooks; Wait() returns its outcome.
+  class PendingSum {
+   public:
+    absl::Status Wait();
+
+   private:
+    friend class SiteGroup;
+    std::function<absl::Status()> wait_;
+  };
+  PendingSum StartAllReduce(torch::Tensor t);
+
+ private:
+  struct Impl;  // the c10d process group
+  SiteGroup(int rank, int size, std::string where);
+  absl::Status Guard(const char* what, const std::function<void()>& fn);
+
+  int rank_, size_;
+  std::string where_;
+  std::unique_ptr<Impl> impl_;
+};
+
+// The bucketed sum of a stage's gradients over the site's workers, as the cross-site replica sync does it
+// (executor/replica_sync.h): buckets of about `bucket_bytes` in reverse parameter order; during the
+// worker's last backward pass of the step autograd hooks copy each parameter's final gradient into its
+// bucket, and a full bucket's all-reduce starts at once, while the pass goes on. Every worker runs the same
+// slice on the same schedule, so buckets complete -- and their collectives start -- in the same order on all.
+class SiteReducer {
+ public:
+  SiteReducer(SiteGroup* group, std::vector<std::pair<std::string, torch::Tensor>> params, int64_t bucket_bytes);
+  ~SiteReducer();
+  // The next backward pass is this worker's last in the step.
+  void CaptureNextBackward();
+  // Starts the buckets not started yet (a parameter without a gradient contributes zeros), waits for every
+  // sum and sets each parameter's .grad to it. Returns the seconds spent waiting.
+  absl::StatusOr<double> Finish();
+  int buckets() const { return static_cast<int>(buckets_.size()); }
+  // Buckets whose sum started while the backward pass still ran, in the last step.
+  int started_during_backward() const { return during_backward_; }
+
+ private:
+  struct Bucket {
+    std::vector<int> params;
+    std::vector<int64_t> offsets;
+    int64_t numel = 0;
+    torch::Tensor data;
+    int pending = 0;
+    bool started = false;
+    SiteGroup::PendingSum sum;
+  };
+  struct HookSink;
+  void OnGradient(int param, const torch::Tensor& grad);
+  void Capture(int param, const torch::Tensor& final_grad);
+  void Start(int bucket);
+
+  SiteGroup* group_;
+  std::vector<std::pair<std::string, torch::Tensor>> params_;
+  std::vector<Bucket> buckets_;
+  std::vector<int> bucket_of_, offset_of_;
+  std::vector<bool> captured_;
+  std::shared_ptr<HookSink> sink_;
+  bool capturing_ = false;
+  int during_backward_ = 0;
+};
+
+// Workers 1..K-1 of a site, started by worker 0 (the executor) as children running this same executable
+// with `args` plus `--site-worker R/K` and `--site-device DEVICE` (devices[R]). A child that dies by a
+// signal or exits with an error before Stop() is the site's loss: the monitor logs which worker and how,
+// kills the others and ends this process with exit code 3, so its heartbeats stop and the coordinator
+// recovers as for any lost site (docs/executor.md).
+class WorkerPool {
+ public:
+  static absl::StatusOr<std::unique_ptr<WorkerPool>> Start(const std::vector<std::string>& args,
+                                                           const std::vector<std::string>& devices, std::string where);
+  // Waits up to `grace` for the children to exit on their own (they have finished their part), then kills
+  // the rest; their exits are expected from here on. Idempotent.
+  void Stop(std::chrono::milliseconds grace);
+  ~WorkerPool();  // Stop(0)
+
+ private:
+  WorkerPool() = default;
+  void Monitor();
+  std::string where_;
+  std::vector<pid_t> pids_;  // index r - 1: worker r
+  std::mutex mu_;
+  std::vector<bool> exited_;
+  std::atomic<bool> stopping_{false};
+  std::thread monitor_;
+};
+
+// The command line's `--site-worker R/K`: R in 1..K-1, K >= 2. InvalidArgument naming the flag otherwise.
+absl::StatusOr<std::pair<int, int>> ParseSiteWorker(const std::string& text);
+
+}  // namespace meridian::executor
+
+#endif  // MERIDIAN_EXECUTOR_SITE_GROUP_H_
