@@ -204,6 +204,14 @@ absl::StatusOr<JobSetup> AssignedJob(const v1::StageAssignment& pa, const StageA
   return setup;
 }
 
+// The log line that says what optimizer state a worker of a site holds (ZeRO-1 shards it).
+void LogOptimizerState(const std::string& where, const StageWorker& worker) {
+  int64_t trained = 0;
+  for (const auto& [n, p] : worker.Parameters()) trained += p.numel();
+  spdlog::info("{}", absl::StrCat(where, ": AdamW moments on this worker: ", worker.optimizer_state_elements(),
+                                  " elements (the stage's: ", 2 * trained, ")"));
+}
+
 // A site's workers wait this long for each other in a collective: worker 0 may wait for a neighbouring
 // site (or the coordinator's checkpoint) between two of them.
 constexpr std::chrono::minutes kSiteGroupTimeout{10};
@@ -424,8 +432,8 @@ void Agent::OnAssign(const v1::StageAssignment& pa) {
     // A site of several devices: workers 1..K-1 run the same stage in lock step (executor/site_group.h),
     // started for this assignment and stopped with it.
     ScratchDir site_dir(absl::StrCat(o_.site, "-workers"));
-    std::unique_ptr<WorkerPool> pool;
     std::unique_ptr<SiteGroup> group;
+    std::unique_ptr<WorkerPool> pool;  // destroyed first: the workers are killed before their group closes
     if (devices_.size() > 1) {
       if (absl::Status s = worker->CanSplit(static_cast<int>(devices_.size())); !s.ok()) return s;
       if (absl::Status s = site_dir.Create(); !s.ok()) return s;
@@ -544,7 +552,10 @@ void Agent::OnAssign(const v1::StageAssignment& pa) {
     };
     run_result = RunStage(*worker, run);
     // The other workers end with their stage; on a failure here they are killed (the pool's destructor).
-    if (pool && run_result.status.ok()) pool->Stop(std::chrono::seconds(30));
+    if (pool && run_result.status.ok()) {
+      pool->Stop(std::chrono::seconds(30));
+      LogOptimizerState(absl::StrCat("site '", o_.site, "' worker 0 of ", devices_.size()), *worker);
+    }
     (void)uploader.Wait();  // a failed run's upload in flight ends before the scratch directory goes
     if (!run_result.status.ok()) return run_result.status;
     if (run_result.at_boundary) {
@@ -633,6 +644,7 @@ int RunSiteWorker(const SiteWorkerOptions& w) {
     SiteGroup* g = group->get();
     run.end_after = [g] { return ShareBoundary(g, 0); };
     result = RunStage(**worker, run);
+    if (result.status.ok()) LogOptimizerState(where, **worker);
     return result.status;
   });
   if (!result.status.ok()) return fail(result.status);

@@ -289,7 +289,8 @@ absl::StatusOr<std::unique_ptr<WorkerPool>> WorkerPool::Start(const std::vector<
     cargv.push_back(nullptr);
     const pid_t parent = ::getpid();
     const pid_t pid = ::fork();
-    if (pid < 0) return absl::InternalError(absl::StrCat(pool->where_, ": cannot start worker ", r, ": ", std::strerror(errno)));
+    if (pid < 0)
+      return absl::InternalError(absl::StrCat(pool->where_, ": cannot start worker ", r, ": ", std::strerror(errno)));
     if (pid == 0) {
       // A worker never outlives its executor (kill -9 of the executor included).
       ::prctl(PR_SET_PDEATHSIG, SIGKILL);
@@ -301,60 +302,62 @@ absl::StatusOr<std::unique_ptr<WorkerPool>> WorkerPool::Start(const std::vector<
     spdlog::info("{}", absl::StrCat(pool->where_, ": worker ", r, " of ", k, " on ", devices[r], " is process ", pid));
   }
   pool->exited_.assign(pool->pids_.size(), false);
+  pool->killed_.assign(pool->pids_.size(), false);
   pool->monitor_ = std::thread([p = pool.get()] { p->Monitor(); });
   return pool;
+}
+
+// With mu_ held: reaps worker i + 1 if it has exited (waitpid without waiting). A worker that ended by a
+// signal or an error code, unless Stop killed it, is the site's loss: this process ends (exit code 3).
+bool WorkerPool::ReapLocked(size_t i) {
+  if (exited_[i]) return true;
+  int status = 0;
+  const pid_t got = ::waitpid(pids_[i], &status, WNOHANG);
+  if (got == 0) return false;
+  exited_[i] = true;
+  const bool clean = got == pids_[i] && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  if (clean || killed_[i]) return true;
+  const std::string how = got != pids_[i]       ? std::string("lost")
+                          : WIFSIGNALED(status) ? absl::StrCat("killed by signal ", WTERMSIG(status))
+                                                : absl::StrCat("exit code ", WEXITSTATUS(status));
+  spdlog::error("{}", absl::StrCat(where_, ": worker ", i + 1, " (process ", pids_[i], ") died (", how,
+                                   "); the site reports itself lost and this executor exits"));
+  for (pid_t other : pids_) ::kill(other, SIGKILL);
+  spdlog::default_logger()->flush();
+  std::_Exit(3);
 }
 
 void WorkerPool::Monitor() {
   for (;;) {
     bool all = true;
-    for (size_t i = 0; i < pids_.size(); ++i) {
-      {
-        std::lock_guard<std::mutex> l(mu_);
-        if (exited_[i]) continue;
-      }
-      int status = 0;
-      const pid_t got = ::waitpid(pids_[i], &status, WNOHANG);
-      if (got == 0) {
-        all = false;
-        continue;
-      }
-      {
-        std::lock_guard<std::mutex> l(mu_);
-        exited_[i] = true;
-      }
-      const bool clean = got == pids_[i] && WIFEXITED(status) && WEXITSTATUS(status) == 0;
-      if (!clean && !stopping_.load()) {
-        const std::string how = WIFSIGNALED(status) ? absl::StrCat("killed by signal ", WTERMSIG(status))
-                                                    : absl::StrCat("exit code ", WEXITSTATUS(status));
-        spdlog::error("{}", absl::StrCat(where_, ": worker ", i + 1, " (process ", pids_[i], ") died (", how,
-                                         "); the site reports itself lost and this executor exits"));
-        for (pid_t other : pids_) ::kill(other, SIGKILL);
-        spdlog::default_logger()->flush();
-        std::_Exit(3);
-      }
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      for (size_t i = 0; i < pids_.size(); ++i) all &= ReapLocked(i);
     }
     if (all) return;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
 }
 
 void WorkerPool::Stop(std::chrono::milliseconds grace) {
-  stopping_ = true;
   const auto until = std::chrono::steady_clock::now() + grace;
   for (;;) {
     bool all = true;
     {
       std::lock_guard<std::mutex> l(mu_);
-      for (bool e : exited_) all &= e;
+      for (size_t i = 0; i < pids_.size(); ++i) all &= ReapLocked(i);
     }
     if (all || std::chrono::steady_clock::now() >= until) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   {
+    // A worker still running now is killed on purpose; one that died meanwhile was judged by ReapLocked.
     std::lock_guard<std::mutex> l(mu_);
     for (size_t i = 0; i < pids_.size(); ++i)
-      if (!exited_[i]) ::kill(pids_[i], SIGKILL);
+      if (!ReapLocked(i)) {
+        killed_[i] = true;
+        ::kill(pids_[i], SIGKILL);
+      }
   }
   if (monitor_.joinable()) monitor_.join();
 }

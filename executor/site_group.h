@@ -127,26 +127,28 @@ class SiteReducer {
 
 // Workers 1..K-1 of a site, started by worker 0 (the executor) as children running this same executable
 // with `args` plus `--site-worker R/K` and `--site-device DEVICE` (devices[R]). A child that dies by a
-// signal or exits with an error before Stop() is the site's loss: the monitor logs which worker and how,
-// kills the others and ends this process with exit code 3, so its heartbeats stop and the coordinator
-// recovers as for any lost site (docs/executor.md).
+// signal or exits with an error, unless Stop() killed it, is the site's loss -- found by the monitor within
+// tens of milliseconds, or by Stop() itself when the stage failed first because of it: the pool logs which
+// worker and how, kills the others and ends this process with exit code 3, so its heartbeats stop and the
+// coordinator recovers as for any lost site (docs/executor.md).
 class WorkerPool {
  public:
   static absl::StatusOr<std::unique_ptr<WorkerPool>> Start(const std::vector<std::string>& args,
                                                            const std::vector<std::string>& devices, std::string where);
   // Waits up to `grace` for the children to exit on their own (they have finished their part), then kills
-  // the rest; their exits are expected from here on. Idempotent.
+  // the ones still running. Idempotent. Destroy the pool before the site's SiteGroup: a group closed
+  // under a running worker makes it fail, which would read as a death.
   void Stop(std::chrono::milliseconds grace);
   ~WorkerPool();  // Stop(0)
 
  private:
   WorkerPool() = default;
   void Monitor();
+  bool ReapLocked(size_t i);
   std::string where_;
   std::vector<pid_t> pids_;  // index r - 1: worker r
-  std::mutex mu_;
-  std::vector<bool> exited_;
-  std::atomic<bool> stopping_{false};
+  std::mutex mu_;            // guards the two below
+  std::vector<bool> exited_, killed_;
   std::thread monitor_;
 };
 

@@ -21,9 +21,9 @@ namespace fs = std::filesystem;
 // Runs fn(group) on `k` workers, one thread each, in a fresh group; returns each worker's failure text.
 std::vector<std::string> OnWorkers(int k, const std::function<void(SiteGroup&)>& fn) {
   static int n = 0;
-  const std::string store = (fs::temp_directory_path() / ("meridian_site_group_" + std::to_string(::getpid()) + "_" +
-                                                          std::to_string(n++)))
-                                .string();
+  const std::string store =
+      (fs::temp_directory_path() / ("meridian_site_group_" + std::to_string(::getpid()) + "_" + std::to_string(n++)))
+          .string();
   fs::remove(store);
   std::vector<std::string> errors(k);
   std::vector<std::thread> threads;
@@ -181,7 +181,8 @@ TEST(SiteGroupTest, ShardedAdamWHoldsItsShareOfTheMomentsAndStepsAsAdamW) {
 TEST(SiteGroupTest, AWorkerFlagIsCheckedAndAMissingWorkerFailsTheJoinNamingTheSite) {
   EXPECT_TRUE(ParseSiteWorker("1/2").ok());
   for (const char* bad : {"0/2", "2/2", "1/1", "x/2", "1/2/3", "1/65"}) EXPECT_FALSE(ParseSiteWorker(bad).ok()) << bad;
-  const std::string store = (fs::temp_directory_path() / ("meridian_site_group_alone_" + std::to_string(::getpid()))).string();
+  const std::string store =
+      (fs::temp_directory_path() / ("meridian_site_group_alone_" + std::to_string(::getpid()))).string();
   fs::remove(store);
   auto g = SiteGroup::Join(store, 0, 2, std::chrono::milliseconds(1500), "site 'b'");
   ASSERT_FALSE(g.ok());
