@@ -33,6 +33,9 @@ void AddPlanOptions(CLI::App* cmd, PlanCommandOptions* o) {
                 "Reference cost model: no replication, the fixed --ratio (default 1) on every link");
   cmd->add_flag("--no-replication", o->no_replication, "Do not replicate stages on spare sites");
   cmd->add_flag("--heuristic", o->force_heuristic, "Use the heuristic even where exact search applies");
+  cmd->add_option("--zero", o->zero,
+                  "ZeRO stage inside sites of several workers (job.optimizer.zero): 1 shards their optimizer state")
+      ->check(CLI::Range(0, 1));
   cmd->add_option("--revisit-fraction", o->revisit_fraction,
                   "Share of the run's sequence visits that revisit a sequence (fine-tuning epochs): offers the "
                   "AQ-SGD codec int4-delta on the adaptive menu (meridian run computes it)")
@@ -168,6 +171,7 @@ int RunPlanCommand(const PlanCommandOptions& o) {
   po.deep_pipeline = !o.reference;
   if (o.revisit_fraction > 0) po.link_codecs = partitioner::DefaultLinkCodecs(o.revisit_fraction);
   po.force_heuristic = o.force_heuristic;
+  po.zero = o.zero;
   auto plan = partitioner::PlanPipeline(*graph, *profile, po);
   if (!plan.ok()) {
     std::cerr << "meridian plan: " << plan.status().message() << "\n";

@@ -20,6 +20,7 @@ struct PlanCommandOptions {
   bool json = false;
   bool no_replication = false;
   bool force_heuristic = false;
+  int zero = 0;                 // --zero: job.optimizer.zero for sites of several workers
   double revisit_fraction = 0;  // > 0: AQ-SGD's int4-delta on the adaptive menu (DefaultLinkCodecs)
   // > 0: the planner's K best candidate layouts, each planned as a fixed layout and simulated
   // (simulator/), ranked by simulated step; says when that ranking differs from the planner's.

@@ -269,6 +269,15 @@ absl::Status RunMachine::CheckProfile(const v1::ProfileReport& r, partitioner::C
   auto finite = [](double v) { return std::isfinite(v) && v >= 0; };
   if (!finite(p.flops_per_second) || p.flops_per_second <= 0 || !finite(p.memory_bytes))
     return absl::InvalidArgumentError("its device's speed or memory is not a finite positive number");
+  // Its workers are the spec's devices: a site cannot claim more to draw work (or fewer, for that matter).
+  int devices = 1;
+  for (const auto& s : c_.spec.sites)
+    if (s.name == site) devices = std::max<int>(1, static_cast<int>(s.devices.size()));
+  if (p.workers != devices)
+    return absl::InvalidArgumentError(
+        absl::StrCat("it reports ", p.workers, " workers, but the spec gives it ", devices, " device(s)"));
+  if (!finite(p.intra_site_bytes_per_second))
+    return absl::InvalidArgumentError("its workers' all-reduce bandwidth is not a finite number");
   for (const auto& [op, seconds] : p.op_seconds) {
     if (std::none_of(c_.graph.ops.begin(), c_.graph.ops.end(), [&](const auto& o) { return o.name == op; }))
       return absl::InvalidArgumentError(absl::StrCat("op '", op, "' is not in the job's model"));
@@ -320,8 +329,12 @@ absl::Status RunMachine::FinishProfiling() {
   for (const auto& site : profile_.sites) {
     double model = 0;
     for (const auto& [op, secs] : site.op_seconds) model += secs;
-    absl::StrAppendFormat(&lines, "  site %-10s %8.1f GFLOP/s GEMM, model forward+backward %8.1f ms per micro-batch\n",
+    absl::StrAppendFormat(&lines, "  site %-10s %8.1f GFLOP/s GEMM, model forward+backward %8.1f ms per micro-batch",
                           site.name, site.flops_per_second / 1e9, model * 1e3);
+    if (site.workers > 1)  // measured with its workers running together, each on its rows
+      absl::StrAppendFormat(&lines, " on %d workers, their all-reduce %.1f Gbit/s", site.workers,
+                            site.intra_site_bytes_per_second * 8 / 1e9);
+    lines += "\n";
   }
   for (const auto& l : profile_.links)
     absl::StrAppendFormat(&lines, "  link %-10s -> %-10s %8.1f Mbit/s, %6.1f ms one way\n", l.from, l.to,
@@ -401,6 +414,7 @@ partitioner::PlanOptions RunMachine::BaseOptions() const {
   po.sync = partitioner::SyncModelOf(job.sync);
   po.adaptive_compression = job.compression.policy == core::CompressionPolicy::kAdaptive;
   po.deep_pipeline = true;
+  po.zero = job.optimizer.zero;
   if (c_.revisit_fraction) po.link_codecs = partitioner::DefaultLinkCodecs(*c_.revisit_fraction);
   if (job.compression.policy != core::CompressionPolicy::kAdaptive) {
     // A fixed codec (or none): a menu of that one codec, so that the plan is priced, and plan.json says,

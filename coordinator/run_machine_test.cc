@@ -812,6 +812,10 @@ TEST(RunMachine, AProfileThatDoesNotCheckOutLeavesItsSiteOutOfThePlan) {
              r->set_site_profile_json(
                  R"({"name": "b", "flops_per_second": 1e11, "memory_bytes": 8e9, "op_seconds": {"evil": 0.1}})");
            },
+           [](v1::ProfileReport* r) {  // more workers than the spec's devices, to draw more of the model
+             r->set_site_profile_json(R"({"name": "b", "flops_per_second": 1e11, "memory_bytes": 8e9, "workers": 8,
+                                          "intra_site_bytes_per_second": 1e12})");
+           },
            [](v1::ProfileReport* r) { r->set_site_profile_json("{"); }}) {
     Driver d(Config());
     d.Feed(RunStarted{});

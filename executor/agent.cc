@@ -212,6 +212,43 @@ void LogOptimizerState(const std::string& where, const StageWorker& worker) {
                                   " elements (the stage's: ", 2 * trained, ")"));
 }
 
+// The model measured as a worker of a site runs it: with this worker's rows of a micro-batch while the
+// other workers measure theirs (on a site of one device, the whole micro-batch); then, on a site of several,
+// the workers' c10d all-reduce bandwidth. The graph's per-micro-batch figures are the whole micro-batch's.
+absl::StatusOr<OpProfile> ProfileAsWorker(SiteGroup* group, const JobSetup& setup, const std::string& site,
+                                          torch::Device device, int repeats) {
+  const int mbs = setup.micro_batch_size;
+  const int rows = group ? static_cast<int>(group->Rows(mbs, group->rank()).second) : mbs;
+  if (rows < 1)
+    return absl::InvalidArgumentError(absl::StrCat("site '", site, "': a micro-batch of ", mbs,
+                                                   " sequences cannot be split across its ", group->size(),
+                                                   " workers (devices)"));
+  torch::Tensor token = torch::zeros({1});
+  if (group)  // start together: the workers share the site's memory bandwidth and power
+    if (absl::Status s = group->AllReduce(token); !s.ok()) return s;
+  auto prof = ProfileModel(setup.model, rows, setup.job.sequence_length, site, device, repeats, setup.job.lora);
+  if (!prof.ok() || !group) return prof;
+  const double scale = static_cast<double>(mbs) / rows;
+  for (auto& op : prof->graph.ops) {
+    op.forward_flops *= scale;
+    op.backward_flops *= scale;
+    op.output_bytes *= scale;
+  }
+  // The workers' all-reduce: 16 MiB of float32, one warm-up and three timed; bus bandwidth as NCCL's tests
+  // report it (2 (K-1)/K of the bytes per worker over the time).
+  torch::Tensor buffer = torch::ones({int64_t{4} << 20});
+  if (absl::Status s = group->AllReduce(buffer); !s.ok()) return s;
+  const auto t0 = Clock::now();
+  for (int i = 0; i < 3; ++i)
+    if (absl::Status s = group->AllReduce(buffer); !s.ok()) return s;
+  const double seconds = std::chrono::duration<double>(Clock::now() - t0).count() / 3;
+  const int k = group->size();
+  prof->site.workers = k;
+  prof->site.intra_site_bytes_per_second = 2.0 * (k - 1) / k * buffer.numel() * 4 / std::max(seconds, 1e-9);
+  if (device.is_cuda()) prof->site.memory_bytes *= k;  // each worker's device memory
+  return prof;
+}
+
 // A site's workers wait this long for each other in a collective: worker 0 may wait for a neighbouring
 // site (or the coordinator's checkpoint) between two of them.
 constexpr std::chrono::minutes kSiteGroupTimeout{10};
@@ -360,9 +397,25 @@ void Agent::OnProfile(const v1::ProfileRequest& p) {
   absl::Status failure = GuardTorch(absl::StrCat("site '", o_.site, "': profiling"), [&]() -> absl::Status {
     auto setup = JobFromText(p.job_yaml(), p.job_dir());
     if (!setup.ok()) return setup.status();
-    auto prof = ProfileModel(setup->model, setup->micro_batch_size, setup->job.sequence_length, o_.site, device_,
-                             p.repeats() > 0 ? p.repeats() : 5, setup->job.lora);
+    // A site of several devices is measured as its workers run together (ProfileAsWorker).
+    ScratchDir site_dir(absl::StrCat(o_.site, "-workers"));
+    std::unique_ptr<SiteGroup> group;
+    std::unique_ptr<WorkerPool> pool;  // destroyed first: the workers are killed before their group closes
+    if (devices_.size() > 1) {
+      if (absl::Status s = site_dir.Create(); !s.ok()) return s;
+      const std::string command = (site_dir.path / "profile.pb").string(), store = (site_dir.path / "store").string();
+      if (absl::Status s = core::WriteFileAtomic(command, p.SerializeAsString()); !s.ok()) return s;
+      auto started = StartSiteWorkers(command, store, "profile");
+      if (!started.ok()) return started.status();
+      pool = std::move(*started);
+      auto joined = SiteGroup::Join(store, 0, static_cast<int>(devices_.size()), kSiteGroupTimeout,
+                                    absl::StrCat("site '", o_.site, "'"));
+      if (!joined.ok()) return joined.status();
+      group = std::move(*joined);
+    }
+    auto prof = ProfileAsWorker(group.get(), *setup, o_.site, device_, p.repeats() > 0 ? p.repeats() : 5);
     if (!prof.ok()) return prof.status();
+    if (pool) pool->Stop(std::chrono::seconds(30));
     partitioner::ClusterProfile one;
     one.sites.push_back(prof->site);
     rep.set_site_profile_json(nlohmann::json::parse(partitioner::ProfileToJson(one))["sites"][0].dump());
@@ -440,7 +493,7 @@ void Agent::OnAssign(const v1::StageAssignment& pa) {
       const std::string command = (site_dir.path / "assignment.pb").string(),
                         store = (site_dir.path / "store").string();
       if (absl::Status s = core::WriteFileAtomic(command, pa.SerializeAsString()); !s.ok()) return s;
-      auto started = StartSiteWorkers(command, store);
+      auto started = StartSiteWorkers(command, store, "stage");
       if (!started.ok()) return started.status();
       pool = std::move(*started);
       auto joined = SiteGroup::Join(store, 0, static_cast<int>(devices_.size()), kSiteGroupTimeout,
@@ -599,10 +652,10 @@ void Agent::OnAssign(const v1::StageAssignment& pa) {
 }
 
 absl::StatusOr<std::unique_ptr<WorkerPool>> Agent::StartSiteWorkers(const std::string& command,
-                                                                    const std::string& store) {
+                                                                    const std::string& store, const std::string& task) {
   const auto level = spdlog::level::to_string_view(spdlog::get_level());
-  return WorkerPool::Start({"--site", o_.site, "--site-store", store, "--site-command", command, "--log-level",
-                            std::string(level.data(), level.size())},
+  return WorkerPool::Start({"--site", o_.site, "--site-store", store, "--site-command", command, "--site-task", task,
+                            "--log-level", std::string(level.data(), level.size())},
                            devices_, absl::StrCat("site '", o_.site, "'"));
 }
 
@@ -614,6 +667,21 @@ int RunSiteWorker(const SiteWorkerOptions& w) {
   };
   auto text = core::ReadFile(w.command);
   if (!text.ok()) return fail(text.status());
+  if (w.task == "profile") {  // the site's measurement, as worker w.rank
+    v1::ProfileRequest p;
+    if (!p.ParseFromString(*text)) return fail(absl::DataLossError(absl::StrCat(w.command, ": not a profile request")));
+    absl::Status s = GuardTorch(where, [&]() -> absl::Status {
+      auto setup = JobFromText(p.job_yaml(), p.job_dir());
+      if (!setup.ok()) return setup.status();
+      auto group = SiteGroup::Join(w.store, w.rank, w.workers, kSiteGroupTimeout, absl::StrCat("site '", w.site, "'"));
+      if (!group.ok()) return group.status();
+      const torch::Device device = w.device == "cpu" ? torch::Device(torch::kCPU) : torch::Device(w.device);
+      return ProfileAsWorker(group->get(), *setup, w.site, device, p.repeats() > 0 ? p.repeats() : 5).status();
+    });
+    if (!s.ok()) return fail(s);
+    spdlog::info("{}", absl::StrCat(where, ": measured"));
+    return 0;
+  }
   v1::StageAssignment pa;
   if (!pa.ParseFromString(*text)) return fail(absl::DataLossError(absl::StrCat(w.command, ": not an assignment")));
   const StageAssignment a = FromProto(pa);

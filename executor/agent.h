@@ -51,7 +51,9 @@ class Agent {
   void Heartbeats();
   void SetState(v1::SiteState state);
   // Workers 1..K-1 of this site for one assignment (`command`: its file) over the store file `store`.
-  absl::StatusOr<std::unique_ptr<WorkerPool>> StartSiteWorkers(const std::string& command, const std::string& store);
+  // `task`: "stage" (command: a v1::StageAssignment) or "profile" (a v1::ProfileRequest).
+  absl::StatusOr<std::unique_ptr<WorkerPool>> StartSiteWorkers(const std::string& command, const std::string& store,
+                                                               const std::string& task);
 
   const ExecutorOptions o_;
   const v1::RegisterResponse reg_;
@@ -80,6 +82,7 @@ class Agent {
 // when it failed (the error is logged, naming the site and worker).
 struct SiteWorkerOptions {
   std::string site, device, store, command;
+  std::string task = "stage";  // or "profile": measure the model and the all-reduce with worker 0
   int rank = 1, workers = 2;
 };
 int RunSiteWorker(const SiteWorkerOptions& options);

@@ -226,6 +226,10 @@ int main(int argc, char** argv) {
   app.add_option("--site-device", site_device, "Internal: the worker's device")->group("");
   app.add_option("--site-store", site_store, "Internal: the site's c10d store file")->group("");
   app.add_option("--site-command", site_command, "Internal: the worker's assignment")->group("");
+  std::string site_task = "stage";
+  app.add_option("--site-task", site_task, "Internal: stage or profile")
+      ->group("")
+      ->check(CLI::IsMember({"stage", "profile"}));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -243,7 +247,8 @@ int main(int argc, char** argv) {
       return 2;
     }
     Leave(Guarded([&] {
-      return executor::RunSiteWorker({*f.site, site_device, site_store, site_command, rank->first, rank->second});
+      return executor::RunSiteWorker(
+          {*f.site, site_device, site_store, site_command, site_task, rank->first, rank->second});
     }));
   }
   if ((!assignment.empty() || !profile_job.empty()) && !f.coordinator)

@@ -139,10 +139,11 @@ absl::StatusOr<ClusterProfile> ParseProfileJson(const std::string& text, const s
     const json& s = (*sites)[i];
     std::string ctx = absl::StrCat("sites[", i, "]");
     if (!s.is_object()) return Bad(path, ctx, "expected an object");
-    RETURN_IF(OnlyKeys(s,
-                       {"name", "flops_per_second", "memory_bytes", "op_seconds", "device", "gemm_flops_per_second",
-                        "uplink_bytes_per_second", "codec_bytes_per_second", "comment"},
-                       path, ctx));
+    RETURN_IF(OnlyKeys(
+        s,
+        {"name", "flops_per_second", "memory_bytes", "op_seconds", "device", "gemm_flops_per_second",
+         "uplink_bytes_per_second", "codec_bytes_per_second", "workers", "intra_site_bytes_per_second", "comment"},
+        path, ctx));
     SiteProfile sp;
     RETURN_IF(String(s, "name", path, ctx, &sp.name));
     if (!names.insert(sp.name).second) return Bad(path, ctx + ".name", absl::StrCat("duplicate site '", sp.name, "'"));
@@ -167,6 +168,12 @@ absl::StatusOr<ClusterProfile> ParseProfileJson(const std::string& text, const s
       }
     }
     RETURN_IF(Number(s, "uplink_bytes_per_second", path, ctx, false, &sp.uplink_bytes_per_second));
+    RETURN_IF(Number(s, "intra_site_bytes_per_second", path, ctx, false, &sp.intra_site_bytes_per_second));
+    if (auto w = s.find("workers"); w != s.end()) {
+      if (!w->is_number_integer() || w->get<int64_t>() < 1 || w->get<int64_t>() > 64)
+        return Bad(path, ctx + ".workers", "expected an integer from 1 to 64");
+      sp.workers = w->get<int>();
+    }
     auto cb = s.find("codec_bytes_per_second");
     if (cb != s.end()) {
       if (!cb->is_object()) return Bad(path, ctx + ".codec_bytes_per_second", "expected an object of codec -> bytes/s");
@@ -286,6 +293,8 @@ std::string ProfileToJson(const ClusterProfile& p) {
     if (!s.gemm_flops_per_second.empty()) js["gemm_flops_per_second"] = s.gemm_flops_per_second;
     if (s.uplink_bytes_per_second > 0) js["uplink_bytes_per_second"] = s.uplink_bytes_per_second;
     if (!s.codec_bytes_per_second.empty()) js["codec_bytes_per_second"] = s.codec_bytes_per_second;
+    if (s.workers > 1) js["workers"] = s.workers;
+    if (s.intra_site_bytes_per_second > 0) js["intra_site_bytes_per_second"] = s.intra_site_bytes_per_second;
     if (!s.comment.empty()) js["comment"] = s.comment;
     sites.push_back(js);
   }

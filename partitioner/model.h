@@ -42,6 +42,13 @@ struct SiteProfile {
   // Float32 input bytes per second that the site's compute thread encodes (and decodes) with each codec
   // (compression/ spelling, e.g. "int8"); a codec absent here costs nothing in `meridian simulate`.
   std::map<std::string, double> codec_bytes_per_second;
+  // A site of several devices (sites[].devices): its worker processes, each on its rows of every
+  // micro-batch; op_seconds are then measured with all of them running together. Each worker holds the
+  // stage's weights and gradients, and its optimizer state whole or (ZeRO-1, PlanOptions::zero) a 1/workers
+  // share; memory_bytes is the site's total. intra_site_bytes_per_second: the workers' c10d all-reduce bus
+  // bandwidth (2 (K-1)/K of the bytes per worker over the time), 0 when not measured (not charged then).
+  int workers = 1;
+  double intra_site_bytes_per_second = 0;
   std::string comment;  // free text: where the figures come from (published specs, a measurement)
 };
 

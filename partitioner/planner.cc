@@ -30,9 +30,10 @@ class CostModel {
  public:
   // `pipelined_links`: a deep pipeline covers every link's latency with micro-batches in flight, so a
   // link paces the steady state by its transfer time alone (LinkSteady); else by transfer plus latency.
-  CostModel(const OpGraph& g, const ClusterProfile& p, int micro_batches, bool pipelined_links = false)
+  CostModel(const OpGraph& g, const ClusterProfile& p, int micro_batches, bool pipelined_links = false, int zero = 0)
       : graph_(g),
         profile_(p),
+        zero_(zero),
         m_(micro_batches),
         n_(static_cast<int>(g.ops.size())),
         sites_(static_cast<int>(p.sites.size())),
@@ -42,7 +43,9 @@ class CostModel {
       for (int i = 0; i < n_; ++i) time_prefix_[s][i + 1] = time_prefix_[s][i] + OpSeconds(g.ops[i], p.sites[s]);
     state_prefix_.assign(n_ + 1, 0.0);
     act_prefix_.assign(n_ + 1, 0.0);
+    param_prefix_.assign(n_ + 1, 0.0);
     for (int i = 0; i < n_; ++i) {
+      param_prefix_[i + 1] = param_prefix_[i] + g.ops[i].param_bytes;
       state_prefix_[i + 1] = state_prefix_[i] + g.ops[i].param_bytes + g.ops[i].optimizer_bytes;
       act_prefix_[i + 1] = act_prefix_[i] + g.ops[i].output_bytes;
     }
@@ -91,17 +94,38 @@ class CostModel {
     for (int i = a; i <= b; ++i) sum += graph_.ops[i].param_bytes;
     return sum;
   }
+  // Memory on site s: Memory for a site of one device; with K workers each holds the weights and gradients,
+  // and the optimizer state whole, or a 1/K share under ZeRO-1 (the activations are split by rows).
+  double SiteMemory(int s, int a, int b, int from_end) const {
+    const int k = std::max(1, profile_.sites[s].workers);
+    if (k == 1) return Memory(a, b, from_end);
+    const double params = param_prefix_[b + 1] - param_prefix_[a];
+    const double optimizer = state_prefix_[b + 1] - state_prefix_[a] - params;
+    return k * params + (zero_ == 1 ? 1 : k) * optimizer +
+           std::min(m_, from_end) * (act_prefix_[b + 1] - act_prefix_[a]);
+  }
   bool Fits(int s, int a, int b, int from_end) const {
-    return Memory(a, b, from_end) <= profile_.sites[s].memory_bytes;
+    return SiteMemory(s, a, b, from_end) <= profile_.sites[s].memory_bytes;
+  }
+  // Seconds per step for site s's workers to sum ops [a, b]'s gradients (`gradient_bytes`) with c10d: an
+  // all-reduce moving 2 (K-1)/K of them per worker, and under ZeRO-1 the parameters' all-gather, (K-1)/K of
+  // them again; 0 for one worker or an unmeasured bandwidth. Charged in full, though the executor starts
+  // the sums during the last backward pass.
+  double SiteReduceSeconds(int s, double gradient_bytes) const {
+    const SiteProfile& site = profile_.sites[s];
+    if (site.workers < 2 || site.intra_site_bytes_per_second <= 0) return 0;
+    const double share = static_cast<double>(site.workers - 1) / site.workers;
+    return (2 + (zero_ == 1 ? 1 : 0)) * share * gradient_bytes / site.intra_site_bytes_per_second;
   }
 
  private:
   const OpGraph& graph_;
   const ClusterProfile& profile_;
+  int zero_;
   int m_, n_, sites_;
   bool pipelined_;
   std::vector<std::vector<double>> time_prefix_;
-  std::vector<double> state_prefix_, act_prefix_, cut_bytes_;
+  std::vector<double> param_prefix_, state_prefix_, act_prefix_, cut_bytes_;
   std::vector<std::vector<double>> bw_, lat_;
 };
 
@@ -114,7 +138,7 @@ struct Layout {
 struct Evaluation {
   double total = kInf;
   double fill = 0, steady = 0, sync = 0;
-  std::vector<double> t, c, allreduce, memory;
+  std::vector<double> t, c, allreduce, memory, site_reduce;
   std::vector<double> pace;                 // per link: what it adds to the steady state (CostModel::LinkSteady)
   std::vector<int> link_codec, grad_codec;  // indices into the menus; -1 = fixed ratio
 };
@@ -173,7 +197,8 @@ Evaluation Evaluate(const CostModel& cm, const Layout& L, const PlanOptions& o, 
       for (size_t i = 0; i < times.size(); ++i) slowest = std::max(slowest, share[i] * times[i]);
       e.t[k] = slowest / M;
     }
-    e.memory[k] = cm.Memory(a, b, S - k);
+    e.memory[k] = 0;
+    for (int s : L.sites[k]) e.memory[k] = std::max(e.memory[k], cm.SiteMemory(s, a, b, S - k));
     max_t = std::max(max_t, e.t[k]);
   }
   e.c.resize(std::max(S - 1, 0));
@@ -242,6 +267,15 @@ Evaluation Evaluate(const CostModel& cm, const Layout& L, const PlanOptions& o, 
     SumUp(M, &compute);
     const double H = std::max(1, o.sync.inner_steps);
     for (double& x : e.allreduce) x = o.sync.overlap ? std::max(0.0, x - H * compute.total) / H : x / H;
+  }
+  // Sites of several devices: their workers' gradient sum, every step.
+  e.site_reduce.assign(S, 0.0);
+  for (int k = 0; k < S; ++k) {
+    int a = k == 0 ? 0 : L.last[k - 1] + 1, b = L.last[k];
+    for (int s : L.sites[k])
+      e.site_reduce[k] =
+          std::max(e.site_reduce[k], cm.SiteReduceSeconds(s, o.gradient_bytes_fraction * cm.ParamBytes(a, b)));
+    e.allreduce[k] += e.site_reduce[k];
   }
   SumUp(M, &e);
   (void)g;
@@ -921,7 +955,7 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
         return absl::InvalidArgumentError(
             absl::StrCat("profile: sites '", s.name, "'.op_seconds names op '", name, "', which the graph lacks"));
 
-  CostModel cm(graph, profile, o.micro_batches, o.deep_pipeline);
+  CostModel cm(graph, profile, o.micro_batches, o.deep_pipeline, o.zero);
   const int n = cm.sites(), N = cm.ops();
   const double ratio = SearchRatio(o);
   Plan plan;
@@ -1120,7 +1154,9 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
     st.in_flight = std::min(plan.micro_batches, S - k);
     if (o.deep_pipeline) {
       st.in_flight = sim.in_flight[k];
-      st.memory_bytes = cm.Memory(st.first_op, st.last_op, st.in_flight);
+      st.memory_bytes = 0;
+      for (int s : st.sites)
+        st.memory_bytes = std::max(st.memory_bytes, cm.SiteMemory(s, st.first_op, st.last_op, st.in_flight));
       st.busy_seconds = sim.step.busy_seconds[k];
       st.wait_seconds = sim.step.wait_seconds[k];
     }
@@ -1128,6 +1164,8 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
     for (int s : st.sites)
       st.memory_available_bytes = std::min(st.memory_available_bytes, profile.sites[s].memory_bytes);
     st.allreduce_seconds = ev.allreduce[k];
+    st.site_reduce_seconds = ev.site_reduce.empty() ? 0 : ev.site_reduce[k];
+    for (int s : st.sites) st.workers.push_back(std::max(1, profile.sites[s].workers));
     if (st.sites.size() > 1)
       st.gradient_codec = ev.grad_codec[k] >= 0 ? o.gradient_codecs[ev.grad_codec[k]].name : "identity";
     plan.stages.push_back(std::move(st));
@@ -1147,6 +1185,7 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
     plan.links.push_back(lp);
   }
   plan.sync = o.sync;
+  plan.zero = o.zero;
   std::stable_sort(considered.begin(), considered.end(), [](const PlanCandidate& a, const PlanCandidate& b) {
     return a.predicted_seconds < b.predicted_seconds;
   });
@@ -1216,8 +1255,20 @@ std::string PlanTable(const Plan& plan, const OpGraph& graph, const ClusterProfi
     if (ops.size() > 34) ops = ops.substr(0, 31) + "...";
     std::string link = "-";
     if (k < plan.links.size()) link = absl::StrFormat("%.4g s %s", plan.links[k].seconds, plan.links[k].codec);
-    out += absl::StrFormat("%-5d %-22s %-34s %9.4g s %22s %9.2f / %7.2f GiB\n", k + 1, absl::StrJoin(s.site_names, "+"),
-                           ops, s.compute_seconds, link, gib(s.memory_bytes), gib(s.memory_available_bytes));
+    // A site of several devices shows its worker count: "b x2".
+    std::vector<std::string> names;
+    for (size_t i = 0; i < s.site_names.size(); ++i)
+      names.push_back(i < s.workers.size() && s.workers[i] > 1 ? absl::StrCat(s.site_names[i], " x", s.workers[i])
+                                                               : s.site_names[i]);
+    out += absl::StrFormat("%-5d %-22s %-34s %9.4g s %22s %9.2f / %7.2f GiB\n", k + 1, absl::StrJoin(names, "+"), ops,
+                           s.compute_seconds, link, gib(s.memory_bytes), gib(s.memory_available_bytes));
+    for (size_t i = 0; i < s.site_names.size(); ++i)
+      if (i < s.workers.size() && s.workers[i] > 1)
+        out += absl::StrFormat(
+            "      site %s runs %d workers (c10d, rows of every micro-batch split among them): their gradient sum "
+            "%.4g s per step%s\n",
+            s.site_names[i], s.workers[i], s.site_reduce_seconds,
+            plan.zero == 1 ? ", optimizer state sharded (ZeRO-1)" : "");
     if (s.sites.size() > 1 && plan.sync.diloco)
       out += absl::StrFormat(
           "      replicas run %s of the %d micro-batches as DiLoCo workers: %s exchanges every %d steps%s, "
@@ -1272,7 +1323,9 @@ std::string PlanJson(const Plan& plan, const OpGraph& graph) {
                {"memory_available_bytes", s.memory_available_bytes},
                {"allreduce_seconds", s.allreduce_seconds},
                {"micro_batches", s.micro_batches},
-               {"in_flight", s.in_flight}};
+               {"in_flight", s.in_flight},
+               {"workers", s.workers}};
+    if (s.site_reduce_seconds > 0) js["site_reduce_seconds"] = s.site_reduce_seconds;
     if (plan.simulated) js["simulated_busy_seconds"] = s.busy_seconds, js["simulated_wait_seconds"] = s.wait_seconds;
     if (!s.gradient_codec.empty()) js["gradient_codec"] = s.gradient_codec;
     stages.push_back(js);

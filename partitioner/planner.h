@@ -81,6 +81,8 @@ struct PlanOptions {
   std::vector<int> fixed_sites, fixed_last_ops;
   // With a fixed layout: more sites (indices) that replicate stage k, or empty; at most one entry per stage.
   std::vector<std::vector<int>> fixed_replicas;
+  // job.optimizer.zero: 1 shards the optimizer state across a site's workers (SiteProfile::workers).
+  int zero = 0;
 };
 
 // Pins `options` to a layout: stage k runs on sites[k][0], is replicated on sites[k][1...] and ends at op
@@ -120,7 +122,9 @@ struct StagePlan {
   double compute_seconds = 0;         // per micro-batch (replicas: slowest share / M)
   double memory_bytes = 0;            // needed on each of its sites
   double memory_available_bytes = 0;  // smallest among its sites
-  double allreduce_seconds = 0;       // replica gradient sync per step (0 without replicas)
+  double allreduce_seconds = 0;       // replica gradient sync per step, plus site_reduce_seconds
+  std::vector<int> workers;           // per site of `sites`: its worker processes (SiteProfile::workers)
+  double site_reduce_seconds = 0;     // of allreduce_seconds: the slowest site's workers' sum (c10d)
   std::string gradient_codec;         // codec for that sync
   // Micro-batches the stage keeps in flight (forward passes run whose backward pass has not): 1F1B's
   // S - k, or more with deep_pipeline (PipelineSchedule in schedule.h). memory_bytes counts them.
@@ -151,6 +155,7 @@ struct Plan {
   std::vector<LinkPlan> links;
   int micro_batches = 0;
   SyncModel sync;  // how the replicas synchronise (PlanOptions::sync); in plan.json as "sync"
+  int zero = 0;    // PlanOptions::zero
   double predicted_step_seconds = 0;
   double fill_drain_seconds = 0;  // sum t_k + sum c_k
   double steady_seconds = 0;      // (M - 1) * bottleneck

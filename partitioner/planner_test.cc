@@ -289,6 +289,66 @@ TEST(Planner, InfeasibleMemoryNamesWhatDoesNotFit) {
   EXPECT_THAT(std::string(plan2.status().message()), HasSubstr("all 2 sites together"));
 }
 
+// A site of several devices (#22): its workers each hold the stage's weights and gradients, and the
+// optimizer state whole or, with ZeRO-1, a 1/K share; their c10d gradient sum is charged every step at the
+// measured intra-site bandwidth; the table and plan.json show the workers.
+TEST(Planner, SitesOfSeveralWorkersPayTheirMemoryAndGradientSum) {
+  OpGraph g = Chain(4);  // per op: 1e3 bytes of weights and gradients, 2e3 of optimizer state
+  ClusterProfile p;
+  p.sites = {{"a", 1e9, 1e12, {}}, {"b", 1e9, 1e12, {}}};
+  p.sites[1].workers = 2;
+  p.sites[1].intra_site_bytes_per_second = 1e3;
+  LinkAll(&p, 1e9, 1e-3);
+  PlanOptions o;
+  o.micro_batches = 4;
+  o.fixed_sites = {0, 1};
+  o.fixed_last_ops = {1, 3};
+  auto whole = PlanPipeline(g, p, o);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  o.zero = 1;
+  auto zero = PlanPipeline(g, p, o);
+  ASSERT_TRUE(zero.ok()) << zero.status();
+  // Stage 2 on b: 2 ops; whole: 2 x (2e3 + 4e3) + activations; ZeRO-1: 4e3 less.
+  const double acts = 1 * 2 * 1e3;  // the last stage keeps one micro-batch's outputs of its 2 ops
+  EXPECT_DOUBLE_EQ(whole->stages[1].memory_bytes, 2 * 2e3 + 2 * 4e3 + acts);
+  EXPECT_DOUBLE_EQ(zero->stages[1].memory_bytes, 2 * 2e3 + 4e3 + acts);
+  EXPECT_DOUBLE_EQ(whole->stages[0].memory_bytes, 2e3 + 4e3 + 2 * 2e3);  // a: one worker, 2 in flight
+  // Gradients are half the weight bytes (PlanOptions::gradient_bytes_fraction): 1e3 bytes; the all-reduce
+  // moves 2 (K-1)/K of them, ZeRO-1's all-gather (K-1)/K more, at 1e3 bytes/s.
+  EXPECT_DOUBLE_EQ(whole->stages[1].site_reduce_seconds, 1.0);
+  EXPECT_DOUBLE_EQ(zero->stages[1].site_reduce_seconds, 1.5);
+  EXPECT_DOUBLE_EQ(whole->stages[0].site_reduce_seconds, 0.0);
+  EXPECT_GE(whole->stages[1].allreduce_seconds, 1.0);
+  EXPECT_EQ(whole->stages[1].workers, std::vector<int>{2});
+  EXPECT_GT(zero->predicted_step_seconds, whole->predicted_step_seconds);
+  const std::string table = PlanTable(*zero, g, p);
+  EXPECT_THAT(table, HasSubstr("b x2"));
+  EXPECT_THAT(table, HasSubstr("site b runs 2 workers"));
+  EXPECT_THAT(table, HasSubstr("optimizer state sharded (ZeRO-1)"));
+  EXPECT_THAT(PlanJson(*zero, g), HasSubstr("\"workers\": [\n        2\n      ]"));
+  // Memory that fits only with the optimizer state sharded.
+  p.sites[1].memory_bytes = 2 * 2e3 + 4e3 + acts;
+  o.zero = 0;
+  EXPECT_FALSE(PlanPipeline(g, p, o).ok());
+  o.zero = 1;
+  EXPECT_TRUE(PlanPipeline(g, p, o).ok());
+}
+
+TEST(Planner, ProfilesCarryWorkersAndTheirBandwidth) {
+  ClusterProfile p;
+  p.sites = {{"b", 1e9, 1e12, {}}};
+  p.sites[0].workers = 4;
+  p.sites[0].intra_site_bytes_per_second = 2.5e9;
+  auto back = ParseProfileJson(ProfileToJson(p), "p.json");
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->sites[0].workers, 4);
+  EXPECT_EQ(back->sites[0].intra_site_bytes_per_second, 2.5e9);
+  auto bad = ParseProfileJson(R"({"sites": [{"name": "b", "flops_per_second": 1, "memory_bytes": 1, "workers": 0}]})",
+                              "p.json");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("sites[0].workers"));
+}
+
 TEST(Planner, MissingLinkMeansNotNeighbours) {
   OpGraph g = Chain(6);
   ClusterProfile p;

@@ -504,6 +504,17 @@ TEST_F(CoordinatorTest, ASiteOfTwoWorkersTrainsLikeTrainLocalWithAndWithoutZero1
     std::string log = coord->ReadAll(180s);
     ASSERT_EQ(coord->Wait(30s), 0) << log;
     EXPECT_THAT(log, HasSubstr("done: 4 steps"));
+    // Measured as its workers run together, planned with them.
+    EXPECT_THAT(log, ContainsRegex("site b .* per micro-batch on 2 workers, their all-reduce [0-9.]+ Gbit/s"));
+    EXPECT_THAT(log, HasSubstr("site b runs 2 workers"));
+    auto profile = nlohmann::json::parse(std::ifstream(dir_ / "run" / "profile.json"), nullptr, false);
+    ASSERT_FALSE(profile.is_discarded());
+    for (const auto& site : profile["sites"]) {
+      EXPECT_EQ(site.value("workers", 1), site["name"] == "b" ? 2 : 1) << site.dump();
+      if (site["name"] == "b") EXPECT_GT(site["intra_site_bytes_per_second"].get<double>(), 0) << site.dump();
+    }
+    auto plan = nlohmann::json::parse(std::ifstream(dir_ / "run" / "plan.json"), nullptr, false);
+    EXPECT_EQ(plan["stages"][1]["workers"], nlohmann::json::array({2})) << plan.dump();
     const std::string site_log = b->ReadAll(30s);
     for (auto* e : {a.get(), b.get(), c.get()}) EXPECT_EQ(e->Wait(30s), 0);
     EXPECT_THAT(site_log, ContainsRegex("site 'b': worker 1 of 2 on cpu is process [0-9]+")) << site_log;
