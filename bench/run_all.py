@@ -492,6 +492,97 @@ def diloco_section(w, command):
     return "\n".join(L)
 
 
+# ---- Sites with several devices (issue #22): one site's budget as 1 worker or as 2 ----
+
+MULTI_BEGIN, MULTI_END = "<!-- multi-device:begin -->", "<!-- multi-device:end -->"
+
+
+def multi_device(a, bin_dir, work, cfg, model_dir, weights_params):
+    """One emulated site holding the whole model under a CPU quota of 1.0 core: its executor alone on one
+    device, then two workers (devices: [cpu, cpu]) sharing that quota (0.5 each), then the same with ZeRO-1.
+    Reports tokens/s from the end of the first step, the workers' gradient sum's share of the step
+    (metrics.jsonl site_reduce_seconds) and the AdamW moments each worker holds (the executors' logs)."""
+    seq, global_batch, micro_batches = (32, 8, 4) if a.tiny else (128, 8, 4)
+    steps, seed = 4, 20261201
+    res = {"params": weights_params, "seq": seq, "global_batch": global_batch, "micro_batches": micro_batches,
+           "steps": steps, "runs": {}}
+    plan = os.path.join(work, "multi-plan.json")
+    json.dump({"stages": [{"sites": ["b"], "last_op": 2 * cfg["num_hidden_layers"] + 1}]}, open(plan, "w"))
+    for name, devices, zero in [("one worker", "[cpu]", 0), ("two workers", "[cpu, cpu]", 0),
+                                ("two workers, ZeRO-1", "[cpu, cpu]", 1)]:
+        log(f"multi-device: site b, quota 1.0, {name}")
+        job = os.path.join(work, "multi.yaml")
+        job_yaml(job, steps, global_batch, micro_batches, seq, seed, "{policy: none}")
+        text = open(job).read().replace("grad_clip: ", f"zero: {zero}, grad_clip: ")
+        open(job, "w").write(text)
+        emu = Emulation(bin_dir, [("b", 1.0)], [], 0, prefix="mrmulti", net=215, port_base=7800)
+        try:
+            spec = os.path.join(work, "cluster.yaml")
+            listen, advertise = emu.site_addresses(1, "b")
+            with open(spec, "w") as f:
+                f.write(f"cluster: multi\ncoordinator: {{address: {emu.coordinator}}}\nsecurity: {{certs: certs}}\n"
+                        f"heartbeat: {{interval: 1s, timeout: 60s}}\nelastic: {{enabled: false}}\nsites:\n"
+                        f"  - {{name: b, address: {advertise}, devices: {devices}, emulation: {{cpu_quota: 1.0}}}}\n")
+            sh(f"{bin_dir}/meridian certs init --spec {spec} --out {work}/certs --force")
+            run = os.path.join(work, "multi-" + name.replace(" ", "-").replace(",", ""))
+            shutil.rmtree(run, ignore_errors=True)
+            os.makedirs(run)
+            coord = emu.start(None, f"{bin_dir}/meridian run {spec} {job} --run-dir {run} --join-timeout 120 "
+                                    f"--plan {plan} --eval-examples 0 --profile-repeats {a.profile_repeats}", None)
+            time.sleep(0.5)
+            exe_log = os.path.join(run, "executor-b.log")
+            emu.start("b", f"{bin_dir}/meridian-executor --coordinator {emu.coordinator} --site b "
+                           f"--certs {work}/certs/bundles/b --listen {listen} --advertise {advertise}", exe_log)
+            out = coord.stdout.read()
+            rc = coord.wait()
+            open(os.path.join(run, "coordinator.log"), "w").write(out)
+            if rc != 0:
+                raise SystemExit(f"meridian run ({name}) failed ({rc}):\n{out[-3000:]}")
+            time.sleep(1)
+        finally:
+            emu.close()
+        metrics = [json.loads(l) for l in open(os.path.join(run, "metrics.jsonl"))]
+        first, last = metrics[0], metrics[-1]
+        tps = (last["tokens"] - first["tokens"]) / (last["elapsed_seconds"] - first["elapsed_seconds"])
+        later = [m for m in metrics if m["step"] > 1]
+        step = statistics.mean(m["step_seconds"] for m in later)
+        reduce = statistics.mean(sum(st.get("site_reduce_seconds", 0) for st in m["stages"]) for m in later)
+        moments = [int(x) for x in re.findall(r"AdamW moments on this worker: (\d+) elements", open(exe_log).read())]
+        res["runs"][name] = {"tokens_per_second": tps, "step_seconds": step, "site_reduce_seconds": reduce,
+                             "moments_per_worker": moments,
+                             "profile_line": next((l.strip() for l in out.splitlines() if l.strip().startswith("site b")), "")}
+        log(f"  {tps:.1f} tokens/s, step {step:.2f} s, workers' sum {reduce:.3f} s, moments per worker {moments}")
+    return res
+
+
+def multi_section(w, command):
+    one = w["runs"]["one worker"]
+    L = [MULTI_BEGIN, "## Sites with several devices", "",
+         f"Command: `{command}`. One emulated site holds the whole {w['params'] / 1e6:.0f}M-parameter model under a "
+         f"CPU quota of 1.0 core (one thread per process), {w['global_batch']} sequences of {w['seq']} tokens per step "
+         f"in {w['micro_batches']} micro-batches, {w['steps']} steps, identity codecs. Its executor runs alone on one "
+         "device, then with `devices: [cpu, cpu]` as two workers (a c10d Gloo group) sharing that quota, 0.5 core each on "
+         "average, each on half the rows of every micro-batch (docs/executor.md). Timed from the end of the first step.", "",
+         "| site | tokens/s | vs one worker | step (s) | workers' gradient sum per step (s) | its share of the step "
+         "| AdamW moments per worker (float32 elements) |", "|---|---|---|---|---|---|---|"]
+    for name, x in w["runs"].items():
+        L.append(f"| {name} | {x['tokens_per_second']:.1f} | {pct(x['tokens_per_second'] / one['tokens_per_second'])} | "
+                 f"{x['step_seconds']:.2f} | {x['site_reduce_seconds']:.3f} | "
+                 f"{pct(x['site_reduce_seconds'] / x['step_seconds'])} | "
+                 f"{' / '.join(str(m) for m in x['moments_per_worker']) or '-'} |")
+    whole = w["runs"].get("two workers", {}).get("moments_per_worker", [])
+    zero = w["runs"].get("two workers, ZeRO-1", {}).get("moments_per_worker", [])
+    if whole and zero:
+        saved = (sum(whole) - sum(zero)) * 4
+        L += ["", f"ZeRO-1 holds {sum(zero)} moment elements on the site against {sum(whole)} without it: "
+              f"{saved / 2**20:.0f} MiB less optimizer state ({pct(1 - sum(zero) / sum(whole))}), each worker "
+              f"{max(zero) * 4 / 2**20:.0f} MiB instead of {max(whole) * 4 / 2**20:.0f} MiB."]
+    L += ["", "Profile lines (the site measured with its workers running together):", ""]
+    L += [f"- {name}: `{x['profile_line']}`" for name, x in w["runs"].items()]
+    L += ["", MULTI_END, ""]
+    return "\n".join(L)
+
+
 def splice_section(path, section, begin, end):
     """Replaces the section between `begin` and `end` of `path` (or appends it), leaving the rest as it was."""
     old = open(path).read() if os.path.exists(path) else "# Benchmark results\n"
@@ -755,7 +846,7 @@ def main():
                          "speed, comma-separated; the fastest is used at the others. Default 4: a sweep of 1,4 "
                          "(bench/RESULTS.md, 2026-12-01) found it fastest, and each setting costs about 5 minutes")
     ap.add_argument("--results", default="bench/RESULTS.md")
-    ap.add_argument("--only", choices=["e2e", "components", "wan-bound", "wan-diloco", "simulator"])
+    ap.add_argument("--only", choices=["e2e", "components", "wan-bound", "wan-diloco", "simulator", "multi-device"])
     ap.add_argument("--diloco-steps", type=int, default=24, help="steps of the WAN-bound DiLoCo runs")
     ap.add_argument("--diloco-inner-steps", type=int, default=8, help="job.sync.inner_steps of the WAN-bound DiLoCo runs")
     ap.add_argument("--diloco-speeds", default="2", help="link rates (Mbit/s) of the WAN-bound DiLoCo runs, comma-separated")
@@ -799,7 +890,9 @@ def main():
                  "wan-diloco": (wan_diloco, "wan_diloco", "results-wan-diloco.json", diloco_section, DILOCO_BEGIN,
                                 DILOCO_END, "WAN-bound DiLoCo"),
                  "simulator": (simulator_validation, "simulator", "results-simulator.json", simulator_section, SIM_BEGIN,
-                               SIM_END, "simulator validation")}
+                               SIM_END, "simulator validation"),
+                 "multi-device": (multi_device, "multi_device", "results-multi-device.json", multi_section, MULTI_BEGIN,
+                                  MULTI_END, "multi-device")}
     if a.only in wan_modes:
         measure, key, json_name, section, begin, end, what = wan_modes[a.only]
         model_dir, params = write_model(work, cfg, seed)

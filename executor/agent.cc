@@ -219,14 +219,14 @@ absl::StatusOr<OpProfile> ProfileAsWorker(SiteGroup* group, const JobSetup& setu
                                           torch::Device device, int repeats) {
   const int mbs = setup.micro_batch_size;
   const int rows = group ? static_cast<int>(group->Rows(mbs, group->rank()).second) : mbs;
-  if (rows < 1)
-    return absl::InvalidArgumentError(absl::StrCat("site '", site, "': a micro-batch of ", mbs,
-                                                   " sequences cannot be split across its ", group->size(),
-                                                   " workers (devices)"));
   torch::Tensor token = torch::zeros({1});
   if (group)  // start together: the workers share the site's memory bandwidth and power
     if (absl::Status s = group->AllReduce(token); !s.ok()) return s;
-  auto prof = ProfileModel(setup.model, rows, setup.job.sequence_length, site, device, repeats, setup.job.lora);
+  // A worker without a row of the job's micro-batch (fewer sequences than workers) idles here; training
+  // with that micro-batch is refused at the assignment (StageWorker::CanSplit), naming the site.
+  absl::StatusOr<OpProfile> prof =
+      rows > 0 ? ProfileModel(setup.model, rows, setup.job.sequence_length, site, device, repeats, setup.job.lora)
+               : absl::StatusOr<OpProfile>(OpProfile{});
   if (!prof.ok() || !group) return prof;
   const double scale = static_cast<double>(mbs) / rows;
   for (auto& op : prof->graph.ops) {
@@ -581,6 +581,7 @@ void Agent::OnAssign(const v1::StageAssignment& pa) {
       m.set_wait_seconds(worker->last_wait_seconds());
       m.set_send_blocked_seconds(worker->last_send_blocked_seconds());
       m.set_codec_seconds(worker->last_codec_seconds());
+      m.set_site_reduce_seconds(worker->last_site_reduce_seconds());
       if (const auto sync = worker->last_outer_sync()) {
         m.set_outer_sync_step(sync->after_step);
         m.set_outer_sync_bytes(sync->wire_bytes);

@@ -706,7 +706,9 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
     if (zero_) {
       const auto t0 = Clock::now();
       if (absl::Status s = zero_->GatherParameters(*group_, model_->parameters()); !s.ok()) return Annotate(s, Where());
-      site_reduce_seconds_ += std::chrono::duration<double>(Clock::now() - t0).count();
+      const double gathered = std::chrono::duration<double>(Clock::now() - t0).count();
+      site_reduce_seconds_ += gathered;
+      wait_seconds_ += gathered;
     }
     if (outer_) {  // DiLoCo: the fragment due after this inner step, if any; after the last, all of them
       const int64_t wire0 = outer_->wire_bytes(), raw0 = outer_->raw_bytes();

@@ -538,6 +538,27 @@ TEST_F(CoordinatorTest, ASiteOfTwoWorkersTrainsLikeTrainLocalWithAndWithoutZero1
   }
 }
 
+// A site of two workers as a replica of a stage across sites (#22): b's workers sum their gradients with
+// c10d, then b's worker 0 takes part in the replicas' sum with a over Meridian's streams and hands the
+// result to worker 1; the weights equal train-local's.
+TEST_F(CoordinatorTest, ATwoWorkerSiteReplicatingAStageAcrossSitesTrainsLikeTrainLocal) {
+  SetSteps(4);
+  Edit("job.yaml", "micro_batches: 4", "micro_batches: 2");  // 2 sequences per micro-batch: a row per worker
+  SetDevices("b", "[cpu, cpu]");
+  std::ofstream(dir_ / "plan.json")
+      << R"({"stages": [{"sites": ["a", "b"], "last_op": 2}, {"sites": ["c"], "last_op": 5}]})";
+  auto coord = Coordinator("--plan " + (dir_ / "plan.json").string());
+  std::this_thread::sleep_for(500ms);
+  auto a = Executor("a"), b = Executor("b"), c = Executor("c");
+  std::string log = coord->ReadAll(180s);
+  ASSERT_EQ(coord->Wait(30s), 0) << log;
+  EXPECT_THAT(log, HasSubstr("done: 4 steps"));
+  const std::string site_log = b->ReadAll(30s);
+  for (auto* e : {a.get(), b.get(), c.get()}) EXPECT_EQ(e->Wait(30s), 0);
+  EXPECT_THAT(site_log, HasSubstr("site 'b' worker 1 of 2: done after step 4")) << site_log;
+  ExpectWeightsOfTheReference(dir_);
+}
+
 // Checkpoints stay partition-independent across a site's worker count (#22): a run whose site b has two
 // workers with ZeRO-1 (moments sharded, gathered at worker 0 for the checkpoint) resumes with b on one
 // device, and the reverse; both end with train-local's weights.
