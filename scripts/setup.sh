@@ -15,7 +15,7 @@ PACKAGES=(
   libzstd-dev libcpp-httplib-dev
   python3-grpcio python3-numpy python3-yaml python3-torch
   iproute2 iperf3 curl
-  libjs-chart.js chromium openssh-server
+  libjs-chart.js chromium openssh-server slurm-wlm
 )
 
 missing=()
