@@ -556,6 +556,8 @@ TEST_F(CoordinatorTest, ATwoWorkerSiteReplicatingAStageAcrossSitesTrainsLikeTrai
   const std::string site_log = b->ReadAll(30s);
   for (auto* e : {a.get(), b.get(), c.get()}) EXPECT_EQ(e->Wait(30s), 0);
   EXPECT_THAT(site_log, HasSubstr("site 'b' worker 1 of 2: done after step 4")) << site_log;
+  auto plan = nlohmann::json::parse(std::ifstream(dir_ / "run" / "plan.json"), nullptr, false);
+  EXPECT_EQ(plan["stages"][0]["micro_batches"], nlohmann::json::array({1, 1})) << plan.dump();  // b computes
   ExpectWeightsOfTheReference(dir_);
 }
 
