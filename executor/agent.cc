@@ -399,23 +399,16 @@ void Agent::OnProfile(const v1::ProfileRequest& p) {
     if (!setup.ok()) return setup.status();
     // A site of several devices is measured as its workers run together (ProfileAsWorker).
     ScratchDir site_dir(absl::StrCat(o_.site, "-workers"));
-    std::unique_ptr<SiteGroup> group;
-    std::unique_ptr<WorkerPool> pool;  // destroyed first: the workers are killed before their group closes
+    SiteWorkers site;
     if (devices_.size() > 1) {
       if (absl::Status s = site_dir.Create(); !s.ok()) return s;
-      const std::string command = (site_dir.path / "profile.pb").string(), store = (site_dir.path / "store").string();
-      if (absl::Status s = core::WriteFileAtomic(command, p.SerializeAsString()); !s.ok()) return s;
-      auto started = StartSiteWorkers(command, store, "profile");
+      auto started = StartSiteWorkers(site_dir.path.string(), "profile", p.SerializeAsString());
       if (!started.ok()) return started.status();
-      pool = std::move(*started);
-      auto joined = SiteGroup::Join(store, 0, static_cast<int>(devices_.size()), kSiteGroupTimeout,
-                                    absl::StrCat("site '", o_.site, "'"));
-      if (!joined.ok()) return joined.status();
-      group = std::move(*joined);
+      site = std::move(*started);
     }
-    auto prof = ProfileAsWorker(group.get(), *setup, o_.site, device_, p.repeats() > 0 ? p.repeats() : 5);
+    auto prof = ProfileAsWorker(site.group.get(), *setup, o_.site, device_, p.repeats() > 0 ? p.repeats() : 5);
     if (!prof.ok()) return prof.status();
-    if (pool) pool->Stop(std::chrono::seconds(30));
+    if (site.pool) site.pool->Stop(std::chrono::seconds(30));
     partitioner::ClusterProfile one;
     one.sites.push_back(prof->site);
     rep.set_site_profile_json(nlohmann::json::parse(partitioner::ProfileToJson(one))["sites"][0].dump());
@@ -485,23 +478,17 @@ void Agent::OnAssign(const v1::StageAssignment& pa) {
     // A site of several devices: workers 1..K-1 run the same stage in lock step (executor/site_group.h),
     // started for this assignment and stopped with it.
     ScratchDir site_dir(absl::StrCat(o_.site, "-workers"));
-    std::unique_ptr<SiteGroup> group;
-    std::unique_ptr<WorkerPool> pool;  // destroyed first: the workers are killed before their group closes
+    SiteWorkers site;
     if (devices_.size() > 1) {
       if (absl::Status s = worker->CanSplit(static_cast<int>(devices_.size())); !s.ok()) return s;
       if (absl::Status s = site_dir.Create(); !s.ok()) return s;
-      const std::string command = (site_dir.path / "assignment.pb").string(),
-                        store = (site_dir.path / "store").string();
-      if (absl::Status s = core::WriteFileAtomic(command, pa.SerializeAsString()); !s.ok()) return s;
-      auto started = StartSiteWorkers(command, store, "stage");
+      auto started = StartSiteWorkers(site_dir.path.string(), "stage", pa.SerializeAsString());
       if (!started.ok()) return started.status();
-      pool = std::move(*started);
-      auto joined = SiteGroup::Join(store, 0, static_cast<int>(devices_.size()), kSiteGroupTimeout,
-                                    absl::StrCat("site '", o_.site, "'"));
-      if (!joined.ok()) return joined.status();
-      group = std::move(*joined);
-      if (absl::Status s = worker->JoinSite(group.get()); !s.ok()) return s;
+      site = std::move(*started);
+      if (absl::Status s = worker->JoinSite(site.group.get()); !s.ok()) return s;
     }
+    SiteGroup* const group = site.group.get();
+    WorkerPool* const pool = site.pool.get();
     peer_service_.SetFrameBounds(worker->ExpectedFrames());
     if (o_.fault_nan_gradient_step >= 0 && !nan_fault_fired_) worker->InjectNanGradientAt(o_.fault_nan_gradient_step);
     // Checkpoints: job.checkpoint.dir (store: shared), or a scratch directory whose shards go to the
@@ -602,7 +589,7 @@ void Agent::OnAssign(const v1::StageAssignment& pa) {
         std::lock_guard<std::mutex> l(heartbeat_mu_);
         boundary = boundary_job_ == a.job_id ? boundary_step_ : 0;
       }
-      return ShareBoundary(group.get(), boundary);
+      return ShareBoundary(group, boundary);
     };
     run_result = RunStage(*worker, run);
     // The other workers end with their stage; on a failure here they are killed (the pool's destructor).
@@ -652,12 +639,22 @@ void Agent::OnAssign(const v1::StageAssignment& pa) {
   (void)coordinator_->ReportDone(result, kReportTimeout);
 }
 
-absl::StatusOr<std::unique_ptr<WorkerPool>> Agent::StartSiteWorkers(const std::string& command,
-                                                                    const std::string& store, const std::string& task) {
+absl::StatusOr<Agent::SiteWorkers> Agent::StartSiteWorkers(const std::string& dir, const std::string& task,
+                                                           const std::string& command) {
+  const std::string command_file = dir + "/" + task + ".pb", store = dir + "/store";
+  if (absl::Status s = core::WriteFileAtomic(command_file, command); !s.ok()) return s;
   const auto level = spdlog::level::to_string_view(spdlog::get_level());
-  return WorkerPool::Start({"--site", o_.site, "--site-store", store, "--site-command", command, "--site-task", task,
-                            "--log-level", std::string(level.data(), level.size())},
-                           devices_, absl::StrCat("site '", o_.site, "'"));
+  SiteWorkers w;
+  auto pool = WorkerPool::Start({"--site", o_.site, "--site-store", store, "--site-command", command_file,
+                                 "--site-task", task, "--log-level", std::string(level.data(), level.size())},
+                                devices_, absl::StrCat("site '", o_.site, "'"));
+  if (!pool.ok()) return pool.status();
+  w.pool = std::move(*pool);
+  auto group = SiteGroup::Join(store, 0, static_cast<int>(devices_.size()), kSiteGroupTimeout,
+                               absl::StrCat("site '", o_.site, "'"));
+  if (!group.ok()) return group.status();  // w's pool kills the workers it started
+  w.group = std::move(*group);
+  return w;
 }
 
 int RunSiteWorker(const SiteWorkerOptions& w) {

@@ -31,6 +31,7 @@ namespace meridian::executor {
 extern std::atomic<int> g_leave_requested;
 void InstallLeaveHandler();
 
+class SiteGroup;
 class WorkerPool;
 
 class Agent {
@@ -51,9 +52,15 @@ class Agent {
   void Heartbeats();
   void SetState(v1::SiteState state);
   // Workers 1..K-1 of this site for one assignment (`command`: its file) over the store file `store`.
-  // `task`: "stage" (command: a v1::StageAssignment) or "profile" (a v1::ProfileRequest).
-  absl::StatusOr<std::unique_ptr<WorkerPool>> StartSiteWorkers(const std::string& command, const std::string& store,
-                                                               const std::string& task);
+  // A site of several devices: workers 1..K-1 started for one task -- "stage" (`command`: a serialised
+  // v1::StageAssignment) or "profile" (a v1::ProfileRequest) -- in `dir` (its command and store files),
+  // and their c10d group with this process, worker 0.
+  struct SiteWorkers {
+    std::unique_ptr<SiteGroup> group;
+    std::unique_ptr<WorkerPool> pool;  // destroyed first: the workers are killed before their group closes
+  };
+  absl::StatusOr<SiteWorkers> StartSiteWorkers(const std::string& dir, const std::string& task,
+                                               const std::string& command);
 
   const ExecutorOptions o_;
   const v1::RegisterResponse reg_;

@@ -14,12 +14,6 @@ using Clock = std::chrono::steady_clock;
 
 }  // namespace
 
-// What the autograd hooks hold: they stay registered on the parameters after this object is gone.
-struct GradientAverager::HookSink {
-  std::mutex mu;
-  GradientAverager* target = nullptr;
-};
-
 GradientAverager::GradientAverager(Options options, std::vector<std::pair<std::string, torch::Tensor>> params,
                                    rpc::TensorInbox* inbox, std::map<std::string, rpc::PeerClient::OutStream*> scatter,
                                    std::map<std::string, rpc::PeerClient::OutStream*> gather)
@@ -27,36 +21,24 @@ GradientAverager::GradientAverager(Options options, std::vector<std::pair<std::s
       params_(std::move(params)),
       inbox_(inbox),
       scatter_(std::move(scatter)),
-      gather_(std::move(gather)),
-      sink_(std::make_shared<HookSink>()) {
-  sink_->target = this;
-  // Buckets in reverse parameter order: backward produces the last parameters' gradients first.
-  bucket_of_.assign(params_.size(), -1);
-  const int64_t cap = std::max<int64_t>(o_.bucket_bytes / 4, 1);
-  for (int i = static_cast<int>(params_.size()) - 1; i >= 0; --i) {
-    const int64_t n = params_[i].second.numel();
-    if (buckets_.empty() || (buckets_.back().numel > 0 && buckets_.back().numel + n > cap)) buckets_.emplace_back();
-    Bucket& b = buckets_.back();
-    b.params.push_back(i);
-    b.offsets.push_back(b.numel);
-    b.numel += n;
-    bucket_of_[i] = static_cast<int>(buckets_.size()) - 1;
+      gather_(std::move(gather)) {
+  const BucketLayout layout = LayOutBuckets(params_, o_.bucket_bytes);
+  bucket_of_ = layout.bucket_of;
+  for (const auto& l : layout.buckets) {
+    Bucket b;
+    b.params = l.params;
+    b.offsets = l.offsets;
+    b.numel = l.numel;
+    b.data.assign(l.numel, 0.0f);
+    buckets_.push_back(std::move(b));
   }
-  for (auto& b : buckets_) b.data.assign(b.numel, 0.0f);
   captured_.assign(params_.size(), false);
-  for (int i = 0; i < static_cast<int>(params_.size()); ++i) {
-    std::shared_ptr<HookSink> sink = sink_;
-    params_[i].second.register_hook([sink, i](const torch::Tensor& grad) {
-      std::lock_guard<std::mutex> l(sink->mu);
-      if (sink->target) sink->target->OnGradient(i, grad);
-    });
-  }
+  hooks_ = std::make_unique<GradientHooks>(params_, [this](int i, const torch::Tensor& grad) { OnGradient(i, grad); });
 }
 
 GradientAverager::~GradientAverager() {
   Stop();
-  std::lock_guard<std::mutex> l(sink_->mu);
-  sink_->target = nullptr;
+  hooks_.reset();  // the hooks stay on the parameters, doing nothing from here on
 }
 
 void GradientAverager::Stop() {

@@ -38,6 +38,7 @@
 
 #include "absl/status/status.h"
 #include "compression/codec.h"
+#include "executor/gradient_hooks.h"
 #include "rpc/peer.h"
 
 namespace meridian::executor {
@@ -99,7 +100,6 @@ class GradientAverager {
     int pending = 0;  // parameters not captured yet this step
     bool ready = false;
   };
-  struct HookSink;  // shared with the hooks, which may outlive this object
 
   void OnGradient(int param, const torch::Tensor& grad);  // from a hook
   void MarkLocked(int param, const torch::Tensor& final_grad, bool from_backward);
@@ -118,7 +118,6 @@ class GradientAverager {
   std::vector<std::pair<std::string, torch::Tensor>> params_;
   rpc::TensorInbox* inbox_;
   std::map<std::string, rpc::PeerClient::OutStream*> scatter_, gather_;
-  std::shared_ptr<HookSink> sink_;
   std::vector<Bucket> buckets_;
   std::vector<int> bucket_of_;                                                     // per parameter
   std::map<std::pair<int, int>, std::unique_ptr<compression::ErrorFeedback>> ef_;  // (bucket, peer or -1)
@@ -132,6 +131,7 @@ class GradientAverager {
   std::deque<int> ready_queue_;
   absl::Status error_;
   std::thread scatter_thread_, reduce_thread_;
+  std::unique_ptr<GradientHooks> hooks_;  // last: its callbacks use everything above
   std::atomic<int64_t> wire_bytes_{0}, raw_bytes_{0}, buckets_synced_{0}, buckets_during_backward_{0};
 };
 

@@ -162,43 +162,23 @@ absl::Status SiteGroup::PendingSum::Wait() {
 
 // ---- SiteReducer ----
 
-struct SiteReducer::HookSink {
-  std::mutex mu;
-  SiteReducer* target = nullptr;
-};
-
 SiteReducer::SiteReducer(SiteGroup* group, std::vector<std::pair<std::string, torch::Tensor>> params,
                          int64_t bucket_bytes)
-    : group_(group), params_(std::move(params)), sink_(std::make_shared<HookSink>()) {
-  sink_->target = this;
-  bucket_of_.assign(params_.size(), -1);
-  offset_of_.assign(params_.size(), 0);
-  const int64_t cap = std::max<int64_t>(bucket_bytes / 4, 1);
-  for (int i = static_cast<int>(params_.size()) - 1; i >= 0; --i) {  // backward's order
-    const int64_t n = params_[i].second.numel();
-    if (buckets_.empty() || (buckets_.back().numel > 0 && buckets_.back().numel + n > cap)) buckets_.emplace_back();
-    Bucket& b = buckets_.back();
-    b.params.push_back(i);
-    b.offsets.push_back(b.numel);
-    offset_of_[i] = static_cast<int>(b.numel);
-    b.numel += n;
-    bucket_of_[i] = static_cast<int>(buckets_.size()) - 1;
+    : group_(group), params_(std::move(params)) {
+  const BucketLayout layout = LayOutBuckets(params_, bucket_bytes);
+  bucket_of_ = layout.bucket_of;
+  offset_of_ = layout.offset_of;
+  for (const auto& l : layout.buckets) {
+    Bucket b;
+    b.params = l.params;
+    b.data = torch::zeros({l.numel}, torch::kFloat32);
+    buckets_.push_back(std::move(b));
   }
-  for (auto& b : buckets_) b.data = torch::zeros({b.numel}, torch::kFloat32);
   captured_.assign(params_.size(), false);
-  for (int i = 0; i < static_cast<int>(params_.size()); ++i) {
-    std::shared_ptr<HookSink> sink = sink_;
-    params_[i].second.register_hook([sink, i](const torch::Tensor& grad) {
-      std::lock_guard<std::mutex> l(sink->mu);
-      if (sink->target) sink->target->OnGradient(i, grad);
-    });
-  }
+  hooks_ = std::make_unique<GradientHooks>(params_, [this](int i, const torch::Tensor& grad) { OnGradient(i, grad); });
 }
 
-SiteReducer::~SiteReducer() {
-  std::lock_guard<std::mutex> l(sink_->mu);
-  sink_->target = nullptr;
-}
+SiteReducer::~SiteReducer() { hooks_.reset(); }
 
 void SiteReducer::CaptureNextBackward() {
   capturing_ = true;
@@ -362,6 +342,9 @@ void WorkerPool::Stop(std::chrono::milliseconds grace) {
   if (monitor_.joinable()) monitor_.join();
 }
 
-WorkerPool::~WorkerPool() { Stop(std::chrono::milliseconds(0)); }
+// A worker killed by someone else closes its sockets before it can be reaped: worker 0 may see its group
+// fail and come here first. A second lets such a worker finish dying and be judged (a death, not our
+// kill); the workers still running are waiting in a collective and are killed then.
+WorkerPool::~WorkerPool() { Stop(std::chrono::seconds(1)); }
 
 }  // namespace meridian::executor

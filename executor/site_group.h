@@ -30,6 +30,7 @@
 #include <torch/torch.h>
 
 #include "absl/status/statusor.h"
+#include "executor/gradient_hooks.h"
 
 namespace meridian::executor {
 
@@ -103,14 +104,11 @@ class SiteReducer {
  private:
   struct Bucket {
     std::vector<int> params;
-    std::vector<int64_t> offsets;
-    int64_t numel = 0;
     torch::Tensor data;
     int pending = 0;
     bool started = false;
     SiteGroup::PendingSum sum;
   };
-  struct HookSink;
   void OnGradient(int param, const torch::Tensor& grad);
   void Capture(int param, const torch::Tensor& final_grad);
   void Start(int bucket);
@@ -118,11 +116,12 @@ class SiteReducer {
   SiteGroup* group_;
   std::vector<std::pair<std::string, torch::Tensor>> params_;
   std::vector<Bucket> buckets_;
-  std::vector<int> bucket_of_, offset_of_;
+  std::vector<int> bucket_of_;
+  std::vector<int64_t> offset_of_;
   std::vector<bool> captured_;
-  std::shared_ptr<HookSink> sink_;
   bool capturing_ = false;
   int during_backward_ = 0;
+  std::unique_ptr<GradientHooks> hooks_;  // last: its callbacks use everything above
 };
 
 // Workers 1..K-1 of a site, started by worker 0 (the executor) as children running this same executable
@@ -139,7 +138,7 @@ class WorkerPool {
   // the ones still running. Idempotent. Destroy the pool before the site's SiteGroup: a group closed
   // under a running worker makes it fail, which would read as a death.
   void Stop(std::chrono::milliseconds grace);
-  ~WorkerPool();  // Stop(0)
+  ~WorkerPool();  // Stop(1 s): see site_group.cc
 
  private:
   WorkerPool() = default;
