@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds and runs the compression library's GPU tests and kernel benchmarks, and the cuBLAS probe
-# (gpu/: GEMM throughput through cuBLAS directly, with a correctness check) on a GPU machine, in one
-# call (a few minutes). The GPU machine need not have Debian's -dev packages: run `--prepare` here
+# (gpu/: GEMM throughput through cuBLAS directly, with a correctness check) and NCCL among a site's
+# workers (gpu/nccl_group.h, two ranks on two GPUs where present) on a GPU machine, in one call (a few
+# minutes). The GPU machine need not have Debian's -dev packages: run `--prepare` here
 # first, which downloads the few it needs into .gpudeps/ (ignored by git), and carry that folder.
 #   here:        bash scripts/gpu_check.sh --prepare
 #   GPU machine: bash scripts/gpu_check.sh            (writes gpu-check.log; copies it to $OUT if set)
@@ -29,6 +30,9 @@ LOG=gpu-check.log
   build-gpu/compression/compression_test --gtest_brief=1
   build-gpu/compression/cuda/compression_gpu_bench
   build-gpu/gpu/gpu_probe_test
+  # NCCL among a site's workers, one rank per device: needs two GPUs (it says so and skips on one).
+  if [[ -x build-gpu/gpu/nccl_group_test ]]; then build-gpu/gpu/nccl_group_test; else
+    echo "NCCL is not in this CUDA toolkit: gpu/nccl_group_test was not built"; fi
   build-gpu/bin/meridian-gpu-probe 0 8192
 } 2>&1 | tee "$LOG"
 [[ -n ${OUT:-} ]] && cp "$LOG" "$OUT/" || true

@@ -1,0 +1,95 @@
+// NCCL among a site's workers, one rank per CUDA device (scripts/gpu_check.sh runs it on a GPU machine):
+// two ranks, one thread each, sum, broadcast, gather and exchange rows as a site's group does.
+#include "gpu/nccl_group.h"
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <thread>
+#include <vector>
+
+namespace meridian::gpu {
+namespace {
+
+int Devices() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) return 0;
+  return n;
+}
+
+TEST(NcclGroup, TwoRanksSumBroadcastGatherAndExchangeRows) {
+  const int devices = Devices();
+  if (devices < 2)
+    GTEST_SKIP() << "NCCL runs one rank per device and this machine has " << devices
+                 << " CUDA device(s); a site of workers on one GPU would use Gloo through host memory";
+  const std::string id = (std::filesystem::temp_directory_path() / ("meridian_nccl_" + std::to_string(::getpid())))
+                             .string();
+  std::filesystem::remove(id);
+  const int64_t n = 1 << 20;
+  std::vector<std::vector<float>> sum(2), bcast(2), gathered(2), got(2);
+  std::vector<std::string> errors(2);
+  auto rank = [&](int r) {
+    auto g = NcclGroup::Join(id, r, 2, r, std::chrono::seconds(60));
+    if (!g.ok()) {
+      errors[r] = std::string(g.status().message());
+      return;
+    }
+    float *a = nullptr, *b = nullptr;
+    cudaMalloc(&a, n * sizeof(float));
+    cudaMalloc(&b, 2 * n * sizeof(float));
+    std::vector<float> host(n, static_cast<float>(r + 1));
+    cudaMemcpy(a, host.data(), n * sizeof(float), cudaMemcpyHostToDevice);
+    auto check = [&](const absl::Status& s) {
+      if (!s.ok() && errors[r].empty()) errors[r] = std::string(s.message());
+    };
+    check((*g)->AllReduceSum(a, n));
+    sum[r].resize(n);
+    cudaMemcpy(sum[r].data(), a, n * sizeof(float), cudaMemcpyDeviceToHost);
+    std::vector<float> mine(n, static_cast<float>(10 * (r + 1)));
+    cudaMemcpy(a, mine.data(), n * sizeof(float), cudaMemcpyHostToDevice);
+    check((*g)->AllGather(a, b, n));
+    gathered[r].resize(2 * n);
+    cudaMemcpy(gathered[r].data(), b, 2 * n * sizeof(float), cudaMemcpyDeviceToHost);
+    check((*g)->Broadcast(a, n));
+    bcast[r].resize(n);
+    cudaMemcpy(bcast[r].data(), a, n * sizeof(float), cudaMemcpyDeviceToHost);
+    // Rows from rank 0 to rank 1, as worker 0 scatters a micro-batch.
+    if (r == 0) {
+      check((*g)->Send(a, n / 2, 1));
+    } else {
+      check((*g)->Recv(b, n / 2, 0));
+      got[r].resize(n / 2);
+      cudaMemcpy(got[r].data(), b, n / 2 * sizeof(float), cudaMemcpyDeviceToHost);
+    }
+    cudaFree(a);
+    cudaFree(b);
+  };
+  std::thread t0(rank, 0), t1(rank, 1);
+  t0.join();
+  t1.join();
+  std::filesystem::remove(id);
+  for (const auto& e : errors) ASSERT_EQ(e, "");
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(sum[r].front(), 3.0f);
+    EXPECT_EQ(sum[r].back(), 3.0f);
+    EXPECT_EQ(gathered[r][0], 10.0f);
+    EXPECT_EQ(gathered[r][2 * n - 1], 20.0f);
+    EXPECT_EQ(bcast[r][n - 1], 10.0f);
+  }
+  EXPECT_EQ(got[1].front(), 10.0f);
+}
+
+// Without a device (cudaSetDevice fails) or without rank 0 (no id comes): an error naming the rank and device.
+TEST(NcclGroup, ARankWithoutItsPeerOrDeviceFailsNamingItself) {
+  const std::string id = (std::filesystem::temp_directory_path() / ("meridian_nccl_alone_" + std::to_string(::getpid())))
+                             .string();
+  std::filesystem::remove(id);
+  auto g = NcclGroup::Join(id, 1, 2, 0, std::chrono::milliseconds(300));  // rank 0 never comes
+  ASSERT_FALSE(g.ok());
+  EXPECT_NE(g.status().message().find("NCCL rank 1 of 2 on cuda:0"), std::string::npos) << g.status();
+}
+
+}  // namespace
+}  // namespace meridian::gpu
