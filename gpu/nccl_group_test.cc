@@ -24,8 +24,8 @@ TEST(NcclGroup, TwoRanksSumBroadcastGatherAndExchangeRows) {
   if (devices < 2)
     GTEST_SKIP() << "NCCL runs one rank per device and this machine has " << devices
                  << " CUDA device(s); a site of workers on one GPU would use Gloo through host memory";
-  const std::string id = (std::filesystem::temp_directory_path() / ("meridian_nccl_" + std::to_string(::getpid())))
-                             .string();
+  const std::string id =
+      (std::filesystem::temp_directory_path() / ("meridian_nccl_" + std::to_string(::getpid()))).string();
   std::filesystem::remove(id);
   const int64_t n = 1 << 20;
   std::vector<std::vector<float>> sum(2), bcast(2), gathered(2), got(2);
@@ -83,8 +83,8 @@ TEST(NcclGroup, TwoRanksSumBroadcastGatherAndExchangeRows) {
 
 // Without a device (cudaSetDevice fails) or without rank 0 (no id comes): an error naming the rank and device.
 TEST(NcclGroup, ARankWithoutItsPeerOrDeviceFailsNamingItself) {
-  const std::string id = (std::filesystem::temp_directory_path() / ("meridian_nccl_alone_" + std::to_string(::getpid())))
-                             .string();
+  const std::string id =
+      (std::filesystem::temp_directory_path() / ("meridian_nccl_alone_" + std::to_string(::getpid()))).string();
   std::filesystem::remove(id);
   auto g = NcclGroup::Join(id, 1, 2, 0, std::chrono::milliseconds(300));  // rank 0 never comes
   ASSERT_FALSE(g.ok());
