@@ -21,34 +21,25 @@ using ::testing::Not;
 
 constexpr char kRun[] = "r";
 
-partitioner::OpGraph SmallGraph() {
+// A LLaMA graph with `heads` attention and key-value heads, 2 sequences of `sequence` tokens per micro-batch.
+partitioner::OpGraph Graph(int vocab, int hidden, int intermediate, int layers, int heads, int sequence) {
   partitioner::LlamaShape shape;
-  shape.vocab_size = 256;
-  shape.hidden_size = 64;
-  shape.intermediate_size = 128;
-  shape.num_hidden_layers = 2;
-  shape.num_attention_heads = 4;
-  shape.num_key_value_heads = 4;
+  shape.vocab_size = vocab;
+  shape.hidden_size = hidden;
+  shape.intermediate_size = intermediate;
+  shape.num_hidden_layers = layers;
+  shape.num_attention_heads = heads;
+  shape.num_key_value_heads = heads;
   partitioner::LlamaGraphOptions go;
   go.micro_batch_size = 2;
-  go.sequence_length = 16;
-  return partitioner::BuildLlamaGraph(shape, go);  // 6 ops
-}
-
-// A model large enough per op that the planner pipelines it over the three sites of Config().
-partitioner::OpGraph LargeGraph() {
-  partitioner::LlamaShape shape;
-  shape.vocab_size = 32000;
-  shape.hidden_size = 1024;
-  shape.intermediate_size = 4096;
-  shape.num_hidden_layers = 8;
-  shape.num_attention_heads = 16;
-  shape.num_key_value_heads = 16;
-  partitioner::LlamaGraphOptions go;
-  go.micro_batch_size = 2;
-  go.sequence_length = 128;
+  go.sequence_length = sequence;
   return partitioner::BuildLlamaGraph(shape, go);
 }
+
+partitioner::OpGraph SmallGraph() { return Graph(256, 64, 128, 2, 4, 16); }  // 6 ops
+
+// A model large enough per op that the planner pipelines it over the three sites of Config().
+partitioner::OpGraph LargeGraph() { return Graph(32000, 1024, 4096, 8, 16, 128); }
 
 // A three-site cluster (a, b, c), a 20-step job with checkpoints every 5 steps.
 RunConfig Config(core::OnFailure on_failure = core::OnFailure::kReplan) {

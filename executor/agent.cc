@@ -204,6 +204,15 @@ absl::StatusOr<JobSetup> AssignedJob(const v1::StageAssignment& pa, const StageA
   return setup;
 }
 
+// The steps of an assignment and when to checkpoint: what every worker of a site runs alike.
+StageRun StageRunOf(const v1::StageAssignment& pa, const JobSetup& setup) {
+  StageRun run;
+  run.steps = pa.steps() > 0 ? pa.steps() : setup.job.steps;
+  run.total_steps = setup.job.steps;
+  run.checkpoint_interval = setup.job.checkpoint.interval;
+  return run;
+}
+
 // The log line that says what optimizer state a worker of a site holds (ZeRO-1 shards it).
 void LogOptimizerState(const std::string& where, const StageWorker& worker) {
   int64_t trained = 0;
@@ -498,12 +507,9 @@ void Agent::OnAssign(const v1::StageAssignment& pa) {
     if (via_coordinator)
       if (absl::Status s = scratch.Create(); !s.ok()) return s;
     CheckpointUploader uploader(coordinator_, o_.site, a.job_id);
-    StageRun run;
-    run.steps = pa.steps() > 0 ? pa.steps() : setup->job.steps;
-    run.total_steps = setup->job.steps;
+    StageRun run = StageRunOf(pa, *setup);
     run.checkpoint_dir = via_coordinator ? (scratch.path / "out").string()
                                          : core::ResolveRelative(pa.job_dir() + "/job.yaml", setup->job.checkpoint.dir);
-    run.checkpoint_interval = setup->job.checkpoint.interval;
     run.checkpoint_keep = via_coordinator ? 0 : setup->job.checkpoint.keep;  // the coordinator prunes its store
     if (pa.resume_step() != 0) {  // -1: the newest intact checkpoint; S > 0: step S
       run.forget_checkpoints_after_resume = !via_coordinator;
@@ -659,63 +665,52 @@ absl::StatusOr<Agent::SiteWorkers> Agent::StartSiteWorkers(const std::string& di
 
 int RunSiteWorker(const SiteWorkerOptions& w) {
   const std::string where = absl::StrCat("site '", w.site, "' worker ", w.rank, " of ", w.workers);
-  auto fail = [&](const absl::Status& s) {
-    spdlog::error("{}", absl::StrCat(where, ": ", s.message()));
-    return 1;
-  };
   auto text = core::ReadFile(w.command);
-  if (!text.ok()) return fail(text.status());
-  if (w.task == "profile") {  // the site's measurement, as worker w.rank
-    v1::ProfileRequest p;
-    if (!p.ParseFromString(*text)) return fail(absl::DataLossError(absl::StrCat(w.command, ": not a profile request")));
-    absl::Status s = GuardTorch(where, [&]() -> absl::Status {
-      auto setup = JobFromText(p.job_yaml(), p.job_dir());
-      if (!setup.ok()) return setup.status();
+  absl::Status status = text.status();
+  if (text.ok())
+    status = GuardTorch(where, [&]() -> absl::Status {
       auto group = SiteGroup::Join(w.store, w.rank, w.workers, kSiteGroupTimeout, absl::StrCat("site '", w.site, "'"));
       if (!group.ok()) return group.status();
-      const torch::Device device = w.device == "cpu" ? torch::Device(torch::kCPU) : torch::Device(w.device);
-      return ProfileAsWorker(group->get(), *setup, w.site, device, p.repeats() > 0 ? p.repeats() : 5).status();
+      const torch::Device device(w.device);
+      if (w.task == "profile") {  // the site's measurement, as worker w.rank
+        v1::ProfileRequest p;
+        if (!p.ParseFromString(*text)) return absl::DataLossError(absl::StrCat(w.command, ": not a profile request"));
+        auto setup = JobFromText(p.job_yaml(), p.job_dir());
+        if (!setup.ok()) return setup.status();
+        auto prof = ProfileAsWorker(group->get(), *setup, w.site, device, p.repeats() > 0 ? p.repeats() : 5);
+        if (prof.ok()) spdlog::info("{}", absl::StrCat(where, ": measured"));
+        return prof.status();
+      }
+      v1::StageAssignment pa;
+      if (!pa.ParseFromString(*text)) return absl::DataLossError(absl::StrCat(w.command, ": not an assignment"));
+      const StageAssignment a = FromProto(pa);
+      auto setup = AssignedJob(pa, a);
+      if (!setup.ok()) return setup.status();
+      rpc::TensorInbox unused;  // worker 0 receives the site's tensors
+      auto worker = StageWorker::Create(*setup, a, &unused, "", w.site, device, std::chrono::seconds(60));
+      if (!worker.ok()) return worker.status();
+      if (absl::Status s = (*worker)->JoinSite(group->get()); !s.ok()) return s;
+      spdlog::info("{}", absl::StrCat(where, ": stage ", a.stage, " (ops ", a.first_op, "-", a.last_op, ") on ",
+                                      w.device, ", process ", ::getpid()));
+      // What worker 0 runs, with its decisions (resume step, boundary) received from it.
+      StageRun run = StageRunOf(pa, *setup);
+      if (pa.resume_step() != 0)
+        run.resume = []() -> absl::StatusOr<Checkpoint> {
+          Checkpoint c;
+          c.path = "worker 0's checkpoint";
+          return c;
+        };
+      SiteGroup* g = group->get();
+      run.end_after = [g] { return ShareBoundary(g, 0); };
+      const StageRunResult result = RunStage(**worker, run);
+      if (!result.status.ok()) return result.status;
+      LogOptimizerState(where, **worker);
+      spdlog::info("{}", absl::StrCat(where, ": done after step ", result.steps_done));
+      return absl::OkStatus();
     });
-    if (!s.ok()) return fail(s);
-    spdlog::info("{}", absl::StrCat(where, ": measured"));
-    return 0;
-  }
-  v1::StageAssignment pa;
-  if (!pa.ParseFromString(*text)) return fail(absl::DataLossError(absl::StrCat(w.command, ": not an assignment")));
-  const StageAssignment a = FromProto(pa);
-  StageRunResult result;
-  result.status = GuardTorch(where, [&]() -> absl::Status {
-    auto setup = AssignedJob(pa, a);
-    if (!setup.ok()) return setup.status();
-    const torch::Device device = w.device == "cpu" ? torch::Device(torch::kCPU) : torch::Device(w.device);
-    rpc::TensorInbox unused;  // worker 0 receives the site's tensors
-    auto worker = StageWorker::Create(*setup, a, &unused, "", w.site, device, std::chrono::seconds(60));
-    if (!worker.ok()) return worker.status();
-    auto group = SiteGroup::Join(w.store, w.rank, w.workers, kSiteGroupTimeout, absl::StrCat("site '", w.site, "'"));
-    if (!group.ok()) return group.status();
-    if (absl::Status s = (*worker)->JoinSite(group->get()); !s.ok()) return s;
-    spdlog::info("{}", absl::StrCat(where, ": stage ", a.stage, " (ops ", a.first_op, "-", a.last_op, ") on ", w.device,
-                                    ", process ", ::getpid()));
-    // What worker 0 runs, with its decisions (resume step, boundary) received from it.
-    StageRun run;
-    run.steps = pa.steps() > 0 ? pa.steps() : setup->job.steps;
-    run.total_steps = setup->job.steps;
-    run.checkpoint_interval = setup->job.checkpoint.interval;
-    if (pa.resume_step() != 0)
-      run.resume = []() -> absl::StatusOr<Checkpoint> {
-        Checkpoint c;
-        c.path = "worker 0's checkpoint";
-        return c;
-      };
-    SiteGroup* g = group->get();
-    run.end_after = [g] { return ShareBoundary(g, 0); };
-    result = RunStage(**worker, run);
-    if (result.status.ok()) LogOptimizerState(where, **worker);
-    return result.status;
-  });
-  if (!result.status.ok()) return fail(result.status);
-  spdlog::info("{}", absl::StrCat(where, ": done after step ", result.steps_done));
-  return 0;
+  if (status.ok()) return 0;
+  spdlog::error("{}", absl::StrCat(where, ": ", status.message()));
+  return 1;
 }
 
 }  // namespace meridian::executor

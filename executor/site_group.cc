@@ -109,12 +109,7 @@ absl::StatusOr<torch::Tensor> SiteGroup::Gather(const torch::Tensor& mine, const
   return whole;
 }
 
-absl::Status SiteGroup::AllReduce(torch::Tensor& t) {
-  return Guard("summing over the workers", [&] {
-    std::vector<at::Tensor> v{t};
-    impl_->pg->allreduce(v)->wait();
-  });
-}
+absl::Status SiteGroup::AllReduce(torch::Tensor& t) { return StartAllReduce(t).Wait(); }
 
 absl::Status SiteGroup::Broadcast(torch::Tensor& t) {
   return Guard("broadcasting from worker 0", [&] {
@@ -123,6 +118,20 @@ absl::Status SiteGroup::Broadcast(torch::Tensor& t) {
     o.rootRank = 0;
     impl_->pg->broadcast(v, o)->wait();
   });
+}
+
+absl::Status SiteGroup::BroadcastInPlace(const std::vector<torch::Tensor>& tensors) {
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> parts;
+  for (const auto& t : tensors) parts.push_back(t.detach().reshape({-1}).to(torch::kCPU, torch::kFloat32));
+  torch::Tensor flat = torch::cat(parts);
+  if (absl::Status s = Broadcast(flat); !s.ok()) return s;
+  int64_t offset = 0;
+  for (const auto& t : tensors) {
+    torch::Tensor(t).copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+    offset += t.numel();
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<torch::Tensor> SiteGroup::AllGather(const torch::Tensor& mine) {
@@ -141,7 +150,7 @@ absl::StatusOr<torch::Tensor> SiteGroup::AllGather(const torch::Tensor& mine) {
 SiteGroup::PendingSum SiteGroup::StartAllReduce(torch::Tensor t) {
   PendingSum p;
   c10::intrusive_ptr<::c10d::Work> work;
-  absl::Status started = Guard("summing gradients over the workers", [&] {
+  absl::Status started = Guard("summing over the workers", [&] {
     std::vector<at::Tensor> v{t};
     work = impl_->pg->allreduce(v);
   });
@@ -149,7 +158,7 @@ SiteGroup::PendingSum SiteGroup::StartAllReduce(torch::Tensor t) {
     p.wait_ = [started] { return started; };
     return p;
   }
-  p.wait_ = [this, work] { return Guard("summing gradients over the workers", [&] { work->wait(); }); };
+  p.wait_ = [this, work] { return Guard("summing over the workers", [&] { work->wait(); }); };
   return p;
 }
 

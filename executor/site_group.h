@@ -59,6 +59,9 @@ class SiteGroup {
   absl::Status AllReduce(torch::Tensor& t);
   // Copies worker 0's `t` (CPU, contiguous, the same shape everywhere) to every worker, in place.
   absl::Status Broadcast(torch::Tensor& t);
+  // Copies worker 0's `tensors` (each the same shape on every worker; any device) into every worker's, in
+  // place, as one float32 broadcast.
+  absl::Status BroadcastInPlace(const std::vector<torch::Tensor>& tensors);
   // Every worker passes `mine` (float32, the same numel everywhere); every worker gets the workers' tensors
   // concatenated in rank order.
   absl::StatusOr<torch::Tensor> AllGather(const torch::Tensor& mine);

@@ -579,16 +579,9 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
       replica_buckets_during_backward_ = averager_->buckets_during_backward();
     }
     if (group_ && a_.replicas.sites.size() > 1) {  // worker 0 summed over the replicas: to every worker
-      torch::NoGradGuard no_grad;
       std::vector<torch::Tensor> grads;
-      for (auto& [n, p] : model_->parameters()) grads.push_back(p.grad().reshape({-1}).cpu());
-      torch::Tensor flat = torch::cat(grads);
-      if (absl::Status s = group_->Broadcast(flat); !s.ok()) return Annotate(s, Where());
-      int64_t offset = 0;
-      for (auto& [n, p] : model_->parameters()) {
-        p.mutable_grad() = flat.narrow(0, offset, p.numel()).view(p.sizes()).to(device_).clone();
-        offset += p.numel();
-      }
+      for (auto& [n, p] : model_->parameters()) grads.push_back(p.grad());  // every one set by reducer_
+      if (absl::Status s = group_->BroadcastInPlace(grads); !s.ok()) return Annotate(s, Where());
     }
     if (group_) {  // the site's loss: every worker's rows
       torch::Tensor l = torch::full({1}, loss_sum, torch::kFloat64);
@@ -821,34 +814,24 @@ absl::Status StageWorker::RestoreSite(const Checkpoint& c) {
       header[1 + i] = c.tensors.count("optim.m." + params[i].first) && c.tensors.count("optim.v." + params[i].first);
   }
   if (absl::Status s = group_->Broadcast(header); !s.ok()) return Annotate(s, Where());
-  auto flat = [&](const std::string& prefix) {
-    std::vector<torch::Tensor> parts;
-    for (const auto& [n, p] : params) {
+  // The parameters in place; the moments into tensors of their shapes (zeros where the checkpoint has none).
+  std::vector<torch::Tensor> values, m, v;
+  for (const auto& [n, p] : params) {
+    values.push_back(p);
+    for (auto [prefix, into] :
+         {std::pair<const char*, std::vector<torch::Tensor>*>{"optim.m.", &m}, {"optim.v.", &v}}) {
       auto it = c.tensors.find(prefix + n);
-      parts.push_back(!root                   ? torch::zeros({p.numel()})
-                      : prefix.empty()        ? p.detach().reshape({-1}).cpu().to(torch::kFloat32)
-                      : it != c.tensors.end() ? it->second.reshape({-1}).to(torch::kFloat32)
-                                              : torch::zeros({p.numel()}));
-    }
-    return torch::cat(parts);
-  };
-  torch::Tensor values = flat(""), m = flat("optim.m."), v = flat("optim.v.");
-  for (torch::Tensor* t : {&values, &m, &v})
-    if (absl::Status s = group_->Broadcast(*t); !s.ok()) return Annotate(s, Where());
-  std::map<std::string, torch::Tensor> state;
-  int64_t offset = 0;
-  {
-    torch::NoGradGuard no_grad;
-    for (size_t i = 0; i < params.size(); ++i) {
-      const auto& [n, p] = params[i];
-      p.view({-1}).copy_(values.narrow(0, offset, p.numel()).to(p.device()));
-      if (header[1 + i].item<double>() != 0) {
-        state["optim.m." + n] = m.narrow(0, offset, p.numel()).view(p.sizes()).clone();
-        state["optim.v." + n] = v.narrow(0, offset, p.numel()).view(p.sizes()).clone();
-      }
-      offset += p.numel();
+      into->push_back(root && it != c.tensors.end() ? it->second.to(torch::kFloat32).clone() : torch::zeros(p.sizes()));
     }
   }
+  for (const auto* tensors : {&values, &m, &v})
+    if (absl::Status s = group_->BroadcastInPlace(*tensors); !s.ok()) return Annotate(s, Where());
+  std::map<std::string, torch::Tensor> state;
+  for (size_t i = 0; i < params.size(); ++i)
+    if (header[1 + i].item<double>() != 0) {
+      state["optim.m." + params[i].first] = m[i];
+      state["optim.v." + params[i].first] = v[i];
+    }
   restored_step_ = static_cast<int64_t>(header[0].item<double>());
   absl::Status s = zero_ ? zero_->ImportState(params, state, restored_step_)
                          : opt_.ImportState(params, state, restored_step_, device_);
