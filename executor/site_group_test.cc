@@ -18,7 +18,8 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// Runs fn(group) on `k` workers, one thread each, in a fresh group; returns each worker's failure text.
+// Runs fn(group) on `k` workers, one thread each, in a fresh group, which they leave together; returns each
+// worker's failure text.
 std::vector<std::string> OnWorkers(int k, const std::function<void(SiteGroup&)>& fn) {
   static int n = 0;
   const std::string store =
@@ -35,6 +36,9 @@ std::vector<std::string> OnWorkers(int k, const std::function<void(SiteGroup&)>&
         return;
       }
       fn(**g);
+      // Stay until every worker is done: a group closed while another worker still joins or runs fails it.
+      torch::Tensor done = torch::zeros({1});
+      if (absl::Status s = (*g)->AllReduce(done); !s.ok()) errors[r] = std::string(s.message());
     });
   for (auto& t : threads) t.join();
   fs::remove(store);
