@@ -40,7 +40,7 @@ std::string JoinCommand(const core::SiteSpec& site, const std::string& certs_dir
 
 absl::Status LaunchSshSites(const core::ClusterSpec& spec, const std::string& certs_dir, const std::string& coordinator,
                             launch::SshLauncher* launcher) {
-  std::vector<std::pair<std::string, std::future<absl::Status>>> running;
+  std::vector<launch::SiteLaunch> sites;
   for (const auto& site : spec.sites) {
     if (!site.ssh) continue;
     launch::SiteLaunch s;
@@ -50,14 +50,25 @@ absl::Status LaunchSshSites(const core::ClusterSpec& spec, const std::string& ce
     s.coordinator = coordinator;
     s.listen = site.address.ToString();
     s.device = site.devices.front();
-    running.emplace_back(site.name, std::async(std::launch::async, [launcher, s] { return launcher->Launch(s); }));
+    sites.push_back(std::move(s));
   }
-  if (running.empty())
+  if (sites.empty())
     return absl::InvalidArgumentError(
         "no site of the cluster spec has an 'ssh:' section; add one to each site to start over SSH (docs/launch.md)");
-  std::string errors;
-  for (auto& [site, f] : running)
-    if (absl::Status st = f.get(); !st.ok()) absl::StrAppend(&errors, errors.empty() ? "" : "\n", st.message());
+  // Every site at once, one thread each: the errors of all of them, in the spec's order.
+  auto each = [&](absl::Status (launch::SshLauncher::*step)(const launch::SiteLaunch&)) {
+    std::vector<std::future<absl::Status>> running;
+    for (const auto& s : sites)
+      running.push_back(std::async(std::launch::async, [launcher, step, &s] { return (launcher->*step)(s); }));
+    std::string errors;
+    for (auto& f : running)
+      if (absl::Status st = f.get(); !st.ok()) absl::StrAppend(&errors, errors.empty() ? "" : "\n", st.message());
+    return errors;
+  };
+  // Every site logged into and its executor's version checked before anything is copied or started, so
+  // that a site that cannot work fails within one login and leaves nothing running anywhere.
+  if (std::string errors = each(&launch::SshLauncher::Check); !errors.empty()) return absl::UnavailableError(errors);
+  std::string errors = each(&launch::SshLauncher::Start);
   if (errors.empty()) return absl::OkStatus();
   launcher->StopAll();
   return absl::UnavailableError(errors);

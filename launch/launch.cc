@@ -234,22 +234,36 @@ SshLauncher::SshLauncher(LaunchOptions options, LogSink on_problem, Say say)
 
 SshLauncher::~SshLauncher() { StopAll(); }
 
+std::string SshLauncher::Who(const SiteLaunch& s) {
+  return absl::StrCat("site '", s.site, "' (", Destination(s.ssh), ")");
+}
+
+std::chrono::seconds SshLauncher::Limit() const { return std::chrono::seconds(options_.connect_timeout_seconds + 30); }
+
+absl::Status SshLauncher::SshFailed(const SiteLaunch& s, const CommandResult& r, const std::string& doing) const {
+  const std::string who = Who(s);
+  if (r.spawn_failed) return absl::FailedPreconditionError(absl::StrCat(who, ": ", r.err));
+  if (r.too_much_output)
+    return absl::UnavailableError(absl::StrCat(who, ": ", doing, " printed more than 16 MiB; stopped"));
+  if (r.exit_code == -1)
+    return absl::DeadlineExceededError(absl::StrCat(who, ": ", doing, " took longer than ", Limit().count(), " s"));
+  // 255 is ssh's own failure (login, host key, network); any other code is the remote command's.
+  std::string why = r.exit_code == 255 ? ExplainSshFailure(s.ssh, r.err) : "";
+  if (why.empty())
+    why = absl::StrCat(doing, " failed (exit ", r.exit_code, "): ", core::Printable(LastLine(r.err + "\n" + r.out)));
+  return absl::UnavailableError(absl::StrCat(who, ": ", why));
+}
+
 absl::Status SshLauncher::Launch(const SiteLaunch& s) {
+  if (absl::Status st = Check(s); !st.ok()) return st;
+  return Start(s);
+}
+
+absl::Status SshLauncher::Check(const SiteLaunch& s) {
   const core::SshSpec& ssh = s.ssh;
-  const std::string who = absl::StrCat("site '", s.site, "' (", Destination(ssh), ")");
-  const auto limit = std::chrono::seconds(options_.connect_timeout_seconds + 30);
-  auto ssh_failed = [&](const CommandResult& r, const std::string& doing) {
-    if (r.spawn_failed) return absl::FailedPreconditionError(absl::StrCat(who, ": ", r.err));
-    if (r.too_much_output)
-      return absl::UnavailableError(absl::StrCat(who, ": ", doing, " printed more than 16 MiB; stopped"));
-    if (r.exit_code == -1)
-      return absl::DeadlineExceededError(absl::StrCat(who, ": ", doing, " took longer than ", limit.count(), " s"));
-    // 255 is ssh's own failure (login, host key, network); any other code is the remote command's.
-    std::string why = r.exit_code == 255 ? ExplainSshFailure(ssh, r.err) : "";
-    if (why.empty())
-      why = absl::StrCat(doing, " failed (exit ", r.exit_code, "): ", core::Printable(LastLine(r.err + "\n" + r.out)));
-    return absl::UnavailableError(absl::StrCat(who, ": ", why));
-  };
+  const std::string who = Who(s);
+  const auto limit = Limit();
+  auto ssh_failed = [&](const CommandResult& r, const std::string& doing) { return SshFailed(s, r, doing); };
   for (const auto& f : BundleFiles(s.site))
     if (!fs::is_regular_file(fs::path(s.bundle_dir) / f))
       return absl::FailedPreconditionError(absl::StrCat(who, ": the site's certificate bundle ", s.bundle_dir,
@@ -280,6 +294,13 @@ absl::Status SshLauncher::Launch(const SiteLaunch& s) {
     say_(s.site, absl::StrCat("accepted the new host key of ", Destination(ssh), " into ", KnownHostsFile(ssh), ": ",
                               key.empty() ? "(not found there)" : key));
   }
+  return absl::OkStatus();
+}
+
+absl::Status SshLauncher::Start(const SiteLaunch& s) {
+  const core::SshSpec& ssh = s.ssh;
+  const auto limit = Limit();
+  auto ssh_failed = [&](const CommandResult& r, const std::string& doing) { return SshFailed(s, r, doing); };
   // 3: the site's own bundle, and nothing else.
   // The site's own folder, WORKDIR/SITE, readable by the login alone (the workdir itself is left as it is).
   CommandResult mk = RunCommand(SshArgv(ssh, options_,

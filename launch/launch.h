@@ -2,7 +2,8 @@
 // `meridian run CLUSTER JOB --launch ssh` do for every site whose spec has `ssh:` (core::SshSpec).
 // OpenSSH's own `ssh` and `scp` binaries do the work, never a shell of ours: each runs from an argument
 // vector, in its own process group (a Ctrl-C at the terminal reaches only `meridian`, which then stops the
-// sites itself). For one site, Launch:
+// sites itself). For one site, Check does steps 1 and 2 (nothing is copied or started), Start steps 3 to 5,
+// and Launch all five:
 //   1. logs in (BatchMode: keys only; host keys checked against known_hosts, or with
 //      accept_new_host_keys recorded there on first contact, and then said which key was accepted);
 //   2. checks that the remote `meridian-executor --version` is this build's version;
@@ -17,8 +18,12 @@
 // StopAll (and the destructor) send SIGTERM to every executor started, SIGKILL 5 s later if it is still
 // there, and end the log streams. docs/launch.md describes the setup.
 //
-// Thread-safe: Launch may run for several sites at once (one thread each); StopAll may be called from
-// any thread, once the Launch calls returned. The LogSink is called from the log threads.
+// A caller starting several sites checks them all first (LaunchSshSites in coordinator/ does, in
+// parallel), so that a refused key, an unknown host or another version fails within one login and starts
+// nothing anywhere.
+//
+// Thread-safe: Check, Start and Launch may run for several sites at once (one thread each); StopAll may
+// be called from any thread, once those calls returned. The LogSink is called from the log threads.
 #ifndef MERIDIAN_LAUNCH_LAUNCH_H_
 #define MERIDIAN_LAUNCH_LAUNCH_H_
 
@@ -60,6 +65,8 @@ using LogSink = std::function<void(const std::string& site, const std::string& l
 // Called with (site, message) for what the launcher did or accepted (started, a new host key).
 using Say = std::function<void(const std::string& site, const std::string& message)>;
 
+struct CommandResult;
+
 class SshLauncher {
  public:
   SshLauncher(LaunchOptions options, LogSink on_problem, Say say);
@@ -67,8 +74,13 @@ class SshLauncher {
   SshLauncher(const SshLauncher&) = delete;
   SshLauncher& operator=(const SshLauncher&) = delete;
 
-  // Steps 1-5 above for one site. Errors name the site and the host, say what went wrong and how to
-  // fix it (an unknown host key, a refused key, an unreachable host, a missing or mismatched executor).
+  // Steps 1-2 above for one site: it can be logged into and runs this version's executor. Errors name
+  // the site and the host, say what went wrong and how to fix it (an unknown host key, a refused key, an
+  // unreachable host, a missing or mismatched executor, a missing certificate bundle).
+  absl::Status Check(const SiteLaunch& s);
+  // Steps 3-5 for a site that Check accepted; errors as Check's.
+  absl::Status Start(const SiteLaunch& s);
+  // Check, then Start.
   absl::Status Launch(const SiteLaunch& s);
   // Every site started and not stopped, by name.
   std::vector<std::string> Started() const;
@@ -85,6 +97,11 @@ class SshLauncher {
     pid_t tail = -1;  // the local ssh following its log
     std::thread reader;
   };
+  static std::string Who(const SiteLaunch& s);  // "site 'a' (user@host:22)"
+  std::chrono::seconds Limit() const;           // for one ssh or scp command
+  // The error for a failed ssh or scp command `doing` something at site s.
+  absl::Status SshFailed(const SiteLaunch& s, const CommandResult& r, const std::string& doing) const;
+
   LaunchOptions options_;
   LogSink on_problem_;
   Say say_;

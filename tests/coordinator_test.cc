@@ -1228,7 +1228,7 @@ TEST_F(SshLaunchTest, ARunLaunchedOverSshTrainsLikeTrainLocalAndLeavesNoExecutor
 }
 
 // What cannot work fails fast naming the site: a key the host refuses, a host whose key is unknown, an
-// executor of another version. A site that did start is stopped again.
+// executor of another version. Every site is checked before any starts, so no executor runs afterwards.
 TEST_F(SshLaunchTest, AWrongKeyAnUnknownHostOrAnotherVersionIsRefusedNamingTheSite) {
   const std::string launch = Hub() + Bin("meridian") + " launch " + (dir_ / "cluster.yaml").string() + " 2>&1";
   auto attempt = [&](const char* what) {
