@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "compression/codec.h"
 #include "core/files.h"
 
 namespace meridian::partitioner {
@@ -212,6 +213,16 @@ absl::StatusOr<ClusterProfile> ParseProfileJson(const std::string& text, const s
     }
   }
   return p;
+}
+
+double CodecSeconds(const SiteProfile& site, const std::string& codec, double raw_bytes) {
+  const auto& m = site.codec_bytes_per_second;
+  auto it = m.find(codec);
+  if (auto spec = compression::CodecSpec::Parse(codec); it == m.end() && spec.ok() && spec->delta) {
+    spec->delta = false;
+    it = m.find(spec->ShortString());
+  }
+  return it == m.end() ? 0.0 : raw_bytes / it->second;
 }
 
 double OpSeconds(const Op& op, const SiteProfile& site) {

@@ -67,6 +67,12 @@ struct ClusterProfile {
 // One op's forward+backward seconds per micro-batch at `site`: its measured op_seconds, else its FLOPs over
 // the site's flops_per_second (docs/cost-model.md).
 double OpSeconds(const Op& op, const SiteProfile& site);
+// Compute-thread seconds for `site` to encode, or to decode, `raw_bytes` float32 bytes with `codec`
+// (compression/ spelling): raw_bytes / codec_bytes_per_second[codec]. An AQ-SGD delta codec costs what its
+// base quantiser does (its store's bookkeeping is not priced); identity, and a codec the profile does not
+// list, cost 0. The executor runs both on the compute thread: the sender's pass that produces a tensor
+// encodes it, the receiver's pass that consumes it decodes it.
+double CodecSeconds(const SiteProfile& site, const std::string& codec, double raw_bytes);
 // Ops [first, last]'s OpSeconds at `site`, summed in order.
 double RangeSeconds(const OpGraph& graph, const SiteProfile& site, int first, int last);
 // The share of ops [first, last]'s time that the forward pass takes, by FLOPs (1/3 without FLOPs).

@@ -83,6 +83,10 @@ class CostModel {
     if (!Linked(a, b)) return kInf;
     return std::max(x / bw_[a][b], (xb < 0 ? x : xb) / bw_[b][a]);
   }
+  // partitioner::CodecSeconds at site s.
+  double CodecSeconds(int s, const std::string& codec, double raw_bytes) const {
+    return partitioner::CodecSeconds(profile_.sites[s], codec, raw_bytes);
+  }
   double Bandwidth(int a, int b) const { return bw_[a][b]; }
   double Latency(int a, int b) const { return lat_[a][b]; }
   // Memory of ops [a, b] when the stage is `from_end` stages from the end (1 = last stage).
@@ -283,21 +287,36 @@ Evaluation Evaluate(const CostModel& cm, const Layout& L, const PlanOptions& o, 
 }
 
 // The per-stage and per-link times of an evaluated layout, as the schedule simulator takes them: each
-// stage's time per micro-batch split into forward and backward by its ops' FLOPs, each direction of a
-// link at its codec's bytes over the worst pair of the two stages' sites.
+// stage's time per micro-batch split into forward and backward by its ops' FLOPs, plus the codec work of
+// each pass (the forward pass decodes its input activation and encodes its output, the backward pass
+// decodes the incoming gradient and encodes the outgoing one, at the slowest of the stage's sites); each
+// direction of a link at its codec's bytes over the worst pair of the two stages' sites.
 PipelineTimes TimesOf(const CostModel& cm, const Layout& L, const Evaluation& ev, const PlanOptions& o,
                       const OpGraph& g) {
   PipelineTimes t;
   const int S = static_cast<int>(L.sites.size());
   t.micro_batches = cm.micro_batches();
+  auto link_codec = [&](int k) { return ev.link_codec[k] >= 0 ? o.link_codecs[ev.link_codec[k]] : Codec{"", o.ratio}; };
   for (int k = 0; k < S; ++k) {
     const int a = k == 0 ? 0 : L.last[k - 1] + 1, b = L.last[k];
     const double share = ForwardShare(g, a, b);
-    t.forward_seconds.push_back(ev.t[k] * share);
-    t.backward_seconds.push_back(ev.t[k] * (1 - share));
+    double forward_codec = 0, backward_codec = 0;
+    for (int s : L.sites[k]) {
+      double f = 0, bw = 0;
+      for (int j : {k - 1, k}) {
+        if (j < 0 || j + 1 >= S) continue;
+        const std::string name = link_codec(j).name;
+        f += cm.CodecSeconds(s, name, cm.CutBytes(L.last[j]));
+        bw += cm.CodecSeconds(s, compression::GradientCodecBehind(name), cm.CutBytes(L.last[j]));
+      }
+      forward_codec = std::max(forward_codec, f);
+      backward_codec = std::max(backward_codec, bw);
+    }
+    t.forward_seconds.push_back(ev.t[k] * share + forward_codec);
+    t.backward_seconds.push_back(ev.t[k] * (1 - share) + backward_codec);
   }
   for (int k = 0; k + 1 < S; ++k) {
-    const Codec codec = ev.link_codec[k] >= 0 ? o.link_codecs[ev.link_codec[k]] : Codec{"", o.ratio};
+    const Codec codec = link_codec(k);
     const double x = codec.ratio * cm.CutBytes(L.last[k]), xb = codec.backward() * cm.CutBytes(L.last[k]);
     double fx = 0, fl = 0, bx = 0, bl = 0;
     for (int a : L.sites[k])
@@ -351,32 +370,45 @@ SimulatedLayout SimulateLayout(const CostModel& cm, const Layout& L, const Evalu
 
 // With deep_pipeline and adaptive compression: the formula's codec choice keeps each link's transfer
 // within the slowest stage's pass, but a step's fill and drain also carry every transfer once, so with
-// few micro-batches a stronger codec can shorten the step. Each link, first to last, gets the lightest
-// codec of the menu that keeps the simulated step within 1% of the step with the strongest codec on
-// every link (the lighter the codec, the closer the training to identity's). Updates `ev` (codecs, link
-// times, fill and steady terms) and sets `sim` to the simulation of the result.
+// few micro-batches a stronger codec can shorten the step; and a codec's work on the compute thread
+// (CodecSeconds) can make a stronger codec slower. So the fastest assignment sets the bar: every link
+// at the strongest codec, then each link, first to last, at the codec that gives the shortest simulated
+// step. Then each link, first to last, gets the lightest codec of the menu that keeps the simulated step
+// within 1% of that bar (the lighter the codec, the closer the training to identity's); one bar for the
+// whole pipeline, so that a link relaxed against its own could not leave an earlier one the bottleneck.
+// Updates `ev` (codecs, link times, fill and steady terms) and sets `sim` to the simulation of the result.
 void ChooseLinkCodecsBySimulation(const CostModel& cm, const Layout& L, const PlanOptions& o, const OpGraph& g,
                                   Evaluation* ev, SimulatedLayout* sim) {
   const int S = static_cast<int>(L.sites.size());
-  const int strongest = static_cast<int>(o.link_codecs.size()) - 1;
+  const int codecs = static_cast<int>(o.link_codecs.size());
+  const int strongest = codecs - 1;
   auto set = [&](Evaluation* e, int k, int codec) {
     e->link_codec[k] = codec;
     std::tie(e->c[k], e->pace[k]) = LinkTimes(cm, L, k, o.link_codecs[codec]);
   };
-  // Every link at the strongest codec sets the bar; then each link in turn, the later ones still at the
-  // strongest, relaxes to the lightest codec that keeps the whole step within 1% of that bar (a link
-  // relaxed alone against its own bar could leave an earlier link the bottleneck).
   Evaluation trial = *ev;
   for (int k = 0; k + 1 < S; ++k) set(&trial, k, strongest);
   *sim = SimulateLayout(cm, L, trial, o, g);
-  const double limit = sim->total * 1.01;
-  // Beyond kDepthsPerTrial stages each trial keeps the bar's depths (ChooseInFlight per trial would cost
-  // links x codecs x its search), and the depths are chosen once more for the codecs chosen.
+  // Beyond kDepthsPerTrial stages each trial keeps the first simulation's depths (ChooseInFlight per trial
+  // would cost links x codecs x its search), and the depths are chosen once more for the codecs chosen.
   constexpr int kDepthsPerTrial = 8;
   const std::vector<int> bar_depths = sim->in_flight;
   const std::vector<int>* fixed = S > kDepthsPerTrial ? &bar_depths : nullptr;
+  // The fastest assignment: each link at its quickest codec, the earlier links' choices kept.
   for (int k = 0; k + 1 < S; ++k)
     for (int codec = 0; codec < strongest; ++codec) {
+      Evaluation other = trial;
+      set(&other, k, codec);
+      SimulatedLayout st = SimulateLayout(cm, L, other, o, g, fixed);
+      if (st.total < sim->total * (1 - 1e-9)) {
+        trial = other;
+        *sim = st;
+      }
+    }
+  const double limit = sim->total * 1.01;
+  // Then each link relaxed to the lightest codec within the bar.
+  for (int k = 0; k + 1 < S; ++k)
+    for (int codec = 0; codec < trial.link_codec[k]; ++codec) {
       Evaluation lighter = trial;
       set(&lighter, k, codec);
       SimulatedLayout st = SimulateLayout(cm, L, lighter, o, g, fixed);
@@ -1134,6 +1166,7 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
     ChooseLinkCodecsBySimulation(cm, layout, o, graph, &ev, &sim);
   else if (o.deep_pipeline)
     sim = SimulateLayout(cm, layout, ev, o, graph);
+  const PipelineTimes times = TimesOf(cm, layout, ev, o, graph);
 
   const int S = static_cast<int>(layout.sites.size());
   for (int k = 0; k < S; ++k) {
@@ -1159,6 +1192,7 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
         st.memory_bytes = std::max(st.memory_bytes, cm.SiteMemory(s, st.first_op, st.last_op, st.in_flight));
       st.busy_seconds = sim.step.busy_seconds[k];
       st.wait_seconds = sim.step.wait_seconds[k];
+      st.codec_seconds = std::max(0.0, times.forward_seconds[k] + times.backward_seconds[k] - ev.t[k]);
     }
     st.memory_available_bytes = kInf;
     for (int s : st.sites)
@@ -1326,6 +1360,7 @@ std::string PlanJson(const Plan& plan, const OpGraph& graph) {
                {"in_flight", s.in_flight},
                {"workers", s.workers}};
     if (s.site_reduce_seconds > 0) js["site_reduce_seconds"] = s.site_reduce_seconds;
+    if (s.codec_seconds > 0) js["codec_seconds"] = s.codec_seconds;
     if (plan.simulated) js["simulated_busy_seconds"] = s.busy_seconds, js["simulated_wait_seconds"] = s.wait_seconds;
     if (!s.gradient_codec.empty()) js["gradient_codec"] = s.gradient_codec;
     stages.push_back(js);

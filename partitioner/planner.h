@@ -117,9 +117,12 @@ std::vector<int> MicroBatchOwners(const std::vector<int>& counts);
 struct StagePlan {
   std::vector<int> sites;  // indices into ClusterProfile::sites; more than one = replicas
   std::vector<std::string> site_names;
-  int first_op = 0, last_op = 0;      // inclusive range in topological order
-  std::vector<int> micro_batches;     // per site of `sites`: micro-batches it runs each step (sum = M)
-  double compute_seconds = 0;         // per micro-batch (replicas: slowest share / M)
+  int first_op = 0, last_op = 0;   // inclusive range in topological order
+  std::vector<int> micro_batches;  // per site of `sites`: micro-batches it runs each step (sum = M)
+  double compute_seconds = 0;      // per micro-batch (replicas: slowest share / M)
+  // Per micro-batch, beside compute_seconds on the compute thread: encoding and decoding the tensors
+  // of its links (partitioner::CodecSeconds; with deep_pipeline, else 0). In plan.json when above 0.
+  double codec_seconds = 0;
   double memory_bytes = 0;            // needed on each of its sites
   double memory_available_bytes = 0;  // smallest among its sites
   double allreduce_seconds = 0;       // replica gradient sync per step, plus site_reduce_seconds

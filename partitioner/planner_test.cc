@@ -687,6 +687,50 @@ TEST(Planner, DeltaCodecsJoinTheMenuWhereSequencesComeBack) {
   EXPECT_LE(delta->predicted_step_seconds, 1.01 * plain->predicted_step_seconds);
 }
 
+// The executor encodes and decodes on the compute thread, and the profile measures how fast each site
+// does it: a codec whose work outweighs the link time it saves is not chosen, and the plan shows each
+// stage's codec work.
+TEST(Planner, CodecWorkOnTheComputeThreadIsPricedFromTheProfile) {
+  OpGraph g = Chain(2, 1e9, 8e6);
+  ClusterProfile p;
+  p.sites = {{"a", 1e9, 1e12, {}}, {"b", 1e9, 1e12, {}}};
+  LinkAll(&p, 1e6, 0);  // 8 MB at 1 MB/s: int4 (1.1 s) is the codec of the unpriced plan (as above)
+  PlanOptions o;
+  o.micro_batches = 8;
+  o.adaptive_compression = true;
+  o.deep_pipeline = true;
+  o.fixed_sites = {0, 1};
+  o.fixed_last_ops = {0, 1};
+  auto unpriced = PlanPipeline(g, p, o);
+  ASSERT_TRUE(unpriced.ok()) << unpriced.status();
+  EXPECT_EQ(unpriced->links[0].codec, "int4");
+  EXPECT_EQ(unpriced->stages[0].codec_seconds, 0.0);
+  // int4 at 4 MB/s: 2 s to encode a micro-batch's 8 MB and 2 s to decode it, on each pass that sends or
+  // receives; int8 at 1 GB/s: 8 ms. int8's 2.1 s transfers cost less than int4's 2 s of extra work per pass.
+  for (auto& site : p.sites) site.codec_bytes_per_second = {{"bf16", 1e9}, {"int8", 1e9}, {"int4", 4e6}};
+  auto priced = PlanPipeline(g, p, o);
+  ASSERT_TRUE(priced.ok()) << priced.status();
+  EXPECT_EQ(priced->links[0].codec, "int8");
+  // Each stage encodes one tensor and decodes one per micro-batch (stage a: its activation out, the
+  // gradient in; stage b: the reverse), 8 MB each at 1 GB/s.
+  for (const auto& st : priced->stages) EXPECT_NEAR(st.codec_seconds, 2 * 8e6 / 1e9, 1e-12);
+  EXPECT_THAT(PlanJson(*priced, g), HasSubstr("\"codec_seconds\""));
+  // The prediction is the simulation of passes that include that work.
+  PipelineTimes t;
+  t.micro_batches = 8;
+  t.forward_seconds = {priced->stages[0].compute_seconds / 3 + 8e6 / 1e9,
+                       priced->stages[1].compute_seconds / 3 + 8e6 / 1e9};
+  t.backward_seconds = {priced->stages[0].compute_seconds * 2 / 3 + 8e6 / 1e9,
+                        priced->stages[1].compute_seconds * 2 / 3 + 8e6 / 1e9};
+  const double wire = priced->links[0].ratio * 8e6 / 1e6;
+  t.forward_transfer_seconds = {wire};
+  t.backward_transfer_seconds = {wire};
+  t.forward_latency_seconds = {0};
+  t.backward_latency_seconds = {0};
+  t.in_flight = {priced->stages[0].in_flight, priced->stages[1].in_flight};
+  EXPECT_NEAR(priced->predicted_step_seconds, SimulatePipeline(t).step_seconds, 1e-9);
+}
+
 TEST(Planner, HeuristicPlansLargeClustersQuicklyAndNearExact) {
   std::mt19937 rng(99);
   double worst_gap = 0;

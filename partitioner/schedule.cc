@@ -58,7 +58,6 @@ SimulatedStep SimulatePipeline(const PipelineTimes& t) {
   std::vector<double> free_at(S, 0.0), fwd_link(std::max(S - 1, 0), 0.0), bwd_link(std::max(S - 1, 0), 0.0);
   std::vector<double> forward_done(S * static_cast<size_t>(M), kInf);
   std::vector<size_t> next(S, 0);
-  const auto send_cost = [&](int k) { return t.send_seconds.empty() ? 0.0 : t.send_seconds[k]; };
   for (bool progress = true; progress;) {
     progress = false;
     for (int k = 0; k < S; ++k) {
@@ -72,9 +71,7 @@ SimulatedStep SimulatePipeline(const PipelineTimes& t) {
         if (ready == kInf) break;
         const double start = std::max(free_at[k], ready);
         if (!r.passes[k].empty()) r.wait_seconds[k] += start - free_at[k];
-        double work = kind == 'F' ? t.forward_seconds[k] : t.backward_seconds[k];
-        const bool sends = kind == 'F' ? k + 1 < S : k > 0;
-        if (sends) work += send_cost(k);
+        const double work = kind == 'F' ? t.forward_seconds[k] : t.backward_seconds[k];
         const double end = start + work;
         r.busy_seconds[k] += work;
         free_at[k] = end;
@@ -127,10 +124,7 @@ std::vector<int> ChooseInFlight(const PipelineTimes& t, const std::vector<int>& 
   }
   // The steady pace: the slowest stage's passes or the slowest link direction.
   double pace = 0;
-  for (int k = 0; k < S; ++k) {
-    double sends = t.send_seconds.empty() ? 0.0 : t.send_seconds[k] * ((k + 1 < S) + (k > 0));
-    pace = std::max(pace, t.forward_seconds[k] + t.backward_seconds[k] + sends);
-  }
+  for (int k = 0; k < S; ++k) pace = std::max(pace, t.forward_seconds[k] + t.backward_seconds[k]);
   for (int k = 0; k + 1 < S; ++k)
     pace = std::max({pace, t.forward_transfer_seconds[k], t.backward_transfer_seconds[k]});
   // Round trip of a micro-batch from stage k's forward pass to its gradient's return, plus the pass.

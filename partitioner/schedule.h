@@ -31,10 +31,9 @@ bool InFlightIsDeadlockFree(const std::vector<int>& in_flight);
 // previous one has left, takes its transfer seconds, and arrives one latency later.
 struct PipelineTimes {
   int micro_batches = 1;
-  std::vector<double> forward_seconds, backward_seconds;  // per stage
-  // Per stage, compute-thread seconds per tensor sent (encoding, and on CPU sites the TLS and gRPC work
-  // of the send): added to the pass that produces the tensor. Empty: none.
-  std::vector<double> send_seconds;
+  // Per stage, the compute thread's seconds per pass, with the codec work that pass does (decoding its
+  // input, encoding what it sends: partitioner::CodecSeconds).
+  std::vector<double> forward_seconds, backward_seconds;
   std::vector<double> forward_transfer_seconds, backward_transfer_seconds;  // per link (S - 1 entries)
   std::vector<double> forward_latency_seconds, backward_latency_seconds;    // per link, one way
   std::vector<int> in_flight;  // per stage; empty: 1F1B (num_stages - stage)

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "compression/activation_delta.h"
 #include "compression/codec.h"
 #include "nlohmann/json.hpp"
 #include "partitioner/schedule.h"
@@ -156,14 +157,7 @@ class Simulation {
 };
 
 double Simulation::CodecSeconds(int site, const std::string& codec, double raw_bytes) const {
-  const auto& m = p_.sites[site].codec_bytes_per_second;
-  auto it = m.find(codec);
-  // An AQ-SGD delta codec quantises as its base codec does (its store's bookkeeping is not priced).
-  if (auto spec = compression::CodecSpec::Parse(codec); it == m.end() && spec.ok() && spec->delta) {
-    spec->delta = false;
-    it = m.find(spec->ShortString());
-  }
-  return it == m.end() ? 0.0 : raw_bytes / it->second;
+  return partitioner::CodecSeconds(p_.sites[site], codec, raw_bytes);
 }
 
 absl::Status Simulation::Init() {
@@ -319,9 +313,11 @@ void Simulation::TryRun(int wi, double now) {
       auto it = w.gradients.find({w.step, m});
       if (it == w.gradients.end()) return;
       w.gradients.erase(it);
-      codec += CodecSeconds(w.site, links_[w.stage].name, link_bytes_[w.stage]);
+      codec += CodecSeconds(w.site, compression::GradientCodecBehind(links_[w.stage].name), link_bytes_[w.stage]);
     }
-    if (w.stage > 0) codec += CodecSeconds(w.site, links_[w.stage - 1].name, link_bytes_[w.stage - 1]);
+    if (w.stage > 0)
+      codec +=
+          CodecSeconds(w.site, compression::GradientCodecBehind(links_[w.stage - 1].name), link_bytes_[w.stage - 1]);
   }
   const double start = now;
   const double end = start + (kind == 'F' ? w.forward : w.backward) + codec;
