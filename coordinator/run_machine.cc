@@ -961,6 +961,13 @@ absl::StatusOr<RunMachine::Repriced> RunMachine::ReplanAgainstCurrent() const {
   return Repriced{std::move(*fresh), std::move(*current), static_cast<int>(live.sites.size())};
 }
 
+int RunMachine::UsedSiteCount() const {
+  if (!plan_) return 0;
+  std::set<std::string> used;
+  for (const auto& st : plan_->stages) used.insert(st.site_names.begin(), st.site_names.end());
+  return static_cast<int>(used.size());
+}
+
 double RunMachine::PlannedStepCompute(const std::string& site) const {
   if (!plan_) return 0;
   for (const auto& st : plan_->stages)
@@ -984,9 +991,24 @@ void RunMachine::CheckDrift(const v1::MetricsReport& r) {
   mine.latest = r.compute_seconds() / planned;
   std::vector<double> latest;
   for (const auto& [site, d] : drift_) latest.push_back(d.latest);
-  if (latest.size() < 2) return;  // one site alone has nothing to be compared with
-  std::sort(latest.begin(), latest.end());
-  const double common = latest[(latest.size() - 1) / 2];
+  double common;
+  if (UsedSiteCount() < 2) {
+    // One site alone: nothing to compare it with, so its own first `window` reports under this plan set
+    // the ratio it is measured against.
+    if (mine.baseline <= 0) {
+      mine.first.push_back(mine.latest);
+      if (mine.first.size() < static_cast<size_t>(el.window)) return;
+      std::vector<double> sorted = mine.first;
+      std::sort(sorted.begin(), sorted.end());
+      mine.baseline = sorted[(sorted.size() - 1) / 2];
+      return;
+    }
+    common = mine.baseline;
+  } else {
+    if (latest.size() < 2) return;  // until a second used site has reported
+    std::sort(latest.begin(), latest.end());
+    common = latest[(latest.size() - 1) / 2];
+  }
   std::vector<double>& q = mine.window;
   q.push_back(mine.latest / common);
   if (q.size() > static_cast<size_t>(el.window)) q.erase(q.begin());
@@ -1008,9 +1030,8 @@ void RunMachine::CheckDrift(const v1::MetricsReport& r) {
     }
   for (auto& [site, d] : drift_) d.window.clear();  // the others are measured against the new figures too
   const std::string what = absl::StrFormat(
-      "site '%s' computed %.2fx its planned time (relative to the other sites) in each of its last %d "
-      "steps (to step %d)",
-      r.site(), ratio, el.window, r.step() + 1);
+      "site '%s' computed %.2fx its planned time (relative to %s) in each of its last %d steps (to step %d)", r.site(),
+      ratio, UsedSiteCount() < 2 ? "its first steps under this plan" : "the other sites", el.window, r.step() + 1);
   // The current layout and a new plan, both priced with the re-measured profile.
   auto priced_plans = ReplanAgainstCurrent();
   if (!priced_plans.ok()) {

@@ -245,11 +245,13 @@ class RunMachine {
   void BeginSwitch(const std::string& why);  // kTraining -> kSwitching
   // Stragglers (core::ElasticSpec): a used site's step compute against its planned share, relative to
   // the used sites' common ratio (the lower median of their latest ratios: what every site spends beyond
-  // the profile's op times -- the optimizer, the framework -- cancels); after `window` reports all off by
+  // the profile's op times -- the optimizer, the framework -- cancels), or where the plan uses one site
+  // alone, relative to its own first `window` reports under the plan; after `window` reports all off by
   // `drift` the same way, its op times are scaled by their median (re-measured from the running stage)
   // and the job re-planned, switching when that gains more than min_gain.
   void CheckDrift(const v1::MetricsReport& r);
   double PlannedStepCompute(const std::string& site) const;  // its ops x its micro-batches, from profile_
+  int UsedSiteCount() const;                                 // the sites of the plan's stages
   partitioner::ClusterProfile LiveProfile() const;           // profile_ without the excluded sites
   partitioner::PlanOptions BaseOptions() const;              // the job's planning options, no layout pinned
   // A plan over LiveProfile() and the current plan's layout priced over it, with the same options (the
@@ -336,6 +338,10 @@ class RunMachine {
   struct Drift {
     double latest = 0;           // the latest report's compute / planned
     std::vector<double> window;  // the latest `window` of those, relative to the sites' common ratio
+    // A site alone in the plan: its first `window` ratios under the plan, and then their median, which
+    // its later ratios are taken relative to (there is no other site to compare it with).
+    std::vector<double> first;
+    double baseline = 0;
   };
   std::map<std::string, Drift> drift_;  // by used site, this attempt
   int data_loss_recoveries_ = 0;        // attempts in a row ended by corrupt or non-finite data

@@ -509,6 +509,55 @@ v1::ProfileReport ProfileAmong(const std::string& site, const std::vector<std::s
   return r;
 }
 
+// A plan of one site alone has no other site to compare it with: its own first `window` reports under the
+// plan set its ratio, and a site that then stays far slower than that is flagged, re-measured and, as the
+// idle site is now faster, switched away from.
+TEST(RunMachine, ASiteAloneInThePlanIsMeasuredAgainstItsOwnFirstSteps) {
+  RunConfig c = Config();
+  c.even_split = false;
+  c.spec.min_sites = 2;
+  c.spec.heartbeat_interval_seconds = 0.1;
+  c.steps = c.job.steps = 100;
+  Driver d(c);
+  d.Feed(RunStarted{});
+  d.Feed(SiteRegistered{"a", "127.0.0.1:9a", "cpu"});
+  d.Feed(SiteRegistered{"b", "127.0.0.1:9b", "cpu"});
+  d.Feed(ProfileReported{ProfileAmong("a", {"b"}, 1e11)});
+  d.Feed(ProfileReported{ProfileAmong("b", {}, 1e9)});
+  ASSERT_EQ(d.machine().phase(), RunMachine::Phase::kTraining);
+  const partitioner::Plan plan = *d.machine().plan();
+  ASSERT_EQ(plan.stages.size(), 1u);
+  ASSERT_THAT(plan.stages[0].site_names, ElementsAre("a"));
+  const partitioner::StagePlan& st = plan.stages[0];
+  partitioner::SiteProfile p{"a", 1e11, 8e9, {}, {}};
+  const double planned = partitioner::RangeSeconds(c.graph, p, st.first_op, st.last_op) * st.micro_batches[0];
+  auto report = [&](int step, double factor) {
+    v1::MetricsReport m = Metrics("a", kRun, 0, step);
+    m.set_compute_seconds(planned * factor);
+    return d.Feed(MetricsReported{m});
+  };
+  auto stragglers = [](const std::vector<Action>& out) {
+    std::vector<RecordEvent> found;
+    for (auto& e : All<RecordEvent>(out))
+      if (e.kind == "straggler") found.push_back(e);
+    return found;
+  };
+  int step = 0;
+  // Its first five steps at 1.3x the profile (the framework's share) set its ratio; steady at that, and
+  // a slow spell shorter than the window, change nothing.
+  for (double f : {1.3, 1.32, 1.28, 1.3, 1.31, 1.3, 1.29, 1.3, 1.3, 1.31, 130.0, 130.0, 1.3, 1.3, 1.3, 1.3, 1.3})
+    EXPECT_TRUE(stragglers(report(step++, f)).empty()) << "step " << step;
+  std::vector<Action> out;
+  for (int i = 0; i < 5; ++i) out = report(step++, 130.0);  // 100x its own ratio in each of the window's steps
+  auto flagged = stragglers(out);
+  ASSERT_EQ(flagged.size(), 1u) << Printed(out);
+  EXPECT_EQ(flagged[0].site, "a");
+  EXPECT_THAT(flagged[0].text, HasSubstr("computed 100.00x its planned time (relative to its first steps under this "
+                                         "plan) in each of its last 5 steps"));
+  ASSERT_EQ(All<SetBoundary>(out).size(), 1u) << flagged[0].text;  // b, 100x slower than a was, is faster now
+  EXPECT_EQ(d.machine().phase(), RunMachine::Phase::kSwitching);
+}
+
 // A site of the spec that registers after training started is measured while training goes on (the
 // running sites first admit its probes), and a plan over every site that is faster by more than
 // min_gain is switched to at a step boundary; the new attempt runs on it and resumes from that step.
