@@ -628,6 +628,8 @@ void RunMachine::Assign() {
       a->set_weights_to_coordinator(true);  // RUN/weights/stage-K.safetensors, through PutFile
       a->set_checkpoints_to_coordinator(job.checkpoint.store == core::CheckpointStore::kCoordinator);
       a->set_resume_step(resume_step_);  // 0 afresh; -1 each stage loads the newest intact checkpoint; S
+      // This run's checkpoints only, unless it was started to continue from what the directory holds.
+      if (!c_.resume) a->set_resume_run(c_.run_id);
       for (const auto& f : ResumeFilesFor(k)) a->add_resume_files(f);
       Out(LogSite{
           site, absl::StrCat("assigned stage ", k + 1, "/", st.size(), " (ops ", st[k].first_op, "-", st[k].last_op,

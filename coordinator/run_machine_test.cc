@@ -276,7 +276,8 @@ TEST(RunMachine, LostSiteWithReplanResumesOverTheSitesLeft) {
   auto assigned = Assignments(replanned);
   EXPECT_THAT(Sites(assigned), ElementsAre("a", "c"));
   EXPECT_EQ(assigned["a"].job_id(), "r-1");
-  EXPECT_EQ(assigned["a"].resume_step(), -1);  // shared store: each stage loads the newest intact step
+  EXPECT_EQ(assigned["a"].resume_step(), -1);   // shared store: each stage loads the newest intact step
+  EXPECT_EQ(assigned["a"].resume_run(), kRun);  // of this run's: not another run's left in the directory
   EXPECT_EQ(assigned["a"].next_site(), "c");
   EXPECT_EQ(d.machine().job_id(), "r-1");
 
@@ -512,6 +513,22 @@ v1::ProfileReport ProfileAmong(const std::string& site, const std::vector<std::s
 // A plan of one site alone has no other site to compare it with: its own first `window` reports under the
 // plan set its ratio, and a site that then stays far slower than that is flagged, re-measured and, as the
 // idle site is now faster, switched away from.
+// `meridian run --resume` continues from whatever the shared directory holds: its assignments name no run
+// to match (a fresh run's name its own, above).
+TEST(RunMachine, AResumedRunLoadsTheNewestCheckpointOfAnyRun) {
+  RunConfig c = Config();
+  c.resume = true;
+  Driver d(c);
+  d.JoinAndProfile({"a", "b", "c"});
+  ASSERT_EQ(d.machine().phase(), RunMachine::Phase::kTraining);
+  auto assigned = Assignments(d.last());
+  ASSERT_FALSE(assigned.empty());
+  for (const auto& [site, a] : assigned) {
+    EXPECT_EQ(a.resume_step(), -1) << site;
+    EXPECT_EQ(a.resume_run(), "") << site;
+  }
+}
+
 TEST(RunMachine, ASiteAloneInThePlanIsMeasuredAgainstItsOwnFirstSteps) {
   RunConfig c = Config();
   c.even_split = false;

@@ -33,6 +33,7 @@ std::optional<StageMeta> ParseStageMeta(const std::string& text, int64_t step) {
   m.sha256 = j["sha256"].get<std::string>();
   if (m.num_stages <= 0 || m.stage < 0 || m.stage >= m.num_stages || m.shard != StageShardName(m.stage))
     return std::nullopt;
+  if (j.contains("run") && j["run"].is_string()) m.run = j["run"].get<std::string>();
   if (j.contains("tensors") && j["tensors"].is_array()) {
     m.tensors.emplace();
     for (const auto& t : j["tensors"])
@@ -54,9 +55,12 @@ bool RemoveStepDir(const std::string& path, std::string* problems) {
 std::string StageMetaJson(const StageMeta& m) {
   nlohmann::json j = {
       {"step", m.step}, {"stage", m.stage}, {"num_stages", m.num_stages}, {"shard", m.shard}, {"sha256", m.sha256}};
+  if (!m.run.empty()) j["run"] = m.run;
   if (m.tensors) j["tensors"] = *m.tensors;
   return j.dump(1);
 }
+
+std::string RunIdOfJob(const std::string& job_id) { return job_id.substr(0, job_id.find('-')); }
 
 absl::StatusOr<std::vector<std::pair<int64_t, std::string>>> StepDirs(const std::string& dir) {
   std::vector<std::pair<int64_t, std::string>> steps;

@@ -25,7 +25,12 @@ struct StageMeta {
   std::string shard;                                // "stage-K.safetensors"
   std::string sha256;                               // of the shard file, 64 hex digits
   std::optional<std::vector<std::string>> tensors;  // the tensor names in the shard, when listed
+  // The `meridian run` that wrote it (its run id, RunIdOfJob); "" when not written under one (a
+  // standalone executor, or a checkpoint older than the field).
+  std::string run;
 };
+// The run id of an attempt's job id: `meridian run` names attempts RUN and RUN-N.
+std::string RunIdOfJob(const std::string& job_id);
 // The text of stage-K.json for `meta`.
 std::string StageMetaJson(const StageMeta& meta);
 

@@ -546,7 +546,9 @@ void Agent::OnAssign(const v1::StageAssignment& pa) {
           }
           c = LoadCheckpointFor(step_dir, wanted);
         } else {
-          c = LoadLatestCheckpoint(run.checkpoint_dir);
+          std::string skipped;
+          c = LoadLatestCheckpoint(run.checkpoint_dir, &skipped, pa.resume_run());
+          if (!skipped.empty()) spdlog::warn("{}", absl::StrCat("resuming: skipped ", skipped));
         }
         if (c.ok() && pa.resume_step() > 0 && c->step != pa.resume_step())
           return absl::DataLossError(absl::StrCat("the checkpoint loaded (", c->path, ") is step ", c->step,

@@ -28,7 +28,7 @@ absl::Status Merge(std::map<std::string, torch::Tensor> shard, const std::string
 }  // namespace
 
 absl::Status WriteCheckpoint(const std::string& dir, int64_t step, int stage, int num_stages,
-                             const std::map<std::string, torch::Tensor>& tensors) {
+                             const std::map<std::string, torch::Tensor>& tensors, const std::string& run) {
   return GuardTorch(absl::StrCat("writing the checkpoint of step ", step, " in ", dir), [&]() -> absl::Status {
     const std::string sdir = (fs::path(dir) / core::StepDirName(step)).string();
     std::error_code ec;
@@ -39,6 +39,7 @@ absl::Status WriteCheckpoint(const std::string& dir, int64_t step, int stage, in
     meta.stage = stage;
     meta.num_stages = num_stages;
     meta.shard = core::StageShardName(stage);
+    meta.run = run;
     const std::string shard = (fs::path(sdir) / meta.shard).string();
     if (absl::Status s = SaveParameters(shard, tensors); !s.ok()) return s;  // written whole: tmp, fsync, rename
     auto digest = core::Sha256OfFile(shard);
@@ -50,7 +51,7 @@ absl::Status WriteCheckpoint(const std::string& dir, int64_t step, int stage, in
   });
 }
 
-absl::StatusOr<Checkpoint> LoadLatestCheckpoint(const std::string& dir, std::string* skipped) {
+absl::StatusOr<Checkpoint> LoadLatestCheckpoint(const std::string& dir, std::string* skipped, const std::string& run) {
   return GuardTorch(absl::StrCat("loading the newest checkpoint of ", dir), [&]() -> absl::StatusOr<Checkpoint> {
     auto steps = core::StepDirs(dir);
     if (!steps.ok()) return steps.status();
@@ -58,6 +59,16 @@ absl::StatusOr<Checkpoint> LoadLatestCheckpoint(const std::string& dir, std::str
     for (const auto& [step, path] : *steps) {  // newest first
       auto metas = core::CompleteStages(path, &why, /*verify_hashes=*/true);
       if (!metas) continue;
+      if (!run.empty()) {
+        const auto other =
+            std::find_if(metas->begin(), metas->end(), [&](const auto& m) { return m.second.run != run; });
+        if (other != metas->end()) {
+          absl::StrAppend(&why, path, ": written by ",
+                          other->second.run.empty() ? "no `meridian run`" : "run " + other->second.run,
+                          ", not this run (", run, "); ");
+          continue;
+        }
+      }
       Checkpoint c;
       c.step = step;
       c.path = path;

@@ -18,9 +18,10 @@
 
 namespace meridian::executor {
 
-// Writes stage `stage` of `num_stages` for `step` (the number of completed steps). Thread-compatible.
+// Writes stage `stage` of `num_stages` for `step` (the number of completed steps), tagged with `run` (the
+// `meridian run` writing it; "" none). Thread-compatible.
 absl::Status WriteCheckpoint(const std::string& dir, int64_t step, int stage, int num_stages,
-                             const std::map<std::string, torch::Tensor>& tensors);
+                             const std::map<std::string, torch::Tensor>& tensors, const std::string& run = "");
 
 struct Checkpoint {
   int64_t step = 0;
@@ -33,9 +34,11 @@ struct Checkpoint {
 absl::StatusOr<Checkpoint> LoadCheckpointFor(const std::string& step_dir, const std::set<std::string>& wanted);
 
 // The newest complete and intact checkpoint under `dir`: every stage's JSON present and every shard's
-// SHA-256 matching. A newer checkpoint that is incomplete or corrupt is skipped, and `skipped` says
-// why. NotFound when there is none.
-absl::StatusOr<Checkpoint> LoadLatestCheckpoint(const std::string& dir, std::string* skipped = nullptr);
+// SHA-256 matching, and with `run` non-empty, every stage written by that run (another run's steps in a
+// shared directory are never resumed from by mistake). A newer checkpoint that is incomplete, corrupt or
+// another run's is skipped, and `skipped` says why. NotFound when there is none.
+absl::StatusOr<Checkpoint> LoadLatestCheckpoint(const std::string& dir, std::string* skipped = nullptr,
+                                                const std::string& run = "");
 
 }  // namespace meridian::executor
 

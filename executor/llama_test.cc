@@ -333,6 +333,39 @@ TEST(Checkpoints, PruneKeepsTheNewestCompleteStepsAndFindNamesTheNewestIntactOne
   fs::remove_all(dir);
 }
 
+// A shared checkpoint directory may hold another run's steps, newer than this run's: a run resumes only
+// from its own (seen in the straggler bench: a switch after step 13 found another run's step 15, and the
+// recovery that followed loaded it). Without a run to match, the newest intact step of any run counts.
+TEST(Checkpoints, ARunResumesOnlyFromItsOwnSteps) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("meridian_runs_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  auto t = [](float v, int stage) {
+    return std::map<std::string, torch::Tensor>{{"w" + std::to_string(stage), torch::full({4}, v)}};
+  };
+  for (int stage = 0; stage < 2; ++stage) {
+    ASSERT_TRUE(WriteCheckpoint(dir.string(), 13, stage, 2, t(13, stage), "0123456789abcdef").ok());
+    ASSERT_TRUE(WriteCheckpoint(dir.string(), 15, stage, 2, t(15, stage), "fedcba9876543210").ok());
+    ASSERT_TRUE(WriteCheckpoint(dir.string(), 20, stage, 2, t(20, stage)).ok());  // a standalone executor's
+  }
+  std::string skipped;
+  auto mine = LoadLatestCheckpoint(dir.string(), &skipped, "0123456789abcdef");
+  ASSERT_TRUE(mine.ok()) << mine.status();
+  EXPECT_EQ(mine->step, 13);
+  EXPECT_TRUE(torch::equal(mine->tensors.at("w1"), torch::full({4}, 13.0f)));
+  EXPECT_THAT(skipped,
+              ::testing::HasSubstr("step-15: written by run fedcba9876543210, not this run (0123456789abcdef)"));
+  EXPECT_THAT(skipped, ::testing::HasSubstr("step-20: written by no `meridian run`"));
+  EXPECT_EQ(LoadLatestCheckpoint(dir.string(), nullptr, "0000000000000000").status().code(),
+            absl::StatusCode::kNotFound);
+  auto any = LoadLatestCheckpoint(dir.string());
+  ASSERT_TRUE(any.ok());
+  EXPECT_EQ(any->step, 20);
+  EXPECT_EQ(core::RunIdOfJob("0123456789abcdef-2"), "0123456789abcdef");
+  EXPECT_EQ(core::RunIdOfJob("0123456789abcdef"), "0123456789abcdef");
+  fs::remove_all(dir);
+}
+
 // A resuming stage needs only the shards holding its tensors: ShardsHolding names them from the step's
 // JSONs, and LoadCheckpointFor loads them (hash-checked) while the others are absent.
 TEST(Checkpoints, AStageLoadsOnlyTheShardsHoldingItsTensors) {

@@ -764,7 +764,7 @@ absl::Status StageWorker::SaveCheckpoint(const std::string& dir, int64_t steps_d
       if (t.is_floating_point() && !torch::isfinite(t).all().item<bool>())
         return absl::DataLossError(absl::StrCat(Where(), ": ", name, " is not finite after step ", steps_done,
                                                 "; the checkpoint is not written"));
-    absl::Status s = WriteCheckpoint(dir, steps_done, a_.stage, a_.num_stages, all);
+    absl::Status s = WriteCheckpoint(dir, steps_done, a_.stage, a_.num_stages, all, core::RunIdOfJob(a_.job_id));
     if (!s.ok()) return Annotate(s, absl::StrCat(Where(), ": checkpoint"));
     if (keep > 0 && a_.stage == 0 && writes_shard()) {
       std::string problems;
