@@ -21,8 +21,13 @@ plan with identity codecs, DDP-Gloo (one step at 2 Mbit/s; at 1 Mbit/s computed 
 all-reduce bytes and the measured goodput), and a 300-step convergence comparison of the chosen codecs
 against identity on a tiny model. It writes its own section of RESULTS.md, between markers.
 
+Sections run only with --only, each writing its own part of RESULTS.md between markers: wan-diloco (DiLoCo
+replicas at 2 and 1 Mbit/s), simulator (the simulator against measured runs), multi-device (a site of two
+workers), straggler (issue #21: a site's CPU quota drops mid-run and the coordinator re-plans around it).
+
 Usage: bench/run_all.py [--build build] [--out runs/bench] [--steps 6] [--ddp-steps 2]
-                        [--results bench/RESULTS.md] [--only e2e|components|wan-bound] [--tiny]
+                        [--results bench/RESULTS.md]
+                        [--only e2e|components|wan-bound|wan-diloco|simulator|multi-device|straggler] [--tiny]
 --tiny shrinks the model and batch (a smoke test of the script, minutes instead of half an hour); its
 figures are not the benchmark's and it writes RESULTS to runs/bench/RESULTS-tiny.md.
 """
@@ -141,7 +146,10 @@ def write_model(work, cfg, seed):
     return model_dir, sum(t.numel() for t in weights.values())
 
 
-def run_meridian(emu, bin_dir, work, name, job, steps, split, repeats, extra="", time_to_second_last=False):
+def run_meridian(emu, bin_dir, work, name, job, steps, split, repeats, extra="", time_to_second_last=False,
+                 on_line=None):
+    """One `meridian run` on the emulated sites; on_line(line), when given, sees each line the coordinator
+    prints as it comes."""
     run = os.path.join(work, name)
     shutil.rmtree(run, ignore_errors=True)
     os.makedirs(run)
@@ -158,6 +166,8 @@ def run_meridian(emu, bin_dir, work, name, job, steps, split, repeats, extra="",
     out = []
     for line in coord.stdout:
         out.append(line)
+        if on_line:
+            on_line(line)
         # Link bytes while training (the profile's link probes before it are not the system's traffic).
         if line.startswith("training:"):
             before = link_bytes(emu)
@@ -262,14 +272,14 @@ class BenchEmulation(Emulation):
         self.procs = [p for p in self.procs if p not in procs]
 
 
-def open_sites(bin_dir, work, mbit, rtt_ms=RTT_MS, heartbeat_timeout_s=20):
+def open_sites(bin_dir, work, mbit, rtt_ms=RTT_MS, heartbeat_timeout_s=20, elastic=False):
     """The three emulated sites, every pair joined at `mbit` Mbit/s with an `rtt_ms` RTT, with their spec
-    (work/cluster.yaml) and certificates. The caller closes the emulation."""
+    (work/cluster.yaml) and certificates. The caller closes the emulation. elastic=False (the default): the
+    bench measures the plan it asks for, with no re-planning around stragglers (timing noise here)."""
     emu = BenchEmulation(bin_dir, mbit, rtt_ms)
     try:
         spec = os.path.join(work, "cluster.yaml")
-        # The bench measures the plan it asks for: no re-planning around stragglers (timing noise here).
-        emu.write_spec(spec, "bench", emu.addresses, heartbeat_timeout_s=heartbeat_timeout_s, elastic=False)
+        emu.write_spec(spec, "bench", emu.addresses, heartbeat_timeout_s=heartbeat_timeout_s, elastic=elastic)
         sh(f"{bin_dir}/meridian certs init --spec {spec} --out {work}/certs --force")
         return emu
     except BaseException:
@@ -583,6 +593,117 @@ def multi_section(w, command):
     return "\n".join(L)
 
 
+# ---- Stragglers (issue #21): a site's CPU quota drops mid-run, and the run re-plans around it ----
+
+STRAGGLER_BEGIN, STRAGGLER_END = "<!-- straggler:begin -->", "<!-- straggler:end -->"
+
+
+def straggler(a, bin_dir, work, cfg, model_dir, weights_params):
+    """The three sites at 100 Mbit/s, 40 ms RTT, elastic re-planning on (the spec's defaults: drift 15%,
+    window 5, min_gain 10%). The compute bound is measured at the quotas 1.0 / 0.6 / 0.4 and again with the
+    fast site at 0.3. Then one planned run: once the coordinator reports step `--straggler-drop-step`, the
+    fast site's quota drops from 1.0 to 0.3 (its cgroup, as a shared GPU slows down). Reports tokens/s
+    before the drop, between the drop and the switch to a new plan, and after it, against the new bound;
+    and the steps the coordinator took to flag the site and to switch."""
+    seq, global_batch = (32, 12) if a.tiny else (256, 48)  # the end-to-end section's job
+    steps, drop_at, seed, mbit, slowed, to_quota = a.straggler_steps, a.straggler_drop_step, 20261202, 100, "fast", 0.3
+    res = {"params": weights_params, "seq": seq, "global_batch": global_batch, "micro_batches": global_batch,
+           "steps": steps, "drop_step": drop_at, "site": slowed, "from_quota": dict(SITES)[slowed],
+           "to_quota": to_quota, "mbit": mbit}
+    emu = open_sites(bin_dir, work, mbit, RTT_MS, heartbeat_timeout_s=60, elastic=True)
+    try:
+        measure_bound(emu, bin_dir, work, seq, seed, res)
+        res["bound_before"], res["bound_sites_before"] = res.pop("bound"), res.pop("bound_sites")
+        emu.set_quota(slowed, to_quota)
+        measure_bound(emu, bin_dir, work, seq, seed, res)
+        res["bound_after"], res["bound_sites_after"] = res.pop("bound"), res.pop("bound_sites")
+        emu.set_quota(slowed, dict(SITES)[slowed])
+        job = os.path.join(work, "straggler.yaml")
+        job_yaml(job, steps, global_batch, global_batch, seq, seed, "{policy: adaptive, error_feedback: true}")
+        dropped = {}
+
+        def watch(line):
+            m = re.match(r"step (\d+)/", line)
+            if m and int(m.group(1)) >= drop_at and not dropped:
+                emu.set_quota(slowed, to_quota)
+                dropped["step"], dropped["time"] = int(m.group(1)), time.time()
+                log(f"  step {m.group(1)}: site {slowed}'s quota {dict(SITES)[slowed]} -> {to_quota}")
+            elif line.startswith(("straggler:", "switch:")):
+                log("  " + line.strip())
+
+        log(f"straggler: planned run of {steps} steps, elastic on; site {slowed} slowed after step {drop_at}")
+        r = run_meridian(emu, bin_dir, work, "straggler", job, steps, "planned", a.profile_repeats, on_line=watch)
+    finally:
+        emu.close()
+    run = os.path.join(work, "straggler")
+    metrics = {m["step"]: m for m in (json.loads(l) for l in open(os.path.join(run, "metrics.jsonl")))}
+    events = [json.loads(l) for l in open(os.path.join(run, "events.jsonl"))]
+    res["dropped_after_step"] = dropped.get("step")
+    flagged = [e for e in events if e["kind"] == "straggler" and e.get("site") == slowed]
+    res["straggler_events"] = [e["text"] for e in events if e["kind"] == "straggler"]
+    res["switch_events"] = [e["text"] for e in events if e["kind"] == "switch"]
+    to = [int(m.group(1)) for e in flagged for m in [re.search(r"\(to step (\d+)\)", e["text"])] if m]
+    res["flagged_at_step"] = next((x for x in to if res["dropped_after_step"] and x > res["dropped_after_step"]), None)
+    saved = re.findall(r"switch: every stage saved step (\d+)", open(os.path.join(run, "coordinator.log")).read())
+    d = res["dropped_after_step"]
+    # The first switch after the drop (one before it, on timing noise alone, would be in the events too).
+    res["switched_at_step"] = next((int(x) for x in saved if d and int(x) > d), None)
+
+    def rate(a_, b_):
+        if a_ not in metrics or b_ not in metrics or b_ <= a_:
+            return None
+        return (metrics[b_]["tokens"] - metrics[a_]["tokens"]) / (metrics[b_]["elapsed_seconds"] - metrics[a_]["elapsed_seconds"])
+
+    sw, last = res["switched_at_step"], max(metrics)
+    res["before"] = rate(1, d) if d else None
+    res["right_after"] = rate(d, sw if sw else last) if d else None
+    # After the switch: from the end of the first step of the new plan (its stages' start) to the end.
+    res["after_replan"] = rate(sw + 1, last) if sw else None
+    res["after_steps"] = (sw + 2, last) if sw else None
+    res["final_plan"] = r["plan"]
+    res["final_codecs"] = r["codecs"]
+    log(f"  before {res['before']}, right after {res['right_after']}, after re-plan {res['after_replan']} tokens/s; "
+        f"bound {res['bound_before']:.0f} -> {res['bound_after']:.0f}")
+    return res
+
+
+def straggler_section(w, command):
+    b0, b1 = w["bound_before"], w["bound_after"]
+    fmt = lambda x: "-" if x is None else f"{x:.0f}"  # noqa: E731
+    of = lambda x, b: "-" if x is None else pct(x / b)  # noqa: E731
+    L = [STRAGGLER_BEGIN, "## Stragglers: a site slowed mid-run, and the re-plan around it", "",
+         f"Command: `{command}`. The model of the end-to-end section ({w['params'] / 1e6:.1f}M parameters), "
+         f"{w['global_batch']} sequences of {w['seq']} tokens per step in {w['micro_batches']} micro-batches, "
+         f"{w['steps']} steps, three sites at quotas 1.0 / 0.6 / 0.4, every pair at {w['mbit']} Mbit/s with a "
+         f"{RTT_MS} ms RTT, elastic re-planning on with the spec's defaults (drift 15%, window 5, min_gain 10%). "
+         f"When the coordinator reports step {w['drop_step']}, the {w['site']} site's CPU quota drops from "
+         f"{w['from_quota']} to {w['to_quota']} of a core (its cgroup). The compute bound is measured as in the "
+         "end-to-end section, at the first quotas and again with the slowed one.", "",
+         f"Compute bound: {fmt(b0)} tokens/s before the drop "
+         f"({' + '.join(fmt(v) for v in w['bound_sites_before'].values())}), {fmt(b1)} after it "
+         f"({' + '.join(fmt(v) for v in w['bound_sites_after'].values())}).", "",
+         "| phase | steps | tokens/s | of the bound before | of the bound after the drop |", "|---|---|---|---|---|",
+         f"| before the drop | 2-{w['dropped_after_step']} | {fmt(w['before'])} | {of(w['before'], b0)} | - |",
+         f"| after the drop, before the switch | {w['dropped_after_step'] + 1}-{w['switched_at_step'] or '-'} | "
+         f"{fmt(w['right_after'])} | - | {of(w['right_after'], b1)} |",
+         f"| after the re-plan | {'-'.join(str(x) for x in w['after_steps']) if w['after_steps'] else '-'} | "
+         f"{fmt(w['after_replan'])} | - | {of(w['after_replan'], b1)} |", ""]
+    flagged, sw, d = w["flagged_at_step"], w["switched_at_step"], w["dropped_after_step"]
+    L.append(f"The quota dropped after step {d}; the coordinator flagged site '{w['site']}' with its report of step "
+             f"{flagged if flagged else '- (never)'}"
+             + (f" ({flagged - d} steps later; the issue asks for window + 3 = 8)" if flagged and d else "")
+             + f", and every stage saved step {sw if sw else '- (no switch)'} and switched to the new plan.")
+    after = w["after_replan"]
+    if after is not None:
+        short = round(100 * (0.9 - after / b1))
+        L += ["", f"Target (issue #21): after the re-plan at least 90% of the new bound: {of(after, b1)} "
+                  f"({'met' if after >= 0.9 * b1 else f'missed by {short} point' + ('s' if short != 1 else '')})."]
+    L += ["", "The coordinator's straggler and switch events:", ""]
+    L += [f"- {t}" for t in w["straggler_events"] + w["switch_events"]]
+    L += ["", f"The final plan: {w['final_plan']}; link codecs {w['final_codecs']}.", "", STRAGGLER_END, ""]
+    return "\n".join(L)
+
+
 def splice_section(path, section, begin, end):
     """Replaces the section between `begin` and `end` of `path` (or appends it), leaving the rest as it was."""
     old = open(path).read() if os.path.exists(path) else "# Benchmark results\n"
@@ -846,7 +967,11 @@ def main():
                          "speed, comma-separated; the fastest is used at the others. Default 4: a sweep of 1,4 "
                          "(bench/RESULTS.md, 2026-12-01) found it fastest, and each setting costs about 5 minutes")
     ap.add_argument("--results", default="bench/RESULTS.md")
-    ap.add_argument("--only", choices=["e2e", "components", "wan-bound", "wan-diloco", "simulator", "multi-device"])
+    ap.add_argument("--only", choices=["e2e", "components", "wan-bound", "wan-diloco", "simulator", "multi-device",
+                                       "straggler"])
+    ap.add_argument("--straggler-steps", type=int, default=24, help="steps of the straggler run")
+    ap.add_argument("--straggler-drop-step", type=int, default=6,
+                    help="the straggler run's quota drops once the coordinator reports this step")
     ap.add_argument("--diloco-steps", type=int, default=24, help="steps of the WAN-bound DiLoCo runs")
     ap.add_argument("--diloco-inner-steps", type=int, default=8, help="job.sync.inner_steps of the WAN-bound DiLoCo runs")
     ap.add_argument("--diloco-speeds", default="2", help="link rates (Mbit/s) of the WAN-bound DiLoCo runs, comma-separated")
@@ -892,7 +1017,9 @@ def main():
                  "simulator": (simulator_validation, "simulator", "results-simulator.json", simulator_section, SIM_BEGIN,
                                SIM_END, "simulator validation"),
                  "multi-device": (multi_device, "multi_device", "results-multi-device.json", multi_section, MULTI_BEGIN,
-                                  MULTI_END, "multi-device")}
+                                  MULTI_END, "multi-device"),
+                 "straggler": (straggler, "straggler", "results-straggler.json", straggler_section, STRAGGLER_BEGIN,
+                               STRAGGLER_END, "straggler")}
     if a.only in wan_modes:
         measure, key, json_name, section, begin, end, what = wan_modes[a.only]
         model_dir, params = write_model(work, cfg, seed)

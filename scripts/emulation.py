@@ -69,6 +69,13 @@ class Emulation:
         else:
             print("notice: no cgroup v1 cpu controller: sites run at full speed")
 
+    def set_quota(self, site, quota):
+        """Changes a site's CPU quota now, for every process in its group (as a shared GPU slows down).
+        Without cgroups (not root, or no v1 cpu controller) it cannot, and raises."""
+        if not self.cgroups:
+            raise RuntimeError("set_quota needs root and the cgroup v1 cpu controller")
+        open(f"/sys/fs/cgroup/cpu/{self.prefix}-{site}/cpu.cfs_quota_us", "w").write(str(int(quota * 10000)))
+
     def wrap(self, site, cmd):
         prefix = self.prefix
         if not self.root:
