@@ -994,10 +994,12 @@ void RunMachine::CheckDrift(const v1::MetricsReport& r) {
   std::vector<double> latest;
   for (const auto& [site, d] : drift_) latest.push_back(d.latest);
   double common;
-  if (UsedSiteCount() < 2) {
-    // One site alone: nothing to compare it with, so its own first `window` reports under this plan set
-    // the ratio it is measured against.
+  const bool alone = UsedSiteCount() < 2;
+  if (alone) {
+    // One site alone: nothing to compare it with, so its own first `window` reports under this plan (after
+    // the first, a warm-up) set the ratio it is measured against.
     if (mine.baseline <= 0) {
+      if (!std::exchange(mine.warmed_up, true)) return;
       mine.first.push_back(mine.latest);
       if (mine.first.size() < static_cast<size_t>(el.window)) return;
       std::vector<double> sorted = mine.first;
@@ -1017,7 +1019,11 @@ void RunMachine::CheckDrift(const v1::MetricsReport& r) {
   if (q.size() < static_cast<size_t>(el.window)) return;
   // Every one of the window's reports off the same way: a noisy or transient step does not count.
   const bool slower = std::all_of(q.begin(), q.end(), [&](double x) { return x >= 1 + el.drift; });
-  const bool faster = el.drift < 1 && std::all_of(q.begin(), q.end(), [&](double x) { return x <= 1 - el.drift; });
+  // A site alone is flagged only when slower: measured against itself, a site whose speed swings (a CPU
+  // quota on steps of milliseconds) would otherwise be re-measured slower, then faster, then slower again.
+  // Each flag rescales its profile, so the next needs a slowdown beyond the last one.
+  const bool faster =
+      !alone && el.drift < 1 && std::all_of(q.begin(), q.end(), [&](double x) { return x <= 1 - el.drift; });
   if (!slower && !faster) return;
   std::vector<double> sorted = q;
   std::sort(sorted.begin(), sorted.end());
@@ -1033,7 +1039,7 @@ void RunMachine::CheckDrift(const v1::MetricsReport& r) {
   for (auto& [site, d] : drift_) d.window.clear();  // the others are measured against the new figures too
   const std::string what = absl::StrFormat(
       "site '%s' computed %.2fx its planned time (relative to %s) in each of its last %d steps (to step %d)", r.site(),
-      ratio, UsedSiteCount() < 2 ? "its first steps under this plan" : "the other sites", el.window, r.step() + 1);
+      ratio, alone ? "its first steps under this plan" : "the other sites", el.window, r.step() + 1);
   // The current layout and a new plan, both priced with the re-measured profile.
   auto priced_plans = ReplanAgainstCurrent();
   if (!priced_plans.ok()) {

@@ -338,8 +338,10 @@ class RunMachine {
   struct Drift {
     double latest = 0;           // the latest report's compute / planned
     std::vector<double> window;  // the latest `window` of those, relative to the sites' common ratio
-    // A site alone in the plan: its first `window` ratios under the plan, and then their median, which
-    // its later ratios are taken relative to (there is no other site to compare it with).
+    // A site alone in the plan: its first `window` ratios under the plan after the first report (whose
+    // step warms up: allocations, first calls), and then their median, which its later ratios are taken
+    // relative to (there is no other site to compare it with).
+    bool warmed_up = false;
     std::vector<double> first;
     double baseline = 0;
   };

@@ -15,6 +15,8 @@ its stage under 1F1B with the codec chosen for each link, and the coordinator ex
 scores held-out exact match before and after. This script adds the summary and the loss curve (SVG).
 
 Usage: scripts/demo.py [--build build] [--run runs/demo] [--steps N]   (called by scripts/demo.sh)
+                      [--job finetune-lora.yaml --base runs/strong --pretrain-steps 800]  (the LoRA job on the
+                      stronger base, with PRETRAIN_SEQ=256 PRETRAIN_BATCH=8: examples/llm-finetune/README.md)
 """
 import argparse
 import json
@@ -97,6 +99,7 @@ def main():
     subprocess.run(["bash", os.path.join(example, "build_base.sh"), base, str(a.pretrain_steps)],
                    check=True, env=dict(os.environ, MERIDIAN_BIN=bin_dir))
     os.symlink(base, os.path.join(run, "work"))  # the job's work/base and work/tasks.jsonl
+    os.symlink(base, os.path.join(run, "work-strong"))  # finetune-lora.yaml's (with --base on the stronger base)
     emu = Emulation(bin_dir, SITES, LINKS, RTT_MS)
     try:
         spec = os.path.join(run, "cluster.yaml")
