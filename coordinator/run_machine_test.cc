@@ -513,6 +513,25 @@ v1::ProfileReport ProfileAmong(const std::string& site, const std::vector<std::s
 // A plan of one site alone has no other site to compare it with: its own first `window` reports under the
 // plan set its ratio, and a site that then stays far slower than that is flagged, re-measured and, as the
 // idle site is now faster, switched away from.
+// A run of up to 100 steps that re-plans as the planner would (not an even split), over two sites or more.
+RunConfig TwoSiteConfig() {
+  RunConfig c = Config();
+  c.even_split = false;
+  c.spec.min_sites = 2;
+  c.spec.heartbeat_interval_seconds = 0.1;
+  c.steps = c.job.steps = 100;
+  return c;
+}
+
+// Sites a and b register and report profiles at `a_flops` and `b_flops`; a measured the link to b.
+void StartTwoSites(Driver* d, double a_flops, double b_flops) {
+  d->Feed(RunStarted{});
+  d->Feed(SiteRegistered{"a", "127.0.0.1:9a", "cpu"});
+  d->Feed(SiteRegistered{"b", "127.0.0.1:9b", "cpu"});
+  d->Feed(ProfileReported{ProfileAmong("a", {"b"}, a_flops)});
+  d->Feed(ProfileReported{ProfileAmong("b", {}, b_flops)});
+}
+
 // `meridian run --resume` continues from whatever the shared directory holds: its assignments name no run
 // to match (a fresh run's name its own, above).
 TEST(RunMachine, AResumedRunLoadsTheNewestCheckpointOfAnyRun) {
@@ -530,17 +549,9 @@ TEST(RunMachine, AResumedRunLoadsTheNewestCheckpointOfAnyRun) {
 }
 
 TEST(RunMachine, ASiteAloneInThePlanIsMeasuredAgainstItsOwnFirstSteps) {
-  RunConfig c = Config();
-  c.even_split = false;
-  c.spec.min_sites = 2;
-  c.spec.heartbeat_interval_seconds = 0.1;
-  c.steps = c.job.steps = 100;
+  const RunConfig c = TwoSiteConfig();
   Driver d(c);
-  d.Feed(RunStarted{});
-  d.Feed(SiteRegistered{"a", "127.0.0.1:9a", "cpu"});
-  d.Feed(SiteRegistered{"b", "127.0.0.1:9b", "cpu"});
-  d.Feed(ProfileReported{ProfileAmong("a", {"b"}, 1e11)});
-  d.Feed(ProfileReported{ProfileAmong("b", {}, 1e9)});
+  StartTwoSites(&d, 1e11, 1e9);
   ASSERT_EQ(d.machine().phase(), RunMachine::Phase::kTraining);
   const partitioner::Plan plan = *d.machine().plan();
   ASSERT_EQ(plan.stages.size(), 1u);
@@ -582,17 +593,9 @@ TEST(RunMachine, ASiteAloneInThePlanIsMeasuredAgainstItsOwnFirstSteps) {
 // running sites first admit its probes), and a plan over every site that is faster by more than
 // min_gain is switched to at a step boundary; the new attempt runs on it and resumes from that step.
 TEST(RunMachine, ASiteJoiningMidRunIsMeasuredAndSwitchedToWhenThatPays) {
-  RunConfig c = Config();
-  c.even_split = false;
-  c.spec.min_sites = 2;
-  c.spec.heartbeat_interval_seconds = 0.1;
-  c.steps = c.job.steps = 100;
+  const RunConfig c = TwoSiteConfig();
   Driver d(c);
-  d.Feed(RunStarted{});
-  d.Feed(SiteRegistered{"a", "127.0.0.1:9a", "cpu"});
-  d.Feed(SiteRegistered{"b", "127.0.0.1:9b", "cpu"});
-  d.Feed(ProfileReported{ProfileAmong("a", {"b"}, 1e9)});
-  d.Feed(ProfileReported{ProfileAmong("b", {}, 1e9)});
+  StartTwoSites(&d, 1e9, 1e9);
   ASSERT_EQ(d.machine().phase(), RunMachine::Phase::kTraining);
   d.Feed(MetricsReported{Metrics("a", kRun, 0, 9)});
   auto joined = d.Feed(SiteRegistered{"c", "127.0.0.1:9c", "cpu"});

@@ -11,6 +11,7 @@
 #include <numeric>
 #include <random>
 #include <set>
+#include <tuple>
 
 #include <nlohmann/json.hpp>
 
@@ -653,6 +654,22 @@ TEST(Planner, DeepPipelineComparesStageCountsBySimulation) {
   EXPECT_THAT(absl::StrJoin(plan->notes, "\n"), HasSubstr("the simulated schedule"));
 }
 
+// Two sites of 1 GFLOP/s, each running one 3 s op of a two-op chain whose 8 MB cut crosses a 1 MB/s link
+// (both ways, no latency), with 8 micro-batches, adaptive codecs and the deep pipeline's simulation.
+std::tuple<OpGraph, ClusterProfile, PlanOptions> SlowLinkedPair() {
+  OpGraph g = Chain(2, 1e9, 8e6);
+  ClusterProfile p;
+  p.sites = {{"a", 1e9, 1e12, {}}, {"b", 1e9, 1e12, {}}};
+  LinkAll(&p, 1e6, 0);
+  PlanOptions o;
+  o.micro_batches = 8;
+  o.adaptive_compression = true;
+  o.deep_pipeline = true;
+  o.fixed_sites = {0, 1};
+  o.fixed_last_ops = {0, 1};
+  return {g, p, o};
+}
+
 // Fine-tuning data that comes back every epoch makes AQ-SGD's deltas cheaper than plain int4 on a slow
 // link; their gradients still go as int4, and the plan prices the two directions so.
 TEST(Planner, DeltaCodecsJoinTheMenuWhereSequencesComeBack) {
@@ -665,16 +682,8 @@ TEST(Planner, DeltaCodecsJoinTheMenuWhereSequencesComeBack) {
   EXPECT_EQ(DefaultLinkCodecs(0).size(), 4u);
   EXPECT_EQ(DefaultLinkCodecs(1.0)[3].name, "int4-delta");  // on equal bytes, ahead of int4
 
-  OpGraph g = Chain(2, 1e9, 8e6);
-  ClusterProfile p;
-  p.sites = {{"a", 1e9, 1e12, {}}, {"b", 1e9, 1e12, {}}};
-  LinkAll(&p, 1e6, 0);  // 1 MB/s both ways: the int4 gradients pace the link whatever the activations use
-  PlanOptions o;
-  o.micro_batches = 8;
-  o.adaptive_compression = true;
-  o.deep_pipeline = true;
-  o.fixed_sites = {0, 1};
-  o.fixed_last_ops = {0, 1};
+  // 1 MB/s both ways: the int4 gradients pace the link whatever the activations use.
+  auto [g, p, o] = SlowLinkedPair();
   auto plain = PlanPipeline(g, p, o);
   ASSERT_TRUE(plain.ok()) << plain.status();
   // 8 MB at 1 MB/s: int8 (2.1 s) would stay within the 3 s stages, but with 8 micro-batches the step's
@@ -691,16 +700,7 @@ TEST(Planner, DeltaCodecsJoinTheMenuWhereSequencesComeBack) {
 // does it: a codec whose work outweighs the link time it saves is not chosen, and the plan shows each
 // stage's codec work.
 TEST(Planner, CodecWorkOnTheComputeThreadIsPricedFromTheProfile) {
-  OpGraph g = Chain(2, 1e9, 8e6);
-  ClusterProfile p;
-  p.sites = {{"a", 1e9, 1e12, {}}, {"b", 1e9, 1e12, {}}};
-  LinkAll(&p, 1e6, 0);  // 8 MB at 1 MB/s: int4 (1.1 s) is the codec of the unpriced plan (as above)
-  PlanOptions o;
-  o.micro_batches = 8;
-  o.adaptive_compression = true;
-  o.deep_pipeline = true;
-  o.fixed_sites = {0, 1};
-  o.fixed_last_ops = {0, 1};
+  auto [g, p, o] = SlowLinkedPair();  // int4 (1.1 s) is the codec of the unpriced plan (as above)
   auto unpriced = PlanPipeline(g, p, o);
   ASSERT_TRUE(unpriced.ok()) << unpriced.status();
   EXPECT_EQ(unpriced->links[0].codec, "int4");
