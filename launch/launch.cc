@@ -263,7 +263,6 @@ absl::Status SshLauncher::Check(const SiteLaunch& s) {
   const core::SshSpec& ssh = s.ssh;
   const std::string who = Who(s);
   const auto limit = Limit();
-  auto ssh_failed = [&](const CommandResult& r, const std::string& doing) { return SshFailed(s, r, doing); };
   for (const auto& f : BundleFiles(s.site))
     if (!fs::is_regular_file(fs::path(s.bundle_dir) / f))
       return absl::FailedPreconditionError(absl::StrCat(who, ": the site's certificate bundle ", s.bundle_dir,
@@ -274,7 +273,7 @@ absl::Status SshLauncher::Check(const SiteLaunch& s) {
           .exit_code == 0;
   CommandResult v = RunCommand(SshArgv(ssh, options_, ShellQuote(ssh.executor) + " --version"), limit);
   if (v.exit_code == 255 || v.exit_code == -1 || v.spawn_failed || v.too_much_output)
-    return ssh_failed(v, "logging in");
+    return SshFailed(s, v, "logging in");
   if (v.exit_code == 127)
     return absl::FailedPreconditionError(absl::StrCat(who, ": no executor at '", ssh.executor, "' there (",
                                                       LastLine(v.err),
@@ -300,21 +299,20 @@ absl::Status SshLauncher::Check(const SiteLaunch& s) {
 absl::Status SshLauncher::Start(const SiteLaunch& s) {
   const core::SshSpec& ssh = s.ssh;
   const auto limit = Limit();
-  auto ssh_failed = [&](const CommandResult& r, const std::string& doing) { return SshFailed(s, r, doing); };
   // 3: the site's own bundle, and nothing else.
   // The site's own folder, WORKDIR/SITE, readable by the login alone (the workdir itself is left as it is).
   CommandResult mk = RunCommand(SshArgv(ssh, options_,
                                         absl::StrCat("mkdir -p ", Remote(s, "certs"), " && chmod 700 ",
                                                      ShellQuote(SiteDir(s)), " ", Remote(s, "certs"))),
                                 limit);
-  if (mk.exit_code != 0) return ssh_failed(mk, absl::StrCat("creating ", SiteDir(s), "/certs"));
+  if (mk.exit_code != 0) return SshFailed(s, mk, absl::StrCat("creating ", SiteDir(s), "/certs"));
   std::vector<std::string> scp = {"scp", "-q"};
   for (auto& opt : CommonOptions(ssh, options_)) scp.push_back(std::move(opt));
   scp.insert(scp.end(), {"-P", std::to_string(ssh.port)});
   for (const auto& f : BundleFiles(s.site)) scp.push_back((fs::path(s.bundle_dir) / f).string());
   scp.push_back(absl::StrCat(Login(ssh), ":", SiteDir(s), "/certs/"));
   CommandResult cp = RunCommand(scp, limit);
-  if (cp.exit_code != 0) return ssh_failed(cp, "copying the certificate bundle (scp)");
+  if (cp.exit_code != 0) return SshFailed(s, cp, "copying the certificate bundle (scp)");
   // 4: the executor, detached; its pid comes back.
   std::string start = absl::StrCat(
       "chmod 600 ", Remote(s, "certs/" + s.site + ".key"), " && { nohup ", ShellQuote(ssh.executor), " --coordinator ",
@@ -325,7 +323,7 @@ absl::Status SshLauncher::Start(const SiteLaunch& s) {
   CommandResult started = RunCommand(SshArgv(ssh, options_, start), limit);
   const std::string pid = Trim(started.out);
   if (started.exit_code != 0 || pid.empty() || pid.find_first_not_of("0123456789") != std::string::npos)
-    return ssh_failed(started, "starting the executor");
+    return SshFailed(s, started, "starting the executor");
   auto st = std::make_unique<Started_>();
   st->site = s;
   st->pid = pid;

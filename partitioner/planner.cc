@@ -286,37 +286,50 @@ Evaluation Evaluate(const CostModel& cm, const Layout& L, const PlanOptions& o, 
   return e;
 }
 
+// Link k's codec in an evaluated layout: the menu's choice, or the fixed ratio (unnamed) without one.
+Codec LinkCodecOf(const Evaluation& ev, const PlanOptions& o, int k) {
+  return ev.link_codec[k] >= 0 ? o.link_codecs[ev.link_codec[k]] : Codec{"", o.ratio};
+}
+
+// Stage k's codec work per micro-batch on its compute thread, (forward pass, backward pass), at the
+// slowest of its sites: the forward pass decodes its input activation and encodes its output, the
+// backward pass decodes the incoming gradient and encodes the outgoing one (CodecSeconds).
+std::pair<double, double> PassCodecSeconds(const CostModel& cm, const Layout& L, const Evaluation& ev,
+                                           const PlanOptions& o, int k) {
+  const int S = static_cast<int>(L.sites.size());
+  double forward = 0, backward = 0;
+  for (int s : L.sites[k]) {
+    double f = 0, b = 0;
+    for (int j : {k - 1, k}) {
+      if (j < 0 || j + 1 >= S) continue;
+      const std::string name = LinkCodecOf(ev, o, j).name;
+      f += cm.CodecSeconds(s, name, cm.CutBytes(L.last[j]));
+      b += cm.CodecSeconds(s, compression::GradientCodecBehind(name), cm.CutBytes(L.last[j]));
+    }
+    forward = std::max(forward, f);
+    backward = std::max(backward, b);
+  }
+  return {forward, backward};
+}
+
 // The per-stage and per-link times of an evaluated layout, as the schedule simulator takes them: each
-// stage's time per micro-batch split into forward and backward by its ops' FLOPs, plus the codec work of
-// each pass (the forward pass decodes its input activation and encodes its output, the backward pass
-// decodes the incoming gradient and encodes the outgoing one, at the slowest of the stage's sites); each
-// direction of a link at its codec's bytes over the worst pair of the two stages' sites.
+// stage's time per micro-batch split into forward and backward by its ops' FLOPs, plus each pass's codec
+// work (PassCodecSeconds); each direction of a link at its codec's bytes over the worst pair of the two
+// stages' sites.
 PipelineTimes TimesOf(const CostModel& cm, const Layout& L, const Evaluation& ev, const PlanOptions& o,
                       const OpGraph& g) {
   PipelineTimes t;
   const int S = static_cast<int>(L.sites.size());
   t.micro_batches = cm.micro_batches();
-  auto link_codec = [&](int k) { return ev.link_codec[k] >= 0 ? o.link_codecs[ev.link_codec[k]] : Codec{"", o.ratio}; };
   for (int k = 0; k < S; ++k) {
     const int a = k == 0 ? 0 : L.last[k - 1] + 1, b = L.last[k];
     const double share = ForwardShare(g, a, b);
-    double forward_codec = 0, backward_codec = 0;
-    for (int s : L.sites[k]) {
-      double f = 0, bw = 0;
-      for (int j : {k - 1, k}) {
-        if (j < 0 || j + 1 >= S) continue;
-        const std::string name = link_codec(j).name;
-        f += cm.CodecSeconds(s, name, cm.CutBytes(L.last[j]));
-        bw += cm.CodecSeconds(s, compression::GradientCodecBehind(name), cm.CutBytes(L.last[j]));
-      }
-      forward_codec = std::max(forward_codec, f);
-      backward_codec = std::max(backward_codec, bw);
-    }
+    const auto [forward_codec, backward_codec] = PassCodecSeconds(cm, L, ev, o, k);
     t.forward_seconds.push_back(ev.t[k] * share + forward_codec);
     t.backward_seconds.push_back(ev.t[k] * (1 - share) + backward_codec);
   }
   for (int k = 0; k + 1 < S; ++k) {
-    const Codec codec = link_codec(k);
+    const Codec codec = LinkCodecOf(ev, o, k);
     const double x = codec.ratio * cm.CutBytes(L.last[k]), xb = codec.backward() * cm.CutBytes(L.last[k]);
     double fx = 0, fl = 0, bx = 0, bl = 0;
     for (int a : L.sites[k])
@@ -380,8 +393,7 @@ SimulatedLayout SimulateLayout(const CostModel& cm, const Layout& L, const Evalu
 void ChooseLinkCodecsBySimulation(const CostModel& cm, const Layout& L, const PlanOptions& o, const OpGraph& g,
                                   Evaluation* ev, SimulatedLayout* sim) {
   const int S = static_cast<int>(L.sites.size());
-  const int codecs = static_cast<int>(o.link_codecs.size());
-  const int strongest = codecs - 1;
+  const int strongest = static_cast<int>(o.link_codecs.size()) - 1;
   auto set = [&](Evaluation* e, int k, int codec) {
     e->link_codec[k] = codec;
     std::tie(e->c[k], e->pace[k]) = LinkTimes(cm, L, k, o.link_codecs[codec]);
@@ -1166,7 +1178,6 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
     ChooseLinkCodecsBySimulation(cm, layout, o, graph, &ev, &sim);
   else if (o.deep_pipeline)
     sim = SimulateLayout(cm, layout, ev, o, graph);
-  const PipelineTimes times = TimesOf(cm, layout, ev, o, graph);
 
   const int S = static_cast<int>(layout.sites.size());
   for (int k = 0; k < S; ++k) {
@@ -1192,7 +1203,8 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
         st.memory_bytes = std::max(st.memory_bytes, cm.SiteMemory(s, st.first_op, st.last_op, st.in_flight));
       st.busy_seconds = sim.step.busy_seconds[k];
       st.wait_seconds = sim.step.wait_seconds[k];
-      st.codec_seconds = std::max(0.0, times.forward_seconds[k] + times.backward_seconds[k] - ev.t[k]);
+      const auto [forward_codec, backward_codec] = PassCodecSeconds(cm, layout, ev, o, k);
+      st.codec_seconds = forward_codec + backward_codec;
     }
     st.memory_available_bytes = kInf;
     for (int s : st.sites)
