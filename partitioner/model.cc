@@ -96,9 +96,10 @@ absl::StatusOr<OpGraph> ParseGraphJson(const std::string& text, const std::strin
     const json& o = (*ops)[i];
     std::string ctx = absl::StrCat("ops[", i, "]");
     if (!o.is_object()) return Bad(path, ctx, "expected an object");
-    RETURN_IF(OnlyKeys(
-        o, {"name", "forward_flops", "backward_flops", "param_bytes", "optimizer_bytes", "output_bytes", "inputs"},
-        path, ctx));
+    RETURN_IF(OnlyKeys(o,
+                       {"name", "forward_flops", "backward_flops", "param_bytes", "optimizer_bytes", "output_bytes",
+                        "inputs", "tied_to"},
+                       path, ctx));
     Op op;
     RETURN_IF(String(o, "name", path, ctx, &op.name));
     if (!names.insert(op.name).second)
@@ -120,6 +121,11 @@ absl::StatusOr<OpGraph> ParseGraphJson(const std::string& text, const std::strin
           return Bad(path, f, absl::StrCat(idx, " is not an earlier op (ops must be in topological order)"));
         op.inputs.push_back(static_cast<int>(idx));
       }
+    }
+    if (auto t = o.find("tied_to"); t != o.end()) {
+      if (!t->is_number_integer() || t->get<long long>() < 0 || t->get<long long>() >= static_cast<long long>(i))
+        return Bad(path, ctx + ".tied_to", "expected the index of an earlier op (whose weights this op shares)");
+      op.tied_to = static_cast<int>(t->get<long long>());
     }
     g.ops.push_back(std::move(op));
   }
@@ -266,6 +272,12 @@ std::vector<double> CutBytes(const OpGraph& graph) {
   return cut;
 }
 
+int CutSeparatesTiedOps(const OpGraph& graph, int p) {
+  for (int j = p + 1; j < static_cast<int>(graph.ops.size()); ++j)
+    if (graph.ops[j].tied_to >= 0 && graph.ops[j].tied_to <= p) return graph.ops[j].tied_to;
+  return -1;
+}
+
 double ComputeBoundSeconds(const OpGraph& graph, const ClusterProfile& profile, int micro_batches) {
   double rate = 0;
   for (const auto& site : profile.sites)
@@ -287,7 +299,7 @@ absl::StatusOr<ClusterProfile> LoadProfileFile(const std::string& path) {
 
 std::string GraphToJson(const OpGraph& g) {
   json ops = json::array();
-  for (const auto& o : g.ops)
+  for (const auto& o : g.ops) {
     ops.push_back({{"name", o.name},
                    {"forward_flops", o.forward_flops},
                    {"backward_flops", o.backward_flops},
@@ -295,6 +307,8 @@ std::string GraphToJson(const OpGraph& g) {
                    {"optimizer_bytes", o.optimizer_bytes},
                    {"output_bytes", o.output_bytes},
                    {"inputs", o.inputs}});
+    if (o.tied_to >= 0) ops.back()["tied_to"] = o.tied_to;
+  }
   return json{{"ops", ops}}.dump(1) + "\n";
 }
 
@@ -378,6 +392,7 @@ OpGraph BuildLlamaGraph(const LlamaShape& m, const LlamaGraphOptions& o) {
   double head_params = d + (m.tie_word_embeddings ? 0 : v * d);
   double head_fwd = 2 * tokens * d * v;
   add("head", head_params, head_fwd, 2 * head_fwd, /*output: the loss*/ 4, {static_cast<int>(g.ops.size()) - 1});
+  if (m.tie_word_embeddings) g.ops.back().tied_to = 0;  // the embedding's weights: one stage runs both
   return g;
 }
 

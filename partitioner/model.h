@@ -21,6 +21,9 @@ struct Op {
   double optimizer_bytes = 0;  // optimizer state for those weights
   double output_bytes = 0;     // the op's output tensor, per micro-batch
   std::vector<int> inputs;     // indices of earlier ops whose outputs this op consumes
+  // The index of an earlier op whose weights this op uses too (an LM head tied to the embedding), or -1.
+  // The two must run in one stage: no cut may fall between them (CutSeparatesTiedOps).
+  int tied_to = -1;
 };
 
 // Ops in topological order (every input index is smaller than the op's own index).
@@ -80,6 +83,9 @@ double ForwardShare(const OpGraph& graph, int first, int last);
 // Per cut p (0 <= p < ops - 1): the bytes crossing it, every output of an op at or before p that an op
 // after p consumes, each tensor once.
 std::vector<double> CutBytes(const OpGraph& graph);
+// The op whose weights another op across cut p (0 <= p < ops - 1) also uses (Op::tied_to), or -1 when the
+// cut separates no such pair; such a cut is never made.
+int CutSeparatesTiedOps(const OpGraph& graph, int p);
 // `micro_batches` micro-batches over every site's whole-model rate together: the step if every site's
 // throughput could be used with no communication and no memory limit.
 double ComputeBoundSeconds(const OpGraph& graph, const ClusterProfile& profile, int micro_batches);

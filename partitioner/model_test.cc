@@ -57,6 +57,30 @@ TEST(GraphJson, ErrorsNameTheField) {
   EXPECT_THAT(Err(LoadGraphFile("/nonexistent.json").status()), HasSubstr("/nonexistent.json: cannot open"));
 }
 
+// An LM head tied to the embedding (tie_word_embeddings): the graph says so, keeps it through JSON, and no
+// cut may separate the two.
+TEST(GraphJson, TiedOpsAreKeptTogether) {
+  LlamaShape shape;
+  shape.vocab_size = 64, shape.hidden_size = 16, shape.intermediate_size = 32, shape.num_hidden_layers = 2;
+  shape.num_attention_heads = shape.num_key_value_heads = 2;
+  OpGraph untied = BuildLlamaGraph(shape, {});
+  EXPECT_EQ(untied.ops.back().tied_to, -1);
+  for (int p = 0; p + 1 < static_cast<int>(untied.ops.size()); ++p) EXPECT_EQ(CutSeparatesTiedOps(untied, p), -1);
+  shape.tie_word_embeddings = true;
+  OpGraph tied = BuildLlamaGraph(shape, {});
+  EXPECT_EQ(tied.ops.back().tied_to, 0);
+  for (int p = 0; p + 1 < static_cast<int>(tied.ops.size()); ++p) EXPECT_EQ(CutSeparatesTiedOps(tied, p), 0) << p;
+  auto again = ParseGraphJson(GraphToJson(tied), "g.json");
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->ops.back().tied_to, 0);
+  EXPECT_EQ(GraphToJson(untied).find("tied_to"), std::string::npos);
+  EXPECT_THAT(Err(ParseGraphJson(R"({"ops": [{"name": "a", "forward_flops": 1, "backward_flops": 0, "output_bytes": 0,
+                                               "tied_to": 0}]})",
+                                 "g.json")
+                      .status()),
+              HasSubstr("g.json: ops[0].tied_to: expected the index of an earlier op"));
+}
+
 TEST(ProfileJson, ParsesAndValidates) {
   auto p = ParseProfileJson(
       R"({"sites": [{"name": "a", "flops_per_second": 1e12, "memory_bytes": 8e9, "op_seconds": {"x": 0.1}},

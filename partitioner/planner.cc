@@ -50,6 +50,8 @@ class CostModel {
       act_prefix_[i + 1] = act_prefix_[i] + g.ops[i].output_bytes;
     }
     cut_bytes_ = partitioner::CutBytes(g);
+    for (int c = 0; c + 1 < n_; ++c)  // a cut between ops sharing weights is never made
+      if (CutSeparatesTiedOps(g, c) >= 0) cut_bytes_[c] = kInf;
     bw_.assign(sites_, std::vector<double>(sites_, 0.0));
     lat_.assign(sites_, std::vector<double>(sites_, 0.0));
     std::map<std::string, int> index;
@@ -67,7 +69,8 @@ class CostModel {
   // Forward+backward seconds of ops [a, b] on site s, per micro-batch.
   double StageTime(int s, int a, int b) const { return time_prefix_[s][b + 1] - time_prefix_[s][a]; }
   double WholeModelTime(int s) const { return time_prefix_[s][n_]; }
-  // Bytes crossing the cut after op p (0 <= p < ops - 1).
+  // Bytes crossing the cut after op p (0 <= p < ops - 1); +inf where the cut separates ops sharing
+  // weights (Op::tied_to), so that every search prices it out.
   double CutBytes(int p) const { return cut_bytes_[p]; }
   bool Linked(int a, int b) const { return bw_[a][b] > 0 && bw_[b][a] > 0; }
   // c_k for bytes x between sites a and b (both directions; +inf if they cannot be neighbours).
@@ -1019,6 +1022,11 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
       seen[s] = true;
       if (last < (k ? o.fixed_last_ops[k - 1] + 1 : 0) || last >= N || (k + 1 == S && last != N - 1))
         return absl::InvalidArgumentError("a fixed layout's stage ends must increase and end at the graph's last op");
+      if (const int tied = k + 1 < S ? CutSeparatesTiedOps(graph, last) : -1; tied >= 0)
+        return absl::InvalidArgumentError(
+            absl::StrCat("a fixed layout's stage ", k + 1, " ends at op '", graph.ops[last].name,
+                         "', which separates '", graph.ops[tied].name,
+                         "' from an op that uses its weights (tied embeddings): the two must run in one stage"));
     }
     if (o.fixed_replicas.size() > S)
       return absl::InvalidArgumentError("fixed replicas for more stages than the layout has");

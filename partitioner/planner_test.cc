@@ -271,6 +271,37 @@ TEST(Planner, FixedLayoutIsEvaluatedNotSearched) {
   EXPECT_EQ(PlanPipeline(g, p, o).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// A head tied to the embedding (Op::tied_to): the search never cuts between them, however much a pipeline
+// would gain, and a pinned layout that does is refused naming both ops.
+TEST(Planner, TiedOpsRunInOneStage) {
+  OpGraph g = Chain(8, 1e9, 1e3);
+  ClusterProfile p;
+  p.sites = {{"a", 1e9, 1e12, {}}, {"b", 1e9, 1e12, {}}, {"c", 1e9, 1e12, {}}};
+  LinkAll(&p, 1e10, 1e-5);
+  PlanOptions o;
+  o.micro_batches = 8;
+  auto free = PlanPipeline(g, p, o);
+  ASSERT_TRUE(free.ok()) << free.status();
+  EXPECT_GT(free->stages.size(), 1u);  // untied, the pipeline pays
+  g.ops.back().tied_to = 0;
+  for (bool replication : {false, true}) {
+    o.replication = replication;
+    auto tied = PlanPipeline(g, p, o);
+    ASSERT_TRUE(tied.ok()) << tied.status();
+    ASSERT_EQ(tied->stages.size(), 1u);
+    EXPECT_EQ(tied->stages[0].first_op, 0);
+    EXPECT_EQ(tied->stages[0].last_op, 7);
+    EXPECT_EQ(tied->stages[0].sites.size(), replication ? 3u : 1u);  // replicas are how it uses the sites
+  }
+  o.replication = false;
+  o.fixed_sites = {0, 1};
+  o.fixed_last_ops = {3, 7};
+  auto pinned = PlanPipeline(g, p, o);
+  ASSERT_FALSE(pinned.ok());
+  EXPECT_EQ(pinned.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(pinned.status().message()), HasSubstr("stage 1 ends at op 'op3', which separates 'op0'"));
+}
+
 TEST(Planner, InfeasibleMemoryNamesWhatDoesNotFit) {
   OpGraph g = Chain(4);
   g.ops[2].param_bytes = 5e9;
