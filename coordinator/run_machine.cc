@@ -604,6 +604,7 @@ void RunMachine::Assign() {
       a->set_last_op(st[k].last_op);
       attempt_.used.insert(site);
       attempt_.stage[site] = static_cast<int>(k);
+      if (k == 0 && site == st[0].site_names[0]) attempt_.reporter = site;
       for (const auto& r : st[k].site_names) a->add_replicas(r);
       group(k, a->mutable_this_stage());
       a->set_gradient_codec(gradient_codec(k));
@@ -676,7 +677,7 @@ void RunMachine::OnMetrics(const MetricsReported& e) {
                                        : absl::StrFormat("step %d: %s", r.step() + 1, parts)});
   attempt_.metrics[r.site()] = r;
   CheckDrift(r);
-  if (r.stage() != 0 || r.step() <= progress_step_) return;
+  if (r.site() != attempt_.reporter || r.step() <= progress_step_) return;
   if (r.step() > data_loss_at_) data_loss_recoveries_ = 0;  // past where data went bad: a new count
   progress_step_ = r.step();
   last_loss_ = r.loss();

@@ -221,6 +221,9 @@ class RunMachine {
     std::map<std::string, v1::StageDone> done;         // by site
     std::map<std::string, v1::MetricsReport> metrics;  // the latest, by site
     std::map<std::string, int> stage;                  // each site's stage in the plan
+    // Replica 0 of stage 0: its reports carry the step's loss and drive the progress (other replicas of a
+    // one-stage DiLoCo plan report their own share of it).
+    std::string reporter;
     std::string failure, failed_site;                  // the first stage error, or "no heartbeat"
     int failure_code = 0;                              // its absl::StatusCode
     std::string lost;                                  // why it ended: the sites lost, for messages

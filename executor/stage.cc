@@ -645,6 +645,16 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
     double square = 0, loss = loss_sum;
     if (!talks_to_sites()) {
       // Worker 0 of the site takes part in the exchange and hands on its outcome.
+    } else if (outer_ && a_.num_stages == 1) {
+      // DiLoCo workers of the whole model are independent between outer syncs: each clips by its own
+      // gradient's norm and waits for no one. Replica 0 reports the step's loss: the others send it their
+      // shares, which it awaits after its own inner step (in the steady state they have arrived).
+      square = GradSquareSum(model_->parameters());
+      if (!std::isfinite(square) || !std::isfinite(loss))
+        return absl::DataLossError(absl::StrCat(Where(), ": non-finite gradients or loss in step ", step + 1,
+                                                " (the data)"));
+      if (replica_ != 0)
+        if (absl::Status s = send_pair(R[0], true, -2, 0, loss_sum); !s.ok()) return s;
     } else if (replica_ == 0) {
       if (last)  // the other replicas' losses, in replica order
         for (size_t j = 1; j < R.size(); ++j) {
@@ -722,6 +732,12 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
                                      Where(), l.fragment, l.step + 1, l.wire_bytes, l.raw_bytes, l.seconds, l.drift));
       }
     }
+    if (outer_ && a_.num_stages == 1 && replica_ == 0 && talks_to_sites())  // the other workers' losses
+      for (size_t j = 1; j < R.size(); ++j) {
+        auto r = recv_pair(R[j], a_.stage, -2);
+        if (!r.ok()) return r.status();
+        loss += r->second;
+      }
     // A write that failed after its frame was queued fails this step, not a neighbour's wait later.
     for (const auto& [site, sender] : senders_)
       if (absl::Status s = sender->error(); !s.ok()) return Annotate(s, Where());

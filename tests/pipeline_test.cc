@@ -652,6 +652,15 @@ TEST_F(PipelineTest, DilocoWithOneInnerStepEqualsEveryStepAveraging) {
   ASSERT_EQ(losses.size(), 4u);
   for (int i = 0; i < 4; ++i) EXPECT_NEAR(losses[i], ref_losses[i], 1e-5 * ref_losses[i]);
   for (const auto& log : logs) EXPECT_THAT(log, HasSubstr("outer sync of fragment 0 after step 4"));
+  // Whole-model workers wait for no one between syncs: the second received no total and printed its own
+  // share of each step's loss (3 of the 4 micro-batches), which replica 0 added to its own.
+  ASSERT_EQ(logs.size(), 2u);
+  const std::vector<double> share = Losses(logs[1]);
+  ASSERT_EQ(share.size(), 4u);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_GT(share[i], 0.5 * losses[i]);
+    EXPECT_LT(share[i], 0.9 * losses[i]);
+  }
   ExpectClose(Distributed(job, {{0, 1}, {2, 3, {2, 2}}, {4, 5}}, "identity", "identity", nullptr), want);
   // Fragments each synchronised every inner step (H = F = 2 with H / F = 1: fragment 0, then 1, ...) are not
   // one averaging per step; H = 2 is not either. Both still train, and the replicas agree after each sync.
