@@ -224,10 +224,10 @@ class RunMachine {
     // Replica 0 of stage 0: its reports carry the step's loss and drive the progress (other replicas of a
     // one-stage DiLoCo plan report their own share of it).
     std::string reporter;
-    std::string failure, failed_site;                  // the first stage error, or "no heartbeat"
-    int failure_code = 0;                              // its absl::StatusCode
-    std::string lost;                                  // why it ended: the sites lost, for messages
-    Clock::time_point deadline;                        // kFailing: wait for heartbeats; kDraining: drain
+    std::string failure, failed_site;  // the first stage error, or "no heartbeat"
+    int failure_code = 0;              // its absl::StatusCode
+    std::string lost;                  // why it ended: the sites lost, for messages
+    Clock::time_point deadline;        // kFailing: wait for heartbeats; kDraining: drain
   };
 
   void OnRegistered(const SiteRegistered& e);

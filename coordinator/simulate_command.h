@@ -4,6 +4,7 @@
 #define MERIDIAN_COORDINATOR_SIMULATE_COMMAND_H_
 
 #include <string>
+#include <vector>
 
 namespace CLI {
 class App;
@@ -25,6 +26,15 @@ struct SimulateCommandOptions {
   std::string compute_from;
   int steps = 0;  // 0: the simulator's choice (SimulationOptions::steps)
   bool json = false;
+  // Failures over a long run (simulator/failures.h), when --mtbf-hours or --site-mtbf is given: every plan
+  // site's MTBF, overridden per site by SITE=HOURS entries. Negative costs mean "the default": detection
+  // = the --job spec's heartbeat_timeout_seconds (else 5 s); checkpoint = the largest stage's weights and
+  // optimizer state at 100 MB/s; restore = the checkpoint's cost again plus two steps (re-assign, refill);
+  // interval = the --job spec's checkpoint.interval (else 50).
+  double mtbf_hours = 0;
+  std::vector<std::string> site_mtbf;
+  double detect_seconds = -1, restore_seconds = -1, checkpoint_seconds = -1, run_hours = 24 * 7;
+  int checkpoint_interval = 0;
 };
 
 // Registers the flags of `meridian simulate` on `cmd`.

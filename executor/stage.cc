@@ -651,8 +651,8 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
       // shares, which it awaits after its own inner step (in the steady state they have arrived).
       square = GradSquareSum(model_->parameters());
       if (!std::isfinite(square) || !std::isfinite(loss))
-        return absl::DataLossError(absl::StrCat(Where(), ": non-finite gradients or loss in step ", step + 1,
-                                                " (the data)"));
+        return absl::DataLossError(
+            absl::StrCat(Where(), ": non-finite gradients or loss in step ", step + 1, " (the data)"));
       if (replica_ != 0)
         if (absl::Status s = send_pair(R[0], true, -2, 0, loss_sum); !s.ok()) return s;
     } else if (replica_ == 0) {

@@ -4,6 +4,7 @@
 #include <fstream>
 #include <random>
 
+#include "simulator/failures.h"
 #include "simulator/fleet.h"
 
 #include "gmock/gmock.h"
@@ -413,6 +414,70 @@ TEST(FleetTest, ErrorsNameTheFileAndField) {
               testing::HasSubstr("f.yaml: speed: unknown field"));
   EXPECT_THAT(err("bandwidth_gbit: 1\nsites:\n  - {gpu: ../../etc/passwd, region: us-east}\n"),
               testing::HasSubstr("is not a device profile name"));
+}
+
+// Failures over a long run: closed-form cases, the Monte Carlo against the closed form, the best interval.
+TEST(FailuresTest, NeverFailingSitesLoseOnlyTheCheckpoints) {
+  FailureModel m;
+  m.mtbf_seconds = {{"a", std::numeric_limits<double>::infinity()}};
+  m.interval_steps = 90;
+  m.checkpoint_seconds = 10;
+  m.run_seconds = 100 * 100;  // exactly 100 segments of 90 x 1 s + 10 s
+  auto r = SimulateFailures(1.0, m);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_NEAR(r->goodput, 0.9, 1e-12);
+  EXPECT_NEAR(r->goodput_p10, 0.9, 1e-12);
+  EXPECT_DOUBLE_EQ(r->analytic_goodput, 0.9);
+  EXPECT_EQ(r->expected_failures, 0);
+}
+
+TEST(FailuresTest, MonteCarloAgreesWithTheClosedFormAndTheRatesAdd) {
+  FailureModel m;
+  // Four sites of 4 h: one failure an hour for the run.
+  m.mtbf_seconds = {{"a", 4 * 3600.0}, {"b", 4 * 3600.0}, {"c", 4 * 3600.0}, {"d", 4 * 3600.0}};
+  m.interval_steps = 200;
+  m.checkpoint_seconds = 20;
+  m.detection_seconds = 5;
+  m.restore_seconds = 40;
+  m.run_seconds = 30 * 86400;
+  m.trials = 100;
+  const double T = 2.0;
+  auto r = SimulateFailures(T, m);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_DOUBLE_EQ(r->system_mtbf_seconds, 3600);
+  EXPECT_NEAR(r->expected_failures, 30 * 24, 1e-9);
+  // Segments of 420 s against a 3600 s MTBF: (3600 + 45) (e^(420/3600) - 1) = 450.8 s for 400 s of work.
+  EXPECT_NEAR(r->analytic_goodput, 400 / ((3600 + 45) * std::expm1(420.0 / 3600)), 1e-12);
+  EXPECT_NEAR(r->analytic_goodput, 0.887, 0.001);
+  EXPECT_NEAR(r->goodput, r->analytic_goodput, 0.005);  // 30 days x 100 runs: the mean is tight
+  EXPECT_LT(r->goodput_p10, r->goodput);
+  // A finer and a coarser interval than the best both do worse; the best is near Young's estimate when
+  // checkpoints are cheap against the MTBF.
+  EXPECT_GE(r->best_interval_goodput, AnalyticGoodput(T, 3600, r->best_interval_steps / 2, 20, 45));
+  EXPECT_GE(r->best_interval_goodput, AnalyticGoodput(T, 3600, 2 * r->best_interval_steps, 20, 45));
+  EXPECT_GE(r->best_interval_goodput, r->analytic_goodput);
+  EXPECT_NEAR(r->young_interval_steps, std::sqrt(2 * 20 * 3600.0) / T, 1e-9);
+  EXPECT_NEAR(r->best_interval_steps, r->young_interval_steps, 0.25 * r->young_interval_steps);
+  // Halving every site's MTBF halves the system's and costs goodput.
+  for (auto& [site, mtbf] : m.mtbf_seconds) mtbf /= 2;
+  auto worse = SimulateFailures(T, m);
+  ASSERT_TRUE(worse.ok());
+  EXPECT_DOUBLE_EQ(worse->system_mtbf_seconds, 1800);
+  EXPECT_LT(worse->goodput, r->goodput - 0.03);
+}
+
+TEST(FailuresTest, BadInputsNameTheField) {
+  FailureModel m;
+  EXPECT_THAT(std::string(SimulateFailures(1, m).status().message()), testing::HasSubstr("mtbf: no sites"));
+  m.mtbf_seconds = {{"a", 0}};
+  EXPECT_THAT(std::string(SimulateFailures(1, m).status().message()), testing::HasSubstr("site 'a'"));
+  m.mtbf_seconds = {{"a", 100}};
+  EXPECT_THAT(std::string(SimulateFailures(0, m).status().message()), testing::HasSubstr("step_seconds"));
+  m.checkpoint_seconds = -1;
+  EXPECT_THAT(std::string(SimulateFailures(1, m).status().message()), testing::HasSubstr("checkpoint_seconds"));
+  m.checkpoint_seconds = 0;
+  m.interval_steps = 0;
+  EXPECT_THAT(std::string(SimulateFailures(1, m).status().message()), testing::HasSubstr("checkpoint interval"));
 }
 
 }  // namespace

@@ -228,6 +228,25 @@ TEST_F(Cli, SimulateAPlanFromFilesAndFromARunDirectory) {
   auto b = Exec(Bin("meridian") + " simulate --plan " + bad + " --graph " + graph + " --profile " + profile);
   EXPECT_EQ(b.rc, 2);
   EXPECT_THAT(b.err, HasSubstr("stages[0].sites: site 'mars' is not in the profile"));
+  // Failures over a long run: every plan site's MTBF, one site's overridden; goodput below 1, and lower
+  // when that site fails more often; a site the plan lacks is named.
+  const std::string first_site = plan["stages"][0]["sites"][0].get<std::string>();
+  const std::string run = " simulate --plan " + (dir_ / "run").string() + " --json --mtbf-hours 200";
+  auto f = Exec(Bin("meridian") + run);
+  ASSERT_EQ(f.rc, 0) << f.err;
+  const auto fj = nlohmann::json::parse(f.out)["failures"];
+  for (const char* key : {"goodput", "goodput_p10", "analytic_goodput", "best_interval_steps", "system_mtbf_seconds"})
+    EXPECT_TRUE(fj.contains(key)) << key;
+  EXPECT_GT(fj["goodput"].get<double>(), 0);
+  EXPECT_LT(fj["goodput"].get<double>(), 1);
+  auto g = Exec(Bin("meridian") + run + " --site-mtbf " + first_site + "=2");
+  ASSERT_EQ(g.rc, 0) << g.err;
+  EXPECT_LT(nlohmann::json::parse(g.out)["failures"]["goodput"].get<double>(), fj["goodput"].get<double>());
+  EXPECT_LT(nlohmann::json::parse(g.out)["failures"]["system_mtbf_seconds"].get<double>(),
+            fj["system_mtbf_seconds"].get<double>());
+  auto h = Exec(Bin("meridian") + run + " --site-mtbf mars=2");
+  EXPECT_EQ(h.rc, 2);
+  EXPECT_THAT(h.err, HasSubstr("the plan has no site 'mars'"));
 }
 
 // `meridian plan --simulate K`: the planner's K best layouts, simulated and ranked.
