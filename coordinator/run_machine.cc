@@ -226,6 +226,7 @@ void RunMachine::OnProfile(const ProfileReported& e) {
   const v1::ProfileReport& r = e.report;
   if (!sites_.count(r.site())) return;
   if (joiner_asked_ && r.site() == joiner_) return OnJoinerProfile(r);
+  if (remeasuring_.count(r.site())) return OnRemeasured(r);
   const bool asked = std::find(joined_.begin(), joined_.end(), r.site()) != joined_.end();
   if (phase_ != Phase::kProfiling || !asked || profiles_.count(r.site())) {
     Out(LogSite{r.site(), "sent a profile nobody asked for; ignored"});
@@ -369,7 +370,8 @@ void RunMachine::StartAttempt() {
   job_id_ = attempts_ == 0 ? c_.run_id : absl::StrCat(c_.run_id, "-", attempts_);
   ++attempts_;
   attempt_ = Attempt();
-  drift_.clear();  // the new plan's shares are what each site is measured against
+  remeasuring_.clear();  // a straggler decision pending for the attempt before is moot
+  drift_.clear();        // the new plan's shares are what each site is measured against
   progress_step_ = -1;
   std::map<std::string, int> stages, writers;  // replica 0 of each stage sends its weights and checkpoints
   for (size_t k = 0; k < plan_->stages.size(); ++k) {
@@ -1058,6 +1060,29 @@ void RunMachine::CheckDrift(const v1::MetricsReport& r) {
                : absl::StrFormat("%s; the current plan stays the best (%.4f s/step; a new one predicts %.4f)", what,
                                  current->predicted_step_seconds, fresh->predicted_step_seconds);
   Out(LogSite{r.site(), priced});
+  if (gain > el.min_gain && !remeasuring_.empty()) {  // decided when the sites measured again answer
+    Note("straggler", r.site(), absl::StrCat(priced, "; a decision waits for sites measured again"));
+    return;
+  }
+  if (gain > el.min_gain) {
+    std::vector<std::string> idle;  // sites the new plan uses and the current one does not
+    for (const auto& st : fresh->stages)
+      for (const auto& site : st.site_names)
+        if (!attempt_.used.count(site) && std::find(idle.begin(), idle.end(), site) == idle.end()) idle.push_back(site);
+    if (!idle.empty()) {
+      const std::string names = Quoted(idle);
+      remeasure_why_ = priced;
+      for (const auto& site : idle) {
+        remeasuring_.insert(site);
+        Out(LogSite{site, "asked to measure its device and the model again (a straggler's re-plan would use it)"});
+        Out(SendCommand{site, ProfileCommand(site, {})});
+      }
+      Note("straggler", r.site(), absl::StrCat(priced, "; measuring ", names, " again before switching to it"));
+      Say(absl::StrCat("straggler: ", priced, "; measuring ", names,
+                       " again first (idle since it was measured) while training goes on\n"));
+      return;
+    }
+  }
   if (gain > el.min_gain) {
     Note("straggler", r.site(), priced);
     return BeginSwitch(priced);
@@ -1065,6 +1090,56 @@ void RunMachine::CheckDrift(const v1::MetricsReport& r) {
   Note("straggler", r.site(),
        absl::StrFormat("%s; not above elastic.min_gain (%.0f%%): no switch", priced, 100 * el.min_gain));
   Say(absl::StrFormat("straggler: %s; not above elastic.min_gain (%.0f%%): no switch\n", priced, 100 * el.min_gain));
+}
+
+void RunMachine::OnRemeasured(const v1::ProfileReport& r) {
+  const std::string site = r.site();
+  remeasuring_.erase(site);
+  partitioner::ClusterProfile checked;
+  const std::set<std::string> no_links;  // its links stand as measured: only its device and the model again
+  absl::Status s = r.error().empty() ? CheckProfile(r, &checked, &no_links) : absl::UnavailableError(Clean(r.error()));
+  if (phase_ != Phase::kTraining) {
+    remeasuring_.clear();
+    return Out(LogSite{site, "measured again, but the attempt it was measured for has ended; ignored"});
+  }
+  if (!s.ok()) {
+    remeasuring_.clear();  // the decision waited for it: no switch onto figures that did not check out
+    const std::string why = absl::StrCat("measuring it again failed: ", Clean(std::string(s.message())),
+                                         "; the straggler's re-plan is dropped (no switch)");
+    Out(LogSite{site, why});
+    Note("straggler", site, why);
+    Say(absl::StrCat("straggler: site '", site, "': ", why, "\n"));
+    return;
+  }
+  for (auto& p : profile_.sites)
+    if (p.name == site) {
+      Out(LogSite{site,
+                  absl::StrFormat(
+                      "measured again: the model takes %.4f s per micro-batch (was %.4f s)",
+                      partitioner::RangeSeconds(graph_, checked.sites[0], 0, static_cast<int>(graph_.ops.size()) - 1),
+                      partitioner::RangeSeconds(graph_, p, 0, static_cast<int>(graph_.ops.size()) - 1))});
+      p = checked.sites[0];
+    }
+  Out(WriteRunFile{core::kProfileFile, partitioner::ProfileToJson(profile_)});
+  if (!remeasuring_.empty()) return;  // the others next
+  auto priced_plans = ReplanAgainstCurrent();
+  if (!priced_plans.ok()) {
+    Note("straggler", site,
+         absl::StrCat("re-planning after measuring again failed: ", priced_plans.status().message()));
+    return;
+  }
+  const double gain = 1 - priced_plans->fresh.predicted_step_seconds / priced_plans->current.predicted_step_seconds;
+  const std::string priced = absl::StrFormat(
+      "%s; measured again, a new plan predicts %.4f s/step against %.4f s/step for the current one", remeasure_why_,
+      priced_plans->fresh.predicted_step_seconds, priced_plans->current.predicted_step_seconds);
+  if (gain > c_.spec.elastic.min_gain) {
+    Note("straggler", site, priced);
+    return BeginSwitch(absl::StrFormat("%s (%.0f%% faster)", priced, 100 * gain));
+  }
+  Note("straggler", site,
+       absl::StrFormat("%s: not above elastic.min_gain (%.0f%%): no switch", priced, 100 * c_.spec.elastic.min_gain));
+  Say(absl::StrFormat("straggler: %s: not above elastic.min_gain (%.0f%%): no switch\n", priced,
+                      100 * c_.spec.elastic.min_gain));
 }
 
 void RunMachine::CompleteSwitch() {

@@ -243,6 +243,11 @@ class RunMachine {
   // sites and switched to at a step boundary when that gains more than min_gain.
   void MaybeMeasureJoiner();
   void OnJoinerProfile(const v1::ProfileReport& r);
+  // A straggler's re-plan that moves work onto sites the current plan leaves idle first measures those
+  // sites again (their device and the model; their figures date from the start, and a profile taken while
+  // every emulated site measured at once can be far off): the switch is decided again, with their new
+  // figures, once all have answered. OnRemeasured takes one answer.
+  void OnRemeasured(const v1::ProfileReport& r);
   v1::Command ProfileCommand(const std::string& site, const std::vector<std::string>& peers) const;
   void OnTick();
   void BeginSwitch(const std::string& why);  // kTraining -> kSwitching
@@ -330,11 +335,13 @@ class RunMachine {
     out.insert(leaving_.begin(), leaving_.end());
     return out;
   }
-  int64_t boundary_ = 0;          // kSwitching: the step the attempt ends after
-  int64_t switch_step_ = 0;       // the next attempt resumes from exactly this step (0: the newest intact)
-  double last_step_seconds_ = 0;  // stage 0's latest step
-  std::string joiner_;            // the site joining mid-run being measured ("" none)
-  Clock::time_point joiner_at_;   // when it may be asked to measure (its probes admitted by then)
+  int64_t boundary_ = 0;               // kSwitching: the step the attempt ends after
+  int64_t switch_step_ = 0;            // the next attempt resumes from exactly this step (0: the newest intact)
+  double last_step_seconds_ = 0;       // stage 0's latest step
+  std::string joiner_;                 // the site joining mid-run being measured ("" none)
+  std::set<std::string> remeasuring_;  // idle sites measured again before a straggler's switch (OnRemeasured)
+  std::string remeasure_why_;          // that straggler's message
+  Clock::time_point joiner_at_;        // when it may be asked to measure (its probes admitted by then)
   bool joiner_asked_ = false;
   std::set<std::string> joiner_peers_;    // the sites it was asked to probe
   std::set<std::string> failed_joiners_;  // whose measuring failed (until they register again)
