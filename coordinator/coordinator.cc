@@ -92,6 +92,7 @@ absl::StatusOr<v1::HeartbeatResponse> Coordinator::Heartbeat(const v1::Heartbeat
     resp.set_stop(stopping_);
     resp.set_end_after_step(boundary_step_);
     resp.set_end_job_id(boundary_job_);
+    for (const auto& site : left_out_) resp.add_left_out(site);
     for (const auto& p : probers_) resp.add_probe_from(p);
     leaving = r.leaving() && !s.leaving;
     s.leaving = s.leaving || r.leaving();
@@ -128,10 +129,11 @@ void Coordinator::SetProbers(std::set<std::string> sites) {
   probers_ = std::move(sites);
 }
 
-void Coordinator::SetBoundary(const std::string& job_id, int64_t step) {
+void Coordinator::SetBoundary(const std::string& job_id, int64_t step, std::vector<std::string> left_out) {
   std::lock_guard<std::mutex> l(mu_);
   boundary_job_ = step > 0 ? job_id : "";
   boundary_step_ = step;
+  left_out_ = step > 0 ? std::move(left_out) : std::vector<std::string>{};
 }
 
 absl::StatusOr<std::optional<v1::Command>> Coordinator::NextCommand(const std::string& site,
@@ -164,7 +166,10 @@ absl::Status Coordinator::Metrics(const v1::MetricsReport& r) {
         (file_max_step_ > 0 && r.step() >= file_max_step_) || (last && r.step() <= last->step()))
       return absl::OkStatus();  // forged or stale; the run machine logs it
     sites_[r.site()].metrics = r;
-    if (r.stage() == 0 && r.step() > progress_.step) {
+    // Replica 0 of stage 0 (the stage's writer) reports the step's loss; in a one-stage DiLoCo plan the
+    // other replicas report their own shares of it (RunMachine's reporter, the same rule).
+    auto writer = file_writers_.find(r.site());
+    if (r.stage() == 0 && writer != file_writers_.end() && writer->second == 0 && r.step() > progress_.step) {
       progress_.step = r.step();
       progress_.loss = r.loss();
       progress_.step_seconds = r.step_seconds();

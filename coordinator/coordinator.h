@@ -139,9 +139,9 @@ class Coordinator : public rpc::CoordinatorHandler {
   // not fit the plan and the site's earlier reports (they would forge the progress).
   void BeginJob(const std::string& job_id, std::map<std::string, int> stages = {});
   void Send(const std::string& site, v1::Command c);
-  // Every heartbeat answer from now on carries the step boundary (SetBoundary in run_machine.h); step 0
-  // clears it.
-  void SetBoundary(const std::string& job_id, int64_t step);
+  // Every heartbeat answer from now on carries the step boundary and the sites left out (SetBoundary in
+  // run_machine.h); step 0 clears both.
+  void SetBoundary(const std::string& job_id, int64_t step, std::vector<std::string> left_out = {});
   // Every heartbeat answer from now on names these sites as allowed to probe (a site joining mid-run).
   void SetProbers(std::set<std::string> sites);
   void StopAll();
@@ -175,7 +175,8 @@ class Coordinator : public rpc::CoordinatorHandler {
   std::map<std::string, Site> sites_;
   Progress progress_;
   std::string job_id_;
-  std::string boundary_job_;  // SetBoundary
+  std::string boundary_job_;           // SetBoundary
+  std::vector<std::string> left_out_;  // SetBoundary
   int64_t boundary_step_ = 0;
   std::set<std::string> probers_;      // SetProbers
   std::map<std::string, int> stages_;  // the running attempt's plan: site -> stage

@@ -398,7 +398,7 @@ class RunDriver {
             } else if constexpr (std::is_same_v<T, StopAll>) {
               coord_.StopAll();
             } else if constexpr (std::is_same_v<T, SetBoundary>) {
-              coord_.SetBoundary(a.job_id, a.step);
+              coord_.SetBoundary(a.job_id, a.step, a.left_out);
             } else if constexpr (std::is_same_v<T, SetProbers>) {
               coord_.SetProbers(a.sites);
             } else if constexpr (std::is_same_v<T, BeginAttempt>) {

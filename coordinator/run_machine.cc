@@ -115,6 +115,7 @@ void RunMachine::OnRegistered(const SiteRegistered& e) {
   Out(LogSite{e.site, joined});
   Note("join", e.site, joined);
   failed_joiners_.erase(e.site);  // registered again: it may be measured again
+  DropRemeasure(e.site, "which registered again (the request was lost)");
   const size_t need = c_.spec.min_sites > 0 ? static_cast<size_t>(c_.spec.min_sites) : c_.spec.sites.size();
   if (phase_ == Phase::kJoining && started_ && Registered() >= need) StartProfiling();
 }
@@ -675,8 +676,10 @@ void RunMachine::OnMetrics(const MetricsReported& e) {
       "uncompressed)",
       r.step_seconds(), r.compute_seconds(), r.wait_seconds(), r.send_blocked_seconds(), r.codec_seconds(),
       r.wire_bytes(), r.raw_bytes());
-  Out(LogSite{r.site(), r.stage() == 0 ? absl::StrFormat("step %d: loss %.4f, %s", r.step() + 1, r.loss(), parts)
-                                       : absl::StrFormat("step %d: %s", r.step() + 1, parts)});
+  Out(LogSite{r.site(), r.stage() != 0
+                            ? absl::StrFormat("step %d: %s", r.step() + 1, parts)
+                            : absl::StrFormat("step %d: loss %s%.4f, %s", r.step() + 1,
+                                              r.site() == attempt_.reporter ? "" : "share ", r.loss(), parts)});
   attempt_.metrics[r.site()] = r;
   CheckDrift(r);
   if (r.site() != attempt_.reporter || r.step() <= progress_step_) return;
@@ -819,6 +822,7 @@ void RunMachine::OnLost(const HeartbeatLost& e) {
   if (it == sites_.end() || !it->second.registered || it->second.silent) return;
   it->second.silent = true;
   Out(LogSite{e.site, absl::StrCat("no heartbeat for ", c_.spec.heartbeat_timeout_seconds, " s")});
+  DropRemeasure(e.site, "which stopped answering");
   if (e.site == joiner_) {  // a site joining mid-run that went away before it was measured
     joiner_.clear();
     joiner_asked_ = false;
@@ -834,6 +838,7 @@ void RunMachine::OnLost(const HeartbeatLost& e) {
     case Phase::kTraining:
     case Phase::kSwitching:
       if (attempt_.used.count(e.site)) {  // a silent spare site does not interrupt the attempt
+        if (LeaveOutDilocoWorker(e.site)) return;
         attempt_.failure = "no heartbeat";
         EndAttempt();
       }
@@ -867,7 +872,18 @@ void RunMachine::OnBack(const HeartbeatBack& e) {
   }
 }
 
+void RunMachine::DropRemeasure(const std::string& site, const std::string& why) {
+  if (!remeasuring_.count(site)) return;
+  remeasuring_.clear();
+  const std::string what = absl::StrCat("the straggler's re-plan waited for site '", site, "' to be measured again, ",
+                                        why, ": dropped (no switch)");
+  Note("straggler", site, what);
+  Say(absl::StrCat("straggler: ", what, "\n"));
+}
+
 void RunMachine::OnTick() {
+  if (!remeasuring_.empty() && now_ >= remeasure_deadline_)
+    DropRemeasure(*remeasuring_.begin(), absl::StrCat("which did not answer within ", kRemeasureSeconds, " s"));
   if (c_.spec.elastic.enabled && phase_ == Phase::kTraining) MaybeMeasureJoiner();
   if (phase_ == Phase::kJoining && started_ && now_ > join_deadline_) {
     std::string missing;
@@ -891,6 +907,7 @@ void RunMachine::OnLeaving(const SiteLeaving& e) {
   auto it = sites_.find(e.site);
   if (it == sites_.end() || !it->second.registered || !leaving_.insert(e.site).second) return;
   Out(LogSite{e.site, absl::StrCat("asked to leave (", e.why, ")")});
+  DropRemeasure(e.site, "which asked to leave");
   const bool running = attempt_.used.count(e.site) > 0;
   switch (phase_) {
     case Phase::kTraining:
@@ -918,15 +935,49 @@ bool RunMachine::StopLeaving(const std::string& site) {
   return true;
 }
 
-void RunMachine::BeginSwitch(const std::string& why) {
+int64_t RunMachine::SwitchMargin() const {
   // Far enough ahead that every stage hears of it (through its heartbeats' answers) before it gets
   // there: three heartbeat intervals of steps, and at least two steps.
   const double per_step = std::max(last_step_seconds_, 1e-3);
-  const int64_t margin =
-      std::max<int64_t>(2, static_cast<int64_t>(std::ceil(3 * c_.spec.heartbeat_interval_seconds / per_step - 1e-9)));
+  return std::max<int64_t>(2,
+                           static_cast<int64_t>(std::ceil(3 * c_.spec.heartbeat_interval_seconds / per_step - 1e-9)));
+}
+
+int64_t RunMachine::NextBoundary() const {
   int64_t reached = progress_step_ + 1;
   for (const auto& [site, m] : attempt_.metrics) reached = std::max<int64_t>(reached, m.step() + 1);
-  const int64_t step = reached + margin;
+  return reached + SwitchMargin();
+}
+
+bool RunMachine::LeaveOutDilocoWorker(const std::string& site) {
+  if (!plan_ || !plan_->sync.diloco || plan_->stages.size() != 1) return false;
+  const std::vector<std::string>& R = plan_->stages[0].site_names;
+  if (R.size() < 2 || R[0] == site || sites_[R[0]].silent) return false;
+  // The workers left must reach a switch before the run's last step, whose final outer sync needs all.
+  if ((phase_ == Phase::kSwitching ? boundary_ : NextBoundary()) >= c_.steps) return false;
+  attempt_.used.erase(site);
+  attempt_.left_out.push_back(site);
+  lost_.insert(site);
+  const std::string why =
+      absl::StrCat("site '", site, "' stopped answering (no heartbeat for ", c_.spec.heartbeat_timeout_seconds,
+                   " s); its DiLoCo worker is left out of the outer average and the others go on");
+  Out(LogSite{site, absl::StrCat("lost: no heartbeat for ", c_.spec.heartbeat_timeout_seconds,
+                                 " s; its DiLoCo worker is left out")});
+  Note("left_out", site, why);
+  Say(absl::StrCat("lost: ", why, "\n"));
+  if (phase_ != Phase::kSwitching) {
+    BeginSwitch(absl::StrCat("site '", site, "' was lost; the DiLoCo workers left re-plan without it"));
+    return true;
+  }
+  Out(SetBoundary{job_id_, boundary_, attempt_.left_out});  // the switch under way leaves it out too
+  for (const auto& u : attempt_.used)
+    if (!attempt_.done.count(u)) return true;
+  CompleteSwitch();
+  return true;
+}
+
+void RunMachine::BeginSwitch(const std::string& why) {
+  const int64_t step = NextBoundary();
   attempt_.lost = why;
   if (step >= c_.steps) {
     Say(absl::StrCat("switch: ", why, "; the run ends at step ", c_.steps, " first, so it leaves then\n"));
@@ -935,8 +986,8 @@ void RunMachine::BeginSwitch(const std::string& why) {
   }
   boundary_ = step;
   phase_ = Phase::kSwitching;
-  attempt_.deadline = now_ + After(c_.drain_seconds + 2 * margin * per_step);
-  Out(SetBoundary{job_id_, step});
+  attempt_.deadline = now_ + After(c_.drain_seconds + 2 * SwitchMargin() * std::max(last_step_seconds_, 1e-3));
+  Out(SetBoundary{job_id_, step, attempt_.left_out});
   Say(absl::StrCat("switch: ", why, "; every stage ends after step ", step,
                    " with its checkpoint, and the sites "
                    "left resume from there\n"));
@@ -1061,7 +1112,9 @@ void RunMachine::CheckDrift(const v1::MetricsReport& r) {
                                  current->predicted_step_seconds, fresh->predicted_step_seconds);
   Out(LogSite{r.site(), priced});
   if (gain > el.min_gain && !remeasuring_.empty()) {  // decided when the sites measured again answer
+    remeasure_why_ = priced;                          // with these figures
     Note("straggler", r.site(), absl::StrCat(priced, "; a decision waits for sites measured again"));
+    Out(LogSite{r.site(), "a decision waits for sites measured again"});
     return;
   }
   if (gain > el.min_gain) {
@@ -1069,7 +1122,12 @@ void RunMachine::CheckDrift(const v1::MetricsReport& r) {
     for (const auto& st : fresh->stages)
       for (const auto& site : st.site_names)
         if (!attempt_.used.count(site) && std::find(idle.begin(), idle.end(), site) == idle.end()) idle.push_back(site);
+    if (std::any_of(idle.begin(), idle.end(), [&](const std::string& s) { return sites_[s].silent; })) {
+      Note("straggler", r.site(), absl::StrCat(priced, "; the new plan uses a site that does not answer: no switch"));
+      return;
+    }
     if (!idle.empty()) {
+      remeasure_deadline_ = now_ + After(kRemeasureSeconds);
       const std::string names = Quoted(idle);
       remeasure_why_ = priced;
       for (const auto& site : idle) {
@@ -1098,12 +1156,14 @@ void RunMachine::OnRemeasured(const v1::ProfileReport& r) {
   partitioner::ClusterProfile checked;
   const std::set<std::string> no_links;  // its links stand as measured: only its device and the model again
   absl::Status s = r.error().empty() ? CheckProfile(r, &checked, &no_links) : absl::UnavailableError(Clean(r.error()));
-  if (phase_ != Phase::kTraining) {
-    remeasuring_.clear();
-    return Out(LogSite{site, "measured again, but the attempt it was measured for has ended; ignored"});
+  if (!s.ok() || phase_ != Phase::kTraining) remeasuring_.clear();  // no decision on them any more
+  if (s.ok() && phase_ != Phase::kTraining) {                       // a switch under way: figures kept
+    for (auto& p : profile_.sites)
+      if (p.name == site) p = checked.sites[0];
+    Out(WriteRunFile{core::kProfileFile, partitioner::ProfileToJson(profile_)});
+    return Out(LogSite{site, "measured again while the run switches plans: its figures serve the next plan"});
   }
-  if (!s.ok()) {
-    remeasuring_.clear();  // the decision waited for it: no switch onto figures that did not check out
+  if (!s.ok()) {  // the decision waited for it: no switch onto figures that did not check out
     const std::string why = absl::StrCat("measuring it again failed: ", Clean(std::string(s.message())),
                                          "; the straggler's re-plan is dropped (no switch)");
     Out(LogSite{site, why});

@@ -17,7 +17,8 @@
 // When a site is lost during an attempt -- its heartbeats stop, or a stage fails and heartbeats then name
 // a silent site -- the survivors abandon the attempt (draining), then the machine re-plans without the
 // lost sites (on_failure: replan) or waits for them to return (wait), and every stage resumes from the
-// newest intact checkpoint.
+// newest intact checkpoint -- except a lost DiLoCo worker of a one-stage plan (not replica 0): the others
+// leave it out and go on to a switch without it (LeaveOutDilocoWorker).
 //
 // Thread-compatible: one thread (the run loop) owns a RunMachine.
 #ifndef MERIDIAN_COORDINATOR_RUN_MACHINE_H_
@@ -88,10 +89,12 @@ struct SetProbers {
   std::set<std::string> sites;
 };
 // The running attempt `job_id` ends once `step` steps are done, every stage saving its checkpoint of that
-// step first (the sites learn it from their heartbeats' answers); step 0 clears it.
+// step first (the sites learn it from their heartbeats' answers); step 0 clears it. `left_out`: sites lost
+// from the attempt whose DiLoCo workers the others go on without until then.
 struct SetBoundary {
   std::string job_id;
   int64_t step = 0;
+  std::vector<std::string> left_out;
 };
 // A new attempt at the job: from now on only its reports count and only `file_writers` (site -> the stage
 // whose weights and checkpoint shards it writes) may send files, for steps up to `max_step`, of at most
@@ -224,6 +227,8 @@ class RunMachine {
     // Replica 0 of stage 0: its reports carry the step's loss and drive the progress (other replicas of a
     // one-stage DiLoCo plan report their own share of it).
     std::string reporter;
+    // Sites lost from a one-stage DiLoCo plan whose workers the others go on without (LeaveOutDilocoWorker).
+    std::vector<std::string> left_out;
     std::string failure, failed_site;  // the first stage error, or "no heartbeat"
     int failure_code = 0;              // its absl::StatusCode
     std::string lost;                  // why it ended: the sites lost, for messages
@@ -251,6 +256,15 @@ class RunMachine {
   v1::Command ProfileCommand(const std::string& site, const std::vector<std::string>& peers) const;
   void OnTick();
   void BeginSwitch(const std::string& why);  // kTraining -> kSwitching
+  // The step a switch begun now would end the attempt after: SwitchMargin steps (a few heartbeats' worth)
+  // ahead of the furthest site.
+  int64_t NextBoundary() const;
+  int64_t SwitchMargin() const;
+  // A lost site of a one-stage DiLoCo plan other than replica 0 (the stage's writer): the workers are
+  // independent between outer syncs, so the others leave it out of their outer average (told through the
+  // heartbeats' answers, SetBoundary::left_out) and go on to a switch that re-plans without it, no step
+  // lost. Whether it did; false leaves the loss to the recovery from the newest checkpoint.
+  bool LeaveOutDilocoWorker(const std::string& site);
   // Stragglers (core::ElasticSpec): a used site's step compute against its planned share, relative to
   // the used sites' common ratio (the lower median of their latest ratios: what every site spends beyond
   // the profile's op times -- the optimizer, the framework -- cancels), or where the plan uses one site
@@ -340,8 +354,12 @@ class RunMachine {
   double last_step_seconds_ = 0;       // stage 0's latest step
   std::string joiner_;                 // the site joining mid-run being measured ("" none)
   std::set<std::string> remeasuring_;  // idle sites measured again before a straggler's switch (OnRemeasured)
-  std::string remeasure_why_;          // that straggler's message
-  Clock::time_point joiner_at_;        // when it may be asked to measure (its probes admitted by then)
+  std::string remeasure_why_;          // that straggler's latest message
+  Clock::time_point remeasure_deadline_;
+  static constexpr double kRemeasureSeconds = 300;  // a measurement that takes longer drops the decision
+  // Drops a re-measure decision that waits for `site` (lost, leaving, registered anew, or too slow).
+  void DropRemeasure(const std::string& site, const std::string& why);
+  Clock::time_point joiner_at_;  // when it may be asked to measure (its probes admitted by then)
   bool joiner_asked_ = false;
   std::set<std::string> joiner_peers_;    // the sites it was asked to probe
   std::set<std::string> failed_joiners_;  // whose measuring failed (until they register again)

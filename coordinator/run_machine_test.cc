@@ -632,6 +632,10 @@ TEST(RunMachine, AStragglersSwitchOntoAnIdleSiteWaitsForItsNewMeasurement) {
     EXPECT_TRUE(All<SetBoundary>(out).empty()) << Printed(out);
     EXPECT_TRUE(All<SendCommand>(out).empty()) << Printed(out);
   }
+  bool waits = false;  // the fifth of them flagged it again
+  for (const auto& l : All<LogSite>(out))
+    waits |= l.text.find("a decision waits for sites measured again") != std::string::npos;
+  EXPECT_TRUE(waits);
   auto remeasured = d.Feed(ProfileReported{ProfileAmong("b", {}, 1e3)});  // a million times slower than thought
   EXPECT_TRUE(All<SetBoundary>(remeasured).empty()) << Printed(remeasured);
   EXPECT_THAT(Printed(remeasured), HasSubstr("not above elastic.min_gain"));
@@ -639,6 +643,8 @@ TEST(RunMachine, AStragglersSwitchOntoAnIdleSiteWaitsForItsNewMeasurement) {
   // A profile nobody asked for any more is not taken.
   auto again = d.Feed(ProfileReported{ProfileAmong("b", {}, 1e15)});
   EXPECT_TRUE(All<SetBoundary>(again).empty());
+  ASSERT_EQ(All<LogSite>(again).size(), 1u);
+  EXPECT_THAT(All<LogSite>(again)[0].text, HasSubstr("nobody asked for"));
 }
 
 // A site of the spec that registers after training started is measured while training goes on (the
@@ -893,6 +899,60 @@ TEST(RunMachine, DilocoProgressShowsTheRoundAndTheLastOuterSync) {
   EXPECT_EQ(stage["outer_sync_step"], 5);
   EXPECT_EQ(stage["outer_sync_bytes"], 2500000);
   EXPECT_DOUBLE_EQ(stage["outer_drift"].get<double>(), 0.5);
+}
+
+// DiLoCo workers of a one-stage plan outlive a lost one (#17): the others are told to leave it out, and
+// switch at a step boundary to a plan without it, resuming from exactly that step. A lost replica 0 (the
+// stage's writer) is recovered from the newest checkpoint as before, and so is a loss too close to the
+// run's end for a switch (its final outer sync needs every worker).
+TEST(RunMachine, ALostDilocoWorkerIsLeftOutAndTheOthersGoOnToASwitch) {
+  RunConfig c = Config();
+  c.even_split = false;
+  c.plan_path = "pinned.json";
+  c.pinned = {{{"a", "b", "c"}, 5}};
+  c.job.sync.mode = core::SyncMode::kDiloco;
+  c.job.sync.inner_steps = 5;
+  c.spec.heartbeat_interval_seconds = 0.1;  // a switch 3 steps of 0.1 s ahead
+  c.steps = c.job.steps = 100;
+  {
+    Driver d(c);
+    d.JoinAndProfile({"a", "b", "c"});
+    ASSERT_THAT(Sites(Assignments(d.last())), ElementsAre("a", "b", "c"));
+    d.Feed(MetricsReported{Metrics("a", kRun, 0, 10)});
+    auto lost = d.Feed(HeartbeatLost{"c"});
+    auto boundary = All<SetBoundary>(lost);
+    ASSERT_EQ(boundary.size(), 1u) << Printed(lost);
+    EXPECT_EQ(boundary[0].step, 14);
+    EXPECT_EQ(boundary[0].left_out, std::vector<std::string>{"c"});
+    EXPECT_THAT(Printed(lost), HasSubstr("its DiLoCo worker is left out of the outer average and the others go on"));
+    EXPECT_EQ(d.machine().phase(), RunMachine::Phase::kSwitching);
+    d.Feed(StageReportedDone{DoneAt("a", kRun, boundary[0].step)});
+    auto switched = d.Feed(StageReportedDone{DoneAt("b", kRun, boundary[0].step)});  // c never reports
+    EXPECT_THAT(Printed(switched), HasSubstr("switch: every stage saved step 14"));
+    auto assigned = Assignments(switched);
+    ASSERT_FALSE(assigned.empty()) << Printed(switched);
+    for (const auto& [site, a] : assigned) {
+      EXPECT_NE(site, "c");
+      EXPECT_EQ(a.resume_step(), 14) << site;
+    }
+  }
+  {
+    Driver d(c);
+    d.JoinAndProfile({"a", "b", "c"});
+    d.Feed(MetricsReported{Metrics("a", kRun, 0, 10)});
+    auto lost = d.Feed(HeartbeatLost{"a"});  // replica 0
+    EXPECT_TRUE(All<SetBoundary>(lost).empty()) << Printed(lost);
+    EXPECT_THAT(Printed(lost), HasSubstr("lost: site 'a' stopped answering"));
+    EXPECT_NE(d.machine().phase(), RunMachine::Phase::kSwitching);
+  }
+  {
+    Driver d(c);
+    d.JoinAndProfile({"a", "b", "c"});
+    d.Feed(MetricsReported{Metrics("a", kRun, 0, 97)});
+    auto lost = d.Feed(HeartbeatLost{"b"});  // a switch would come after the run's last step
+    EXPECT_TRUE(All<SetBoundary>(lost).empty()) << Printed(lost);
+    EXPECT_NE(d.machine().phase(), RunMachine::Phase::kSwitching);
+  }
 }
 
 // A compromised site: progress it could forge is not believed.

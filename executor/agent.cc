@@ -369,6 +369,7 @@ void Agent::Heartbeats() {
         std::lock_guard<std::mutex> l(heartbeat_mu_);
         boundary_job_ = answer->end_job_id();
         boundary_step_ = answer->end_after_step();
+        left_out_.assign(answer->left_out().begin(), answer->left_out().end());
       }
       if (failing) spdlog::warn("the coordinator answers heartbeats again");
       failing = false;
@@ -556,7 +557,8 @@ void Agent::OnAssign(const v1::StageAssignment& pa) {
         return c;
       };
     }
-    // Every stage reports each step's time breakdown and bytes; stage 0 also the loss.
+    // Every stage reports each step's time breakdown and bytes; stage 0 also the loss (a one-stage DiLoCo
+    // plan's replicas other than replica 0: their own share of it).
     run.on_step = [&](const StepDone& d) {
       step_ = d.step;
       spdlog::debug(
@@ -599,6 +601,15 @@ void Agent::OnAssign(const v1::StageAssignment& pa) {
       }
       return ShareBoundary(group, boundary);
     };
+    run.left_out = [&]() -> std::set<std::string> {  // lost DiLoCo workers, from the heartbeats' answers
+      std::lock_guard<std::mutex> l(heartbeat_mu_);
+      if (boundary_job_ != a.job_id) return {};
+      return {left_out_.begin(), left_out_.end()};
+    };
+    // The coordinator names a lost site within its heartbeat timeout, and this site hears it with its
+    // next heartbeat's answer.
+    run.left_out_wait = std::chrono::milliseconds(
+        static_cast<int64_t>(1000 * (reg_.heartbeat_timeout_seconds() + 2 * reg_.heartbeat_interval_seconds() + 1)));
     run_result = RunStage(*worker, run);
     // The other workers end with their stage; on a failure here they are killed (the pool's destructor).
     if (pool && run_result.status.ok()) {

@@ -80,6 +80,7 @@ class Agent {
   bool done_ = false, state_changed_ = false;  // guarded by heartbeat_mu_
   std::string boundary_job_;                   // the coordinator's step boundary (HeartbeatResponse),
   int64_t boundary_step_ = 0;                  // both guarded by heartbeat_mu_
+  std::vector<std::string> left_out_;          // with the boundary: DiLoCo workers lost; guarded by heartbeat_mu_
   int rc_ = 0;
 };
 

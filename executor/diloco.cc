@@ -70,6 +70,10 @@ OuterSync::~OuterSync() {
 void OuterSync::Attach(std::vector<std::unique_ptr<GradientAverager>> averagers) { averagers_ = std::move(averagers); }
 
 void OuterSync::Exchange(int f, int64_t step) {
+  struct Done {
+    std::atomic<bool>* done;
+    ~Done() { done->store(true); }
+  } done{&exchange_done_};
   try {
     GradientAverager& averager = *averagers_[f];
     if (cancelled_) {
@@ -98,7 +102,10 @@ void OuterSync::Begin(int f, int64_t step, bool overlap) {
   }
   pending_step_ = step;
   began_ = std::chrono::steady_clock::now();
-  if (overlap)
+  pending_overlapped_ = overlap;
+  // On a thread of its own also when not overlapped, if it may have to be cancelled while awaited.
+  exchange_done_ = false;
+  if (overlap || cancel_check_)
     exchange_ = std::thread([this, f, step] { Exchange(f, step); });  // may throw: then nothing is pending
   else
     Exchange(f, step);
@@ -108,9 +115,16 @@ void OuterSync::Begin(int f, int64_t step, bool overlap) {
 absl::Status OuterSync::Complete() {
   if (pending_ < 0) return absl::OkStatus();
   const int f = pending_;
-  const bool overlapped = exchange_.joinable();
-  if (overlapped) {
+  const bool overlapped = pending_overlapped_;
+  if (exchange_.joinable()) {
     const auto t0 = std::chrono::steady_clock::now();
+    while (cancel_check_ && !exchange_done_.load()) {
+      if (cancel_check_()) {
+        averagers_[f]->Cancel();
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
     exchange_.join();
     last_wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
@@ -146,8 +160,19 @@ absl::Status OuterSync::Complete() {
   return absl::OkStatus();
 }
 
+void OuterSync::Suspend() {
+  suspended_ = true;
+  if (exchange_.joinable()) {
+    if (pending_ >= 0 && pending_ < static_cast<int>(averagers_.size())) averagers_[pending_]->Cancel();
+    exchange_.join();
+  }
+  pending_ = -1;
+  for (auto& s : snapshot_) s = torch::Tensor();
+}
+
 absl::Status OuterSync::AfterInnerStep(int64_t step) {
   last_wait_seconds_ = 0;
+  if (suspended_) return absl::OkStatus();
   const int f = FragmentDueAfter(step, spec_.inner_steps, static_cast<int>(fragments_.size()));
   if (f < 0) return absl::OkStatus();
   if (averagers_.size() != fragments_.size())
@@ -162,6 +187,10 @@ absl::Status OuterSync::AfterInnerStep(int64_t step) {
 
 absl::Status OuterSync::Finish(int64_t step) {
   const auto t0 = std::chrono::steady_clock::now();
+  if (suspended_)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the outer synchronisation is suspended (a replica was lost) and the run's last step came before the "
+        "switch that re-plans without it: the replicas' weights differ"));
   if (averagers_.size() != fragments_.size())
     return absl::FailedPreconditionError("outer synchronisation: no averager attached");
   absl::Status s = Complete();

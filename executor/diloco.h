@@ -40,6 +40,7 @@
 #include <vector>
 
 #include <chrono>
+#include <functional>
 
 #include <torch/torch.h>
 
@@ -81,6 +82,14 @@ class OuterSync {
   // After the run's last inner step `step`: completes what is in flight, then synchronises every fragment
   // without overlap, so that every replica ends with the outer parameters.
   absl::Status Finish(int64_t step);
+  // Gives up the exchange in flight, if any (cancelled and joined), and makes AfterInnerStep and Finish
+  // no-ops from now on: a replica was lost and the attempt ends at a switch (the parameters keep this
+  // replica's progress; the outer state stays that of the last synchronisation applied).
+  void Suspend();
+  bool suspended() const { return suspended_; }
+  // Polled (every 20 ms) while an exchange is awaited; once it returns true the exchange is cancelled
+  // (its partners may have given it up: a lost replica) and the wait returns Cancelled. Unset: none.
+  void set_cancel_check(std::function<bool()> check) { cancel_check_ = std::move(check); }
   // Seconds the last AfterInnerStep or Finish waited for an exchange.
   double last_wait_seconds() const { return last_wait_seconds_; }
 
@@ -132,6 +141,10 @@ class OuterSync {
   LastSync last_;
   int64_t wire_bytes_at_begin_ = 0, raw_bytes_at_begin_ = 0;  // the pending fragment's averager's counters
   double last_wait_seconds_ = 0;
+  bool suspended_ = false;
+  std::function<bool()> cancel_check_;
+  std::atomic<bool> exchange_done_{true};  // set by the exchange thread when it ends
+  bool pending_overlapped_ = false;        // the pending exchange keeps the local progress made meanwhile
   int64_t wire_bytes_ = 0, raw_bytes_ = 0;
 };
 

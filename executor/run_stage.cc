@@ -27,6 +27,7 @@ StageRunResult RunStage(StageWorker& worker, const StageRun& run) {
   }
   if (absl::Status s = worker.Connect(); !s.ok()) return {r.steps_done, s};
   worker.set_final_step(run.steps - 1);
+  if (run.left_out) worker.set_left_out(run.left_out, run.left_out_wait);
   for (int64_t i = r.steps_done; i < run.steps; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
     auto loss = worker.Step(i, run.total_steps);

@@ -49,6 +49,10 @@ struct StageRun {
   // just did), calls on_checkpoint, and ends there. A boundary already passed is not honoured (the
   // coordinator then resumes from the newest intact checkpoint).
   std::function<int64_t()> end_after;
+  // DiLoCo workers of a one-stage plan whose replica stopped answering ask this whether the coordinator
+  // left that site out (StageWorker::set_left_out), waiting at most left_out_wait for it to say so.
+  std::function<std::set<std::string>()> left_out;
+  std::chrono::milliseconds left_out_wait{0};
 };
 
 struct StageRunResult {

@@ -9,6 +9,7 @@
 #include <iostream>
 #include <limits>
 #include <set>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -636,8 +637,9 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
       for (auto& [n, p] : model_->parameters())
         if (p.grad().defined()) p.mutable_grad().mul_(scale);
     }
+    const bool independent = outer_ && a_.num_stages == 1;  // DiLoCo workers of the whole model
     // Each DiLoCo replica steps on its own gradient: each checks it (replica 0 also does below, for the norm).
-    if (outer_ && replica_ != 0 && !std::isfinite(GradSquareSum(model_->parameters())))
+    if (outer_ && replica_ != 0 && !independent && !std::isfinite(GradSquareSum(model_->parameters())))
       return absl::DataLossError(absl::StrCat(Where(), ": non-finite gradients in step ", step + 1,
                                               " (the inputs from the previous stage, or the data)"));
     const auto& R = a_.replicas.sites;
@@ -645,10 +647,10 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
     double square = 0, loss = loss_sum;
     if (!talks_to_sites()) {
       // Worker 0 of the site takes part in the exchange and hands on its outcome.
-    } else if (outer_ && a_.num_stages == 1) {
+    } else if (independent) {
       // DiLoCo workers of the whole model are independent between outer syncs: each clips by its own
-      // gradient's norm and waits for no one. Replica 0 reports the step's loss: the others send it their
-      // shares, which it awaits after its own inner step (in the steady state they have arrived).
+      // gradient's norm. Replica 0 reports the step's loss: the others send it their shares and wait for
+      // nothing; it awaits them after its own inner step, so it keeps pace with the slowest of them.
       square = GradSquareSum(model_->parameters());
       if (!std::isfinite(square) || !std::isfinite(loss))
         return absl::DataLossError(
@@ -717,7 +719,12 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
       const int64_t wire0 = outer_->wire_bytes(), raw0 = outer_->raw_bytes();
       const int64_t synced_before = outer_->last_sync().step;
       const bool final_step = step + 1 == total_steps || step == final_step_;
+      // A replica the coordinator left out: no more outer syncs (every worker stops them as it hears).
+      if (independent && !final_step && !outer_->suspended() && OtherReplicaLeftOut())
+        AwaitLeftOut("", absl::UnavailableError("the coordinator left a replica out"));
       absl::Status synced = final_step ? outer_->Finish(step) : outer_->AfterInnerStep(step);
+      // A replica lost mid-exchange: go on without it if the coordinator leaves it out.
+      if (!synced.ok() && independent && !final_step && AwaitLeftOut("", synced)) synced = absl::OkStatus();
       if (!synced.ok()) return Annotate(synced, absl::StrCat(Where(), ": outer synchronisation after step ", step + 1));
       wait_seconds_ += outer_->last_wait_seconds();
       if (outer_->last_sync().step != synced_before) {
@@ -734,7 +741,9 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
     }
     if (outer_ && a_.num_stages == 1 && replica_ == 0 && talks_to_sites())  // the other workers' losses
       for (size_t j = 1; j < R.size(); ++j) {
+        if (left_out_.count(R[j])) continue;
         auto r = recv_pair(R[j], a_.stage, -2);
+        if (!r.ok() && AwaitLeftOut(R[j], r.status())) continue;
         if (!r.ok()) return r.status();
         loss += r->second;
       }
@@ -757,10 +766,50 @@ absl::Status StageWorker::Finish() {
     for (auto* streams : {&streams_, &replica_streams_, &diloco_streams_})
       for (auto& [site, s] : *streams) {
         auto r = s->Finish();
-        if (!r.ok()) return Annotate(r.status(), Where());
+        if (!r.ok() && !left_out_.count(site)) return Annotate(r.status(), Where());  // a lost one's may fail
       }
     return absl::OkStatus();
   });
+}
+
+void StageWorker::set_left_out(std::function<std::set<std::string>()> left_out, std::chrono::milliseconds wait) {
+  left_out_source_ = std::move(left_out);
+  left_out_wait_ = wait;
+  if (outer_ && a_.num_stages == 1) outer_->set_cancel_check([this] { return OtherReplicaLeftOut(); });
+}
+
+bool StageWorker::OtherReplicaLeftOut() const {
+  if (!left_out_source_) return false;
+  const std::set<std::string> out = left_out_source_();
+  for (size_t j = 0; j < a_.replicas.sites.size(); ++j)
+    if (static_cast<int>(j) != replica_ && out.count(a_.replicas.sites[j])) return true;
+  return false;
+}
+
+bool StageWorker::AwaitLeftOut(const std::string& peer, const absl::Status& cause) {
+  if (!outer_ || a_.num_stages != 1 || !left_out_source_) return false;
+  const auto& R = a_.replicas.sites;
+  const auto deadline = Clock::now() + left_out_wait_;
+  spdlog::warn("{}", absl::StrCat(Where(), ": ", cause.message(), "; asking the coordinator whether ",
+                                  peer.empty() ? "a replica" : absl::StrCat("'", peer, "'"),
+                                  " was lost (waiting at most ", left_out_wait_.count() / 1000.0, " s)"));
+  for (;;) {
+    const std::set<std::string> out = left_out_source_();
+    bool named = false;
+    for (size_t j = 0; j < R.size(); ++j)
+      if (static_cast<int>(j) != replica_ && out.count(R[j])) named |= peer.empty() || R[j] == peer;
+    if (named) {
+      for (size_t j = 0; j < R.size(); ++j)
+        if (static_cast<int>(j) != replica_ && out.count(R[j]) && left_out_.insert(R[j]).second)
+          spdlog::warn("{}", absl::StrCat(Where(), ": replica '", R[j],
+                                          "' was lost and is left out of the outer average; no outer "
+                                          "synchronisation until the switch that re-plans without it"));
+      outer_->Suspend();
+      return true;
+    }
+    if (Clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
 }
 
 absl::Status StageWorker::SaveCheckpoint(const std::string& dir, int64_t steps_done, int keep) const {

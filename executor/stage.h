@@ -7,6 +7,7 @@
 #define MERIDIAN_EXECUTOR_STAGE_H_
 
 #include <chrono>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -120,6 +121,14 @@ class StageWorker {
   // The last step this run will take (0-based), when it ends before the job's last step: DiLoCo then
   // synchronises every fragment after it, as after the job's last, so the replicas end equal.
   void set_final_step(int64_t step) { final_step_ = step; }
+  // DiLoCo workers of a one-stage plan (independent between outer syncs, docs/sync.md): when another
+  // replica stops answering (its loss share or an outer exchange fails as Unavailable), the worker asks
+  // `left_out` for up to `wait` whether the coordinator left that site out. If so it goes on without it:
+  // no loss share from it, no more outer syncs until the attempt's switch (OuterSync::Suspend), its
+  // streams' errors at the end ignored. Otherwise the failure stands.
+  // A worker that hears of a replica left out before anything failed gives up its exchange in flight and
+  // suspends the outer syncs as well (the others do the same), so none waits for a part never sent.
+  void set_left_out(std::function<std::set<std::string>()> left_out, std::chrono::milliseconds wait);
   bool nan_gradient_sent() const { return nan_gradient_sent_; }
   // DiLoCo (job.sync.mode: diloco, replicated stage): the last outer synchronisation applied; nullopt
   // before the first or without DiLoCo.
@@ -225,6 +234,13 @@ class StageWorker {
   int64_t wire_bytes_ = 0, raw_bytes_ = 0, replica_wire_bytes_ = 0, replica_raw_bytes_ = 0;
   int64_t nan_gradient_step_ = -1;
   int64_t final_step_ = -1;
+  std::function<std::set<std::string>()> left_out_source_;  // set_left_out
+  std::chrono::milliseconds left_out_wait_{0};
+  std::set<std::string> left_out_;  // replicas this worker goes on without
+  // Whether the coordinator left out `peer` (empty: any other replica) within left_out_wait_; records every
+  // replica it left out in left_out_, and suspends the outer syncs.
+  bool AwaitLeftOut(const std::string& peer, const absl::Status& cause);
+  bool OtherReplicaLeftOut() const;  // left_out_source_ names another replica of this stage now
   bool nan_gradient_sent_ = false;
   int64_t replica_buckets_ = 0, replica_buckets_during_backward_ = 0;
   double compute_seconds_ = 0, wait_seconds_ = 0, send_blocked_seconds_ = 0, codec_seconds_ = 0;

@@ -20,6 +20,14 @@ double KeptSteps(double T, double L, int interval, double C, double downtime, do
   double t = 0, kept = 0, fail = next_failure(0);
   const double segment = interval * T + C;
   while (t < L) {
+    // Whole segments that end before the next failure and the run's end: at once (a run of a week in
+    // steps of milliseconds has millions).
+    const double n = std::floor((std::min(fail, L) - t) / segment);
+    if (n >= 1) {
+      t += n * segment;
+      kept += n * interval;
+      continue;
+    }
     if (fail < std::min(t + segment, L)) {  // the steps since the newest checkpoint are lost
       t = fail + downtime;
       fail = next_failure(t);

@@ -469,8 +469,9 @@ void Simulation::Advance(int wi, double t) {
   if (w.phase != 2) return;
   auto has = [&](int from) { return w.control.count({w.step, from}) > 0; };
   if (plan_.sync.diloco && S == 1) {
-    // Independent DiLoCo workers of the whole model: the others send replica 0 their losses, which it
-    // awaits after its own step; no one waits for a norm.
+    // Independent DiLoCo workers of the whole model: the others send replica 0 their losses and wait for
+    // nothing; replica 0 awaits them before its step ends (the executor: after its optimizer step, which
+    // is not simulated); no one waits for a norm.
     if (w.replica == 0) {
       for (size_t j = 1; j < R.size(); ++j)
         if (!has(R[j])) return;

@@ -496,6 +496,47 @@ TEST_F(CoordinatorTest, KilledReplicaIsReplannedAroundAndTheRunEndsWhereAnUninte
   ExpectWeightsOfTheReference(dir_);
 }
 
+// DiLoCo workers of the whole model (#17; a pinned one-stage plan over a, b and c, H = 5, overlapped int4
+// exchanges): c is killed mid-run. a and b stop at the first thing they need from c (a, replica 0, its loss
+// share; b, its next outer exchange), hear from the coordinator that c is left out, go on without it, and
+// switch at a step boundary to a plan without c that resumes from exactly that step: no fallback to a
+// checkpoint, and every step reported once.
+TEST_F(CoordinatorTest, ALostDilocoWorkerIsLeftOutAndTheOthersFinishWithNoStepLost) {
+  // Steps of a few milliseconds: the switch comes three heartbeat intervals' worth of steps after the loss
+  // is seen (hundreds at 1 s), and it must come before the run's last step.
+  Edit("cluster.yaml", "heartbeat: {interval: 1s, timeout: 4s}", "heartbeat: {interval: 250ms, timeout: 3s}");
+  const int steps = 1000;
+  SetSteps(steps);
+  std::ofstream(dir_ / "job.yaml", std::ios::app)
+      << "  checkpoint: {dir: ckpt, interval: 50}\n"
+         "  sync: {mode: diloco, inner_steps: 5, codec: int4, overlap: true,\n"
+         "         outer_optimizer: {name: nesterov, lr: 0.7, momentum: 0.5}}\n";
+  std::ofstream(dir_ / "plan.json") << R"({"stages": [{"sites": ["a", "b", "c"], "last_op": 5}]})";
+  auto coord = Coordinator("--plan " + (dir_ / "plan.json").string());
+  std::this_thread::sleep_for(500ms);
+  auto a = Executor("a"), b = Executor("b"), c = Executor("c");
+  std::string log;
+  ASSERT_TRUE(ReadUntilStep(coord.get(), 40, &log)) << log;
+  ASSERT_EQ(coord->Wait(1ms), -1) << log;
+  ASSERT_EQ(KillAndAwaitTheRunsEnd(coord.get(), c.get(), "c", &log), 0) << log;
+  EXPECT_THAT(log, HasSubstr("its DiLoCo worker is left out of the outer average and the others go on"));
+  EXPECT_THAT(log, HasSubstr("switch: every stage saved step"));
+  EXPECT_THAT(log, Not(HasSubstr("newest intact checkpoint")));
+  EXPECT_THAT(log, HasSubstr("done: " + std::to_string(steps) + " steps"));
+  auto plan = nlohmann::json::parse(std::ifstream(dir_ / "run" / "plan.json"), nullptr, false);
+  for (const auto& st : plan["stages"])
+    for (const auto& site : st["sites"]) EXPECT_NE(site, "c") << plan.dump();
+  // Every step trained, and reported, exactly once across the two attempts.
+  std::vector<int> reported;
+  std::ifstream metrics(dir_ / "run" / "metrics.jsonl");
+  for (std::string line; std::getline(metrics, line);) reported.push_back(nlohmann::json::parse(line)["step"]);
+  ASSERT_EQ(reported.size(), static_cast<size_t>(steps));
+  for (int i = 0; i < steps; ++i) EXPECT_EQ(reported[i], i + 1);  // 1-based
+  // The survivors said why they went on.
+  EXPECT_THAT(a->ReadAll(10s), HasSubstr("replica 'c' was lost and is left out of the outer average"));
+  EXPECT_THAT(b->ReadAll(10s), HasSubstr("replica 'c' was lost and is left out of the outer average"));
+}
+
 // A site of two CPU workers (#22): b runs the second stage of a pinned 2-stage pipeline on two worker
 // processes in a c10d Gloo group, each computing half the rows of every micro-batch; after 4 steps the
 // weights equal `meridian train-local`'s, with the AdamW moments whole on each worker and sharded (ZeRO-1).
