@@ -116,6 +116,23 @@ void RunMachine::OnRegistered(const SiteRegistered& e) {
   Note("join", e.site, joined);
   failed_joiners_.erase(e.site);  // registered again: it may be measured again
   DropRemeasure(e.site, "which registered again (the request was lost)");
+  // A site lost from the run whose executor registers again while training goes on: measured afresh as a
+  // site joining mid-run (its old figures dropped), and switched to when a plan with it pays; it then
+  // resumes from the switch's checkpoint (under DiLoCo: the current outer parameters).
+  if (lost_.count(e.site) && c_.spec.on_failure == core::OnFailure::kReplan && c_.spec.elastic.enabled &&
+      (phase_ == Phase::kTraining || phase_ == Phase::kSwitching)) {
+    lost_.erase(e.site);
+    auto& ps = profile_.sites;
+    ps.erase(std::remove_if(ps.begin(), ps.end(), [&](const partitioner::SiteProfile& p) { return p.name == e.site; }),
+             ps.end());
+    auto& ls = profile_.links;
+    ls.erase(std::remove_if(ls.begin(), ls.end(),
+                            [&](const partitioner::LinkProfile& l) { return l.from == e.site || l.to == e.site; }),
+             ls.end());
+    const std::string again = "registered again after it was lost: it is measured afresh as a site joining mid-run";
+    Out(LogSite{e.site, again});
+    Note("join", e.site, again);
+  }
   const size_t need = c_.spec.min_sites > 0 ? static_cast<size_t>(c_.spec.min_sites) : c_.spec.sites.size();
   if (phase_ == Phase::kJoining && started_ && Registered() >= need) StartProfiling();
 }

@@ -937,6 +937,36 @@ TEST(RunMachine, ALostDilocoWorkerIsLeftOutAndTheOthersGoOnToASwitch) {
     }
   }
   {
+    // c's executor restarts: it registers again and is measured as a site joining mid-run; a plan with it
+    // (now far faster) is switched to, and it resumes with the others from that switch's checkpoint.
+    Driver d(c);
+    d.JoinAndProfile({"a", "b", "c"});
+    d.Feed(MetricsReported{Metrics("a", kRun, 0, 10)});
+    const int64_t first = All<SetBoundary>(d.Feed(HeartbeatLost{"c"}))[0].step;
+    d.Feed(StageReportedDone{DoneAt("a", kRun, first)});
+    d.Feed(StageReportedDone{DoneAt("b", kRun, first)});
+    ASSERT_EQ(d.machine().phase(), RunMachine::Phase::kTraining);
+    const std::string attempt = d.machine().job_id();
+    d.Feed(MetricsReported{Metrics("a", attempt, 0, static_cast<int>(first) + 2)});
+    auto again = d.Feed(SiteRegistered{"c", "127.0.0.1:9c", "cpu"});
+    EXPECT_THAT(All<LogSite>(again).back().text, HasSubstr("registered again after it was lost"));
+    d.Feed(HeartbeatBack{"c"});
+    auto asked = d.Feed(Tick{}, 1.0);
+    auto commands = All<SendCommand>(asked);
+    ASSERT_EQ(commands.size(), 1u) << Printed(asked);
+    EXPECT_EQ(commands[0].site, "c");
+    ASSERT_TRUE(commands[0].command.has_profile());
+    auto measured = d.Feed(ProfileReported{ProfileAmong("c", {"a", "b"}, 1e13)});
+    auto boundary = All<SetBoundary>(measured);
+    ASSERT_EQ(boundary.size(), 1u) << Printed(measured);
+    EXPECT_TRUE(boundary[0].left_out.empty());
+    d.Feed(StageReportedDone{DoneAt("a", attempt, boundary[0].step)});
+    auto switched = d.Feed(StageReportedDone{DoneAt("b", attempt, boundary[0].step)});
+    auto assigned = Assignments(switched);
+    ASSERT_TRUE(assigned.count("c")) << Printed(switched);
+    EXPECT_EQ(assigned["c"].resume_step(), boundary[0].step);
+  }
+  {
     Driver d(c);
     d.JoinAndProfile({"a", "b", "c"});
     d.Feed(MetricsReported{Metrics("a", kRun, 0, 10)});
