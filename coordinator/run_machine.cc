@@ -97,6 +97,8 @@ std::vector<std::string> RunMachine::SilentUsed() const {
   std::vector<std::string> out;
   for (const auto& name : attempt_.used)
     if (sites_.at(name).silent) out.push_back(name);
+  for (const auto& name : attempt_.left_out)  // left out of the attempt, but lost from it all the same
+    if (sites_.at(name).silent && std::find(out.begin(), out.end(), name) == out.end()) out.push_back(name);
   return out;
 }
 
@@ -967,7 +969,9 @@ int64_t RunMachine::NextBoundary() const {
 }
 
 bool RunMachine::LeaveOutDilocoWorker(const std::string& site) {
-  if (!plan_ || !plan_->sync.diloco || plan_->stages.size() != 1) return false;
+  // Only where the run re-plans around lost sites (on_failure: wait waits for them instead).
+  if (!plan_ || !plan_->sync.diloco || plan_->stages.size() != 1 || c_.spec.on_failure != core::OnFailure::kReplan)
+    return false;
   const std::vector<std::string>& R = plan_->stages[0].site_names;
   if (R.size() < 2 || R[0] == site || sites_[R[0]].silent) return false;
   // The workers left must reach a switch before the run's last step, whose final outer sync needs all.
@@ -987,6 +991,8 @@ bool RunMachine::LeaveOutDilocoWorker(const std::string& site) {
     return true;
   }
   Out(SetBoundary{job_id_, boundary_, attempt_.left_out});  // the switch under way leaves it out too
+  // The survivors may have waited for the coordinator's word until now: time to reach the boundary.
+  attempt_.deadline = std::max(attempt_.deadline, now_ + After(c_.spec.heartbeat_timeout_seconds + c_.drain_seconds));
   for (const auto& u : attempt_.used)
     if (!attempt_.done.count(u)) return true;
   CompleteSwitch();

@@ -976,6 +976,27 @@ TEST(RunMachine, ALostDilocoWorkerIsLeftOutAndTheOthersGoOnToASwitch) {
     EXPECT_NE(d.machine().phase(), RunMachine::Phase::kSwitching);
   }
   {
+    // The survivors never reach the boundary: the switch times out, and the left-out site counts as lost
+    // for the recovery from the newest checkpoint (the run does not end).
+    Driver d(c);
+    d.JoinAndProfile({"a", "b", "c"});
+    d.Feed(MetricsReported{Metrics("a", kRun, 0, 10)});
+    ASSERT_EQ(All<SetBoundary>(d.Feed(HeartbeatLost{"c"})).size(), 1u);
+    auto timed_out = d.Feed(Tick{}, 600);
+    EXPECT_THAT(Printed(timed_out), HasSubstr("did not all end at step"));
+    EXPECT_EQ(ExitCode(timed_out), std::nullopt) << Printed(timed_out);
+    EXPECT_THAT(Printed(timed_out), HasSubstr("lost: site 'c' stopped answering"));
+  }
+  {
+    // on_failure: wait waits for a lost site; it is not left out.
+    RunConfig w = c;
+    w.spec.on_failure = core::OnFailure::kWait;
+    Driver d(w);
+    d.JoinAndProfile({"a", "b", "c"});
+    d.Feed(MetricsReported{Metrics("a", kRun, 0, 10)});
+    EXPECT_TRUE(All<SetBoundary>(d.Feed(HeartbeatLost{"c"})).empty());
+  }
+  {
     Driver d(c);
     d.JoinAndProfile({"a", "b", "c"});
     d.Feed(MetricsReported{Metrics("a", kRun, 0, 97)});

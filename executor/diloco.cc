@@ -81,7 +81,7 @@ void OuterSync::Exchange(int f, int64_t step) {
       return;
     }
     averager.BeginStep(step);  // clears the averager's own abort flag: look at ours again after it
-    if (cancelled_) averager.Cancel();
+    if (cancelled_ || cancel_requested_) averager.Cancel();
     exchange_status_ = averager.Finish();
   } catch (const std::exception& e) {  // on its own thread, outside the stage's torch boundary
     exchange_status_ = absl::InternalError(absl::StrCat("outer synchronisation of fragment ", f, ": ", e.what()));
@@ -103,6 +103,7 @@ void OuterSync::Begin(int f, int64_t step, bool overlap) {
   pending_step_ = step;
   began_ = std::chrono::steady_clock::now();
   pending_overlapped_ = overlap;
+  cancel_requested_ = false;
   // On a thread of its own also when not overlapped, if it may have to be cancelled while awaited.
   exchange_done_ = false;
   if (overlap || cancel_check_)
@@ -120,6 +121,7 @@ absl::Status OuterSync::Complete() {
     const auto t0 = std::chrono::steady_clock::now();
     while (cancel_check_ && !exchange_done_.load()) {
       if (cancel_check_()) {
+        cancel_requested_ = true;  // before Cancel: an exchange not yet in BeginStep sees it after
         averagers_[f]->Cancel();
         break;
       }
@@ -163,6 +165,7 @@ absl::Status OuterSync::Complete() {
 void OuterSync::Suspend() {
   suspended_ = true;
   if (exchange_.joinable()) {
+    cancel_requested_ = true;
     if (pending_ >= 0 && pending_ < static_cast<int>(averagers_.size())) averagers_[pending_]->Cancel();
     exchange_.join();
   }

@@ -134,9 +134,10 @@ class OuterSync {
   int pending_ = -1;           // the fragment whose exchange is in flight (overlap), -1 for none
   int64_t pending_step_ = -1;  // the inner step after which it began
   std::thread exchange_;
-  absl::Status exchange_status_;        // written by the exchange thread, read after joining it
-  std::atomic<bool> cancelled_{false};  // set by the destructor: an exchange not yet begun is not begun
-  double drift2_ = 0;                   // of the exchange in flight
+  absl::Status exchange_status_;               // written by the exchange thread, read after joining it
+  std::atomic<bool> cancelled_{false};         // set by the destructor: an exchange not yet begun is not begun
+  std::atomic<bool> cancel_requested_{false};  // Complete or Suspend gave up the exchange in flight
+  double drift2_ = 0;                          // of the exchange in flight
   std::chrono::steady_clock::time_point began_;
   LastSync last_;
   int64_t wire_bytes_at_begin_ = 0, raw_bytes_at_begin_ = 0;  // the pending fragment's averager's counters

@@ -611,10 +611,10 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
       }
       return s.ok() ? s : Annotate(s, Where());
     };
-    auto recv_pair = [&](const std::string& peer, int from_stage,
-                         int tag) -> absl::StatusOr<std::pair<double, double>> {
+    auto recv_pair = [&](const std::string& peer, int from_stage, int tag,
+                         std::optional<Clock::time_point> until = {}) -> absl::StatusOr<std::pair<double, double>> {
       const auto t0 = Clock::now();
-      auto f = inbox_->Wait(peer, {a_.job_id, step, tag, from_stage, v1::CONTROL, 0}, t0 + timeout_);
+      auto f = inbox_->Wait(peer, {a_.job_id, step, tag, from_stage, v1::CONTROL, 0}, until ? *until : t0 + timeout_);
       wait_seconds_ += std::chrono::duration<double>(Clock::now() - t0).count();
       if (!f.ok()) return Annotate(f.status(), Where());
       // Its fixed shape: 16 bytes, two float64, both finite (a NaN norm would switch clipping off).
@@ -742,7 +742,15 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
     if (outer_ && a_.num_stages == 1 && replica_ == 0 && talks_to_sites())  // the other workers' losses
       for (size_t j = 1; j < R.size(); ++j) {
         if (left_out_.count(R[j])) continue;
-        auto r = recv_pair(R[j], a_.stage, -2);
+        // In slices: a worker gone without closing its connection (a partition) is left out by the
+        // coordinator while this waits.
+        const auto deadline = Clock::now() + timeout_;
+        absl::StatusOr<std::pair<double, double>> r;
+        for (;;) {
+          r = recv_pair(R[j], a_.stage, -2, std::min(deadline, Clock::now() + std::chrono::milliseconds(500)));
+          if (!absl::IsDeadlineExceeded(r.status()) || Clock::now() >= deadline) break;
+          if (left_out_source_ && left_out_source_().count(R[j])) break;
+        }
         if (!r.ok() && AwaitLeftOut(R[j], r.status())) continue;
         if (!r.ok()) return r.status();
         loss += r->second;
@@ -758,15 +766,18 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
 absl::Status StageWorker::Finish() {
   return GuardTorch(Where(), [&]() -> absl::Status {
     averager_.reset();  // its streams close below
+    const bool independent = outer_ && a_.num_stages == 1;
     outer_.reset();
     for (auto& [site, sender] : senders_) {  // what is still queued goes out first
       auto r = sender->Finish();
       if (!r.ok()) return Annotate(r.status(), Where());
     }
+    std::set<std::string> gone = left_out_;  // a lost replica's streams may fail
+    if (independent && left_out_source_) gone.merge(left_out_source_());
     for (auto* streams : {&streams_, &replica_streams_, &diloco_streams_})
       for (auto& [site, s] : *streams) {
         auto r = s->Finish();
-        if (!r.ok() && !left_out_.count(site)) return Annotate(r.status(), Where());  // a lost one's may fail
+        if (!r.ok() && !gone.count(site)) return Annotate(r.status(), Where());
       }
     return absl::OkStatus();
   });
