@@ -1134,13 +1134,13 @@ void RunMachine::CheckDrift(const v1::MetricsReport& r) {
                : absl::StrFormat("%s; the current plan stays the best (%.4f s/step; a new one predicts %.4f)", what,
                                  current->predicted_step_seconds, fresh->predicted_step_seconds);
   Out(LogSite{r.site(), priced});
-  if (gain > el.min_gain && !remeasuring_.empty()) {  // decided when the sites measured again answer
-    remeasure_why_ = priced;                          // with these figures
-    Note("straggler", r.site(), absl::StrCat(priced, "; a decision waits for sites measured again"));
-    Out(LogSite{r.site(), "a decision waits for sites measured again"});
-    return;
-  }
   if (gain > el.min_gain) {
+    if (!remeasuring_.empty()) {  // decided when the sites measured again answer, with these figures
+      remeasure_why_ = priced;
+      Note("straggler", r.site(), absl::StrCat(priced, "; a decision waits for sites measured again"));
+      Out(LogSite{r.site(), "a decision waits for sites measured again"});
+      return;
+    }
     std::vector<std::string> idle;  // sites the new plan uses and the current one does not
     for (const auto& st : fresh->stages)
       for (const auto& site : st.site_names)
@@ -1163,8 +1163,6 @@ void RunMachine::CheckDrift(const v1::MetricsReport& r) {
                        " again first (idle since it was measured) while training goes on\n"));
       return;
     }
-  }
-  if (gain > el.min_gain) {
     Note("straggler", r.site(), priced);
     return BeginSwitch(priced);
   }
@@ -1179,14 +1177,8 @@ void RunMachine::OnRemeasured(const v1::ProfileReport& r) {
   partitioner::ClusterProfile checked;
   const std::set<std::string> no_links;  // its links stand as measured: only its device and the model again
   absl::Status s = r.error().empty() ? CheckProfile(r, &checked, &no_links) : absl::UnavailableError(Clean(r.error()));
-  if (!s.ok() || phase_ != Phase::kTraining) remeasuring_.clear();  // no decision on them any more
-  if (s.ok() && phase_ != Phase::kTraining) {                       // a switch under way: figures kept
-    for (auto& p : profile_.sites)
-      if (p.name == site) p = checked.sites[0];
-    Out(WriteRunFile{core::kProfileFile, partitioner::ProfileToJson(profile_)});
-    return Out(LogSite{site, "measured again while the run switches plans: its figures serve the next plan"});
-  }
   if (!s.ok()) {  // the decision waited for it: no switch onto figures that did not check out
+    remeasuring_.clear();
     const std::string why = absl::StrCat("measuring it again failed: ", Clean(std::string(s.message())),
                                          "; the straggler's re-plan is dropped (no switch)");
     Out(LogSite{site, why});
@@ -1204,6 +1196,10 @@ void RunMachine::OnRemeasured(const v1::ProfileReport& r) {
       p = checked.sites[0];
     }
   Out(WriteRunFile{core::kProfileFile, partitioner::ProfileToJson(profile_)});
+  if (phase_ != Phase::kTraining) {  // a switch under way: no decision on them any more; figures kept
+    remeasuring_.clear();
+    return Out(LogSite{site, "measured again while the run switches plans: its figures serve the next plan"});
+  }
   if (!remeasuring_.empty()) return;  // the others next
   auto priced_plans = ReplanAgainstCurrent();
   if (!priced_plans.ok()) {

@@ -637,7 +637,7 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
       for (auto& [n, p] : model_->parameters())
         if (p.grad().defined()) p.mutable_grad().mul_(scale);
     }
-    const bool independent = outer_ && a_.num_stages == 1;  // DiLoCo workers of the whole model
+    const bool independent = IndependentWorkers();
     // Each DiLoCo replica steps on its own gradient: each checks it (replica 0 also does below, for the norm).
     if (outer_ && replica_ != 0 && !independent && !std::isfinite(GradSquareSum(model_->parameters())))
       return absl::DataLossError(absl::StrCat(Where(), ": non-finite gradients in step ", step + 1,
@@ -739,7 +739,7 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
                                      Where(), l.fragment, l.step + 1, l.wire_bytes, l.raw_bytes, l.seconds, l.drift));
       }
     }
-    if (outer_ && a_.num_stages == 1 && replica_ == 0 && talks_to_sites())  // the other workers' losses
+    if (independent && replica_ == 0 && talks_to_sites())  // the other workers' losses
       for (size_t j = 1; j < R.size(); ++j) {
         if (left_out_.count(R[j])) continue;
         // In slices: a worker gone without closing its connection (a partition) is left out by the
@@ -766,7 +766,7 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
 absl::Status StageWorker::Finish() {
   return GuardTorch(Where(), [&]() -> absl::Status {
     averager_.reset();  // its streams close below
-    const bool independent = outer_ && a_.num_stages == 1;
+    const bool independent = IndependentWorkers();
     outer_.reset();
     for (auto& [site, sender] : senders_) {  // what is still queued goes out first
       auto r = sender->Finish();
@@ -786,33 +786,32 @@ absl::Status StageWorker::Finish() {
 void StageWorker::set_left_out(std::function<std::set<std::string>()> left_out, std::chrono::milliseconds wait) {
   left_out_source_ = std::move(left_out);
   left_out_wait_ = wait;
-  if (outer_ && a_.num_stages == 1) outer_->set_cancel_check([this] { return OtherReplicaLeftOut(); });
+  if (IndependentWorkers()) outer_->set_cancel_check([this] { return OtherReplicaLeftOut(); });
+}
+
+std::vector<std::string> StageWorker::OtherReplicasIn(const std::set<std::string>& sites) const {
+  std::vector<std::string> out;
+  for (size_t j = 0; j < a_.replicas.sites.size(); ++j)
+    if (static_cast<int>(j) != replica_ && sites.count(a_.replicas.sites[j])) out.push_back(a_.replicas.sites[j]);
+  return out;
 }
 
 bool StageWorker::OtherReplicaLeftOut() const {
-  if (!left_out_source_) return false;
-  const std::set<std::string> out = left_out_source_();
-  for (size_t j = 0; j < a_.replicas.sites.size(); ++j)
-    if (static_cast<int>(j) != replica_ && out.count(a_.replicas.sites[j])) return true;
-  return false;
+  return left_out_source_ && !OtherReplicasIn(left_out_source_()).empty();
 }
 
 bool StageWorker::AwaitLeftOut(const std::string& peer, const absl::Status& cause) {
-  if (!outer_ || a_.num_stages != 1 || !left_out_source_) return false;
-  const auto& R = a_.replicas.sites;
+  if (!IndependentWorkers() || !left_out_source_) return false;
   const auto deadline = Clock::now() + left_out_wait_;
   spdlog::warn("{}", absl::StrCat(Where(), ": ", cause.message(), "; asking the coordinator whether ",
                                   peer.empty() ? "a replica" : absl::StrCat("'", peer, "'"),
                                   " was lost (waiting at most ", left_out_wait_.count() / 1000.0, " s)"));
   for (;;) {
-    const std::set<std::string> out = left_out_source_();
-    bool named = false;
-    for (size_t j = 0; j < R.size(); ++j)
-      if (static_cast<int>(j) != replica_ && out.count(R[j])) named |= peer.empty() || R[j] == peer;
-    if (named) {
-      for (size_t j = 0; j < R.size(); ++j)
-        if (static_cast<int>(j) != replica_ && out.count(R[j]) && left_out_.insert(R[j]).second)
-          spdlog::warn("{}", absl::StrCat(Where(), ": replica '", R[j],
+    const std::vector<std::string> out = OtherReplicasIn(left_out_source_());
+    if (peer.empty() ? !out.empty() : std::find(out.begin(), out.end(), peer) != out.end()) {
+      for (const auto& site : out)
+        if (left_out_.insert(site).second)
+          spdlog::warn("{}", absl::StrCat(Where(), ": replica '", site,
                                           "' was lost and is left out of the outer average; no outer "
                                           "synchronisation until the switch that re-plans without it"));
       outer_->Suspend();

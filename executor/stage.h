@@ -240,6 +240,11 @@ class StageWorker {
   // Whether the coordinator left out `peer` (empty: any other replica) within left_out_wait_; records every
   // replica it left out in left_out_, and suspends the outer syncs.
   bool AwaitLeftOut(const std::string& peer, const absl::Status& cause);
+  // DiLoCo workers of the whole model (a one-stage plan): independent between outer syncs, and the ones a
+  // lost replica can be left out of.
+  bool IndependentWorkers() const { return outer_ && a_.num_stages == 1; }
+  // The other replicas of this stage among `sites`.
+  std::vector<std::string> OtherReplicasIn(const std::set<std::string>& sites) const;
   bool OtherReplicaLeftOut() const;  // left_out_source_ names another replica of this stage now
   bool nan_gradient_sent_ = false;
   int64_t replica_buckets_ = 0, replica_buckets_during_backward_ = 0;
