@@ -175,6 +175,13 @@ void SumUp(int micro_batches, Evaluation* e) {
   e->total = e->fill + e->steady + e->sync;
 }
 
+// How stage k's M micro-batches are shared among its sites, whose seconds per micro-batch are `times`:
+// as the caller pinned them (PlanOptions::fixed_shares), else in proportion to speed.
+std::vector<int> StageShares(const PlanOptions& o, int k, int M, const std::vector<double>& times) {
+  if (k < static_cast<int>(o.fixed_shares.size()) && !o.fixed_shares[k].empty()) return o.fixed_shares[k];
+  return ShareMicroBatches(M, times);
+}
+
 // Evaluates a layout under the (extended) cost model. With one site per stage and adaptive off this is
 // exactly the reference model. `search_ratio` is the link ratio used when !adaptive.
 Evaluation Evaluate(const CostModel& cm, const Layout& L, const PlanOptions& o, const OpGraph& g) {
@@ -199,7 +206,7 @@ Evaluation Evaluate(const CostModel& cm, const Layout& L, const PlanOptions& o, 
     if (times.size() == 1) {
       e.t[k] = times[0];
     } else {
-      const std::vector<int> share = ShareMicroBatches(M, times);
+      const std::vector<int> share = StageShares(o, k, M, times);
       double slowest = 0;
       for (size_t i = 0; i < times.size(); ++i) slowest = std::max(slowest, share[i] * times[i]);
       e.t[k] = slowest / M;
@@ -791,9 +798,11 @@ std::string SiteList(const ClusterProfile& p, const std::vector<int>& s) {
 
 }  // namespace
 
-void PinLayout(const std::vector<std::vector<int>>& sites, const std::vector<int>& last_ops, PlanOptions* o) {
+void PinLayout(const std::vector<std::vector<int>>& sites, const std::vector<int>& last_ops, PlanOptions* o,
+               const std::vector<std::vector<int>>& shares) {
   o->fixed_sites.clear();
   o->fixed_replicas.clear();
+  o->fixed_shares = shares;
   o->fixed_last_ops = last_ops;
   for (const auto& R : sites) {
     o->fixed_sites.push_back(R.empty() ? -1 : R[0]);
@@ -872,6 +881,17 @@ absl::StatusOr<std::vector<PinnedStage>> ParsePlanLayout(const std::string& text
         st["last_op"].get<int64_t>() > (1 << 24))
       return absl::InvalidArgumentError(absl::StrCat(where, ".last_op: expected a non-negative integer"));
     p.last_op = st["last_op"].get<int>();
+    if (st.contains("micro_batches")) {
+      const auto& mb = st["micro_batches"];
+      if (!mb.is_array() || mb.size() != p.sites.size())
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, ".micro_batches: expected one count per site (", p.sites.size(), ")"));
+      for (const auto& m : mb) {
+        if (!m.is_number_integer() || m.get<int64_t>() < 0 || m.get<int64_t>() > (1 << 24))
+          return absl::InvalidArgumentError(absl::StrCat(where, ".micro_batches: expected non-negative integers"));
+        p.micro_batches.push_back(m.get<int>());
+      }
+    }
     if (!out.empty() && p.last_op <= out.back().last_op)
       return absl::InvalidArgumentError(
           absl::StrCat(where, ".last_op: ", p.last_op, " does not follow the previous stage's ", out.back().last_op));
@@ -1030,6 +1050,19 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
     }
     if (o.fixed_replicas.size() > S)
       return absl::InvalidArgumentError("fixed replicas for more stages than the layout has");
+    if (o.fixed_shares.size() > S)
+      return absl::InvalidArgumentError("fixed micro-batch shares for more stages than the layout has");
+    for (size_t k = 0; k < o.fixed_shares.size(); ++k) {
+      const auto& share = o.fixed_shares[k];
+      if (share.empty()) continue;
+      const size_t sites = 1 + (k < o.fixed_replicas.size() ? o.fixed_replicas[k].size() : 0);
+      int sum = 0;
+      for (int m : share) sum += m < 0 ? o.micro_batches + 1 : m;
+      if (share.size() != sites || sum != o.micro_batches)
+        return absl::InvalidArgumentError(absl::StrCat("stage ", k + 1, "'s fixed micro-batch shares (",
+                                                       absl::StrJoin(share, "/"), ") must give each of its ", sites,
+                                                       " site(s) a count, summing to ", o.micro_batches));
+    }
     for (const auto& R : o.fixed_replicas)
       for (int s : R) {
         if (s < 0 || s >= n || seen[s])
@@ -1200,7 +1233,7 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
     } else {
       std::vector<double> times;
       for (int s : st.sites) times.push_back(cm.StageTime(s, st.first_op, st.last_op));
-      st.micro_batches = ShareMicroBatches(plan.micro_batches, times);
+      st.micro_batches = StageShares(o, k, plan.micro_batches, times);
     }
     st.memory_bytes = ev.memory[k];
     st.in_flight = std::min(plan.micro_batches, S - k);

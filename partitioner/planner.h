@@ -81,22 +81,30 @@ struct PlanOptions {
   std::vector<int> fixed_sites, fixed_last_ops;
   // With a fixed layout: more sites (indices) that replicate stage k, or empty; at most one entry per stage.
   std::vector<std::vector<int>> fixed_replicas;
+  // With a fixed layout: how stage k's micro-batches are shared among its sites (one count per site, in
+  // the order fixed_sites[k], fixed_replicas[k]..., summing to micro_batches), or empty for k (or for
+  // every stage): in proportion to the profile's speeds (ShareMicroBatches).
+  std::vector<std::vector<int>> fixed_shares;
   // job.optimizer.zero: 1 shards the optimizer state across a site's workers (SiteProfile::workers).
   int zero = 0;
 };
 
 // Pins `options` to a layout: stage k runs on sites[k][0], is replicated on sites[k][1...] and ends at op
-// last_ops[k] (the fields fixed_sites, fixed_last_ops and fixed_replicas, replaced).
-void PinLayout(const std::vector<std::vector<int>>& sites, const std::vector<int>& last_ops, PlanOptions* options);
+// last_ops[k], its micro-batches shared as shares[k] says (empty or absent: by speed). The fields
+// fixed_sites, fixed_last_ops, fixed_replicas and fixed_shares are replaced.
+void PinLayout(const std::vector<std::vector<int>>& sites, const std::vector<int>& last_ops, PlanOptions* options,
+               const std::vector<std::vector<int>>& shares = {});
 
 // A pipeline layout read from a plan.json (`meridian plan --json`, a run's plan.json, or one written by
 // hand): per stage, its sites (the first runs the stage, the others replicate it) and its last op.
 struct PinnedStage {
   std::vector<std::string> sites;
   int last_op = 0;
+  // The stage's "micro_batches", one count per site (as plan.json writes them), or empty: shared by speed.
+  std::vector<int> micro_batches;
 };
 // Errors name `path` and the field: not JSON, no "stages", a stage without sites or last_op, a site named
-// twice, last ops that do not increase.
+// twice, last ops that do not increase, micro-batch counts that are not one non-negative integer per site.
 absl::StatusOr<std::vector<PinnedStage>> ParsePlanLayout(const std::string& text, const std::string& path);
 
 // The last op of each of `stages` stages that split `ops` ops into contiguous ranges of equal size (the

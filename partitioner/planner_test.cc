@@ -501,6 +501,39 @@ TEST(Planner, ReplicatedStagesCarryTheirSharesAndPriceTheSlowestShare) {
   EXPECT_THAT(PlanTable(*plan, g, p), HasSubstr("replicas run 6/2 of the 8 micro-batches"));
 }
 
+// A pinned layout may pin its replicas' shares too (plan.json's "micro_batches", read back by --plan): the
+// plan runs them and prices the slowest share, whatever the profile's speeds say.
+TEST(Planner, PinnedSharesAreRunAndPriced) {
+  OpGraph g = Chain(1, 1e9, 1e3);
+  ClusterProfile p;
+  p.sites = {{"a", 1e9, 1e12, {}}, {"b", 1e9 / 3, 1e12, {}}};
+  LinkAll(&p, 1e12, 0);
+  PlanOptions o;
+  o.micro_batches = 8;
+  PinLayout({{0, 1}}, {0}, &o, {{4, 4}});
+  auto plan = PlanPipeline(g, p, o);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->stages[0].micro_batches, (std::vector<int>{4, 4}));
+  EXPECT_NEAR(plan->stages[0].compute_seconds, 4 * 3 * 3.0 / 8, 1e-9);  // b's 4 at 9 s each, over 8
+  PinLayout({{0, 1}}, {0}, &o, {{4, 3}});
+  EXPECT_THAT(PlanPipeline(g, p, o).status().message(), HasSubstr("summing to 8"));
+  PinLayout({{0, 1}}, {0}, &o, {{8}});
+  EXPECT_THAT(PlanPipeline(g, p, o).status().message(), HasSubstr("each of its 2 site(s)"));
+
+  auto layout =
+      ParsePlanLayout(R"({"stages": [{"sites": ["a", "b"], "last_op": 0, "micro_batches": [5, 3]}]})", "plan.json");
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  EXPECT_EQ((*layout)[0].micro_batches, (std::vector<int>{5, 3}));
+  EXPECT_THAT(ParsePlanLayout(R"({"stages": [{"sites": ["a", "b"], "last_op": 0, "micro_batches": [5]}]})", "plan.json")
+                  .status()
+                  .message(),
+              HasSubstr("plan.json: stages[0].micro_batches: expected one count per site (2)"));
+  EXPECT_THAT(ParsePlanLayout(R"({"stages": [{"sites": ["a"], "last_op": 0, "micro_batches": [-1]}]})", "plan.json")
+                  .status()
+                  .message(),
+              HasSubstr("expected non-negative integers"));
+}
+
 TEST(Planner, ReplicasReplacePipelineStagesWhenThatIsFaster) {
   // Three equal sites on fast links, 6 micro-batches of an 18 s model: a 3-stage pipeline takes
   // (M + S - 1) x 6 s = 48 s per step; one stage on all three sites (data parallel, 2 micro-batches
