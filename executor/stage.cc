@@ -264,12 +264,11 @@ int64_t StageWorker::optimizer_state_elements() const {
 }
 
 absl::StatusOr<torch::Tensor> StageWorker::ReceiveRows(const std::string* peer, const rpc::TensorKey& key,
-                                                       const std::vector<int64_t>& shape,
-                                                       const std::vector<int64_t>* ids) {
-  if (!group_) return Receive(*peer, key, shape, ids);
+                                                       const std::vector<int64_t>& shape) {
+  if (!group_) return Receive(*peer, key);
   torch::Tensor whole;
   if (group_->rank() == 0) {
-    auto t = Receive(*peer, key, shape, ids);
+    auto t = Receive(*peer, key);
     if (!t.ok()) return t.status();
     whole = *t;
   }
@@ -408,25 +407,27 @@ absl::Status StageWorker::Send(const std::string& peer, const rpc::TensorKey& ke
   return absl::OkStatus();
 }
 
-absl::StatusOr<torch::Tensor> StageWorker::Receive(const std::string& peer, const rpc::TensorKey& key,
-                                                   const std::vector<int64_t>& shape, const std::vector<int64_t>* ids) {
-  const auto t0 = Clock::now();
-  auto frame = inbox_->Wait(peer, key, t0 + timeout_);
-  const auto t1 = Clock::now();
-  wait_seconds_ += std::chrono::duration<double>(t1 - t0).count();
-  if (!frame.ok()) return Annotate(frame.status(), Where());
-  auto t = torch::empty(shape, torch::kFloat32);
+absl::StatusOr<torch::Tensor> StageWorker::Decode(const ExpectedTensor& e, const std::vector<uint8_t>& frame) {
+  auto t = torch::empty(e.shape, torch::kFloat32);
   absl::Status s;
-  if (prev_delta_ && ids) {  // AQ-SGD deltas (activations only)
-    auto& dec = delta_in_[peer];
-    if (!dec) dec = std::make_unique<compression::DeltaDecoder>(DeltaStore(peer, "from"));
-    s = dec->DecodeInto(frame->data(), frame->size(), *ids, shape, t.data_ptr<float>());
+  if (prev_delta_ && e.key.direction == v1::FORWARD) {  // AQ-SGD deltas (activations only)
+    auto& dec = delta_in_[e.peer];
+    if (!dec) dec = std::make_unique<compression::DeltaDecoder>(DeltaStore(e.peer, "from"));
+    s = dec->DecodeInto(frame.data(), frame.size(), e.ids, e.shape, t.data_ptr<float>());
   } else {
-    s = compression::DecodeInto(frame->data(), frame->size(), core::DType::kFloat32, shape, t.data_ptr<float>());
+    s = compression::DecodeInto(frame.data(), frame.size(), core::DType::kFloat32, e.shape, t.data_ptr<float>());
   }
-  codec_seconds_ += std::chrono::duration<double>(Clock::now() - t1).count();
-  if (!s.ok()) return Annotate(s, absl::StrCat(Where(), ": ", key.ToString(), " from peer '", peer, "'"));
+  if (!s.ok()) return Annotate(s, absl::StrCat(Where(), ": ", e.key.ToString(), " from peer '", e.peer, "'"));
   return t.to(device_);
+}
+
+absl::StatusOr<torch::Tensor> StageWorker::Receive(const std::string& peer, const rpc::TensorKey& key) {
+  if (!ahead_) return absl::InternalError(absl::StrCat(Where(), ": a receive outside a step (a bug)"));
+  const auto t0 = Clock::now();
+  auto t = ahead_->Take(peer, key, timeout_);
+  wait_seconds_ += std::chrono::duration<double>(Clock::now() - t0).count();
+  if (!t.ok()) return Annotate(t.status(), Where());
+  return t;
 }
 
 absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t total_steps) {
@@ -459,6 +460,29 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
     int last_backward = -1;
     for (int i = 0; i < static_cast<int>(schedule.size()); ++i)
       if (schedule[i].first == 'B') last_backward = i;
+    // The tensors this step receives from the neighbouring sites, in the order the schedule asks for
+    // them, received and decoded ahead of it on a thread of their own (receive_ahead.h).
+    std::vector<ExpectedTensor> expected;
+    if (talks_to_sites())
+      for (const auto& [kind, mb] : schedule) {
+        if (kind == 'F' && !model_->has_embed())
+          expected.push_back({a_.prev_replicas.sites[prev_owner_[mb]],
+                              {a_.job_id, step, mb, a_.stage - 1, v1::FORWARD, 0},
+                              hidden,
+                              prev_delta_ ? setup_.data.SequenceIds(step, mb, mbs) : std::vector<int64_t>{}});
+        if (kind == 'B' && !model_->has_head())
+          expected.push_back({a_.next_replicas.sites[next_owner_[mb]],
+                              {a_.job_id, step, mb, a_.stage + 1, v1::BACKWARD, 0},
+                              hidden,
+                              {}});
+      }
+    ReceiveAhead ahead(inbox_, std::move(expected),
+                       [this](const ExpectedTensor& e, const std::vector<uint8_t>& frame) { return Decode(e, frame); });
+    ahead_ = &ahead;
+    struct ClearOnExit {
+      ReceiveAhead** ahead;
+      ~ClearOnExit() { *ahead = nullptr; }
+    } clear_on_exit{&ahead_};
     const std::string* prev = nullptr;  // the previous / next stage's site of the current micro-batch
     const std::string* next = nullptr;
     // The averager sends from the backward pass on: count its bytes from here.
@@ -481,7 +505,7 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
       if (kind == 'F') {
         Stash s;
         TrainingData::Batch batch;
-        std::vector<int64_t> ids;  // the micro-batch's training sequences (AQ-SGD's keys)
+        std::vector<int64_t> ids;  // the micro-batch's training sequences (the keys of AQ-SGD's deltas sent)
         if (model_->has_embed() || model_->has_head()) {
           batch = setup_.data.MicroBatch(step, mb, mbs, seq);
           if (group_) batch = {batch.inputs.narrow(0, first_row, rows), batch.targets.narrow(0, first_row, rows)};
@@ -489,8 +513,7 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
         if (model_->has_embed()) {
           s.input = batch.inputs.to(device_);
         } else {
-          if (prev_delta_ && talks_to_sites()) ids = setup_.data.SequenceIds(step, mb, mbs);
-          auto in = ReceiveRows(prev, {a_.job_id, step, mb, a_.stage - 1, v1::FORWARD, 0}, hidden, &ids);
+          auto in = ReceiveRows(prev, {a_.job_id, step, mb, a_.stage - 1, v1::FORWARD, 0}, hidden);
           if (!in.ok()) return in.status();
           s.input = in->requires_grad_(true);
         }
@@ -560,7 +583,8 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
         stash.erase(mb);
       }
     }
-    if (reducer_) {  // the site's workers' sum first
+    codec_seconds_ += ahead.decode_seconds();  // every tensor expected was taken, so decoded
+    if (reducer_) {                            // the site's workers' sum first
       auto waited = reducer_->Finish();
       if (!waited.ok()) return Annotate(waited.status(), absl::StrCat(Where(), ": step ", step + 1));
       site_reduce_seconds_ = *waited;

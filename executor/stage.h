@@ -19,6 +19,7 @@
 #include "compression/codec.h"
 #include "executor/checkpoint.h"
 #include "executor/diloco.h"
+#include "executor/receive_ahead.h"
 #include "executor/replica_sync.h"
 #include "executor/site_group.h"
 #include "executor/trainer.h"
@@ -71,6 +72,8 @@ absl::Status ResolveReplicas(StageAssignment* a, const std::string& self, int mi
 // then a subsequence of a deadlock-free single-pipeline order, so the replicated pipeline cannot
 // deadlock. Sends to the neighbouring stages go through a rpc::QueuedSender per neighbour: the compute
 // thread encodes a tensor and queues its frame, and waits only when that neighbour's queue is full.
+// Receives are taken from the inbox and decoded ahead of the compute thread, in the schedule's order, by
+// a ReceiveAhead per step.
 //
 // Every public entry returns a Status: libtorch's exceptions are caught at its edge (torch_boundary.h).
 // What a DiLoCo replica last synchronised (StageWorker::last_outer_sync()).
@@ -160,9 +163,10 @@ class StageWorker {
   // Seconds the last Step spent computing (forward, loss, backward, clipping, optimizer): the step's time
   // without waiting for neighbours or encoding and sending.
   double last_compute_seconds() const { return compute_seconds_; }
-  // Of the last Step, seconds the compute thread spent idle waiting for a peer (activations, gradients,
-  // the gradient-norm exchange, the replicas' gradient sum); blocked by a send (a full send queue, the
-  // replicas' small control messages); and encoding and decoding frames.
+  // Of the last Step, seconds the compute thread spent idle waiting for a peer (activations and gradients
+  // not yet received and decoded, the gradient-norm exchange, the replicas' gradient sum); blocked by a
+  // send (a full send queue, the replicas' small control messages); and encoding frames (on the compute
+  // thread) plus decoding them (ahead of it, on the receiving thread: receive_ahead.h).
   double last_wait_seconds() const { return wait_seconds_; }
   double last_send_blocked_seconds() const { return send_blocked_seconds_; }
   double last_codec_seconds() const { return codec_seconds_; }
@@ -181,14 +185,16 @@ class StageWorker {
   absl::Status Send(const std::string& peer, const rpc::TensorKey& key, const torch::Tensor& t,
                     const compression::CodecSpec& codec, compression::ErrorFeedback* ef,
                     const std::vector<int64_t>* ids = nullptr);
-  // An activation message of AQ-SGD deltas (a byte frame) is decoded against `ids` with that peer's store.
-  absl::StatusOr<torch::Tensor> Receive(const std::string& peer, const rpc::TensorKey& key,
-                                        const std::vector<int64_t>& shape, const std::vector<int64_t>* ids = nullptr);
+  // Decodes a neighbour's frame (on ahead_'s thread): an activation message of AQ-SGD deltas against
+  // `e.ids` with that peer's store (delta_in_, touched by nothing else), anything else directly.
+  absl::StatusOr<torch::Tensor> Decode(const ExpectedTensor& e, const std::vector<uint8_t>& frame);
+  // The next tensor of the step from a neighbouring site, decoded ahead (ahead_); waits for it at most the
+  // step timeout, the time counted as waiting.
+  absl::StatusOr<torch::Tensor> Receive(const std::string& peer, const rpc::TensorKey& key);
   // On a site of several workers: worker 0 receives the whole micro-batch's tensor and each worker gets its
   // rows; alone, Receive.
   absl::StatusOr<torch::Tensor> ReceiveRows(const std::string* peer, const rpc::TensorKey& key,
-                                            const std::vector<int64_t>& shape,
-                                            const std::vector<int64_t>* ids = nullptr);
+                                            const std::vector<int64_t>& shape);
   // The whole micro-batch's tensor from every worker's rows, at worker 0 (undefined at the others); alone, `t`.
   absl::StatusOr<torch::Tensor> GatherRows(const torch::Tensor& t, const std::vector<int64_t>& shape);
   bool talks_to_sites() const { return !group_ || group_->rank() == 0; }
@@ -249,6 +255,7 @@ class StageWorker {
   bool nan_gradient_sent_ = false;
   int64_t replica_buckets_ = 0, replica_buckets_during_backward_ = 0;
   double compute_seconds_ = 0, wait_seconds_ = 0, send_blocked_seconds_ = 0, codec_seconds_ = 0;
+  ReceiveAhead* ahead_ = nullptr;  // the running Step's receiver (a local of Step), else null
 };
 
 }  // namespace meridian::executor
