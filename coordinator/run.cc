@@ -203,13 +203,23 @@ std::optional<RunInputs> LoadInputs(const RunOptions& o) {
       std::cerr << "meridian run: " << layout.status().message() << "\n";
       return std::nullopt;
     }
-    for (const auto& st : *layout)
+    for (size_t k = 0; k < layout->size(); ++k) {
+      const partitioner::PinnedStage& st = (*layout)[k];
       for (const auto& site : st.sites)
         if (std::none_of(in.spec.sites.begin(), in.spec.sites.end(), [&](const auto& s) { return s.name == site; })) {
           std::cerr << "meridian run: " << o.plan_path << ": site '" << site << "' is not in the cluster spec "
                     << o.cluster_path << "\n";
           return std::nullopt;
         }
+      int sum = 0;
+      for (int m : st.micro_batches) sum += m;
+      if (!st.micro_batches.empty() && sum != in.micro_batches) {
+        std::cerr << "meridian run: " << o.plan_path << ": stages[" << k
+                  << "].micro_batches: the replicas' shares sum to " << sum << ", but this run has " << in.micro_batches
+                  << " micro-batches per step (remove the field to share them by measured speed)\n";
+        return std::nullopt;
+      }
+    }
     in.pinned = std::move(*layout);
   }
   auto job_inputs = job::LoadJobInputs(in.job_path);

@@ -255,11 +255,8 @@ class RunMachine {
   void OnRemeasured(const v1::ProfileReport& r);
   v1::Command ProfileCommand(const std::string& site, const std::vector<std::string>& peers) const;
   // Start-up profiling: asks `site` to measure its device, the model and its links to the joined sites
-  // after it; AskNextEmulated asks the next emulated site (the spec's `emulation:`: they share this host,
-  // so they are measured one at a time, the next when the one before has reported).
+  // after it (each pair is probed once).
   void AskToProfile(const std::string& site);
-  void AskNextEmulated();
-  bool Emulated(const std::string& site) const;  // the spec gives `site` an emulation: section
   void OnTick();
   void BeginSwitch(const std::string& why);  // kTraining -> kSwitching
   // The step a switch begun now would end the attempt after: SwitchMargin steps (a few heartbeats' worth)
@@ -321,10 +318,9 @@ class RunMachine {
   Phase phase_ = Phase::kJoining;
   Clock::time_point now_, join_deadline_, t0_;
   bool started_ = false;
-  std::map<std::string, SiteState> sites_;   // every site of the spec
-  std::vector<std::string> joined_;          // the sites profiled, by name
-  std::set<std::string> asked_;              // the sites asked to profile (and so to probe each other)
-  std::vector<std::string> emulated_queue_;  // emulated sites still to be asked to profile, one at a time
+  std::map<std::string, SiteState> sites_;  // every site of the spec
+  std::vector<std::string> joined_;         // the sites profiled, by name
+  std::set<std::string> asked_;             // the sites asked to profile (and so to probe each other)
   std::map<std::string, v1::ProfileReport> profiles_;
   std::map<std::string, partitioner::ClusterProfile> checked_;  // each site's profile, checked
   partitioner::ClusterProfile profile_;

@@ -223,34 +223,6 @@ TEST(RunMachine, JoinsProfilesPlansAndFinishes) {
   EXPECT_TRUE(d.Feed(Tick{}).empty());  // over
 }
 
-// Emulated sites (the spec's `emulation:`) share this host's cores, so they are measured one at a time,
-// each asked once the one before reported; a site of its own machine is asked at once.
-TEST(RunMachine, EmulatedSitesAreMeasuredOneAtATime) {
-  RunConfig c = Config();
-  c.spec.sites[0].emulation = core::EmulationSpec{};
-  c.spec.sites[2].emulation = core::EmulationSpec{0.5, 1};
-  Driver d(c);
-  d.Feed(RunStarted{});
-  d.Feed(SiteRegistered{"a", "127.0.0.1:9a", "cpu"});
-  d.Feed(SiteRegistered{"b", "127.0.0.1:9b", "cpu"});
-  auto joined = d.Feed(SiteRegistered{"c", "127.0.0.1:9c", "cpu"});
-  EXPECT_THAT(Printed(joined), HasSubstr("measuring them one at a time"));
-  auto asked = [](const std::vector<Action>& out) {
-    std::vector<std::string> sites;
-    for (const auto& cmd : All<SendCommand>(out))
-      if (cmd.command.has_profile()) sites.push_back(cmd.site);
-    return sites;
-  };
-  EXPECT_THAT(asked(joined), ElementsAre("b", "a"));  // b (not emulated) at once, then the first emulated
-  EXPECT_TRUE(asked(d.Feed(ProfileReported{Profile("b")})).empty());
-  auto after_a = d.Feed(ProfileReported{Profile("a")});
-  ASSERT_THAT(asked(after_a), ElementsAre("c"));
-  EXPECT_EQ(All<SendCommand>(after_a)[0].command.profile().peers_size(), 0);  // c probes nobody: a and b probe it
-  EXPECT_EQ(d.machine().phase(), RunMachine::Phase::kProfiling);
-  EXPECT_THAT(Printed(d.Feed(ProfileReported{Profile("c")})), HasSubstr("predicted step time"));
-  EXPECT_EQ(d.machine().phase(), RunMachine::Phase::kTraining);
-}
-
 // plan.json says what the executors run: a job's fixed codecs (or none) are the plan's, not identity.
 TEST(RunMachine, APlanOfAFixedCodecRecordsTheCodecItsExecutorsUse) {
   for (auto policy : {core::CompressionPolicy::kFixed, core::CompressionPolicy::kNone}) {

@@ -417,7 +417,7 @@ absl::StatusOr<torch::Tensor> StageWorker::Decode(const ExpectedTensor& e, const
   } else {
     s = compression::DecodeInto(frame.data(), frame.size(), core::DType::kFloat32, e.shape, t.data_ptr<float>());
   }
-  if (!s.ok()) return Annotate(s, absl::StrCat(Where(), ": ", e.key.ToString(), " from peer '", e.peer, "'"));
+  if (!s.ok()) return Annotate(s, absl::StrCat(e.key.ToString(), " from peer '", e.peer, "'"));  // Receive adds Where()
   return t.to(device_);
 }
 

@@ -881,7 +881,7 @@ absl::StatusOr<std::vector<PinnedStage>> ParsePlanLayout(const std::string& text
         st["last_op"].get<int64_t>() > (1 << 24))
       return absl::InvalidArgumentError(absl::StrCat(where, ".last_op: expected a non-negative integer"));
     p.last_op = st["last_op"].get<int>();
-    if (st.contains("micro_batches")) {
+    if (st.contains("micro_batches") && p.sites.size() > 1) {  // a lone site runs them all
       const auto& mb = st["micro_batches"];
       if (!mb.is_array() || mb.size() != p.sites.size())
         return absl::InvalidArgumentError(

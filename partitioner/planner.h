@@ -101,6 +101,7 @@ struct PinnedStage {
   std::vector<std::string> sites;
   int last_op = 0;
   // The stage's "micro_batches", one count per site (as plan.json writes them), or empty: shared by speed.
+  // Read only for a stage of several sites (a lone site runs every micro-batch).
   std::vector<int> micro_batches;
 };
 // Errors name `path` and the field: not JSON, no "stages", a stage without sites or last_op, a site named

@@ -528,10 +528,15 @@ TEST(Planner, PinnedSharesAreRunAndPriced) {
                   .status()
                   .message(),
               HasSubstr("plan.json: stages[0].micro_batches: expected one count per site (2)"));
-  EXPECT_THAT(ParsePlanLayout(R"({"stages": [{"sites": ["a"], "last_op": 0, "micro_batches": [-1]}]})", "plan.json")
-                  .status()
-                  .message(),
-              HasSubstr("expected non-negative integers"));
+  EXPECT_THAT(
+      ParsePlanLayout(R"({"stages": [{"sites": ["a", "b"], "last_op": 0, "micro_batches": [-1, 9]}]})", "plan.json")
+          .status()
+          .message(),
+      HasSubstr("expected non-negative integers"));
+  // A lone site runs every micro-batch: its count is not read (a run's plan.json gives one).
+  auto lone = ParsePlanLayout(R"({"stages": [{"sites": ["a"], "last_op": 0, "micro_batches": [48]}]})", "plan.json");
+  ASSERT_TRUE(lone.ok()) << lone.status();
+  EXPECT_TRUE((*lone)[0].micro_batches.empty());
 }
 
 TEST(Planner, ReplicasReplacePipelineStagesWhenThatIsFaster) {

@@ -274,6 +274,14 @@ TEST_F(CoordinatorTest, PinnedPlanWithAReplicatedStageMatchesTheReference) {
   bad_out = bad2.ReadAll(20s);
   EXPECT_EQ(bad2.Wait(10s), 2) << bad_out;
   EXPECT_THAT(bad_out, HasSubstr("stages[1].sites: site 'a' appears in more than one place"));
+  std::ofstream(dir_ / "bad-plan3.json")  // the job has 4 micro-batches a step
+      << R"({"stages": [{"sites": ["a", "b"], "last_op": 2, "micro_batches": [2, 1]}, {"sites": ["c"], "last_op": 5}]})";
+  Process bad3(Bin("meridian") + " run " + (dir_ / "cluster.yaml").string() + " " + (dir_ / "job.yaml").string() +
+               " --plan " + (dir_ / "bad-plan3.json").string() + " 2>&1");
+  bad_out = bad3.ReadAll(20s);
+  EXPECT_EQ(bad3.Wait(10s), 2) << bad_out;
+  EXPECT_THAT(bad_out, HasSubstr("bad-plan3.json: stages[0].micro_batches: the replicas' shares sum to 3, but this "
+                                 "run has 4 micro-batches per step"));
 
   std::ofstream(dir_ / "plan.json")
       << R"({"stages": [{"sites": ["a", "b"], "last_op": 2}, {"sites": ["c"], "last_op": 5}]})";
