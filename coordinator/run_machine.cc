@@ -149,15 +149,13 @@ void RunMachine::StartProfiling() {
   // Emulated sites are measured at once too: they share this host's cores, as they do when a plan runs
   // them together (measured one at a time, a three-site plan's step came out 22% shorter than it ran:
   // bench/RESULTS.md, "The WAN-bound regime").
-  for (const auto& site : joined_) AskToProfile(site);
-}
-
-void RunMachine::AskToProfile(const std::string& site) {
-  std::vector<std::string> peers;
-  for (const auto& other : joined_)
-    if (other > site) peers.push_back(other);  // each pair once: the smaller site probes both directions
-  Out(LogSite{site, "asked to measure its device, the model and its links"});
-  Out(SendCommand{site, ProfileCommand(site, peers)});
+  for (const auto& site : joined_) {
+    std::vector<std::string> peers;
+    for (const auto& other : joined_)
+      if (other > site) peers.push_back(other);  // each pair once: the smaller site probes both directions
+    Out(LogSite{site, "asked to measure its device, the model and its links"});
+    Out(SendCommand{site, ProfileCommand(site, peers)});
+  }
 }
 
 v1::Command RunMachine::ProfileCommand(const std::string& site, const std::vector<std::string>& peers) const {

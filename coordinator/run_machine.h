@@ -254,9 +254,6 @@ class RunMachine {
   // figures, once all have answered. OnRemeasured takes one answer.
   void OnRemeasured(const v1::ProfileReport& r);
   v1::Command ProfileCommand(const std::string& site, const std::vector<std::string>& peers) const;
-  // Start-up profiling: asks `site` to measure its device, the model and its links to the joined sites
-  // after it (each pair is probed once).
-  void AskToProfile(const std::string& site);
   void OnTick();
   void BeginSwitch(const std::string& why);  // kTraining -> kSwitching
   // The step a switch begun now would end the attempt after: SwitchMargin steps (a few heartbeats' worth)

@@ -63,7 +63,6 @@ void ReceiveAhead::Loop() {
       cv_.notify_all();
       return;
     }
-    ++decoded_;
     ready_.push_back(std::move(*tensor));
     cv_.notify_all();
   }
@@ -96,7 +95,7 @@ double ReceiveAhead::decode_seconds() const {
 
 int ReceiveAhead::decoded() const {
   std::lock_guard<std::mutex> l(mu_);
-  return decoded_;
+  return static_cast<int>(taken_ + ready_.size());
 }
 
 }  // namespace meridian::executor

@@ -69,7 +69,6 @@ class ReceiveAhead {
   std::deque<torch::Tensor> ready_;  // decoded, in order, not yet taken
   absl::Status error_;               // the first failure; receiving stopped there
   size_t taken_ = 0;                 // tensors handed out by Take
-  int decoded_ = 0;
   double decode_seconds_ = 0;
   bool stop_ = false;
   std::thread thread_;  // last: started once the rest is built

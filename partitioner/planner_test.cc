@@ -479,13 +479,19 @@ TEST(Planner, ReplicasShareMicroBatchesInProportionToSpeed) {
   EXPECT_EQ(std::count(owners.begin(), owners.end(), 2), 1);
 }
 
+// Two linked sites for a one-op chain: a at 1 GFLOP/s, b a third as fast.
+ClusterProfile FastAndThirdAsFast() {
+  ClusterProfile p;
+  p.sites = {{"a", 1e9, 1e12, {}}, {"b", 1e9 / 3, 1e12, {}}};
+  LinkAll(&p, 1e12, 0);
+  return p;
+}
+
 TEST(Planner, ReplicatedStagesCarryTheirSharesAndPriceTheSlowestShare) {
   // One op; a is three times as fast as b: with 8 micro-batches a runs 6 and b 2, and the stage's time
   // per micro-batch is max(6 x 1, 2 x 3) / 8 = 0.75 s.
   OpGraph g = Chain(1, 1e9, 1e3);
-  ClusterProfile p;
-  p.sites = {{"a", 1e9, 1e12, {}}, {"b", 1e9 / 3, 1e12, {}}};
-  LinkAll(&p, 1e12, 0);
+  const ClusterProfile p = FastAndThirdAsFast();
   PlanOptions o;
   o.micro_batches = 8;
   o.replication = true;
@@ -505,9 +511,7 @@ TEST(Planner, ReplicatedStagesCarryTheirSharesAndPriceTheSlowestShare) {
 // plan runs them and prices the slowest share, whatever the profile's speeds say.
 TEST(Planner, PinnedSharesAreRunAndPriced) {
   OpGraph g = Chain(1, 1e9, 1e3);
-  ClusterProfile p;
-  p.sites = {{"a", 1e9, 1e12, {}}, {"b", 1e9 / 3, 1e12, {}}};
-  LinkAll(&p, 1e12, 0);
+  const ClusterProfile p = FastAndThirdAsFast();
   PlanOptions o;
   o.micro_batches = 8;
   PinLayout({{0, 1}}, {0}, &o, {{4, 4}});
