@@ -9,14 +9,14 @@ root everything runs on loopback at full speed, and the demo says so.
 
 The job is the fine-tuning example (examples/llm-finetune): build_base.sh first builds a small
 LLaMA-architecture base model and SentencePiece tokenizer from text on this machine and pre-trains it
-briefly (meridian train-local); then `meridian run` does the real work: the executors join over mutual
+(meridian train-local, about two and a half minutes, kept for later runs); then `meridian run` does the real work: the executors join over mutual
 TLS, measure their devices, the model and every link, the partitioner plans, each executor fine-tunes
-its stage under 1F1B with the codec chosen for each link, and the coordinator exports the model and
+its stage of the pipeline with the codec chosen for each link, and the coordinator exports the model and
 scores held-out exact match before and after. This script adds the summary and the loss curve (SVG).
 
 Usage: scripts/demo.py [--build build] [--run runs/demo] [--steps N]   (called by scripts/demo.sh)
-                      [--job finetune-lora.yaml --base runs/strong --pretrain-steps 800]  (the LoRA job on the
-                      stronger base, with PRETRAIN_SEQ=256 PRETRAIN_BATCH=8: examples/llm-finetune/README.md)
+                      [--job finetune-lora.yaml --base runs/strong]  (the LoRA job on the stronger base,
+                      with PRETRAIN_BATCH=8: examples/llm-finetune/README.md)
 """
 import argparse
 import json
@@ -78,7 +78,7 @@ def main():
     ap.add_argument("--run", default="runs/demo")
     ap.add_argument("--steps", type=int, default=0, help="fine-tuning steps (default: the job's)")
     ap.add_argument("--job", default="finetune.yaml", help="the job of examples/llm-finetune to run")
-    ap.add_argument("--pretrain-steps", type=int, default=150)
+    ap.add_argument("--pretrain-steps", type=int, default=800)
     ap.add_argument("--base", default="runs/base",
                     help="where build_base.sh builds the base model, kept between demo runs and reused")
     a = ap.parse_args()
