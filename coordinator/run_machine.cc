@@ -392,6 +392,12 @@ void RunMachine::StartAttempt() {
   // A new attempt first: from now on no file of the one before lands (FindResumePoint cleans up).
   job_id_ = attempts_ == 0 ? c_.run_id : absl::StrCat(c_.run_id, "-", attempts_);
   ++attempts_;
+  for (const auto& site : attempt_.used) {  // what the attempt ending here sent: its final or latest counts
+    if (auto d = attempt_.done.find(site); d != attempt_.done.end())
+      earlier_wire_ += d->second.wire_bytes(), earlier_raw_ += d->second.raw_bytes();
+    else if (auto m = attempt_.metrics.find(site); m != attempt_.metrics.end())
+      earlier_wire_ += m->second.wire_bytes(), earlier_raw_ += m->second.raw_bytes();
+  }
   attempt_ = Attempt();
   remeasuring_.clear();  // a straggler decision pending for the attempt before is moot
   drift_.clear();        // the new plan's shares are what each site is measured against
@@ -727,9 +733,10 @@ void RunMachine::OnMetrics(const MetricsReported& e) {
   }
 }
 
-// The progress line: the slowest site (most compute in its latest step), the bytes the stages sent in
-// this attempt, how long the slowest site waited for its peers and the longest any stage was blocked by
-// a send; RUN/metrics.jsonl has the same and each stage's breakdown ("stages").
+// The progress line: the slowest site (most compute in its latest step), the bytes the stages sent over
+// the whole run, how long the slowest site waited for its peers and the longest any stage was blocked by
+// a send; RUN/metrics.jsonl has the same (its bytes: this attempt's running totals, which the dashboard
+// differences per attempt) and each stage's breakdown ("stages").
 void RunMachine::ReportStep(const v1::MetricsReport& p) {
   const double el = Seconds(now_ - t0_);
   std::string slowest;
@@ -773,12 +780,13 @@ void RunMachine::ReportStep(const v1::MetricsReport& p) {
       diloco +=
           absl::StrFormat("  last sync after step %d: %.1f MB, %.2f s", last_sync, sync_bytes / 1e6, sync_seconds);
   }
-  Say(
-      absl::StrFormat("step %d/%d  loss %.4f  %.0f tokens/s  %.2f s/step  ETA %.0f s  slowest %s (%.2f s compute)  "
-                      "WAN %.1f MB (%.0f%% of uncompressed)  waiting %.2f s  send-blocked %.3f s%s\n",
-                      p.step() + 1, c_.steps, p.loss(), el > 0 ? tokens_ / el : 0.0, p.step_seconds(),
-                      p.step_seconds() * (c_.steps - p.step() - 1), slowest.empty() ? "-" : slowest, slowest_seconds,
-                      wire / 1e6, raw ? 100.0 * wire / raw : 100.0, slowest_wait, most_blocked, diloco));
+  Say(absl::StrFormat(
+      "step %d/%d  loss %.4f  %.0f tokens/s  %.2f s/step  ETA %.0f s  slowest %s (%.2f s compute)  "
+      "WAN %.1f MB (%.0f%% of uncompressed)  waiting %.2f s  send-blocked %.3f s%s\n",
+      p.step() + 1, c_.steps, p.loss(), el > 0 ? tokens_ / el : 0.0, p.step_seconds(),
+      p.step_seconds() * (c_.steps - p.step() - 1), slowest.empty() ? "-" : slowest, slowest_seconds,
+      (earlier_wire_ + wire) / 1e6, earlier_raw_ + raw ? 100.0 * (earlier_wire_ + wire) / (earlier_raw_ + raw) : 100.0,
+      slowest_wait, most_blocked, diloco));
   Out(WriteRunFile{core::kMetricsFile,
                    nlohmann::json{{"step", p.step() + 1},
                                   {"loss", p.loss()},
@@ -1319,7 +1327,7 @@ void RunMachine::AfterDrain() {
 }
 
 void RunMachine::Finish() {
-  int64_t wire = 0, raw = 0;
+  int64_t wire = earlier_wire_, raw = earlier_raw_;  // over every attempt
   for (const auto& [name, d] : attempt_.done) wire += d.wire_bytes(), raw += d.raw_bytes();
   const double el = Seconds(now_ - t0_);
   Say(absl::StrFormat(

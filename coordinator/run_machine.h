@@ -338,7 +338,8 @@ class RunMachine {
   Attempt attempt_;
   int64_t progress_step_ = -1;  // the current attempt's last step reported by stage 0
   double last_loss_ = 0;
-  int64_t tokens_ = 0;  // over every attempt
+  int64_t tokens_ = 0;                          // over every attempt
+  int64_t earlier_wire_ = 0, earlier_raw_ = 0;  // WAN bytes of the attempts before this one (stages count per attempt)
   int64_t pruned_at_ = 0;
   std::set<std::string> leaving_;             // asked to leave: in no plan from now on, stopped once they run no stage
   std::set<std::string> stopped_;             // leaving sites told to stop

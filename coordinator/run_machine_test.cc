@@ -341,9 +341,15 @@ TEST(RunMachine, ALeavingSiteIsSwitchedAwayFromAtAStepBoundaryWithNothingLost) {
   EXPECT_THAT(Printed(out), HasSubstr("switch: site 'b' leaves (meridian drain); every stage ends after step 10"));
   EXPECT_TRUE(Assignments(out).empty());
   d.Feed(MetricsReported{Metrics("a", kRun, 0, 7)});  // the stages go on meanwhile
-  d.Feed(StageReportedDone{DoneAt("a", kRun, 10)});
-  d.Feed(StageReportedDone{DoneAt("c", kRun, 10)});
-  auto switched = d.Feed(StageReportedDone{DoneAt("b", kRun, 10)});
+  // Each stage counts its bytes per attempt: 1 MB sent of 4 MB uncompressed before the switch.
+  auto with_bytes = [](v1::StageDone done, int64_t wire, int64_t raw) {
+    done.set_wire_bytes(wire);
+    done.set_raw_bytes(raw);
+    return done;
+  };
+  d.Feed(StageReportedDone{with_bytes(DoneAt("a", kRun, 10), 1000000, 4000000)});
+  d.Feed(StageReportedDone{with_bytes(DoneAt("c", kRun, 10), 1000000, 4000000)});
+  auto switched = d.Feed(StageReportedDone{with_bytes(DoneAt("b", kRun, 10), 1000000, 4000000)});
   EXPECT_THAT(Printed(switched), HasSubstr("switch: every stage saved step 10; re-planning"));
   auto cleared = All<SetBoundary>(switched);
   ASSERT_EQ(cleared.size(), 1u);
@@ -360,8 +366,11 @@ TEST(RunMachine, ALeavingSiteIsSwitchedAwayFromAtAStepBoundaryWithNothingLost) {
   for (const auto& e : All<RecordEvent>(switched)) kinds.push_back(e.kind);
   EXPECT_THAT(kinds, ElementsAre("replan", "resume"));
   EXPECT_THAT(All<RecordEvent>(switched)[0].text, HasSubstr("after site 'b' leaves (meridian drain)"));
-  d.Feed(StageReportedDone{Done("a", "r-1")});
-  EXPECT_EQ(ExitCode(d.Feed(StageReportedDone{Done("c", "r-1")})), 0);
+  d.Feed(StageReportedDone{with_bytes(Done("a", "r-1"), 2000000, 8000000)});
+  auto done = d.Feed(StageReportedDone{with_bytes(Done("c", "r-1"), 2000000, 8000000)});
+  EXPECT_EQ(ExitCode(done), 0);
+  // The run's bytes are both attempts': 3 + 4 MB of 12 + 16 MB uncompressed.
+  EXPECT_THAT(Printed(done), HasSubstr("7.0 MB on the links, 25% of uncompressed"));
 }
 
 // Stages that do not all end at the boundary (one had passed it) are not trusted to line up: the next
