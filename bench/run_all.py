@@ -1223,6 +1223,13 @@ def write_results(path, info, comps, e2e, seconds, root):
               "the TLS stream is CPU-bound in gRPC's HTTP/2 framing and message copies, not in AES. The probe "
               "reads low right after a saturating stream over the same relay; the coordinator probes links "
               "before traffic.", ""]
+    # The marked sections of the file as it was (written by --only runs, bench/demo_breakdown.py, or a full
+    # run's WAN-bound part, which splice_section then replaces) stay: this run did not measure them again.
+    old = open(path).read() if os.path.exists(path) else ""
+    for begin in re.findall(r"<!-- ([a-z-]+):begin -->", old):
+        b, e = f"<!-- {begin}:begin -->", f"<!-- {begin}:end -->"
+        if e in old:
+            L += [b + old.split(b, 1)[1].split(e, 1)[0] + e, ""]
     open(path, "w").write("\n".join(L))
 
 
