@@ -309,4 +309,71 @@ TEST_F(Cli, ExecutorJoinFailsFastWithOneActionableMessage) {
   EXPECT_THAT(bad.err, HasSubstr("coordinator address"));
 }
 
+// examples/llm-finetune/untie.py, which the demo's base goes through: the tied model's one matrix is
+// written out as the head too, the model computes what it did (the same first loss), a graph of it has no
+// tied op left (so a pipeline can cut it), and a second pass leaves it as it is.
+TEST_F(Cli, UntieKeepsTheModelAndLetsAPipelineCutIt) {
+  fs::create_directories(dir_ / "init");
+  std::ofstream(dir_ / "init" / "config.json")
+      << R"({"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": true})";
+  auto job = [&](const std::string& model, int steps) {
+    return Write("job-" + model + ".yaml", "job:\n  model: " + model +
+                                               "\n  data: synthetic\n  steps: " + std::to_string(steps) +
+                                               "\n  global_batch: 4\n  micro_batches: 1\n  sequence_length: 16\n"
+                                               "  seed: 7\n  optimizer: {name: adamw, lr: 0.01}\n");
+  };
+  const std::string env = "OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 ";
+  auto pre = Exec(env + Bin("meridian") + " train-local " + job("init", 3) + " --out " + (dir_ / "tied").string());
+  ASSERT_EQ(pre.rc, 0) << pre.err;
+  fs::copy(dir_ / "tied", dir_ / "untied", fs::copy_options::recursive);
+  const std::string untie = "/usr/bin/python3 " + Src("examples/llm-finetune/untie.py") + " ";
+  auto u = Exec(untie + (dir_ / "untied").string());
+  ASSERT_EQ(u.rc, 0) << u.err;
+  EXPECT_THAT(u.out, HasSubstr("LM head untied from the embedding"));
+
+  auto header = [](const fs::path& file) {
+    std::ifstream in(file, std::ios::binary);
+    uint64_t n = 0;
+    in.read(reinterpret_cast<char*>(&n), 8);
+    std::string text(n, '\0');
+    in.read(text.data(), static_cast<std::streamsize>(n));
+    return nlohmann::json::parse(text);
+  };
+  const auto before = header(dir_ / "tied" / "model.safetensors");
+  const auto after = header(dir_ / "untied" / "model.safetensors");
+  EXPECT_FALSE(before.contains("lm_head.weight"));
+  ASSERT_TRUE(after.contains("lm_head.weight"));
+  EXPECT_EQ(after["lm_head.weight"]["shape"], after["model.embed_tokens.weight"]["shape"]);
+  EXPECT_EQ(nlohmann::json::parse(std::ifstream(dir_ / "untied" / "config.json"))["tie_word_embeddings"], false);
+
+  // The same function: the first step's loss (before any update) is the same, to the digits printed.
+  auto first_loss = [&](const std::string& model) {
+    auto r =
+        Exec(env + Bin("meridian") + " train-local " + job(model, 1) + " --out " + (dir_ / ("ft-" + model)).string());
+    EXPECT_EQ(r.rc, 0) << r.err;
+    return r.out.substr(0, r.out.find('\n'));
+  };
+  const std::string tied_loss = first_loss("tied");
+  EXPECT_THAT(tied_loss, HasSubstr("step 0 loss"));
+  EXPECT_EQ(first_loss("untied"), tied_loss);
+
+  // The tied model's graph keeps the head with the embedding; the untied one's has no tie.
+  auto graph = [&](const std::string& model) {
+    auto g = Exec(Bin("meridian") + " graph --config " + (dir_ / model / "config.json").string() +
+                  " --seq-len 16 --micro-batch-size 1");
+    EXPECT_EQ(g.rc, 0) << g.err;
+    return g.out;
+  };
+  EXPECT_THAT(graph("tied"), HasSubstr("tied_to"));
+  EXPECT_THAT(graph("untied"), ::testing::Not(HasSubstr("tied_to")));
+
+  auto again = Exec(untie + (dir_ / "untied").string());
+  EXPECT_EQ(again.rc, 0) << again.err;
+  EXPECT_THAT(again.out, HasSubstr("already untied"));
+  auto sharded = Exec(untie + (dir_ / "init").string());  // no model.safetensors
+  EXPECT_NE(sharded.rc, 0);
+  EXPECT_THAT(sharded.err, HasSubstr("no such file"));
+}
+
 }  // namespace

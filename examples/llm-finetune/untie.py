@@ -26,6 +26,8 @@ def main():
     cfg_path = os.path.join(model, "config.json")
     st_path = os.path.join(model, "model.safetensors")
     cfg = json.load(open(cfg_path))
+    if not os.path.exists(st_path):
+        sys.exit(f"{st_path}: no such file (untie.py reads one model.safetensors, not a sharded index)")
     with open(st_path, "rb") as f:
         n = struct.unpack("<Q", f.read(8))[0]
         header = json.loads(f.read(n))
