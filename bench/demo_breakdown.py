@@ -18,6 +18,9 @@ import re
 import statistics
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from run_all import splice_section  # noqa: E402  (the results file's one section writer)
+
 BEGIN, END = "<!-- demo:begin -->", "<!-- demo:end -->"
 WARMUP = 5
 
@@ -98,13 +101,7 @@ def main():
           "| attempt | site | compute | waiting | send-blocked | codec | rest |", "|---|---|---|---|---|---|---|"]
     L += breakdown + ["", END, ""]
     section = "\n".join(L)
-    old = open(a.results).read() if os.path.exists(a.results) else "# Benchmark results\n"
-    if BEGIN in old and END in old:
-        head, rest = old.split(BEGIN, 1)
-        new = head + section + rest.split(END, 1)[1].lstrip("\n")
-    else:
-        new = old.rstrip("\n") + "\n\n" + section
-    open(a.results, "w").write(new)
+    splice_section(a.results, section, BEGIN, END)
     print(section)
 
 
