@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "compression/activation_delta.h"
 #include "core/log.h"
 #include "core/run_layout.h"
@@ -143,28 +144,74 @@ void RunMachine::StartProfiling() {
   for (const auto& [name, s] : sites_)
     if (s.registered && !s.silent && !leaving_.count(name))
       joined_.push_back(name);  // one that went silent since, or asked to leave, is not asked
-  asked_ = std::set<std::string>(joined_.begin(), joined_.end());
   Say(absl::StrCat(joined_.size(), " sites joined; measuring devices, the model and the links\n"));
   phase_ = Phase::kProfiling;
   // Emulated sites are measured at once too: they share this host's cores, as they do when a plan runs
   // them together (measured one at a time, a three-site plan's step came out 22% shorter than it ran:
   // bench/RESULTS.md, "The WAN-bound regime").
   for (const auto& site : joined_) {
-    std::vector<std::string> peers;
-    for (const auto& other : joined_)
-      if (other > site) peers.push_back(other);  // each pair once: the smaller site probes both directions
-    Out(LogSite{site, "asked to measure its device, the model and its links"});
-    Out(SendCommand{site, ProfileCommand(site, peers)});
+    Out(LogSite{site, "asked to measure its device and the model"});
+    Out(SendCommand{site, ProfileCommand(site, {})});
   }
 }
 
-v1::Command RunMachine::ProfileCommand(const std::string& site, const std::vector<std::string>& peers) const {
+void RunMachine::StartLinkProbes() {
+  probing_links_ = true;
+  for (const auto& site : joined_) {
+    std::vector<std::string> peers;
+    for (const auto& other : joined_)
+      if (other > site) peers.push_back(other);  // each pair once: the smaller site probes both directions
+    if (peers.empty()) continue;
+    probing_[site] = {peers.begin(), peers.end()};
+    Out(LogSite{site, absl::StrCat("asked to measure its links to ", absl::StrJoin(peers, ", "))});
+    Out(SendCommand{site, ProfileCommand(site, peers, /*links_only=*/true)});
+  }
+  if (probing_.empty()) {  // one site: no link to measure
+    if (absl::Status s = FinishProfiling(); !s.ok()) return Fail(std::string(s.message()));
+    StartAttempt();
+  }
+}
+
+void RunMachine::OnLinksProfile(const v1::ProfileReport& r) {
+  const std::string& site = r.site();
+  auto it = probing_.find(site);
+  if (it == probing_.end() || std::find(joined_.begin(), joined_.end(), site) == joined_.end()) {
+    Out(LogSite{site, "sent a profile nobody asked for; ignored"});
+    return;
+  }
+  if (!r.error().empty())
+    return Fail(absl::StrCat("site '", site, "' could not measure its links: ", Clean(r.error())));
+  std::vector<partitioner::LinkProfile> links;
+  if (absl::Status s = r.site_profile_json().empty() && r.graph_json().empty()
+                           ? CheckLinks(site, r.links_json(), it->second, &links)
+                           : absl::InvalidArgumentError("it sent a device or a model where only links were asked for");
+      !s.ok()) {
+    // As in the first round: not planned with, and its links with it (FinishProfiling drops them).
+    const std::string why =
+        absl::StrCat("site '", site, "' sent links that do not check out: ", Clean(std::string(s.message())));
+    Out(LogSite{site, why});
+    joined_.erase(std::find(joined_.begin(), joined_.end(), site));
+    if (joined_.empty()) return Fail(why);
+    Say(absl::StrCat(why, "; planning without it\n"));
+  } else {
+    checked_[site].links = std::move(links);
+    Out(LogSite{site, "measured its links"});
+  }
+  probing_.erase(it);
+  if (!probing_.empty()) return;
+  if (absl::Status s = FinishProfiling(); !s.ok()) return Fail(std::string(s.message()));
+  StartAttempt();
+}
+
+v1::Command RunMachine::ProfileCommand(const std::string& site, const std::vector<std::string>& peers,
+                                       bool links_only) const {
   v1::Command c;
   auto* p = c.mutable_profile();
   p->set_job_yaml(c_.job_yaml);
   p->set_job_dir(c_.job_dir);
   p->set_probe_seconds(1.0);
   p->set_repeats(c_.profile_repeats);
+  p->set_links_only(links_only);
   for (const auto& other : peers) {
     auto* peer = p->add_peers();
     peer->set_site(other);
@@ -206,7 +253,7 @@ void RunMachine::OnJoinerProfile(const v1::ProfileReport& r) {
   Out(SetProbers{});
   partitioner::ClusterProfile checked;
   absl::Status s =
-      r.error().empty() ? CheckProfile(r, &checked, &joiner_peers_) : absl::UnavailableError(Clean(r.error()));
+      r.error().empty() ? CheckProfile(r, &checked, joiner_peers_) : absl::UnavailableError(Clean(r.error()));
   if (!s.ok()) {
     failed_joiners_.insert(site);  // not asked again (it may rejoin: a fresh registration clears this)
     const std::string why =
@@ -250,6 +297,7 @@ void RunMachine::OnProfile(const ProfileReported& e) {
   if (!sites_.count(r.site())) return;
   if (joiner_asked_ && r.site() == joiner_) return OnJoinerProfile(r);
   if (remeasuring_.count(r.site())) return OnRemeasured(r);
+  if (phase_ == Phase::kProfiling && probing_links_) return OnLinksProfile(r);
   const bool asked = std::find(joined_.begin(), joined_.end(), r.site()) != joined_.end();
   if (phase_ != Phase::kProfiling || !asked || profiles_.count(r.site())) {
     Out(LogSite{r.site(), "sent a profile nobody asked for; ignored"});
@@ -257,7 +305,7 @@ void RunMachine::OnProfile(const ProfileReported& e) {
   }
   if (r.error().empty()) {
     partitioner::ClusterProfile checked;
-    if (absl::Status s = CheckProfile(r, &checked); !s.ok()) {
+    if (absl::Status s = CheckProfile(r, &checked, /*probed=*/{}); !s.ok()) {  // no link asked for yet
       // A site whose measurements do not check out is not planned with (a hostile site must not steer
       // the plan); the run goes on without it while others are left.
       const std::string why = absl::StrCat(
@@ -269,7 +317,7 @@ void RunMachine::OnProfile(const ProfileReported& e) {
     } else {
       checked_[r.site()] = std::move(checked);
       profiles_[r.site()] = r;
-      Out(LogSite{r.site(), "measured its device, the model per op and its links"});
+      Out(LogSite{r.site(), "measured its device and the model per op"});
     }
   } else {
     profiles_[r.site()] = r;
@@ -277,12 +325,13 @@ void RunMachine::OnProfile(const ProfileReported& e) {
   }
   for (const auto& site : joined_)
     if (!profiles_.count(site)) return;
-  if (absl::Status s = FinishProfiling(); !s.ok()) return Fail(std::string(s.message()));
-  StartAttempt();
+  for (const auto& [name, p] : profiles_)  // no link is measured for a run that cannot start
+    if (!p.error().empty()) return Fail(absl::StrCat("site '", name, "' could not profile: ", Clean(p.error())));
+  StartLinkProbes();
 }
 
 absl::Status RunMachine::CheckProfile(const v1::ProfileReport& r, partitioner::ClusterProfile* checked,
-                                      const std::set<std::string>* probed) const {
+                                      const std::set<std::string>& probed) const {
   const std::string& site = r.site();
   auto one = partitioner::ParseProfileJson(absl::StrCat("{\"sites\": [", r.site_profile_json(), "]}"),
                                            absl::StrCat("profile of site '", site, "'"));
@@ -308,7 +357,13 @@ absl::Status RunMachine::CheckProfile(const v1::ProfileReport& r, partitioner::C
     if (!finite(seconds)) return absl::InvalidArgumentError(absl::StrCat("op '", op, "' took a non-finite time"));
   }
   checked->sites = {p};
-  auto links = nlohmann::json::parse(r.links_json(), nullptr, false);
+  return CheckLinks(site, r.links_json(), probed, &checked->links);
+}
+
+absl::Status RunMachine::CheckLinks(const std::string& site, const std::string& links_json,
+                                    const std::set<std::string>& probed,
+                                    std::vector<partitioner::LinkProfile>* checked) const {
+  auto links = nlohmann::json::parse(links_json, nullptr, false);
   if (!links.is_array()) return absl::InvalidArgumentError("its links are not a JSON array");
   for (const auto& l : links) {
     if (!l.is_object() || !l.contains("from") || !l["from"].is_string() || !l.contains("to") || !l["to"].is_string() ||
@@ -316,15 +371,14 @@ absl::Status RunMachine::CheckProfile(const v1::ProfileReport& r, partitioner::C
         !l.contains("latency_seconds") || !l["latency_seconds"].is_number())
       return absl::InvalidArgumentError(absl::StrCat("a malformed link: ", l.dump()));
     partitioner::LinkProfile link{l["from"], l["to"], l["bandwidth_bytes_per_second"], l["latency_seconds"]};
-    // Only the links it measured: between itself and a site it was asked to probe (a later one by name).
+    // Only the links it measured: between itself and a site it was asked to probe.
     const std::string& other = link.from == site ? link.to : link.from;
-    const bool measured = probed ? probed->count(other) > 0 : other > site && asked_.count(other) > 0;
-    if ((link.from != site && link.to != site) || !measured)
+    if ((link.from != site && link.to != site) || !probed.count(other))
       return absl::InvalidArgumentError(absl::StrCat("a link it did not measure: ", link.from, " -> ", link.to));
     if (!finite(link.bandwidth_bytes_per_second) || link.bandwidth_bytes_per_second <= 0 ||
         !finite(link.latency_seconds))
       return absl::InvalidArgumentError(absl::StrCat("link ", link.from, " -> ", link.to, " has non-finite figures"));
-    checked->links.push_back(link);
+    checked->push_back(link);
   }
   return absl::OkStatus();
 }
@@ -1188,7 +1242,7 @@ void RunMachine::OnRemeasured(const v1::ProfileReport& r) {
   remeasuring_.erase(site);
   partitioner::ClusterProfile checked;
   const std::set<std::string> no_links;  // its links stand as measured: only its device and the model again
-  absl::Status s = r.error().empty() ? CheckProfile(r, &checked, &no_links) : absl::UnavailableError(Clean(r.error()));
+  absl::Status s = r.error().empty() ? CheckProfile(r, &checked, no_links) : absl::UnavailableError(Clean(r.error()));
   if (!s.ok()) {  // the decision waited for it: no switch onto figures that did not check out
     remeasuring_.clear();
     const std::string why = absl::StrCat("measuring it again failed: ", Clean(std::string(s.message())),

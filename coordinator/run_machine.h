@@ -253,7 +253,9 @@ class RunMachine {
   // every emulated site measured at once can be far off): the switch is decided again, with their new
   // figures, once all have answered. OnRemeasured takes one answer.
   void OnRemeasured(const v1::ProfileReport& r);
-  v1::Command ProfileCommand(const std::string& site, const std::vector<std::string>& peers) const;
+  // `links_only`: probe the links to `peers`, the device and the model being measured already.
+  v1::Command ProfileCommand(const std::string& site, const std::vector<std::string>& peers,
+                             bool links_only = false) const;
   void OnTick();
   void BeginSwitch(const std::string& why);  // kTraining -> kSwitching
   // The step a switch begun now would end the attempt after: SwitchMargin steps (a few heartbeats' worth)
@@ -285,13 +287,20 @@ class RunMachine {
   absl::StatusOr<Repriced> ReplanAgainstCurrent() const;
   void CompleteSwitch();  // every stage of the attempt ended while switching
 
+  // The sites are measured in two rounds: every site's device and the model at once (they share this
+  // host's cores when emulated, as they do when a plan runs them together), then, once all have
+  // answered, the links (each pair once, probed by the lexicographically smaller site), so that no probe
+  // lands in the quota of a site still timing its model.
   void StartProfiling();
+  void StartLinkProbes();                           // every site measured its model: the links next
+  void OnLinksProfile(const v1::ProfileReport& r);  // one answer of the second round
   // Checks one site's measurements before they are believed: its own device, op times of this model's
-  // ops, links from or to itself and a site it probed or was probed by, finite values.
-  // `probed`: the sites a site joining mid-run was asked to probe (nullptr: the initial rule, each pair
-  // once by the lexicographically smaller site).
+  // ops, links from or to itself and one of `probed` (the sites it was asked to probe), finite values.
   absl::Status CheckProfile(const v1::ProfileReport& report, partitioner::ClusterProfile* checked,
-                            const std::set<std::string>* probed = nullptr) const;
+                            const std::set<std::string>& probed) const;
+  // The links of `site`'s report (profile.json's "links" entries) checked as CheckProfile does.
+  absl::Status CheckLinks(const std::string& site, const std::string& links_json, const std::set<std::string>& probed,
+                          std::vector<partitioner::LinkProfile>* checked) const;
   absl::Status FinishProfiling();
   void StartAttempt();
   absl::Status PlanAttempt();
@@ -315,10 +324,11 @@ class RunMachine {
   Phase phase_ = Phase::kJoining;
   Clock::time_point now_, join_deadline_, t0_;
   bool started_ = false;
-  std::map<std::string, SiteState> sites_;  // every site of the spec
-  std::vector<std::string> joined_;         // the sites profiled, by name
-  std::set<std::string> asked_;             // the sites asked to profile (and so to probe each other)
-  std::map<std::string, v1::ProfileReport> profiles_;
+  std::map<std::string, SiteState> sites_;                      // every site of the spec
+  std::vector<std::string> joined_;                             // the sites profiled, by name
+  std::map<std::string, v1::ProfileReport> profiles_;           // the first round's answers
+  bool probing_links_ = false;                                  // the second round is under way
+  std::map<std::string, std::set<std::string>> probing_;        // its sites yet to answer: the peers each probes
   std::map<std::string, partitioner::ClusterProfile> checked_;  // each site's profile, checked
   partitioner::ClusterProfile profile_;
   std::string graph_json_;

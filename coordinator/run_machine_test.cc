@@ -63,7 +63,7 @@ RunConfig Config(core::OnFailure on_failure = core::OnFailure::kReplan) {
   return c;
 }
 
-// What site `site` reports after measuring: its device, the graph, and its links to every other site.
+// What site `site` reports after the first round of measuring: its device and the graph (no link yet).
 v1::ProfileReport Profile(const std::string& site, const std::string& error = "") {
   v1::ProfileReport r;
   r.set_site(site);
@@ -75,12 +75,22 @@ v1::ProfileReport Profile(const std::string& site, const std::string& error = ""
   one.sites.push_back({site, 1e11, 8e9, {}, {}});
   r.set_site_profile_json(nlohmann::json::parse(partitioner::ProfileToJson(one))["sites"][0].dump());
   r.set_graph_json(partitioner::GraphToJson(SmallGraph()));
+  r.set_links_json("[]");
+  return r;
+}
+
+// What site `site` reports after the second round, asked to probe `peers`: its links to them, both ways.
+v1::ProfileReport Links(const std::string& site, const std::vector<std::string>& peers, double bandwidth = 1e8,
+                        double latency = 1e-3) {
+  v1::ProfileReport r;
+  r.set_site(site);
   nlohmann::json links = nlohmann::json::array();
-  for (const char* other : {"a", "b", "c"})
-    if (other > site) {
-      links.push_back({{"from", site}, {"to", other}, {"bandwidth_bytes_per_second", 1e8}, {"latency_seconds", 1e-3}});
-      links.push_back({{"from", other}, {"to", site}, {"bandwidth_bytes_per_second", 1e8}, {"latency_seconds", 1e-3}});
-    }
+  for (const auto& other : peers) {
+    links.push_back(
+        {{"from", site}, {"to", other}, {"bandwidth_bytes_per_second", bandwidth}, {"latency_seconds", latency}});
+    links.push_back(
+        {{"from", other}, {"to", site}, {"bandwidth_bytes_per_second", bandwidth}, {"latency_seconds", latency}});
+  }
   r.set_links_json(links.dump());
   return r;
 }
@@ -107,16 +117,35 @@ v1::MetricsReport Metrics(const std::string& site, const std::string& job_id, in
   return m;
 }
 
-// Feeds events at a clock it advances by hand, and keeps what the machine answered.
+// Feeds events at a clock it advances by hand, and keeps what the machine answered. Unless
+// `answer_link_probes` is false it also plays the sites' part in the second round of measuring: each
+// links-only profile request the machine sends is answered at once with Links(site, its peers,
+// link_bandwidth, link_latency), and what the machine answers to that is returned with the rest.
 class Driver {
  public:
   explicit Driver(RunConfig config) : machine_(std::move(config)) {}
 
   std::vector<Action> Feed(decltype(Event::what) what, double advance_seconds = 0.01) {
     now_ += std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(advance_seconds));
-    last_ = machine_.Handle({now_, std::move(what)});
+    std::vector<Action> out = machine_.Handle({now_, std::move(what)});
+    if (answer_link_probes) {
+      std::vector<v1::ProfileReport> answers;
+      for (const auto& a : out)
+        if (const auto* c = std::get_if<SendCommand>(&a); c && c->command.profile().links_only()) {
+          std::vector<std::string> peers;
+          for (const auto& p : c->command.profile().peers()) peers.push_back(p.site());
+          answers.push_back(Links(c->site, peers, link_bandwidth, link_latency));
+        }
+      for (auto& r : answers) {
+        auto more = Feed(ProfileReported{std::move(r)});
+        out.insert(out.end(), more.begin(), more.end());
+      }
+    }
+    last_ = out;
     return last_;
   }
+  bool answer_link_probes = true;
+  double link_bandwidth = 1e8, link_latency = 1e-3;
   // Starts the run and lets `sites` register, then report their profiles.
   void JoinAndProfile(const std::vector<std::string>& sites) {
     Feed(RunStarted{});
@@ -169,6 +198,7 @@ std::vector<std::string> Sites(const std::map<std::string, v1::StageAssignment>&
 
 TEST(RunMachine, JoinsProfilesPlansAndFinishes) {
   Driver d(Config());
+  d.answer_link_probes = false;  // both rounds of measuring by hand
   auto started = d.Feed(RunStarted{});
   EXPECT_TRUE(started.empty());
   d.Feed(SiteRegistered{"a", "127.0.0.1:9a", "cpu"});
@@ -177,14 +207,27 @@ TEST(RunMachine, JoinsProfilesPlansAndFinishes) {
   EXPECT_THAT(Printed(joined), HasSubstr("3 sites joined"));
   auto profile_commands = All<SendCommand>(joined);
   ASSERT_EQ(profile_commands.size(), 3u);
-  EXPECT_TRUE(profile_commands[0].command.has_profile());
-  EXPECT_EQ(profile_commands[0].command.profile().peers_size(), 2);  // a probes b and c; c probes nobody
-  EXPECT_EQ(profile_commands[2].command.profile().peers_size(), 0);
+  for (const auto& c : profile_commands) {  // first every site's device and the model, no link
+    ASSERT_TRUE(c.command.has_profile());
+    EXPECT_EQ(c.command.profile().peers_size(), 0);
+    EXPECT_FALSE(c.command.profile().links_only());
+  }
   EXPECT_EQ(d.machine().phase(), RunMachine::Phase::kProfiling);
 
-  d.Feed(ProfileReported{Profile("a")});
-  d.Feed(ProfileReported{Profile("b")});
-  auto planned = d.Feed(ProfileReported{Profile("c")});
+  EXPECT_TRUE(All<SendCommand>(d.Feed(ProfileReported{Profile("a")})).empty());
+  EXPECT_TRUE(All<SendCommand>(d.Feed(ProfileReported{Profile("b")})).empty());  // c still measures its model
+  auto probes = All<SendCommand>(d.Feed(ProfileReported{Profile("c")}));
+  ASSERT_EQ(probes.size(), 2u);  // then the links, each pair once: a probes b and c, b probes c, c nobody
+  EXPECT_EQ(probes[0].site, "a");
+  EXPECT_TRUE(probes[0].command.profile().links_only());
+  ASSERT_EQ(probes[0].command.profile().peers_size(), 2);
+  EXPECT_EQ(probes[0].command.profile().peers(1).site(), "c");
+  EXPECT_EQ(probes[0].command.profile().peers(1).address(), "127.0.0.1:9c");
+  EXPECT_EQ(probes[1].site, "b");
+  ASSERT_EQ(probes[1].command.profile().peers_size(), 1);
+  EXPECT_EQ(probes[1].command.profile().peers(0).site(), "c");
+  EXPECT_FALSE(ExitCode(d.Feed(ProfileReported{Links("b", {"c"})})));
+  auto planned = d.Feed(ProfileReported{Links("a", {"b", "c"})});
   EXPECT_THAT(Printed(planned), HasSubstr("predicted step time"));
   EXPECT_THAT(Printed(planned), HasSubstr("training: 3 stages, 20 steps\n"));
   auto files = All<WriteRunFile>(planned);
@@ -532,13 +575,15 @@ RunConfig TwoSiteConfig() {
   return c;
 }
 
-// Sites a and b register and report profiles at `a_flops` and `b_flops`; a measured the link to b.
+// Sites a and b register and report profiles at `a_flops` and `b_flops`; a measures the link to b.
 void StartTwoSites(Driver* d, double a_flops, double b_flops) {
   d->Feed(RunStarted{});
   d->Feed(SiteRegistered{"a", "127.0.0.1:9a", "cpu"});
   d->Feed(SiteRegistered{"b", "127.0.0.1:9b", "cpu"});
-  d->Feed(ProfileReported{ProfileAmong("a", {"b"}, a_flops)});
-  d->Feed(ProfileReported{ProfileAmong("b", {}, b_flops)});
+  d->link_bandwidth = 1e9;
+  d->link_latency = 1e-4;
+  d->Feed(ProfileReported{ProfileAmong("a", {}, a_flops)});
+  d->Feed(ProfileReported{ProfileAmong("b", {}, b_flops)});  // then a probes b
 }
 
 // `meridian run --resume` continues from whatever the shared directory holds: its assignments name no run
@@ -1069,6 +1114,53 @@ TEST(RunMachine, AProfileThatDoesNotCheckOutLeavesItsSiteOutOfThePlan) {
   }
 }
 
+// The second round's answers are checked as strictly: a site asked to probe some links reports those
+// and nothing else, or is planned without.
+TEST(RunMachine, ALinksAnswerThatDoesNotCheckOutLeavesItsSiteOutOfThePlan) {
+  for (auto forge : std::vector<std::function<void(v1::ProfileReport*)>>{
+           [](v1::ProfileReport* r) { r->set_links_json("{\"from\": 1}"); },  // not an array
+           [](v1::ProfileReport* r) {  // a link it was not asked to probe (b probes c only), claimed fast
+             *r = Links("b", {"a", "c"}, 1e12, 0);
+           },
+           [](v1::ProfileReport* r) {  // a link between two other sites
+             r->set_links_json(
+                 R"([{"from": "a", "to": "c", "bandwidth_bytes_per_second": 1e12, "latency_seconds": 0}])");
+           },
+           [](v1::ProfileReport* r) { *r = Links("b", {"c"}, -1, 0.001); },  // a negative bandwidth
+           [](v1::ProfileReport* r) {  // its device again, faster than measured, where only links were asked for
+             r->set_site_profile_json(R"({"name": "b", "flops_per_second": 1e15, "memory_bytes": 1e12})");
+           }}) {
+    Driver d(Config());
+    d.answer_link_probes = false;
+    d.Feed(RunStarted{});
+    for (const char* s : {"a", "b", "c"}) d.Feed(SiteRegistered{s, "x", "cpu"});
+    for (const char* s : {"a", "b", "c"}) d.Feed(ProfileReported{Profile(s)});
+    v1::ProfileReport bad = Links("b", {"c"});
+    forge(&bad);
+    auto refused = d.Feed(ProfileReported{bad});
+    EXPECT_THAT(Printed(refused), HasSubstr("site 'b' sent links that do not check out"));
+    EXPECT_THAT(Printed(refused), HasSubstr("planning without it"));
+    EXPECT_FALSE(ExitCode(refused));
+    EXPECT_TRUE(All<SendCommand>(d.Feed(ProfileReported{Links("b", {"c"})})).empty());  // once is enough
+    auto planned = d.Feed(ProfileReported{Links("a", {"b", "c"})});
+    EXPECT_FALSE(ExitCode(planned)) << Printed(planned);
+    EXPECT_THAT(Sites(Assignments(planned)), ElementsAre("a", "c"));
+  }
+  {  // an error while probing fails the run, naming the site
+    Driver d(Config());
+    d.answer_link_probes = false;
+    d.Feed(RunStarted{});
+    for (const char* s : {"a", "b", "c"}) d.Feed(SiteRegistered{s, "x", "cpu"});
+    for (const char* s : {"a", "b", "c"}) d.Feed(ProfileReported{Profile(s)});
+    v1::ProfileReport failed = Links("a", {});
+    failed.set_error("probing the link to 'c': connection refused");
+    auto out = d.Feed(ProfileReported{failed});
+    EXPECT_EQ(ExitCode(out), 1);
+    EXPECT_THAT(Printed(out),
+                HasSubstr("site 'a' could not measure its links: probing the link to 'c': connection refused"));
+  }
+}
+
 // A neighbour's NaN (or any corrupt data) fails a stage with DataLoss: every stage resumes from the newest
 // checkpoint with the same sites, at most twice in a row; a third time ends the run.
 TEST(RunMachine, NonFiniteDataResumesFromTheCheckpointAtMostTwiceInARow) {
@@ -1128,12 +1220,10 @@ TEST(RunMachine, DeadlinesFireWhateverTheEventsAndOnlyThePlansSitesCount) {
     EXPECT_THAT(Printed(joined), HasSubstr("2 sites joined"));  // c is not waited for
     v1::ProfileReport bad = Profile("b");
     bad.set_site_profile_json("{");
-    d.Feed(ProfileReported{bad});        // b is dropped first ...
-    v1::ProfileReport a = Profile("a");  // a probed b (c was never asked)
-    a.set_links_json(R"([{"from": "a", "to": "b", "bandwidth_bytes_per_second": 1e8, "latency_seconds": 0.001},
-                          {"from": "b", "to": "a", "bandwidth_bytes_per_second": 1e8, "latency_seconds": 0.001}])");
-    auto planned = d.Feed(ProfileReported{a});  // ... a's link to b still checks out
+    d.Feed(ProfileReported{bad});                          // b is dropped first ...
+    auto planned = d.Feed(ProfileReported{Profile("a")});  // ... so a has no link to measure (c was never asked)
     EXPECT_FALSE(ExitCode(planned)) << Printed(planned);
+    for (const auto& cmd : All<SendCommand>(planned)) EXPECT_FALSE(cmd.command.profile().links_only());
     EXPECT_THAT(Sites(Assignments(planned)), ElementsAre("a"));
     // A site outside the plan reports the end of a stage of the attempt: nothing happens.
     auto spare = d.Feed(StageReportedDone{Done("c", kRun, "boom")});

@@ -399,30 +399,33 @@ void Agent::SetState(v1::SiteState state) {
 }
 
 void Agent::OnProfile(const v1::ProfileRequest& p) {
-  spdlog::debug("command: profile ({} peers to probe, {} repeats)", p.peers_size(), p.repeats());
+  spdlog::debug("command: profile ({}{} peers to probe, {} repeats)", p.links_only() ? "links only: " : "",
+                p.peers_size(), p.repeats());
   SetState(v1::SITE_PROFILING);
 
   v1::ProfileReport rep;
   rep.set_site(o_.site);
   absl::Status failure = GuardTorch(absl::StrCat("site '", o_.site, "': profiling"), [&]() -> absl::Status {
-    auto setup = JobFromText(p.job_yaml(), p.job_dir());
-    if (!setup.ok()) return setup.status();
-    // A site of several devices is measured as its workers run together (ProfileAsWorker).
-    ScratchDir site_dir(absl::StrCat(o_.site, "-workers"));
-    SiteWorkers site;
-    if (devices_.size() > 1) {
-      if (absl::Status s = site_dir.Create(); !s.ok()) return s;
-      auto started = StartSiteWorkers(site_dir.path.string(), "profile", p.SerializeAsString());
-      if (!started.ok()) return started.status();
-      site = std::move(*started);
+    if (!p.links_only()) {  // the device and the model (a links-only request follows them)
+      auto setup = JobFromText(p.job_yaml(), p.job_dir());
+      if (!setup.ok()) return setup.status();
+      // A site of several devices is measured as its workers run together (ProfileAsWorker).
+      ScratchDir site_dir(absl::StrCat(o_.site, "-workers"));
+      SiteWorkers site;
+      if (devices_.size() > 1) {
+        if (absl::Status s = site_dir.Create(); !s.ok()) return s;
+        auto started = StartSiteWorkers(site_dir.path.string(), "profile", p.SerializeAsString());
+        if (!started.ok()) return started.status();
+        site = std::move(*started);
+      }
+      auto prof = ProfileAsWorker(site.group.get(), *setup, o_.site, device_, p.repeats() > 0 ? p.repeats() : 5);
+      if (!prof.ok()) return prof.status();
+      if (site.pool) site.pool->Stop(std::chrono::seconds(30));
+      partitioner::ClusterProfile one;
+      one.sites.push_back(prof->site);
+      rep.set_site_profile_json(nlohmann::json::parse(partitioner::ProfileToJson(one))["sites"][0].dump());
+      rep.set_graph_json(partitioner::GraphToJson(prof->graph));
     }
-    auto prof = ProfileAsWorker(site.group.get(), *setup, o_.site, device_, p.repeats() > 0 ? p.repeats() : 5);
-    if (!prof.ok()) return prof.status();
-    if (site.pool) site.pool->Stop(std::chrono::seconds(30));
-    partitioner::ClusterProfile one;
-    one.sites.push_back(prof->site);
-    rep.set_site_profile_json(nlohmann::json::parse(partitioner::ProfileToJson(one))["sites"][0].dump());
-    rep.set_graph_json(partitioner::GraphToJson(prof->graph));
     nlohmann::json links = nlohmann::json::array();
     for (const auto& peer : p.peers()) {
       auto client = rpc::PeerClient::Create(o_.certs, o_.site, peer.site(), peer.address());
