@@ -220,6 +220,7 @@ StageWorker::StageWorker(JobSetup setup, StageAssignment a, rpc::TensorInbox* in
     const int M = setup_.micro_batches;
     const int mine = static_cast<int>(std::count(owner_.begin(), owner_.end(), replica_));
     own_micro_batches_ = mine;
+    diloco_ = true;
     outer_ =
         std::make_unique<OuterSync>(setup_.job.sync, M > 0 ? static_cast<double>(mine) / M : 0.0, model_->parameters());
   }
@@ -235,6 +236,9 @@ absl::Status StageWorker::JoinSite(SiteGroup* group) {
     if (!group || group->size() < 2) return absl::OkStatus();
     if (absl::Status s = CanSplit(group->size()); !s.ok()) return s;
     group_ = group;
+    // DiLoCo: worker 0 alone holds the outer state and exchanges with the other replicas; the others
+    // take the parameters it sets at each outer synchronisation (Step).
+    if (group_->rank() != 0) outer_.reset();
     reducer_ = std::make_unique<SiteReducer>(group_, model_->parameters(), a_.bucket_bytes);
     if (setup_.job.optimizer.zero == 1)
       zero_ =
@@ -245,9 +249,6 @@ absl::Status StageWorker::JoinSite(SiteGroup* group) {
 
 absl::Status StageWorker::CanSplit(int workers) const {
   if (workers < 2) return absl::OkStatus();
-  if (outer_)
-    return absl::UnimplementedError(absl::StrCat(Where(), ": job.sync.mode diloco on a site of ", workers,
-                                                 " devices is not supported yet; use every_step, or one device"));
   if (setup_.micro_batch_size < workers)
     return absl::InvalidArgumentError(absl::StrCat(Where(), ": a micro-batch of ", setup_.micro_batch_size,
                                                    " sequences cannot be split across the site's ", workers,
@@ -655,7 +656,7 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
     };
     // DiLoCo: this replica's gradient covers its own micro-batches only; scaled by M / m_i, the inner step
     // is a full step on them.
-    if (outer_ && own_micro_batches_ > 0 && own_micro_batches_ < M) {
+    if (diloco_ && own_micro_batches_ > 0 && own_micro_batches_ < M) {
       torch::NoGradGuard no_grad;
       const double scale = static_cast<double>(M) / own_micro_batches_;
       for (auto& [n, p] : model_->parameters())
@@ -762,6 +763,22 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
                                      "as float32), %.3f s, drift %.4g",
                                      Where(), l.fragment, l.step + 1, l.wire_bytes, l.raw_bytes, l.seconds, l.drift));
       }
+    }
+    if (diloco_ && group_) {  // worker 0's parameters after an outer synchronisation, to every worker
+      torch::Tensor synced = torch::zeros({1}, torch::kFloat64);
+      if (outer_ && outer_->last_sync().step != outer_synced_step_) synced[0] = 1.0;
+      if (outer_) outer_synced_step_ = outer_->last_sync().step;
+      const auto t0 = Clock::now();
+      absl::Status s = group_->Broadcast(synced);
+      if (s.ok() && synced[0].item<double>() != 0) {
+        std::vector<torch::Tensor> values;
+        for (auto& [n, p] : model_->parameters()) values.push_back(p);
+        s = group_->BroadcastInPlace(values);
+      }
+      const double waited = std::chrono::duration<double>(Clock::now() - t0).count();
+      site_reduce_seconds_ += waited;
+      wait_seconds_ += waited;
+      if (!s.ok()) return Annotate(s, absl::StrCat(Where(), ": the outer parameters to the site's workers"));
     }
     if (independent && replica_ == 0 && talks_to_sites())  // the other workers' losses
       for (size_t j = 1; j < R.size(); ++j) {
@@ -912,6 +929,9 @@ absl::Status StageWorker::RestoreSite(const Checkpoint& c) {
     for (size_t i = 0; i < params.size(); ++i)
       header[1 + i] = c.tensors.count("optim.m." + params[i].first) && c.tensors.count("optim.v." + params[i].first);
   }
+  if (root && outer_)  // the outer state stays with worker 0, which alone synchronises
+    if (absl::Status s = outer_->ImportState(c.tensors); !s.ok())
+      return Annotate(s, absl::StrCat(Where(), ": restoring from ", c.path));
   if (absl::Status s = group_->Broadcast(header); !s.ok()) return Annotate(s, Where());
   // The parameters in place; the moments into tensors of their shapes (zeros where the checkpoint has none).
   std::vector<torch::Tensor> values, m, v;

@@ -230,10 +230,14 @@ class StageWorker {
   bool prev_delta_ = false;  // the previous stage sends AQ-SGD delta messages (prev_forward_codec)
   std::string scratch_dir_;
   std::unique_ptr<GradientAverager> averager_;  // with more than one replica, every_step sync
-  std::unique_ptr<OuterSync> outer_;            // with more than one replica, diloco sync
-  SiteGroup* group_ = nullptr;                  // a site of several devices (JoinSite)
-  std::unique_ptr<SiteReducer> reducer_;        // with group_: the workers' gradient sum
-  std::unique_ptr<ShardedAdamW> zero_;          // with group_ and job.optimizer.zero 1, instead of opt_
+  // With more than one replica, diloco sync (diloco_); on a site of several devices only worker 0 holds
+  // it, and the others take its parameters after each synchronisation applied.
+  std::unique_ptr<OuterSync> outer_;
+  bool diloco_ = false;
+  int64_t outer_synced_step_ = -1;  // worker 0: outer_->last_sync().step when the workers last took its parameters
+  SiteGroup* group_ = nullptr;      // a site of several devices (JoinSite)
+  std::unique_ptr<SiteReducer> reducer_;  // with group_: the workers' gradient sum
+  std::unique_ptr<ShardedAdamW> zero_;    // with group_ and job.optimizer.zero 1, instead of opt_
   int64_t restored_step_ = 0;
   double site_reduce_seconds_ = 0;
   int own_micro_batches_ = 0;  // diloco: this replica's micro-batches per step

@@ -612,6 +612,44 @@ TEST_F(CoordinatorTest, ATwoWorkerSiteReplicatingAStageAcrossSitesTrainsLikeTrai
   ExpectWeightsOfTheReference(dir_);
 }
 
+// A DiLoCo replica on a site of two workers (#22 with #17): b's workers sum their gradients with c10d, b's
+// worker 0 alone holds the outer parameters and momentum and exchanges the pseudo-gradients with a, then
+// hands the outer parameters to worker 1. With b on two workers the weights equal those of the same run
+// with b on one, for a replicated stage of a pipeline and for whole-model workers, each over 6 steps with
+// H = 2 in 2 fragments, overlapped, Nesterov.
+TEST_F(CoordinatorTest, ADilocoReplicaOnATwoWorkerSiteTrainsLikeOneOnASingleDevice) {
+  SetSteps(6);
+  Edit("job.yaml", "micro_batches: 4", "micro_batches: 2");  // 2 sequences per micro-batch: a row per worker
+  std::ofstream(dir_ / "job.yaml", std::ios::app)
+      << "  sync: {mode: diloco, inner_steps: 2, fragments: 2, codec: identity, overlap: true,\n"
+         "         outer_optimizer: {name: nesterov, lr: 0.7, momentum: 0.9}}\n";
+  for (const std::string layout :
+       {R"({"stages": [{"sites": ["a", "b"], "last_op": 2, "micro_batches": [1, 1]}, {"sites": ["c"], "last_op": 5}]})",
+        R"({"stages": [{"sites": ["a", "b"], "last_op": 5, "micro_batches": [1, 1]}]})"}) {
+    SCOPED_TRACE(layout);
+    std::ofstream(dir_ / "plan.json") << layout;
+    std::map<std::string, core::Tensor> one_worker;
+    for (const bool two : {false, true}) {
+      fs::remove_all(dir_ / "run");
+      if (two) SetDevices("b", "[cpu, cpu]");
+      std::string site_log;
+      const std::string log = RunPinned("", &site_log);
+      EXPECT_THAT(log, HasSubstr("done: 6 steps")) << log;
+      EXPECT_THAT(site_log, HasSubstr("outer sync of fragment 1 after step 6")) << site_log;
+      if (!two) {
+        one_worker = testing::MergeShards(dir_ / "run" / "weights");
+        ASSERT_FALSE(one_worker.empty());
+        continue;
+      }
+      EXPECT_THAT(site_log, HasSubstr("site 'b' worker 1 of 2: done after step 6")) << site_log;
+      auto got = testing::MergeShards(dir_ / "run" / "weights");
+      ASSERT_EQ(got.size(), one_worker.size());
+      for (const auto& [name, t] : one_worker) EXPECT_LE(testing::RelativeL2(got[name], t), 1e-5) << name;
+      Edit("cluster.yaml", ", devices: [cpu, cpu]}", "}");  // b on one device again, for the next layout
+    }
+  }
+}
+
 // Checkpoints stay partition-independent across a site's worker count (#22): a run whose site b has two
 // workers with ZeRO-1 (moments sharded, gathered at worker 0 for the checkpoint) resumes with b on one
 // device, and the reverse; both end with train-local's weights.
