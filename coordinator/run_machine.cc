@@ -136,6 +136,17 @@ void RunMachine::OnRegistered(const SiteRegistered& e) {
     Out(LogSite{e.site, again});
     Note("join", e.site, again);
   }
+  // A measured site whose executor registered again (restarted) before answering its round: the new one
+  // never got the request, so it is asked again.
+  if (phase_ == Phase::kProfiling && std::find(joined_.begin(), joined_.end(), e.site) != joined_.end()) {
+    if (!probing_links_ && !profiles_.count(e.site)) {
+      Out(LogSite{e.site, "registered again while measuring: asked again to measure its device and the model"});
+      Out(SendCommand{e.site, ProfileCommand(e.site, {})});
+    } else if (auto p = probing_.find(e.site); probing_links_ && p != probing_.end()) {
+      Out(LogSite{e.site, "registered again while measuring: asked again to measure its links"});
+      Out(SendCommand{e.site, ProfileCommand(e.site, {p->second.begin(), p->second.end()}, /*links_only=*/true)});
+    }
+  }
   const size_t need = c_.spec.min_sites > 0 ? static_cast<size_t>(c_.spec.min_sites) : c_.spec.sites.size();
   if (phase_ == Phase::kJoining && started_ && Registered() >= need) StartProfiling();
 }
@@ -182,16 +193,23 @@ void RunMachine::OnLinksProfile(const v1::ProfileReport& r) {
   if (!r.error().empty())
     return Fail(absl::StrCat("site '", site, "' could not measure its links: ", Clean(r.error())));
   std::vector<partitioner::LinkProfile> links;
-  if (absl::Status s = r.site_profile_json().empty() && r.graph_json().empty()
-                           ? CheckLinks(site, r.links_json(), it->second, &links)
-                           : absl::InvalidArgumentError("it sent a device or a model where only links were asked for");
-      !s.ok()) {
-    // As in the first round: not planned with, and its links with it (FinishProfiling drops them).
+  absl::Status s = r.site_profile_json().empty() && r.graph_json().empty()
+                       ? CheckLinks(site, r.links_json(), it->second, &links)
+                       : absl::InvalidArgumentError("it sent a device or a model where only links were asked for");
+  // Each link it was asked for, both directions, once each (a missing one would read as no link at all).
+  for (const auto& peer : it->second)
+    for (const auto& [from, to] : {std::pair{site, peer}, std::pair{peer, site}})
+      if (s.ok() && std::count_if(links.begin(), links.end(), [&, &from = from, &to = to](const auto& l) {
+                      return l.from == from && l.to == to;
+                    }) != 1)
+        s = absl::InvalidArgumentError(absl::StrCat("link ", from, " -> ", to, " is missing or given twice"));
+  if (!s.ok()) {
+    // As in the first round: not planned with, and its links with it (FinishProfiling drops them). (The
+    // site whose name sorts last probes nobody, so some site is always left.)
     const std::string why =
         absl::StrCat("site '", site, "' sent links that do not check out: ", Clean(std::string(s.message())));
     Out(LogSite{site, why});
     joined_.erase(std::find(joined_.begin(), joined_.end(), site));
-    if (joined_.empty()) return Fail(why);
     Say(absl::StrCat(why, "; planning without it\n"));
   } else {
     checked_[site].links = std::move(links);

@@ -1127,6 +1127,14 @@ TEST(RunMachine, ALinksAnswerThatDoesNotCheckOutLeavesItsSiteOutOfThePlan) {
                  R"([{"from": "a", "to": "c", "bandwidth_bytes_per_second": 1e12, "latency_seconds": 0}])");
            },
            [](v1::ProfileReport* r) { *r = Links("b", {"c"}, -1, 0.001); },  // a negative bandwidth
+           [](v1::ProfileReport* r) {  // one direction only: the pair could not be planned
+             r->set_links_json(
+                 R"([{"from": "b", "to": "c", "bandwidth_bytes_per_second": 1e8, "latency_seconds": 0.001}])");
+           },
+           [](v1::ProfileReport* r) {
+             *r = Links("b", {"c", "c"});
+           },                                                  // each link twice, with figures to pick from
+           [](v1::ProfileReport* r) { *r = Links("b", {}); },  // none of them
            [](v1::ProfileReport* r) {  // its device again, faster than measured, where only links were asked for
              r->set_site_profile_json(R"({"name": "b", "flops_per_second": 1e15, "memory_bytes": 1e12})");
            }}) {
@@ -1145,6 +1153,28 @@ TEST(RunMachine, ALinksAnswerThatDoesNotCheckOutLeavesItsSiteOutOfThePlan) {
     auto planned = d.Feed(ProfileReported{Links("a", {"b", "c"})});
     EXPECT_FALSE(ExitCode(planned)) << Printed(planned);
     EXPECT_THAT(Sites(Assignments(planned)), ElementsAre("a", "c"));
+  }
+  {  // a site's executor that registers again (restarted) before it answered is asked again, once per round
+    Driver d(Config());
+    d.answer_link_probes = false;
+    d.Feed(RunStarted{});
+    for (const char* s : {"a", "b", "c"}) d.Feed(SiteRegistered{s, "x", "cpu"});
+    d.Feed(ProfileReported{Profile("a")});
+    auto again = All<SendCommand>(d.Feed(SiteRegistered{"b", "y", "cpu"}));
+    ASSERT_EQ(again.size(), 1u);
+    EXPECT_EQ(again[0].site, "b");
+    EXPECT_FALSE(again[0].command.profile().links_only());
+    EXPECT_TRUE(All<SendCommand>(d.Feed(SiteRegistered{"a", "x", "cpu"})).empty());  // a has answered
+    d.Feed(ProfileReported{Profile("b")});
+    EXPECT_EQ(All<SendCommand>(d.Feed(ProfileReported{Profile("c")})).size(), 2u);  // the links: a and b probe
+    d.Feed(ProfileReported{Links("a", {"b", "c"})});
+    again = All<SendCommand>(d.Feed(SiteRegistered{"b", "y", "cpu"}));
+    ASSERT_EQ(again.size(), 1u);
+    EXPECT_TRUE(again[0].command.profile().links_only());
+    ASSERT_EQ(again[0].command.profile().peers_size(), 1);
+    EXPECT_EQ(again[0].command.profile().peers(0).site(), "c");
+    EXPECT_TRUE(All<SendCommand>(d.Feed(SiteRegistered{"c", "x", "cpu"})).empty());  // c probes nobody
+    EXPECT_FALSE(Assignments(d.Feed(ProfileReported{Links("b", {"c"})})).empty());
   }
   {  // an error while probing fails the run, naming the site
     Driver d(Config());

@@ -749,7 +749,10 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
         AwaitLeftOut("", absl::UnavailableError("the coordinator left a replica out"));
       absl::Status synced = final_step ? outer_->Finish(step) : outer_->AfterInnerStep(step);
       // A replica lost mid-exchange: go on without it if the coordinator leaves it out.
-      if (!synced.ok() && independent && !final_step && AwaitLeftOut("", synced)) synced = absl::OkStatus();
+      if (!synced.ok() && independent && !final_step && AwaitLeftOut("", synced)) {
+        synced = absl::OkStatus();
+        outer_gave_up_ = true;  // an exchange given up may have changed some parameters: to every worker
+      }
       if (!synced.ok()) return Annotate(synced, absl::StrCat(Where(), ": outer synchronisation after step ", step + 1));
       wait_seconds_ += outer_->last_wait_seconds();
       if (outer_->last_sync().step != synced_before) {
@@ -766,7 +769,8 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
     }
     if (diloco_ && group_) {  // worker 0's parameters after an outer synchronisation, to every worker
       torch::Tensor synced = torch::zeros({1}, torch::kFloat64);
-      if (outer_ && outer_->last_sync().step != outer_synced_step_) synced[0] = 1.0;
+      if (outer_ && (outer_->last_sync().step != outer_synced_step_ || outer_gave_up_)) synced[0] = 1.0;
+      outer_gave_up_ = false;
       if (outer_) outer_synced_step_ = outer_->last_sync().step;
       const auto t0 = Clock::now();
       absl::Status s = group_->Broadcast(synced);

@@ -235,6 +235,7 @@ class StageWorker {
   std::unique_ptr<OuterSync> outer_;
   bool diloco_ = false;
   int64_t outer_synced_step_ = -1;  // worker 0: outer_->last_sync().step when the workers last took its parameters
+  bool outer_gave_up_ = false;      // worker 0: this step's exchange failed and was given up (a replica left out)
   SiteGroup* group_ = nullptr;      // a site of several devices (JoinSite)
   std::unique_ptr<SiteReducer> reducer_;  // with group_: the workers' gradient sum
   std::unique_ptr<ShardedAdamW> zero_;    // with group_ and job.optimizer.zero 1, instead of opt_
@@ -252,6 +253,8 @@ class StageWorker {
   bool AwaitLeftOut(const std::string& peer, const absl::Status& cause);
   // DiLoCo workers of the whole model (a one-stage plan): independent between outer syncs, and the ones a
   // lost replica can be left out of.
+  // On a site of several devices only worker 0 holds outer_: this is false on the others, so no
+  // collective of the site's workers may depend on it (diloco_ is the same on every worker).
   bool IndependentWorkers() const { return outer_ && a_.num_stages == 1; }
   // The other replicas of this stage among `sites`.
   std::vector<std::string> OtherReplicasIn(const std::set<std::string>& sites) const;
