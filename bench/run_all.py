@@ -839,7 +839,21 @@ SIM_RUNS = [(20, "planned", "{policy: adaptive, error_feedback: true}"),
             (2, "planned", "{policy: adaptive, error_feedback: true}"),
             (2, "even", "{policy: fixed, activations: int4, gradients: int4}"),
             (2, "even", "{policy: fixed, activations: identity, gradients: identity}"),
-            (100, "planned", "{policy: adaptive, error_feedback: true}")]
+            (100, "planned", "{policy: adaptive, error_feedback: true}"),
+            # Replicas (a pinned layout, REPLICATED_LAYOUT): the second stage's gradients summed across
+            # fast and medium every step, beside the activations.
+            (100, "replicated", "{policy: fixed, activations: int8, gradients: int8}"),
+            (20, "replicated", "{policy: fixed, activations: int8, gradients: int8}")]
+
+
+def replicated_layout(cfg, micro_batches):
+    """A pinned plan with a replicated stage: slow alone runs the first third of the ops, fast and medium
+    the rest as replicas, sharing the micro-batches in proportion to their quotas (1.0 : 0.6)."""
+    ops = 2 * cfg["num_hidden_layers"] + 2
+    fast = round(micro_batches * 1.0 / 1.6)
+    return {"stages": [{"sites": ["slow"], "last_op": ops // 3 - 1},
+                       {"sites": ["fast", "medium"], "last_op": ops - 1,
+                        "micro_batches": [fast, micro_batches - fast]}]}
 
 
 def measured_step(run_dir, diloco):
@@ -880,8 +894,13 @@ def simulator_validation(a, bin_dir, work, cfg, model_dir, weights_params):
         job_yaml(job, steps, global_batch, global_batch, seq, seed, compression)
         log(f"simulator validation run {i + 1}/{len(SIM_RUNS)}: {mbit} Mbit/s, {split}, {compression}")
         emu = open_sites(bin_dir, work, mbit, heartbeat_timeout_s=60)
+        extra = ""
+        if split == "replicated":
+            layout = os.path.join(work, f"{name}-plan.json")
+            json.dump(replicated_layout(cfg, global_batch), open(layout, "w"))
+            extra = f"--plan {layout}"
         try:
-            r = run_meridian(emu, bin_dir, work, name, job, steps, split, a.profile_repeats)
+            r = run_meridian(emu, bin_dir, work, name, job, steps, split, a.profile_repeats, extra)
             log(f"  {r['step_seconds']:.2f} s per step, plan {r['replicas']}, codecs {r['codecs']}")
         finally:
             emu.close()
@@ -928,13 +947,14 @@ def simulator_section(w, command):
          "run's last step, its final synchronisation, left out). The section runs "
          f"{w['runs']} small runs of its own ({w['global_batch']} sequences of {w['seq']} tokens a step, "
          f"{w['steps']} steps, three sites at quotas 1.0 / 0.6 / 0.4, 40 ms RTT) at 2 to 100 Mbit/s, planned or even "
-         "splits, identity, int8 or int4 links; the others are those the other sections left there.", "",
+         "splits or a pinned layout with a replicated stage (slow, then fast + medium summing their gradients every "
+         "step), identity, int8 or int4 links; the others are those the other sections left there.", "",
          "Two inputs per run. *With measured compute*: each site's compute per micro-batch is the median its run "
          "measured (`--compute-from RUN/metrics.jsonl`), the links are the profile's probes: this checks the "
          "simulation itself (schedules, link queues, synchronisations). *With the profile*: the profile as the "
          "coordinator measured it before the run, which is what a plan is made from: its per-op times are taken "
-         "while all three sites profile at once on this machine's two cores, and differ from the compute of a "
-         "run in which fewer sites compute.", "",
+         "while all three sites profile at once on this machine's two cores (the links after all have), and "
+         "differ from the compute of a run in which fewer sites compute.", "",
          "| run | plan | link codecs | measured step (s) | simulated (s) | error | analytic (s) | error | "
          "simulated, profile (s) | error | analytic, profile (s) | error |",
          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
