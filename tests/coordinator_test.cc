@@ -650,6 +650,43 @@ TEST_F(CoordinatorTest, ADilocoReplicaOnATwoWorkerSiteTrainsLikeOneOnASingleDevi
   }
 }
 
+// The same DiLoCo replica resumed from a checkpoint after step 4 of 6: b's worker 0 restores the outer
+// parameters and momentum from the stage's checkpoint (written by replica 0, a) and hands the parameters
+// to worker 1; the weights equal those of the same two runs with b on one device.
+TEST_F(CoordinatorTest, ADilocoReplicaOnATwoWorkerSiteResumesLikeOneOnASingleDevice) {
+  SetSteps(6);
+  Edit("job.yaml", "micro_batches: 4", "micro_batches: 2");
+  std::ofstream(dir_ / "job.yaml", std::ios::app)
+      << "  checkpoint: {dir: ckpt, interval: 2}\n"
+         "  sync: {mode: diloco, inner_steps: 2, fragments: 2, codec: identity, overlap: true,\n"
+         "         outer_optimizer: {name: nesterov, lr: 0.7, momentum: 0.9}}\n";
+  std::ofstream(dir_ / "plan.json") << R"({"stages": [{"sites": ["a", "b"], "last_op": 2, "micro_batches": [1, 1]},
+                                                      {"sites": ["c"], "last_op": 5}]})";
+  std::map<std::string, core::Tensor> one_worker;
+  for (const bool two : {false, true}) {
+    SCOPED_TRACE(two ? "b on two workers" : "b on one device");
+    fs::remove_all(dir_ / "ckpt");
+    fs::remove_all(dir_ / "run");
+    if (two) SetDevices("b", "[cpu, cpu]");
+    std::string site_log;
+    EXPECT_THAT(RunPinned("--steps 4", &site_log), HasSubstr("done: 4 steps"));
+    ASSERT_TRUE(fs::exists(dir_ / "ckpt" / "step-4" / "stage-0.json"));
+    fs::remove_all(dir_ / "run" / "weights");
+    const std::string log = RunPinned("--steps 6 --resume", &site_log);
+    EXPECT_THAT(log, HasSubstr("resuming from the newest intact checkpoint"));
+    EXPECT_THAT(log, HasSubstr("done: 6 steps")) << log;
+    EXPECT_EQ(site_log.find("worker 1 of 2: done after step 6") != std::string::npos, two) << site_log;
+    auto got = testing::MergeShards(dir_ / "run" / "weights");
+    if (!two) {
+      one_worker = got;
+      ASSERT_FALSE(one_worker.empty());
+      continue;
+    }
+    ASSERT_EQ(got.size(), one_worker.size());
+    for (const auto& [name, t] : one_worker) EXPECT_LE(testing::RelativeL2(got[name], t), 1e-5) << name;
+  }
+}
+
 // Checkpoints stay partition-independent across a site's worker count (#22): a run whose site b has two
 // workers with ZeRO-1 (moments sharded, gathered at worker 0 for the checkpoint) resumes with b on one
 // device, and the reverse; both end with train-local's weights.
