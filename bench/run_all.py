@@ -840,7 +840,7 @@ SIM_RUNS = [(20, "planned", "{policy: adaptive, error_feedback: true}"),
             (2, "even", "{policy: fixed, activations: int4, gradients: int4}"),
             (2, "even", "{policy: fixed, activations: identity, gradients: identity}"),
             (100, "planned", "{policy: adaptive, error_feedback: true}"),
-            # Replicas (a pinned layout, REPLICATED_LAYOUT): the second stage's gradients summed across
+            # Replicas (a pinned layout, replicated_layout below): the second stage's gradients summed across
             # fast and medium every step, beside the activations.
             (100, "replicated", "{policy: fixed, activations: int8, gradients: int8}"),
             (20, "replicated", "{policy: fixed, activations: int8, gradients: int8}")]

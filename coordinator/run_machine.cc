@@ -177,10 +177,7 @@ void RunMachine::StartLinkProbes() {
     Out(LogSite{site, absl::StrCat("asked to measure its links to ", absl::StrJoin(peers, ", "))});
     Out(SendCommand{site, ProfileCommand(site, peers, /*links_only=*/true)});
   }
-  if (probing_.empty()) {  // one site: no link to measure
-    if (absl::Status s = FinishProfiling(); !s.ok()) return Fail(std::string(s.message()));
-    StartAttempt();
-  }
+  if (probing_.empty()) FinishProfiling();  // one site: no link to measure
 }
 
 void RunMachine::OnLinksProfile(const v1::ProfileReport& r) {
@@ -216,9 +213,7 @@ void RunMachine::OnLinksProfile(const v1::ProfileReport& r) {
     Out(LogSite{site, "measured its links"});
   }
   probing_.erase(it);
-  if (!probing_.empty()) return;
-  if (absl::Status s = FinishProfiling(); !s.ok()) return Fail(std::string(s.message()));
-  StartAttempt();
+  if (probing_.empty()) FinishProfiling();
 }
 
 v1::Command RunMachine::ProfileCommand(const std::string& site, const std::vector<std::string>& peers,
@@ -402,10 +397,7 @@ absl::Status RunMachine::CheckLinks(const std::string& site, const std::string& 
 }
 
 // Every joined site's measurements, with the spec's link overrides: RUN/profile.json and graph.json.
-absl::Status RunMachine::FinishProfiling() {
-  for (const auto& [name, p] : profiles_)
-    if (!p.error().empty())
-      return absl::InternalError(absl::StrCat("site '", name, "' could not profile: ", Clean(p.error())));
+void RunMachine::FinishProfiling() {
   for (const auto& site : joined_) {
     const partitioner::ClusterProfile& one = checked_.at(site);
     profile_.sites.push_back(one.sites[0]);
@@ -447,7 +439,7 @@ absl::Status RunMachine::FinishProfiling() {
   // param_bytes + optimizer_bytes of the graph) plus its header: twice that bounds it.
   max_file_bytes_ = 2 * TrainingStateBytes(graph_) + kHeaderBytes;
   t0_ = now_;
-  return absl::OkStatus();
+  StartAttempt();
 }
 
 // ---- Attempts ----

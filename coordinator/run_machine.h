@@ -301,7 +301,9 @@ class RunMachine {
   // The links of `site`'s report (profile.json's "links" entries) checked as CheckProfile does.
   absl::Status CheckLinks(const std::string& site, const std::string& links_json, const std::set<std::string>& probed,
                           std::vector<partitioner::LinkProfile>* checked) const;
-  absl::Status FinishProfiling();
+  // Every answer is in and checked (a first-round error failed the run before any link was probed):
+  // writes profile.json and graph.json, then starts the first attempt.
+  void FinishProfiling();
   void StartAttempt();
   absl::Status PlanAttempt();
   absl::Status FindResumePoint();
