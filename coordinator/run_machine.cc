@@ -44,6 +44,28 @@ std::string Quoted(const std::vector<std::string>& names) {
   return out;
 }
 
+// "a -> b+c": each stage's sites, in order.
+std::string LayoutOf(const partitioner::Plan& plan) {
+  std::string layout;
+  for (const auto& st : plan.stages) {
+    if (!layout.empty()) layout += " -> ";
+    for (size_t i = 0; i < st.site_names.size(); ++i) layout += (i ? "+" : "") + st.site_names[i];
+  }
+  return layout;
+}
+
+std::set<std::string> SitesOf(const partitioner::Plan& plan) {
+  std::set<std::string> out;
+  for (const auto& st : plan.stages) out.insert(st.site_names.begin(), st.site_names.end());
+  return out;
+}
+
+// The lower median. REQUIRES: !values.empty().
+double Median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  return values[(values.size() - 1) / 2];
+}
+
 }  // namespace
 
 RunMachine::RunMachine(RunConfig config) : c_(std::move(config)) {
@@ -261,6 +283,7 @@ void RunMachine::MaybeMeasureJoiner() {
 
 void RunMachine::OnJoinerProfile(const v1::ProfileReport& r) {
   const std::string site = joiner_;
+  measured_in_step_ = true;
   joiner_.clear();
   joiner_asked_ = false;
   Out(SetProbers{});
@@ -297,7 +320,10 @@ void RunMachine::OnJoinerProfile(const v1::ProfileReport& r) {
   const std::string priced = absl::StrFormat(
       "site '%s' joined: a plan over %d sites predicts %.4f s/step against %.4f s/step for the current one", site,
       priced_plans->sites, fresh->predicted_step_seconds, current->predicted_step_seconds);
-  if (gain > c_.spec.elastic.min_gain) return BeginSwitch(absl::StrFormat("%s (%.0f%% faster)", priced, 100 * gain));
+  if (gain > c_.spec.elastic.min_gain) {
+    if (!SwitchAllowed(*fresh, "join", site, priced)) return;
+    return BeginSwitch(absl::StrFormat("%s (%.0f%% faster)", priced, 100 * gain), /*for_speed=*/true);
+  }
   Note("join", site,
        absl::StrFormat("%s: not above elastic.min_gain (%.0f%%); it waits as a spare", priced,
                        100 * c_.spec.elastic.min_gain));
@@ -463,8 +489,11 @@ void RunMachine::StartAttempt() {
       earlier_wire_ += m->second.wire_bytes(), earlier_raw_ += m->second.raw_bytes();
   }
   attempt_ = Attempt();
-  remeasuring_.clear();  // a straggler decision pending for the attempt before is moot
-  drift_.clear();        // the new plan's shares are what each site is measured against
+  attempt_steps_.clear();
+  switching_for_speed_.reset();  // CompleteSwitch took it, or the attempt ended otherwise
+  trial_.reset();                // CompleteSwitch sets it again for an attempt that a switch for speed began
+  remeasuring_.clear();          // a straggler decision pending for the attempt before is moot
+  drift_.clear();                // the new plan's shares are what each site is measured against
   progress_step_ = -1;
   std::map<std::string, int> stages, writers;  // replica 0 of each stage sends its weights and checkpoints
   for (size_t k = 0; k < plan_->stages.size(); ++k) {
@@ -541,7 +570,9 @@ absl::Status RunMachine::PlanAttempt() {
           po.fixed_sites.push_back(static_cast<int>(i));
     po.fixed_last_ops = partitioner::EvenCuts(ops, static_cast<int>(po.fixed_sites.size()));
   }
-  std::vector<partitioner::PinnedStage>& pinned = c_.pinned;
+  // The operator's layout (--plan), or the one a failed switch check goes back to.
+  const bool operators = !c_.pinned.empty();
+  std::vector<partitioner::PinnedStage> pinned = operators ? c_.pinned : std::exchange(switch_back_, {});
   if (!pinned.empty()) {
     auto index = [&](const std::string& name) {
       for (size_t i = 0; i < live.sites.size(); ++i)
@@ -553,8 +584,10 @@ absl::Status RunMachine::PlanAttempt() {
       for (const auto& site : st.sites)
         if (index(site) < 0 && missing.empty()) missing = site;
     if (!missing.empty()) {
-      Say(absl::StrCat("plan: the pinned plan (", c_.plan_path, ") uses site '", missing,
-                       "', which is lost; planning over the sites left\n"));
+      Say(absl::StrCat(
+          "plan: ", operators ? absl::StrCat("the pinned plan (", c_.plan_path, ")") : "the plan switched back to",
+          " uses site '", missing, "', which is lost; planning over the sites left\n"));
+      if (operators) c_.pinned.clear();
       pinned.clear();
     } else {
       if (pinned.back().last_op != ops - 1)
@@ -582,11 +615,7 @@ absl::Status RunMachine::PlanAttempt() {
   plan_ = std::move(*planned);
   Say(partitioner::PlanTable(*plan_, graph_, live));
   {
-    std::string layout;
-    for (const auto& st : plan_->stages) {
-      if (!layout.empty()) layout += " -> ";
-      for (size_t i = 0; i < st.site_names.size(); ++i) layout += (i ? "+" : "") + st.site_names[i];
-    }
+    const std::string layout = LayoutOf(*plan_);
     std::string why;  // a re-plan says what the attempt before it ran into
     if (attempts_ > 0)
       why = !attempt_.lost.empty() ? absl::StrCat(" after ", attempt_.lost)
@@ -781,7 +810,10 @@ void RunMachine::OnMetrics(const MetricsReported& e) {
   last_loss_ = r.loss();
   last_step_seconds_ = r.step_seconds();
   tokens_ += r.tokens();
+  // A step during which a site measured its device mid-run (a joiner, a re-measure) shared the cores.
+  attempt_steps_.push_back({r.step_seconds(), std::exchange(measured_in_step_, false) || MeasuringMidRun()});
   ReportStep(r);
+  CheckSwitch();
   // The coordinator's checkpoint store keeps job.checkpoint.keep complete steps (the stages prune a
   // shared directory themselves).
   const auto& ck = c_.job.checkpoint;
@@ -1075,9 +1107,10 @@ bool RunMachine::LeaveOutDilocoWorker(const std::string& site) {
   return true;
 }
 
-void RunMachine::BeginSwitch(const std::string& why) {
+void RunMachine::BeginSwitch(const std::string& why, bool for_speed) {
   const int64_t step = NextBoundary();
   attempt_.lost = why;
+  switching_for_speed_.reset();
   if (step >= c_.steps) {
     Say(absl::StrCat("switch: ", why, "; the run ends at step ", c_.steps, " first, so it leaves then\n"));
     Note("leave", "", absl::StrCat(why, "; the run ends at step ", c_.steps, " first, so it leaves then"));
@@ -1085,6 +1118,13 @@ void RunMachine::BeginSwitch(const std::string& why) {
   }
   boundary_ = step;
   phase_ = Phase::kSwitching;
+  if (for_speed && plan_) {  // the plan switched away from, to check the new one against (CheckSwitch)
+    SwitchTrial t;
+    for (const auto& st : plan_->stages)
+      t.before.push_back({st.site_names, st.last_op, {}});  // a replicated stage's shares: by speed, as priced now
+    t.before_layout = LayoutOf(*plan_);
+    switching_for_speed_ = std::move(t);
+  }
   attempt_.deadline = now_ + After(c_.drain_seconds + 2 * SwitchMargin() * std::max(last_step_seconds_, 1e-3));
   Out(SetBoundary{job_id_, step, attempt_.left_out});
   Say(absl::StrCat("switch: ", why, "; every stage ends after step ", step,
@@ -1211,6 +1251,7 @@ void RunMachine::CheckDrift(const v1::MetricsReport& r) {
                                  current->predicted_step_seconds, fresh->predicted_step_seconds);
   Out(LogSite{r.site(), priced});
   if (gain > el.min_gain) {
+    if (!SwitchAllowed(*fresh, "straggler", r.site(), priced)) return;
     if (!remeasuring_.empty()) {  // decided when the sites measured again answer, with these figures
       remeasure_why_ = priced;
       Note("straggler", r.site(), absl::StrCat(priced, "; a decision waits for sites measured again"));
@@ -1240,7 +1281,7 @@ void RunMachine::CheckDrift(const v1::MetricsReport& r) {
       return;
     }
     Note("straggler", r.site(), priced);
-    return BeginSwitch(priced);
+    return BeginSwitch(priced, /*for_speed=*/true);
   }
   Note("straggler", r.site(),
        absl::StrFormat("%s; not above elastic.min_gain (%.0f%%): no switch", priced, 100 * el.min_gain));
@@ -1249,6 +1290,7 @@ void RunMachine::CheckDrift(const v1::MetricsReport& r) {
 
 void RunMachine::OnRemeasured(const v1::ProfileReport& r) {
   const std::string site = r.site();
+  measured_in_step_ = true;
   remeasuring_.erase(site);
   partitioner::ClusterProfile checked;
   const std::set<std::string> no_links;  // its links stand as measured: only its device and the model again
@@ -1288,8 +1330,9 @@ void RunMachine::OnRemeasured(const v1::ProfileReport& r) {
       "%s; measured again, a new plan predicts %.4f s/step against %.4f s/step for the current one", remeasure_why_,
       priced_plans->fresh.predicted_step_seconds, priced_plans->current.predicted_step_seconds);
   if (gain > c_.spec.elastic.min_gain) {
+    if (!SwitchAllowed(priced_plans->fresh, "straggler", site, priced)) return;
     Note("straggler", site, priced);
-    return BeginSwitch(absl::StrFormat("%s (%.0f%% faster)", priced, 100 * gain));
+    return BeginSwitch(absl::StrFormat("%s (%.0f%% faster)", priced, 100 * gain), /*for_speed=*/true);
   }
   Note("straggler", site,
        absl::StrFormat("%s: not above elastic.min_gain (%.0f%%): no switch", priced, 100 * c_.spec.elastic.min_gain));
@@ -1309,7 +1352,67 @@ void RunMachine::CompleteSwitch() {
     Say(absl::StrCat("switch: the stages did not all end at step ", boundary_,
                      "; resuming from the newest intact checkpoint\n"));
   }
+  // The plan before a switch for speed: its median step over its last `window` steps after its first
+  // (which warms up), to check the new plan against.
+  // Steps during which a site measured itself mid-run are left out: the cores were shared.
+  std::optional<SwitchTrial> trial = std::exchange(switching_for_speed_, std::nullopt);
+  std::vector<double> before;
+  for (size_t i = attempt_steps_.size(); i-- > 1 && before.size() < static_cast<size_t>(c_.spec.elastic.window);)
+    if (!attempt_steps_[i].second) before.push_back(attempt_steps_[i].first);
+  if (trial && !before.empty()) trial->before_seconds = Median(before);
   StartAttempt();
+  if (trial && trial->before_seconds > 0 && phase_ == Phase::kTraining && plan_ &&
+      LayoutOf(*plan_) != trial->before_layout) {
+    trial->predicted_seconds = plan_->predicted_step_seconds;
+    trial->sites = SitesOf(*plan_);
+    trial_ = std::move(trial);
+  }
+}
+
+bool RunMachine::SwitchAllowed(const partitioner::Plan& fresh, const std::string& kind, const std::string& site,
+                               const std::string& priced) {
+  if (!refused_.count(SitesOf(fresh))) return true;
+  const std::string why = absl::StrCat(
+      priced, "; a switch onto these sites measured slower than the plan before it earlier in this run: no switch");
+  Note(kind, site, why);
+  Say(absl::StrCat(kind == "join" ? "join: " : "straggler: ", why, "\n"));
+  return false;
+}
+
+void RunMachine::CheckSwitch() {
+  if (!trial_ || phase_ != Phase::kTraining) return;
+  const size_t window = static_cast<size_t>(c_.spec.elastic.window);
+  if (attempt_steps_.size() < window + 1) return;  // its first step warms up (resume, allocations)
+  const SwitchTrial t = *std::exchange(trial_, std::nullopt);
+  std::vector<double> steps;
+  for (size_t i = 1; i < attempt_steps_.size(); ++i) steps.push_back(attempt_steps_[i].first);
+  const double after = Median(steps);
+  const std::string layout = LayoutOf(*plan_);
+  const std::string measured = absl::StrFormat(
+      "the switch to %s ran a median %.4f s a step over its steps %d-%d (predicted %.4f s) against %.4f s for %s "
+      "before it",
+      layout, after, progress_step_ + 2 - static_cast<int64_t>(attempt_steps_.size() - 1), progress_step_ + 1,
+      t.predicted_seconds, t.before_seconds, t.before_layout);
+  const double back = 1 - t.before_seconds / after;  // what switching back would gain
+  if (back <= c_.spec.elastic.min_gain) {
+    const std::string verdict =
+        absl::StrFormat("%s: %.0f%% %s", measured, 100 * std::abs(1 - after / t.before_seconds),
+                        after <= t.before_seconds ? "faster" : "slower, within elastic.min_gain; kept");
+    Note("switch_check", "", verdict);
+    Say(absl::StrCat("switch check: ", verdict, "\n"));
+    return;
+  }
+  refused_.insert(t.sites);
+  std::vector<std::string> names(t.sites.begin(), t.sites.end());
+  const std::string verdict = absl::StrFormat(
+      "%s: the plan before was %.0f%% faster, above elastic.min_gain (%.0f%%); switching back to %s, and no "
+      "switch for speed onto %s again in this run",
+      measured, 100 * back, 100 * c_.spec.elastic.min_gain, t.before_layout, Quoted(names));
+  Note("switch_check", "", verdict);
+  Say(absl::StrCat("switch check: ", verdict, "\n"));
+  switch_back_ = t.before;
+  BeginSwitch(absl::StrCat("switching back to ", t.before_layout, " (the switch check above)"));
+  if (phase_ != Phase::kSwitching) switch_back_.clear();  // the run ends first
 }
 
 // ---- Recovery ----

@@ -9,6 +9,9 @@
 // Phases: joining (until min_sites registered, or the join timeout) -> profiling (every joined site
 // measures its device, the model and its links) -> attempts (plan, assign, supervise) -> done or failed.
 // Sites may also join mid-run, and stragglers be re-planned around (core::ElasticSpec), by the same switch.
+// Such a switch, taken because a new plan predicts a faster step, is then checked against what it
+// measures: when the new plan's steps run more than min_gain slower than the plan before it ran, the
+// machine switches back to that layout and switches onto the same set of sites for speed no more.
 // A site that asks to leave (SiteLeaving) while it runs a stage is switched away from at a step boundary:
 // the machine picks a step S a few heartbeats ahead, every stage ends after step S with its checkpoint of
 // S (switching), and the next attempt, planned without the site, resumes from exactly step S -- no step
@@ -31,6 +34,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <utility>
 #include <variant>
 #include <vector>
 
@@ -140,7 +144,8 @@ struct RemoveCheckpointsAbove {
 };
 // One entry of the run's event log (RUN/events.jsonl, the dashboard's and `meridian status --json`'s
 // "events"): `kind` is one of "join", "profiled", "plan", "replan", "resume", "checkpoint",
-// "stage_failed", "lost", "back", "recovery", "leave", "straggler", "switch", "done", "failed"; `site` names the site
+// "stage_failed", "lost", "back", "recovery", "leave", "straggler", "switch", "switch_check", "done", "failed"; `site`
+// names the site
 // it concerns
 // ("" for the run as a whole); `text` is the sentence shown. (The coordinator adds "checkpoint" events of its own store
 // when a step's manifest is written.)
@@ -257,7 +262,18 @@ class RunMachine {
   v1::Command ProfileCommand(const std::string& site, const std::vector<std::string>& peers,
                              bool links_only = false) const;
   void OnTick();
-  void BeginSwitch(const std::string& why);  // kTraining -> kSwitching
+  // kTraining -> kSwitching. `for_speed`: a new plan predicts a faster step (a straggler's or a joiner's
+  // re-plan), so the switch is checked against what the new plan then measures (CheckSwitch).
+  void BeginSwitch(const std::string& why, bool for_speed = false);
+  // A switch for speed onto `fresh`: false, with an event and a line saying so, when a switch onto the same
+  // sites measured slower than the plan before it earlier in the run (`site`: whose change prompted it).
+  // `kind`: the event's ("straggler" or "join").
+  bool SwitchAllowed(const partitioner::Plan& fresh, const std::string& kind, const std::string& site,
+                     const std::string& priced);
+  // Takes the reporter's latest step: once the attempt after a switch for speed has run `window` steps
+  // after its first, compares their median with the plan before's, and switches back when the plan
+  // before was faster by more than min_gain.
+  void CheckSwitch();
   // The step a switch begun now would end the attempt after: SwitchMargin steps (a few heartbeats' worth)
   // ahead of the furthest site.
   int64_t NextBoundary() const;
@@ -362,7 +378,23 @@ class RunMachine {
     out.insert(leaving_.begin(), leaving_.end());
     return out;
   }
-  int64_t boundary_ = 0;               // kSwitching: the step the attempt ends after
+  int64_t boundary_ = 0;  // kSwitching: the step the attempt ends after
+  // A switch for speed, checked against what it measures (CheckSwitch).
+  struct SwitchTrial {
+    std::vector<partitioner::PinnedStage> before;  // the layout switched away from
+    std::string before_layout;                     // it, for messages ("a -> b+c")
+    double before_seconds = 0;                     // its median step over its last `window` steps
+    double predicted_seconds = 0;                  // what the new plan predicted for its step
+    std::set<std::string> sites;                   // the new plan's sites
+  };
+  std::optional<SwitchTrial> switching_for_speed_;     // kSwitching for speed: the plan before, its steps still coming
+  std::optional<SwitchTrial> trial_;                   // the running attempt came from a switch for speed, unchecked
+  std::vector<partitioner::PinnedStage> switch_back_;  // the layout the next attempt takes (a failed check)
+  std::set<std::set<std::string>> refused_;            // sets of sites a switch for speed measured slower on
+  // The reporter's steps this attempt: seconds, and whether a site measured itself mid-run meanwhile.
+  std::vector<std::pair<double, bool>> attempt_steps_;
+  bool measured_in_step_ = false;  // a mid-run measurement ended since the reporter's last step
+  bool MeasuringMidRun() const { return !remeasuring_.empty() || joiner_asked_; }
   int64_t switch_step_ = 0;            // the next attempt resumes from exactly this step (0: the newest intact)
   double last_step_seconds_ = 0;       // stage 0's latest step
   std::string joiner_;                 // the site joining mid-run being measured ("" none)

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include <functional>
+#include <memory>
 
 #include "core/run_layout.h"
 
@@ -699,6 +700,103 @@ TEST(RunMachine, AStragglersSwitchOntoAnIdleSiteWaitsForItsNewMeasurement) {
   EXPECT_TRUE(All<SetBoundary>(again).empty());
   ASSERT_EQ(All<LogSite>(again).size(), 1u);
   EXPECT_THAT(All<LogSite>(again)[0].text, HasSubstr("nobody asked for"));
+}
+
+// A switch for speed is checked against what it then measures. a, alone in the plan, slows down 100x; b,
+// measured again, is switched to (a replica beside a). The new plan's steps then run `new_step` seconds
+// against the 1 s a's last ones took. Returns the driver after the new plan's first `window` + 1 steps
+// (its first warms up) and sets *boundary to the switch's step.
+std::unique_ptr<Driver> SwitchToBAndRun(double new_step, int64_t* boundary) {
+  const RunConfig c = TwoSiteConfig();
+  auto d = std::make_unique<Driver>(c);
+  StartTwoSites(d.get(), 1e11, 1e9);
+  const partitioner::StagePlan st = d->machine().plan()->stages[0];
+  EXPECT_THAT(st.site_names, ElementsAre("a"));
+  partitioner::SiteProfile p{"a", 1e11, 8e9, {}, {}};
+  const double planned = partitioner::RangeSeconds(c.graph, p, st.first_op, st.last_op) * st.micro_batches[0];
+  int step = 0;
+  auto a_step = [&](double factor, double seconds) {
+    v1::MetricsReport m = Metrics("a", kRun, 0, step++);
+    m.set_compute_seconds(planned * factor);
+    m.set_step_seconds(seconds);
+    return d->Feed(MetricsReported{m});
+  };
+  for (double f : {3.0, 1.3, 1.3, 1.3, 1.3, 1.3}) a_step(f, 0.01);
+  for (int i = 0; i < 4; ++i) a_step(130, 1.0);
+  EXPECT_EQ(All<SendCommand>(a_step(130, 1.0)).size(), 1u);  // b is measured again
+  for (int i = 0; i < 3; ++i) a_step(130, 9.0);  // its measuring shares the cores: left out of the comparison
+  auto remeasured = d->Feed(ProfileReported{ProfileAmong("b", {}, 1e9)});
+  auto set = All<SetBoundary>(remeasured);
+  EXPECT_EQ(set.size(), 1u) << Printed(remeasured);
+  if (set.empty()) return d;
+  *boundary = set[0].step;
+  a_step(130, 9.0);  // the step the answer came in
+  while (step < *boundary) a_step(130, 1.0);
+  auto switched = d->Feed(StageReportedDone{DoneAt("a", kRun, *boundary)});
+  EXPECT_THAT(Sites(Assignments(switched)), ElementsAre("a", "b")) << Printed(switched);
+  EXPECT_THAT(d->machine().plan()->stages[0].site_names, ElementsAre("a", "b"));
+  const std::string job = d->machine().job_id();
+  for (int i = 0; i <= c.spec.elastic.window; ++i) {  // a, replica 0, reports the step
+    v1::MetricsReport m = Metrics("a", job, 0, static_cast<int>(*boundary) + i);
+    m.set_step_seconds(i == 0 ? 5.0 : new_step);  // its first step warms up
+    d->Feed(MetricsReported{m});
+  }
+  return d;
+}
+
+TEST(RunMachine, ASwitchForSpeedThatRunsSlowerIsSwitchedBackAndNotTakenAgain) {
+  int64_t boundary = 0;
+  auto d = SwitchToBAndRun(1.5, &boundary);
+  const std::vector<Action> out = d->last();
+  std::vector<RecordEvent> checks;
+  for (const auto& e : All<RecordEvent>(out))
+    if (e.kind == "switch_check") checks.push_back(e);
+  ASSERT_EQ(checks.size(), 1u) << Printed(out);
+  EXPECT_THAT(checks[0].text, HasSubstr("the switch to a+b ran a median 1.5000 s a step over its steps " +
+                                        std::to_string(boundary + 2) + "-" + std::to_string(boundary + 6)));
+  EXPECT_THAT(checks[0].text, HasSubstr("against 1.0000 s for a before it: the plan before was 33% faster"));
+  EXPECT_THAT(checks[0].text, HasSubstr("switching back to a, and no switch for speed onto 'a', 'b' again"));
+  auto set = All<SetBoundary>(out);
+  ASSERT_EQ(set.size(), 1u) << Printed(out);
+  EXPECT_EQ(d->machine().phase(), RunMachine::Phase::kSwitching);
+  // The next attempt runs a's layout again, from the boundary.
+  d->Feed(StageReportedDone{DoneAt("a", d->machine().job_id(), set[0].step)});
+  auto back = d->Feed(StageReportedDone{DoneAt("b", d->machine().job_id(), set[0].step)});
+  auto assigned = Assignments(back);
+  EXPECT_THAT(Sites(assigned), ElementsAre("a")) << Printed(back);
+  for (const auto& [site, a] : assigned) EXPECT_EQ(a.resume_step(), set[0].step);
+  EXPECT_THAT(d->machine().plan()->stages[0].site_names, ElementsAre("a"));
+  // a is slow again in each of a window's steps: a new plan would again add b, which is refused.
+  const std::string job = d->machine().job_id();
+  std::vector<Action> flagged;
+  for (int i = 0; i < 12; ++i) {
+    v1::MetricsReport m = Metrics("a", job, 0, static_cast<int>(set[0].step) + i);
+    m.set_compute_seconds(i < 6 ? 1e-3 : 2e-3);  // its baseline, then twice that
+    auto got = d->Feed(MetricsReported{m});
+    flagged.insert(flagged.end(), got.begin(), got.end());
+  }
+  EXPECT_TRUE(All<SetBoundary>(flagged).empty()) << Printed(flagged);
+  EXPECT_TRUE(All<SendCommand>(flagged).empty()) << Printed(flagged);  // b is not even measured again
+  EXPECT_THAT(Printed(flagged), HasSubstr("a switch onto these sites measured slower than the plan before it earlier "
+                                          "in this run: no switch"));
+  EXPECT_EQ(d->machine().phase(), RunMachine::Phase::kTraining);
+}
+
+TEST(RunMachine, ASwitchForSpeedThatRunsFasterIsKeptAndSaysSo) {
+  int64_t boundary = 0;
+  auto d = SwitchToBAndRun(0.5, &boundary);
+  EXPECT_TRUE(All<SetBoundary>(d->last()).empty()) << Printed(d->last());
+  EXPECT_EQ(d->machine().phase(), RunMachine::Phase::kTraining);
+  std::vector<RecordEvent> checks;
+  for (const auto& e : All<RecordEvent>(d->last()))
+    if (e.kind == "switch_check") checks.push_back(e);
+  ASSERT_EQ(checks.size(), 1u) << Printed(d->last());
+  EXPECT_THAT(checks[0].text, HasSubstr("ran a median 0.5000 s a step"));
+  EXPECT_THAT(checks[0].text, HasSubstr("against 1.0000 s for a before it: 50% faster"));
+  // Slower, but within min_gain (10%): kept too.
+  auto kept = SwitchToBAndRun(1.05, &boundary);
+  EXPECT_TRUE(All<SetBoundary>(kept->last()).empty()) << Printed(kept->last());
+  EXPECT_THAT(Printed(kept->last()), HasSubstr("5% slower, within elastic.min_gain; kept"));
 }
 
 // A site of the spec that registers after training started is measured while training goes on (the
