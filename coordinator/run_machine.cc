@@ -921,7 +921,11 @@ void RunMachine::OnDone(const StageReportedDone& e) {
     return AfterDrain();
   }
   if (phase_ != Phase::kTraining && phase_ != Phase::kSwitching) return;
-  if (!d.error().empty()) {
+  // A stage that went past the switch's boundary (it heard of it too late) fails -- it says so, or a
+  // neighbour that ended at the boundary never answers it -- and so may its neighbours: an unaligned end,
+  // after which the next attempt resumes from the newest intact checkpoint (CompleteSwitch).
+  const bool missed_boundary = phase_ == Phase::kSwitching && d.steps() >= boundary_;
+  if (!d.error().empty() && !missed_boundary) {
     // Said at once, with the site and its stage; heartbeats then get the time to name a site that died
     // (a stage fails when a neighbour dies).
     int stage = -1;
@@ -1064,8 +1068,13 @@ bool RunMachine::StopLeaving(const std::string& site) {
 
 int64_t RunMachine::SwitchMargin() const {
   // Far enough ahead that every stage hears of it (through its heartbeats' answers) before it gets
-  // there: three heartbeat intervals of steps, and at least two steps.
-  const double per_step = std::max(last_step_seconds_, 1e-3);
+  // there: three heartbeat intervals of steps at the fastest of the attempt's last 20 steps (a slow
+  // step just before -- a probe, a checkpoint -- made the margin too short once: the steps after it ran
+  // 4x faster, and a stage passed the boundary before its heartbeat brought it), and at least two steps.
+  double fastest = last_step_seconds_;
+  for (size_t i = attempt_steps_.size() > 20 ? attempt_steps_.size() - 20 : 0; i < attempt_steps_.size(); ++i)
+    if (attempt_steps_[i].first > 0) fastest = std::min(fastest, attempt_steps_[i].first);
+  const double per_step = std::max(fastest, 1e-3);
   return std::max<int64_t>(2,
                            static_cast<int64_t>(std::ceil(3 * c_.spec.heartbeat_interval_seconds / per_step - 1e-9)));
 }

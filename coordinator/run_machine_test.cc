@@ -449,6 +449,44 @@ TEST(RunMachine, AMisalignedSwitchResumesFromTheNewestCheckpointAndALeavingSpare
   EXPECT_TRUE(stopped_c);
 }
 
+// The boundary is three heartbeats' worth of steps ahead at the attempt's fastest recent pace: one slow
+// step just before (0.41 s against 0.1 s) does not shrink it (a clean-clone run saw a stage pass a
+// boundary set 8 steps ahead after such a step). A stage that still passes it, and a neighbour left
+// waiting for it, fail: an unaligned end, not the run's failure -- the next attempt resumes from the
+// newest intact checkpoint.
+TEST(RunMachine, ABoundaryIsSetAtTheFastestRecentPaceAndAStageThatMissesItIsAnUnalignedEnd) {
+  RunConfig c = Config();
+  c.spec.heartbeat_interval_seconds = 1;
+  c.steps = c.job.steps = 200;
+  Driver d(c);
+  d.JoinAndProfile({"a", "b", "c"});
+  for (int step = 0; step < 10; ++step) {
+    v1::MetricsReport m = Metrics("a", kRun, 0, step);
+    m.set_step_seconds(step == 9 ? 0.41 : 0.1);
+    d.Feed(MetricsReported{m});
+  }
+  auto out = d.Feed(SiteLeaving{"c", "meridian drain"});
+  auto boundary = All<SetBoundary>(out);
+  ASSERT_EQ(boundary.size(), 1u);
+  EXPECT_EQ(boundary[0].step, 10 + 30);  // 3 s of 0.1 s steps (8 at 0.41 s)
+  // b ended at the boundary; a went past it and failed waiting for b; c failed waiting for a.
+  EXPECT_EQ(ExitCode(d.Feed(StageReportedDone{DoneAt("b", kRun, 40)})), std::nullopt);
+  v1::StageDone a_done =
+      Done("a", kRun, "stage 0 (site 'a'): no job r step 40 micro-batch 0 stage 1 BACKWARD tensor 0 from peer 'b'");
+  a_done.set_steps(40);
+  auto a_failed = d.Feed(StageReportedDone{a_done});
+  EXPECT_EQ(d.machine().phase(), RunMachine::Phase::kSwitching) << Printed(a_failed);
+  v1::StageDone c_failed = Done("c", kRun, "missed the step boundary 40: heard of it after step 41");
+  c_failed.set_steps(41);
+  auto out2 = d.Feed(StageReportedDone{c_failed});
+  EXPECT_EQ(ExitCode(out2), std::nullopt) << Printed(out2);
+  EXPECT_THAT(Printed(out2), HasSubstr("did not all end at step 40; resuming from the newest intact checkpoint"));
+  auto assigned = Assignments(out2);
+  EXPECT_THAT(Sites(assigned), ElementsAre("a", "b"));
+  EXPECT_EQ(assigned["a"].resume_step(), -1);
+  EXPECT_EQ(d.machine().phase(), RunMachine::Phase::kTraining);
+}
+
 // Stragglers (elastic): a site whose stage computes far more than planned in each of `window` reports is
 // re-measured from them and the job re-planned; a big enough gain switches at a step boundary. A slow
 // spell shorter than the window triggers nothing.

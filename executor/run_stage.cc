@@ -2,6 +2,7 @@
 
 #include <chrono>
 
+#include "absl/strings/str_cat.h"
 #include "core/run_layout.h"
 
 namespace meridian::executor {
@@ -37,6 +38,10 @@ StageRunResult RunStage(StageWorker& worker, const StageRun& run) {
       run.on_step({i, *loss, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()});
     const bool interval = run.checkpoint_interval > 0 && (i + 1) % run.checkpoint_interval == 0;
     const int64_t boundary = run.end_after ? run.end_after() : 0;
+    if (boundary > 0 && boundary < i + 1)  // heard of too late: its neighbours may have ended there
+      return {r.steps_done, absl::FailedPreconditionError(absl::StrCat("missed the step boundary ", boundary,
+                                                                       ": heard of it after step ", i + 1,
+                                                                       ", so the stages end unaligned"))};
     const bool at_boundary = boundary > 0 && boundary == i + 1 && i + 1 < run.steps;
     if ((interval || at_boundary) && worker.writes_shard()) {
       if (absl::Status s = worker.SaveCheckpoint(run.checkpoint_dir, i + 1, run.checkpoint_keep); !s.ok())

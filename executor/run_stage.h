@@ -46,8 +46,9 @@ struct StageRun {
   std::function<absl::Status()> before_finish;              // e.g. wait for uploads
   // A step boundary (a switch to another plan): polled after every step; once it returns S > 0 and
   // exactly S steps are done (S < steps), the stage saves its checkpoint of step S (unless the interval
-  // just did), calls on_checkpoint, and ends there. A boundary already passed is not honoured (the
-  // coordinator then resumes from the newest intact checkpoint).
+  // just did), calls on_checkpoint, and ends there. A boundary already passed (heard of too late) ends
+  // the stage with FailedPrecondition ("missed the step boundary S"): its neighbours may have ended there,
+  // and the coordinator then resumes every stage from the newest intact checkpoint.
   std::function<int64_t()> end_after;
   // DiLoCo workers of a one-stage plan whose replica stopped answering ask this whether the coordinator
   // left that site out (StageWorker::set_left_out), waiting at most left_out_wait for it to say so.
