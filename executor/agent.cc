@@ -20,6 +20,7 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "core/checkpoint_dir.h"
 #include "core/files.h"
 #include "core/log.h"
@@ -398,6 +399,28 @@ void Agent::SetState(v1::SiteState state) {
   heartbeat_cv_.notify_all();
 }
 
+absl::Status Agent::MeasureTransport(const JobSetup& setup, partitioner::SiteProfile* site) {
+  // Over this process's own peer service, at the job's activation frame (float32: the largest a codec
+  // sends; the fit's per-byte term scales it down for the others).
+  std::string address = o_.listen;
+  for (const char* any : {"0.0.0.0:", "[::]:"})
+    if (address.rfind(any, 0) == 0) address = "127.0.0.1:" + address.substr(std::string(any).size());
+  auto client = rpc::PeerClient::Create(o_.certs, o_.site, o_.site, address);
+  if (!client.ok()) return client.status();
+  const int64_t frame_bytes =
+      int64_t{setup.micro_batch_size} * setup.job.sequence_length * setup.model.shape.hidden_size * 4;
+  auto cost = rpc::MeasureTransportCost(**client, frame_bytes, 16, std::chrono::seconds(60));
+  if (!cost.ok())
+    return absl::UnavailableError(
+        absl::StrCat("measuring the transport's CPU cost over its own peer service: ", cost.status().message()));
+  const double share = MeasureCpuShare();
+  site->transport_seconds_per_frame = cost->seconds_per_frame / share;
+  site->transport_seconds_per_byte = cost->seconds_per_byte / share;
+  spdlog::info("{}", absl::StrFormat("transport: %.1f us per frame + %.2f ns per byte of CPU, at %.2f of a core",
+                                     cost->seconds_per_frame * 1e6, cost->seconds_per_byte * 1e9, share));
+  return absl::OkStatus();
+}
+
 void Agent::OnProfile(const v1::ProfileRequest& p) {
   spdlog::debug("command: profile ({}{} peers to probe, {} repeats)", p.links_only() ? "links only: " : "",
                 p.peers_size(), p.repeats());
@@ -421,6 +444,8 @@ void Agent::OnProfile(const v1::ProfileRequest& p) {
       auto prof = ProfileAsWorker(site.group.get(), *setup, o_.site, device_, p.repeats() > 0 ? p.repeats() : 5);
       if (!prof.ok()) return prof.status();
       if (site.pool) site.pool->Stop(std::chrono::seconds(30));
+      if (device_.is_cpu())  // its transport threads share the CPU with the compute thread
+        if (absl::Status s = MeasureTransport(*setup, &prof->site); !s.ok()) return s;
       partitioner::ClusterProfile one;
       one.sites.push_back(prof->site);
       rep.set_site_profile_json(nlohmann::json::parse(partitioner::ProfileToJson(one))["sites"][0].dump());

@@ -1,5 +1,7 @@
 #include "executor/profiler.h"
 
+#include <time.h>
+
 #include <algorithm>
 #include <chrono>
 #include <fstream>
@@ -45,6 +47,23 @@ void Sync(torch::Device d) {
 }
 
 }  // namespace
+
+double MeasureCpuShare(double seconds) {
+  auto thread_cpu = [] {
+    timespec ts{};
+    ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return static_cast<double>(ts.tv_sec) + ts.tv_nsec * 1e-9;
+  };
+  const double cpu0 = thread_cpu();
+  const auto t0 = Clock::now();
+  volatile double x = 1;
+  double wall = 0;
+  while (wall < seconds) {
+    for (int i = 0; i < 100000; ++i) x = x * 1.0000001 + 1e-9;
+    wall = std::chrono::duration<double>(Clock::now() - t0).count();
+  }
+  return std::clamp((thread_cpu() - cpu0) / wall, 0.01, 1.0);
+}
 
 double MeasureGemmFlops(torch::Device device, int n, int repeats) {
   torch::NoGradGuard ng;

@@ -41,6 +41,11 @@ std::map<std::string, double> MeasureCodecBytesPerSecond(int64_t elements, int r
 // fp32 matrix-multiply throughput of the device (FLOP/s), over at least `repeats` n x n products and 50 ms.
 double MeasureGemmFlops(torch::Device device, int n = 512, int repeats = 5);
 
+// The share of a core this thread gets: its CPU time over the wall time of a busy loop of `seconds` (about
+// 1 on an idle core; a cgroup CPU quota's fraction, or less, when the site is throttled or shares its
+// cores). Converts CPU seconds of the site's other threads into seconds of its compute thread.
+double MeasureCpuShare(double seconds = 0.3);
+
 // Memory available to a stage on this device: MemAvailable on CPU. (On CUDA, ProfileModel replaces it
 // by the device's free memory from the cuBLAS probe, gpu/probe.h.)
 double AvailableMemoryBytes(torch::Device device);

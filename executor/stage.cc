@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <iostream>
@@ -427,6 +428,7 @@ absl::StatusOr<torch::Tensor> StageWorker::Receive(const std::string& peer, cons
   const auto t0 = Clock::now();
   auto t = ahead_->Take(peer, key, timeout_);
   wait_seconds_ += std::chrono::duration<double>(Clock::now() - t0).count();
+  Trace(key.direction == v1::FORWARD ? "wait_F" : "wait_B", key.micro_batch, t0);
   if (!t.ok()) return Annotate(t.status(), Where());
   return t;
 }
@@ -443,13 +445,25 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
     for (auto& [n, p] : model_->parameters())
       if (p.grad().defined()) p.mutable_grad() = torch::Tensor();
     compute_seconds_ = wait_seconds_ = send_blocked_seconds_ = codec_seconds_ = site_reduce_seconds_ = 0;
-    auto timed = [this](auto&& fn) {
+    const auto step_start = Clock::now();
+    if (!trace_epoch_) {
+      trace_epoch_ = step_start;
+      const char* dir = std::getenv("MERIDIAN_TRACE_DIR");
+      if (dir && *dir && (!group_ || group_->rank() == 0)) {
+        const std::string path = absl::StrCat(dir, "/trace-", self_, "-stage", a_.stage, ".jsonl");
+        trace_file_.reset(std::fopen(path.c_str(), "a"));
+        if (!trace_file_) spdlog::warn("{}: cannot write the step timeline to {}", Where(), path);
+      }
+    }
+    trace_.clear();
+    auto timed = [this](const char* what, int mb, auto&& fn) {
       const auto t0 = Clock::now();
       fn();
       // On a GPU the kernels run asynchronously: wait for them, or their time would show up in whatever
       // next waits for the device (a send's copy to the host, counted as codec time).
       if (device_.is_cuda()) torch::cuda::synchronize();
       compute_seconds_ += std::chrono::duration<double>(Clock::now() - t0).count();
+      Trace(what, mb, t0);
     };
     struct Stash {
       torch::Tensor input, output;
@@ -520,7 +534,7 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
         }
         const TrainContext ctx{step, static_cast<int64_t>(mb) * mbs + first_row};
         torch::Tensor out;
-        timed([&] {
+        timed("F", mb, [&] {
           out = model_->Forward(s.input, &ctx);
           if (model_->has_head()) {
             s.output = CrossEntropySum(out, batch.targets.to(device_), normaliser);
@@ -551,11 +565,11 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
         // Under LoRA the first stages may hold no adapter before the first one: their output then needs no
         // gradient and their backward pass is only the receipt of the gradient.
         if (model_->has_head()) {
-          if (s.output.requires_grad()) timed([&] { s.output.backward(); });
+          if (s.output.requires_grad()) timed("B", mb, [&] { s.output.backward(); });
         } else {
           auto g = ReceiveRows(next, {a_.job_id, step, mb, a_.stage + 1, v1::BACKWARD, 0}, hidden);
           if (!g.ok()) return g.status();
-          if (s.output.requires_grad()) timed([&] { s.output.backward(*g); });
+          if (s.output.requires_grad()) timed("B", mb, [&] { s.output.backward(*g); });
         }
         if (!model_->has_embed()) {
           torch::Tensor grad = s.input.grad();
@@ -641,6 +655,7 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
       const auto t0 = Clock::now();
       auto f = inbox_->Wait(peer, {a_.job_id, step, tag, from_stage, v1::CONTROL, 0}, until ? *until : t0 + timeout_);
       wait_seconds_ += std::chrono::duration<double>(Clock::now() - t0).count();
+      Trace("wait_norm", tag, t0);
       if (!f.ok()) return Annotate(f.status(), Where());
       // Its fixed shape: 16 bytes, two float64, both finite (a NaN norm would switch clipping off).
       auto t = compression::Decode(f->data(), f->size(), compression::DecodeLimits{16});
@@ -726,7 +741,7 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
       square = v[0].item<double>();
       loss = v[1].item<double>();
     }
-    timed([&] {
+    timed("opt", -1, [&] {
       ClipByGlobalNorm(model_->parameters(), square, setup_.job.optimizer.grad_clip);
       if (zero_)
         zero_->Step(model_->parameters(), LearningRate(setup_.job.optimizer, step, total_steps));
@@ -803,9 +818,23 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
     // A write that failed after its frame was queued fails this step, not a neighbour's wait later.
     for (const auto& [site, sender] : senders_)
       if (absl::Status s = sender->error(); !s.ok()) return Annotate(s, Where());
+    WriteTrace(step, step_start);
     if (first || last) return std::optional<double>(loss);
     return std::optional<double>();
   });
+}
+
+void StageWorker::WriteTrace(int64_t step, Clock::time_point start) {
+  if (!trace_file_) return;
+  auto rel = [&](Clock::time_point t) { return std::chrono::duration<double>(t - start).count(); };
+  std::string line = absl::StrFormat("{\"step\": %d, \"start\": %.6f, \"end\": %.6f, \"intervals\": [", step + 1,
+                                     std::chrono::duration<double>(start - *trace_epoch_).count(), rel(Clock::now()));
+  for (size_t i = 0; i < trace_.size(); ++i)
+    absl::StrAppendFormat(&line, "%s[\"%s\", %d, %.6f, %.6f]", i ? ", " : "", trace_[i].what, trace_[i].micro_batch,
+                          rel(trace_[i].start), rel(trace_[i].end));
+  line += "]}\n";
+  std::fputs(line.c_str(), trace_file_.get());
+  std::fflush(trace_file_.get());
 }
 
 absl::Status StageWorker::Finish() {

@@ -7,12 +7,14 @@
 #define MERIDIAN_EXECUTOR_STAGE_H_
 
 #include <chrono>
+#include <cstdio>
 #include <functional>
 #include <map>
 #include <memory>
 #include <optional>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "compression/activation_delta.h"
@@ -263,6 +265,24 @@ class StageWorker {
   int64_t replica_buckets_ = 0, replica_buckets_during_backward_ = 0;
   double compute_seconds_ = 0, wait_seconds_ = 0, send_blocked_seconds_ = 0, codec_seconds_ = 0;
   ReceiveAhead* ahead_ = nullptr;  // the running Step's receiver (a local of Step), else null
+  // A timeline of each step for diagnosis (docs/executor.md, "Step timelines"): with the environment
+  // variable MERIDIAN_TRACE_DIR set, each Step appends one JSON line to
+  // $MERIDIAN_TRACE_DIR/trace-<site>-stage<k>.jsonl: the step, its start (seconds since the first step's)
+  // and its intervals [what, micro-batch, start, end] relative to the step's start, what being "F" / "B"
+  // (a forward / backward pass), "wait_F" / "wait_B" (for an activation / a gradient), "wait_norm" (the
+  // gradient-norm exchange) or "opt" (clipping and the optimizer step). Worker 0 of a site only.
+  struct TraceInterval {
+    const char* what;
+    int micro_batch;
+    std::chrono::steady_clock::time_point start, end;
+  };
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> trace_file_{nullptr, &std::fclose};
+  std::vector<TraceInterval> trace_;
+  std::optional<std::chrono::steady_clock::time_point> trace_epoch_;
+  void Trace(const char* what, int micro_batch, std::chrono::steady_clock::time_point start) {
+    if (trace_file_) trace_.push_back({what, micro_batch, start, std::chrono::steady_clock::now()});
+  }
+  void WriteTrace(int64_t step, std::chrono::steady_clock::time_point start);
 };
 
 }  // namespace meridian::executor

@@ -146,11 +146,11 @@ absl::StatusOr<ClusterProfile> ParseProfileJson(const std::string& text, const s
     const json& s = (*sites)[i];
     std::string ctx = absl::StrCat("sites[", i, "]");
     if (!s.is_object()) return Bad(path, ctx, "expected an object");
-    RETURN_IF(OnlyKeys(
-        s,
-        {"name", "flops_per_second", "memory_bytes", "op_seconds", "device", "gemm_flops_per_second",
-         "uplink_bytes_per_second", "codec_bytes_per_second", "workers", "intra_site_bytes_per_second", "comment"},
-        path, ctx));
+    RETURN_IF(OnlyKeys(s,
+                       {"name", "flops_per_second", "memory_bytes", "op_seconds", "device", "gemm_flops_per_second",
+                        "uplink_bytes_per_second", "codec_bytes_per_second", "workers", "intra_site_bytes_per_second",
+                        "transport_seconds_per_frame", "transport_seconds_per_byte", "comment"},
+                       path, ctx));
     SiteProfile sp;
     RETURN_IF(String(s, "name", path, ctx, &sp.name));
     if (!names.insert(sp.name).second) return Bad(path, ctx + ".name", absl::StrCat("duplicate site '", sp.name, "'"));
@@ -176,6 +176,8 @@ absl::StatusOr<ClusterProfile> ParseProfileJson(const std::string& text, const s
     }
     RETURN_IF(Number(s, "uplink_bytes_per_second", path, ctx, false, &sp.uplink_bytes_per_second));
     RETURN_IF(Number(s, "intra_site_bytes_per_second", path, ctx, false, &sp.intra_site_bytes_per_second));
+    RETURN_IF(Number(s, "transport_seconds_per_frame", path, ctx, false, &sp.transport_seconds_per_frame));
+    RETURN_IF(Number(s, "transport_seconds_per_byte", path, ctx, false, &sp.transport_seconds_per_byte));
     if (auto w = s.find("workers"); w != s.end()) {
       if (!w->is_number_integer() || w->get<int64_t>() < 1 || w->get<int64_t>() > 64)
         return Bad(path, ctx + ".workers", "expected an integer from 1 to 64");
@@ -231,6 +233,10 @@ double CodecSeconds(const SiteProfile& site, const std::string& codec, double ra
       it = m.find(spec->ShortString());
     }
   return it == m.end() ? 0.0 : raw_bytes / it->second;
+}
+
+double TransportSeconds(const SiteProfile& site, double wire_bytes) {
+  return site.transport_seconds_per_frame + site.transport_seconds_per_byte * wire_bytes;
 }
 
 double OpSeconds(const Op& op, const SiteProfile& site) {
@@ -322,6 +328,8 @@ std::string ProfileToJson(const ClusterProfile& p) {
     if (!s.codec_bytes_per_second.empty()) js["codec_bytes_per_second"] = s.codec_bytes_per_second;
     if (s.workers > 1) js["workers"] = s.workers;
     if (s.intra_site_bytes_per_second > 0) js["intra_site_bytes_per_second"] = s.intra_site_bytes_per_second;
+    if (s.transport_seconds_per_frame > 0) js["transport_seconds_per_frame"] = s.transport_seconds_per_frame;
+    if (s.transport_seconds_per_byte > 0) js["transport_seconds_per_byte"] = s.transport_seconds_per_byte;
     if (!s.comment.empty()) js["comment"] = s.comment;
     sites.push_back(js);
   }

@@ -52,6 +52,13 @@ struct SiteProfile {
   // bandwidth (2 (K-1)/K of the bytes per worker over the time), 0 when not measured (not charged then).
   int workers = 1;
   double intra_site_bytes_per_second = 0;
+  // A CPU site's transport work: what moving one frame over a peer stream (TLS, gRPC, the kernel's TCP;
+  // not its codec) takes from the site's compute, in its own seconds -- CPU time over the share of a core
+  // the site gets (a cgroup quota, other load) -- per frame and per wire byte, on each side (the sender's
+  // pass that produces the frame, the receiver's that consumes it). Its stage's compute thread shares the
+  // CPU with the threads that do it. 0: not measured or not charged (a GPU site's transport runs beside
+  // its device). TransportSeconds.
+  double transport_seconds_per_frame = 0, transport_seconds_per_byte = 0;
   std::string comment;  // free text: where the figures come from (published specs, a measurement)
 };
 
@@ -76,6 +83,9 @@ double OpSeconds(const Op& op, const SiteProfile& site);
 // list, cost 0. The executor runs both on the compute thread: the sender's pass that produces a tensor
 // encodes it, the receiver's pass that consumes it decodes it.
 double CodecSeconds(const SiteProfile& site, const std::string& codec, double raw_bytes);
+// `site`'s transport work for one frame of `wire_bytes` on one side of a link:
+// transport_seconds_per_frame + transport_seconds_per_byte * wire_bytes (0 when not measured).
+double TransportSeconds(const SiteProfile& site, double wire_bytes);
 // Ops [first, last]'s OpSeconds at `site`, summed in order.
 double RangeSeconds(const OpGraph& graph, const SiteProfile& site, int first, int last);
 // The share of ops [first, last]'s time that the forward pass takes, by FLOPs (1/3 without FLOPs).

@@ -94,6 +94,21 @@ TEST(ProfileJson, ParsesAndValidates) {
   ASSERT_TRUE(again.ok());
   EXPECT_EQ(again->links[0].latency_seconds, 0.02);
   EXPECT_EQ(again->sites[1].gemm_flops_per_second.at("cublas_bf16"), 9e14);
+  // A CPU site's transport work per frame and per byte, round-tripped; negative figures refused.
+  auto t = ParseProfileJson(R"({"sites": [{"name": "a", "flops_per_second": 1, "memory_bytes": 1,
+                                           "transport_seconds_per_frame": 5e-5, "transport_seconds_per_byte": 2e-9}]})",
+                            "t.json");
+  ASSERT_TRUE(t.ok()) << t.status();
+  auto t2 = ParseProfileJson(ProfileToJson(*t), "again.json");
+  ASSERT_TRUE(t2.ok()) << t2.status();
+  EXPECT_EQ(t2->sites[0].transport_seconds_per_frame, 5e-5);
+  EXPECT_EQ(t2->sites[0].transport_seconds_per_byte, 2e-9);
+  EXPECT_DOUBLE_EQ(TransportSeconds(t2->sites[0], 1e6), 5e-5 + 2e-3);
+  EXPECT_THAT(Err(ParseProfileJson(R"({"sites": [{"name": "a", "flops_per_second": 1, "memory_bytes": 1,
+                                                  "transport_seconds_per_byte": -1}]})",
+                                   "t.json")
+                      .status()),
+              HasSubstr("t.json: sites[0].transport_seconds_per_byte: must be a non-negative number"));
   EXPECT_THAT(Err(ParseProfileJson(R"({"sites": [{"name": "a", "flops_per_second": 1, "memory_bytes": 1,
                                                   "gemm_flops_per_second": {"cublas_fp32": "fast"}}]})",
                                    "p.json")

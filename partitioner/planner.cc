@@ -90,6 +90,10 @@ class CostModel {
   double CodecSeconds(int s, const std::string& codec, double raw_bytes) const {
     return partitioner::CodecSeconds(profile_.sites[s], codec, raw_bytes);
   }
+  // partitioner::TransportSeconds at site s.
+  double TransportSeconds(int s, double wire_bytes) const {
+    return partitioner::TransportSeconds(profile_.sites[s], wire_bytes);
+  }
   double Bandwidth(int a, int b) const { return bw_[a][b]; }
   double Latency(int a, int b) const { return lat_[a][b]; }
   // Memory of ops [a, b] when the stage is `from_end` stages from the end (1 = last stage).
@@ -322,10 +326,32 @@ std::pair<double, double> PassCodecSeconds(const CostModel& cm, const Layout& L,
   return {forward, backward};
 }
 
+// Stage k's transport work per micro-batch (TransportSeconds of each frame at its codec's wire bytes),
+// (forward pass, backward pass), at the slowest of its sites: the forward pass receives its input
+// activation and sends its output, the backward pass receives the incoming gradient and sends the
+// outgoing one.
+std::pair<double, double> PassTransportSeconds(const CostModel& cm, const Layout& L, const Evaluation& ev,
+                                               const PlanOptions& o, int k) {
+  const int S = static_cast<int>(L.sites.size());
+  double forward = 0, backward = 0;
+  for (int s : L.sites[k]) {
+    double f = 0, b = 0;
+    for (int j : {k - 1, k}) {
+      if (j < 0 || j + 1 >= S) continue;
+      const Codec codec = LinkCodecOf(ev, o, j);
+      f += cm.TransportSeconds(s, codec.ratio * cm.CutBytes(L.last[j]));
+      b += cm.TransportSeconds(s, codec.backward() * cm.CutBytes(L.last[j]));
+    }
+    forward = std::max(forward, f);
+    backward = std::max(backward, b);
+  }
+  return {forward, backward};
+}
+
 // The per-stage and per-link times of an evaluated layout, as the schedule simulator takes them: each
 // stage's time per micro-batch split into forward and backward by its ops' FLOPs, plus each pass's codec
-// work (PassCodecSeconds); each direction of a link at its codec's bytes over the worst pair of the two
-// stages' sites.
+// and transport work (PassCodecSeconds, PassTransportSeconds); each direction of a link at its codec's bytes over the
+// worst pair of the two stages' sites.
 PipelineTimes TimesOf(const CostModel& cm, const Layout& L, const Evaluation& ev, const PlanOptions& o,
                       const OpGraph& g) {
   PipelineTimes t;
@@ -335,8 +361,9 @@ PipelineTimes TimesOf(const CostModel& cm, const Layout& L, const Evaluation& ev
     const int a = k == 0 ? 0 : L.last[k - 1] + 1, b = L.last[k];
     const double share = ForwardShare(g, a, b);
     const auto [forward_codec, backward_codec] = PassCodecSeconds(cm, L, ev, o, k);
-    t.forward_seconds.push_back(ev.t[k] * share + forward_codec);
-    t.backward_seconds.push_back(ev.t[k] * (1 - share) + backward_codec);
+    const auto [forward_transport, backward_transport] = PassTransportSeconds(cm, L, ev, o, k);
+    t.forward_seconds.push_back(ev.t[k] * share + forward_codec + forward_transport);
+    t.backward_seconds.push_back(ev.t[k] * (1 - share) + backward_codec + backward_transport);
   }
   for (int k = 0; k + 1 < S; ++k) {
     const Codec codec = LinkCodecOf(ev, o, k);
@@ -1246,6 +1273,8 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
       st.wait_seconds = sim.step.wait_seconds[k];
       const auto [forward_codec, backward_codec] = PassCodecSeconds(cm, layout, ev, o, k);
       st.codec_seconds = forward_codec + backward_codec;
+      const auto [forward_transport, backward_transport] = PassTransportSeconds(cm, layout, ev, o, k);
+      st.transport_seconds = forward_transport + backward_transport;
     }
     st.memory_available_bytes = kInf;
     for (int s : st.sites)
@@ -1414,6 +1443,7 @@ std::string PlanJson(const Plan& plan, const OpGraph& graph) {
                {"workers", s.workers}};
     if (s.site_reduce_seconds > 0) js["site_reduce_seconds"] = s.site_reduce_seconds;
     if (s.codec_seconds > 0) js["codec_seconds"] = s.codec_seconds;
+    if (s.transport_seconds > 0) js["transport_seconds"] = s.transport_seconds;
     if (plan.simulated) js["simulated_busy_seconds"] = s.busy_seconds, js["simulated_wait_seconds"] = s.wait_seconds;
     if (!s.gradient_codec.empty()) js["gradient_codec"] = s.gradient_codec;
     stages.push_back(js);

@@ -132,6 +132,9 @@ struct StagePlan {
   // Per micro-batch, beside compute_seconds on the compute thread: encoding and decoding the tensors
   // of its links (partitioner::CodecSeconds; with deep_pipeline, else 0). In plan.json when above 0.
   double codec_seconds = 0;
+  // Per micro-batch, likewise: the transport work of the frames its passes send and receive on a CPU site
+  // (partitioner::TransportSeconds; with deep_pipeline, else 0). In plan.json when above 0.
+  double transport_seconds = 0;
   double memory_bytes = 0;            // needed on each of its sites
   double memory_available_bytes = 0;  // smallest among its sites
   double allreduce_seconds = 0;       // replica gradient sync per step, plus site_reduce_seconds

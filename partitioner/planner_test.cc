@@ -21,6 +21,7 @@ namespace meridian::partitioner {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
 // An independent implementation of the reference cost model in docs/cost-model.md, written from the
@@ -795,6 +796,42 @@ TEST(Planner, CodecWorkOnTheComputeThreadIsPricedFromTheProfile) {
                        priced->stages[1].compute_seconds / 3 + 8e6 / 1e9};
   t.backward_seconds = {priced->stages[0].compute_seconds * 2 / 3 + 8e6 / 1e9,
                         priced->stages[1].compute_seconds * 2 / 3 + 8e6 / 1e9};
+  const double wire = priced->links[0].ratio * 8e6 / 1e6;
+  t.forward_transfer_seconds = {wire};
+  t.backward_transfer_seconds = {wire};
+  t.forward_latency_seconds = {0};
+  t.backward_latency_seconds = {0};
+  t.in_flight = {priced->stages[0].in_flight, priced->stages[1].in_flight};
+  EXPECT_NEAR(priced->predicted_step_seconds, SimulatePipeline(t).step_seconds, 1e-9);
+}
+
+// A CPU site's transport threads (TLS, gRPC) share its CPU with the compute thread: the profile's
+// transport_seconds_per_frame / _per_byte are charged to each pass that sends or receives a frame, at
+// the frame's wire bytes, and the plan shows each stage's share.
+TEST(Planner, TransportWorkOfCpuSitesIsPricedOnThePassesThatSendOrReceive) {
+  auto [g, p, o] = SlowLinkedPair();
+  auto unpriced = PlanPipeline(g, p, o);
+  ASSERT_TRUE(unpriced.ok()) << unpriced.status();
+  EXPECT_EQ(unpriced->stages[0].transport_seconds, 0.0);
+  EXPECT_THAT(PlanJson(*unpriced, g), Not(HasSubstr("\"transport_seconds\"")));
+  for (auto& site : p.sites) site.transport_seconds_per_frame = 0.01, site.transport_seconds_per_byte = 1e-8;
+  auto priced = PlanPipeline(g, p, o);
+  ASSERT_TRUE(priced.ok()) << priced.status();
+  // Each stage sends one frame and receives one per micro-batch, at the link's codec's wire bytes (its
+  // gradients' codec behind an activation codec: the same here).
+  const auto codec = PriceCodec(priced->links[0].codec);
+  ASSERT_TRUE(codec.ok());
+  ASSERT_EQ(codec->backward(), codec->ratio) << priced->links[0].codec;
+  const double frame = 0.01 + 1e-8 * priced->links[0].ratio * 8e6;
+  for (const auto& st : priced->stages) EXPECT_NEAR(st.transport_seconds, 2 * frame, 1e-9);
+  EXPECT_THAT(PlanJson(*priced, g), HasSubstr("\"transport_seconds\""));
+  EXPECT_GT(priced->predicted_step_seconds, unpriced->predicted_step_seconds);
+  // The prediction is the simulation of passes that include that work.
+  PipelineTimes t;
+  t.micro_batches = 8;
+  t.forward_seconds = {priced->stages[0].compute_seconds / 3 + frame, priced->stages[1].compute_seconds / 3 + frame};
+  t.backward_seconds = {priced->stages[0].compute_seconds * 2 / 3 + frame,
+                        priced->stages[1].compute_seconds * 2 / 3 + frame};
   const double wire = priced->links[0].ratio * 8e6 / 1e6;
   t.forward_transfer_seconds = {wire};
   t.backward_transfer_seconds = {wire};

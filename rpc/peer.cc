@@ -1,5 +1,7 @@
 #include "rpc/peer.h"
 
+#include <time.h>
+
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
@@ -139,7 +141,7 @@ grpc::Status PeerService::Authorise(grpc::ServerContext* ctx, std::string* peer,
   {
     std::lock_guard<std::mutex> l(allowed_mu_);
     allowed = allowed_.count(*peer) > 0;
-    only_probes = !allowed && probers_.count(*peer) > 0;
+    only_probes = !allowed && (probers_.count(*peer) > 0 || *peer == self_);
   }
   if (prober) *prober = only_probes;
   allowed = allowed || only_probes;
@@ -520,6 +522,52 @@ absl::StatusOr<LinkMeasurement> ProbeLink(PeerClient& client, const ProbeOptions
     m.reverse_loaded_bytes_per_second = std::max(m.reverse_loaded_bytes_per_second, rate(*pulled));
   }
   return m;
+}
+
+namespace {
+double ProcessCpuSeconds() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + ts.tv_nsec * 1e-9;
+}
+}  // namespace
+
+absl::StatusOr<TransportCost> MeasureTransportCost(PeerClient& client, int64_t frame_bytes, int frames,
+                                                   std::chrono::seconds deadline) {
+  const int64_t small = std::max<int64_t>(1024, frame_bytes / 8), large = std::max(frame_bytes, 8 * small);
+  std::vector<uint8_t> payload(static_cast<size_t>(large));
+  for (size_t i = 0; i < payload.size(); ++i) payload[i] = static_cast<uint8_t>(i * 2654435761u >> 24);
+  // CPU seconds for `frames` frames of `bytes` through one stream (both ends: this process).
+  auto timed = [&](int64_t bytes) -> absl::StatusOr<double> {
+    const std::vector<uint8_t> frame(payload.begin(), payload.begin() + bytes);
+    auto stream = client.OpenStream(deadline);
+    if (!stream.ok()) return stream.status();
+    const double t0 = ProcessCpuSeconds();
+    TensorKey key;
+    key.direction = v1::PROBE;
+    for (int i = 0; i < frames; ++i) {
+      key.micro_batch = i;
+      if (absl::Status s = (*stream)->Send(key, frame); !s.ok()) return s;
+    }
+    auto done = (*stream)->Finish();
+    if (!done.ok()) return done.status();
+    return ProcessCpuSeconds() - t0;
+  };
+  if (auto warm = timed(small); !warm.ok()) return warm.status();
+  double best_large = 0, best_small = 0;
+  for (int round = 0; round < 2; ++round) {
+    auto l = timed(large);
+    if (!l.ok()) return l.status();
+    auto s = timed(small);
+    if (!s.ok()) return s.status();
+    best_large = round == 0 ? *l : std::min(best_large, *l);
+    best_small = round == 0 ? *s : std::min(best_small, *s);
+  }
+  const double per_large = best_large / frames / 2, per_small = best_small / frames / 2;  // one side
+  TransportCost c;
+  c.seconds_per_byte = std::max(0.0, (per_large - per_small) / static_cast<double>(large - small));
+  c.seconds_per_frame = std::max(0.0, per_small - c.seconds_per_byte * static_cast<double>(small));
+  return c;
 }
 
 }  // namespace meridian::rpc

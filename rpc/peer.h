@@ -117,7 +117,8 @@ class PeerService final : public v1::Peer::Service {
   void SetAllowedPeers(std::set<std::string> allowed_peers);
   // Sites that may measure their link to this one besides the allowed peers -- a site joining a running
   // job, named by the coordinator: Echo, Pull and Stream calls carrying PROBE chunks only (any other
-  // chunk ends the stream with PermissionDenied). Replaces the set; empty: none.
+  // chunk ends the stream with PermissionDenied). Replaces the set; empty: none. This process's own
+  // certificate (`self`) may always probe (MeasureTransportCost).
   void SetProbers(std::set<std::string> probers);
   grpc::Status Stream(grpc::ServerContext* ctx, grpc::ServerReader<v1::TensorChunk>* reader,
                       v1::StreamAck* ack) override;
@@ -248,6 +249,19 @@ struct ProbeOptions {
   int repeats = 1;         // each bulk measurement this many times, the best kept
 };
 absl::StatusOr<LinkMeasurement> ProbeLink(PeerClient& client, const ProbeOptions& options);
+
+// The CPU time this process's transport takes per frame sent or received -- TLS, gRPC, the kernel's TCP;
+// no codec -- measured over `client`, a PeerClient of this process to its own PeerService (which admits
+// its own certificate to probe): `frames` frames of `frame_bytes` and as many of an eighth of that go
+// through one stream each, the process's CPU time (both ends) is read around each, and
+// seconds_per_frame + seconds_per_byte * bytes is fitted to the two and halved for one side, the best of
+// two rounds (the receiving end counts probe payloads without keeping them: one copy fewer than a real
+// frame). Errors: the stream's, naming the peer.
+struct TransportCost {
+  double seconds_per_frame = 0, seconds_per_byte = 0;  // CPU seconds, one side, both >= 0
+};
+absl::StatusOr<TransportCost> MeasureTransportCost(PeerClient& self_client, int64_t frame_bytes, int frames,
+                                                   std::chrono::seconds deadline);
 
 }  // namespace meridian::rpc
 

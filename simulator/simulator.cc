@@ -299,28 +299,37 @@ void Simulation::TryRun(int wi, double now) {
   const int S = static_cast<int>(plan_.stages.size());
   if (w.next >= w.order.size()) return AfterPasses(wi, now);
   const auto [kind, m] = w.order[w.next];
-  double codec = 0;
+  // The pass's codec work, and its transport work (each frame it receives or sends) on a CPU site.
+  double codec = 0, transport = 0;
+  const partitioner::SiteProfile& site = p_.sites[w.site];
   if (kind == 'F') {
     if (w.stage > 0) {
       auto it = w.activations.find({w.step, m});
       if (it == w.activations.end()) return;
       w.activations.erase(it);
       codec += CodecSeconds(w.site, links_[w.stage - 1].name, link_bytes_[w.stage - 1]);
+      transport += partitioner::TransportSeconds(site, link_bytes_[w.stage - 1] * links_[w.stage - 1].forward_ratio);
     }
-    if (w.stage + 1 < S) codec += CodecSeconds(w.site, links_[w.stage].name, link_bytes_[w.stage]);
+    if (w.stage + 1 < S) {
+      codec += CodecSeconds(w.site, links_[w.stage].name, link_bytes_[w.stage]);
+      transport += partitioner::TransportSeconds(site, link_bytes_[w.stage] * links_[w.stage].forward_ratio);
+    }
   } else {
     if (w.stage + 1 < S) {
       auto it = w.gradients.find({w.step, m});
       if (it == w.gradients.end()) return;
       w.gradients.erase(it);
       codec += CodecSeconds(w.site, compression::GradientCodecBehind(links_[w.stage].name), link_bytes_[w.stage]);
+      transport += partitioner::TransportSeconds(site, link_bytes_[w.stage] * links_[w.stage].backward_ratio);
     }
-    if (w.stage > 0)
+    if (w.stage > 0) {
       codec +=
           CodecSeconds(w.site, compression::GradientCodecBehind(links_[w.stage - 1].name), link_bytes_[w.stage - 1]);
+      transport += partitioner::TransportSeconds(site, link_bytes_[w.stage - 1] * links_[w.stage - 1].backward_ratio);
+    }
   }
   const double start = now;
-  const double end = start + (kind == 'F' ? w.forward : w.backward) + codec;
+  const double end = start + (kind == 'F' ? w.forward : w.backward) + codec + transport;
   w.busy = true;
   // Replica sums: the last backward pass hands over its buckets as it goes.
   const int R = static_cast<int>(stage_workers_[w.stage].size());
@@ -927,6 +936,13 @@ std::string SimulationJson(const SimulationResult& r) {
                                         {"send_seconds", s.send_seconds},
                                         {"codec_seconds", s.codec_seconds}});
   }
+  json timeline = json::array();
+  for (const auto& a : r.timeline) {
+    json e = {{"site", a.site}, {"kind", a.kind}, {"start", a.start}, {"end", a.end}};
+    if (a.micro_batch >= 0) e["micro_batch"] = a.micro_batch;
+    if (!a.peer.empty()) e["peer"] = a.peer;
+    timeline.push_back(std::move(e));
+  }
   json j = {{"step_seconds", r.step_seconds},
             {"analytic_step_seconds", r.analytic_step_seconds},
             {"median_step_seconds", r.median_step_seconds},
@@ -937,6 +953,7 @@ std::string SimulationJson(const SimulationResult& r) {
             {"bubble_fraction", r.bubble_fraction},
             {"links", links},
             {"stages", stages},
+            {"timeline", timeline},
             {"notes", r.notes}};
   return j.dump(2) + "\n";
 }

@@ -112,7 +112,8 @@ absl::StatusOr<partitioner::Plan> ParsePlanJson(const std::string& text, const s
 
 // The result as one JSON object: step_seconds, median_step_seconds, utilisation, bubble_fraction,
 // compute_bound_seconds, step_times, links [{from, to, bytes, busy_fraction}], stages [{stage, sites:
-// [{site, replica, micro_batches, compute_seconds, wait_seconds, send_seconds, codec_seconds}]}], notes.
+// [{site, replica, micro_batches, compute_seconds, wait_seconds, send_seconds, codec_seconds}]}], timeline
+// [{site, kind, start, end, micro_batch (forward, backward, send), peer (sends)}] of the last step, notes.
 std::string SimulationJson(const SimulationResult& result);
 
 // A Gantt chart (SVG) of the last simulated step: one row per site, one colour per activity kind, compute

@@ -109,6 +109,23 @@ TEST(SimulatorTest, BalancedPipelineWithFreeLinksTakesMicroBatchesPlusStagesMinu
     }
 }
 
+// A CPU site's transport work (profile transport_seconds_per_frame / _per_byte) lengthens each pass that
+// sends or receives a frame: in a balanced two-stage pipeline on free links every pass sends or receives
+// one, so each stage's pass grows by one frame's work, and the step by (M + 1) of them per direction.
+TEST(SimulatorTest, TransportWorkLengthensThePassesThatSendOrReceive) {
+  const OpGraph g = Chain(4);
+  ClusterProfile p = Sites(2, 1e12, 1e18, 0);
+  const double per_frame = 1e-3, per_byte = 2e-9, bytes = 1e6;
+  for (auto& s : p.sites) s.transport_seconds_per_frame = per_frame, s.transport_seconds_per_byte = per_byte;
+  for (int M : {1, 4, 8}) {
+    auto r = Simulate(g, p, Pipeline(g, p, M, {{0}, {1}}));
+    ASSERT_TRUE(r.ok()) << r.status();
+    const double t = 2 * 3e9 / 1e12, frame = per_frame + per_byte * bytes;  // identity: the wire is the tensor
+    EXPECT_NEAR(r->step_seconds, (M + 1) * (t + 2 * frame), 1e-9) << "M=" << M;
+    EXPECT_NEAR(r->sites[0].codec_seconds, 0.0, 1e-12);  // transport is not codec work
+  }
+}
+
 TEST(SimulatorTest, OneSaturatedLinkTakesMicroBatchesTimesItsTransferPlusFill) {
   const int M = 8;
   const double bytes = 4e6, x = 0.5;  // each activation takes 0.5 s on the link

@@ -17,6 +17,7 @@
 
 #include "core/certs.h"
 #include "core/safetensors.h"
+#include "partitioner/schedule.h"
 #include "tests/process.h"
 #include "tests/test_util.h"
 #include "tests/wan/harness.h"
@@ -216,6 +217,51 @@ TEST_F(PipelineTest, DeeperPipelinesMatchTheSingleProcessTrainer) {
   ExpectClose(Distributed(job, {{0, 2, {}, 4}, {3, 5, {}, 1}}, "identity", "identity", nullptr), want);
   // Replicas of a deep stage run their micro-batches in the same order.
   ExpectClose(Distributed(job, {{0, 2, {2, 2}, 4}, {3, 5, {}, 1}}, "identity", "identity", nullptr), want);
+}
+
+// MERIDIAN_TRACE_DIR: each stage writes one line per step with its passes in its schedule's order, each
+// pass of a stage that receives preceded by its wait, every interval inside the step and none overlapping.
+TEST_F(PipelineTest, StepTimelinesRecordEveryPassInTheSchedulesOrder) {
+  const fs::path trace = dir_ / "trace";
+  fs::create_directories(trace);
+  ::setenv("MERIDIAN_TRACE_DIR", trace.string().c_str(), 1);
+  std::string job = Job("job", 3);
+  Distributed(job, {{0, 2, {}, 3}, {3, 5, {}, 1}}, "identity", "identity", nullptr);
+  ::unsetenv("MERIDIAN_TRACE_DIR");
+  const int depth[] = {3, 1};
+  for (int k = 0; k < 2; ++k) {
+    std::ifstream in(trace / ("trace-" + std::string(k == 0 ? "a" : "b") + "-stage" + std::to_string(k) + ".jsonl"));
+    ASSERT_TRUE(in) << "stage " << k;
+    int steps = 0;
+    double last_start = -1;
+    for (std::string line; std::getline(in, line); ++steps) {
+      auto j = nlohmann::json::parse(line);
+      EXPECT_EQ(j["step"].get<int>(), steps + 1);
+      EXPECT_GT(j["start"].get<double>(), last_start);
+      last_start = j["start"].get<double>();
+      const double end = j["end"].get<double>();
+      std::vector<std::pair<char, int>> passes;
+      double t = 0;
+      std::string before;  // the interval before each pass
+      for (const auto& iv : j["intervals"]) {
+        const std::string what = iv[0];
+        const double s = iv[2], e = iv[3];
+        EXPECT_GE(s, t - 1e-9) << line;  // in time order, none overlapping
+        EXPECT_GE(e, s);
+        EXPECT_LE(e, end + 1e-9);
+        t = e;
+        if (what == "F" || what == "B") {
+          passes.push_back({what[0], iv[1].get<int>()});
+          if (k == 1 && what == "F") EXPECT_EQ(before, "wait_F") << line;  // its input came first
+          if (k == 0 && what == "B") EXPECT_EQ(before, "wait_B") << line;
+        }
+        before = what;
+      }
+      EXPECT_EQ(passes, partitioner::PipelineSchedule(k, 2, 4, depth[k])) << line;
+      EXPECT_EQ(before, "opt") << line;  // the step ends with the optimizer
+    }
+    EXPECT_EQ(steps, 3) << "stage " << k;
+  }
 }
 
 // Stage 0's activations cross a 2 Mbit/s link (tbf in test namespaces), with all four micro-batches of a
