@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "compression/codec.h"
@@ -533,7 +534,7 @@ double ProcessCpuSeconds() {
 }  // namespace
 
 absl::StatusOr<TransportCost> MeasureTransportCost(PeerClient& client, int64_t frame_bytes, int frames,
-                                                   std::chrono::seconds deadline) {
+                                                   std::chrono::seconds deadline, std::chrono::milliseconds gap) {
   const int64_t small = std::max<int64_t>(1024, frame_bytes / 8), large = std::max(frame_bytes, 8 * small);
   std::vector<uint8_t> payload(static_cast<size_t>(large));
   for (size_t i = 0; i < payload.size(); ++i) payload[i] = static_cast<uint8_t>(i * 2654435761u >> 24);
@@ -548,6 +549,7 @@ absl::StatusOr<TransportCost> MeasureTransportCost(PeerClient& client, int64_t f
     for (int i = 0; i < frames; ++i) {
       key.micro_batch = i;
       if (absl::Status s = (*stream)->Send(key, frame); !s.ok()) return s;
+      std::this_thread::sleep_for(gap);  // spaced: each frame pays the wake-ups it pays between passes
     }
     auto done = (*stream)->Finish();
     if (!done.ok()) return done.status();

@@ -253,15 +253,18 @@ absl::StatusOr<LinkMeasurement> ProbeLink(PeerClient& client, const ProbeOptions
 // The CPU time this process's transport takes per frame sent or received -- TLS, gRPC, the kernel's TCP;
 // no codec -- measured over `client`, a PeerClient of this process to its own PeerService (which admits
 // its own certificate to probe): `frames` frames of `frame_bytes` and as many of an eighth of that go
-// through one stream each, the process's CPU time (both ends) is read around each, and
+// through one stream each, `gap` apart, the process's CPU time (both ends) is read around each, and
 // seconds_per_frame + seconds_per_byte * bytes is fitted to the two and halved for one side, the best of
 // two rounds (the receiving end counts probe payloads without keeping them: one copy fewer than a real
-// frame). Errors: the stream's, naming the peer.
+// frame). The gap matters: frames sent back to back share gRPC's and the kernel's wake-ups (measured
+// here: 8-43 us per frame), frames a pipeline sends between its passes do not (110-165 us, 2-5 ms apart).
+// Errors: the stream's, naming the peer.
 struct TransportCost {
   double seconds_per_frame = 0, seconds_per_byte = 0;  // CPU seconds, one side, both >= 0
 };
 absl::StatusOr<TransportCost> MeasureTransportCost(PeerClient& self_client, int64_t frame_bytes, int frames,
-                                                   std::chrono::seconds deadline);
+                                                   std::chrono::seconds deadline,
+                                                   std::chrono::milliseconds gap = std::chrono::milliseconds(2));
 
 }  // namespace meridian::rpc
 
