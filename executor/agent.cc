@@ -432,6 +432,12 @@ void Agent::OnProfile(const v1::ProfileRequest& p) {
     if (!p.links_only()) {  // the device and the model (a links-only request follows them)
       auto setup = JobFromText(p.job_yaml(), p.job_dir());
       if (!setup.ok()) return setup.status();
+      // Its transport first (a CPU site's transport threads share the CPU with the compute thread): every
+      // site starts measuring at once, so a site that finishes its model early does not load the host's
+      // cores while the others still time theirs.
+      partitioner::SiteProfile transport;
+      if (device_.is_cpu())
+        if (absl::Status s = MeasureTransport(*setup, &transport); !s.ok()) return s;
       // A site of several devices is measured as its workers run together (ProfileAsWorker).
       ScratchDir site_dir(absl::StrCat(o_.site, "-workers"));
       SiteWorkers site;
@@ -444,8 +450,8 @@ void Agent::OnProfile(const v1::ProfileRequest& p) {
       auto prof = ProfileAsWorker(site.group.get(), *setup, o_.site, device_, p.repeats() > 0 ? p.repeats() : 5);
       if (!prof.ok()) return prof.status();
       if (site.pool) site.pool->Stop(std::chrono::seconds(30));
-      if (device_.is_cpu())  // its transport threads share the CPU with the compute thread
-        if (absl::Status s = MeasureTransport(*setup, &prof->site); !s.ok()) return s;
+      prof->site.transport_seconds_per_frame = transport.transport_seconds_per_frame;
+      prof->site.transport_seconds_per_byte = transport.transport_seconds_per_byte;
       partitioner::ClusterProfile one;
       one.sites.push_back(prof->site);
       rep.set_site_profile_json(nlohmann::json::parse(partitioner::ProfileToJson(one))["sites"][0].dump());
