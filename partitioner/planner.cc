@@ -305,33 +305,13 @@ Codec LinkCodecOf(const Evaluation& ev, const PlanOptions& o, int k) {
   return ev.link_codec[k] >= 0 ? o.link_codecs[ev.link_codec[k]] : Codec{"", o.ratio};
 }
 
-// Stage k's codec work per micro-batch on its compute thread, (forward pass, backward pass), at the
-// slowest of its sites: the forward pass decodes its input activation and encodes its output, the
-// backward pass decodes the incoming gradient and encodes the outgoing one (CodecSeconds).
-std::pair<double, double> PassCodecSeconds(const CostModel& cm, const Layout& L, const Evaluation& ev,
-                                           const PlanOptions& o, int k) {
-  const int S = static_cast<int>(L.sites.size());
-  double forward = 0, backward = 0;
-  for (int s : L.sites[k]) {
-    double f = 0, b = 0;
-    for (int j : {k - 1, k}) {
-      if (j < 0 || j + 1 >= S) continue;
-      const std::string name = LinkCodecOf(ev, o, j).name;
-      f += cm.CodecSeconds(s, name, cm.CutBytes(L.last[j]));
-      b += cm.CodecSeconds(s, compression::GradientCodecBehind(name), cm.CutBytes(L.last[j]));
-    }
-    forward = std::max(forward, f);
-    backward = std::max(backward, b);
-  }
-  return {forward, backward};
-}
-
-// Stage k's transport work per micro-batch (TransportSeconds of each frame at its codec's wire bytes),
-// (forward pass, backward pass), at the slowest of its sites: the forward pass receives its input
-// activation and sends its output, the backward pass receives the incoming gradient and sends the
-// outgoing one.
-std::pair<double, double> PassTransportSeconds(const CostModel& cm, const Layout& L, const Evaluation& ev,
-                                               const PlanOptions& o, int k) {
+// Stage k's work per micro-batch on its compute thread for the frames its passes handle, (forward pass,
+// backward pass), at the slowest of its sites: the forward pass takes its input activation and produces
+// its output, the backward pass takes the incoming gradient and produces the outgoing one.
+// `frame(s, codec, raw_bytes, backward)` prices one frame of link codec `codec` at site s.
+template <typename FrameSeconds>
+std::pair<double, double> PassWork(const CostModel& cm, const Layout& L, const Evaluation& ev, const PlanOptions& o,
+                                   int k, FrameSeconds frame) {
   const int S = static_cast<int>(L.sites.size());
   double forward = 0, backward = 0;
   for (int s : L.sites[k]) {
@@ -339,13 +319,29 @@ std::pair<double, double> PassTransportSeconds(const CostModel& cm, const Layout
     for (int j : {k - 1, k}) {
       if (j < 0 || j + 1 >= S) continue;
       const Codec codec = LinkCodecOf(ev, o, j);
-      f += cm.TransportSeconds(s, codec.ratio * cm.CutBytes(L.last[j]));
-      b += cm.TransportSeconds(s, codec.backward() * cm.CutBytes(L.last[j]));
+      f += frame(s, codec, cm.CutBytes(L.last[j]), false);
+      b += frame(s, codec, cm.CutBytes(L.last[j]), true);
     }
     forward = std::max(forward, f);
     backward = std::max(backward, b);
   }
   return {forward, backward};
+}
+
+// Codec work: decoding and encoding each frame (CodecSeconds; gradients in the codec behind the link's).
+std::pair<double, double> PassCodecSeconds(const CostModel& cm, const Layout& L, const Evaluation& ev,
+                                           const PlanOptions& o, int k) {
+  return PassWork(cm, L, ev, o, k, [&](int s, const Codec& codec, double raw, bool backward) {
+    return cm.CodecSeconds(s, backward ? compression::GradientCodecBehind(codec.name) : codec.name, raw);
+  });
+}
+
+// Transport work: receiving and sending each frame at its wire bytes (TransportSeconds).
+std::pair<double, double> PassTransportSeconds(const CostModel& cm, const Layout& L, const Evaluation& ev,
+                                               const PlanOptions& o, int k) {
+  return PassWork(cm, L, ev, o, k, [&](int s, const Codec& codec, double raw, bool backward) {
+    return cm.TransportSeconds(s, (backward ? codec.backward() : codec.ratio) * raw);
+  });
 }
 
 // The per-stage and per-link times of an evaluated layout, as the schedule simulator takes them: each

@@ -744,6 +744,24 @@ std::tuple<OpGraph, ClusterProfile, PlanOptions> SlowLinkedPair() {
   return {g, p, o};
 }
 
+// SlowLinkedPair's plan simulated as the planner should have: each stage's compute split 1:2 into its
+// forward and backward passes, `per_pass` more on each, the 8 MB cut at the link's ratio over 1 MB/s.
+double SimulatedPairStep(const Plan& plan, double per_pass) {
+  PipelineTimes t;
+  t.micro_batches = 8;
+  for (const auto& st : plan.stages) {
+    t.forward_seconds.push_back(st.compute_seconds / 3 + per_pass);
+    t.backward_seconds.push_back(st.compute_seconds * 2 / 3 + per_pass);
+    t.in_flight.push_back(st.in_flight);
+  }
+  const double wire = plan.links[0].ratio * 8e6 / 1e6;
+  t.forward_transfer_seconds = {wire};
+  t.backward_transfer_seconds = {wire};
+  t.forward_latency_seconds = {0};
+  t.backward_latency_seconds = {0};
+  return SimulatePipeline(t).step_seconds;
+}
+
 // Fine-tuning data that comes back every epoch makes AQ-SGD's deltas cheaper than plain int4 on a slow
 // link; their gradients still go as int4, and the plan prices the two directions so.
 TEST(Planner, DeltaCodecsJoinTheMenuWhereSequencesComeBack) {
@@ -790,19 +808,7 @@ TEST(Planner, CodecWorkOnTheComputeThreadIsPricedFromTheProfile) {
   for (const auto& st : priced->stages) EXPECT_NEAR(st.codec_seconds, 2 * 8e6 / 1e9, 1e-12);
   EXPECT_THAT(PlanJson(*priced, g), HasSubstr("\"codec_seconds\""));
   // The prediction is the simulation of passes that include that work.
-  PipelineTimes t;
-  t.micro_batches = 8;
-  t.forward_seconds = {priced->stages[0].compute_seconds / 3 + 8e6 / 1e9,
-                       priced->stages[1].compute_seconds / 3 + 8e6 / 1e9};
-  t.backward_seconds = {priced->stages[0].compute_seconds * 2 / 3 + 8e6 / 1e9,
-                        priced->stages[1].compute_seconds * 2 / 3 + 8e6 / 1e9};
-  const double wire = priced->links[0].ratio * 8e6 / 1e6;
-  t.forward_transfer_seconds = {wire};
-  t.backward_transfer_seconds = {wire};
-  t.forward_latency_seconds = {0};
-  t.backward_latency_seconds = {0};
-  t.in_flight = {priced->stages[0].in_flight, priced->stages[1].in_flight};
-  EXPECT_NEAR(priced->predicted_step_seconds, SimulatePipeline(t).step_seconds, 1e-9);
+  EXPECT_NEAR(priced->predicted_step_seconds, SimulatedPairStep(*priced, 8e6 / 1e9), 1e-9);
 }
 
 // A CPU site's transport threads (TLS, gRPC) share its CPU with the compute thread: the profile's
@@ -827,18 +833,7 @@ TEST(Planner, TransportWorkOfCpuSitesIsPricedOnThePassesThatSendOrReceive) {
   EXPECT_THAT(PlanJson(*priced, g), HasSubstr("\"transport_seconds\""));
   EXPECT_GT(priced->predicted_step_seconds, unpriced->predicted_step_seconds);
   // The prediction is the simulation of passes that include that work.
-  PipelineTimes t;
-  t.micro_batches = 8;
-  t.forward_seconds = {priced->stages[0].compute_seconds / 3 + frame, priced->stages[1].compute_seconds / 3 + frame};
-  t.backward_seconds = {priced->stages[0].compute_seconds * 2 / 3 + frame,
-                        priced->stages[1].compute_seconds * 2 / 3 + frame};
-  const double wire = priced->links[0].ratio * 8e6 / 1e6;
-  t.forward_transfer_seconds = {wire};
-  t.backward_transfer_seconds = {wire};
-  t.forward_latency_seconds = {0};
-  t.backward_latency_seconds = {0};
-  t.in_flight = {priced->stages[0].in_flight, priced->stages[1].in_flight};
-  EXPECT_NEAR(priced->predicted_step_seconds, SimulatePipeline(t).step_seconds, 1e-9);
+  EXPECT_NEAR(priced->predicted_step_seconds, SimulatedPairStep(*priced, frame), 1e-9);
 }
 
 TEST(Planner, HeuristicPlansLargeClustersQuicklyAndNearExact) {
