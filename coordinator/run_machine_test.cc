@@ -1232,6 +1232,10 @@ TEST(RunMachine, AProfileThatDoesNotCheckOutLeavesItsSiteOutOfThePlan) {
              r->set_site_profile_json(R"({"name": "b", "flops_per_second": 1e11, "memory_bytes": 8e9, "workers": 8,
                                           "intra_site_bytes_per_second": 1e12})");
            },
+           [](v1::ProfileReport* r) {  // a negative transport cost, to pull work onto itself
+             r->set_site_profile_json(
+                 R"({"name": "b", "flops_per_second": 1e11, "memory_bytes": 8e9, "transport_seconds_per_frame": -1})");
+           },
            [](v1::ProfileReport* r) { r->set_site_profile_json("{"); }}) {
     Driver d(Config());
     d.Feed(RunStarted{});
