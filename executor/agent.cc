@@ -407,8 +407,10 @@ absl::Status Agent::MeasureTransport(const JobSetup& setup, partitioner::SitePro
     if (address.rfind(any, 0) == 0) address = "127.0.0.1:" + address.substr(std::string(any).size());
   auto client = rpc::PeerClient::Create(o_.certs, o_.site, o_.site, address);
   if (!client.ok()) return client.status();
-  const int64_t frame_bytes =
-      int64_t{setup.micro_batch_size} * setup.job.sequence_length * setup.model.shape.hidden_size * 4;
+  // At most 4 MiB: the per-byte term carries larger frames (a model too large for the site would
+  // otherwise stream gigabytes here before its measuring fails).
+  const int64_t frame_bytes = std::min<int64_t>(
+      int64_t{setup.micro_batch_size} * setup.job.sequence_length * setup.model.shape.hidden_size * 4, 4 << 20);
   auto cost = rpc::MeasureTransportCost(**client, frame_bytes, 16, std::chrono::seconds(60));
   if (!cost.ok())
     return absl::UnavailableError(

@@ -51,8 +51,8 @@ class Agent {
   void OnProfile(const v1::ProfileRequest& request);
   void OnAssign(const v1::StageAssignment& assignment);
   // A CPU site: the CPU its transport takes per frame and per byte (rpc::MeasureTransportCost over its own
-  // peer service, at the job's activation frame) over the share of a core it gets (MeasureCpuShare), into
-  // site->transport_seconds_per_frame / _per_byte. Errors name what failed.
+  // peer service, at the job's activation frame, at most 4 MiB) over the share of a core it gets (MeasureCpuShare),
+  // into site->transport_seconds_per_frame / _per_byte. Errors name what failed.
   absl::Status MeasureTransport(const JobSetup& setup, partitioner::SiteProfile* site);
   // The heartbeat thread's loop, until `done_`: a beat every interval, and one at once on a state change.
   void Heartbeats();
