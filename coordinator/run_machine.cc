@@ -1165,12 +1165,7 @@ absl::StatusOr<RunMachine::Repriced> RunMachine::ReplanAgainstCurrent() const {
   return Repriced{std::move(*fresh), std::move(*current), static_cast<int>(live.sites.size())};
 }
 
-int RunMachine::UsedSiteCount() const {
-  if (!plan_) return 0;
-  std::set<std::string> used;
-  for (const auto& st : plan_->stages) used.insert(st.site_names.begin(), st.site_names.end());
-  return static_cast<int>(used.size());
-}
+int RunMachine::UsedSiteCount() const { return plan_ ? static_cast<int>(SitesOf(*plan_).size()) : 0; }
 
 double RunMachine::PlannedStepCompute(const std::string& site) const {
   if (!plan_) return 0;
@@ -1204,16 +1199,13 @@ void RunMachine::CheckDrift(const v1::MetricsReport& r) {
       if (!std::exchange(mine.warmed_up, true)) return;
       mine.first.push_back(mine.latest);
       if (mine.first.size() < static_cast<size_t>(el.window)) return;
-      std::vector<double> sorted = mine.first;
-      std::sort(sorted.begin(), sorted.end());
-      mine.baseline = sorted[(sorted.size() - 1) / 2];
+      mine.baseline = Median(mine.first);
       return;
     }
     common = mine.baseline;
   } else {
     if (latest.size() < 2) return;  // until a second used site has reported
-    std::sort(latest.begin(), latest.end());
-    common = latest[(latest.size() - 1) / 2];
+    common = Median(latest);
   }
   std::vector<double>& q = mine.window;
   q.push_back(mine.latest / common);
@@ -1371,11 +1363,8 @@ void RunMachine::CompleteSwitch() {
   if (trial && !before.empty()) trial->before_seconds = Median(before);
   StartAttempt();
   if (trial && trial->before_seconds > 0 && phase_ == Phase::kTraining && plan_ &&
-      LayoutOf(*plan_) != trial->before_layout) {
-    trial->predicted_seconds = plan_->predicted_step_seconds;
-    trial->sites = SitesOf(*plan_);
+      LayoutOf(*plan_) != trial->before_layout)
     trial_ = std::move(trial);
-  }
 }
 
 bool RunMachine::SwitchAllowed(const partitioner::Plan& fresh, const std::string& kind, const std::string& site,
@@ -1396,12 +1385,12 @@ void RunMachine::CheckSwitch() {
   std::vector<double> steps;
   for (size_t i = 1; i < attempt_steps_.size(); ++i) steps.push_back(attempt_steps_[i].first);
   const double after = Median(steps);
-  const std::string layout = LayoutOf(*plan_);
+  const std::string layout = LayoutOf(*plan_);  // the attempt's plan: the one switched to (StartAttempt resets trial_)
   const std::string measured = absl::StrFormat(
       "the switch to %s ran a median %.4f s a step over its steps %d-%d (predicted %.4f s) against %.4f s for %s "
       "before it",
       layout, after, progress_step_ + 2 - static_cast<int64_t>(attempt_steps_.size() - 1), progress_step_ + 1,
-      t.predicted_seconds, t.before_seconds, t.before_layout);
+      plan_->predicted_step_seconds, t.before_seconds, t.before_layout);
   const double back = 1 - t.before_seconds / after;  // what switching back would gain
   if (back <= c_.spec.elastic.min_gain) {
     const std::string verdict =
@@ -1411,8 +1400,9 @@ void RunMachine::CheckSwitch() {
     Say(absl::StrCat("switch check: ", verdict, "\n"));
     return;
   }
-  refused_.insert(t.sites);
-  std::vector<std::string> names(t.sites.begin(), t.sites.end());
+  const std::set<std::string> sites = SitesOf(*plan_);
+  refused_.insert(sites);
+  const std::vector<std::string> names(sites.begin(), sites.end());
   const std::string verdict = absl::StrFormat(
       "%s: the plan before was %.0f%% faster, above elastic.min_gain (%.0f%%); switching back to %s, and no "
       "switch for speed onto %s again in this run",

@@ -144,11 +144,9 @@ struct RemoveCheckpointsAbove {
 };
 // One entry of the run's event log (RUN/events.jsonl, the dashboard's and `meridian status --json`'s
 // "events"): `kind` is one of "join", "profiled", "plan", "replan", "resume", "checkpoint",
-// "stage_failed", "lost", "back", "recovery", "leave", "straggler", "switch", "switch_check", "done", "failed"; `site`
-// names the site
-// it concerns
-// ("" for the run as a whole); `text` is the sentence shown. (The coordinator adds "checkpoint" events of its own store
-// when a step's manifest is written.)
+// "stage_failed", "lost", "back", "recovery", "leave", "straggler", "switch", "switch_check", "done",
+// "failed"; `site` names the site it concerns ("" for the run as a whole); `text` is the sentence shown.
+// (The coordinator adds "checkpoint" events of its own store when a step's manifest is written.)
 struct RecordEvent {
   std::string kind, site, text;
 };
@@ -384,8 +382,6 @@ class RunMachine {
     std::vector<partitioner::PinnedStage> before;  // the layout switched away from
     std::string before_layout;                     // it, for messages ("a -> b+c")
     double before_seconds = 0;                     // its median step over its last `window` steps
-    double predicted_seconds = 0;                  // what the new plan predicted for its step
-    std::set<std::string> sites;                   // the new plan's sites
   };
   std::optional<SwitchTrial> switching_for_speed_;     // kSwitching for speed: the plan before, its steps still coming
   std::optional<SwitchTrial> trial_;                   // the running attempt came from a switch for speed, unchecked

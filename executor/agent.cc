@@ -399,7 +399,7 @@ void Agent::SetState(v1::SiteState state) {
   heartbeat_cv_.notify_all();
 }
 
-absl::Status Agent::MeasureTransport(const JobSetup& setup, partitioner::SiteProfile* site) {
+absl::StatusOr<rpc::TransportCost> Agent::MeasureTransport(const JobSetup& setup) {
   // Over this process's own peer service, at the job's activation frame (float32: the largest a codec
   // sends; the fit's per-byte term scales it down for the others).
   std::string address = o_.listen;
@@ -416,11 +416,9 @@ absl::Status Agent::MeasureTransport(const JobSetup& setup, partitioner::SitePro
     return absl::UnavailableError(
         absl::StrCat("measuring the transport's CPU cost over its own peer service: ", cost.status().message()));
   const double share = MeasureCpuShare();
-  site->transport_seconds_per_frame = cost->seconds_per_frame / share;
-  site->transport_seconds_per_byte = cost->seconds_per_byte / share;
   spdlog::info("{}", absl::StrFormat("transport: %.1f us per frame + %.2f ns per byte of CPU, at %.2f of a core",
                                      cost->seconds_per_frame * 1e6, cost->seconds_per_byte * 1e9, share));
-  return absl::OkStatus();
+  return rpc::TransportCost{cost->seconds_per_frame / share, cost->seconds_per_byte / share};
 }
 
 void Agent::OnProfile(const v1::ProfileRequest& p) {
@@ -437,9 +435,12 @@ void Agent::OnProfile(const v1::ProfileRequest& p) {
       // Its transport first (a CPU site's transport threads share the CPU with the compute thread): every
       // site starts measuring at once, so a site that finishes its model early does not load the host's
       // cores while the others still time theirs.
-      partitioner::SiteProfile transport;
-      if (device_.is_cpu())
-        if (absl::Status s = MeasureTransport(*setup, &transport); !s.ok()) return s;
+      rpc::TransportCost transport;  // none on a GPU site: its transport runs beside the device
+      if (device_.is_cpu()) {
+        auto measured = MeasureTransport(*setup);
+        if (!measured.ok()) return measured.status();
+        transport = *measured;
+      }
       // A site of several devices is measured as its workers run together (ProfileAsWorker).
       ScratchDir site_dir(absl::StrCat(o_.site, "-workers"));
       SiteWorkers site;
@@ -452,8 +453,8 @@ void Agent::OnProfile(const v1::ProfileRequest& p) {
       auto prof = ProfileAsWorker(site.group.get(), *setup, o_.site, device_, p.repeats() > 0 ? p.repeats() : 5);
       if (!prof.ok()) return prof.status();
       if (site.pool) site.pool->Stop(std::chrono::seconds(30));
-      prof->site.transport_seconds_per_frame = transport.transport_seconds_per_frame;
-      prof->site.transport_seconds_per_byte = transport.transport_seconds_per_byte;
+      prof->site.transport_seconds_per_frame = transport.seconds_per_frame;
+      prof->site.transport_seconds_per_byte = transport.seconds_per_byte;
       partitioner::ClusterProfile one;
       one.sites.push_back(prof->site);
       rep.set_site_profile_json(nlohmann::json::parse(partitioner::ProfileToJson(one))["sites"][0].dump());

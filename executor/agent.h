@@ -21,7 +21,6 @@
 
 #include "executor/options.h"
 #include "executor/trainer.h"
-#include "partitioner/model.h"
 #include "proto/meridian.pb.h"
 #include "rpc/coordinator_client.h"
 #include "rpc/peer.h"
@@ -51,9 +50,10 @@ class Agent {
   void OnProfile(const v1::ProfileRequest& request);
   void OnAssign(const v1::StageAssignment& assignment);
   // A CPU site: the CPU its transport takes per frame and per byte (rpc::MeasureTransportCost over its own
-  // peer service, at the job's activation frame, at most 4 MiB) over the share of a core it gets (MeasureCpuShare),
-  // into site->transport_seconds_per_frame / _per_byte. Errors name what failed.
-  absl::Status MeasureTransport(const JobSetup& setup, partitioner::SiteProfile* site);
+  // peer service, at the job's activation frame, at most 4 MiB) over the share of a core it gets
+  // (MeasureCpuShare): seconds of the site's compute, for SiteProfile::transport_seconds_per_frame /
+  // _per_byte. Errors name what failed.
+  absl::StatusOr<rpc::TransportCost> MeasureTransport(const JobSetup& setup);
   // The heartbeat thread's loop, until `done_`: a beat every interval, and one at once on a state change.
   void Heartbeats();
   void SetState(v1::SiteState state);
