@@ -32,6 +32,8 @@ void AddPlanOptions(CLI::App* cmd, PlanCommandOptions* o) {
   cmd->add_flag("--reference", o->reference,
                 "Reference cost model: no replication, the fixed --ratio (default 1) on every link");
   cmd->add_flag("--no-replication", o->no_replication, "Do not replicate stages on spare sites");
+  cmd->add_flag("--no-recompute", o->no_recompute,
+                "Never recompute activations to keep more micro-batches in flight than a stage's memory holds");
   cmd->add_flag("--heuristic", o->force_heuristic, "Use the heuristic even where exact search applies");
   cmd->add_option("--zero", o->zero,
                   "ZeRO stage inside sites of several workers (job.optimizer.zero): 1 shards their optimizer state")
@@ -167,6 +169,7 @@ int RunPlanCommand(const PlanCommandOptions& o) {
   po.micro_batches = o.micro_batches;
   po.ratio = o.ratio;
   po.replication = !o.reference && !o.no_replication;
+  po.recompute = !o.no_recompute;
   po.adaptive_compression = !o.reference && !o.ratio_given;
   po.deep_pipeline = !o.reference;
   if (o.revisit_fraction > 0) po.link_codecs = partitioner::DefaultLinkCodecs(o.revisit_fraction);

@@ -19,6 +19,7 @@ struct PlanCommandOptions {
   bool reference = false;
   bool json = false;
   bool no_replication = false;
+  bool no_recompute = false;  // PlanOptions::recompute off
   bool force_heuristic = false;
   int zero = 0;                 // --zero: job.optimizer.zero for sites of several workers
   double revisit_fraction = 0;  // > 0: AQ-SGD's int4-delta on the adaptive menu (DefaultLinkCodecs)

@@ -748,6 +748,7 @@ void RunMachine::Assign() {
       }
       a->set_micro_batches(c_.micro_batches);
       a->set_in_flight(st[k].in_flight);
+      a->set_recompute(st[k].recompute);
       a->set_job_yaml(c_.job_yaml);
       a->set_job_dir(c_.job_dir);
       a->set_steps(c_.steps);
@@ -1175,6 +1176,7 @@ double RunMachine::PlannedStepCompute(const std::string& site) const {
       for (const auto& p : profile_.sites)
         if (p.name == site)
           return partitioner::RangeSeconds(graph_, p, st.first_op, st.last_op) *
+                 partitioner::ComputeFactor(graph_, st.first_op, st.last_op, st.recompute) *
                  (i < st.micro_batches.size() ? st.micro_batches[i] : c_.micro_batches);
     }
   return 0;

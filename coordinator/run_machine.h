@@ -288,10 +288,11 @@ class RunMachine {
   // `drift` the same way, its op times are scaled by their median (re-measured from the running stage)
   // and the job re-planned, switching when that gains more than min_gain.
   void CheckDrift(const v1::MetricsReport& r);
-  double PlannedStepCompute(const std::string& site) const;  // its ops x its micro-batches, from profile_
-  int UsedSiteCount() const;                                 // the sites of the plan's stages
-  partitioner::ClusterProfile LiveProfile() const;           // profile_ without the excluded sites
-  partitioner::PlanOptions BaseOptions() const;              // the job's planning options, no layout pinned
+  // Its ops x its micro-batches (with a recomputing stage's second forward pass), from profile_.
+  double PlannedStepCompute(const std::string& site) const;
+  int UsedSiteCount() const;                        // the sites of the plan's stages
+  partitioner::ClusterProfile LiveProfile() const;  // profile_ without the excluded sites
+  partitioner::PlanOptions BaseOptions() const;     // the job's planning options, no layout pinned
   // A plan over LiveProfile() and the current plan's layout priced over it, with the same options (the
   // switch decisions compare their predicted steps). REQUIRES: plan_.
   struct Repriced {

@@ -176,6 +176,7 @@ StageAssignment FromProto(const v1::StageAssignment& pa) {
   if (!pa.gradient_codec().empty()) a.gradient_codec = pa.gradient_codec();
   if (pa.bucket_bytes() > 0) a.bucket_bytes = pa.bucket_bytes();
   a.in_flight = std::max(0, pa.in_flight());
+  a.recompute = pa.recompute();
   for (auto [from, to] : {std::pair<const v1::StageSites*, StageSites*>{&pa.prev_stage(), &a.prev_replicas},
                           {&pa.this_stage(), &a.replicas},
                           {&pa.next_stage(), &a.next_replicas}}) {

@@ -64,6 +64,11 @@ absl::StatusOr<StageAssignment> ParseAssignmentJson(const std::string& text, con
                         {"last_op", &a.last_op}})
     if (auto s = num(k, out, true); !s.ok()) return s;
   if (auto s = num("in_flight", &a.in_flight, false); !s.ok()) return s;
+  if (j.contains("recompute")) {
+    if (!j["recompute"].is_boolean())
+      return absl::InvalidArgumentError(absl::StrCat(path, ": recompute: expected true or false"));
+    a.recompute = j["recompute"].get<bool>();
+  }
   if (auto s = str("gradient_codec", &a.gradient_codec); !s.ok()) return s;
   for (auto [k, out] :
        {std::pair<const char*, int64_t*>{"send_queue_bytes", &a.send_queue_bytes}, {"bucket_bytes", &a.bucket_bytes}}) {
@@ -465,8 +470,11 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
       compute_seconds_ += std::chrono::duration<double>(Clock::now() - t0).count();
       Trace(what, mb, t0);
     };
+    // A micro-batch between its forward and backward passes: its input, and its output (the loss at the
+    // last stage) with the autograd graph behind it; under recomputation no output, and at the last stage
+    // the targets to compute the loss again.
     struct Stash {
-      torch::Tensor input, output;
+      torch::Tensor input, output, targets;
     };
     // This replica's part of the stage's 1F1B order: the entries of the micro-batches it owns.
     std::vector<std::pair<char, int>> schedule;
@@ -535,14 +543,21 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
         const TrainContext ctx{step, static_cast<int64_t>(mb) * mbs + first_row};
         torch::Tensor out;
         timed("F", mb, [&] {
+          // Recomputation: no autograd graph now; the backward pass builds it again from the input.
+          std::optional<torch::NoGradGuard> no_graph;
+          if (a_.recompute) no_graph.emplace();
           out = model_->Forward(s.input, &ctx);
           if (model_->has_head()) {
-            s.output = CrossEntropySum(out, batch.targets.to(device_), normaliser);
-            loss_sum += s.output.item<double>();
+            torch::Tensor loss = CrossEntropySum(out, batch.targets.to(device_), normaliser);
+            loss_sum += loss.item<double>();
+            if (a_.recompute)
+              s.targets = batch.targets;
+            else
+              s.output = loss;
           }
         });
         if (!model_->has_head()) {
-          s.output = out;
+          if (!a_.recompute) s.output = out;
           auto whole = GatherRows(out, hidden);
           if (!whole.ok()) return whole.status();
           if (talks_to_sites()) {
@@ -562,6 +577,12 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
         // averager the summed gradients.
         if (averager_ && !group_ && i == last_backward) averager_->CaptureNextBackward();
         if (reducer_ && i == last_backward) reducer_->CaptureNextBackward();
+        if (a_.recompute)  // the forward pass again, with the same inputs and dropout masks: the same graph
+          timed("R", mb, [&] {
+            const TrainContext ctx{step, static_cast<int64_t>(mb) * mbs + first_row};
+            torch::Tensor out = model_->Forward(s.input, &ctx);
+            s.output = model_->has_head() ? CrossEntropySum(out, s.targets.to(device_), normaliser) : out;
+          });
         // Under LoRA the first stages may hold no adapter before the first one: their output then needs no
         // gradient and their backward pass is only the receipt of the gradient.
         if (model_->has_head()) {

@@ -58,6 +58,10 @@ struct StageAssignment {
   // Micro-batches this stage keeps in flight (partitioner::PipelineSchedule); 0: 1F1B's num_stages - stage.
   // The stages of a pipeline must not increase it from one stage to the next (the planner's never do).
   int in_flight = 0;
+  // Activation recomputation: the forward pass runs without keeping its activations (only its input is
+  // kept) and runs again, recording them, just before the micro-batch's backward pass. The same
+  // arithmetic in the same order, so the same gradients; a third more compute for less memory.
+  bool recompute = false;
   // Bytes each neighbour's send queue holds before the compute thread waits (rpc::QueuedSender): a bound
   // on what this stage keeps for a slow link. 1 makes every send wait for the previous one to be written.
   int64_t send_queue_bytes = int64_t{256} << 20;

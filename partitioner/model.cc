@@ -257,6 +257,10 @@ double ForwardShare(const OpGraph& graph, int first, int last) {
   return all > 0 ? f / all : 1.0 / 3.0;
 }
 
+double ComputeFactor(const OpGraph& graph, int first, int last, bool recompute) {
+  return recompute ? 1 + ForwardShare(graph, first, last) : 1.0;
+}
+
 std::vector<double> CutBytes(const OpGraph& graph) {
   const int n = static_cast<int>(graph.ops.size());
   // A tensor produced by op i and last consumed by op j crosses every cut p with i <= p < j.

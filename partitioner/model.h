@@ -90,6 +90,10 @@ double TransportSeconds(const SiteProfile& site, double wire_bytes);
 double RangeSeconds(const OpGraph& graph, const SiteProfile& site, int first, int last);
 // The share of ops [first, last]'s time that the forward pass takes, by FLOPs (1/3 without FLOPs).
 double ForwardShare(const OpGraph& graph, int first, int last);
+// What a micro-batch's passes over ops [first, last] cost relative to their forward+backward time: 1, or
+// with activation recomputation (StagePlan::recompute: the forward pass runs again before the backward
+// pass) 1 + ForwardShare.
+double ComputeFactor(const OpGraph& graph, int first, int last, bool recompute);
 // Per cut p (0 <= p < ops - 1): the bytes crossing it, every output of an op at or before p that an op
 // after p consumes, each tensor once.
 std::vector<double> CutBytes(const OpGraph& graph);

@@ -50,6 +50,7 @@ class CostModel {
       act_prefix_[i + 1] = act_prefix_[i] + g.ops[i].output_bytes;
     }
     cut_bytes_ = partitioner::CutBytes(g);
+    input_bytes_ = cut_bytes_;
     for (int c = 0; c + 1 < n_; ++c)  // a cut between ops sharing weights is never made
       if (CutSeparatesTiedOps(g, c) >= 0) cut_bytes_[c] = kInf;
     bw_.assign(sites_, std::vector<double>(sites_, 0.0));
@@ -96,9 +97,19 @@ class CostModel {
   }
   double Bandwidth(int a, int b) const { return bw_[a][b]; }
   double Latency(int a, int b) const { return lat_[a][b]; }
-  // Memory of ops [a, b] when the stage is `from_end` stages from the end (1 = last stage).
-  double Memory(int a, int b, int from_end) const {
-    return state_prefix_[b + 1] - state_prefix_[a] + std::min(m_, from_end) * (act_prefix_[b + 1] - act_prefix_[a]);
+  // Activation memory of ops [a, b] with `in_flight` micro-batches in flight: each one's activations, or
+  // with recomputation each one's input (what crosses the cut before op a; the tokens, negligible, for
+  // a = 0) plus the activations of the one being recomputed.
+  double ActivationMemory(int a, int b, int in_flight, bool recompute) const {
+    const double whole = act_prefix_[b + 1] - act_prefix_[a];
+    const int n = std::min(m_, in_flight);
+    if (!recompute) return n * whole;
+    return n * (a == 0 ? 0.0 : input_bytes_[a - 1]) + whole;
+  }
+  // Memory of ops [a, b] when the stage is `from_end` stages from the end (1 = last stage), or keeps that
+  // many micro-batches in flight.
+  double Memory(int a, int b, int from_end, bool recompute = false) const {
+    return state_prefix_[b + 1] - state_prefix_[a] + ActivationMemory(a, b, from_end, recompute);
   }
   double ParamBytes(int a, int b) const {
     double sum = 0;
@@ -107,16 +118,15 @@ class CostModel {
   }
   // Memory on site s: Memory for a site of one device; with K workers each holds the weights and gradients,
   // and the optimizer state whole, or a 1/K share under ZeRO-1 (the activations are split by rows).
-  double SiteMemory(int s, int a, int b, int from_end) const {
+  double SiteMemory(int s, int a, int b, int from_end, bool recompute = false) const {
     const int k = std::max(1, profile_.sites[s].workers);
-    if (k == 1) return Memory(a, b, from_end);
+    if (k == 1) return Memory(a, b, from_end, recompute);
     const double params = param_prefix_[b + 1] - param_prefix_[a];
     const double optimizer = state_prefix_[b + 1] - state_prefix_[a] - params;
-    return k * params + (zero_ == 1 ? 1 : k) * optimizer +
-           std::min(m_, from_end) * (act_prefix_[b + 1] - act_prefix_[a]);
+    return k * params + (zero_ == 1 ? 1 : k) * optimizer + ActivationMemory(a, b, from_end, recompute);
   }
-  bool Fits(int s, int a, int b, int from_end) const {
-    return SiteMemory(s, a, b, from_end) <= profile_.sites[s].memory_bytes;
+  bool Fits(int s, int a, int b, int from_end, bool recompute = false) const {
+    return SiteMemory(s, a, b, from_end, recompute) <= profile_.sites[s].memory_bytes;
   }
   // Seconds per step for site s's workers to sum ops [a, b]'s gradients (`gradient_bytes`) with c10d: an
   // all-reduce moving 2 (K-1)/K of them per worker, and under ZeRO-1 the parameters' all-gather, (K-1)/K of
@@ -137,6 +147,7 @@ class CostModel {
   bool pipelined_;
   std::vector<std::vector<double>> time_prefix_;
   std::vector<double> param_prefix_, state_prefix_, act_prefix_, cut_bytes_;
+  std::vector<double> input_bytes_;  // per cut, its bytes (cut_bytes_ before tied cuts were priced out)
   std::vector<std::vector<double>> bw_, lat_;
 };
 
@@ -349,7 +360,7 @@ std::pair<double, double> PassTransportSeconds(const CostModel& cm, const Layout
 // and transport work (PassCodecSeconds, PassTransportSeconds); each direction of a link at its codec's bytes over the
 // worst pair of the two stages' sites.
 PipelineTimes TimesOf(const CostModel& cm, const Layout& L, const Evaluation& ev, const PlanOptions& o,
-                      const OpGraph& g) {
+                      const OpGraph& g, const std::vector<bool>& recompute) {
   PipelineTimes t;
   const int S = static_cast<int>(L.sites.size());
   t.micro_batches = cm.micro_batches();
@@ -360,6 +371,8 @@ PipelineTimes TimesOf(const CostModel& cm, const Layout& L, const Evaluation& ev
     const auto [forward_transport, backward_transport] = PassTransportSeconds(cm, L, ev, o, k);
     t.forward_seconds.push_back(ev.t[k] * share + forward_codec + forward_transport);
     t.backward_seconds.push_back(ev.t[k] * (1 - share) + backward_codec + backward_transport);
+    // A recomputing stage runs the forward pass again before each backward pass.
+    t.recompute_seconds.push_back(recompute[k] ? ev.t[k] * (ComputeFactor(g, a, b, true) - 1) : 0.0);
   }
   for (int k = 0; k + 1 < S; ++k) {
     const Codec codec = LinkCodecOf(ev, o, k);
@@ -381,36 +394,61 @@ PipelineTimes TimesOf(const CostModel& cm, const Layout& L, const Evaluation& ev
 }
 
 // A layout's schedule: each stage's in-flight depth (ChooseInFlight, within what its sites' memory holds)
-// and the simulated step, plus the replicas' gradient sync.
+// and whether it recomputes its activations, the simulated step, plus the replicas' gradient sync.
 struct SimulatedLayout {
   double total = kInf;
   std::vector<int> in_flight;
+  std::vector<bool> recompute;
   SimulatedStep step;
 };
 
-// With `depths`, those in-flight depths rather than ChooseInFlight's (a quick trial of a layout's codecs).
+// With `fixed`, its in-flight depths and recomputation rather than choosing them (a quick trial of a
+// layout's codecs). Otherwise each stage's depth is capped by its memory (ChooseInFlight); then, with
+// PlanOptions::recompute, each stage whose cap is below the micro-batches and would be deeper with
+// recomputation tries it, first to last, and keeps it when the simulated step gets more than 1% shorter
+// (a second forward pass costs compute and energy for what memory could otherwise buy).
 SimulatedLayout SimulateLayout(const CostModel& cm, const Layout& L, const Evaluation& ev, const PlanOptions& o,
-                               const OpGraph& g, const std::vector<int>* depths = nullptr) {
+                               const OpGraph& g, const SimulatedLayout* fixed = nullptr) {
   SimulatedLayout r;
   if (ev.total == kInf) return r;
-  PipelineTimes t = TimesOf(cm, L, ev, o, g);
-  if (depths) {
-    r.in_flight = *depths;
-  } else {
-    const int S = static_cast<int>(L.sites.size()), M = cm.micro_batches();
-    std::vector<int> cap(S);
-    for (int k = 0; k < S; ++k) {
-      const int a = k == 0 ? 0 : L.last[k - 1] + 1, b = L.last[k];
-      int d = std::min(M, S - k);
-      while (d < M && std::all_of(L.sites[k].begin(), L.sites[k].end(), [&](int s) { return cm.Fits(s, a, b, d + 1); }))
-        ++d;
-      cap[k] = d;
-    }
-    r.in_flight = ChooseInFlight(t, cap);
+  const int S = static_cast<int>(L.sites.size()), M = cm.micro_batches();
+  // Simulates the layout at `depths`, or at ChooseInFlight's depths within `cap`.
+  auto run = [&](const std::vector<int>& depths, const std::vector<bool>& recompute, const std::vector<int>* cap) {
+    SimulatedLayout x;
+    PipelineTimes t = TimesOf(cm, L, ev, o, g, recompute);
+    x.in_flight = cap ? ChooseInFlight(t, *cap) : depths;
+    x.recompute = recompute;
+    t.in_flight = x.in_flight;
+    x.step = SimulatePipeline(t);
+    x.total = x.step.step_seconds + ev.sync;
+    return x;
+  };
+  if (fixed) return run(fixed->in_flight, fixed->recompute, nullptr);
+  // The deepest each stage's sites hold, without and with recomputation.
+  auto cap_of = [&](int k, bool recompute) {
+    const int a = k == 0 ? 0 : L.last[k - 1] + 1, b = L.last[k];
+    int d = std::min(M, S - k);
+    while (d < M &&
+           std::all_of(L.sites[k].begin(), L.sites[k].end(), [&](int s) { return cm.Fits(s, a, b, d + 1, recompute); }))
+      ++d;
+    return d;
+  };
+  std::vector<int> cap(S);
+  for (int k = 0; k < S; ++k) cap[k] = cap_of(k, false);
+  std::vector<bool> recompute(S, false);
+  r = run({}, recompute, &cap);
+  if (!o.recompute) return r;
+  for (int k = 0; k < S; ++k) {
+    if (cap[k] >= M) continue;
+    const int deeper = cap_of(k, true);
+    if (deeper <= cap[k]) continue;
+    std::vector<int> trial_cap = cap;
+    std::vector<bool> trial = recompute;
+    trial_cap[k] = deeper;
+    trial[k] = true;
+    SimulatedLayout x = run({}, trial, &trial_cap);
+    if (x.total < r.total * 0.99) r = std::move(x), cap = trial_cap, recompute = trial;
   }
-  t.in_flight = r.in_flight;
-  r.step = SimulatePipeline(t);
-  r.total = r.step.step_seconds + ev.sync;
   return r;
 }
 
@@ -437,8 +475,8 @@ void ChooseLinkCodecsBySimulation(const CostModel& cm, const Layout& L, const Pl
   // Beyond kDepthsPerTrial stages each trial keeps the first simulation's depths (ChooseInFlight per trial
   // would cost links x codecs x its search), and the depths are chosen once more for the codecs chosen.
   constexpr int kDepthsPerTrial = 8;
-  const std::vector<int> bar_depths = sim->in_flight;
-  const std::vector<int>* fixed = S > kDepthsPerTrial ? &bar_depths : nullptr;
+  const SimulatedLayout bar = *sim;
+  const SimulatedLayout* fixed = S > kDepthsPerTrial ? &bar : nullptr;
   // The fastest assignment: each link at its quickest codec, the earlier links' choices kept.
   for (int k = 0; k + 1 < S; ++k)
     for (int codec = 0; codec < strongest; ++codec) {
@@ -1262,9 +1300,11 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
     st.in_flight = std::min(plan.micro_batches, S - k);
     if (o.deep_pipeline) {
       st.in_flight = sim.in_flight[k];
+      st.recompute = sim.recompute[k];
       st.memory_bytes = 0;
       for (int s : st.sites)
-        st.memory_bytes = std::max(st.memory_bytes, cm.SiteMemory(s, st.first_op, st.last_op, st.in_flight));
+        st.memory_bytes =
+            std::max(st.memory_bytes, cm.SiteMemory(s, st.first_op, st.last_op, st.in_flight, st.recompute));
       st.busy_seconds = sim.step.busy_seconds[k];
       st.wait_seconds = sim.step.wait_seconds[k];
       const auto [forward_codec, backward_codec] = PassCodecSeconds(cm, layout, ev, o, k);
@@ -1281,6 +1321,18 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
     if (st.sites.size() > 1)
       st.gradient_codec = ev.grad_codec[k] >= 0 ? o.gradient_codecs[ev.grad_codec[k]].name : "identity";
     plan.stages.push_back(std::move(st));
+  }
+  if (o.deep_pipeline && std::find(sim.recompute.begin(), sim.recompute.end(), true) != sim.recompute.end()) {
+    PlanOptions without = o;
+    without.recompute = false;
+    const SimulatedLayout plain = SimulateLayout(cm, layout, ev, without, graph);
+    for (int k = 0; k < S; ++k)
+      if (sim.recompute[k])
+        plan.notes.push_back(absl::StrFormat(
+            "stage %d recomputes its activations before each backward pass, so that its memory holds %d "
+            "micro-batches in flight (%d without): the simulated step is %.4g s, against %.4g s without "
+            "recomputation",
+            k + 1, sim.in_flight[k], plain.in_flight[k], sim.total, plain.total));
   }
   for (int k = 0; k + 1 < S; ++k) {
     LinkPlan lp;
@@ -1395,14 +1447,19 @@ std::string PlanTable(const Plan& plan, const OpGraph& graph, const ClusterProfi
   }
   out += absl::StrFormat("\nbottleneck:            %s\n", plan.bottleneck);
   std::vector<int> depth, depth_1f1b;
+  std::vector<std::string> shown;  // "12r": 12 in flight with recomputation
+  bool recompute = false;
   for (size_t k = 0; k < plan.stages.size(); ++k) {
     depth.push_back(plan.stages[k].in_flight);
     depth_1f1b.push_back(std::min<int>(plan.micro_batches, static_cast<int>(plan.stages.size() - k)));
+    shown.push_back(absl::StrCat(plan.stages[k].in_flight, plan.stages[k].recompute ? "r" : ""));
+    recompute = recompute || plan.stages[k].recompute;
   }
-  out += absl::StrFormat("in flight per stage:   %s micro-batches%s\n", absl::StrJoin(depth, " / "),
+  out += absl::StrFormat("in flight per stage:   %s micro-batches%s%s\n", absl::StrJoin(shown, " / "),
                          depth == depth_1f1b ? " (1F1B)"
                                              : absl::StrCat(" (1F1B: ", absl::StrJoin(depth_1f1b, " / "),
-                                                            "; deeper where the round trip needs it)"));
+                                                            "; deeper where the round trip needs it)"),
+                         recompute ? "; r: activations recomputed before each backward pass, to afford the depth" : "");
   const std::string terms =
       absl::StrFormat("fill+drain %.4g s + steady %.4g s%s", plan.fill_drain_seconds, plan.steady_seconds,
                       plan.sync_seconds > 0 ? absl::StrFormat(" + sync %.4g s", plan.sync_seconds) : "");
@@ -1436,6 +1493,7 @@ std::string PlanJson(const Plan& plan, const OpGraph& graph) {
                {"allreduce_seconds", s.allreduce_seconds},
                {"micro_batches", s.micro_batches},
                {"in_flight", s.in_flight},
+               {"recompute", s.recompute},
                {"workers", s.workers}};
     if (s.site_reduce_seconds > 0) js["site_reduce_seconds"] = s.site_reduce_seconds;
     if (s.codec_seconds > 0) js["codec_seconds"] = s.codec_seconds;

@@ -67,6 +67,12 @@ struct PlanOptions {
   // by the steady-state formula; layouts with fewer stages or more replicas are compared by that
   // simulation too. Off: 1F1B's depth and the formula.
   bool deep_pipeline = false;
+  // With deep_pipeline: a stage whose memory holds fewer micro-batches in flight than its round trip
+  // needs may recompute its forward pass just before each backward pass (activation recomputation). It
+  // then keeps only each micro-batch's input in flight, plus one micro-batch's activations, at the cost of
+  // a second forward pass (ComputeFactor). Chosen per stage where that shortens the simulated step by
+  // more than 1%. Off: never.
+  bool recompute = true;
   std::vector<Codec> link_codecs = DefaultLinkCodecs();
   std::vector<Codec> gradient_codecs = DefaultGradientCodecs();
   double gradient_bytes_fraction = 0.5;  // gradient bytes = this * param_bytes (param_bytes = weights + grads)
@@ -144,6 +150,10 @@ struct StagePlan {
   // Micro-batches the stage keeps in flight (forward passes run whose backward pass has not): 1F1B's
   // S - k, or more with deep_pipeline (PipelineSchedule in schedule.h). memory_bytes counts them.
   int in_flight = 0;
+  // Activation recomputation (PlanOptions::recompute): the stage keeps only its input per micro-batch in
+  // flight and runs the forward pass again before each backward pass; compute_seconds excludes that
+  // second forward pass (ComputeFactor gives the stage's time with it), memory_bytes counts the inputs.
+  bool recompute = false;
   // From the simulated schedule (deep_pipeline; else 0): seconds per step the stage computes and waits.
   double busy_seconds = 0, wait_seconds = 0;
 };

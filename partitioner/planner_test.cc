@@ -15,6 +15,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
 namespace meridian::partitioner {
@@ -698,11 +699,68 @@ TEST(Planner, DeepPipelineDepthStaysWithinMemory) {
   o.deep_pipeline = true;
   o.fixed_sites = {0, 1, 2};
   o.fixed_last_ops = {9, 19, 29};
+  o.recompute = false;  // RecomputationAffordsTheDepthThatMemoryDenies
   auto plan = PlanPipeline(g, p, o);
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_EQ(plan->stages[0].in_flight, 4);
   EXPECT_LE(plan->stages[0].memory_bytes, plan->stages[0].memory_available_bytes);
   EXPECT_LE(plan->stages[1].in_flight, 4);
+}
+
+// Long latencies call for 7 micro-batches in flight at the first stage, but the memory of the first two
+// sites holds only 1F1B's (3 and 2). Recomputing each forward pass before its backward pass keeps only the
+// inputs in flight, plus one micro-batch's activations: deeper for a third more compute, and shorter.
+TEST(Planner, RecomputationAffordsTheDepthThatMemoryDenies) {
+  OpGraph g = Chain(30, 1e9, 2e5);  // 10 ops a stage: state 3e4 bytes, activations 2e6 a micro-batch
+  ClusterProfile p;
+  p.sites = {{"a", 1e11, 3e4 + 3 * 2e6 + 1, {}}, {"b", 1e11, 3e4 + 2 * 2e6 + 1, {}}, {"c", 1e11, 1e12, {}}};
+  LinkAll(&p, 2e6, 0.2);  // 0.1 s per activation, 200 ms one way; each stage 0.1 s forward, 0.2 s backward
+  PlanOptions o;
+  o.micro_batches = 32;
+  o.deep_pipeline = true;
+  o.fixed_sites = {0, 1, 2};
+  o.fixed_last_ops = {9, 19, 29};
+  o.recompute = false;
+  auto plain = PlanPipeline(g, p, o);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_EQ(plain->stages[0].in_flight, 3);
+  EXPECT_EQ(plain->stages[1].in_flight, 2);
+  for (const auto& st : plain->stages) EXPECT_FALSE(st.recompute);
+  o.recompute = true;
+  auto plan = PlanPipeline(g, p, o);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_TRUE(plan->stages[0].recompute);
+  ASSERT_TRUE(plan->stages[1].recompute);
+  EXPECT_FALSE(plan->stages[2].recompute);
+  EXPECT_GT(plan->stages[0].in_flight, 3);
+  EXPECT_GT(plan->stages[1].in_flight, 2);
+  // Memory: the state, one micro-batch's activations, and each in flight's input (none for the tokens).
+  EXPECT_DOUBLE_EQ(plan->stages[0].memory_bytes, 3e4 + 2e6);
+  EXPECT_DOUBLE_EQ(plan->stages[1].memory_bytes, 3e4 + 2e6 + plan->stages[1].in_flight * 2e5);
+  for (const auto& st : plan->stages) EXPECT_LE(st.memory_bytes, st.memory_available_bytes);
+  // The compute per micro-batch excludes the second forward pass; the prediction is the simulation of the
+  // schedule with it, before each backward pass of the recomputing stages.
+  EXPECT_DOUBLE_EQ(plan->stages[0].compute_seconds, plain->stages[0].compute_seconds);
+  PipelineTimes t;
+  t.micro_batches = 32;
+  t.forward_seconds.assign(3, 0.1);
+  t.backward_seconds.assign(3, 0.2);
+  t.recompute_seconds = {0.1, 0.1, 0};
+  t.forward_transfer_seconds.assign(2, 0.1);
+  t.backward_transfer_seconds.assign(2, 0.1);
+  t.forward_latency_seconds.assign(2, 0.2);
+  t.backward_latency_seconds.assign(2, 0.2);
+  for (const auto& st : plan->stages) t.in_flight.push_back(st.in_flight);
+  EXPECT_NEAR(plan->predicted_step_seconds, SimulatePipeline(t).step_seconds, 1e-9);
+  EXPECT_LT(plan->predicted_step_seconds, 0.8 * plain->predicted_step_seconds);
+  // It shows in the plan's renderings.
+  bool noted = false;
+  for (const auto& n : plan->notes) noted = noted || n.find("stage 1 recomputes its activations") == 0;
+  EXPECT_TRUE(noted);
+  EXPECT_NE(PlanTable(*plan, g, p).find(absl::StrCat(plan->stages[0].in_flight, "r / ")), std::string::npos);
+  auto j = nlohmann::json::parse(PlanJson(*plan, g));
+  EXPECT_TRUE(j["stages"][0]["recompute"].get<bool>());
+  EXPECT_FALSE(j["stages"][2]["recompute"].get<bool>());
 }
 
 // With few micro-batches a step's fill and drain carry every hop's latency: the simulated step can favour

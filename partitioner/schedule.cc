@@ -14,6 +14,10 @@ int DefaultInFlight(const PipelineTimes& t, int k) {
   return t.in_flight.empty() ? S - k : t.in_flight[k];
 }
 
+double RecomputeSeconds(const PipelineTimes& t, int k) {
+  return t.recompute_seconds.empty() ? 0.0 : t.recompute_seconds[k];
+}
+
 }  // namespace
 
 std::vector<std::pair<char, int>> PipelineSchedule(int stage, int num_stages, int micro_batches, int in_flight) {
@@ -69,6 +73,12 @@ SimulatedStep SimulatePipeline(const PipelineTimes& t) {
         else
           ready = k == S - 1 ? forward_done[k * static_cast<size_t>(M) + m] : grad[k][m];
         if (ready == kInf) break;
+        if (kind == 'B' && RecomputeSeconds(t, k) > 0) {  // needs no gradient: at once
+          const double again = RecomputeSeconds(t, k);
+          r.passes[k].push_back({'R', m, free_at[k], free_at[k] + again});
+          r.busy_seconds[k] += again;
+          free_at[k] += again;
+        }
         const double start = std::max(free_at[k], ready);
         if (!r.passes[k].empty()) r.wait_seconds[k] += start - free_at[k];
         const double work = kind == 'F' ? t.forward_seconds[k] : t.backward_seconds[k];
@@ -124,15 +134,16 @@ std::vector<int> ChooseInFlight(const PipelineTimes& t, const std::vector<int>& 
   }
   // The steady pace: the slowest stage's passes or the slowest link direction.
   double pace = 0;
-  for (int k = 0; k < S; ++k) pace = std::max(pace, t.forward_seconds[k] + t.backward_seconds[k]);
+  auto passes = [&](int k) { return t.forward_seconds[k] + RecomputeSeconds(t, k) + t.backward_seconds[k]; };
+  for (int k = 0; k < S; ++k) pace = std::max(pace, passes(k));
   for (int k = 0; k + 1 < S; ++k)
     pace = std::max({pace, t.forward_transfer_seconds[k], t.backward_transfer_seconds[k]});
   // Round trip of a micro-batch from stage k's forward pass to its gradient's return, plus the pass.
   for (int k = 0; k < S; ++k) {
-    double trip = t.forward_seconds[k] + t.backward_seconds[k];
+    double trip = passes(k);
     for (int j = k; j + 1 < S; ++j)
       trip += t.forward_transfer_seconds[j] + t.forward_latency_seconds[j] + t.backward_transfer_seconds[j] +
-              t.backward_latency_seconds[j] + t.forward_seconds[j + 1] + t.backward_seconds[j + 1];
+              t.backward_latency_seconds[j] + passes(j + 1);
     const int need = pace > 0 ? static_cast<int>(std::min<double>(std::ceil(trip / pace - 1e-9), M)) : 1;
     d[k] = std::clamp(need, lo[k], hi[k]);
   }

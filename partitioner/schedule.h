@@ -34,6 +34,10 @@ struct PipelineTimes {
   // Per stage, the compute thread's seconds per pass, with the codec work that pass does (decoding its
   // input, encoding what it sends: partitioner::CodecSeconds).
   std::vector<double> forward_seconds, backward_seconds;
+  // Per stage (empty: none), the forward pass run again before each backward pass (activation
+  // recomputation): it needs no gradient, so it starts as soon as the stage is free, and the backward
+  // pass follows once the gradient has arrived.
+  std::vector<double> recompute_seconds;
   std::vector<double> forward_transfer_seconds, backward_transfer_seconds;  // per link (S - 1 entries)
   std::vector<double> forward_latency_seconds, backward_latency_seconds;    // per link, one way
   std::vector<int> in_flight;  // per stage; empty: 1F1B (num_stages - stage)
@@ -46,7 +50,8 @@ struct SimulatedStep {
   std::vector<double> wait_seconds;    // per stage: idle between its first pass and its last
   std::vector<double> finish_seconds;  // per stage: end of its last pass
   std::vector<double> forward_link_busy_seconds, backward_link_busy_seconds;  // per link
-  // Per stage, the passes in the order they ran: (kind, micro-batch, start, end).
+  // Per stage, the passes in the order they ran: (kind, micro-batch, start, end); a recomputation is an
+  // 'R' pass before its micro-batch's 'B'.
   struct Pass {
     char kind;
     int micro_batch;

@@ -100,6 +100,26 @@ TEST(ScheduleSimulation, LinksAreFifosAtTheirBandwidthWithLatency) {
   EXPECT_DOUBLE_EQ(s.forward_link_busy_seconds[0], 4.0);
 }
 
+// A recomputed forward pass needs no gradient: it runs as soon as the stage is free, so it costs nothing
+// while the gradient is still on its way, and delays the backward pass only by what it takes beyond that.
+TEST(ScheduleSimulation, RecomputationRunsWhileTheGradientIsOnItsWay) {
+  PipelineTimes t = Uniform(2, 1, 1.0, 1.0, 0, 2.0);  // the gradient is back at stage 0 at t = 7
+  const SimulatedStep plain = SimulatePipeline(t);
+  t.recompute_seconds = {5.0, 0};
+  SimulatedStep s = SimulatePipeline(t);
+  ASSERT_FALSE(s.deadlocked);
+  ASSERT_EQ(s.passes[0].size(), 3u);
+  EXPECT_EQ(s.passes[0][1].kind, 'R');
+  EXPECT_DOUBLE_EQ(s.passes[0][1].start, 1.0);
+  EXPECT_DOUBLE_EQ(s.passes[0][1].end, 6.0);
+  EXPECT_DOUBLE_EQ(s.passes[0][2].start, 7.0);  // B, when its gradient arrives
+  EXPECT_DOUBLE_EQ(s.step_seconds, plain.step_seconds);
+  EXPECT_DOUBLE_EQ(s.busy_seconds[0], plain.busy_seconds[0] + 5.0);
+  EXPECT_DOUBLE_EQ(s.wait_seconds[0], plain.wait_seconds[0] - 5.0);
+  t.recompute_seconds = {7.0, 0};  // one second beyond the gradient's arrival
+  EXPECT_DOUBLE_EQ(SimulatePipeline(t).step_seconds, plain.step_seconds + 1.0);
+}
+
 TEST(ScheduleSimulation, DeeperPipelineCoversALongRoundTrip) {
   // The WAN-bound case: hops as long as a stage's pass, long latency. 1F1B's window starves
   // the early stages; the chosen depths bring the step near M passes of the slowest stage.

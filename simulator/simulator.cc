@@ -47,6 +47,10 @@ LinkCodec CodecOf(const std::string& name, double ratio) {
 struct Worker {
   int site = 0, stage = 0, replica = 0;
   double forward = 0, backward = 0;  // seconds per micro-batch
+  // Activation recomputation: the forward pass again before each backward pass (0: none), run as soon as
+  // the worker is free; `recomputed` once the current backward pass's has run.
+  double recompute = 0;
+  bool recomputed = false;
   std::vector<std::pair<char, int>> order;
   int micro_batches = 0;
   // The current step.
@@ -100,6 +104,7 @@ class Simulation {
   void StartStep(int w, double t);
   void TryRun(int w, double now);
   void PassDone(int w, double start, double end, double codec);
+  void RecomputeDone(int w, double start, double end);
   void AfterPasses(int w, double t);
   // A sum over the replicas of a stage (a gradient bucket, or a DiLoCo fragment): each replica, once it
   // contributes, sends part j to replica j; replica j, with every part and its own, sends the summed part
@@ -207,6 +212,7 @@ absl::Status Simulation::Init() {
       const double t = partitioner::RangeSeconds(g_, p_.sites[site], st.first_op, st.last_op);
       w.forward = t * share;
       w.backward = t * (1 - share);
+      w.recompute = t * (partitioner::ComputeFactor(g_, st.first_op, st.last_op, st.recompute) - 1);
       for (auto e : partitioner::PipelineSchedule(k, S, M, st.in_flight))
         if (owners_[k][e.second] == w.replica) w.order.push_back(e);
       w.micro_batches = st.micro_batches[r];
@@ -299,6 +305,11 @@ void Simulation::TryRun(int wi, double now) {
   const int S = static_cast<int>(plan_.stages.size());
   if (w.next >= w.order.size()) return AfterPasses(wi, now);
   const auto [kind, m] = w.order[w.next];
+  if (kind == 'B' && w.recompute > 0 && !w.recomputed) {  // needs no gradient: at once
+    w.busy = true;
+    At(now + w.recompute, [this, wi, now, end = now + w.recompute] { RecomputeDone(wi, now, end); });
+    return;
+  }
   // The pass's codec work, and its transport work (each frame it receives or sends) on a CPU site.
   double codec = 0, transport = 0;
   const partitioner::SiteProfile& site = p_.sites[w.site];
@@ -344,11 +355,22 @@ void Simulation::TryRun(int wi, double now) {
   At(end, [this, wi, start, end, codec] { PassDone(wi, start, end, codec); });
 }
 
+void Simulation::RecomputeDone(int wi, double start, double end) {
+  Worker& w = workers_[wi];
+  w.busy = false;
+  w.recomputed = true;
+  w.compute[w.step] += end - start;
+  if (w.step >= keep_from_)
+    records_.push_back({{p_.sites[w.site].name, "recompute", w.step, w.order[w.next].second, "", start, end}});
+  TryRun(wi, end);
+}
+
 void Simulation::PassDone(int wi, double start, double end, double codec) {
   Worker& w = workers_[wi];
   const int S = static_cast<int>(plan_.stages.size());
   const auto [kind, m] = w.order[w.next];
   w.busy = false;
+  w.recomputed = false;
   w.compute[w.step] += end - start;
   w.codec[w.step] += codec;
   if (w.step >= keep_from_)
@@ -764,7 +786,9 @@ absl::StatusOr<ClusterProfile> CalibrateCompute(const OpGraph& graph, const Clus
     if (!(target > 0) || !std::isfinite(target))
       return absl::InvalidArgumentError(absl::StrCat("calibration: site '", name, "': seconds must be positive"));
     auto& sp = out.sites[site];
-    const double now = partitioner::RangeSeconds(graph, sp, stage->first_op, stage->last_op);
+    // What the site measures includes a recomputing stage's second forward pass.
+    const double now = partitioner::RangeSeconds(graph, sp, stage->first_op, stage->last_op) *
+                       partitioner::ComputeFactor(graph, stage->first_op, stage->last_op, stage->recompute);
     if (!(now > 0)) return absl::InvalidArgumentError(absl::StrCat("calibration: site '", name, "' computes nothing"));
     const double factor = target / now;
     for (auto& [op, t] : sp.op_seconds) t *= factor;
@@ -841,6 +865,10 @@ absl::StatusOr<Plan> ParsePlanJson(const std::string& text, const std::string& p
           st["in_flight"].get<int64_t>() > M)
         return bad(where + ".in_flight", absl::StrCat("expected an integer from 0 (1F1B) to ", M));
       sp.in_flight = st["in_flight"].get<int>();
+    }
+    if (st.contains("recompute")) {
+      if (!st["recompute"].is_boolean()) return bad(where + ".recompute", "expected true or false");
+      sp.recompute = st["recompute"].get<bool>();
     }
     if (st.contains("gradient_codec")) {
       if (!st["gradient_codec"].is_string() || !partitioner::PriceCodec(st["gradient_codec"].get<std::string>()).ok())
@@ -979,8 +1007,8 @@ std::string SimulationTable(const SimulationResult& r) {
 std::string TimelineSvg(const SimulationResult& r) {
   // One colour per activity kind; compute in a row's upper band, traffic out of the site in the lower.
   static const std::map<std::string, std::string> kColour = {
-      {"forward", "#4e79a7"},    {"backward", "#f28e2b"}, {"send", "#59a14f"}, {"sync", "#b07aa1"},
-      {"outer_sync", "#e15759"}, {"control", "#9c755f"},  {"wait", "#d3d3d3"}};
+      {"forward", "#4e79a7"}, {"backward", "#f28e2b"},   {"recompute", "#76b7b2"}, {"send", "#59a14f"},
+      {"sync", "#b07aa1"},    {"outer_sync", "#e15759"}, {"control", "#9c755f"},   {"wait", "#d3d3d3"}};
   std::vector<std::string> rows;
   for (const auto& s : r.sites) rows.push_back(s.site);
   double span = r.last_step_seconds;
@@ -1006,7 +1034,7 @@ std::string TimelineSvg(const SimulationResult& r) {
     auto colour = kColour.find(a.kind);
     if (it == rows.end() || colour == kColour.end()) continue;
     const double y = top + row_h * (it - rows.begin());
-    const bool compute = a.kind == "forward" || a.kind == "backward" || a.kind == "wait";
+    const bool compute = a.kind == "forward" || a.kind == "backward" || a.kind == "recompute" || a.kind == "wait";
     const double y0 = compute ? y + 2 : y + row_h * 0.55, h = compute ? row_h * 0.5 : row_h * 0.35;
     absl::StrAppendFormat(&svg,
                           "<rect x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" height=\"%.1f\" fill=\"%s\"><title>%s %s%s "
@@ -1017,7 +1045,7 @@ std::string TimelineSvg(const SimulationResult& r) {
   }
   const double ly = top + row_h * rows.size() + 20;
   double lx = left;
-  for (const char* k : {"forward", "backward", "wait", "send", "sync", "outer_sync", "control"}) {
+  for (const char* k : {"forward", "backward", "recompute", "wait", "send", "sync", "outer_sync", "control"}) {
     absl::StrAppendFormat(&svg, "<rect x=\"%.0f\" y=\"%.0f\" width=\"12\" height=\"12\" fill=\"%s\"/>", lx, ly,
                           kColour.at(k));
     absl::StrAppendFormat(&svg, "<text x=\"%.0f\" y=\"%.0f\">%s</text>\n", lx + 16, ly + 11, k);

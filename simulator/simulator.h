@@ -46,12 +46,13 @@ struct SimulationOptions {
 // One interval of the timeline.
 struct Activity {
   std::string site;
-  // "forward", "backward" (compute thread, codec work included), "send" (an activation or gradient on
+  // "forward", "backward" (compute thread, codec work included), "recompute" (a recomputing stage's
+  // forward pass again, before its backward pass), "send" (an activation or gradient on
   // the site's outgoing link), "sync" (replica gradient buckets), "outer_sync" (DiLoCo pseudo-gradients),
   // "control" (gradient-norm messages), "wait" (the stage waiting for a synchronisation to finish).
   std::string kind;
   int step = 0;
-  int micro_batch = -1;  // forward, backward and send; -1 otherwise
+  int micro_batch = -1;  // forward, backward, recompute and send; -1 otherwise
   std::string peer;      // send, sync, outer_sync, control: the receiving site
   double start = 0, end = 0;
 };

@@ -185,6 +185,8 @@ TEST(SimulatorTest, AgreesWithThePlannersScheduleSimulationOnRandomPipelines) {
     // Deeper pipelines too, never increasing along it.
     for (int k = 0; k < S; ++k)
       plan.stages[k].in_flight = trial % 3 == 0 ? 0 : std::min(M, S - k + (S - k) * (trial % 3));
+    // And stages that recompute their activations (the forward pass again before each backward pass).
+    for (int k = 0; k < S; ++k) plan.stages[k].recompute = trial % 5 < 2 && (k + trial) % 2 == 0;
     auto r = Simulate(g, p, plan, {.steps = 1});
     ASSERT_TRUE(r.ok()) << r.status();
 
@@ -193,6 +195,7 @@ TEST(SimulatorTest, AgreesWithThePlannersScheduleSimulationOnRandomPipelines) {
     for (int k = 0; k < S; ++k) {
       t.forward_seconds.push_back(2e9 / p.sites[k].flops_per_second);
       t.backward_seconds.push_back(4e9 / p.sites[k].flops_per_second);
+      t.recompute_seconds.push_back(plan.stages[k].recompute ? 2e9 / p.sites[k].flops_per_second : 0.0);
       t.in_flight.push_back(plan.stages[k].in_flight > 0 ? plan.stages[k].in_flight : S - k);
     }
     auto bw = [&](int a, int b) {
@@ -287,6 +290,7 @@ TEST(SimulatorTest, PlanJsonRoundTripsAndErrorsNameTheField) {
   o.replication = true;
   auto plan = partitioner::PlanPipeline(g, p, o);
   ASSERT_TRUE(plan.ok()) << plan.status();
+  plan->stages[0].recompute = true;
   auto back = ParsePlanJson(partitioner::PlanJson(*plan, g), "plan.json", g, p);
   ASSERT_TRUE(back.ok()) << back.status();
   ASSERT_EQ(back->stages.size(), plan->stages.size());
@@ -294,6 +298,7 @@ TEST(SimulatorTest, PlanJsonRoundTripsAndErrorsNameTheField) {
     EXPECT_EQ(back->stages[k].sites, plan->stages[k].sites);
     EXPECT_EQ(back->stages[k].micro_batches, plan->stages[k].micro_batches);
     EXPECT_EQ(back->stages[k].in_flight, plan->stages[k].in_flight);
+    EXPECT_EQ(back->stages[k].recompute, plan->stages[k].recompute);
   }
   for (size_t k = 0; k < plan->links.size(); ++k) {
     EXPECT_EQ(back->links[k].codec, plan->links[k].codec);
@@ -316,6 +321,8 @@ TEST(SimulatorTest, PlanJsonRoundTripsAndErrorsNameTheField) {
   EXPECT_THAT(err(R"({"micro_batches": 4, "stages": [{"sites": ["s0"], "last_op": 2}, {"sites": ["s1"], "last_op": 5}],
                       "links": [{"codec": "zip"}]})"),
               testing::HasSubstr("links[0].codec: 'zip' is not a codec"));
+  EXPECT_THAT(err(R"({"micro_batches": 4, "stages": [{"sites": ["s0"], "last_op": 5, "recompute": 1}]})"),
+              testing::HasSubstr("p.json: stages[0].recompute: expected true or false"));
   EXPECT_THAT(err(R"({"micro_batches": 4, "stages": [{"sites": ["s0"], "last_op": 5}], "sync": {"mode": "often"}})"),
               testing::HasSubstr("sync.mode"));
 }

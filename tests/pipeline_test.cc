@@ -49,6 +49,7 @@ struct Stage {
   int first, last;
   std::vector<int> shares = {};  // replicas: micro-batches per step of each site (empty: one site)
   int in_flight = 0;             // micro-batches in flight (0: 1F1B's)
+  bool recompute = false;        // activation recomputation
 };
 
 class PipelineTest : public ::testing::Test {
@@ -137,6 +138,7 @@ class PipelineTest : public ::testing::Test {
                       "\", \"prev_forward_codec\": \"" + fwd + "\", \"backward_codec\": \"" + bwd +
                       "\", \"gradient_codec\": \"" + grad + "\", \"replicas\": " + group(k) + assignment_extra_;
       if (stages[k].in_flight > 0) a += ", \"in_flight\": " + std::to_string(stages[k].in_flight);
+      if (stages[k].recompute) a += ", \"recompute\": true";
       if (k > 0) a += ", \"prev_replicas\": " + group(k - 1);
       if (k + 1 < stages.size()) a += ", \"next_replicas\": " + group(k + 1);
       std::string apath = (out.string() + "-assign" + std::to_string(k) + ".json");
@@ -217,6 +219,43 @@ TEST_F(PipelineTest, DeeperPipelinesMatchTheSingleProcessTrainer) {
   ExpectClose(Distributed(job, {{0, 2, {}, 4}, {3, 5, {}, 1}}, "identity", "identity", nullptr), want);
   // Replicas of a deep stage run their micro-batches in the same order.
   ExpectClose(Distributed(job, {{0, 2, {2, 2}, 4}, {3, 5, {}, 1}}, "identity", "identity", nullptr), want);
+}
+
+// Stages that recompute their activations (the forward pass again before each backward pass, keeping
+// only the inputs in flight) train exactly what the single-process trainer does, at any depth, the last
+// stage and replicas included; and each backward pass is preceded by its micro-batch's recomputation.
+TEST_F(PipelineTest, RecomputingStagesMatchTheSingleProcessTrainer) {
+  const fs::path trace = dir_ / "trace";
+  fs::create_directories(trace);
+  ::setenv("MERIDIAN_TRACE_DIR", trace.string().c_str(), 1);
+  std::string job = Job("job", 3);
+  auto want = Reference(job);
+  ExpectClose(Distributed(job, {{0, 1, {}, 4, true}, {2, 3, {}, 3, true}, {4, 5, {}, 1, true}}, "identity", "identity",
+                          nullptr),
+              want);
+  ::unsetenv("MERIDIAN_TRACE_DIR");
+  for (int k = 0; k < 3; ++k) {
+    std::ifstream in(trace / ("trace-" + std::string(1, "abc"[k]) + "-stage" + std::to_string(k) + ".jsonl"));
+    ASSERT_TRUE(in) << "stage " << k;
+    int steps = 0;
+    for (std::string line; std::getline(in, line); ++steps) {
+      int recomputed = -1, backward = 0;
+      const auto j = nlohmann::json::parse(line);
+      for (const auto& iv : j["intervals"]) {
+        const std::string what = iv[0];
+        if (what == "R") recomputed = iv[1].get<int>();
+        if (what == "B") {
+          EXPECT_EQ(recomputed, iv[1].get<int>()) << "stage " << k << ": " << line;
+          recomputed = -1;
+          ++backward;
+        }
+      }
+      EXPECT_EQ(backward, 4) << line;
+    }
+    EXPECT_EQ(steps, 3) << "stage " << k;
+  }
+  // A replicated recomputing stage beside one that keeps its activations.
+  ExpectClose(Distributed(job, {{0, 2, {2, 2}, 4, true}, {3, 5, {}, 1}}, "identity", "identity", nullptr), want);
 }
 
 // MERIDIAN_TRACE_DIR: each stage writes one line per step with its passes in its schedule's order, each
@@ -320,7 +359,8 @@ TEST_F(PipelineTest, SendsOverASlowLinkDoNotBlockTheComputeThread) {
 TEST_F(PipelineTest, AnAssignmentWithABadDepthOrQueueIsRefusedNamingTheField) {
   std::string job = Job("job", 1);
   fs::path apath = dir_ / "bad.json";
-  for (const char* field : {"\"in_flight\": -1", "\"in_flight\": \"deep\"", "\"send_queue_bytes\": 0"}) {
+  for (const char* field :
+       {"\"in_flight\": -1", "\"in_flight\": \"deep\"", "\"send_queue_bytes\": 0", "\"recompute\": 1"}) {
     std::ofstream(apath) << "{\"stage\": 0, \"num_stages\": 1, \"first_op\": 0, \"last_op\": 5, " << field << "}";
     Process p(Bin("meridian-executor") + " --site a --certs " + (dir_ / "certs" / "bundles" / "a").string() +
               " --listen 127.0.0.1:" + std::to_string(FreePort()) + " --assignment " + apath.string() + " --job " +
@@ -636,6 +676,9 @@ TEST_F(PipelineTest, LoraAdaptersAcrossExecutorsMatchTheSingleProcessTrainerAndE
     EXPECT_EQ(std::stoll(m[2]), 3 * adapter_bytes[i / 2]) << "site "
                                                           << "abcd"[i];
   }
+  // Recomputing stages draw the same adapter dropout masks the second time: the same adapters.
+  ExpectClose(Distributed(job, {{0, 0, {}, 0, true}, {1, 2, {}, 0, true}, {3, 5}}, "identity", "identity", nullptr),
+              want);
 }
 
 // Stage replicas (data parallel across sites) train exactly what one site does: a replicated pipeline
