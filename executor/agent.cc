@@ -244,6 +244,7 @@ absl::StatusOr<OpProfile> ProfileAsWorker(SiteGroup* group, const JobSetup& setu
     op.forward_flops *= scale;
     op.backward_flops *= scale;
     op.output_bytes *= scale;
+    if (op.saved_bytes > 0) op.saved_bytes *= scale;
   }
   // The workers' all-reduce: 16 MiB of float32, one warm-up and three timed; bus bandwidth as NCCL's tests
   // report it (2 (K-1)/K of the bytes per worker over the time).

@@ -98,7 +98,7 @@ absl::StatusOr<OpGraph> ParseGraphJson(const std::string& text, const std::strin
     if (!o.is_object()) return Bad(path, ctx, "expected an object");
     RETURN_IF(OnlyKeys(o,
                        {"name", "forward_flops", "backward_flops", "param_bytes", "optimizer_bytes", "output_bytes",
-                        "inputs", "tied_to"},
+                        "saved_bytes", "inputs", "tied_to"},
                        path, ctx));
     Op op;
     RETURN_IF(String(o, "name", path, ctx, &op.name));
@@ -109,6 +109,7 @@ absl::StatusOr<OpGraph> ParseGraphJson(const std::string& text, const std::strin
     RETURN_IF(Number(o, "param_bytes", path, ctx, false, &op.param_bytes));
     RETURN_IF(Number(o, "optimizer_bytes", path, ctx, false, &op.optimizer_bytes));
     RETURN_IF(Number(o, "output_bytes", path, ctx, true, &op.output_bytes));
+    RETURN_IF(Number(o, "saved_bytes", path, ctx, false, &op.saved_bytes));
     auto in = o.find("inputs");
     if (in != o.end()) {
       if (!in->is_array()) return Bad(path, ctx + ".inputs", "expected an array of op indices");
@@ -244,6 +245,8 @@ double OpSeconds(const Op& op, const SiteProfile& site) {
   return it != site.op_seconds.end() ? it->second : (op.forward_flops + op.backward_flops) / site.flops_per_second;
 }
 
+double SavedBytes(const Op& op) { return op.saved_bytes >= 0 ? op.saved_bytes : op.output_bytes; }
+
 double RangeSeconds(const OpGraph& graph, const SiteProfile& site, int first, int last) {
   double t = 0;
   for (int i = first; i <= last; ++i) t += OpSeconds(graph.ops[i], site);
@@ -318,6 +321,7 @@ std::string GraphToJson(const OpGraph& g) {
                    {"output_bytes", o.output_bytes},
                    {"inputs", o.inputs}});
     if (o.tied_to >= 0) ops.back()["tied_to"] = o.tied_to;
+    if (o.saved_bytes >= 0) ops.back()["saved_bytes"] = o.saved_bytes;
   }
   return json{{"ops", ops}}.dump(1) + "\n";
 }
@@ -383,27 +387,40 @@ OpGraph BuildLlamaGraph(const LlamaShape& m, const LlamaGraphOptions& o) {
   const double state_per_param = o.weight_bytes + o.gradient_bytes;
   const double hidden_out = tokens * d * o.activation_bytes;
   OpGraph g;
-  auto add = [&](std::string name, double params, double fwd, double bwd, double out, std::vector<int> inputs) {
-    g.ops.push_back(
-        {std::move(name), fwd, bwd, params * state_per_param, params * o.optimizer_bytes, out, std::move(inputs)});
+  // `saved`: elements the forward pass leaves for the backward pass, output included (SavedBytes), as
+  // executor/llama.cc's eager autograd keeps them (measured: executor/llama_test.cc).
+  auto add = [&](std::string name, double params, double fwd, double bwd, double out, double saved,
+                 std::vector<int> inputs) {
+    Op op{std::move(name), fwd, bwd, params * state_per_param, params * o.optimizer_bytes, out, std::move(inputs)};
+    op.saved_bytes = saved * o.activation_bytes;
+    g.ops.push_back(std::move(op));
   };
   // Embedding lookup: negligible FLOPs; its backward is a scatter-add of the same size as its output.
-  add("embed", v * d, tokens * d, tokens * d, hidden_out, {});
+  add("embed", v * d, tokens * d, tokens * d, hidden_out, tokens * d, {});
+  const double heads = m.num_attention_heads;
   for (int l = 0; l < m.num_hidden_layers; ++l) {
     // RMSNorm (d weights), Q/K/V/O projections, causal attention scores and weighted sum, residual add.
+    // Kept: the norm's input and intermediates, the projections' input, q and k before and after RoPE,
+    // k and v at every query head, the attention output, the output (8 x d per token); and the softmax's
+    // probabilities, heads x s x s per sequence.
     double attn_params = d + d * d + 2 * d * kv + d * d;
     double attn_fwd = 2 * tokens * (d * d + 2 * d * kv + d * d) + 2 * 2 * b * s * s * d;
     int prev = static_cast<int>(g.ops.size()) - 1;
-    add("layer" + std::to_string(l) + ".attn", attn_params, attn_fwd, 2 * attn_fwd, hidden_out, {prev});
+    add("layer" + std::to_string(l) + ".attn", attn_params, attn_fwd, 2 * attn_fwd, hidden_out,
+        8 * tokens * d + b * heads * s * s, {prev});
+    // Kept: the norm's input and intermediates, the projections' input, the output (4 x d per token); the
+    // gate and up projections, the gate's SiLU and the product (4 x intermediate per token).
     double mlp_params = d + 3 * d * h;
     double mlp_fwd = 2 * tokens * 3 * d * h;
-    add("layer" + std::to_string(l) + ".mlp", mlp_params, mlp_fwd, 2 * mlp_fwd, hidden_out,
+    add("layer" + std::to_string(l) + ".mlp", mlp_params, mlp_fwd, 2 * mlp_fwd, hidden_out, tokens * (4 * d + 4 * h),
         {static_cast<int>(g.ops.size()) - 1});
   }
-  // Final RMSNorm, LM head (its weights shared with the embedding when tied) and the loss.
+  // Final RMSNorm, LM head (its weights shared with the embedding when tied) and the loss. Kept: the
+  // norm's (3 x d per token) and the loss's log-softmax (vocabulary per token; the logits are freed).
   double head_params = d + (m.tie_word_embeddings ? 0 : v * d);
   double head_fwd = 2 * tokens * d * v;
-  add("head", head_params, head_fwd, 2 * head_fwd, /*output: the loss*/ 4, {static_cast<int>(g.ops.size()) - 1});
+  add("head", head_params, head_fwd, 2 * head_fwd, /*output: the loss*/ 4, tokens * (3 * d + v),
+      {static_cast<int>(g.ops.size()) - 1});
   if (m.tie_word_embeddings) g.ops.back().tied_to = 0;  // the embedding's weights: one stage runs both
   return g;
 }

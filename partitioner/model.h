@@ -24,7 +24,14 @@ struct Op {
   // The index of an earlier op whose weights this op uses too (an LM head tied to the embedding), or -1.
   // The two must run in one stage: no cut may fall between them (CutSeparatesTiedOps).
   int tied_to = -1;
+  // What a micro-batch's forward pass through the op leaves in memory until its backward pass: the
+  // tensors autograd saves plus the output, per micro-batch (a transformer block keeps several times its
+  // output). Negative: not given, taken as output_bytes (SavedBytes).
+  double saved_bytes = -1;
 };
+
+// Op::saved_bytes, or output_bytes when not given.
+double SavedBytes(const Op& op);
 
 // Ops in topological order (every input index is smaller than the op's own index).
 struct OpGraph {

@@ -47,7 +47,7 @@ class CostModel {
     for (int i = 0; i < n_; ++i) {
       param_prefix_[i + 1] = param_prefix_[i] + g.ops[i].param_bytes;
       state_prefix_[i + 1] = state_prefix_[i] + g.ops[i].param_bytes + g.ops[i].optimizer_bytes;
-      act_prefix_[i + 1] = act_prefix_[i] + g.ops[i].output_bytes;
+      act_prefix_[i + 1] = act_prefix_[i] + SavedBytes(g.ops[i]);
     }
     cut_bytes_ = partitioner::CutBytes(g);
     input_bytes_ = cut_bytes_;
@@ -1168,7 +1168,7 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
   if (best.cost == kInf) {
     // Explain what does not fit: the model's state alone against the largest site.
     double state = 0, acts = 0;
-    for (const auto& op : graph.ops) state += op.param_bytes + op.optimizer_bytes, acts += op.output_bytes;
+    for (const auto& op : graph.ops) state += op.param_bytes + op.optimizer_bytes, acts += SavedBytes(op);
     double total_mem = 0, largest = 0;
     std::string largest_name;
     for (const auto& s : profile.sites) {
@@ -1178,7 +1178,7 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
     std::string why;
     for (int i = 0; i < N; ++i) {
       const Op& op = graph.ops[i];
-      double need = op.param_bytes + op.optimizer_bytes + op.output_bytes;
+      double need = op.param_bytes + op.optimizer_bytes + SavedBytes(op);
       if (need > largest) {
         why = absl::StrFormat("op '%s' alone needs %.3g bytes, more than the largest site ('%s', %.3g bytes)", op.name,
                               need, largest_name, largest);
