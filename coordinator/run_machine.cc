@@ -1175,8 +1175,7 @@ double RunMachine::PlannedStepCompute(const std::string& site) const {
       if (st.site_names[i] != site) continue;
       for (const auto& p : profile_.sites)
         if (p.name == site)
-          return partitioner::RangeSeconds(graph_, p, st.first_op, st.last_op) *
-                 partitioner::ComputeFactor(graph_, st.first_op, st.last_op, st.recompute) *
+          return partitioner::StagePassSeconds(graph_, p, st) *
                  (i < st.micro_batches.size() ? st.micro_batches[i] : c_.micro_batches);
     }
   return 0;

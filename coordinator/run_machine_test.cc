@@ -65,7 +65,7 @@ RunConfig Config(core::OnFailure on_failure = core::OnFailure::kReplan) {
 }
 
 // What site `site` reports after the first round of measuring: its device and the graph (no link yet).
-v1::ProfileReport Profile(const std::string& site, const std::string& error = "") {
+v1::ProfileReport Profile(const std::string& site, const std::string& error = "", double memory = 8e9) {
   v1::ProfileReport r;
   r.set_site(site);
   if (!error.empty()) {
@@ -73,7 +73,7 @@ v1::ProfileReport Profile(const std::string& site, const std::string& error = ""
     return r;
   }
   partitioner::ClusterProfile one;
-  one.sites.push_back({site, 1e11, 8e9, {}, {}});
+  one.sites.push_back({site, 1e11, memory, {}, {}});
   r.set_site_profile_json(nlohmann::json::parse(partitioner::ProfileToJson(one))["sites"][0].dump());
   r.set_graph_json(partitioner::GraphToJson(SmallGraph()));
   r.set_links_json("[]");
@@ -623,6 +623,35 @@ void StartTwoSites(Driver* d, double a_flops, double b_flops) {
   d->link_latency = 1e-4;
   d->Feed(ProfileReported{ProfileAmong("a", {}, a_flops)});
   d->Feed(ProfileReported{ProfileAmong("b", {}, b_flops)});  // then a probes b
+}
+
+// Links whose latency needs all four micro-batches in flight at the first stage, and a site a whose memory
+// holds only 1F1B's three of them (its state, 525,312 bytes, and 40,960 a micro-batch): the plan recomputes
+// stage 1's activations, and a's assignment says so.
+TEST(RunMachine, ARecomputingStageIsAssignedSo) {
+  Driver d(Config());
+  d.link_bandwidth = 1e6;
+  d.link_latency = 0.05;
+  d.Feed(RunStarted{});
+  for (const char* s : {"a", "b", "c"}) d.Feed(SiteRegistered{s, std::string("127.0.0.1:9") + s, "cpu"});
+  d.Feed(ProfileReported{Profile("b")});
+  d.Feed(ProfileReported{Profile("c")});
+  auto planned = d.Feed(ProfileReported{Profile("a", "", 525312 + 3 * 40960 + 1000)});
+  ASSERT_EQ(d.machine().phase(), RunMachine::Phase::kTraining) << Printed(planned);
+  const partitioner::Plan plan = *d.machine().plan();
+  ASSERT_EQ(plan.stages.size(), 3u);
+  EXPECT_TRUE(plan.stages[0].recompute);
+  EXPECT_EQ(plan.stages[0].in_flight, 4);
+  EXPECT_FALSE(plan.stages[1].recompute);
+  auto assigned = Assignments(d.last());
+  ASSERT_THAT(Sites(assigned), ElementsAre("a", "b", "c"));
+  EXPECT_TRUE(assigned["a"].recompute());
+  EXPECT_EQ(assigned["a"].in_flight(), 4);
+  EXPECT_FALSE(assigned["b"].recompute());
+  bool written = false;
+  for (const auto& f : All<WriteRunFile>(d.last()))
+    if (f.name == core::kPlanFile) written = nlohmann::json::parse(f.content)["stages"][0]["recompute"].get<bool>();
+  EXPECT_TRUE(written);
 }
 
 // `meridian run --resume` continues from whatever the shared directory holds: its assignments name no run

@@ -1399,6 +1399,11 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
   return plan;
 }
 
+double StagePassSeconds(const OpGraph& graph, const SiteProfile& site, const StagePlan& stage) {
+  return RangeSeconds(graph, site, stage.first_op, stage.last_op) *
+         ComputeFactor(graph, stage.first_op, stage.last_op, stage.recompute);
+}
+
 std::string PlanTable(const Plan& plan, const OpGraph& graph, const ClusterProfile& profile) {
   std::string out;
   out += absl::StrFormat(

@@ -158,6 +158,11 @@ struct StagePlan {
   double busy_seconds = 0, wait_seconds = 0;
 };
 
+// Seconds per micro-batch that `site` computes stage `stage`'s passes: its ops' time (RangeSeconds), with
+// a recomputing stage's second forward pass (ComputeFactor). What a site's reported compute time is
+// compared with.
+double StagePassSeconds(const OpGraph& graph, const SiteProfile& site, const StagePlan& stage);
+
 struct LinkPlan {
   int from_stage = 0;  // link between stage from_stage and from_stage + 1 (0-based)
   double bytes = 0;    // uncompressed bytes crossing the cut per micro-batch

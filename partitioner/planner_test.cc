@@ -741,6 +741,9 @@ TEST(Planner, RecomputationAffordsTheDepthThatMemoryDenies) {
   // The compute per micro-batch excludes the second forward pass; the prediction is the simulation of the
   // schedule with it, before each backward pass of the recomputing stages.
   EXPECT_DOUBLE_EQ(plan->stages[0].compute_seconds, plain->stages[0].compute_seconds);
+  // What the site then computes per micro-batch, its reports' yardstick (RunMachine's straggler check).
+  EXPECT_NEAR(StagePassSeconds(g, p.sites[0], plan->stages[0]), 0.4, 1e-12);
+  EXPECT_NEAR(StagePassSeconds(g, p.sites[2], plan->stages[2]), 0.3, 1e-12);
   PipelineTimes t;
   t.micro_batches = 32;
   t.forward_seconds.assign(3, 0.1);

@@ -787,8 +787,7 @@ absl::StatusOr<ClusterProfile> CalibrateCompute(const OpGraph& graph, const Clus
       return absl::InvalidArgumentError(absl::StrCat("calibration: site '", name, "': seconds must be positive"));
     auto& sp = out.sites[site];
     // What the site measures includes a recomputing stage's second forward pass.
-    const double now = partitioner::RangeSeconds(graph, sp, stage->first_op, stage->last_op) *
-                       partitioner::ComputeFactor(graph, stage->first_op, stage->last_op, stage->recompute);
+    const double now = partitioner::StagePassSeconds(graph, sp, *stage);
     if (!(now > 0)) return absl::InvalidArgumentError(absl::StrCat("calibration: site '", name, "' computes nothing"));
     const double factor = target / now;
     for (auto& [op, t] : sp.op_seconds) t *= factor;
