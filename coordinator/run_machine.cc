@@ -1176,7 +1176,8 @@ double RunMachine::PlannedStepCompute(const std::string& site) const {
       for (const auto& p : profile_.sites)
         if (p.name == site)
           return partitioner::StagePassSeconds(graph_, p, st) *
-                 (i < st.micro_batches.size() ? st.micro_batches[i] : c_.micro_batches);
+                     (i < st.micro_batches.size() ? st.micro_batches[i] : c_.micro_batches) +
+                 partitioner::OptimizerSeconds(graph_, p, st.first_op, st.last_op);
     }
   return 0;
 }

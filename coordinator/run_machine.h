@@ -288,7 +288,8 @@ class RunMachine {
   // `drift` the same way, its op times are scaled by their median (re-measured from the running stage)
   // and the job re-planned, switching when that gains more than min_gain.
   void CheckDrift(const v1::MetricsReport& r);
-  // Its ops x its micro-batches (with a recomputing stage's second forward pass), from profile_.
+  // Its ops x its micro-batches (with a recomputing stage's second forward pass), plus its optimizer step,
+  // from profile_: what its reports' compute_seconds are compared with.
   double PlannedStepCompute(const std::string& site) const;
   int UsedSiteCount() const;                        // the sites of the plan's stages
   partitioner::ClusterProfile LiveProfile() const;  // profile_ without the excluded sites

@@ -28,14 +28,23 @@ namespace {
 
 // Per plan site, the median over a run's steps (after the first) of its compute seconds per micro-batch,
 // from metrics.jsonl lines {"stages": [{"site": S, "step": N, "compute_seconds": X}, ...]}. The executor's
-// compute time includes its optimizer step, so the passes set from it carry that too.
+// compute time includes its clipping and optimizer step: what the profile says they take
+// (partitioner::OptimizerSeconds, simulated on its own) is taken off first; an error names a site that
+// computed less than that.
 absl::StatusOr<std::map<std::string, double>> MeasuredComputePerMicroBatch(const std::string& path,
-                                                                           const partitioner::Plan& plan) {
+                                                                           const partitioner::Plan& plan,
+                                                                           const partitioner::OpGraph& graph,
+                                                                           const partitioner::ClusterProfile& profile) {
   auto text = core::ReadFile(path);
   if (!text.ok()) return text.status();
   std::map<std::string, int> share;
+  std::map<std::string, double> optimizer;
   for (const auto& st : plan.stages)
-    for (size_t r = 0; r < st.site_names.size(); ++r) share[st.site_names[r]] = st.micro_batches[r];
+    for (size_t r = 0; r < st.site_names.size(); ++r) {
+      share[st.site_names[r]] = st.micro_batches[r];
+      optimizer[st.site_names[r]] =
+          partitioner::OptimizerSeconds(graph, profile.sites[st.sites[r]], st.first_op, st.last_op);
+    }
   std::map<std::string, std::vector<double>> samples;
   std::set<std::pair<std::string, int64_t>> seen;
   std::istringstream lines(*text);
@@ -56,7 +65,12 @@ absl::StatusOr<std::map<std::string, double>> MeasuredComputePerMicroBatch(const
       if (step <= 1 || !seen.insert({site, step}).second) continue;
       auto it = share.find(site);
       if (it == share.end() || it->second == 0) continue;
-      samples[it->first].push_back(s["compute_seconds"].get<double>() / it->second);
+      const double passes = s["compute_seconds"].get<double>() - optimizer[site];
+      if (!(passes > 0))
+        return absl::InvalidArgumentError(absl::StrCat(
+            path, ":", n, ": site '", site, "' computed ", s["compute_seconds"].get<double>(), " s in step ", step,
+            ", not more than the ", optimizer[site], " s its profile gives its optimizer step"));
+      samples[it->first].push_back(passes / it->second);
     }
   }
   std::map<std::string, double> out;
@@ -185,7 +199,7 @@ int RunSimulateCommand(const SimulateCommandOptions& o) {
     if (spec.spec->cluster) fm.detection_seconds = spec.spec->cluster->heartbeat_timeout_seconds;
   }
   if (!o.compute_from.empty()) {
-    auto seconds = MeasuredComputePerMicroBatch(o.compute_from, *plan);
+    auto seconds = MeasuredComputePerMicroBatch(o.compute_from, *plan, *graph, *profile);
     if (!seconds.ok()) return fail(seconds.status());
     auto calibrated = simulator::CalibrateCompute(*graph, *profile, *plan, *seconds);
     if (!calibrated.ok()) return fail(calibrated.status());

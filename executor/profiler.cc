@@ -109,6 +109,33 @@ std::map<std::string, double> MeasureCodecBytesPerSecond(int64_t elements, int r
   return out;
 }
 
+double MeasureOptimizerSecondsPerByte(torch::Device device, int64_t elements, int repeats) {
+  // Four parameters of a quarter each: the per-tensor work is there too, as in a stage's few dozen.
+  std::vector<std::pair<std::string, torch::Tensor>> params;
+  for (int i = 0; i < 4; ++i) {
+    torch::Tensor p = torch::randn({std::max<int64_t>(elements / 1024, 1), 256}, torch::TensorOptions().device(device));
+    p.mutable_grad() = torch::randn_like(p);
+    params.emplace_back(absl::StrCat("p", i), p);
+  }
+  core::OptimizerSpec spec;
+  spec.weight_decay = 0.01;  // decoupled decay on matrices, as most jobs set it
+  AdamW adamw(spec);
+  adamw.Step(params, 1e-6);  // the moments exist from here, as after a stage's first step
+  const double seconds = SustainedSeconds(
+      [&] {
+        Sync(device);
+        const auto t0 = Clock::now();
+        ClipByGlobalNorm(params, GradSquareSum(params), 1.0);
+        adamw.Step(params, 1e-6);
+        Sync(device);
+        return std::chrono::duration<double>(Clock::now() - t0).count();
+      },
+      repeats);
+  int64_t total = 0;
+  for (const auto& [n, p] : params) total += p.numel();
+  return seconds / (8.0 * static_cast<double>(total));
+}
+
 double AvailableMemoryBytes(torch::Device device) {
   std::ifstream in("/proc/meminfo");
   std::string key;
@@ -148,6 +175,8 @@ absl::StatusOr<OpProfile> ProfileModel(const LlamaConfig& c, int mbs, int seq, c
                             absl::StrCat("measuring ", device.str(), " through cuBLAS: ", g.status().message()));
       }
     }
+    out.site.optimizer_seconds_per_byte =
+        MeasureOptimizerSecondsPerByte(device, int64_t{1} << 22, std::min(repeats, 3));
     // The codecs on one micro-batch's hidden states (at most 16M floats: the rate, not the size, matters).
     out.site.codec_bytes_per_second = MeasureCodecBytesPerSecond(
         std::min<int64_t>(int64_t{mbs} * seq * c.shape.hidden_size, int64_t{1} << 24), std::min(repeats, 3));

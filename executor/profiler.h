@@ -38,6 +38,12 @@ absl::StatusOr<OpProfile> ProfileModel(const LlamaConfig& config, int micro_batc
 // CPU, as the executor's codecs run there. In SiteProfile::codec_bytes_per_second.
 std::map<std::string, double> MeasureCodecBytesPerSecond(int64_t elements, int repeats = 3);
 
+// Seconds per byte of optimizer state for what a stage does after its passes: the gradients' square sum
+// (float64), clipping, and an AdamW step (default hyper-parameters), over `elements` float32 parameters on
+// `device` whose state is their two moments (8 bytes a parameter); the mean of at least `repeats` (and
+// 50 ms). In SiteProfile::optimizer_seconds_per_byte.
+double MeasureOptimizerSecondsPerByte(torch::Device device, int64_t elements = int64_t{1} << 22, int repeats = 3);
+
 // fp32 matrix-multiply throughput of the device (FLOP/s), over at least `repeats` n x n products and 50 ms.
 double MeasureGemmFlops(torch::Device device, int n = 512, int repeats = 5);
 

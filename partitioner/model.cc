@@ -147,11 +147,12 @@ absl::StatusOr<ClusterProfile> ParseProfileJson(const std::string& text, const s
     const json& s = (*sites)[i];
     std::string ctx = absl::StrCat("sites[", i, "]");
     if (!s.is_object()) return Bad(path, ctx, "expected an object");
-    RETURN_IF(OnlyKeys(s,
-                       {"name", "flops_per_second", "memory_bytes", "op_seconds", "device", "gemm_flops_per_second",
-                        "uplink_bytes_per_second", "codec_bytes_per_second", "workers", "intra_site_bytes_per_second",
-                        "transport_seconds_per_frame", "transport_seconds_per_byte", "comment"},
-                       path, ctx));
+    RETURN_IF(
+        OnlyKeys(s,
+                 {"name", "flops_per_second", "memory_bytes", "op_seconds", "device", "gemm_flops_per_second",
+                  "uplink_bytes_per_second", "codec_bytes_per_second", "workers", "intra_site_bytes_per_second",
+                  "transport_seconds_per_frame", "transport_seconds_per_byte", "optimizer_seconds_per_byte", "comment"},
+                 path, ctx));
     SiteProfile sp;
     RETURN_IF(String(s, "name", path, ctx, &sp.name));
     if (!names.insert(sp.name).second) return Bad(path, ctx + ".name", absl::StrCat("duplicate site '", sp.name, "'"));
@@ -179,6 +180,7 @@ absl::StatusOr<ClusterProfile> ParseProfileJson(const std::string& text, const s
     RETURN_IF(Number(s, "intra_site_bytes_per_second", path, ctx, false, &sp.intra_site_bytes_per_second));
     RETURN_IF(Number(s, "transport_seconds_per_frame", path, ctx, false, &sp.transport_seconds_per_frame));
     RETURN_IF(Number(s, "transport_seconds_per_byte", path, ctx, false, &sp.transport_seconds_per_byte));
+    RETURN_IF(Number(s, "optimizer_seconds_per_byte", path, ctx, false, &sp.optimizer_seconds_per_byte));
     if (auto w = s.find("workers"); w != s.end()) {
       if (!w->is_number_integer() || w->get<int64_t>() < 1 || w->get<int64_t>() > 64)
         return Bad(path, ctx + ".workers", "expected an integer from 1 to 64");
@@ -246,6 +248,12 @@ double OpSeconds(const Op& op, const SiteProfile& site) {
 }
 
 double SavedBytes(const Op& op) { return op.saved_bytes >= 0 ? op.saved_bytes : op.output_bytes; }
+
+double OptimizerSeconds(const OpGraph& graph, const SiteProfile& site, int first, int last) {
+  double bytes = 0;
+  for (int i = first; i <= last; ++i) bytes += graph.ops[i].optimizer_bytes;
+  return bytes * site.optimizer_seconds_per_byte;
+}
 
 double RangeSeconds(const OpGraph& graph, const SiteProfile& site, int first, int last) {
   double t = 0;
@@ -338,6 +346,7 @@ std::string ProfileToJson(const ClusterProfile& p) {
     if (s.intra_site_bytes_per_second > 0) js["intra_site_bytes_per_second"] = s.intra_site_bytes_per_second;
     if (s.transport_seconds_per_frame > 0) js["transport_seconds_per_frame"] = s.transport_seconds_per_frame;
     if (s.transport_seconds_per_byte > 0) js["transport_seconds_per_byte"] = s.transport_seconds_per_byte;
+    if (s.optimizer_seconds_per_byte > 0) js["optimizer_seconds_per_byte"] = s.optimizer_seconds_per_byte;
     if (!s.comment.empty()) js["comment"] = s.comment;
     sites.push_back(js);
   }

@@ -66,6 +66,10 @@ struct SiteProfile {
   // CPU with the threads that do it. 0: not measured or not charged (a GPU site's transport runs beside
   // its device). TransportSeconds.
   double transport_seconds_per_frame = 0, transport_seconds_per_byte = 0;
+  // What the stage's compute thread spends once per step after its passes -- the gradients' norm,
+  // clipping, the optimizer step -- per byte of the optimizer state it steps (Op::optimizer_bytes).
+  // 0: not measured (not charged). OptimizerSeconds.
+  double optimizer_seconds_per_byte = 0;
   std::string comment;  // free text: where the figures come from (published specs, a measurement)
 };
 
@@ -93,6 +97,9 @@ double CodecSeconds(const SiteProfile& site, const std::string& codec, double ra
 // `site`'s transport work for one frame of `wire_bytes` on one side of a link:
 // transport_seconds_per_frame + transport_seconds_per_byte * wire_bytes (0 when not measured).
 double TransportSeconds(const SiteProfile& site, double wire_bytes);
+// `site`'s seconds per step for the norm, clipping and optimizer step of ops [first, last]: their
+// optimizer_bytes x optimizer_seconds_per_byte (0 when not measured).
+double OptimizerSeconds(const OpGraph& graph, const SiteProfile& site, int first, int last);
 // Ops [first, last]'s OpSeconds at `site`, summed in order.
 double RangeSeconds(const OpGraph& graph, const SiteProfile& site, int first, int last);
 // The share of ops [first, last]'s time that the forward pass takes, by FLOPs (1/3 without FLOPs).

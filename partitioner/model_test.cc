@@ -96,7 +96,8 @@ TEST(ProfileJson, ParsesAndValidates) {
   EXPECT_EQ(again->sites[1].gemm_flops_per_second.at("cublas_bf16"), 9e14);
   // A CPU site's transport work per frame and per byte, round-tripped; negative figures refused.
   auto t = ParseProfileJson(R"({"sites": [{"name": "a", "flops_per_second": 1, "memory_bytes": 1,
-                                           "transport_seconds_per_frame": 5e-5, "transport_seconds_per_byte": 2e-9}]})",
+                                           "transport_seconds_per_frame": 5e-5, "transport_seconds_per_byte": 2e-9,
+                                           "optimizer_seconds_per_byte": 3e-10}]})",
                             "t.json");
   ASSERT_TRUE(t.ok()) << t.status();
   auto t2 = ParseProfileJson(ProfileToJson(*t), "again.json");
@@ -104,6 +105,12 @@ TEST(ProfileJson, ParsesAndValidates) {
   EXPECT_EQ(t2->sites[0].transport_seconds_per_frame, 5e-5);
   EXPECT_EQ(t2->sites[0].transport_seconds_per_byte, 2e-9);
   EXPECT_DOUBLE_EQ(TransportSeconds(t2->sites[0], 1e6), 5e-5 + 2e-3);
+  // And its optimizer's per byte of state: a step of ops holding 1e9 bytes of it costs 0.3 s.
+  EXPECT_EQ(t2->sites[0].optimizer_seconds_per_byte, 3e-10);
+  OpGraph g;
+  g.ops = {{"x", 1, 1, 0, 6e8, 1, {}}, {"y", 1, 1, 0, 4e8, 1, {0}}};
+  EXPECT_DOUBLE_EQ(OptimizerSeconds(g, t2->sites[0], 0, 1), 0.3);
+  EXPECT_DOUBLE_EQ(OptimizerSeconds(g, t2->sites[0], 1, 1), 0.12);
   EXPECT_THAT(Err(ParseProfileJson(R"({"sites": [{"name": "a", "flops_per_second": 1, "memory_bytes": 1,
                                                   "transport_seconds_per_byte": -1}]})",
                                    "t.json")

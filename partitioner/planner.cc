@@ -91,6 +91,12 @@ class CostModel {
   double CodecSeconds(int s, const std::string& codec, double raw_bytes) const {
     return partitioner::CodecSeconds(profile_.sites[s], codec, raw_bytes);
   }
+  // partitioner::OptimizerSeconds of ops [a, b] at site s; under ZeRO-1 each of its workers steps a 1/K share
+  // (the parameters' all-gather is in SiteReduceSeconds).
+  double OptimizerSeconds(int s, int a, int b) const {
+    const int k = zero_ == 1 ? std::max(1, profile_.sites[s].workers) : 1;
+    return partitioner::OptimizerSeconds(graph_, profile_.sites[s], a, b) / k;
+  }
   // partitioner::TransportSeconds at site s.
   double TransportSeconds(int s, double wire_bytes) const {
     return partitioner::TransportSeconds(profile_.sites[s], wire_bytes);
@@ -396,7 +402,8 @@ PipelineTimes TimesOf(const CostModel& cm, const Layout& L, const Evaluation& ev
 // A layout's schedule: each stage's in-flight depth (ChooseInFlight, within what its sites' memory holds)
 // and whether it recomputes its activations, the simulated step, plus the replicas' gradient sync.
 struct SimulatedLayout {
-  double total = kInf;
+  double total = kInf;  // the simulated step, the replicas' sync and the slowest optimizer step
+  double optimizer = 0;
   std::vector<int> in_flight;
   std::vector<bool> recompute;
   SimulatedStep step;
@@ -412,6 +419,11 @@ SimulatedLayout SimulateLayout(const CostModel& cm, const Layout& L, const Evalu
   SimulatedLayout r;
   if (ev.total == kInf) return r;
   const int S = static_cast<int>(L.sites.size()), M = cm.micro_batches();
+  // Once a step, after the passes and the norm: each stage's optimizer (the slowest one's lengthens it).
+  double optimizer = 0;
+  for (int k = 0; k < S; ++k)
+    for (int s : L.sites[k])
+      optimizer = std::max(optimizer, cm.OptimizerSeconds(s, k == 0 ? 0 : L.last[k - 1] + 1, L.last[k]));
   // Simulates the layout at `depths`, or at ChooseInFlight's depths within `cap`.
   auto run = [&](const std::vector<int>& depths, const std::vector<bool>& recompute, const std::vector<int>* cap) {
     SimulatedLayout x;
@@ -420,7 +432,8 @@ SimulatedLayout SimulateLayout(const CostModel& cm, const Layout& L, const Evalu
     x.recompute = recompute;
     t.in_flight = x.in_flight;
     x.step = SimulatePipeline(t);
-    x.total = x.step.step_seconds + ev.sync;
+    x.optimizer = optimizer;
+    x.total = x.step.step_seconds + ev.sync + optimizer;
     return x;
   };
   if (fixed) return run(fixed->in_flight, fixed->recompute, nullptr);
@@ -1311,6 +1324,8 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
       st.codec_seconds = forward_codec + backward_codec;
       const auto [forward_transport, backward_transport] = PassTransportSeconds(cm, layout, ev, o, k);
       st.transport_seconds = forward_transport + backward_transport;
+      for (int s : st.sites)
+        st.optimizer_seconds = std::max(st.optimizer_seconds, cm.OptimizerSeconds(s, st.first_op, st.last_op));
     }
     st.memory_available_bytes = kInf;
     for (int s : st.sites)
@@ -1365,6 +1380,7 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
   if (o.deep_pipeline) {
     plan.simulated = true;
     plan.predicted_step_seconds = sim.total;
+    plan.optimizer_seconds = sim.optimizer;
   }
   plan.compute_bound_seconds = ComputeBoundSeconds(graph, profile, o.micro_batches);
 
@@ -1469,10 +1485,11 @@ std::string PlanTable(const Plan& plan, const OpGraph& graph, const ClusterProfi
       absl::StrFormat("fill+drain %.4g s + steady %.4g s%s", plan.fill_drain_seconds, plan.steady_seconds,
                       plan.sync_seconds > 0 ? absl::StrFormat(" + sync %.4g s", plan.sync_seconds) : "");
   if (plan.simulated)
-    out += absl::StrFormat("predicted step time:   %.4g s  (simulated schedule%s; steady-state formula %.4g s: %s)\n",
-                           plan.predicted_step_seconds,
-                           plan.sync_seconds > 0 ? absl::StrFormat(" + sync %.4g s", plan.sync_seconds) : "",
-                           plan.formula_step_seconds, terms);
+    out += absl::StrFormat(
+        "predicted step time:   %.4g s  (simulated schedule%s%s; steady-state formula %.4g s: %s)\n",
+        plan.predicted_step_seconds, plan.sync_seconds > 0 ? absl::StrFormat(" + sync %.4g s", plan.sync_seconds) : "",
+        plan.optimizer_seconds > 0 ? absl::StrFormat(" + optimizer %.4g s", plan.optimizer_seconds) : "",
+        plan.formula_step_seconds, terms);
   else
     out += absl::StrFormat("predicted step time:   %.4g s  (%s)\n", plan.predicted_step_seconds, terms);
   out += absl::StrFormat("compute bound:         %.4g s  (all sites' throughput, no communication)\n",
@@ -1503,6 +1520,7 @@ std::string PlanJson(const Plan& plan, const OpGraph& graph) {
     if (s.site_reduce_seconds > 0) js["site_reduce_seconds"] = s.site_reduce_seconds;
     if (s.codec_seconds > 0) js["codec_seconds"] = s.codec_seconds;
     if (s.transport_seconds > 0) js["transport_seconds"] = s.transport_seconds;
+    if (s.optimizer_seconds > 0) js["optimizer_seconds"] = s.optimizer_seconds;
     if (plan.simulated) js["simulated_busy_seconds"] = s.busy_seconds, js["simulated_wait_seconds"] = s.wait_seconds;
     if (!s.gradient_codec.empty()) js["gradient_codec"] = s.gradient_codec;
     stages.push_back(js);
@@ -1521,6 +1539,7 @@ std::string PlanJson(const Plan& plan, const OpGraph& graph) {
             {"sync_seconds", plan.sync_seconds},
             {"simulated", plan.simulated},
             {"formula_step_seconds", plan.formula_step_seconds},
+            {"optimizer_seconds", plan.optimizer_seconds},
             {"micro_batches", plan.micro_batches},
             {"sync", plan.sync.diloco ? json{{"mode", "diloco"},
                                              {"inner_steps", plan.sync.inner_steps},

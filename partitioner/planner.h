@@ -154,6 +154,8 @@ struct StagePlan {
   // flight and runs the forward pass again before each backward pass; compute_seconds excludes that
   // second forward pass (ComputeFactor gives the stage's time with it), memory_bytes counts the inputs.
   bool recompute = false;
+  // Per step, its slowest site's norm, clipping and optimizer step (OptimizerSeconds; deep_pipeline, else 0).
+  double optimizer_seconds = 0;
   // From the simulated schedule (deep_pipeline; else 0): seconds per step the stage computes and waits.
   double busy_seconds = 0, wait_seconds = 0;
 };
@@ -191,10 +193,14 @@ struct Plan {
   double steady_seconds = 0;      // (M - 1) * bottleneck
   double sync_seconds = 0;        // slowest replica all-reduce
   double compute_bound_seconds = 0;
-  // With deep_pipeline: predicted_step_seconds is the simulated schedule's step plus sync_seconds, and
-  // formula_step_seconds is the steady-state formula's (fill_drain + steady + sync) for the same plan.
+  // With deep_pipeline: predicted_step_seconds is the simulated schedule's step plus sync_seconds plus
+  // optimizer_seconds, and formula_step_seconds is the steady-state formula's (fill_drain + steady + sync)
+  // for the same plan.
   bool simulated = false;
   double formula_step_seconds = 0;
+  // With deep_pipeline: the slowest stage site's norm, clipping and optimizer step (OptimizerSeconds;
+  // 0 when the profile does not measure it).
+  double optimizer_seconds = 0;
   std::string bottleneck;          // e.g. "stage 2 compute (oregon)"
   std::string method;              // "exact" or "heuristic"
   std::vector<std::string> notes;  // explanations: method, unused sites, compression choices

@@ -707,6 +707,33 @@ TEST(Planner, DeepPipelineDepthStaysWithinMemory) {
   EXPECT_LE(plan->stages[1].in_flight, 4);
 }
 
+// Once a step, after its passes and the norm, each stage clips and steps its optimizer; the slowest such
+// step lengthens the step by its time (the profile's seconds per byte of optimizer state).
+TEST(Planner, TheSlowestOptimizerStepLengthensThePredictedStep) {
+  OpGraph g = Chain(30, 1e9, 2e5);  // 2e3 bytes of optimizer state an op: 2e4 a stage
+  ClusterProfile p;
+  p.sites = {{"a", 1e11, 1e12, {}}, {"b", 1e11, 1e12, {}}, {"c", 1e11, 1e12, {}}};
+  LinkAll(&p, 2e6, 0.05);
+  PlanOptions o;
+  o.micro_batches = 32;
+  o.deep_pipeline = true;
+  o.fixed_sites = {0, 1, 2};
+  o.fixed_last_ops = {9, 19, 29};
+  auto without = PlanPipeline(g, p, o);
+  ASSERT_TRUE(without.ok()) << without.status();
+  EXPECT_EQ(without->optimizer_seconds, 0);
+  p.sites[0].optimizer_seconds_per_byte = 1e-6;  // 0.02 s a step
+  p.sites[1].optimizer_seconds_per_byte = 1e-5;  // 0.2 s a step
+  auto with = PlanPipeline(g, p, o);
+  ASSERT_TRUE(with.ok()) << with.status();
+  EXPECT_NEAR(with->stages[0].optimizer_seconds, 0.02, 1e-12);
+  EXPECT_NEAR(with->stages[1].optimizer_seconds, 0.2, 1e-12);
+  EXPECT_EQ(with->stages[2].optimizer_seconds, 0);
+  EXPECT_NEAR(with->optimizer_seconds, 0.2, 1e-12);
+  EXPECT_NEAR(with->predicted_step_seconds, without->predicted_step_seconds + 0.2, 1e-9);
+  EXPECT_THAT(PlanTable(*with, g, p), HasSubstr("+ optimizer 0.2 s"));
+}
+
 // Long latencies call for 7 micro-batches in flight at the first stage, but the memory of the first two
 // sites holds only 1F1B's (3 and 2). Recomputing each forward pass before its backward pass keeps only the
 // inputs in flight, plus one micro-batch's activations: deeper for a third more compute, and shorter.

@@ -51,6 +51,7 @@ struct Worker {
   // the worker is free; `recomputed` once the current backward pass's has run.
   double recompute = 0;
   bool recomputed = false;
+  double optimizer = 0;  // seconds per step after the norm: clipping and the optimizer step
   std::vector<std::pair<char, int>> order;
   int micro_batches = 0;
   // The current step.
@@ -213,6 +214,7 @@ absl::Status Simulation::Init() {
       w.forward = t * share;
       w.backward = t * (1 - share);
       w.recompute = t * (partitioner::ComputeFactor(g_, st.first_op, st.last_op, st.recompute) - 1);
+      w.optimizer = partitioner::OptimizerSeconds(g_, p_.sites[site], st.first_op, st.last_op);
       for (auto e : partitioner::PipelineSchedule(k, S, M, st.in_flight))
         if (owners_[k][e.second] == w.replica) w.order.push_back(e);
       w.micro_batches = st.micro_batches[r];
@@ -535,7 +537,12 @@ void Simulation::Advance(int wi, double t) {
     if (!has(first ? R[0] : stage_workers_[w.stage - 1][0])) return;
   }
   w.phase = 3;
-  StepDone(wi, t);
+  if (w.optimizer <= 0) return StepDone(wi, t);
+  // Clipping and the optimizer step, on the compute thread (the executor: then DiLoCo's outer sync).
+  w.compute[w.step] += w.optimizer;
+  if (w.step >= keep_from_)
+    records_.push_back({{p_.sites[w.site].name, "optimizer", w.step, -1, "", t, t + w.optimizer}});
+  At(t + w.optimizer, [this, wi, end = t + w.optimizer] { StepDone(wi, end); });
 }
 
 void Simulation::ExchangeBegin(int wi, double t) {
@@ -1006,8 +1013,9 @@ std::string SimulationTable(const SimulationResult& r) {
 std::string TimelineSvg(const SimulationResult& r) {
   // One colour per activity kind; compute in a row's upper band, traffic out of the site in the lower.
   static const std::map<std::string, std::string> kColour = {
-      {"forward", "#4e79a7"}, {"backward", "#f28e2b"},   {"recompute", "#76b7b2"}, {"send", "#59a14f"},
-      {"sync", "#b07aa1"},    {"outer_sync", "#e15759"}, {"control", "#9c755f"},   {"wait", "#d3d3d3"}};
+      {"forward", "#4e79a7"},    {"backward", "#f28e2b"}, {"recompute", "#76b7b2"},
+      {"optimizer", "#edc948"},  {"send", "#59a14f"},     {"sync", "#b07aa1"},
+      {"outer_sync", "#e15759"}, {"control", "#9c755f"},  {"wait", "#d3d3d3"}};
   std::vector<std::string> rows;
   for (const auto& s : r.sites) rows.push_back(s.site);
   double span = r.last_step_seconds;
@@ -1033,7 +1041,8 @@ std::string TimelineSvg(const SimulationResult& r) {
     auto colour = kColour.find(a.kind);
     if (it == rows.end() || colour == kColour.end()) continue;
     const double y = top + row_h * (it - rows.begin());
-    const bool compute = a.kind == "forward" || a.kind == "backward" || a.kind == "recompute" || a.kind == "wait";
+    const bool compute = a.kind == "forward" || a.kind == "backward" || a.kind == "recompute" ||
+                         a.kind == "optimizer" || a.kind == "wait";
     const double y0 = compute ? y + 2 : y + row_h * 0.55, h = compute ? row_h * 0.5 : row_h * 0.35;
     absl::StrAppendFormat(&svg,
                           "<rect x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" height=\"%.1f\" fill=\"%s\"><title>%s %s%s "
@@ -1044,7 +1053,8 @@ std::string TimelineSvg(const SimulationResult& r) {
   }
   const double ly = top + row_h * rows.size() + 20;
   double lx = left;
-  for (const char* k : {"forward", "backward", "recompute", "wait", "send", "sync", "outer_sync", "control"}) {
+  for (const char* k :
+       {"forward", "backward", "recompute", "optimizer", "wait", "send", "sync", "outer_sync", "control"}) {
     absl::StrAppendFormat(&svg, "<rect x=\"%.0f\" y=\"%.0f\" width=\"12\" height=\"12\" fill=\"%s\"/>", lx, ly,
                           kColour.at(k));
     absl::StrAppendFormat(&svg, "<text x=\"%.0f\" y=\"%.0f\">%s</text>\n", lx + 16, ly + 11, k);

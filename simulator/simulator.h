@@ -47,7 +47,8 @@ struct SimulationOptions {
 struct Activity {
   std::string site;
   // "forward", "backward" (compute thread, codec work included), "recompute" (a recomputing stage's
-  // forward pass again, before its backward pass), "send" (an activation or gradient on
+  // forward pass again, before its backward pass), "optimizer" (clipping and the optimizer step, once a
+  // step after the norm: SiteProfile::optimizer_seconds_per_byte), "send" (an activation or gradient on
   // the site's outgoing link), "sync" (replica gradient buckets), "outer_sync" (DiLoCo pseudo-gradients),
   // "control" (gradient-norm messages), "wait" (the stage waiting for a synchronisation to finish).
   std::string kind;

@@ -126,6 +126,35 @@ TEST(SimulatorTest, TransportWorkLengthensThePassesThatSendOrReceive) {
   }
 }
 
+// Once a step, after the norm, each stage clips and steps its optimizer on its compute thread: one stage's
+// step is its passes plus its optimizer, which is compute, and the timeline shows it. In a pipeline the
+// slowest stage's optimizer lengthens the step, less what the next step's fill hides of it.
+TEST(SimulatorTest, TheOptimizerStepEndsEachStepOnTheComputeThread) {
+  OpGraph g = Chain(4);
+  for (auto& op : g.ops) op.optimizer_bytes = 5e5;  // 2e6 bytes of state for the four
+  ClusterProfile p = Sites(2, 1e12, 1e18, 0);
+  const double t = 4 * 3e9 / 1e12;  // the four ops' passes per micro-batch
+  const int M = 4;
+  auto plain = Simulate(g, p, Pipeline(g, p, M, {{0}}), {.steps = 3});
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_NEAR(plain->step_seconds, M * t, 1e-9);
+  p.sites[0].optimizer_seconds_per_byte = 5e-9;  // 10 ms a step
+  auto r = Simulate(g, p, Pipeline(g, p, M, {{0}}), {.steps = 3});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_NEAR(r->step_seconds, M * t + 0.010, 1e-9);
+  EXPECT_NEAR(r->sites[0].compute_seconds, M * t + 0.010, 1e-9);
+  int shown = 0;
+  for (const auto& a : r->timeline) shown += a.kind == "optimizer" && a.site == p.sites[0].name;
+  EXPECT_GE(shown, 1);
+  // Two stages (2 ms and 10 ms of optimizer): longer than without, by at most the slower one.
+  p.sites[0].optimizer_seconds_per_byte = 2e-9, p.sites[1].optimizer_seconds_per_byte = 10e-9;
+  auto two_plain = Simulate(g, Sites(2, 1e12, 1e18, 0), Pipeline(g, p, M, {{0}, {1}}), {.steps = 3});
+  auto two = Simulate(g, p, Pipeline(g, p, M, {{0}, {1}}), {.steps = 3});
+  ASSERT_TRUE(two.ok() && two_plain.ok());
+  EXPECT_GT(two->step_seconds, two_plain->step_seconds + 0.002);
+  EXPECT_LE(two->step_seconds, two_plain->step_seconds + 0.010 + 1e-9);
+}
+
 TEST(SimulatorTest, OneSaturatedLinkTakesMicroBatchesTimesItsTransferPlusFill) {
   const int M = 8;
   const double bytes = 4e6, x = 0.5;  // each activation takes 0.5 s on the link

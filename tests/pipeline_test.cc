@@ -908,11 +908,14 @@ TEST_F(PipelineTest, ProfilerWritesWhatThePlannerReads) {
   EXPECT_GT(site["flops_per_second"].get<double>(), 1e8);
   for (const char* op : {"embed", "layer0.attn", "layer0.mlp", "layer1.attn", "layer1.mlp", "head"})
     EXPECT_GT(site["op_seconds"][op].get<double>(), 0.0) << op;
+  // The optimizer step per byte of its state is measured (its value is a timing: not compared here).
+  EXPECT_GT(site["optimizer_seconds_per_byte"].get<double>(), 0.0);
   Process plan(Bin("meridian") + " plan --graph " + (dir_ / "prof" / "graph.json").string() + " --profile " +
                (dir_ / "prof" / "profile-a.json").string() + " --json");
   std::string out = plan.ReadAll(60s);
   EXPECT_EQ(plan.Wait(30s), 0) << out;
   EXPECT_THAT(out, HasSubstr("predicted_step_seconds"));
+  EXPECT_GT(nlohmann::json::parse(out)["optimizer_seconds"].get<double>(), 0.0);
 }
 
 TEST_F(PipelineTest, PeerKilledMidRunFailsTheOtherStageNamingIt) {
