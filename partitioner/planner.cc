@@ -411,7 +411,7 @@ struct SimulatedLayout {
 
 // With `fixed`, its in-flight depths and recomputation rather than choosing them (a quick trial of a
 // layout's codecs). Otherwise each stage's depth is capped by its memory (ChooseInFlight); then, with
-// PlanOptions::recompute, each stage whose cap is below the micro-batches and would be deeper with
+// PlanOptions::recompute, each stage held at a cap below the micro-batches that would be deeper with
 // recomputation tries it, first to last, and keeps it when the simulated step gets more than 1% shorter
 // (a second forward pass costs compute and energy for what memory could otherwise buy).
 SimulatedLayout SimulateLayout(const CostModel& cm, const Layout& L, const Evaluation& ev, const PlanOptions& o,
@@ -452,7 +452,8 @@ SimulatedLayout SimulateLayout(const CostModel& cm, const Layout& L, const Evalu
   r = run({}, recompute, &cap);
   if (!o.recompute) return r;
   for (int k = 0; k < S; ++k) {
-    if (cap[k] >= M) continue;
+    // Only where memory set the depth: a stage shallower than its cap has all the depth it wants.
+    if (cap[k] >= M || r.in_flight[k] < cap[k]) continue;
     const int deeper = cap_of(k, true);
     if (deeper <= cap[k]) continue;
     std::vector<int> trial_cap = cap;
