@@ -636,19 +636,30 @@ TEST(Planner, AdaptiveCompressionOnlyCompressesSlowLinks) {
   EXPECT_LE(plan->links[1].seconds, plan->stages[1].compute_seconds);
 }
 
+// The deep-pipeline tests' setting: 30 ops of 1e9 forward FLOPs and 2e5-byte outputs (10 ops a stage: 3e4
+// bytes of state, 2e6 of activations a micro-batch) over sites a, b, c of 1e11 FLOP/s (each stage 0.1 s
+// forward, 0.2 s backward a micro-batch) with `memory` bytes each, every link at `bandwidth` and
+// `latency`; 32 micro-batches, the deep pipeline, pinned to stages of 10 ops in site order.
+struct ThreeStages {
+  OpGraph g = Chain(30, 1e9, 2e5);
+  ClusterProfile p;
+  PlanOptions o;
+  ThreeStages(double bandwidth, double latency, std::vector<double> memory = {1e12, 1e12, 1e12}) {
+    p.sites = {{"a", 1e11, memory[0], {}}, {"b", 1e11, memory[1], {}}, {"c", 1e11, memory[2], {}}};
+    LinkAll(&p, bandwidth, latency);
+    o.micro_batches = 32;
+    o.deep_pipeline = true;
+    o.fixed_sites = {0, 1, 2};
+    o.fixed_last_ops = {9, 19, 29};
+  }
+};
+
 // Three equal sites, links about as slow as a stage's pass with a long latency: 1F1B's depth starves the
 // first stages. The deep pipeline's plan keeps more in flight where the round trip needs it, within
 // memory, never increasing along the pipeline, and predicts the step by simulating that schedule.
 TEST(Planner, DeepPipelineCoversTheRoundTripAndPredictsBySimulation) {
-  OpGraph g = Chain(30, 1e9, 2e5);
-  ClusterProfile p;
-  p.sites = {{"a", 1e11, 1e12, {}}, {"b", 1e11, 1e12, {}}, {"c", 1e11, 1e12, {}}};
-  LinkAll(&p, 2e6, 0.05);  // 0.1 s per activation, 50 ms one way; each stage 0.3 s per micro-batch
-  PlanOptions o;
-  o.micro_batches = 32;
-  o.deep_pipeline = true;
-  o.fixed_sites = {0, 1, 2};
-  o.fixed_last_ops = {9, 19, 29};
+  ThreeStages t3(2e6, 0.05);  // 0.1 s per activation, 50 ms one way; each stage 0.3 s per micro-batch
+  auto& [g, p, o] = t3;
   auto deep = PlanPipeline(g, p, o);
   ASSERT_TRUE(deep.ok()) << deep.status();
   ASSERT_TRUE(deep->simulated);
@@ -689,16 +700,8 @@ TEST(Planner, DeepPipelineCoversTheRoundTripAndPredictsBySimulation) {
 // A stage's depth costs memory: with room for only a few micro-batches of activations, the first stage
 // stays within it.
 TEST(Planner, DeepPipelineDepthStaysWithinMemory) {
-  OpGraph g = Chain(30, 1e9, 2e5);
-  ClusterProfile p;
-  // State of 10 ops is 3e4 bytes; room for 4 micro-batches of a stage's 10 x 2e5 activations.
-  p.sites = {{"a", 1e11, 3e4 + 4 * 2e6 + 1, {}}, {"b", 1e11, 1e12, {}}, {"c", 1e11, 1e12, {}}};
-  LinkAll(&p, 2e6, 0.05);
-  PlanOptions o;
-  o.micro_batches = 32;
-  o.deep_pipeline = true;
-  o.fixed_sites = {0, 1, 2};
-  o.fixed_last_ops = {9, 19, 29};
+  ThreeStages t3(2e6, 0.05, {3e4 + 4 * 2e6 + 1, 1e12, 1e12});  // a: room for 4 micro-batches' activations
+  auto& [g, p, o] = t3;
   o.recompute = false;  // RecomputationAffordsTheDepthThatMemoryDenies
   auto plan = PlanPipeline(g, p, o);
   ASSERT_TRUE(plan.ok()) << plan.status();
@@ -710,15 +713,8 @@ TEST(Planner, DeepPipelineDepthStaysWithinMemory) {
 // Once a step, after its passes and the norm, each stage clips and steps its optimizer; the slowest such
 // step lengthens the step by its time (the profile's seconds per byte of optimizer state).
 TEST(Planner, TheSlowestOptimizerStepLengthensThePredictedStep) {
-  OpGraph g = Chain(30, 1e9, 2e5);  // 2e3 bytes of optimizer state an op: 2e4 a stage
-  ClusterProfile p;
-  p.sites = {{"a", 1e11, 1e12, {}}, {"b", 1e11, 1e12, {}}, {"c", 1e11, 1e12, {}}};
-  LinkAll(&p, 2e6, 0.05);
-  PlanOptions o;
-  o.micro_batches = 32;
-  o.deep_pipeline = true;
-  o.fixed_sites = {0, 1, 2};
-  o.fixed_last_ops = {9, 19, 29};
+  ThreeStages t3(2e6, 0.05);  // 2e3 bytes of optimizer state an op: 2e4 a stage
+  auto& [g, p, o] = t3;
   auto without = PlanPipeline(g, p, o);
   ASSERT_TRUE(without.ok()) << without.status();
   EXPECT_EQ(without->optimizer_seconds, 0);
@@ -738,15 +734,9 @@ TEST(Planner, TheSlowestOptimizerStepLengthensThePredictedStep) {
 // sites holds only 1F1B's (3 and 2). Recomputing each forward pass before its backward pass keeps only the
 // inputs in flight, plus one micro-batch's activations: deeper for a third more compute, and shorter.
 TEST(Planner, RecomputationAffordsTheDepthThatMemoryDenies) {
-  OpGraph g = Chain(30, 1e9, 2e5);  // 10 ops a stage: state 3e4 bytes, activations 2e6 a micro-batch
-  ClusterProfile p;
-  p.sites = {{"a", 1e11, 3e4 + 3 * 2e6 + 1, {}}, {"b", 1e11, 3e4 + 2 * 2e6 + 1, {}}, {"c", 1e11, 1e12, {}}};
-  LinkAll(&p, 2e6, 0.2);  // 0.1 s per activation, 200 ms one way; each stage 0.1 s forward, 0.2 s backward
-  PlanOptions o;
-  o.micro_batches = 32;
-  o.deep_pipeline = true;
-  o.fixed_sites = {0, 1, 2};
-  o.fixed_last_ops = {9, 19, 29};
+  // 0.1 s per activation, 200 ms one way; a and b hold 1F1B's 3 and 2 micro-batches' activations.
+  ThreeStages t3(2e6, 0.2, {3e4 + 3 * 2e6 + 1, 3e4 + 2 * 2e6 + 1, 1e12});
+  auto& [g, p, o] = t3;
   o.recompute = false;
   auto plain = PlanPipeline(g, p, o);
   ASSERT_TRUE(plain.ok()) << plain.status();
