@@ -23,11 +23,12 @@ against identity on a tiny model. It writes its own section of RESULTS.md, betwe
 
 Sections run only with --only, each writing its own part of RESULTS.md between markers: wan-diloco (DiLoCo
 replicas at 2 and 1 Mbit/s), simulator (the simulator against measured runs), multi-device (a site of two
-workers), straggler (issue #21: a site's CPU quota drops mid-run and the coordinator re-plans around it).
+workers), straggler (issue #21: a site's CPU quota drops mid-run and the coordinator re-plans around it),
+codecs (issue #16: every activation codec against identity, its bytes and its loss after 300 steps).
 
 Usage: bench/run_all.py [--build build] [--out runs/bench] [--steps 6] [--ddp-steps 2]
                         [--results bench/RESULTS.md]
-                        [--only e2e|components|wan-bound|wan-diloco|simulator|multi-device|straggler] [--tiny]
+                        [--only e2e|components|wan-bound|wan-diloco|simulator|multi-device|straggler|codecs] [--tiny]
 --tiny shrinks the model and batch (a smoke test of the script, minutes instead of half an hour); its
 figures are not the benchmark's and it writes RESULTS to runs/bench/RESULTS-tiny.md.
 """
@@ -319,8 +320,10 @@ def fine_tuning_data(work, seq, global_batch):
     return path
 
 
-def run_static_pipeline(bin_dir, work, name, job, codecs, ops, steps):
-    """Three static executors on loopback (no WAN): returns the loss per step. codecs: per link (fwd, bwd)."""
+def run_static_pipeline(bin_dir, work, name, job, codecs, ops, steps, wire=None):
+    """Three static executors on loopback (no WAN): returns the loss per step. codecs: per link (fwd, bwd).
+    With a dict `wire`, sets its "wire" and "raw" to the bytes stage 0 sent (its activations) and their
+    uncompressed size."""
     out = os.path.join(work, name)
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
@@ -344,6 +347,9 @@ def run_static_pipeline(bin_dir, work, name, job, codecs, ops, steps):
     outs = [p.communicate()[0] for p in procs]
     if any(p.returncode for p in procs):
         raise SystemExit(f"static pipeline {name} failed:\n" + "\n".join(o[-2000:] for o in outs))
+    if wire is not None:
+        m = re.search(r"^wire bytes (\d+) raw bytes (\d+)", outs[0], re.M)
+        wire["wire"], wire["raw"] = (int(m.group(1)), int(m.group(2))) if m else (0, 0)
     return {int(m.group(1)) + 1: float(m.group(2)) for m in re.finditer(r"^step (\d+) loss ([\d.]+)", outs[0], re.M)}
 
 
@@ -715,8 +721,9 @@ def splice_section(path, section, begin, end):
     open(path, "w").write(new)
 
 
-def convergence(a, bin_dir, work, codecs, data):
-    """The tiny model for 300 steps on the fine-tuning set, three stages: the chosen codecs against identity."""
+def convergence_setup(a, bin_dir, work, data):
+    """The tiny model, its tokenizer, certificates and a 300-step job on the fine-tuning set `data`, in
+    work/conv: returns (directory, job, ops, steps)."""
     cdir = os.path.join(work, "conv")
     shutil.rmtree(cdir, ignore_errors=True)
     os.makedirs(os.path.join(cdir, "model"))
@@ -732,13 +739,66 @@ def convergence(a, bin_dir, work, codecs, data):
     open(job, "w").write(f"job:\n  model: model\n  data: data.txt\n  steps: {steps}\n  global_batch: 8\n"
                          "  micro_batches: 4\n  sequence_length: 64\n  seed: 5\n"
                          "  optimizer: {name: adamw, lr: 0.003, warmup_steps: 10, grad_clip: 1.0}\n")
-    ops = 2 * TINY["num_hidden_layers"] + 2
+    return cdir, job, 2 * TINY["num_hidden_layers"] + 2, steps
+
+
+def convergence(a, bin_dir, work, codecs, data):
+    """The tiny model for 300 steps on the fine-tuning set, three stages: the chosen codecs against identity."""
+    cdir, job, ops, steps = convergence_setup(a, bin_dir, work, data)
     log(f"convergence: {steps} steps, codecs {codecs} against identity")
     chosen = run_static_pipeline(bin_dir, cdir, "chosen", job, codecs, ops, steps)
     exact = run_static_pipeline(bin_dir, cdir, "identity", job, [("identity", "identity")] * 2, ops, steps)
     tail = lambda l: sum(l[s] for s in range(steps - 19, steps + 1)) / 20  # noqa: E731
     return {"steps": steps, "codecs": codecs, "chosen_tail": tail(chosen), "identity_tail": tail(exact),
             "tokens_per_step": 8 * 64}
+
+
+# The activation codecs the codecs section compares with identity, as (activations, gradients) on both links.
+CODEC_PAIRS = [("int8", "int8"), ("int4", "int4"), ("int8-delta", "int8"), ("int4-delta", "int4"),
+               ("int2-delta", "int4"), ("int2-delta", "int8")]
+CODECS_BEGIN, CODECS_END = "<!-- codecs:begin -->", "<!-- codecs:end -->"
+
+
+def codec_convergence(a, bin_dir, work, cfg, model_dir, weights_params):
+    """Issue #16's codec target: each pair of CODEC_PAIRS against identity on the convergence comparison's
+    model, data and job (300 steps, three static stages on loopback): stage 0's activation bytes on the
+    wire per micro-batch, and the mean loss of the last 20 steps."""
+    data = fine_tuning_data(work, *((32, 12) if a.tiny else (256, 48)))
+    cdir, job, ops, steps = convergence_setup(a, bin_dir, work, data)
+    runs = []
+    for codecs in [("identity", "identity")] + CODEC_PAIRS:
+        log(f"codecs: activations {codecs[0]}, gradients {codecs[1]}, {steps} steps")
+        wire = {}
+        losses = run_static_pipeline(bin_dir, cdir, codecs[0], job, [codecs] * 2, ops, steps, wire)
+        tail = sum(losses[s] for s in range(steps - 19, steps + 1)) / 20
+        runs.append({"activations": codecs[0], "gradients": codecs[1], "tail": tail, **wire})
+        log(f"  loss {tail:.4f}, {wire['wire']} of {wire['raw']} bytes")
+    return {"steps": steps, "micro_batches_per_step": 4, "tokens_per_step": 8 * 64, "runs": runs}
+
+
+def codecs_section(w, command):
+    runs = w["runs"]
+    ident = runs[0]
+    mbs = w["steps"] * w["micro_batches_per_step"]
+    L = [CODECS_BEGIN, "## Activation codecs against identity: bytes and loss", "",
+         f"Command: `{command}`. The WAN-bound section's convergence comparison for every activation codec: the "
+         f"tiny model, {w['steps']} steps of 8 x 64 tokens (4 micro-batches) on the WAN-bound section's fine-tuning "
+         "text (about 190 sequences of 64 tokens, so each comes back every 24 steps or so: AQ-SGD's deltas are "
+         "against activations that many steps old); three static stages on loopback, both links on the codec pair. Activation bytes: "
+         "what stage 1 sent (its activations, and a 16-byte norm message a step) per micro-batch. Loss: the mean of "
+         "the last 20 steps. Target (issue #16): 8x fewer activation bytes than identity with the loss within 2%.", "",
+         "| activations | gradients | activation bytes per micro-batch | fewer than identity | loss | against identity |",
+         "|---|---|---|---|---|---|"]
+    for r in runs:
+        ratio = ident["wire"] / r["wire"] if r["wire"] else 0
+        gap = (r["tail"] - ident["tail"]) / ident["tail"]
+        L.append(f"| {r['activations']} | {r['gradients']} | {r['wire'] / mbs:,.0f} B | {ratio:.1f}x | {r['tail']:.4f} | "
+                 f"{100 * gap:+.2f}% |")
+    best = [r for r in runs[1:] if r["wire"] and ident["wire"] / r["wire"] >= 8
+            and abs(r["tail"] - ident["tail"]) / ident["tail"] <= 0.02]
+    L += ["", "Target: " + (f"met by {', '.join(r['activations'] + '/' + r['gradients'] for r in best)}."
+                           if best else "missed: no pair is both 8x smaller and within 2%."), "", CODECS_END, ""]
+    return "\n".join(L)
 
 
 def wan_section(w, command):
@@ -987,7 +1047,7 @@ def main():
                          "speed, comma-separated; the fastest is used at the others. Default 4: a sweep of 1,4 "
                          "(bench/RESULTS.md, 2026-12-01) found it fastest, and each setting costs about 5 minutes")
     ap.add_argument("--results", default="bench/RESULTS.md")
-    ap.add_argument("--only", choices=["e2e", "components", "wan-bound", "wan-diloco", "simulator", "multi-device",
+    ap.add_argument("--only", choices=["e2e", "components", "wan-bound", "wan-diloco", "simulator", "multi-device", "codecs",
                                        "straggler"])
     ap.add_argument("--straggler-steps", type=int, default=24, help="steps of the straggler run")
     ap.add_argument("--straggler-drop-step", type=int, default=6,
@@ -1039,7 +1099,9 @@ def main():
                  "multi-device": (multi_device, "multi_device", "results-multi-device.json", multi_section, MULTI_BEGIN,
                                   MULTI_END, "multi-device"),
                  "straggler": (straggler, "straggler", "results-straggler.json", straggler_section, STRAGGLER_BEGIN,
-                               STRAGGLER_END, "straggler")}
+                               STRAGGLER_END, "straggler"),
+                 "codecs": (codec_convergence, "codecs", "results-codecs.json", codecs_section, CODECS_BEGIN,
+                            CODECS_END, "activation codecs")}
     if a.only in wan_modes:
         measure, key, json_name, section, begin, end, what = wan_modes[a.only]
         model_dir, params = write_model(work, cfg, seed)
