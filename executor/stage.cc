@@ -476,6 +476,8 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
     struct Stash {
       torch::Tensor input, output, targets;
     };
+    // Which training rows micro-batch `mb` holds: keys its LoRA dropout masks, the same for a recomputation.
+    auto context = [&](int mb) { return TrainContext{step, static_cast<int64_t>(mb) * mbs + first_row}; };
     // This replica's part of the stage's 1F1B order: the entries of the micro-batches it owns.
     std::vector<std::pair<char, int>> schedule;
     for (auto e : partitioner::PipelineSchedule(a_.stage, a_.num_stages, M, a_.in_flight))
@@ -540,7 +542,7 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
           if (!in.ok()) return in.status();
           s.input = in->requires_grad_(true);
         }
-        const TrainContext ctx{step, static_cast<int64_t>(mb) * mbs + first_row};
+        const TrainContext ctx = context(mb);
         torch::Tensor out;
         timed("F", mb, [&] {
           // Recomputation: no autograd graph now; the backward pass builds it again from the input.
@@ -579,7 +581,7 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
         if (reducer_ && i == last_backward) reducer_->CaptureNextBackward();
         if (a_.recompute)  // the forward pass again, with the same inputs and dropout masks: the same graph
           timed("R", mb, [&] {
-            const TrainContext ctx{step, static_cast<int64_t>(mb) * mbs + first_row};
+            const TrainContext ctx = context(mb);
             torch::Tensor out = model_->Forward(s.input, &ctx);
             s.output = model_->has_head() ? CrossEntropySum(out, s.targets.to(device_), normaliser) : out;
           });
