@@ -1177,7 +1177,7 @@ double RunMachine::PlannedStepCompute(const std::string& site) const {
         if (p.name == site)
           return partitioner::StagePassSeconds(graph_, p, st) *
                      (i < st.micro_batches.size() ? st.micro_batches[i] : c_.micro_batches) +
-                 partitioner::OptimizerSeconds(graph_, p, st.first_op, st.last_op);
+                 partitioner::OptimizerSeconds(graph_, p, st.first_op, st.last_op, plan_->zero);
     }
   return 0;
 }

@@ -43,7 +43,7 @@ absl::StatusOr<std::map<std::string, double>> MeasuredComputePerMicroBatch(const
     for (size_t r = 0; r < st.site_names.size(); ++r) {
       share[st.site_names[r]] = st.micro_batches[r];
       optimizer[st.site_names[r]] =
-          partitioner::OptimizerSeconds(graph, profile.sites[st.sites[r]], st.first_op, st.last_op);
+          partitioner::OptimizerSeconds(graph, profile.sites[st.sites[r]], st.first_op, st.last_op, plan.zero);
     }
   std::map<std::string, std::vector<double>> samples;
   std::set<std::pair<std::string, int64_t>> seen;

@@ -249,10 +249,10 @@ double OpSeconds(const Op& op, const SiteProfile& site) {
 
 double SavedBytes(const Op& op) { return op.saved_bytes >= 0 ? op.saved_bytes : op.output_bytes; }
 
-double OptimizerSeconds(const OpGraph& graph, const SiteProfile& site, int first, int last) {
+double OptimizerSeconds(const OpGraph& graph, const SiteProfile& site, int first, int last, int zero) {
   double bytes = 0;
   for (int i = first; i <= last; ++i) bytes += graph.ops[i].optimizer_bytes;
-  return bytes * site.optimizer_seconds_per_byte;
+  return bytes * site.optimizer_seconds_per_byte / (zero == 1 ? std::max(1, site.workers) : 1);
 }
 
 double RangeSeconds(const OpGraph& graph, const SiteProfile& site, int first, int last) {

@@ -98,8 +98,10 @@ double CodecSeconds(const SiteProfile& site, const std::string& codec, double ra
 // transport_seconds_per_frame + transport_seconds_per_byte * wire_bytes (0 when not measured).
 double TransportSeconds(const SiteProfile& site, double wire_bytes);
 // `site`'s seconds per step for the norm, clipping and optimizer step of ops [first, last]: their
-// optimizer_bytes x optimizer_seconds_per_byte (0 when not measured).
-double OptimizerSeconds(const OpGraph& graph, const SiteProfile& site, int first, int last);
+// optimizer_bytes x optimizer_seconds_per_byte (0 when not measured); with `zero` 1 (ZeRO-1,
+// job.optimizer.zero) each of the site's workers steps a 1/workers share (the parameters' all-gather is
+// priced with the site's gradient sum).
+double OptimizerSeconds(const OpGraph& graph, const SiteProfile& site, int first, int last, int zero);
 // Ops [first, last]'s OpSeconds at `site`, summed in order.
 double RangeSeconds(const OpGraph& graph, const SiteProfile& site, int first, int last);
 // The share of ops [first, last]'s time that the forward pass takes, by FLOPs (1/3 without FLOPs).

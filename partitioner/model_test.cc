@@ -109,8 +109,13 @@ TEST(ProfileJson, ParsesAndValidates) {
   EXPECT_EQ(t2->sites[0].optimizer_seconds_per_byte, 3e-10);
   OpGraph g;
   g.ops = {{"x", 1, 1, 0, 6e8, 1, {}}, {"y", 1, 1, 0, 4e8, 1, {0}}};
-  EXPECT_DOUBLE_EQ(OptimizerSeconds(g, t2->sites[0], 0, 1), 0.3);
-  EXPECT_DOUBLE_EQ(OptimizerSeconds(g, t2->sites[0], 1, 1), 0.12);
+  EXPECT_DOUBLE_EQ(OptimizerSeconds(g, t2->sites[0], 0, 1, 0), 0.3);
+  EXPECT_DOUBLE_EQ(OptimizerSeconds(g, t2->sites[0], 1, 1, 0), 0.12);
+  // Under ZeRO-1 each of a site's workers steps its share of the state.
+  SiteProfile two = t2->sites[0];
+  two.workers = 2;
+  EXPECT_DOUBLE_EQ(OptimizerSeconds(g, two, 0, 1, 1), 0.15);
+  EXPECT_DOUBLE_EQ(OptimizerSeconds(g, two, 0, 1, 0), 0.3);
   EXPECT_THAT(Err(ParseProfileJson(R"({"sites": [{"name": "a", "flops_per_second": 1, "memory_bytes": 1,
                                                   "transport_seconds_per_byte": -1}]})",
                                    "t.json")

@@ -50,7 +50,6 @@ class CostModel {
       act_prefix_[i + 1] = act_prefix_[i] + SavedBytes(g.ops[i]);
     }
     cut_bytes_ = partitioner::CutBytes(g);
-    input_bytes_ = cut_bytes_;
     for (int c = 0; c + 1 < n_; ++c)  // a cut between ops sharing weights is never made
       if (CutSeparatesTiedOps(g, c) >= 0) cut_bytes_[c] = kInf;
     bw_.assign(sites_, std::vector<double>(sites_, 0.0));
@@ -91,11 +90,10 @@ class CostModel {
   double CodecSeconds(int s, const std::string& codec, double raw_bytes) const {
     return partitioner::CodecSeconds(profile_.sites[s], codec, raw_bytes);
   }
-  // partitioner::OptimizerSeconds of ops [a, b] at site s; under ZeRO-1 each of its workers steps a 1/K share
-  // (the parameters' all-gather is in SiteReduceSeconds).
+  // partitioner::OptimizerSeconds of ops [a, b] at site s (the parameters' all-gather under ZeRO-1 is in
+  // SiteReduceSeconds).
   double OptimizerSeconds(int s, int a, int b) const {
-    const int k = zero_ == 1 ? std::max(1, profile_.sites[s].workers) : 1;
-    return partitioner::OptimizerSeconds(graph_, profile_.sites[s], a, b) / k;
+    return partitioner::OptimizerSeconds(graph_, profile_.sites[s], a, b, zero_);
   }
   // partitioner::TransportSeconds at site s.
   double TransportSeconds(int s, double wire_bytes) const {
@@ -104,13 +102,13 @@ class CostModel {
   double Bandwidth(int a, int b) const { return bw_[a][b]; }
   double Latency(int a, int b) const { return lat_[a][b]; }
   // Activation memory of ops [a, b] with `in_flight` micro-batches in flight: each one's activations, or
-  // with recomputation each one's input (what crosses the cut before op a; the tokens, negligible, for
-  // a = 0) plus the activations of the one being recomputed.
+  // with recomputation each one's input (what crosses the cut before op a, CutBytes: +inf after a cut that
+  // is never made; the tokens, negligible, for a = 0) plus the activations of the one being recomputed.
   double ActivationMemory(int a, int b, int in_flight, bool recompute) const {
     const double whole = act_prefix_[b + 1] - act_prefix_[a];
     const int n = std::min(m_, in_flight);
     if (!recompute) return n * whole;
-    return n * (a == 0 ? 0.0 : input_bytes_[a - 1]) + whole;
+    return n * (a == 0 ? 0.0 : cut_bytes_[a - 1]) + whole;
   }
   // Memory of ops [a, b] when the stage is `from_end` stages from the end (1 = last stage), or keeps that
   // many micro-batches in flight.
@@ -153,7 +151,6 @@ class CostModel {
   bool pipelined_;
   std::vector<std::vector<double>> time_prefix_;
   std::vector<double> param_prefix_, state_prefix_, act_prefix_, cut_bytes_;
-  std::vector<double> input_bytes_;  // per cut, its bytes (cut_bytes_ before tied cuts were priced out)
   std::vector<std::vector<double>> bw_, lat_;
 };
 
@@ -402,8 +399,8 @@ PipelineTimes TimesOf(const CostModel& cm, const Layout& L, const Evaluation& ev
 // A layout's schedule: each stage's in-flight depth (ChooseInFlight, within what its sites' memory holds)
 // and whether it recomputes its activations, the simulated step, plus the replicas' gradient sync.
 struct SimulatedLayout {
-  double total = kInf;  // the simulated step, the replicas' sync and the slowest optimizer step
-  double optimizer = 0;
+  double total = kInf;            // the simulated step, the replicas' sync and the slowest optimizer step
+  std::vector<double> optimizer;  // per stage: its slowest site's optimizer step (CostModel::OptimizerSeconds)
   std::vector<int> in_flight;
   std::vector<bool> recompute;
   SimulatedStep step;
@@ -420,10 +417,11 @@ SimulatedLayout SimulateLayout(const CostModel& cm, const Layout& L, const Evalu
   if (ev.total == kInf) return r;
   const int S = static_cast<int>(L.sites.size()), M = cm.micro_batches();
   // Once a step, after the passes and the norm: each stage's optimizer (the slowest one's lengthens it).
-  double optimizer = 0;
+  std::vector<double> optimizer(S, 0.0);
   for (int k = 0; k < S; ++k)
     for (int s : L.sites[k])
-      optimizer = std::max(optimizer, cm.OptimizerSeconds(s, k == 0 ? 0 : L.last[k - 1] + 1, L.last[k]));
+      optimizer[k] = std::max(optimizer[k], cm.OptimizerSeconds(s, k == 0 ? 0 : L.last[k - 1] + 1, L.last[k]));
+  const double slowest_optimizer = *std::max_element(optimizer.begin(), optimizer.end());
   // Simulates the layout at `depths`, or at ChooseInFlight's depths within `cap`.
   auto run = [&](const std::vector<int>& depths, const std::vector<bool>& recompute, const std::vector<int>* cap) {
     SimulatedLayout x;
@@ -433,7 +431,7 @@ SimulatedLayout SimulateLayout(const CostModel& cm, const Layout& L, const Evalu
     t.in_flight = x.in_flight;
     x.step = SimulatePipeline(t);
     x.optimizer = optimizer;
-    x.total = x.step.step_seconds + ev.sync + optimizer;
+    x.total = x.step.step_seconds + ev.sync + slowest_optimizer;
     return x;
   };
   if (fixed) return run(fixed->in_flight, fixed->recompute, nullptr);
@@ -1325,8 +1323,7 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
       st.codec_seconds = forward_codec + backward_codec;
       const auto [forward_transport, backward_transport] = PassTransportSeconds(cm, layout, ev, o, k);
       st.transport_seconds = forward_transport + backward_transport;
-      for (int s : st.sites)
-        st.optimizer_seconds = std::max(st.optimizer_seconds, cm.OptimizerSeconds(s, st.first_op, st.last_op));
+      st.optimizer_seconds = sim.optimizer[k];
     }
     st.memory_available_bytes = kInf;
     for (int s : st.sites)
@@ -1381,7 +1378,7 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
   if (o.deep_pipeline) {
     plan.simulated = true;
     plan.predicted_step_seconds = sim.total;
-    plan.optimizer_seconds = sim.optimizer;
+    plan.optimizer_seconds = *std::max_element(sim.optimizer.begin(), sim.optimizer.end());
   }
   plan.compute_bound_seconds = ComputeBoundSeconds(graph, profile, o.micro_batches);
 
@@ -1542,6 +1539,7 @@ std::string PlanJson(const Plan& plan, const OpGraph& graph) {
             {"formula_step_seconds", plan.formula_step_seconds},
             {"optimizer_seconds", plan.optimizer_seconds},
             {"micro_batches", plan.micro_batches},
+            {"zero", plan.zero},
             {"sync", plan.sync.diloco ? json{{"mode", "diloco"},
                                              {"inner_steps", plan.sync.inner_steps},
                                              {"fragments", plan.sync.fragments},

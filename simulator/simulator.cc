@@ -214,7 +214,7 @@ absl::Status Simulation::Init() {
       w.forward = t * share;
       w.backward = t * (1 - share);
       w.recompute = t * (partitioner::ComputeFactor(g_, st.first_op, st.last_op, st.recompute) - 1);
-      w.optimizer = partitioner::OptimizerSeconds(g_, p_.sites[site], st.first_op, st.last_op);
+      w.optimizer = partitioner::OptimizerSeconds(g_, p_.sites[site], st.first_op, st.last_op, plan_.zero);
       for (auto e : partitioner::PipelineSchedule(k, S, M, st.in_flight))
         if (owners_[k][e.second] == w.replica) w.order.push_back(e);
       w.micro_batches = st.micro_batches[r];
@@ -815,6 +815,11 @@ absl::StatusOr<Plan> ParsePlanJson(const std::string& text, const std::string& p
       j["micro_batches"].get<int64_t>() < 1 || j["micro_batches"].get<int64_t>() > (1 << 20))
     return bad("micro_batches", "expected a positive integer");
   plan.micro_batches = j["micro_batches"].get<int>();
+  if (j.contains("zero")) {  // job.optimizer.zero (absent in plan.json before it was written: 0)
+    if (!j["zero"].is_number_integer() || j["zero"].get<int64_t>() < 0 || j["zero"].get<int64_t>() > 1)
+      return bad("zero", "expected 0 or 1");
+    plan.zero = j["zero"].get<int>();
+  }
   const int M = plan.micro_batches;
   std::map<std::string, int> index;
   for (int s = 0; s < static_cast<int>(profile.sites.size()); ++s) index[profile.sites[s].name] = s;

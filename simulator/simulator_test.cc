@@ -317,6 +317,7 @@ TEST(SimulatorTest, PlanJsonRoundTripsAndErrorsNameTheField) {
   o.deep_pipeline = true;
   o.adaptive_compression = true;
   o.replication = true;
+  o.zero = 1;
   auto plan = partitioner::PlanPipeline(g, p, o);
   ASSERT_TRUE(plan.ok()) << plan.status();
   plan->stages[0].recompute = true;
@@ -329,6 +330,7 @@ TEST(SimulatorTest, PlanJsonRoundTripsAndErrorsNameTheField) {
     EXPECT_EQ(back->stages[k].in_flight, plan->stages[k].in_flight);
     EXPECT_EQ(back->stages[k].recompute, plan->stages[k].recompute);
   }
+  EXPECT_EQ(back->zero, plan->zero);
   for (size_t k = 0; k < plan->links.size(); ++k) {
     EXPECT_EQ(back->links[k].codec, plan->links[k].codec);
     EXPECT_DOUBLE_EQ(back->links[k].bytes, plan->links[k].bytes);
@@ -350,6 +352,8 @@ TEST(SimulatorTest, PlanJsonRoundTripsAndErrorsNameTheField) {
   EXPECT_THAT(err(R"({"micro_batches": 4, "stages": [{"sites": ["s0"], "last_op": 2}, {"sites": ["s1"], "last_op": 5}],
                       "links": [{"codec": "zip"}]})"),
               testing::HasSubstr("links[0].codec: 'zip' is not a codec"));
+  EXPECT_THAT(err(R"({"micro_batches": 4, "zero": 2, "stages": [{"sites": ["s0"], "last_op": 5}]})"),
+              testing::HasSubstr("p.json: zero: expected 0 or 1"));
   EXPECT_THAT(err(R"({"micro_batches": 4, "stages": [{"sites": ["s0"], "last_op": 5, "recompute": 1}]})"),
               testing::HasSubstr("p.json: stages[0].recompute: expected true or false"));
   EXPECT_THAT(err(R"({"micro_batches": 4, "stages": [{"sites": ["s0"], "last_op": 5}], "sync": {"mode": "often"}})"),
