@@ -63,7 +63,11 @@ class CoordinatorTest : public ::testing::Test {
     ::setenv("OPENBLAS_NUM_THREADS", "1", 1);
     ::setenv("OMP_NUM_THREADS", "1", 1);
   }
-  void TearDown() override { fs::remove_all(dir_); }
+  // MERIDIAN_KEEP_TEST_DIRS=1 keeps each test's directory (its coordinator.out, run/, certs) to read after it.
+  void TearDown() override {
+    if (const char* keep = std::getenv("MERIDIAN_KEEP_TEST_DIRS"); keep == nullptr || std::string(keep) != "1")
+      fs::remove_all(dir_);
+  }
   void SetSteps(int steps) {
     std::string text;
     {
@@ -1051,6 +1055,12 @@ TEST_F(CoordinatorTest, TheDashboardShowsTheRunInAHeadlessBrowser) {
 // The run ends with every step trained once (metrics.jsonl counts 1..N without a gap or a repeat) and
 // the weights of `meridian train-local`.
 TEST_F(CoordinatorTest, ADrainedSiteAndASigtermedOneAreLeftWithNoStepLostOrRepeated) {
+  // Each switch comes three heartbeat intervals' worth of the fastest recent steps after the request
+  // (RunMachine::SwitchMargin): at 1 s, about 300 steps on this machine, and on one 3x as fast the second
+  // switch would fall after the run's last step (the coordinator then rightly lets the site leave at the
+  // end instead). At 500 ms both switches fit in 2,000 steps there too, while the margin still leaves each
+  // stage 1.5 s to hear of the boundary on a loaded machine.
+  Edit("cluster.yaml", "heartbeat: {interval: 1s, timeout: 4s}", "heartbeat: {interval: 500ms, timeout: 4s}");
   SetSteps(2000);
   std::ofstream(dir_ / "job.yaml", std::ios::app) << "  checkpoint: {dir: ckpt, interval: 400}\n  replication: false\n";
   std::ofstream(dir_ / "plan.json")
@@ -1086,6 +1096,9 @@ TEST_F(CoordinatorTest, ADrainedSiteAndASigtermedOneAreLeftWithNoStepLostOrRepea
   ASSERT_LT(at, 1400) << "too late in the run to switch again";
   ASSERT_TRUE(wait_for("step " + std::to_string(at + 50) + "/")) << read_out();
   ASSERT_EQ(::kill(c->pid(), SIGTERM), 0);
+  ASSERT_TRUE(wait_for("switch: site 'c' leaves")) << read_out();
+  ASSERT_THAT(read_out(), HasSubstr("switch: site 'c' leaves (its executor got SIGTERM); every stage ends after step "))
+      << read_out();
   EXPECT_EQ(c->Wait(90s), 0) << "the SIGTERMed executor leaves cleanly once switched away from";
   ASSERT_EQ(coord->Wait(180s), 0) << read_out();
   const std::string log = read_out();
