@@ -30,21 +30,29 @@ class CostModel {
  public:
   // `pipelined_links`: a deep pipeline covers every link's latency with micro-batches in flight, so a
   // link paces the steady state by its transfer time alone (LinkSteady); else by transfer plus latency.
-  CostModel(const OpGraph& g, const ClusterProfile& p, int micro_batches, bool pipelined_links = false, int zero = 0)
+  // `recompute`: a stage whose memory holds 1F1B's window only with activation recomputation is feasible,
+  // at its time with the second forward pass (FittingStageTime; PlanOptions::recompute).
+  CostModel(const OpGraph& g, const ClusterProfile& p, int micro_batches, bool pipelined_links = false, int zero = 0,
+            bool recompute = false)
       : graph_(g),
         profile_(p),
         zero_(zero),
         m_(micro_batches),
         n_(static_cast<int>(g.ops.size())),
         sites_(static_cast<int>(p.sites.size())),
-        pipelined_(pipelined_links) {
+        pipelined_(pipelined_links),
+        recompute_(recompute) {
     time_prefix_.assign(sites_, std::vector<double>(n_ + 1, 0.0));
     for (int s = 0; s < sites_; ++s)
       for (int i = 0; i < n_; ++i) time_prefix_[s][i + 1] = time_prefix_[s][i] + OpSeconds(g.ops[i], p.sites[s]);
     state_prefix_.assign(n_ + 1, 0.0);
     act_prefix_.assign(n_ + 1, 0.0);
     param_prefix_.assign(n_ + 1, 0.0);
+    forward_prefix_.assign(n_ + 1, 0.0);
+    flops_prefix_.assign(n_ + 1, 0.0);
     for (int i = 0; i < n_; ++i) {
+      forward_prefix_[i + 1] = forward_prefix_[i] + g.ops[i].forward_flops;
+      flops_prefix_[i + 1] = flops_prefix_[i] + g.ops[i].forward_flops + g.ops[i].backward_flops;
       param_prefix_[i + 1] = param_prefix_[i] + g.ops[i].param_bytes;
       state_prefix_[i + 1] = state_prefix_[i] + g.ops[i].param_bytes + g.ops[i].optimizer_bytes;
       act_prefix_[i + 1] = act_prefix_[i] + SavedBytes(g.ops[i]);
@@ -132,6 +140,27 @@ class CostModel {
   bool Fits(int s, int a, int b, int from_end, bool recompute = false) const {
     return SiteMemory(s, a, b, from_end, recompute) <= profile_.sites[s].memory_bytes;
   }
+  // Whether ops [a, b] fit site s in some way: their state and one micro-batch's activations, the least
+  // any window or recomputation holds. It only gets harder as the range grows, so a search may stop there.
+  bool MayFit(int s, int a, int b) const { return Fits(s, a, b, 1, false); }
+  // ComputeFactor of ops [a, b] with recomputation, from prefix sums.
+  double RecomputeFactor(int a, int b) const {
+    const double all = flops_prefix_[b + 1] - flops_prefix_[a];
+    return 1 + (all > 0 ? (forward_prefix_[b + 1] - forward_prefix_[a]) / all : 1.0 / 3.0);
+  }
+  // Whether ops [a, b] on site s, `from_end` stages from the end (1F1B's window of that many micro-batches
+  // in flight), fit only with recomputation, and may (the constructor's `recompute`).
+  bool NeedsRecompute(int s, int a, int b, int from_end) const {
+    return recompute_ && !Fits(s, a, b, from_end) && Fits(s, a, b, from_end, true);
+  }
+  // Seconds per micro-batch of ops [a, b] on site s, `from_end` stages from the end: StageTime where 1F1B's
+  // window fits; with the second forward pass where only recomputation makes it fit (NeedsRecompute);
+  // +inf where neither does.
+  double FittingStageTime(int s, int a, int b, int from_end) const {
+    if (Fits(s, a, b, from_end)) return StageTime(s, a, b);
+    if (NeedsRecompute(s, a, b, from_end)) return StageTime(s, a, b) * RecomputeFactor(a, b);
+    return kInf;
+  }
   // Seconds per step for site s's workers to sum ops [a, b]'s gradients (`gradient_bytes`) with c10d: an
   // all-reduce moving 2 (K-1)/K of them per worker, and under ZeRO-1 the parameters' all-gather, (K-1)/K of
   // them again; 0 for one worker or an unmeasured bandwidth. Charged in full, though the executor starts
@@ -148,9 +177,9 @@ class CostModel {
   const ClusterProfile& profile_;
   int zero_;
   int m_, n_, sites_;
-  bool pipelined_;
+  bool pipelined_, recompute_;
   std::vector<std::vector<double>> time_prefix_;
-  std::vector<double> param_prefix_, state_prefix_, act_prefix_, cut_bytes_;
+  std::vector<double> param_prefix_, state_prefix_, act_prefix_, forward_prefix_, flops_prefix_, cut_bytes_;
   std::vector<std::vector<double>> bw_, lat_;
 };
 
@@ -164,6 +193,10 @@ struct Evaluation {
   double total = kInf;
   double fill = 0, steady = 0, sync = 0;
   std::vector<double> t, c, allreduce, memory, site_reduce;
+  // Stages whose sites hold 1F1B's window only with activation recomputation (CostModel::NeedsRecompute),
+  // and per stage its second forward pass per micro-batch (0 elsewhere): t plus it is the stage's time.
+  std::vector<bool> recompute;
+  std::vector<double> recompute_t;
   std::vector<double> pace;                 // per link: what it adds to the steady state (CostModel::LinkSteady)
   std::vector<int> link_codec, grad_codec;  // indices into the menus; -1 = fixed ratio
 };
@@ -185,7 +218,10 @@ std::pair<double, double> LinkTimes(const CostModel& cm, const Layout& L, int k,
 // steady state paced by the slowest stage or link, the slowest sync.
 void SumUp(int micro_batches, Evaluation* e) {
   double sum = 0, mx = 0;
-  for (double t : e->t) sum += t, mx = std::max(mx, t);
+  for (size_t k = 0; k < e->t.size(); ++k) {
+    const double t = e->t[k] + e->recompute_t[k];
+    sum += t, mx = std::max(mx, t);
+  }
   for (size_t k = 0; k < e->c.size(); ++k) sum += e->c[k], mx = std::max(mx, e->pace[k]);
   e->fill = sum;
   e->steady = (micro_batches - 1) * mx;
@@ -210,17 +246,23 @@ Evaluation Evaluate(const CostModel& cm, const Layout& L, const PlanOptions& o, 
   e.memory.resize(S);
   e.allreduce.assign(S, 0.0);
   e.grad_codec.assign(S, -1);
+  e.recompute.assign(S, false);
+  e.recompute_t.assign(S, 0.0);
   double max_t = 0;
   for (int k = 0; k < S; ++k) {
     int a = k == 0 ? 0 : L.last[k - 1] + 1, b = L.last[k];
     if (a > b) return e;
+    // A stage recomputes where one of its sites needs it (the executor does it stage-wide).
+    for (int s : L.sites[k]) {
+      if (cm.NeedsRecompute(s, a, b, S - k))
+        e.recompute[k] = true;
+      else if (!cm.Fits(s, a, b, S - k))
+        return e;
+    }
     // Replicas share the micro-batches in proportion to speed (ShareMicroBatches); the stage's time per
     // micro-batch is its slowest replica's share of the step, spread over the M micro-batches.
     std::vector<double> times;
-    for (int s : L.sites[k]) {
-      if (!cm.Fits(s, a, b, S - k)) return e;
-      times.push_back(cm.StageTime(s, a, b));
-    }
+    for (int s : L.sites[k]) times.push_back(cm.StageTime(s, a, b));
     if (times.size() == 1) {
       e.t[k] = times[0];
     } else {
@@ -229,9 +271,10 @@ Evaluation Evaluate(const CostModel& cm, const Layout& L, const PlanOptions& o, 
       for (size_t i = 0; i < times.size(); ++i) slowest = std::max(slowest, share[i] * times[i]);
       e.t[k] = slowest / M;
     }
+    if (e.recompute[k]) e.recompute_t[k] = e.t[k] * (ComputeFactor(g, a, b, true) - 1);
     e.memory[k] = 0;
-    for (int s : L.sites[k]) e.memory[k] = std::max(e.memory[k], cm.SiteMemory(s, a, b, S - k));
-    max_t = std::max(max_t, e.t[k]);
+    for (int s : L.sites[k]) e.memory[k] = std::max(e.memory[k], cm.SiteMemory(s, a, b, S - k, e.recompute[k]));
+    max_t = std::max(max_t, e.t[k] + e.recompute_t[k]);
   }
   e.c.resize(std::max(S - 1, 0));
   e.pace.resize(std::max(S - 1, 0));
@@ -283,7 +326,7 @@ Evaluation Evaluate(const CostModel& cm, const Layout& L, const PlanOptions& o, 
     } else {
       int pick = static_cast<int>(o.gradient_codecs.size()) - 1;
       for (int i = 0; i < static_cast<int>(o.gradient_codecs.size()); ++i)
-        if (sync(o.gradient_codecs[i].ratio) <= e.t[k]) {
+        if (sync(o.gradient_codecs[i].ratio) <= e.t[k] + e.recompute_t[k]) {
           pick = i;
           break;
         }
@@ -310,7 +353,6 @@ Evaluation Evaluate(const CostModel& cm, const Layout& L, const PlanOptions& o, 
     e.allreduce[k] += e.site_reduce[k];
   }
   SumUp(M, &e);
-  (void)g;
   return e;
 }
 
@@ -407,8 +449,9 @@ struct SimulatedLayout {
 };
 
 // With `fixed`, its in-flight depths and recomputation rather than choosing them (a quick trial of a
-// layout's codecs). Otherwise each stage's depth is capped by its memory (ChooseInFlight); then, with
-// PlanOptions::recompute, each stage held at a cap below the micro-batches that would be deeper with
+// layout's codecs). Otherwise each stage's depth is capped by its memory (ChooseInFlight), with
+// recomputation at the stages that need it for 1F1B's window (Evaluation::recompute); then, with
+// PlanOptions::recompute, each other stage held at a cap below the micro-batches that would be deeper with
 // recomputation tries it, first to last, and keeps it when the simulated step gets more than 1% shorter
 // (a second forward pass costs compute and energy for what memory could otherwise buy).
 SimulatedLayout SimulateLayout(const CostModel& cm, const Layout& L, const Evaluation& ev, const PlanOptions& o,
@@ -444,14 +487,15 @@ SimulatedLayout SimulateLayout(const CostModel& cm, const Layout& L, const Evalu
       ++d;
     return d;
   };
+  // A stage whose memory holds 1F1B's window only with recomputation (Evaluation::recompute) recomputes.
+  std::vector<bool> recompute = ev.recompute;
   std::vector<int> cap(S);
-  for (int k = 0; k < S; ++k) cap[k] = cap_of(k, false);
-  std::vector<bool> recompute(S, false);
+  for (int k = 0; k < S; ++k) cap[k] = cap_of(k, recompute[k]);
   r = run({}, recompute, &cap);
   if (!o.recompute) return r;
   for (int k = 0; k < S; ++k) {
     // Only where memory set the depth: a stage shallower than its cap has all the depth it wants.
-    if (cap[k] >= M || r.in_flight[k] < cap[k]) continue;
+    if (recompute[k] || cap[k] >= M || r.in_flight[k] < cap[k]) continue;
     const int deeper = cap_of(k, true);
     if (deeper <= cap[k]) continue;
     std::vector<int> trial_cap = cap;
@@ -527,15 +571,17 @@ double SearchRatio(const PlanOptions& o) {
   return r;
 }
 
-// Reference T for a single-site-per-stage layout with the search ratio. +inf if infeasible.
+// Reference T for a single-site-per-stage layout with the search ratio (a stage that fits only with
+// recomputation at its time with it, CostModel::FittingStageTime). +inf if infeasible.
 double SearchCost(const CostModel& cm, const std::vector<int>& order, const std::vector<int>& last, double ratio) {
   const int S = static_cast<int>(order.size());
   const int M = cm.micro_batches();
   double sum = 0, mx = 0;
   for (int k = 0; k < S; ++k) {
     int a = k == 0 ? 0 : last[k - 1] + 1, b = last[k];
-    if (a > b || !cm.Fits(order[k], a, b, S - k)) return kInf;
-    double t = cm.StageTime(order[k], a, b);
+    if (a > b) return kInf;
+    const double t = cm.FittingStageTime(order[k], a, b, S - k);
+    if (t == kInf) return kInf;
     sum += t;
     mx = std::max(mx, t);
     if (k + 1 < S) {
@@ -585,11 +631,14 @@ ExactResult ExactSearch(const CostModel& cm, double ratio, double upper_bound, d
             f.end());
     f.push_back(e);
   };
+  // Growing a stage's range only adds to its least memory (CostModel::MayFit) and to its time without
+  // recomputation: past either bound no longer range can do. (Whether it needs recomputation, and so its
+  // time with it, can change either way: the input it keeps is the cut before it.)
   for (int s = 0; s < n; ++s)
     for (int p = N - 1; p >= 0; --p) {
-      if (!cm.Fits(s, p, N - 1, 1)) break;  // memory only grows as the range grows
-      double t = cm.StageTime(s, p, N - 1);
-      if (M * t > bound) break;
+      if (!cm.MayFit(s, p, N - 1) || M * cm.StageTime(s, p, N - 1) > bound) break;
+      const double t = cm.FittingStageTime(s, p, N - 1, 1);
+      if (M * t > bound) continue;
       front[key(int64_t{1} << s, s, p)].push_back({t, t, -1, -1});
     }
   for (int64_t mask = 1; mask < masks; ++mask) {
@@ -606,9 +655,9 @@ ExactResult ExactSearch(const CostModel& cm, double ratio, double upper_bound, d
           const double pace = cm.LinkSteady(s2, s, ratio * cm.CutBytes(p - 1));
           const int64_t nmask = mask | (int64_t{1} << s2);
           for (int q = p - 1; q >= 0; --q) {
-            if (!cm.Fits(s2, q, p - 1, used + 1)) break;
-            double t = cm.StageTime(s2, q, p - 1);
-            if (M * t > bound) break;
+            if (!cm.MayFit(s2, q, p - 1) || M * cm.StageTime(s2, q, p - 1) > bound) break;
+            const double t = cm.FittingStageTime(s2, q, p - 1, used + 1);
+            if (M * t > bound) continue;
             auto& nf = front[key(nmask, s2, q)];
             for (int32_t ei = 0; ei < static_cast<int32_t>(f.size()); ++ei) {
               const Entry& e = f[ei];
@@ -677,7 +726,8 @@ struct Candidate {
 };
 
 // Greedy cut for a bottleneck B; false if infeasible. Memory is checked conservatively as if all
-// sites of `order` were used, which can only over-estimate the in-flight activations.
+// sites of `order` were used, which can only over-estimate the in-flight activations (and so time a
+// stage with recomputation that the pipeline finally cut would not need: Evaluate settles it).
 bool CutsForBottleneck(const CostModel& cm, const std::vector<int>& order, double ratio, double B,
                        std::vector<int>* last) {
   const int K = static_cast<int>(order.size()), N = cm.ops();
@@ -686,7 +736,7 @@ bool CutsForBottleneck(const CostModel& cm, const std::vector<int>& order, doubl
   for (int k = 0; k < K && a < N; ++k) {
     int s = order[k];
     int b = a - 1;
-    while (b + 1 < N && cm.StageTime(s, a, b + 1) <= B && cm.Fits(s, a, b + 1, K - k)) ++b;
+    while (b + 1 < N && cm.FittingStageTime(s, a, b + 1, K - k) <= B) ++b;
     if (b < a) return false;
     if (b == N - 1) {
       last->push_back(b);
@@ -1095,7 +1145,7 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
         return absl::InvalidArgumentError(
             absl::StrCat("profile: sites '", s.name, "'.op_seconds names op '", name, "', which the graph lacks"));
 
-  CostModel cm(graph, profile, o.micro_batches, o.deep_pipeline, o.zero);
+  CostModel cm(graph, profile, o.micro_batches, o.deep_pipeline, o.zero, o.recompute);
   const int n = cm.sites(), N = cm.ops();
   const double ratio = SearchRatio(o);
   Plan plan;
@@ -1310,6 +1360,7 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
     }
     st.memory_bytes = ev.memory[k];
     st.in_flight = std::min(plan.micro_batches, S - k);
+    st.recompute = ev.recompute[k];
     if (o.deep_pipeline) {
       st.in_flight = sim.in_flight[k];
       st.recompute = sim.recompute[k];
@@ -1335,12 +1386,18 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
       st.gradient_codec = ev.grad_codec[k] >= 0 ? o.gradient_codecs[ev.grad_codec[k]].name : "identity";
     plan.stages.push_back(std::move(st));
   }
+  for (int k = 0; k < S; ++k)
+    if (ev.recompute[k])
+      plan.notes.push_back(absl::StrFormat(
+          "stage %d recomputes its activations before each backward pass: without, its memory could not hold "
+          "the %d micro-batches 1F1B keeps in flight there",
+          k + 1, std::min(plan.micro_batches, S - k)));
   if (o.deep_pipeline && std::find(sim.recompute.begin(), sim.recompute.end(), true) != sim.recompute.end()) {
     PlanOptions without = o;
     without.recompute = false;
     const SimulatedLayout plain = SimulateLayout(cm, layout, ev, without, graph);
     for (int k = 0; k < S; ++k)
-      if (sim.recompute[k])
+      if (sim.recompute[k] && !ev.recompute[k])
         plan.notes.push_back(absl::StrFormat(
             "stage %d recomputes its activations before each backward pass, so that its memory holds %d "
             "micro-batches in flight (%d without): the simulated step is %.4g s, against %.4g s without "

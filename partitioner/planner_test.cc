@@ -26,9 +26,12 @@ using ::testing::Not;
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
 // An independent implementation of the reference cost model in docs/cost-model.md, written from the
-// formula with no shared code: the planner must agree with it.
+// formula with no shared code: the planner must agree with it. With `recompute`, a stage whose memory
+// holds 1F1B's window only with activation recomputation (each micro-batch in flight keeps its input,
+// the bytes crossing into the stage, and one keeps its activations) takes t x (1 + its forward FLOPs'
+// share) instead of being infeasible.
 double FormulaCost(const OpGraph& g, const ClusterProfile& p, int M, double rho, const std::vector<int>& sites,
-                   const std::vector<int>& last) {
+                   const std::vector<int>& last, bool recompute = false) {
   const int S = static_cast<int>(sites.size());
   auto link = [&](int a, int b, double& bw, double& lat) {
     for (const auto& l : p.links)
@@ -51,7 +54,19 @@ double FormulaCost(const OpGraph& g, const ClusterProfile& p, int M, double rho,
       state += g.ops[i].param_bytes + g.ops[i].optimizer_bytes;
       out += g.ops[i].output_bytes;
     }
-    if (state + std::min(M, S - k) * out > sp.memory_bytes) return kInf;
+    if (state + std::min(M, S - k) * out > sp.memory_bytes) {
+      double in = 0, forward = 0, all = 0;  // every output of an op before a consumed at a or after
+      for (int i = 0; i < a; ++i) {
+        bool crosses = false;
+        for (int j = a; j < static_cast<int>(g.ops.size()); ++j)
+          for (int x : g.ops[j].inputs) crosses |= x == i;
+        if (crosses) in += g.ops[i].output_bytes;
+      }
+      if (!recompute || state + std::min(M, S - k) * in + out > sp.memory_bytes) return kInf;
+      for (int i = a; i <= b; ++i)
+        forward += g.ops[i].forward_flops, all += g.ops[i].forward_flops + g.ops[i].backward_flops;
+      t *= 1 + forward / all;
+    }
     sum += t;
     mx = std::max(mx, t);
     if (k + 1 < S) {
@@ -73,7 +88,7 @@ double FormulaCost(const OpGraph& g, const ClusterProfile& p, int M, double rho,
 }
 
 // Minimum of FormulaCost over every ordered subset of sites and every split of the ops.
-double Exhaustive(const OpGraph& g, const ClusterProfile& p, int M, double rho) {
+double Exhaustive(const OpGraph& g, const ClusterProfile& p, int M, double rho, bool recompute) {
   const int n = static_cast<int>(p.sites.size()), N = static_cast<int>(g.ops.size());
   double best = kInf;
   std::vector<int> order;
@@ -86,7 +101,7 @@ double Exhaustive(const OpGraph& g, const ClusterProfile& p, int M, double rho) 
       std::function<void(int, int)> cuts = [&](int k, int start) {
         if (k == S - 1) {
           last[k] = N - 1;
-          best = std::min(best, FormulaCost(g, p, M, rho, order, last));
+          best = std::min(best, FormulaCost(g, p, M, rho, order, last, recompute));
           return;
         }
         for (int c = start; c <= N - 1 - (S - 1 - k); ++c) {
@@ -153,38 +168,57 @@ Instance RandomInstance(std::mt19937& rng) {
   return in;
 }
 
+// The same 250 instances without and with recomputation allowed (PlanOptions::recompute): some become
+// feasible with it, and some faster.
 TEST(Planner, ExactEqualsExhaustiveSearchOn250RandomInstances) {
-  std::mt19937 rng(20261130);
-  int feasible = 0, infeasible = 0;
-  for (int trial = 0; trial < 250; ++trial) {
-    Instance in = RandomInstance(rng);
-    PlanOptions o;
-    o.micro_batches = in.M;
-    o.ratio = in.rho;
-    double want = Exhaustive(in.g, in.p, in.M, in.rho);
-    auto plan = PlanPipeline(in.g, in.p, o);
-    if (want == kInf) {
-      EXPECT_FALSE(plan.ok()) << "trial " << trial;
-      EXPECT_EQ(plan.status().code(), absl::StatusCode::kFailedPrecondition);
-      ++infeasible;
-      continue;
+  for (bool recompute : {false, true}) {
+    SCOPED_TRACE(recompute ? "with recomputation" : "without recomputation");
+    std::mt19937 rng(20261130);
+    int feasible = 0, infeasible = 0, recomputing = 0;
+    for (int trial = 0; trial < 250; ++trial) {
+      Instance in = RandomInstance(rng);
+      PlanOptions o;
+      o.micro_batches = in.M;
+      o.ratio = in.rho;
+      o.recompute = recompute;
+      double want = Exhaustive(in.g, in.p, in.M, in.rho, recompute);
+      auto plan = PlanPipeline(in.g, in.p, o);
+      if (want == kInf) {
+        EXPECT_FALSE(plan.ok()) << "trial " << trial;
+        EXPECT_EQ(plan.status().code(), absl::StatusCode::kFailedPrecondition);
+        ++infeasible;
+        continue;
+      }
+      ASSERT_TRUE(plan.ok()) << "trial " << trial << ": " << plan.status();
+      ++feasible;
+      EXPECT_EQ(plan->method, "exact");
+      EXPECT_NEAR(plan->predicted_step_seconds, want, 1e-9 * want) << "trial " << trial;
+      // The plan it returns really has that cost under the formula.
+      std::vector<int> sites, last;
+      bool recomputes = false;
+      for (const auto& s : plan->stages) {
+        ASSERT_EQ(s.sites.size(), 1u);
+        sites.push_back(s.sites[0]);
+        last.push_back(s.last_op);
+        recomputes |= s.recompute;
+      }
+      EXPECT_NEAR(FormulaCost(in.g, in.p, in.M, in.rho, sites, last, recompute), want, 1e-9 * want)
+          << "trial " << trial;
+      if (recomputes) {
+        ++recomputing;
+        EXPECT_TRUE(recompute) << "trial " << trial;
+        // Without recomputation, that plan does not fit.
+        EXPECT_EQ(FormulaCost(in.g, in.p, in.M, in.rho, sites, last, false), kInf) << "trial " << trial;
+      } else {
+        EXPECT_NEAR(ReferenceStepTime(in.g, in.p, in.M, in.rho, sites, last), want, 1e-9 * want);
+      }
     }
-    ASSERT_TRUE(plan.ok()) << "trial " << trial << ": " << plan.status();
-    ++feasible;
-    EXPECT_EQ(plan->method, "exact");
-    EXPECT_NEAR(plan->predicted_step_seconds, want, 1e-9 * want) << "trial " << trial;
-    // The plan it returns really has that cost under the formula.
-    std::vector<int> sites, last;
-    for (const auto& s : plan->stages) {
-      ASSERT_EQ(s.sites.size(), 1u);
-      sites.push_back(s.sites[0]);
-      last.push_back(s.last_op);
-    }
-    EXPECT_NEAR(FormulaCost(in.g, in.p, in.M, in.rho, sites, last), want, 1e-9 * want) << "trial " << trial;
-    EXPECT_NEAR(ReferenceStepTime(in.g, in.p, in.M, in.rho, sites, last), want, 1e-9 * want);
+    EXPECT_GE(feasible, 200);
+    EXPECT_GT(infeasible, 0);                  // the generator does exercise the memory limits
+    if (recompute) EXPECT_GT(recomputing, 0);  // and recomputation
+    std::printf("%s: %d feasible (%d recomputing somewhere), %d infeasible\n",
+                recompute ? "with recomputation" : "without", feasible, recomputing, infeasible);
   }
-  EXPECT_GE(feasible, 200);
-  EXPECT_GT(infeasible, 0);  // the generator does exercise the memory limits
 }
 
 OpGraph Chain(int n, double flops = 1e9, double out = 1e3) {
@@ -781,6 +815,46 @@ TEST(Planner, RecomputationAffordsTheDepthThatMemoryDenies) {
   auto j = nlohmann::json::parse(PlanJson(*plan, g));
   EXPECT_TRUE(j["stages"][0]["recompute"].get<bool>());
   EXPECT_FALSE(j["stages"][2]["recompute"].get<bool>());
+}
+
+// Where a stage's memory cannot hold even 1F1B's window (3 micro-batches' activations at the first of three
+// stages, 2 at the second), the layout is infeasible without recomputation and feasible with it: those
+// stages keep each micro-batch's input and recompute, and the step is priced with the second forward pass.
+TEST(Planner, RecomputationMakesFeasibleWhatMemoryDenies) {
+  // a and b hold one micro-batch's activations of their 10 ops (2e6) and their inputs (2e5 each).
+  ThreeStages t3(2e8, 0.001, {3e4 + 2e6 + 3 * 2e5, 3e4 + 2e6 + 2 * 2e5, 1e12});
+  auto& [g, p, o] = t3;
+  for (bool deep : {false, true}) {
+    SCOPED_TRACE(deep ? "deep pipeline" : "1F1B");
+    o.deep_pipeline = deep;
+    o.recompute = false;
+    auto plain = PlanPipeline(g, p, o);
+    ASSERT_FALSE(plain.ok());
+    EXPECT_EQ(plain.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(plain.status().message(), HasSubstr("exceeds its site's memory"));
+    o.recompute = true;
+    auto plan = PlanPipeline(g, p, o);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    EXPECT_TRUE(plan->stages[0].recompute);
+    EXPECT_TRUE(plan->stages[1].recompute);
+    EXPECT_FALSE(plan->stages[2].recompute);
+    EXPECT_EQ(plan->stages[0].in_flight, 3);
+    EXPECT_EQ(plan->stages[1].in_flight, 2);
+    for (const auto& st : plan->stages) EXPECT_LE(st.memory_bytes, st.memory_available_bytes);
+    // 0.3 s a pass, 0.4 s with the second forward pass: the first stage computes 32 x 0.4 s a step (9.6 s
+    // without recomputation), and the formula adds the fill and drain (the other two stages' passes and
+    // the links) to 31 of them; the simulated schedule overlaps part of that with the recomputations.
+    EXPECT_NEAR(StagePassSeconds(g, p.sites[0], plan->stages[0]), 0.4, 1e-12);
+    EXPECT_GT(plan->predicted_step_seconds, 32 * 0.4);
+    EXPECT_LT(plan->predicted_step_seconds, 31 * 0.4 + 0.4 + 0.4 + 0.3 + 0.1);
+    if (!deep) EXPECT_GT(plan->predicted_step_seconds, 31 * 0.4 + 0.4 + 0.4 + 0.3);
+    std::string notes;
+    for (const auto& n : plan->notes) notes += n + "\n";
+    EXPECT_THAT(notes, HasSubstr("stage 1 recomputes its activations before each backward pass: without, its memory "
+                                 "could not hold the 3 micro-batches 1F1B keeps in flight there"));
+    EXPECT_THAT(notes, HasSubstr("stage 2 recomputes"));
+    EXPECT_THAT(notes, Not(HasSubstr("stage 3 recomputes")));
+  }
 }
 
 // With few micro-batches a step's fill and drain carry every hop's latency: the simulated step can favour
