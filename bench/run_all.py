@@ -755,7 +755,7 @@ def convergence(a, bin_dir, work, codecs, data):
 
 # The activation codecs the codecs section compares with identity, as (activations, gradients) on both links.
 CODEC_PAIRS = [("int8", "int8"), ("int4", "int4"), ("int8-delta", "int8"), ("int4-delta", "int4"),
-               ("int2-delta", "int4"), ("int2-delta", "int8")]
+               ("int4-delta+zstd", "int4"), ("int8-delta+zstd", "int8"), ("int2-delta", "int4"), ("int2-delta", "int8")]
 CODECS_BEGIN, CODECS_END = "<!-- codecs:begin -->", "<!-- codecs:end -->"
 
 
