@@ -33,7 +33,8 @@ void AddPlanOptions(CLI::App* cmd, PlanCommandOptions* o) {
                 "Reference cost model: no replication, the fixed --ratio (default 1) on every link");
   cmd->add_flag("--no-replication", o->no_replication, "Do not replicate stages on spare sites");
   cmd->add_flag("--no-recompute", o->no_recompute,
-                "Never recompute activations to keep more micro-batches in flight than a stage's memory holds");
+                "Never recompute activations to keep more micro-batches in flight than a stage's memory holds "
+                "(1F1B's window, or the depth a slow link needs)");
   cmd->add_flag("--heuristic", o->force_heuristic, "Use the heuristic even where exact search applies");
   cmd->add_option("--zero", o->zero,
                   "ZeRO stage inside sites of several workers (job.optimizer.zero): 1 shards their optimizer state")

@@ -67,11 +67,12 @@ struct PlanOptions {
   // by the steady-state formula; layouts with fewer stages or more replicas are compared by that
   // simulation too. Off: 1F1B's depth and the formula.
   bool deep_pipeline = false;
-  // With deep_pipeline: a stage whose memory holds fewer micro-batches in flight than its round trip
-  // needs may recompute its forward pass just before each backward pass (activation recomputation). It
-  // then keeps only each micro-batch's input in flight, plus one micro-batch's activations, at the cost of
-  // a second forward pass (ComputeFactor). Chosen per stage where that shortens the simulated step by
-  // more than 1%. Off: never.
+  // Activation recomputation: a stage may run its forward pass again just before each backward pass,
+  // keeping only each micro-batch's input in flight plus one micro-batch's activations, at the cost of a
+  // second forward pass (ComputeFactor). Where a stage's memory cannot hold 1F1B's window otherwise, the
+  // searches count it feasible so, at its time with the second pass; with deep_pipeline, a stage whose
+  // memory holds fewer micro-batches than its round trip needs also takes it where that shortens the
+  // simulated step by more than 1%. Off: never.
   bool recompute = true;
   std::vector<Codec> link_codecs = DefaultLinkCodecs();
   std::vector<Codec> gradient_codecs = DefaultGradientCodecs();
