@@ -170,7 +170,7 @@ int RunPlanCommand(const PlanCommandOptions& o) {
   po.micro_batches = o.micro_batches;
   po.ratio = o.ratio;
   po.replication = !o.reference && !o.no_replication;
-  po.recompute = !o.no_recompute;
+  po.recompute = !o.reference && !o.no_recompute;
   po.adaptive_compression = !o.reference && !o.ratio_given;
   po.deep_pipeline = !o.reference;
   if (o.revisit_fraction > 0) po.link_codecs = partitioner::DefaultLinkCodecs(o.revisit_fraction);

@@ -140,9 +140,12 @@ class CostModel {
   bool Fits(int s, int a, int b, int from_end, bool recompute = false) const {
     return SiteMemory(s, a, b, from_end, recompute) <= profile_.sites[s].memory_bytes;
   }
-  // Whether ops [a, b] fit site s in some way: their state and one micro-batch's activations, the least
-  // any window or recomputation holds. It only gets harder as the range grows, so a search may stop there.
-  bool MayFit(int s, int a, int b) const { return Fits(s, a, b, 1, false); }
+  // Whether ops [a, b] may fit site s `from_end` stages from the end: without recomputation, Fits; with
+  // it, their state and one micro-batch's activations, the least any window or recomputation holds. It
+  // only gets harder as the range grows, so a search may stop there.
+  bool MayFit(int s, int a, int b, int from_end) const {
+    return recompute_ ? Fits(s, a, b, 1, false) : Fits(s, a, b, from_end);
+  }
   // ComputeFactor of ops [a, b] with recomputation, from prefix sums.
   double RecomputeFactor(int a, int b) const {
     const double all = flops_prefix_[b + 1] - flops_prefix_[a];
@@ -636,7 +639,7 @@ ExactResult ExactSearch(const CostModel& cm, double ratio, double upper_bound, d
   // time with it, can change either way: the input it keeps is the cut before it.)
   for (int s = 0; s < n; ++s)
     for (int p = N - 1; p >= 0; --p) {
-      if (!cm.MayFit(s, p, N - 1) || M * cm.StageTime(s, p, N - 1) > bound) break;
+      if (!cm.MayFit(s, p, N - 1, 1) || M * cm.StageTime(s, p, N - 1) > bound) break;
       const double t = cm.FittingStageTime(s, p, N - 1, 1);
       if (M * t > bound) continue;
       front[key(int64_t{1} << s, s, p)].push_back({t, t, -1, -1});
@@ -655,7 +658,7 @@ ExactResult ExactSearch(const CostModel& cm, double ratio, double upper_bound, d
           const double pace = cm.LinkSteady(s2, s, ratio * cm.CutBytes(p - 1));
           const int64_t nmask = mask | (int64_t{1} << s2);
           for (int q = p - 1; q >= 0; --q) {
-            if (!cm.MayFit(s2, q, p - 1) || M * cm.StageTime(s2, q, p - 1) > bound) break;
+            if (!cm.MayFit(s2, q, p - 1, used + 1) || M * cm.StageTime(s2, q, p - 1) > bound) break;
             const double t = cm.FittingStageTime(s2, q, p - 1, used + 1);
             if (M * t > bound) continue;
             auto& nf = front[key(nmask, s2, q)];
@@ -727,7 +730,9 @@ struct Candidate {
 
 // Greedy cut for a bottleneck B; false if infeasible. Memory is checked conservatively as if all
 // sites of `order` were used, which can only over-estimate the in-flight activations (and so time a
-// stage with recomputation that the pipeline finally cut would not need: Evaluate settles it).
+// stage with recomputation that the pipeline finally cut would not need: SearchCost settles it). With
+// recomputation the greedy cut is a heuristic for feasibility too: whether a stage fits with it depends
+// on the cut before it (its input), which ending the previous stage as late as possible may not favour.
 bool CutsForBottleneck(const CostModel& cm, const std::vector<int>& order, double ratio, double B,
                        std::vector<int>* last) {
   const int K = static_cast<int>(order.size()), N = cm.ops();
@@ -785,8 +790,10 @@ void Refine(const CostModel& cm, const std::vector<int>& order, double ratio, st
 Candidate CutOrder(const CostModel& cm, const std::vector<int>& order, double ratio) {
   const int N = cm.ops();
   Candidate none;
+  // Every stage's time is within its site's whole model, twice that with recomputation (a forward pass
+  // is never more than the whole pass).
   double hi = 0;
-  for (int s : order) hi = std::max(hi, cm.WholeModelTime(s));
+  for (int s : order) hi = std::max(hi, 2 * cm.WholeModelTime(s));
   for (int i = 0; i + 1 < N; ++i)
     for (size_t k = 0; k + 1 < order.size(); ++k) {
       double c = cm.LinkSteady(order[k], order[k + 1], ratio * cm.CutBytes(i));
@@ -1087,7 +1094,7 @@ std::vector<Codec> DefaultGradientCodecs() {
 
 double ReferenceStepTime(const OpGraph& graph, const ClusterProfile& profile, int micro_batches, double ratio,
                          const std::vector<int>& sites, const std::vector<int>& last_ops) {
-  CostModel cm(graph, profile, micro_batches);
+  CostModel cm(graph, profile, micro_batches);  // no recomputation: the reference model
   if (sites.empty() || sites.size() != last_ops.size() || last_ops.back() != cm.ops() - 1) return kInf;
   return SearchCost(cm, sites, last_ops, ratio);
 }
@@ -1442,9 +1449,11 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
   // The bottleneck: the largest per-micro-batch term.
   double worst = -1;
   for (int k = 0; k < S; ++k)
-    if (ev.t[k] > worst)
-      worst = ev.t[k], plan.bottleneck = absl::StrFormat("stage %d compute (%s): %.4g s per micro-batch", k + 1,
-                                                         SiteList(profile, layout.sites[k]), ev.t[k]);
+    if (ev.t[k] + ev.recompute_t[k] > worst)
+      worst = ev.t[k] + ev.recompute_t[k],
+      plan.bottleneck =
+          absl::StrFormat("stage %d compute (%s): %.4g s per micro-batch%s", k + 1, SiteList(profile, layout.sites[k]),
+                          worst, ev.recompute[k] ? ", its recomputation included" : "");
   for (int k = 0; k + 1 < S; ++k)
     if (ev.pace[k] > worst)
       worst = ev.pace[k], plan.bottleneck = absl::StrFormat("link %d->%d (%s -> %s): %.4g s per micro-batch", k + 1,

@@ -59,7 +59,7 @@ struct PlanOptions {
   SyncModel sync;
   // Reference model (docs/cost-model.md): every link uses `ratio`, no replication.
   double ratio = 1.0;
-  // Extensions; both off gives exactly the reference model.
+  // Extensions; these two, deep_pipeline and recompute off give exactly the reference model.
   bool replication = false;           // data-parallel replicas of stages on otherwise unused sites
   bool adaptive_compression = false;  // per link, the lightest codec that keeps the link off the critical path
   // Each stage keeps as many micro-batches in flight as its round trip needs (within its memory), and
@@ -215,9 +215,9 @@ struct Plan {
 // unknown op, micro_batches < 1); FailedPrecondition when no plan fits, naming what does not fit.
 absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& profile, const PlanOptions& options);
 
-// The reference step time T of a given pipeline (one site per stage, fixed ratio), or +infinity when a
-// memory limit or a missing link makes it infeasible. `last_ops[k]` is the last op of stage k; the final
-// entry must be the last op of the graph. For tests and benchmarks that check the planner.
+// The reference step time T of a given pipeline (one site per stage, fixed ratio, no recomputation), or
+// +infinity when a memory limit or a missing link makes it infeasible. `last_ops[k]` is the last op of stage k; the
+// final entry must be the last op of the graph. For tests and benchmarks that check the planner.
 double ReferenceStepTime(const OpGraph& graph, const ClusterProfile& profile, int micro_batches, double ratio,
                          const std::vector<int>& sites, const std::vector<int>& last_ops);
 
