@@ -182,7 +182,7 @@ std::optional<RunInputs> LoadInputs(const RunOptions& o) {
   in.spec = *cluster.spec->cluster;
   in.job = *job_file.spec->job;
   in.steps = o.steps > 0 ? o.steps : in.job.steps;
-  in.micro_batches = o.micro_batches > 0 ? o.micro_batches : (in.job.micro_batches > 0 ? in.job.micro_batches : 4);
+  in.micro_batches = o.micro_batches > 0 ? o.micro_batches : core::MicroBatchesOf(in.job);
   in.certs = core::ResolveRelative(o.cluster_path, in.spec.certs_dir);
   in.job_dir = fs::absolute(fs::path(in.job_path)).parent_path().string();
   auto job_yaml = core::ReadFile(in.job_path);

@@ -3,6 +3,7 @@
 #include <yaml-cpp/depthguard.h>
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <cmath>
@@ -848,6 +849,13 @@ std::string ResolveRelative(const std::string& spec_path, const std::string& p) 
   size_t slash = spec_path.rfind('/');
   if (slash == std::string::npos) return p;
   return spec_path.substr(0, slash + 1) + p;
+}
+
+int MicroBatchesOf(const JobSpec& job) {
+  if (job.micro_batches > 0) return job.micro_batches;
+  int m = std::max(1, std::min(job.global_batch, 4));
+  while (m > 1 && job.global_batch % m != 0) --m;
+  return m;
 }
 
 }  // namespace meridian::core

@@ -154,7 +154,7 @@ struct JobSpec {
   double eval_fraction = 0.1;  // JSONL: share of the examples held out for exact-match evaluation
   int steps = 100;
   int global_batch = 8;   // sequences per optimizer step
-  int micro_batches = 0;  // 0: chosen by the planner
+  int micro_batches = 0;  // 0: MicroBatchesOf's default
   int sequence_length = 256;
   uint64_t seed = 1234;
   bool replication = true;  // let the planner replicate stages across sites
@@ -219,6 +219,10 @@ SpecLoadResult LoadSpecFile(const std::string& path);
 
 // Resolves `p` against the directory of `spec_path` unless absolute.
 std::string ResolveRelative(const std::string& spec_path, const std::string& p);
+
+// The micro-batches per step `job` runs: job.micro_batches, or where that is 0 the largest divisor of
+// job.global_batch up to 4 (the planner does not choose the count).
+int MicroBatchesOf(const JobSpec& job);
 
 }  // namespace meridian::core
 

@@ -330,5 +330,19 @@ TEST(Endpoint, ParsesForms) {
   EXPECT_FALSE(ParseEndpoint("-bad.example:1", &e, &err));
 }
 
+// Unset (0), a job runs the largest divisor of its global batch up to 4 micro-batches: every global batch
+// gets a count that divides it (6 sequences: 3 micro-batches, not 4).
+TEST(JobSpec, MicroBatchesDefaultToADivisorOfTheGlobalBatch) {
+  JobSpec job;
+  for (auto [global, want] :
+       std::vector<std::pair<int, int>>{{1, 1}, {2, 2}, {3, 3}, {4, 4}, {6, 3}, {7, 1}, {64, 4}}) {
+    job.global_batch = global;
+    EXPECT_EQ(MicroBatchesOf(job), want) << "global_batch " << global;
+  }
+  job.global_batch = 64;
+  job.micro_batches = 16;
+  EXPECT_EQ(MicroBatchesOf(job), 16);
+}
+
 }  // namespace
 }  // namespace meridian::core

@@ -70,7 +70,7 @@ absl::StatusOr<JobInputs> PrepareJobInputs(const core::JobSpec& job, const std::
   auto cfg = LoadLlamaConfig(s.model_dir + "/config.json");
   if (!cfg.ok()) return absl::InvalidArgumentError(absl::StrCat(job_path, ": job.model: ", cfg.status().message()));
   s.model = *cfg;
-  s.micro_batches = job.micro_batches > 0 ? job.micro_batches : std::min(job.global_batch, 4);
+  s.micro_batches = core::MicroBatchesOf(job);
   if (job.global_batch % s.micro_batches != 0)
     return absl::InvalidArgumentError(absl::StrCat(job_path, ": job.micro_batches ", s.micro_batches,
                                                    " does not divide job.global_batch ", job.global_batch));
