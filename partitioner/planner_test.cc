@@ -821,8 +821,9 @@ TEST(Planner, RecomputationAffordsTheDepthThatMemoryDenies) {
 // stages, 2 at the second), the layout is infeasible without recomputation and feasible with it: those
 // stages keep each micro-batch's input and recompute, and the step is priced with the second forward pass.
 TEST(Planner, RecomputationMakesFeasibleWhatMemoryDenies) {
-  // a and b hold one micro-batch's activations of their 10 ops (2e6) and their inputs (2e5 each).
-  ThreeStages t3(2e8, 0.001, {3e4 + 2e6 + 3 * 2e5, 3e4 + 2e6 + 2 * 2e5, 1e12});
+  // a holds one micro-batch's activations of its 10 ops (2e6; its inputs, the tokens, weigh nothing), b
+  // that and two micro-batches' inputs (2e5 each).
+  ThreeStages t3(2e8, 0.001, {3e4 + 2e6 + 1, 3e4 + 2e6 + 2 * 2e5 + 1, 1e12});
   auto& [g, p, o] = t3;
   for (bool deep : {false, true}) {
     SCOPED_TRACE(deep ? "deep pipeline" : "1F1B");
