@@ -29,6 +29,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <optional>
@@ -309,6 +310,7 @@ class RunMachine {
   // lands in the quota of a site still timing its model.
   void StartProfiling();
   void StartLinkProbes();                           // every site measured its model: the links next
+  void NextProbeRound();                            // the next round of disjoint link probes, or the plan
   void OnLinksProfile(const v1::ProfileReport& r);  // one answer of the second round
   // Checks one site's measurements before they are believed: its own device, op times of this model's
   // ops, links from or to itself and one of `probed` (the sites it was asked to probe), finite values.
@@ -342,12 +344,13 @@ class RunMachine {
   Phase phase_ = Phase::kJoining;
   Clock::time_point now_, join_deadline_, t0_;
   bool started_ = false;
-  std::map<std::string, SiteState> sites_;                      // every site of the spec
-  std::vector<std::string> joined_;                             // the sites profiled, by name
-  std::map<std::string, v1::ProfileReport> profiles_;           // the first round's answers
-  bool probing_links_ = false;                                  // the second round is under way
-  std::map<std::string, std::set<std::string>> probing_;        // its sites yet to answer: the peers each probes
-  std::map<std::string, partitioner::ClusterProfile> checked_;  // each site's profile, checked
+  std::map<std::string, SiteState> sites_;                // every site of the spec
+  std::vector<std::string> joined_;                       // the sites profiled, by name
+  std::map<std::string, v1::ProfileReport> profiles_;     // the first round's answers
+  bool probing_links_ = false;                            // the second round is under way
+  std::map<std::string, std::set<std::string>> probing_;  // the probe round's sites yet to answer: their peers
+  std::deque<std::map<std::string, std::set<std::string>>> probe_rounds_;  // the rounds after it (ProbeRounds)
+  std::map<std::string, partitioner::ClusterProfile> checked_;             // each site's profile, checked
   partitioner::ClusterProfile profile_;
   std::string graph_json_;
   partitioner::OpGraph graph_;

@@ -217,18 +217,26 @@ TEST(RunMachine, JoinsProfilesPlansAndFinishes) {
 
   EXPECT_TRUE(All<SendCommand>(d.Feed(ProfileReported{Profile("a")})).empty());
   EXPECT_TRUE(All<SendCommand>(d.Feed(ProfileReported{Profile("b")})).empty());  // c still measures its model
+  // Then the links, each pair once (the site whose name sorts first probes both directions), in rounds in
+  // which no site probes or is probed twice at once: b-c, then a-c, then a-b.
   auto probes = All<SendCommand>(d.Feed(ProfileReported{Profile("c")}));
-  ASSERT_EQ(probes.size(), 2u);  // then the links, each pair once: a probes b and c, b probes c, c nobody
-  EXPECT_EQ(probes[0].site, "a");
+  ASSERT_EQ(probes.size(), 1u);
+  EXPECT_EQ(probes[0].site, "b");
   EXPECT_TRUE(probes[0].command.profile().links_only());
-  ASSERT_EQ(probes[0].command.profile().peers_size(), 2);
-  EXPECT_EQ(probes[0].command.profile().peers(1).site(), "c");
-  EXPECT_EQ(probes[0].command.profile().peers(1).address(), "127.0.0.1:9c");
-  EXPECT_EQ(probes[1].site, "b");
-  ASSERT_EQ(probes[1].command.profile().peers_size(), 1);
-  EXPECT_EQ(probes[1].command.profile().peers(0).site(), "c");
-  EXPECT_FALSE(ExitCode(d.Feed(ProfileReported{Links("b", {"c"})})));
-  auto planned = d.Feed(ProfileReported{Links("a", {"b", "c"})});
+  ASSERT_EQ(probes[0].command.profile().peers_size(), 1);
+  EXPECT_EQ(probes[0].command.profile().peers(0).site(), "c");
+  EXPECT_EQ(probes[0].command.profile().peers(0).address(), "127.0.0.1:9c");
+  probes = All<SendCommand>(d.Feed(ProfileReported{Links("b", {"c"})}));
+  ASSERT_EQ(probes.size(), 1u);
+  EXPECT_EQ(probes[0].site, "a");
+  ASSERT_EQ(probes[0].command.profile().peers_size(), 1);
+  EXPECT_EQ(probes[0].command.profile().peers(0).site(), "c");
+  probes = All<SendCommand>(d.Feed(ProfileReported{Links("a", {"c"})}));
+  ASSERT_EQ(probes.size(), 1u);
+  EXPECT_EQ(probes[0].site, "a");
+  ASSERT_EQ(probes[0].command.profile().peers_size(), 1);
+  EXPECT_EQ(probes[0].command.profile().peers(0).site(), "b");
+  auto planned = d.Feed(ProfileReported{Links("a", {"b"})});
   EXPECT_THAT(Printed(planned), HasSubstr("predicted step time"));
   EXPECT_THAT(Printed(planned), HasSubstr("training: 3 stages, 20 steps\n"));
   auto files = All<WriteRunFile>(planned);
@@ -1283,6 +1291,58 @@ TEST(RunMachine, AProfileThatDoesNotCheckOutLeavesItsSiteOutOfThePlan) {
   }
 }
 
+// No site takes part in two link probes at once (a site's uplink is shared: two at once each read about
+// half its rate): the probes go in rounds of disjoint pairs, every pair once, the site whose name sorts
+// first probing both directions; the next round starts when the last one's sites have all answered.
+TEST(RunMachine, LinksAreProbedInRoundsOfDisjointPairs) {
+  for (const std::vector<std::string>& names :
+       {std::vector<std::string>{"a", "b", "c", "d"}, std::vector<std::string>{"e", "d", "c", "b", "a"}}) {
+    SCOPED_TRACE(names.size() == 4 ? "4 sites" : "5 sites, given in reverse order");
+    RunConfig c = Config();
+    c.spec.sites.clear();
+    for (size_t i = 0; i < names.size(); ++i)
+      c.spec.sites.push_back({names[i], {"127.0.0.1", static_cast<int>(7001 + i)}});
+    Driver d(c);
+    d.answer_link_probes = false;
+    d.Feed(RunStarted{});
+    for (const auto& s : names) d.Feed(SiteRegistered{s, "127.0.0.1:9" + s, "cpu"});
+    std::vector<SendCommand> round;
+    for (const auto& s : names) round = All<SendCommand>(d.Feed(ProfileReported{Profile(s)}));
+    std::set<std::pair<std::string, std::string>> pairs;
+    int rounds = 0;
+    std::vector<Action> last;
+    while (!round.empty()) {
+      ++rounds;
+      std::set<std::string> busy;  // the sites of this round's probes
+      for (const auto& cmd : round) {
+        ASSERT_TRUE(cmd.command.profile().links_only());
+        ASSERT_EQ(cmd.command.profile().peers_size(), 1);
+        const std::string& peer = cmd.command.profile().peers(0).site();
+        EXPECT_LT(cmd.site, peer);
+        EXPECT_TRUE(busy.insert(cmd.site).second) << cmd.site << " twice in round " << rounds;
+        EXPECT_TRUE(busy.insert(peer).second) << peer << " twice in round " << rounds;
+        EXPECT_TRUE(pairs.insert({cmd.site, peer}).second) << cmd.site << "-" << peer << " probed again";
+      }
+      std::vector<SendCommand> next;
+      for (size_t i = 0; i < round.size(); ++i) {
+        last = d.Feed(ProfileReported{Links(round[i].site, {round[i].command.profile().peers(0).site()})});
+        std::vector<SendCommand> sent;  // the next round's probes (after the last round, the assignments)
+        for (auto& cmd : All<SendCommand>(last))
+          if (cmd.command.has_profile()) sent.push_back(std::move(cmd));
+        if (i + 1 < round.size()) {
+          EXPECT_TRUE(sent.empty()) << "a round starts before the last one ended";
+        }
+        next = sent;
+      }
+      round = next;
+    }
+    const size_t n = names.size();
+    EXPECT_EQ(pairs.size(), n * (n - 1) / 2);
+    EXPECT_EQ(rounds, static_cast<int>(n % 2 ? n : n - 1));
+    EXPECT_THAT(Printed(last), HasSubstr("predicted step time"));
+  }
+}
+
 // The second round's answers are checked as strictly: a site asked to probe some links reports those
 // and nothing else, or is planned without.
 TEST(RunMachine, ALinksAnswerThatDoesNotCheckOutLeavesItsSiteOutOfThePlan) {
@@ -1319,7 +1379,7 @@ TEST(RunMachine, ALinksAnswerThatDoesNotCheckOutLeavesItsSiteOutOfThePlan) {
     EXPECT_THAT(Printed(refused), HasSubstr("planning without it"));
     EXPECT_FALSE(ExitCode(refused));
     EXPECT_TRUE(All<SendCommand>(d.Feed(ProfileReported{Links("b", {"c"})})).empty());  // once is enough
-    auto planned = d.Feed(ProfileReported{Links("a", {"b", "c"})});
+    auto planned = d.Feed(ProfileReported{Links("a", {"c"})});  // the next round's (a-b's is left out with b)
     EXPECT_FALSE(ExitCode(planned)) << Printed(planned);
     EXPECT_THAT(Sites(Assignments(planned)), ElementsAre("a", "c"));
   }
@@ -1335,15 +1395,17 @@ TEST(RunMachine, ALinksAnswerThatDoesNotCheckOutLeavesItsSiteOutOfThePlan) {
     EXPECT_FALSE(again[0].command.profile().links_only());
     EXPECT_TRUE(All<SendCommand>(d.Feed(SiteRegistered{"a", "x", "cpu"})).empty());  // a has answered
     d.Feed(ProfileReported{Profile("b")});
-    EXPECT_EQ(All<SendCommand>(d.Feed(ProfileReported{Profile("c")})).size(), 2u);  // the links: a and b probe
-    d.Feed(ProfileReported{Links("a", {"b", "c"})});
+    EXPECT_EQ(All<SendCommand>(d.Feed(ProfileReported{Profile("c")})).size(), 1u);  // the links: b probes c
     again = All<SendCommand>(d.Feed(SiteRegistered{"b", "y", "cpu"}));
     ASSERT_EQ(again.size(), 1u);
     EXPECT_TRUE(again[0].command.profile().links_only());
     ASSERT_EQ(again[0].command.profile().peers_size(), 1);
     EXPECT_EQ(again[0].command.profile().peers(0).site(), "c");
-    EXPECT_TRUE(All<SendCommand>(d.Feed(SiteRegistered{"c", "x", "cpu"})).empty());  // c probes nobody
-    EXPECT_FALSE(Assignments(d.Feed(ProfileReported{Links("b", {"c"})})).empty());
+    EXPECT_TRUE(All<SendCommand>(d.Feed(SiteRegistered{"c", "x", "cpu"})).empty());      // c probes nobody
+    EXPECT_TRUE(All<SendCommand>(d.Feed(SiteRegistered{"a", "x", "cpu"})).empty());      // nor a, in this round
+    EXPECT_EQ(All<SendCommand>(d.Feed(ProfileReported{Links("b", {"c"})})).size(), 1u);  // a probes c
+    EXPECT_EQ(All<SendCommand>(d.Feed(ProfileReported{Links("a", {"c"})})).size(), 1u);  // a probes b
+    EXPECT_FALSE(Assignments(d.Feed(ProfileReported{Links("a", {"b"})})).empty());
   }
   {  // an error while probing fails the run, naming the site
     Driver d(Config());
@@ -1351,12 +1413,12 @@ TEST(RunMachine, ALinksAnswerThatDoesNotCheckOutLeavesItsSiteOutOfThePlan) {
     d.Feed(RunStarted{});
     for (const char* s : {"a", "b", "c"}) d.Feed(SiteRegistered{s, "x", "cpu"});
     for (const char* s : {"a", "b", "c"}) d.Feed(ProfileReported{Profile(s)});
-    v1::ProfileReport failed = Links("a", {});
+    v1::ProfileReport failed = Links("b", {});
     failed.set_error("probing the link to 'c': connection refused");
     auto out = d.Feed(ProfileReported{failed});
     EXPECT_EQ(ExitCode(out), 1);
     EXPECT_THAT(Printed(out),
-                HasSubstr("site 'a' could not measure its links: probing the link to 'c': connection refused"));
+                HasSubstr("site 'b' could not measure its links: probing the link to 'c': connection refused"));
   }
 }
 
