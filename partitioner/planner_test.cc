@@ -848,7 +848,9 @@ TEST(Planner, RecomputationMakesFeasibleWhatMemoryDenies) {
     EXPECT_NEAR(StagePassSeconds(g, p.sites[0], plan->stages[0]), 0.4, 1e-12);
     EXPECT_GT(plan->predicted_step_seconds, 32 * 0.4);
     EXPECT_LT(plan->predicted_step_seconds, 31 * 0.4 + 0.4 + 0.4 + 0.3 + 0.1);
-    if (!deep) EXPECT_GT(plan->predicted_step_seconds, 31 * 0.4 + 0.4 + 0.4 + 0.3);
+    if (!deep) {
+      EXPECT_GT(plan->predicted_step_seconds, 31 * 0.4 + 0.4 + 0.4 + 0.3);
+    }
     std::string notes;
     for (const auto& n : plan->notes) notes += n + "\n";
     EXPECT_THAT(notes, HasSubstr("stage 1 recomputes its activations before each backward pass: without, its memory "
