@@ -214,8 +214,10 @@ TEST(Planner, ExactEqualsExhaustiveSearchOn250RandomInstances) {
       }
     }
     EXPECT_GE(feasible, 200);
-    EXPECT_GT(infeasible, 0);                  // the generator does exercise the memory limits
-    if (recompute) EXPECT_GT(recomputing, 0);  // and recomputation
+    EXPECT_GT(infeasible, 0);  // the generator does exercise the memory limits
+    if (recompute) {
+      EXPECT_GT(recomputing, 0);  // and recomputation
+    }
     std::printf("%s: %d feasible (%d recomputing somewhere), %d infeasible\n",
                 recompute ? "with recomputation" : "without", feasible, recomputing, infeasible);
   }
