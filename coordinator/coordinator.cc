@@ -92,6 +92,9 @@ absl::StatusOr<v1::HeartbeatResponse> Coordinator::Heartbeat(const v1::Heartbeat
     resp.set_stop(stopping_);
     resp.set_end_after_step(boundary_step_);
     resp.set_end_job_id(boundary_job_);
+    resp.set_lease_job_id(lease_job_);
+    resp.set_lease_steps(lease_steps_);
+    resp.set_lease_abandoned(lease_abandoned_);
     for (const auto& site : left_out_) resp.add_left_out(site);
     for (const auto& p : probers_) resp.add_probe_from(p);
     leaving = r.leaving() && !s.leaving;
@@ -122,6 +125,13 @@ absl::StatusOr<v1::DrainResponse> Coordinator::Drain(const std::string& site) {
                              "' leaves at the next step boundary: the stages save that step, and the run goes on "
                              "without it from there"));
   return r;
+}
+
+void Coordinator::SetLease(const std::string& job_id, int64_t steps, bool abandoned) {
+  std::lock_guard<std::mutex> l(mu_);
+  lease_job_ = job_id;
+  lease_steps_ = steps;
+  lease_abandoned_ = abandoned;
 }
 
 void Coordinator::SetProbers(std::set<std::string> sites) {

@@ -142,6 +142,8 @@ class Coordinator : public rpc::CoordinatorHandler {
   // Every heartbeat answer from now on carries the step boundary and the sites left out (SetBoundary in
   // run_machine.h); step 0 clears both.
   void SetBoundary(const std::string& job_id, int64_t step, std::vector<std::string> left_out = {});
+  // Every heartbeat answer from now on carries the step lease (SetLease in run_machine.h).
+  void SetLease(const std::string& job_id, int64_t steps, bool abandoned);
   // Every heartbeat answer from now on names these sites as allowed to probe (a site joining mid-run).
   void SetProbers(std::set<std::string> sites);
   void StopAll();
@@ -178,6 +180,9 @@ class Coordinator : public rpc::CoordinatorHandler {
   std::string boundary_job_;           // SetBoundary
   std::vector<std::string> left_out_;  // SetBoundary
   int64_t boundary_step_ = 0;
+  std::string lease_job_;  // SetLease
+  int64_t lease_steps_ = 0;
+  bool lease_abandoned_ = false;
   std::set<std::string> probers_;      // SetProbers
   std::map<std::string, int> stages_;  // the running attempt's plan: site -> stage
   // The run's information and history (SetRunInfo, SetRunFacts, RecordStep, RecordEvent): guarded by mu_.

@@ -409,6 +409,8 @@ class RunDriver {
               coord_.StopAll();
             } else if constexpr (std::is_same_v<T, SetBoundary>) {
               coord_.SetBoundary(a.job_id, a.step, a.left_out);
+            } else if constexpr (std::is_same_v<T, SetLease>) {
+              coord_.SetLease(a.job_id, a.steps, a.abandoned);
             } else if constexpr (std::is_same_v<T, SetProbers>) {
               coord_.SetProbers(a.sites);
             } else if constexpr (std::is_same_v<T, BeginAttempt>) {

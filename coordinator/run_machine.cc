@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <utility>
 
 #include <nlohmann/json.hpp>
@@ -552,6 +553,8 @@ void RunMachine::StartAttempt() {
   // What an abandoned attempt left above the resume point would otherwise mix with the steps written
   // again (after BeginAttempt: no file of the attempt before lands any more).
   if (store && resume_step_ > 0) Out(RemoveCheckpointsAbove{resume_step_});
+  lease_ = 0;  // each stage's first step needs none; the first report grants one (GrantLease)
+  Out(SetLease{job_id_, 0});
   Assign();
   phase_ = Phase::kTraining;
   if (!SilentUsed().empty()) {  // (on_failure: wait) a site of the plan is already silent: no event will say so
@@ -843,6 +846,8 @@ void RunMachine::OnMetrics(const MetricsReported& e) {
                             : absl::StrFormat("step %d: loss %s%.4f, %s", r.step() + 1,
                                               r.site() == attempt_.reporter ? "" : "share ", r.loss(), parts)});
   attempt_.metrics[r.site()] = r;
+  if (phase_ == Phase::kTraining) GrantLease();
+  if (phase_ == Phase::kSwitching && boundary_ == 0) PlaceBoundary();
   CheckDrift(r);
   if (r.site() != attempt_.reporter || r.step() <= progress_step_) return;
   if (r.step() > data_loss_at_) data_loss_recoveries_ = 0;  // past where data went bad: a new count
@@ -1111,18 +1116,47 @@ int64_t RunMachine::SwitchMargin() const {
   // there: three heartbeat intervals of steps at the fastest of the attempt's last 20 steps (a slow
   // step just before -- a probe, a checkpoint -- made the margin too short once: the steps after it ran
   // 4x faster, and a stage passed the boundary before its heartbeat brought it), and at least two steps.
-  double fastest = last_step_seconds_;
+  // Before the reporter's first step of the attempt, any stage's latest step; before any, the plan's.
+  double fastest = std::numeric_limits<double>::infinity();
   for (size_t i = attempt_steps_.size() > 20 ? attempt_steps_.size() - 20 : 0; i < attempt_steps_.size(); ++i)
     if (attempt_steps_[i].first > 0) fastest = std::min(fastest, attempt_steps_[i].first);
+  for (const auto& [site, m] : attempt_.metrics)
+    if (m.step_seconds() > 0) fastest = std::min(fastest, m.step_seconds());
+  if (std::isinf(fastest)) fastest = plan_ ? plan_->predicted_step_seconds : 0;
   const double per_step = std::max(fastest, 1e-3);
   return std::max<int64_t>(2,
                            static_cast<int64_t>(std::ceil(3 * c_.spec.heartbeat_interval_seconds / per_step - 1e-9)));
 }
 
-int64_t RunMachine::NextBoundary() const {
+int64_t RunMachine::Reached() const {
   int64_t reached = progress_step_ + 1;
   for (const auto& [site, m] : attempt_.metrics) reached = std::max<int64_t>(reached, m.step() + 1);
-  return reached + SwitchMargin();
+  return reached;
+}
+
+int64_t RunMachine::NextBoundary() const { return lease_; }
+
+void RunMachine::GrantLease() {
+  const int64_t want = std::min<int64_t>(Reached() + SwitchMargin(), c_.steps);
+  if (want <= lease_) return;
+  lease_ = want;
+  Out(SetLease{job_id_, lease_});
+}
+
+void RunMachine::PlaceBoundary() {
+  const int64_t step = Reached();
+  if (step >= c_.steps) {  // the attempt's first step was the run's last
+    phase_ = Phase::kTraining;
+    switching_for_speed_.reset();
+    Say(absl::StrCat("switch: ", attempt_.lost, "; the run ends at step ", c_.steps, " first, so it leaves then\n"));
+    return;
+  }
+  boundary_ = step;
+  Out(SetBoundary{job_id_, boundary_, attempt_.left_out});
+  Say(absl::StrCat("switch: every stage ends after step ", boundary_, ", its first of this attempt\n"));
+  Note("switch", "",
+       absl::StrCat("the switch is placed at step ", boundary_,
+                    ", the attempt's first: no stage goes past it before a lease is granted"));
 }
 
 bool RunMachine::LeaveOutDilocoWorker(const std::string& site) {
@@ -1157,7 +1191,7 @@ bool RunMachine::LeaveOutDilocoWorker(const std::string& site) {
 }
 
 void RunMachine::BeginSwitch(const std::string& why, bool for_speed) {
-  const int64_t step = NextBoundary();
+  const int64_t step = NextBoundary();  // 0: no lease granted yet, placed at the first report (PlaceBoundary)
   attempt_.lost = why;
   switching_for_speed_.reset();
   if (step >= c_.steps) {
@@ -1175,6 +1209,16 @@ void RunMachine::BeginSwitch(const std::string& why, bool for_speed) {
     switching_for_speed_ = std::move(t);
   }
   attempt_.deadline = now_ + After(c_.drain_seconds + 2 * SwitchMargin() * std::max(last_step_seconds_, 1e-3));
+  if (step == 0) {
+    Say(absl::StrCat("switch: ", why,
+                     "; every stage ends after its first step of this attempt with its checkpoint, and the sites "
+                     "left resume from there\n"));
+    Note("switch", "",
+         absl::StrCat(why,
+                      "; every stage ends after its first step of this attempt with its checkpoint of that "
+                      "step, then a new plan resumes from it"));
+    return;
+  }
   Out(SetBoundary{job_id_, step, attempt_.left_out});
   Say(absl::StrCat("switch: ", why, "; every stage ends after step ", step,
                    " with its checkpoint, and the sites "
@@ -1474,6 +1518,7 @@ void RunMachine::EndAttempt() {
     Note("recovery", attempt_.failed_site,
          absl::StrCat("failed on corrupt or non-finite data; every stage resumes from the newest intact checkpoint"));
     phase_ = Phase::kDraining;
+    Out(SetLease{job_id_, lease_, /*abandoned=*/true});
     attempt_.deadline = now_ + After(c_.drain_seconds);
     for (const auto& u : attempt_.used)
       if (!attempt_.done.count(u) && !sites_[u].silent) return;
@@ -1502,8 +1547,10 @@ void RunMachine::EndAttempt() {
                              ". The job has no checkpoints (job.checkpoint.interval), so nothing to resume "
                              "from; set one to survive lost sites"));
   for (const auto& n : silent) lost_.insert(n);
-  // The survivors abandon the attempt when their neighbours' streams break (or at the step timeout).
+  // The survivors abandon the attempt when their neighbours' streams break (or at the step timeout), or
+  // at once when they wait for a lease.
   phase_ = Phase::kDraining;
+  Out(SetLease{job_id_, lease_, /*abandoned=*/true});
   attempt_.deadline = now_ + After(c_.drain_seconds);
   for (const auto& u : attempt_.used)
     if (!attempt_.done.count(u) && !sites_[u].silent) return;

@@ -13,10 +13,15 @@
 // measures: when the new plan's steps run more than min_gain slower than the plan before it ran, the
 // machine switches back to that layout and switches onto the same set of sites for speed no more.
 // A site that asks to leave (SiteLeaving) while it runs a stage is switched away from at a step boundary:
-// the machine picks a step S a few heartbeats ahead, every stage ends after step S with its checkpoint of
-// S (switching), and the next attempt, planned without the site, resumes from exactly step S -- no step
-// lost, none repeated; the site is then told to stop. Should the stages not all end at S, the machine
-// resumes from the newest intact checkpoint instead, as after a loss.
+// the machine picks a step S, every stage ends after step S with its checkpoint of S (switching), and the
+// next attempt, planned without the site, resumes from exactly step S -- no step lost, none repeated; the
+// site is then told to stop. The stages run on a step lease (SetLease), granted a few heartbeats' worth
+// of steps ahead of the furthest stage as their reports come in, and S is the largest lease granted: a
+// stage that hears of S late waits at its lease rather than pass S. Before an attempt's first report no
+// lease is granted (the resume step may be unknown: each stage may load the newest intact checkpoint),
+// so every stage stops after its first step, and a switch asked for meanwhile is placed there. Should
+// the stages still not all end at S, the machine resumes from the newest intact checkpoint instead, as
+// after a loss.
 // When a site is lost during an attempt -- its heartbeats stop, or a stage fails and heartbeats then name
 // a silent site -- the survivors abandon the attempt (draining), then the machine re-plans without the
 // lost sites (on_failure: replan) or waits for them to return (wait), and every stage resumes from the
@@ -89,6 +94,16 @@ struct SendCommand {
   v1::Command command;
 };
 struct StopAll {};  // every registered site gets a stop command
+// The step lease of attempt `job_id` (the sites learn it from their heartbeats' answers): its stages
+// complete at most `steps` steps until a later lease or a boundary; 0 grants nothing beyond each stage's
+// first step of the attempt. Every boundary is placed at or after the largest lease granted, so no stage
+// can have passed it. `abandoned`: the attempt is abandoned (draining), and a stage waiting for a lease
+// ends at once.
+struct SetLease {
+  std::string job_id;
+  int64_t steps = 0;
+  bool abandoned = false;
+};
 // Sites that may probe their links to the running sites (a site joining mid-run); empty: none.
 struct SetProbers {
   std::set<std::string> sites;
@@ -154,8 +169,8 @@ struct RecordEvent {
 struct Exit {  // the run is over: stop the service; the process exits with `code`
   int code = 0;
 };
-using Action = std::variant<SendCommand, StopAll, SetBoundary, SetProbers, BeginAttempt, PublishRunInfo, WriteRunFile,
-                            Print, LogSite, PruneCheckpoints, RemoveCheckpointsAbove, RecordEvent, Exit>;
+using Action = std::variant<SendCommand, StopAll, SetBoundary, SetLease, SetProbers, BeginAttempt, PublishRunInfo,
+                            WriteRunFile, Print, LogSite, PruneCheckpoints, RemoveCheckpointsAbove, RecordEvent, Exit>;
 
 // What a run is given: the specs and `meridian run`'s options, already validated.
 struct RunConfig {
@@ -273,9 +288,17 @@ class RunMachine {
   // after its first, compares their median with the plan before's, and switches back when the plan
   // before was faster by more than min_gain.
   void CheckSwitch();
-  // The step a switch begun now would end the attempt after: SwitchMargin steps (a few heartbeats' worth)
-  // ahead of the furthest site.
+  // The step a switch begun now would end the attempt after: the largest lease granted (SwitchMargin
+  // steps -- a few heartbeats' worth -- ahead of the furthest site when it was granted); 0 while none is
+  // granted (the switch is then placed at the first report: PlaceBoundary).
   int64_t NextBoundary() const;
+  // The furthest step any stage of the attempt reported done (0: none yet).
+  int64_t Reached() const;
+  // kTraining: grants the lease up to Reached() + SwitchMargin() (never less than before).
+  void GrantLease();
+  // kSwitching without a boundary yet (none was granted when it began): on the attempt's first report,
+  // the boundary is the furthest step reported, since no stage may pass its first step without a lease.
+  void PlaceBoundary();
   int64_t SwitchMargin() const;
   // A lost site of a one-stage DiLoCo plan other than replica 0 (the stage's writer): the workers are
   // independent between outer syncs, so the others leave it out of their outer average (told through the
@@ -381,7 +404,8 @@ class RunMachine {
     out.insert(leaving_.begin(), leaving_.end());
     return out;
   }
-  int64_t boundary_ = 0;  // kSwitching: the step the attempt ends after
+  int64_t boundary_ = 0;  // kSwitching: the step the attempt ends after (0: to be placed, PlaceBoundary)
+  int64_t lease_ = 0;     // the current attempt's largest lease granted (0: none yet)
   // A switch for speed, checked against what it measures (CheckSwitch).
   struct SwitchTrial {
     std::vector<partitioner::PinnedStage> before;  // the layout switched away from

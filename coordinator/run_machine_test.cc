@@ -457,6 +457,103 @@ TEST(RunMachine, AMisalignedSwitchResumesFromTheNewestCheckpointAndALeavingSpare
   EXPECT_TRUE(stopped_c);
 }
 
+// The stages run on a step lease: none is granted before an attempt's first report (SetLease with 0 steps
+// comes with the assignments), then each report grants up to three heartbeats' worth of steps past the
+// furthest stage, never less than before and never past the run's end; the switch's boundary is the
+// largest lease granted, so no stage can have passed it. A switch then grants nothing more, and the next
+// attempt starts again from no lease.
+TEST(RunMachine, StagesRunOnALeaseAndASwitchIsPlacedAtTheLargestGranted) {
+  RunConfig c = Config();
+  c.spec.heartbeat_interval_seconds = 0.1;  // 3 heartbeats: 3 steps of 0.1 s
+  Driver d(c);
+  d.Feed(RunStarted{});
+  for (const char* s : {"a", "b", "c"}) d.Feed(SiteRegistered{s, std::string("127.0.0.1:9") + s, "cpu"});
+  d.Feed(ProfileReported{Profile("a")});
+  d.Feed(ProfileReported{Profile("b")});
+  auto started = d.Feed(ProfileReported{Profile("c")});
+  auto first = All<SetLease>(started);
+  ASSERT_EQ(first.size(), 1u) << Printed(started);
+  EXPECT_EQ(first[0].job_id, kRun);
+  EXPECT_EQ(first[0].steps, 0);
+  EXPECT_FALSE(first[0].abandoned);
+  // Before the assignments: no stage of the attempt may see an older attempt's lease as its own.
+  size_t lease_at = 0, assign_at = 0;
+  for (size_t i = 0; i < started.size(); ++i) {
+    if (std::holds_alternative<SetLease>(started[i])) lease_at = i;
+    if (const auto* cmd = std::get_if<SendCommand>(&started[i]); cmd && cmd->command.has_assign() && !assign_at)
+      assign_at = i;
+  }
+  EXPECT_LT(lease_at, assign_at);
+
+  auto granted = All<SetLease>(d.Feed(MetricsReported{Metrics("a", kRun, 0, 0)}));
+  ASSERT_EQ(granted.size(), 1u);
+  EXPECT_EQ(granted[0].steps, 1 + 3);
+  EXPECT_EQ(All<SetLease>(d.Feed(MetricsReported{Metrics("b", kRun, 1, 0)})).size(), 0u) << "no more than before";
+  EXPECT_EQ(All<SetLease>(d.Feed(MetricsReported{Metrics("a", kRun, 0, 1)}))[0].steps, 2 + 3);
+  v1::MetricsReport slow = Metrics("a", kRun, 0, 2);
+  slow.set_step_seconds(1.0);  // the fastest recent step still sets the margin: 3 steps
+  EXPECT_EQ(All<SetLease>(d.Feed(MetricsReported{slow}))[0].steps, 3 + 3);
+  for (int step = 3; step < 8; ++step) d.Feed(MetricsReported{Metrics("a", kRun, 0, step)});  // lease 11
+  d.Feed(MetricsReported{Metrics("c", kRun, 2, 5)});
+  auto out = d.Feed(SiteLeaving{"b", "meridian drain"});
+  auto boundary = All<SetBoundary>(out);
+  ASSERT_EQ(boundary.size(), 1u);
+  EXPECT_EQ(boundary[0].step, 11);
+  EXPECT_TRUE(All<SetLease>(d.Feed(MetricsReported{Metrics("a", kRun, 0, 8)})).empty()) << "switching grants nothing";
+  for (const char* s : {"a", "b", "c"}) d.Feed(StageReportedDone{DoneAt(s, kRun, 11)});
+  auto switched = d.last();
+  EXPECT_THAT(Printed(switched), HasSubstr("every stage saved step 11"));
+  auto next = All<SetLease>(switched);
+  ASSERT_EQ(next.size(), 1u);
+  EXPECT_EQ(next[0].job_id, "r-1");
+  EXPECT_EQ(next[0].steps, 0);
+  // Near the run's end the lease stops at its last step.
+  int64_t largest = 0;
+  for (int step = 11; step < 19; ++step)
+    for (const auto& l : All<SetLease>(d.Feed(MetricsReported{Metrics("a", "r-1", 0, step)})))
+      largest = std::max(largest, l.steps);
+  EXPECT_EQ(largest, 20);
+}
+
+// A switch asked for before the attempt's first report (no lease granted: the resume step may be
+// unknown) is placed at the step the first report names, since no stage goes past its first step of the
+// attempt without a lease; every stage ends there and the next attempt resumes from exactly it.
+TEST(RunMachine, ASwitchBeforeTheFirstReportIsPlacedAtTheAttemptsFirstStep) {
+  Driver d(Config());
+  d.JoinAndProfile({"a", "b", "c"});
+  auto out = d.Feed(SiteLeaving{"c", "its executor got SIGTERM"});
+  EXPECT_TRUE(All<SetBoundary>(out).empty()) << Printed(out);
+  EXPECT_EQ(d.machine().phase(), RunMachine::Phase::kSwitching);
+  EXPECT_THAT(Printed(out), HasSubstr("every stage ends after its first step of this attempt"));
+  auto placed = d.Feed(MetricsReported{Metrics("b", kRun, 1, 0)});
+  auto boundary = All<SetBoundary>(placed);
+  ASSERT_EQ(boundary.size(), 1u) << Printed(placed);
+  EXPECT_EQ(boundary[0].job_id, kRun);
+  EXPECT_EQ(boundary[0].step, 1);
+  EXPECT_TRUE(All<SetLease>(placed).empty());
+  EXPECT_TRUE(All<SetBoundary>(d.Feed(MetricsReported{Metrics("a", kRun, 0, 0)})).empty()) << "placed once";
+  for (const char* s : {"a", "b"}) d.Feed(StageReportedDone{DoneAt(s, kRun, 1)});
+  auto switched = d.Feed(StageReportedDone{DoneAt("c", kRun, 1)});
+  EXPECT_THAT(Printed(switched), HasSubstr("switch: every stage saved step 1; re-planning"));
+  auto assigned = Assignments(switched);
+  EXPECT_THAT(Sites(assigned), ElementsAre("a", "b"));
+  EXPECT_EQ(assigned["a"].resume_step(), 1);
+}
+
+// An attempt the coordinator abandons (a site lost) says so through the lease: a stage waiting for one
+// ends at once instead of waiting out the drain time.
+TEST(RunMachine, AnAbandonedAttemptsLeaseSaysSo) {
+  Driver d(Config());
+  d.JoinAndProfile({"a", "b", "c"});
+  d.Feed(MetricsReported{Metrics("a", kRun, 0, 3)});
+  auto lost = d.Feed(HeartbeatLost{"b"});
+  ASSERT_EQ(d.machine().phase(), RunMachine::Phase::kDraining);
+  auto lease = All<SetLease>(lost);
+  ASSERT_EQ(lease.size(), 1u) << Printed(lost);
+  EXPECT_EQ(lease[0].job_id, kRun);
+  EXPECT_TRUE(lease[0].abandoned);
+}
+
 // The boundary is three heartbeats' worth of steps ahead at the attempt's fastest recent pace: one slow
 // step just before (0.41 s against 0.1 s) does not shrink it (a clean-clone run saw a stage pass a
 // boundary set 8 steps ahead after such a step). A stage that still passes it, and a neighbour left

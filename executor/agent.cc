@@ -265,12 +265,17 @@ absl::StatusOr<OpProfile> ProfileAsWorker(SiteGroup* group, const JobSetup& setu
 // site (or the coordinator's checkpoint) between two of them.
 constexpr std::chrono::minutes kSiteGroupTimeout{10};
 
-// The step boundary, the same on every worker of a site: worker 0's (`mine`) sent to the others.
-int64_t ShareBoundary(SiteGroup* group, int64_t mine) {
+// The step boundary, the same on every worker of a site: worker 0's (`mine`: StepControl::WaitAfter's
+// answer) sent to the others, an abandoned attempt as -1.
+absl::StatusOr<int64_t> ShareBoundary(SiteGroup* group, const absl::StatusOr<int64_t>& mine) {
   if (!group) return mine;
-  torch::Tensor t = torch::full({1}, mine, torch::kInt64);
+  torch::Tensor t = torch::full({1}, mine.ok() ? *mine : int64_t{-1}, torch::kInt64);
   if (absl::Status s = group->Broadcast(t); !s.ok()) return mine;  // the step's next collective fails too
-  return t.item<int64_t>();
+  const int64_t shared = t.item<int64_t>();
+  if (shared < 0)
+    return mine.ok() ? absl::AbortedError("worker 0 of this site ended the attempt: the coordinator abandoned it")
+                     : mine;
+  return shared;
 }
 
 std::set<std::string> OtherSites(const v1::RegisterResponse& reg, const std::string& self) {
@@ -351,6 +356,8 @@ void Agent::Heartbeats() {
   const auto every = std::chrono::milliseconds(static_cast<int64_t>(interval * 1000));
   bool failing = false, said_leaving = false;
   Clock::time_point failing_since;
+  std::string late_job;  // --fault late-boundary: the attempt whose boundary is held back, since late_since
+  Clock::time_point late_since;
   for (;;) {
     v1::HeartbeatRequest req;
     req.set_site(o_.site);
@@ -368,12 +375,16 @@ void Agent::Heartbeats() {
     absl::Status hs = answer.status();
     if (hs.ok()) {
       peer_service_.SetProbers({answer->probe_from().begin(), answer->probe_from().end()});  // a site joining
-      {
-        std::lock_guard<std::mutex> l(heartbeat_mu_);
-        boundary_job_ = answer->end_job_id();
-        boundary_step_ = answer->end_after_step();
-        left_out_.assign(answer->left_out().begin(), answer->left_out().end());
+      v1::HeartbeatResponse heard = *answer;
+      if (o_.fault_late_boundary_seconds > 0 && heard.end_after_step() > 0) {  // the fault: the boundary comes late
+        if (late_job != heard.end_job_id()) late_job = heard.end_job_id(), late_since = Clock::now();
+        if (Clock::now() - late_since < std::chrono::duration<double>(o_.fault_late_boundary_seconds)) {
+          heard.set_end_after_step(0);
+          heard.clear_end_job_id();
+          heard.clear_left_out();
+        }
       }
+      step_control_.Update(heard);
       if (failing) spdlog::warn("the coordinator answers heartbeats again");
       failing = false;
     } else if (!failing) {
@@ -386,9 +397,9 @@ void Agent::Heartbeats() {
     }
     // Until the next beat, or at once when the state changes (the coordinator's status follows).
     std::unique_lock<std::mutex> l(heartbeat_mu_);
-    heartbeat_cv_.wait_for(l, every, [&] { return done_ || state_changed_; });
+    heartbeat_cv_.wait_for(l, every, [&] { return done_ || state_changed_ || beat_now_; });
     if (done_) return;
-    state_changed_ = false;
+    state_changed_ = beat_now_ = false;
   }
 }
 
@@ -632,24 +643,38 @@ void Agent::OnAssign(const v1::StageAssignment& pa) {
         return uploader.Start((fs::path(run.checkpoint_dir) / core::StepDirName(step)).string(), step, a.stage);
       };
     run.before_finish = [&] { return uploader.Wait(); };
-    run.end_after = [&]() -> int64_t {  // a switch to another plan, from the heartbeats' answers
-      int64_t boundary = 0;
-      {
-        std::lock_guard<std::mutex> l(heartbeat_mu_);
-        boundary = boundary_job_ == a.job_id ? boundary_step_ : 0;
-      }
+    // A switch to another plan and the step lease, from the heartbeats' answers: past its lease, the stage
+    // asks for a heartbeat at once and then four times an interval until the next answer grants more.
+    const auto ask_every = std::chrono::milliseconds(
+        std::max<int64_t>(50, static_cast<int64_t>(250 * std::max(reg_.heartbeat_interval_seconds(), 0.2))));
+    run.end_after = [&](int64_t steps_done) -> absl::StatusOr<int64_t> {
+      absl::StatusOr<int64_t> boundary = step_control_.WaitAfter(
+          a.job_id, steps_done,
+          [this] {
+            {
+              std::lock_guard<std::mutex> l(heartbeat_mu_);
+              beat_now_ = true;
+            }
+            heartbeat_cv_.notify_all();
+          },
+          ask_every,
+          [&](double seconds) {
+            spdlog::warn("{}", absl::StrFormat("waiting %.0f s after step %d for the coordinator's step lease", seconds,
+                                               steps_done));
+          });
       return ShareBoundary(group, boundary);
     };
     run.left_out = [&]() -> std::set<std::string> {  // lost DiLoCo workers, from the heartbeats' answers
-      std::lock_guard<std::mutex> l(heartbeat_mu_);
-      if (boundary_job_ != a.job_id) return {};
-      return {left_out_.begin(), left_out_.end()};
+      return step_control_.LeftOut(a.job_id);
     };
     // The coordinator names a lost site within its heartbeat timeout, and this site hears it with its
     // next heartbeat's answer.
     run.left_out_wait = std::chrono::milliseconds(
         static_cast<int64_t>(1000 * (reg_.heartbeat_timeout_seconds() + 2 * reg_.heartbeat_interval_seconds() + 1)));
     run_result = RunStage(*worker, run);
+    if (const double waited = step_control_.waited_seconds(a.job_id); waited >= 0.5)
+      spdlog::info(
+          "{}", absl::StrFormat("attempt %s waited %.1f s in all for the coordinator's step lease", a.job_id, waited));
     // The other workers end with their stage; on a failure here they are killed (the pool's destructor).
     if (pool && run_result.status.ok()) {
       pool->Stop(std::chrono::seconds(30));
@@ -753,7 +778,7 @@ int RunSiteWorker(const SiteWorkerOptions& w) {
           return c;
         };
       SiteGroup* g = group->get();
-      run.end_after = [g] { return ShareBoundary(g, 0); };
+      run.end_after = [g](int64_t) { return ShareBoundary(g, int64_t{0}); };
       const StageRunResult result = RunStage(**worker, run);
       if (!result.status.ok()) return result.status;
       LogOptimizerState(where, **worker);

@@ -20,6 +20,7 @@
 #include <torch/torch.h>
 
 #include "executor/options.h"
+#include "executor/step_control.h"
 #include "executor/trainer.h"
 #include "proto/meridian.pb.h"
 #include "rpc/coordinator_client.h"
@@ -83,10 +84,10 @@ class Agent {
   std::atomic<v1::SiteState> state_{v1::SITE_IDLE};
   std::mutex heartbeat_mu_;
   std::condition_variable heartbeat_cv_;
-  bool done_ = false, state_changed_ = false;  // guarded by heartbeat_mu_
-  std::string boundary_job_;                   // the coordinator's step boundary (HeartbeatResponse),
-  int64_t boundary_step_ = 0;                  // both guarded by heartbeat_mu_
-  std::vector<std::string> left_out_;          // with the boundary: DiLoCo workers lost; guarded by heartbeat_mu_
+  // Guarded by heartbeat_mu_: the process is ending; the state changed or a stage asks for a lease (both
+  // beat at once).
+  bool done_ = false, state_changed_ = false, beat_now_ = false;
+  StepControl step_control_;  // the heartbeats' answers: step boundary, lease, DiLoCo workers left out
   int rc_ = 0;
 };
 

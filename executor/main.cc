@@ -218,7 +218,8 @@ int main(int argc, char** argv) {
   std::string fault;
   app.add_option("--fault", fault,
                  "Tests only: nan-gradient:STEP sends the previous stage a NaN activation gradient at step STEP "
-                 "(0-based) of the first attempt that reaches it, as a compromised site would")
+                 "(0-based) of the first attempt that reaches it, as a compromised site would; "
+                 "late-boundary:SECONDS hands this site's stages each step boundary SECONDS late")
       ->group("");
   // A worker of a site of several devices, started by the site's executor (executor/site_group.h).
   std::string site_worker, site_device = "cpu", site_store, site_command;
@@ -264,11 +265,16 @@ int main(int argc, char** argv) {
   }
   if (!fault.empty()) {
     int64_t step = -1;
-    if (fault.rfind("nan-gradient:", 0) != 0 || !absl::SimpleAtoi(fault.substr(13), &step) || step < 0) {
-      spdlog::error("--fault '{}': expected nan-gradient:STEP", fault);
+    double seconds = 0;
+    if (fault.rfind("nan-gradient:", 0) == 0 && absl::SimpleAtoi(fault.substr(13), &step) && step >= 0) {
+      options->fault_nan_gradient_step = step;
+    } else if (fault.rfind("late-boundary:", 0) == 0 && absl::SimpleAtod(fault.substr(14), &seconds) && seconds > 0 &&
+               seconds <= 3600) {
+      options->fault_late_boundary_seconds = seconds;
+    } else {
+      spdlog::error("--fault '{}': expected nan-gradient:STEP or late-boundary:SECONDS (0 to 3600]", fault);
       return 2;
     }
-    options->fault_nan_gradient_step = step;
   }
   if (!profile_job.empty()) Leave(Guarded([&] { return RunProfile(*options, profile_job, out.empty() ? "." : out); }));
   // A site holds its own identity only: never the CA's key nor another site's (docs/security.md).

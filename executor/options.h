@@ -21,6 +21,10 @@ struct ExecutorOptions {
   // (0-based) of the first attempt that reaches it, this site sends its previous stage a NaN activation
   // gradient, as a compromised or broken site would. -1: none.
   int64_t fault_nan_gradient_step = -1;
+  // (`--fault late-boundary:SECONDS`) the heartbeat answers' step boundary reaches this site's stages
+  // SECONDS after it first comes, as if those answers were that late (the lease the coordinator granted
+  // still comes at once). 0: none.
+  double fault_late_boundary_seconds = 0;
 };
 
 // Values given on the command line; unset ones fall back to the environment, then the spec.

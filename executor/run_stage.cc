@@ -37,7 +37,12 @@ StageRunResult RunStage(StageWorker& worker, const StageRun& run) {
     if (run.on_step)
       run.on_step({i, *loss, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()});
     const bool interval = run.checkpoint_interval > 0 && (i + 1) % run.checkpoint_interval == 0;
-    const int64_t boundary = run.end_after ? run.end_after() : 0;
+    int64_t boundary = 0;
+    if (run.end_after && i + 1 < run.steps) {
+      absl::StatusOr<int64_t> b = run.end_after(i + 1);
+      if (!b.ok()) return {r.steps_done, b.status()};
+      boundary = *b;
+    }
     if (boundary > 0 && boundary < i + 1)  // heard of too late: its neighbours may have ended there
       return {r.steps_done, absl::FailedPreconditionError(absl::StrCat("missed the step boundary ", boundary,
                                                                        ": heard of it after step ", i + 1,

@@ -44,12 +44,15 @@ struct StageRun {
   std::function<void(const StepDone&)> on_step;             // after every step
   std::function<absl::Status(int64_t step)> on_checkpoint;  // after this stage wrote step `step`'s shard
   std::function<absl::Status()> before_finish;              // e.g. wait for uploads
-  // A step boundary (a switch to another plan): polled after every step; once it returns S > 0 and
-  // exactly S steps are done (S < steps), the stage saves its checkpoint of step S (unless the interval
-  // just did), calls on_checkpoint, and ends there. A boundary already passed (heard of too late) ends
-  // the stage with FailedPrecondition ("missed the step boundary S"): its neighbours may have ended there,
-  // and the coordinator then resumes every stage from the newest intact checkpoint.
-  std::function<int64_t()> end_after;
+  // A step boundary (a switch to another plan) and the step lease (executor/step_control.h): called after
+  // every step but the last with the steps done, it may wait (for the coordinator's lease) and returns
+  // the boundary S > 0 or 0 for none. Once exactly S steps are done (S < steps), the stage saves its
+  // checkpoint of step S (unless the interval just did), calls on_checkpoint, and ends there. A boundary
+  // already passed (heard of too late, which the lease rules out) ends the stage with FailedPrecondition
+  // ("missed the step boundary S"): its neighbours may have ended there, and the coordinator then
+  // resumes every stage from the newest intact checkpoint. An error (the attempt was abandoned) ends the
+  // stage with it. Unset: no boundary, no lease.
+  std::function<absl::StatusOr<int64_t>(int64_t steps_done)> end_after;
   // DiLoCo workers of a one-stage plan whose replica stopped answering ask this whether the coordinator
   // left that site out (StageWorker::set_left_out), waiting at most left_out_wait for it to say so.
   std::function<std::set<std::string>()> left_out;

@@ -104,12 +104,13 @@ class CoordinatorTest : public ::testing::Test {
   // The executor of `site`, exec'ed by the shell (its Process's pid is the executor's own, for signals),
   // optionally in the cgroup v1 cpu group `cgroup`.
   std::unique_ptr<Process> Executor(const std::string& site, const std::string& certs_dir = "",
-                                    const fs::path& cgroup = {}) {
+                                    const fs::path& cgroup = {}, const std::string& extra = "") {
     return std::make_unique<Process>(
         (cgroup.empty() ? std::string() : "echo $$ > " + (cgroup / "cgroup.procs").string() + " && ") + "exec " +
         Bin("meridian-executor") + " --coordinator 127.0.0.1:" + std::to_string(coord_port_) + " --site " + site +
         " --certs " + ((certs_dir.empty() ? dir_ / "certs" : fs::path(certs_dir)) / "bundles" / site).string() +
-        " --listen 127.0.0.1:" + std::to_string(ports_.count(site) ? ports_[site] : FreePort()) + " 2>&1");
+        " --listen 127.0.0.1:" + std::to_string(ports_.count(site) ? ports_[site] : FreePort()) + " " + extra +
+        " 2>&1");
   }
   std::unique_ptr<Process> Coordinator(const std::string& extra = "") {
     return std::make_unique<Process>(Bin("meridian") + " run " + (dir_ / "cluster.yaml").string() + " " +
@@ -1055,12 +1056,17 @@ TEST_F(CoordinatorTest, TheDashboardShowsTheRunInAHeadlessBrowser) {
 // The run ends with every step trained once (metrics.jsonl counts 1..N without a gap or a repeat) and
 // the weights of `meridian train-local`.
 TEST_F(CoordinatorTest, ADrainedSiteAndASigtermedOneAreLeftWithNoStepLostOrRepeated) {
-  // Each switch comes three heartbeat intervals' worth of the fastest recent steps after the request
-  // (RunMachine::SwitchMargin): at 1 s, about 300 steps on this machine, and on one 3x as fast the second
-  // switch would fall after the run's last step (the coordinator then rightly lets the site leave at the
-  // end instead). At 500 ms both switches fit in 2,000 steps there too, while the margin still leaves each
-  // stage 1.5 s to hear of the boundary on a loaded machine.
+  // Each switch comes at the step lease: three heartbeat intervals' worth of the fastest recent steps
+  // ahead of the furthest stage (RunMachine::SwitchMargin): at 1 s, about 300 steps on this machine, and
+  // on one 3x as fast the second switch would fall after the run's last step (the coordinator then
+  // rightly lets the site leave at the end instead). At 500 ms both switches fit in 2,000 steps there too.
   Edit("cluster.yaml", "heartbeat: {interval: 1s, timeout: 4s}", "heartbeat: {interval: 500ms, timeout: 4s}");
+  // Each site may give the model 400 KB: less than the whole model's training state (465 KB), so the plan
+  // after b leaves pipelines over a and c whatever the profile's noise says (one site alone ran a
+  // shorter simulated step in some runs here, and then c ran no stage to leave).
+  for (const char* s : {"a", "b", "c"})
+    Edit("cluster.yaml",
+         std::string("{name: ") + s + ", address:", std::string("{name: ") + s + ", memory: 400KB, address:");
   SetSteps(2000);
   std::ofstream(dir_ / "job.yaml", std::ios::app) << "  checkpoint: {dir: ckpt, interval: 400}\n  replication: false\n";
   std::ofstream(dir_ / "plan.json")
@@ -1068,7 +1074,10 @@ TEST_F(CoordinatorTest, ADrainedSiteAndASigtermedOneAreLeftWithNoStepLostOrRepea
   const fs::path out = dir_ / "coordinator.out";
   auto coord = Coordinator("--plan " + (dir_ / "plan.json").string() + " > " + out.string());
   std::this_thread::sleep_for(500ms);
-  auto a = Executor("a"), b = Executor("b"), c = Executor("c");
+  // c hears of each boundary 4 s late, as if its heartbeat answers were (the lease still comes): far
+  // more than the steps the lease grants ahead take, so it would run past the boundary if nothing held
+  // it; it waits at its lease instead, and both switches end aligned.
+  auto a = Executor("a"), b = Executor("b"), c = Executor("c", "", {}, "--fault late-boundary:4");
   auto read_out = [&] { return ReadText(out); };
   auto wait_for = [&](const std::string& what) { return WaitForText(coord.get(), out, what, 240s); };
   ASSERT_TRUE(wait_for("step 100/")) << read_out();
@@ -1100,6 +1109,7 @@ TEST_F(CoordinatorTest, ADrainedSiteAndASigtermedOneAreLeftWithNoStepLostOrRepea
   ASSERT_THAT(read_out(), HasSubstr("switch: site 'c' leaves (its executor got SIGTERM); every stage ends after step "))
       << read_out();
   EXPECT_EQ(c->Wait(180s), 0) << "the SIGTERMed executor leaves cleanly once switched away from";
+  EXPECT_THAT(c->ReadAll(5s), HasSubstr("for the coordinator's step lease")) << "c waited at its lease";
   ASSERT_EQ(coord->Wait(400s), 0) << read_out();
   const std::string log = read_out();
   EXPECT_THAT(log, HasSubstr("switch: site 'b' leaves (meridian drain); every stage ends after step "));
