@@ -141,9 +141,10 @@ void Coordinator::SetProbers(std::set<std::string> sites) {
 
 void Coordinator::SetBoundary(const std::string& job_id, int64_t step, std::vector<std::string> left_out) {
   std::lock_guard<std::mutex> l(mu_);
-  boundary_job_ = step > 0 ? job_id : "";
+  const bool keep = step > 0 || !left_out.empty();  // step 0 with left-out sites: a boundary still to be placed
+  boundary_job_ = keep ? job_id : "";
   boundary_step_ = step;
-  left_out_ = step > 0 ? std::move(left_out) : std::vector<std::string>{};
+  left_out_ = keep ? std::move(left_out) : std::vector<std::string>{};
 }
 
 absl::StatusOr<std::optional<v1::Command>> Coordinator::NextCommand(const std::string& site,

@@ -830,6 +830,8 @@ void RunMachine::OnMetrics(const MetricsReported& e) {
   // believed (it would forge the progress).
   auto stage = attempt_.stage.find(r.site());
   auto last = attempt_.metrics.find(r.site());
+  // A report sent again (a stage waiting for its lease resends its latest: executor/agent.cc) adds nothing.
+  if (last != attempt_.metrics.end() && r.step() == last->second.step() && r.stage() == last->second.stage()) return;
   if (stage == attempt_.stage.end() || r.stage() != stage->second || r.step() < 0 || r.step() >= c_.steps ||
       (last != attempt_.metrics.end() && r.step() <= last->second.step())) {
     Out(LogSite{r.site(), absl::StrCat("a metrics report of stage ", r.stage(), ", step ", r.step() + 1,
@@ -966,10 +968,11 @@ void RunMachine::OnDone(const StageReportedDone& e) {
     return AfterDrain();
   }
   if (phase_ != Phase::kTraining && phase_ != Phase::kSwitching) return;
-  // A stage that went past the switch's boundary (it heard of it too late) fails -- it says so, or a
-  // neighbour that ended at the boundary never answers it -- and so may its neighbours: an unaligned end,
-  // after which the next attempt resumes from the newest intact checkpoint (CompleteSwitch).
-  const bool missed_boundary = phase_ == Phase::kSwitching && d.steps() >= boundary_;
+  // A stage that went past the switch's boundary (which the step lease rules out unless a site breaks
+  // it) fails -- it says so, or a neighbour that ended at the boundary never answers it -- and so may its
+  // neighbours: an unaligned end, after which the next attempt resumes from the newest intact checkpoint
+  // (CompleteSwitch). A boundary not yet placed (boundary_ 0) was not missed.
+  const bool missed_boundary = phase_ == Phase::kSwitching && boundary_ > 0 && d.steps() >= boundary_;
   if (!d.error().empty() && !missed_boundary) {
     // Said at once, with the site and its stage; heartbeats then get the time to name a site that died
     // (a stage fails when a neighbour dies).
@@ -1112,10 +1115,11 @@ bool RunMachine::StopLeaving(const std::string& site) {
 }
 
 int64_t RunMachine::SwitchMargin() const {
-  // Far enough ahead that every stage hears of it (through its heartbeats' answers) before it gets
-  // there: three heartbeat intervals of steps at the fastest of the attempt's last 20 steps (a slow
-  // step just before -- a probe, a checkpoint -- made the margin too short once: the steps after it ran
-  // 4x faster, and a stage passed the boundary before its heartbeat brought it), and at least two steps.
+  // How far the lease reaches ahead of the furthest stage: far enough that the stages' heartbeats bring
+  // the next lease before they use this one up (a stage that does waits, which is safe but idle):
+  // three heartbeat intervals of steps at the fastest of the attempt's last 20 steps (a slow step just
+  // before -- a probe, a checkpoint -- made such a margin too short once: the steps after it ran 4x
+  // faster), and at least two steps.
   // Before the reporter's first step of the attempt, any stage's latest step; before any, the plan's.
   double fastest = std::numeric_limits<double>::infinity();
   for (size_t i = attempt_steps_.size() > 20 ? attempt_steps_.size() - 20 : 0; i < attempt_steps_.size(); ++i)
@@ -1210,6 +1214,7 @@ void RunMachine::BeginSwitch(const std::string& why, bool for_speed) {
   }
   attempt_.deadline = now_ + After(c_.drain_seconds + 2 * SwitchMargin() * std::max(last_step_seconds_, 1e-3));
   if (step == 0) {
+    if (!attempt_.left_out.empty()) Out(SetBoundary{job_id_, 0, attempt_.left_out});  // the workers left out, now
     Say(absl::StrCat("switch: ", why,
                      "; every stage ends after its first step of this attempt with its checkpoint, and the sites "
                      "left resume from there\n"));

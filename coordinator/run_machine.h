@@ -109,8 +109,9 @@ struct SetProbers {
   std::set<std::string> sites;
 };
 // The running attempt `job_id` ends once `step` steps are done, every stage saving its checkpoint of that
-// step first (the sites learn it from their heartbeats' answers); step 0 clears it. `left_out`: sites lost
-// from the attempt whose DiLoCo workers the others go on without until then.
+// step first (the sites learn it from their heartbeats' answers); step 0 clears it (but for `left_out`,
+// kept with a boundary still to be placed). `left_out`: sites lost from the attempt whose DiLoCo workers
+// the others go on without until then.
 struct SetBoundary {
   std::string job_id;
   int64_t step = 0;

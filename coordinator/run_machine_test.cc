@@ -375,8 +375,8 @@ v1::StageDone DoneAt(const std::string& site, const std::string& job_id, int64_t
 }
 
 // A site that asks to leave while it trains (`meridian drain`, or SIGTERM) is switched away from at a
-// step boundary a few heartbeats ahead: every stage ends there with its checkpoint, the next plan leaves
-// the site out and resumes from exactly that step, and the site is told to stop.
+// step boundary, the step lease granted (a few heartbeats ahead): every stage ends there with its checkpoint, the next
+// plan leaves the site out and resumes from exactly that step, and the site is told to stop.
 TEST(RunMachine, ALeavingSiteIsSwitchedAwayFromAtAStepBoundaryWithNothingLost) {
   RunConfig c = Config();
   c.spec.heartbeat_interval_seconds = 0.1;  // 3 heartbeats ahead: 3 steps of 0.1 s
@@ -554,11 +554,30 @@ TEST(RunMachine, AnAbandonedAttemptsLeaseSaysSo) {
   EXPECT_TRUE(lease[0].abandoned);
 }
 
-// The boundary is three heartbeats' worth of steps ahead at the attempt's fastest recent pace: one slow
-// step just before (0.41 s against 0.1 s) does not shrink it (a clean-clone run saw a stage pass a
-// boundary set 8 steps ahead after such a step). A stage that still passes it, and a neighbour left
-// waiting for it, fail: an unaligned end, not the run's failure -- the next attempt resumes from the
-// newest intact checkpoint.
+// A stage that fails while a switch waits for the attempt's first report is a failure like any other,
+// not a missed boundary (none is placed yet); a report sent again (a stage waiting for its lease resends
+// its latest) is neither logged nor counted.
+TEST(RunMachine, AFailureBeforeTheBoundaryIsPlacedIsAFailureAndAResentReportIsIgnored) {
+  Driver d(Config());
+  d.JoinAndProfile({"a", "b", "c"});
+  d.Feed(MetricsReported{Metrics("b", kRun, 1, 0)});
+  EXPECT_TRUE(All<LogSite>(d.Feed(MetricsReported{Metrics("b", kRun, 1, 0)})).empty()) << Printed(d.last());
+  Driver f(Config());
+  f.JoinAndProfile({"a", "b", "c"});
+  f.Feed(SiteLeaving{"c", "meridian drain"});
+  ASSERT_EQ(f.machine().phase(), RunMachine::Phase::kSwitching);
+  v1::StageDone failed = Done("a", kRun, "out of memory");
+  failed.set_steps(0);
+  auto out = f.Feed(StageReportedDone{failed});
+  EXPECT_THAT(Printed(out), HasSubstr("stage 0 at site 'a' failed: out of memory"));
+  EXPECT_EQ(f.machine().phase(), RunMachine::Phase::kFailing);
+}
+
+// The boundary (the lease granted) is three heartbeats' worth of steps ahead at the attempt's fastest
+// recent pace: one slow step just before (0.41 s against 0.1 s) does not shrink it (a clean-clone run saw
+// a stage pass a boundary set 8 steps ahead after such a step, before leases). A stage that still passes
+// it (a site that breaks its lease), and a neighbour left waiting for it, fail: an unaligned end, not the
+// run's failure -- the next attempt resumes from the newest intact checkpoint.
 TEST(RunMachine, ABoundaryIsSetAtTheFastestRecentPaceAndAStageThatMissesItIsAnUnalignedEnd) {
   RunConfig c = Config();
   c.spec.heartbeat_interval_seconds = 1;
@@ -1259,6 +1278,19 @@ TEST(RunMachine, ALostDilocoWorkerIsLeftOutAndTheOthersGoOnToASwitch) {
       EXPECT_NE(site, "c");
       EXPECT_EQ(a.resume_step(), 14) << site;
     }
+  }
+  {  // Lost before the attempt's first report: the workers left out are told at once, the boundary later.
+    Driver d(c);
+    d.JoinAndProfile({"a", "b", "c"});
+    auto lost = d.Feed(HeartbeatLost{"c"});
+    auto told = All<SetBoundary>(lost);
+    ASSERT_EQ(told.size(), 1u) << Printed(lost);
+    EXPECT_EQ(told[0].step, 0);
+    EXPECT_EQ(told[0].left_out, std::vector<std::string>{"c"});
+    auto placed = All<SetBoundary>(d.Feed(MetricsReported{Metrics("a", kRun, 0, 0)}));
+    ASSERT_EQ(placed.size(), 1u);
+    EXPECT_EQ(placed[0].step, 1);
+    EXPECT_EQ(placed[0].left_out, std::vector<std::string>{"c"});
   }
   {
     // c's executor restarts: it registers again and is measured as a site joining mid-run; a plan with it

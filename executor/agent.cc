@@ -349,7 +349,7 @@ void InstallLeaveHandler() {
 // Heartbeats; the coordinator not answering for `timeout` of trying ends the process. The clock starts at
 // the first failed attempt, not at the last success: a process that was itself stopped (SIGSTOP, a
 // suspended VM) gets a full timeout to reach the coordinator again when it resumes. The answers carry the
-// coordinator's step boundary and the sites that may probe this one.
+// coordinator's step boundary and step lease (to step_control_) and the sites that may probe this one.
 void Agent::Heartbeats() {
   const double interval = reg_.heartbeat_interval_seconds() > 0 ? reg_.heartbeat_interval_seconds() : 1.0;
   const double timeout = reg_.heartbeat_timeout_seconds() > interval ? reg_.heartbeat_timeout_seconds() : 5 * interval;
@@ -609,6 +609,7 @@ void Agent::OnAssign(const v1::StageAssignment& pa) {
     }
     // Every stage reports each step's time breakdown and bytes; stage 0 also the loss (a one-stage DiLoCo
     // plan's replicas other than replica 0: their own share of it).
+    std::optional<v1::MetricsReport> last_report;  // the stage's latest (its thread's only)
     run.on_step = [&](const StepDone& d) {
       step_ = d.step;
       spdlog::debug(
@@ -636,6 +637,7 @@ void Agent::OnAssign(const v1::StageAssignment& pa) {
         m.set_outer_drift(sync->drift);
       }
       m.set_stage(a.stage);
+      last_report = m;
       reporter.Post(std::move(m));
     };
     if (via_coordinator)
@@ -645,17 +647,26 @@ void Agent::OnAssign(const v1::StageAssignment& pa) {
     run.before_finish = [&] { return uploader.Wait(); };
     // A switch to another plan and the step lease, from the heartbeats' answers: past its lease, the stage
     // asks for a heartbeat at once and then four times an interval until the next answer grants more.
-    const auto ask_every = std::chrono::milliseconds(
-        std::max<int64_t>(50, static_cast<int64_t>(250 * std::max(reg_.heartbeat_interval_seconds(), 0.2))));
+    const double interval_seconds = std::max(reg_.heartbeat_interval_seconds(), 0.2);
+    const auto ask_every = std::chrono::milliseconds(static_cast<int64_t>(250 * interval_seconds));
     run.end_after = [&](int64_t steps_done) -> absl::StatusOr<int64_t> {
+      // The coordinator grants leases from the step reports. Reports are best-effort (one can be lost when
+      // the coordinator was unreachable for a while), so one still waited for after a few heartbeats
+      // is sent again (the coordinator ignores a step it has).
+      const auto resend_after = std::chrono::milliseconds(static_cast<int64_t>(3000 * interval_seconds));
+      Clock::time_point resend_at = Clock::now() + resend_after;
       absl::StatusOr<int64_t> boundary = step_control_.WaitAfter(
           a.job_id, steps_done,
-          [this] {
+          [&] {
             {
               std::lock_guard<std::mutex> l(heartbeat_mu_);
               beat_now_ = true;
             }
             heartbeat_cv_.notify_all();
+            if (last_report && Clock::now() >= resend_at) {
+              resend_at = Clock::now() + resend_after;
+              reporter.Post(*last_report);
+            }
           },
           ask_every,
           [&](double seconds) {

@@ -5,8 +5,10 @@
 // process then exits within that time).
 //
 // Threads: Run's thread reads the command stream and runs the handlers (OnProfile, OnAssign), one at a
-// time; the heartbeat thread only reads the site's state and step (atomics); the metrics reporter and the
-// checkpoint uploader have a thread each (agent.cc); gRPC's threads serve the peer stream into the inbox.
+// time; the heartbeat thread reads the site's state and step (atomics) and hands each answer's boundary
+// and step lease to step_control_, which the stage's thread waits on between steps (it asks for a beat
+// through beat_now_); the metrics reporter and the checkpoint uploader have a thread each (agent.cc);
+// gRPC's threads serve the peer stream into the inbox.
 #ifndef MERIDIAN_EXECUTOR_AGENT_H_
 #define MERIDIAN_EXECUTOR_AGENT_H_
 

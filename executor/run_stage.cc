@@ -43,7 +43,7 @@ StageRunResult RunStage(StageWorker& worker, const StageRun& run) {
       if (!b.ok()) return {r.steps_done, b.status()};
       boundary = *b;
     }
-    if (boundary > 0 && boundary < i + 1)  // heard of too late: its neighbours may have ended there
+    if (boundary > 0 && boundary < i + 1)  // past it (the lease rules that out): its neighbours may have ended there
       return {r.steps_done, absl::FailedPreconditionError(absl::StrCat("missed the step boundary ", boundary,
                                                                        ": heard of it after step ", i + 1,
                                                                        ", so the stages end unaligned"))};

@@ -15,6 +15,7 @@ void StepControl::Update(const v1::HeartbeatResponse& answer) {
     lease_job_ = answer.lease_job_id();
     lease_steps_ = answer.lease_steps();
     abandoned_ = answer.lease_abandoned();
+    if (!lease_job_.empty()) leased_.insert(lease_job_);
   }
   cv_.notify_all();
 }
@@ -30,6 +31,9 @@ absl::StatusOr<int64_t> StepControl::WaitAfter(const std::string& job_id, int64_
   for (;;) {
     if (lease_job_ == job_id && abandoned_)
       return absl::AbortedError(absl::StrCat("the coordinator abandoned attempt ", job_id, " after step ", steps_done));
+    if (!lease_job_.empty() && lease_job_ != job_id && leased_.count(job_id))
+      return absl::AbortedError(absl::StrCat("the coordinator moved on from attempt ", job_id, " to attempt ",
+                                             lease_job_, " (this stage is after step ", steps_done, ")"));
     if (boundary_job_ == job_id && boundary_steps_ > 0) break;
     if (lease_job_ == job_id && lease_steps_ > steps_done) break;
     blocked = true;

@@ -33,11 +33,13 @@ class StepControl {
   // - S > 0, the attempt's step boundary, once one is set (the stage ends at S when S == steps_done; a
   //   boundary below steps_done was missed, which the lease rules out unless the coordinator broke it);
   // - 0 once the lease covers the next step (lease_steps > steps_done) and no boundary is set;
-  // - Aborted, naming the attempt, when the coordinator abandoned it.
+  // - Aborted, naming the attempt, when the coordinator abandoned it, or moved on to another attempt
+  //   after this one's lease had come (a site frozen past the heartbeat timeout wakes to find its attempt
+  //   replaced: the answers, in order, name the newer one).
   // Waits meanwhile, however long: the heartbeat thread ends the process when the coordinator stops
   // answering. While it waits it calls `ask` (ask for a heartbeat now) at once and then every `ask_every`,
-  // and `waiting(seconds)` every `say_every` (for a log line). A lease of another attempt (an answer
-  // computed before this attempt began) grants nothing.
+  // and `waiting(seconds)` every `say_every` (for a log line). A lease of another attempt before this
+  // one's first came (an answer computed before this attempt began) grants nothing.
   absl::StatusOr<int64_t> WaitAfter(const std::string& job_id, int64_t steps_done, const std::function<void()>& ask,
                                     std::chrono::milliseconds ask_every,
                                     const std::function<void(double seconds)>& waiting = {},
@@ -58,7 +60,8 @@ class StepControl {
   std::string lease_job_;
   int64_t lease_steps_ = 0;
   bool abandoned_ = false;
-  std::string waited_job_;  // the attempt of waited_ (WaitAfter)
+  std::set<std::string> leased_;  // every attempt whose lease an answer named
+  std::string waited_job_;        // the attempt of waited_ (WaitAfter)
   double waited_ = 0;
 };
 

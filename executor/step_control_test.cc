@@ -29,7 +29,8 @@ TEST(StepControl, WithinTheLeaseTheStageGoesOnAtOnce) {
   StepControl c;
   c.Update(Answer("r", 10));
   int asked = 0;
-  auto go = c.WaitAfter("r", 9, [&] { ++asked; }, 1000ms);
+  auto go = c.WaitAfter(
+      "r", 9, [&] { ++asked; }, 1000ms);
   ASSERT_TRUE(go.ok()) << go.status();
   EXPECT_EQ(*go, 0);
   EXPECT_EQ(asked, 0);
@@ -93,6 +94,18 @@ TEST(StepControl, AnotherAttemptsLeaseGrantsNothingAndAnAbandonedAttemptEnds) {
   EXPECT_THAT(std::string(ended.status().message()), HasSubstr("abandoned attempt r-1 after step 5"));
 }
 
+// A stage that finds its attempt replaced once its lease had come (its site was frozen past the heartbeat
+// timeout, and the coordinator went on without it) ends at once, naming both attempts.
+TEST(StepControl, AStageWhoseAttemptWasReplacedEnds) {
+  StepControl c;
+  c.Update(Answer("r", 3));
+  ASSERT_TRUE(c.WaitAfter("r", 2, {}, 1000ms).ok());
+  c.Update(Answer("r-1", 0));
+  auto ended = c.WaitAfter("r", 3, {}, 1000ms);
+  EXPECT_EQ(ended.status().code(), absl::StatusCode::kAborted);
+  EXPECT_THAT(std::string(ended.status().message()), HasSubstr("moved on from attempt r to attempt r-1"));
+}
+
 // The DiLoCo workers left out come with the boundary of their attempt.
 TEST(StepControl, LeftOutSitesAreThoseOfTheAttemptsBoundary) {
   StepControl c;
@@ -108,7 +121,8 @@ TEST(StepControl, ALongWaitIsSaid) {
   StepControl c;
   std::atomic<int> said{0};
   auto waiting = std::async(std::launch::async, [&] {
-    return c.WaitAfter("r", 1, {}, 1000ms, [&](double) { ++said; }, 20ms);
+    return c.WaitAfter(
+        "r", 1, {}, 1000ms, [&](double) { ++said; }, 20ms);
   });
   std::this_thread::sleep_for(150ms);
   c.Update(Answer("r", 2));
