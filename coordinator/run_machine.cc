@@ -1138,8 +1138,6 @@ int64_t RunMachine::Reached() const {
   return reached;
 }
 
-int64_t RunMachine::NextBoundary() const { return lease_; }
-
 void RunMachine::GrantLease() {
   const int64_t want = std::min<int64_t>(Reached() + SwitchMargin(), c_.steps);
   if (want <= lease_) return;
@@ -1170,7 +1168,7 @@ bool RunMachine::LeaveOutDilocoWorker(const std::string& site) {
   const std::vector<std::string>& R = plan_->stages[0].site_names;
   if (R.size() < 2 || R[0] == site || sites_[R[0]].silent) return false;
   // The workers left must reach a switch before the run's last step, whose final outer sync needs all.
-  if ((phase_ == Phase::kSwitching ? boundary_ : NextBoundary()) >= c_.steps) return false;
+  if ((phase_ == Phase::kSwitching ? boundary_ : lease_) >= c_.steps) return false;
   attempt_.used.erase(site);
   attempt_.left_out.push_back(site);
   lost_.insert(site);
@@ -1195,7 +1193,9 @@ bool RunMachine::LeaveOutDilocoWorker(const std::string& site) {
 }
 
 void RunMachine::BeginSwitch(const std::string& why, bool for_speed) {
-  const int64_t step = NextBoundary();  // 0: no lease granted yet, placed at the first report (PlaceBoundary)
+  // The boundary is the largest lease granted, which no stage can have passed; 0: none granted yet, so it
+  // is placed at the first report (PlaceBoundary).
+  const int64_t step = lease_;
   attempt_.lost = why;
   switching_for_speed_.reset();
   if (step >= c_.steps) {

@@ -289,10 +289,6 @@ class RunMachine {
   // after its first, compares their median with the plan before's, and switches back when the plan
   // before was faster by more than min_gain.
   void CheckSwitch();
-  // The step a switch begun now would end the attempt after: the largest lease granted (SwitchMargin
-  // steps -- a few heartbeats' worth -- ahead of the furthest site when it was granted); 0 while none is
-  // granted (the switch is then placed at the first report: PlaceBoundary).
-  int64_t NextBoundary() const;
   // The furthest step any stage of the attempt reported done (0: none yet).
   int64_t Reached() const;
   // kTraining: grants the lease up to Reached() + SwitchMargin() (never less than before).
@@ -406,7 +402,9 @@ class RunMachine {
     return out;
   }
   int64_t boundary_ = 0;  // kSwitching: the step the attempt ends after (0: to be placed, PlaceBoundary)
-  int64_t lease_ = 0;     // the current attempt's largest lease granted (0: none yet)
+  // The current attempt's largest lease granted (0: none yet): SwitchMargin steps -- a few heartbeats'
+  // worth -- ahead of the furthest stage when it was granted, and where a switch begun now ends the attempt.
+  int64_t lease_ = 0;
   // A switch for speed, checked against what it measures (CheckSwitch).
   struct SwitchTrial {
     std::vector<partitioner::PinnedStage> before;  // the layout switched away from

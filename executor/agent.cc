@@ -397,17 +397,21 @@ void Agent::Heartbeats() {
     }
     // Until the next beat, or at once when the state changes (the coordinator's status follows).
     std::unique_lock<std::mutex> l(heartbeat_mu_);
-    heartbeat_cv_.wait_for(l, every, [&] { return done_ || state_changed_ || beat_now_; });
+    heartbeat_cv_.wait_for(l, every, [&] { return done_ || beat_now_; });
     if (done_) return;
-    state_changed_ = beat_now_ = false;
+    beat_now_ = false;
   }
 }
 
 void Agent::SetState(v1::SiteState state) {
+  state_ = state;
+  BeatNow();
+}
+
+void Agent::BeatNow() {
   {
     std::lock_guard<std::mutex> l(heartbeat_mu_);
-    state_ = state;
-    state_changed_ = true;
+    beat_now_ = true;
   }
   heartbeat_cv_.notify_all();
 }
@@ -658,11 +662,7 @@ void Agent::OnAssign(const v1::StageAssignment& pa) {
       absl::StatusOr<int64_t> boundary = step_control_.WaitAfter(
           a.job_id, steps_done,
           [&] {
-            {
-              std::lock_guard<std::mutex> l(heartbeat_mu_);
-              beat_now_ = true;
-            }
-            heartbeat_cv_.notify_all();
+            BeatNow();
             if (last_report && Clock::now() >= resend_at) {
               resend_at = Clock::now() + resend_after;
               reporter.Post(*last_report);

@@ -7,7 +7,7 @@
 // Threads: Run's thread reads the command stream and runs the handlers (OnProfile, OnAssign), one at a
 // time; the heartbeat thread reads the site's state and step (atomics) and hands each answer's boundary
 // and step lease to step_control_, which the stage's thread waits on between steps (it asks for a beat
-// through beat_now_); the metrics reporter and the checkpoint uploader have a thread each (agent.cc);
+// through BeatNow); the metrics reporter and the checkpoint uploader have a thread each (agent.cc);
 // gRPC's threads serve the peer stream into the inbox.
 #ifndef MERIDIAN_EXECUTOR_AGENT_H_
 #define MERIDIAN_EXECUTOR_AGENT_H_
@@ -57,9 +57,10 @@ class Agent {
   // (MeasureCpuShare): seconds of the site's compute, for SiteProfile::transport_seconds_per_frame /
   // _per_byte. Errors name what failed.
   absl::StatusOr<rpc::TransportCost> MeasureTransport(const JobSetup& setup);
-  // The heartbeat thread's loop, until `done_`: a beat every interval, and one at once on a state change.
+  // The heartbeat thread's loop, until `done_`: a beat every interval, and one at once on BeatNow.
   void Heartbeats();
-  void SetState(v1::SiteState state);
+  void SetState(v1::SiteState state);  // and beats at once, so the coordinator's status follows
+  void BeatNow();                      // the heartbeat thread beats at once (a stage waiting for its lease)
   // Workers 1..K-1 of this site for one assignment (`command`: its file) over the store file `store`.
   // A site of several devices: workers 1..K-1 started for one task -- "stage" (`command`: a serialised
   // v1::StageAssignment) or "profile" (a v1::ProfileRequest) -- in `dir` (its command and store files),
@@ -86,9 +87,8 @@ class Agent {
   std::atomic<v1::SiteState> state_{v1::SITE_IDLE};
   std::mutex heartbeat_mu_;
   std::condition_variable heartbeat_cv_;
-  // Guarded by heartbeat_mu_: the process is ending; the state changed or a stage asks for a lease (both
-  // beat at once).
-  bool done_ = false, state_changed_ = false, beat_now_ = false;
+  // Guarded by heartbeat_mu_: the process is ending; beat at once (BeatNow).
+  bool done_ = false, beat_now_ = false;
   StepControl step_control_;  // the heartbeats' answers: step boundary, lease, DiLoCo workers left out
   int rc_ = 0;
 };
