@@ -284,7 +284,7 @@ v1::Command RunMachine::ProfileCommand(const std::string& site, const std::vecto
   auto* p = c.mutable_profile();
   p->set_job_yaml(c_.job_yaml);
   p->set_job_dir(c_.job_dir);
-  p->set_probe_seconds(1.0);
+  p->set_probe_seconds(c_.probe_seconds);
   p->set_repeats(c_.profile_repeats);
   p->set_links_only(links_only);
   for (const auto& other : peers) {
@@ -436,6 +436,10 @@ absl::Status RunMachine::CheckProfile(const v1::ProfileReport& r, partitioner::C
     if (!finite(seconds)) return absl::InvalidArgumentError(absl::StrCat("op '", op, "' took a non-finite time"));
   }
   checked->sites = {p};
+  // The spec's `memory:` caps what the planner may use there, whatever the device has free.
+  for (const auto& s : c_.spec.sites)
+    if (s.name == site && s.memory_bytes)
+      checked->sites[0].memory_bytes = std::min(checked->sites[0].memory_bytes, *s.memory_bytes);
   return CheckLinks(site, r.links_json(), probed, &checked->links);
 }
 

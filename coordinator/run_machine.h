@@ -184,6 +184,7 @@ struct RunConfig {
   int steps = 0, micro_batches = 0;
   double join_timeout_seconds = 0;  // 0: wait for the sites indefinitely
   int profile_repeats = 5;
+  double probe_seconds = 1.0;                    // each link's bulk probe, each way (--probe-seconds)
   bool even_split = false;                       // --split even (an ablation)
   std::string plan_path;                         // --plan, for messages
   std::vector<partitioner::PinnedStage> pinned;  // --plan's layout; empty: plan
@@ -334,6 +335,7 @@ class RunMachine {
   void OnLinksProfile(const v1::ProfileReport& r);  // one answer of the second round
   // Checks one site's measurements before they are believed: its own device, op times of this model's
   // ops, links from or to itself and one of `probed` (the sites it was asked to probe), finite values.
+  // The site's memory in *checked is capped at the spec's `memory:` for it, if set.
   absl::Status CheckProfile(const v1::ProfileReport& report, partitioner::ClusterProfile* checked,
                             const std::set<std::string>& probed) const;
   // The links of `site`'s report (profile.json's "links" entries) checked as CheckProfile does.

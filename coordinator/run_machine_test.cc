@@ -198,7 +198,10 @@ std::vector<std::string> Sites(const std::map<std::string, v1::StageAssignment>&
 }
 
 TEST(RunMachine, JoinsProfilesPlansAndFinishes) {
-  Driver d(Config());
+  RunConfig config = Config();
+  config.profile_repeats = 3;
+  config.probe_seconds = 0.25;  // --profile-repeats and --probe-seconds reach the sites
+  Driver d(config);
   d.answer_link_probes = false;  // both rounds of measuring by hand
   auto started = d.Feed(RunStarted{});
   EXPECT_TRUE(started.empty());
@@ -212,6 +215,7 @@ TEST(RunMachine, JoinsProfilesPlansAndFinishes) {
     ASSERT_TRUE(c.command.has_profile());
     EXPECT_EQ(c.command.profile().peers_size(), 0);
     EXPECT_FALSE(c.command.profile().links_only());
+    EXPECT_EQ(c.command.profile().repeats(), 3);
   }
   EXPECT_EQ(d.machine().phase(), RunMachine::Phase::kProfiling);
 
@@ -226,6 +230,7 @@ TEST(RunMachine, JoinsProfilesPlansAndFinishes) {
   ASSERT_EQ(probes[0].command.profile().peers_size(), 1);
   EXPECT_EQ(probes[0].command.profile().peers(0).site(), "c");
   EXPECT_EQ(probes[0].command.profile().peers(0).address(), "127.0.0.1:9c");
+  EXPECT_EQ(probes[0].command.profile().probe_seconds(), 0.25);
   probes = All<SendCommand>(d.Feed(ProfileReported{Links("b", {"c"})}));
   ASSERT_EQ(probes.size(), 1u);
   EXPECT_EQ(probes[0].site, "a");
@@ -776,6 +781,31 @@ TEST(RunMachine, ARecomputingStageIsAssignedSo) {
   for (const auto& f : All<WriteRunFile>(d.last()))
     if (f.name == core::kPlanFile) written = nlohmann::json::parse(f.content)["stages"][0]["recompute"].get<bool>();
   EXPECT_TRUE(written);
+}
+
+// The spec's `memory:` of a site caps what its device reports: the same site a, reporting 8 GB free but
+// capped at what holds 1F1B's three micro-batches, gets the recomputing stage, and profile.json says the cap.
+TEST(RunMachine, TheSpecsMemoryCapIsWhatThePlannerSees) {
+  RunConfig c = Config();
+  c.spec.sites[0].memory_bytes = 525312 + 3 * 40960 + 1000;
+  Driver d(c);
+  d.link_bandwidth = 1e6;
+  d.link_latency = 0.05;
+  d.JoinAndProfile({"a", "b", "c"});
+  ASSERT_EQ(d.machine().phase(), RunMachine::Phase::kTraining) << Printed(d.last());
+  const partitioner::Plan plan = *d.machine().plan();
+  ASSERT_EQ(plan.stages.size(), 3u);
+  EXPECT_TRUE(plan.stages[0].recompute);
+  EXPECT_LE(plan.stages[0].memory_available_bytes, 525312 + 3 * 40960 + 1000);
+  EXPECT_FALSE(plan.stages[1].recompute);
+  bool profiled = false;
+  for (const auto& f : All<WriteRunFile>(d.last()))
+    if (f.name == core::kProfileFile) {
+      profiled = true;
+      for (const auto& s : nlohmann::json::parse(f.content)["sites"])
+        EXPECT_EQ(s["memory_bytes"].get<double>(), s["name"] == "a" ? 525312 + 3 * 40960 + 1000 : 8e9) << s.dump();
+    }
+  EXPECT_TRUE(profiled);
 }
 
 // `meridian run --resume` continues from whatever the shared directory holds: its assignments name no run
