@@ -59,6 +59,10 @@ void AddRunOptions(CLI::App* cmd, RunOptions* o) {
                   "Timed forward+backward passes per operator when the sites measure the model (at least; the mean "
                   "over at least 50 ms of them is kept)")
       ->check(CLI::Range(1, 100));
+  cmd->add_option("--probe-seconds", o->probe_seconds,
+                  "Seconds each link's bandwidth probe aims to take, each way, twice (default 1; a slow or noisy WAN "
+                  "reads truer with more, a LAN needs less)")
+      ->check(CLI::Range(0.2, 60.0));
   cmd->add_option("--split", o->split,
                   "planned: the partitioner's plan; even: the sites in the spec's order with equal op counts "
                   "(an ablation; the job's compression still applies)")
@@ -371,6 +375,7 @@ class RunDriver {
     c.micro_batches = in_.micro_batches;
     c.join_timeout_seconds = o_.join_timeout_seconds;
     c.profile_repeats = o_.profile_repeats;
+    c.probe_seconds = o_.probe_seconds;
     c.even_split = o_.split == "even";
     c.plan_path = o_.plan_path;
     c.pinned = in_.pinned;

@@ -23,6 +23,7 @@ struct RunOptions {
   int micro_batches = 0;              // 0: the job's
   std::string export_dir;             // non-empty: consolidated HF export after training
   int profile_repeats = 5;            // timed passes per op in the sites' model measurement
+  double probe_seconds = 1.0;         // what each link's bulk probe aims to take, each way
   std::string split = "planned";      // "even": sites in spec order, equal op counts (ablation)
   std::string plan_path;              // non-empty: train this plan.json's layout (sites, replicas, cuts)
   bool resume = false;                // stages start from the newest intact checkpoint
