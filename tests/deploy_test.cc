@@ -66,7 +66,7 @@ std::string RunWithSiteB(const fs::path& dir,
   std::ofstream(dir / "plan.json") << R"({"stages": [{"sites": ["a"], "last_op": 2}, {"sites": ["b"], "last_op": 5}]})";
   Process coord(Bin("meridian") + " run " + (dir / "cluster.yaml").string() + " " + (dir / "job.yaml").string() +
                 " --run-dir " + (dir / "run").string() + " --plan " + (dir / "plan.json").string() +
-                " --join-timeout 60 2>&1");
+                " --join-timeout 60 --probe-seconds 0.2 2>&1");
   std::this_thread::sleep_for(500ms);
   Process a(Bin("meridian-executor") + " --coordinator 127.0.0.1:" + std::to_string(coord_port) + " --site a --certs " +
             (dir / "certs" / "bundles" / "a").string() + " --listen 127.0.0.1:" + std::to_string(a_port) + " 2>&1");
