@@ -66,7 +66,9 @@ TEST_P(RoundTrip, PreservesShapeDtypeAndBoundsTheError) {
     EXPECT_EQ(t->dtype, DType::kFloat32);
     EXPECT_EQ(t->shape, shape);
     ASSERT_EQ(t->numel(), n);
-    if (n >= 1000 && spec->kind != CodecKind::kTopK) EXPECT_LE(RelL2(x, t->data<float>()), GetParam().max_rel_l2);
+    if (n >= 1000 && spec->kind != CodecKind::kTopK) {
+      EXPECT_LE(RelL2(x, t->data<float>()), GetParam().max_rel_l2);
+    }
     auto info = InspectFrame(frame->data(), frame->size());
     ASSERT_TRUE(info.ok());
     EXPECT_EQ(info->spec.kind, spec->kind);
