@@ -986,7 +986,8 @@ def simulator_validation(a, bin_dir, work, cfg, model_dir, weights_params):
         x = rows[-1]
         log(f"  {name}: measured {measured:.2f} s, simulated {x['sim']:.2f} s (profile: {x['sim_profile']:.2f} s), "
             f"analytic {x['analytic']:.2f} s")
-    return {"rows": rows, "runs": len(SIM_RUNS), "steps": steps, "global_batch": global_batch, "seq": seq}
+    return {"rows": rows, "runs": len(SIM_RUNS), "steps": steps, "global_batch": global_batch, "seq": seq,
+            "quotas": dict(SITES)}
 
 
 def error_stats(rows, key):
@@ -1006,7 +1007,9 @@ def simulator_section(w, command):
          "DiLoCo runs with their job's `sync`. Each comparison is of medians over the steps after the first (a DiLoCo "
          "run's last step, its final synchronisation, left out). The section runs "
          f"{w['runs']} small runs of its own ({w['global_batch']} sequences of {w['seq']} tokens a step, "
-         f"{w['steps']} steps, three sites at quotas 1.0 / 0.6 / 0.4, 40 ms RTT) at 2 to 100 Mbit/s, planned or even "
+         f"{w['steps']} steps, three sites at quotas "
+         + " / ".join(f"{q:g}" for q in w.get("quotas", {"fast": 1.0, "medium": 0.6, "slow": 0.4}).values())
+         + f" of a core, 40 ms RTT) at 2 to 100 Mbit/s, planned or even "
          "splits or a pinned layout with a replicated stage (slow, then fast + medium summing their gradients every "
          "step), identity, int8 or int4 links; the others are those the other sections left there.", "",
          "Two inputs per run. *With measured compute*: each site's compute per micro-batch is the median its run "
@@ -1061,6 +1064,11 @@ def main():
                                            "instead of measuring it again (13 minutes at 2 Mbit/s); the table says so")
     ap.add_argument("--sim-reuse", action="store_true",
                     help="--only simulator: keep the small runs already in --out (simulate them again only)")
+    ap.add_argument("--quota-scale", type=float, default=1.0,
+                    help="multiply every emulated site's CPU quota (1.0 / 0.6 / 0.4 of a core) by this factor, in "
+                         "(0, 1]: below 1 it leaves this host's two cores room for the WAN relays, the coordinator and "
+                         "the links' kernel work, which run outside the sites' quotas (a real site's WAN costs it none "
+                         "of these)")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--from-json", help="only rewrite --results from a previous run's results.json (no measuring)")
     a = ap.parse_args()
@@ -1075,6 +1083,10 @@ def main():
         write_results(a.results, saved["info"], saved["components"], e2e, saved.get("seconds", 0), root=True)
         log(f"rewrote {a.results} from {a.from_json}")
         return
+    if not 0 < a.quota_scale <= 1:
+        ap.error(f"--quota-scale {a.quota_scale}: must be in (0, 1]")
+    global SITES
+    SITES = [(s, round(q * a.quota_scale, 3)) for s, q in SITES]
     t_start = time.time()
     bin_dir = os.path.abspath(os.path.join(a.build, "bin"))
     work = os.path.abspath(a.out)
