@@ -1008,7 +1008,7 @@ def simulator_section(w, command):
          "run's last step, its final synchronisation, left out). The section runs "
          f"{w['runs']} small runs of its own ({w['global_batch']} sequences of {w['seq']} tokens a step, "
          f"{w['steps']} steps, three sites at quotas "
-         + " / ".join(f"{q:g}" for q in w.get("quotas", {"fast": 1.0, "medium": 0.6, "slow": 0.4}).values())
+         + " / ".join(f"{q:g}" for q in w["quotas"].values())
          + f" of a core, 40 ms RTT) at 2 to 100 Mbit/s, planned or even "
          "splits or a pinned layout with a replicated stage (slow, then fast + medium summing their gradients every "
          "step), identity, int8 or int4 links; the others are those the other sections left there.", "",
@@ -1065,10 +1065,10 @@ def main():
     ap.add_argument("--sim-reuse", action="store_true",
                     help="--only simulator: keep the small runs already in --out (simulate them again only)")
     ap.add_argument("--quota-scale", type=float, default=1.0,
-                    help="multiply every emulated site's CPU quota (1.0 / 0.6 / 0.4 of a core) by this factor, in "
-                         "(0, 1]: below 1 it leaves this host's two cores room for the WAN relays, the coordinator and "
-                         "the links' kernel work, which run outside the sites' quotas (a real site's WAN costs it none "
-                         "of these)")
+                    help="--only simulator: multiply every emulated site's CPU quota (1.0 / 0.6 / 0.4 of a core) by "
+                         "this factor, in (0, 1]: below 1 it leaves this host's two cores room for the WAN relays, the "
+                         "coordinator and the links' kernel work, which run outside the sites' quotas (a real site's "
+                         "WAN costs it none of these). The other sections' text states the unscaled quotas")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--from-json", help="only rewrite --results from a previous run's results.json (no measuring)")
     a = ap.parse_args()
@@ -1085,6 +1085,8 @@ def main():
         return
     if not 0 < a.quota_scale <= 1:
         ap.error(f"--quota-scale {a.quota_scale}: must be in (0, 1]")
+    if a.quota_scale != 1 and a.only != "simulator":
+        ap.error("--quota-scale: only with --only simulator (the other sections' text states the unscaled quotas)")
     global SITES
     SITES = [(s, round(q * a.quota_scale, 3)) for s, q in SITES]
     t_start = time.time()
