@@ -492,7 +492,10 @@ void Agent::OnProfile(const v1::ProfileRequest& p) {
         // A 1 MiB transfer at a few Mbit/s reads 1.0 to 1.9 Mbit/s on identical 2 Mbit/s links
         // (bench/RESULTS.md, the simulator section): the best of two.
         po.repeats = 2;
-        first = rpc::ProbeLink(**client, po);
+        // The loaded pull over a connection of its own, as the peer's gradients come over its own.
+        auto pull_client = rpc::PeerClient::Create(o_.certs, o_.site, peer.site(), peer.address(), true);
+        if (!pull_client.ok()) return pull_client.status();
+        first = rpc::ProbeLink(**client, po, pull_client->get());
       }
       if (!first.ok())
         return absl::UnavailableError(

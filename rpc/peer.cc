@@ -289,13 +289,16 @@ grpc::Status PeerService::Pull(grpc::ServerContext* ctx, const v1::PullRequest* 
 // ---- PeerClient ----
 
 absl::StatusOr<std::unique_ptr<PeerClient>> PeerClient::Create(const std::string& certs_dir, const std::string& self,
-                                                               const std::string& peer, const std::string& address) {
+                                                               const std::string& peer, const std::string& address,
+                                                               bool own_connection) {
   auto creds = MakeChannelCredentials(certs_dir, self);
   if (!creds.ok()) return creds.status();
   auto c = std::unique_ptr<PeerClient>(new PeerClient);
   c->peer_ = peer;
   c->address_ = address;
-  c->channel_ = grpc::CreateCustomChannel(address, *creds, PeerChannelArguments(peer));
+  grpc::ChannelArguments args = PeerChannelArguments(peer);
+  if (own_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  c->channel_ = grpc::CreateCustomChannel(address, *creds, args);
   c->stub_ = v1::Peer::NewStub(c->channel_);
   return c;
 }
@@ -472,11 +475,16 @@ absl::StatusOr<double> PeerClient::PullSeconds(int64_t bytes, std::chrono::secon
   return std::chrono::duration<double>(t1 - t0).count();
 }
 
-absl::StatusOr<LinkMeasurement> ProbeLink(PeerClient& client, const ProbeOptions& o) {
+absl::StatusOr<LinkMeasurement> ProbeLink(PeerClient& client, const ProbeOptions& o, PeerClient* pull_client) {
+  PeerClient& puller_client = pull_client ? *pull_client : client;
   LinkMeasurement m;
   std::vector<double> rtts;
   auto warm = client.EchoSeconds(16, std::chrono::duration_cast<std::chrono::milliseconds>(o.deadline));
   if (!warm.ok()) return warm.status();
+  if (o.both_ways && pull_client) {  // its connection made (TCP, TLS) before any pull is timed
+    warm = pull_client->EchoSeconds(16, std::chrono::duration_cast<std::chrono::milliseconds>(o.deadline));
+    if (!warm.ok()) return warm.status();
+  }
   for (int i = 0; i < o.pings; ++i) {
     auto r = client.EchoSeconds(16, std::chrono::duration_cast<std::chrono::milliseconds>(o.deadline));
     if (!r.ok()) return r.status();
@@ -509,7 +517,7 @@ absl::StatusOr<LinkMeasurement> ProbeLink(PeerClient& client, const ProbeOptions
     if (!o.both_ways) continue;
     // Both directions loaded at once: the pull on a thread of its own, the stream on this one.
     absl::StatusOr<double> pulled = absl::UnknownError("not run");
-    std::thread puller([&] { pulled = client.PullSeconds(o.bulk_bytes, o.deadline); });
+    std::thread puller([&] { pulled = puller_client.PullSeconds(o.bulk_bytes, o.deadline); });
     auto both = client.OpenStream(o.deadline);
     absl::Status sent = both.ok() ? absl::OkStatus() : both.status();
     const auto t1 = std::chrono::steady_clock::now();

@@ -153,9 +153,11 @@ class PeerService final : public v1::Peer::Service {
 // A client of one peer's service. Thread-compatible: one thread per open stream.
 class PeerClient {
  public:
-  // `certs_dir`/`self`: this process's identity; `peer`/`address`: whom to reach.
+  // `certs_dir`/`self`: this process's identity; `peer`/`address`: whom to reach. gRPC lets the channels of
+  // a process to one address share a TCP connection; with `own_connection` this client's is its own.
   static absl::StatusOr<std::unique_ptr<PeerClient>> Create(const std::string& certs_dir, const std::string& self,
-                                                            const std::string& peer, const std::string& address);
+                                                            const std::string& peer, const std::string& address,
+                                                            bool own_connection = false);
 
   // One long-lived outgoing stream of frames. Send blocks under back-pressure; every error names the peer.
   class OutStream {
@@ -239,6 +241,9 @@ struct LinkMeasurement {
   // Both at once, as a pipeline link carries activations one way and gradients the other: each
   // direction's acknowledgements then queue behind the other's data, and goodput drops (measured: 1.63
   // and 1.84 Mbit/s on a 2 Mbit/s tbf link that carries 1.93 one way). 0 unless ProbeOptions::both_ways.
+  // As in a pipeline, each direction's data should have a TCP connection of its own (ProbeLink's
+  // `pull_client`): on one connection the pull's data also holds back the HTTP/2 window updates of the
+  // stream going out, and one direction read half the link's rate in some probes (1.0 of 2 Mbit/s).
   double forward_loaded_bytes_per_second = 0, reverse_loaded_bytes_per_second = 0;
 };
 struct ProbeOptions {
@@ -248,7 +253,10 @@ struct ProbeOptions {
   bool both_ways = false;  // also time a bulk stream and a bulk pull at once
   int repeats = 1;         // each bulk measurement this many times, the best kept
 };
-absl::StatusOr<LinkMeasurement> ProbeLink(PeerClient& client, const ProbeOptions& options);
+// Measures the link to `client`'s peer. With both_ways, the loaded pull goes over `pull_client` when given
+// (a client of the same peer made with own_connection), else over `client`'s connection.
+absl::StatusOr<LinkMeasurement> ProbeLink(PeerClient& client, const ProbeOptions& options,
+                                          PeerClient* pull_client = nullptr);
 
 // The CPU time this process's transport takes per frame sent or received -- TLS, gRPC, the kernel's TCP;
 // no codec -- measured over `client`, a PeerClient of this process to its own PeerService (which admits

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <future>
 #include <random>
+#include <sstream>
 #include <thread>
 
 #include "compression/codec.h"
@@ -211,6 +212,54 @@ TEST_F(PeerTest, ProbeMeasuresLoopback) {
   EXPECT_LT(m->rtt_seconds, 0.05);
   EXPECT_GT(m->forward_bytes_per_second, 50e6);  // loopback TLS: far above any WAN
   EXPECT_GT(m->reverse_bytes_per_second, 50e6);
+}
+
+// For each connection established from this host to `port`, the bytes its client side has received,
+// read with iproute2's ss (which the emulated WAN needs anyway).
+static std::vector<int64_t> BytesReceivedOnConnectionsTo(int port) {
+  const std::string cmd = "ss -tinH state established '( dport = :" + std::to_string(port) + " )'";
+  std::vector<int64_t> out;
+  FILE* p = ::popen(cmd.c_str(), "r");
+  if (!p) return out;
+  std::string text;
+  char buf[4096];
+  for (size_t n; (n = std::fread(buf, 1, sizeof buf, p)) > 0;) text.append(buf, n);
+  ::pclose(p);
+  // Each socket: a line with its addresses, then one with its TCP_INFO (bytes_received:N when any).
+  std::istringstream lines(text);
+  std::string line;
+  while (std::getline(lines, line)) {
+    if (line.find(':' + std::to_string(port)) != std::string::npos) {
+      out.push_back(0);
+    } else if (!out.empty()) {
+      const auto at = line.find("bytes_received:");
+      if (at != std::string::npos) out.back() = std::stoll(line.substr(at + 15));
+    }
+  }
+  return out;
+}
+
+// A probe's loaded pull must run over a TCP connection of its own, as a pipeline's gradients come over
+// the peer's own connection: without a pull client, both directions share the stream's connection.
+TEST_F(PeerTest, AProbesLoadedPullRunsOverAConnectionOfItsOwn) {
+  StartServer();
+  auto client = Client("a");
+  ProbeOptions o;
+  o.bulk_bytes = 4 << 20;
+  o.both_ways = true;
+  auto shared = ProbeLink(*client, o);
+  ASSERT_TRUE(shared.ok()) << shared.status();
+  EXPECT_EQ(BytesReceivedOnConnectionsTo(port_).size(), 1u);
+
+  auto own = *PeerClient::Create(dir_->string(), "a", "b", "127.0.0.1:" + std::to_string(port_), true);
+  auto m = ProbeLink(*client, o, own.get());
+  ASSERT_TRUE(m.ok()) << m.status();
+  const auto received = BytesReceivedOnConnectionsTo(port_);
+  ASSERT_EQ(received.size(), 2u);
+  // The pull's 4 MiB came over the new connection: it received more than a warm-up echo's bytes.
+  EXPECT_GT(std::min(received[0], received[1]), o.bulk_bytes);
+  EXPECT_GT(m->forward_loaded_bytes_per_second, 50e6);  // loopback TLS: far above any WAN
+  EXPECT_GT(m->reverse_loaded_bytes_per_second, 50e6);
 }
 
 // A site measures its own transport's CPU cost over its own service: b's certificate may probe b (and

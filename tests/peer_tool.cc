@@ -2,6 +2,7 @@
 // harness and the transport benchmarks.
 //   serve --certs DIR --self NAME --allow PEER[,PEER] --listen HOST:PORT [--max-peer-bytes B] [--job ID]
 //   probe --certs DIR --self NAME --peer NAME --address HOST:PORT [--seconds S]   (prints profile links JSON)
+//         [--both-ways one|own]: also both directions at once, the pull over the stream's connection or its own
 //   send  --certs DIR --self NAME --peer NAME --address HOST:PORT --frame-mib M|--elements N --frames K
 //         (prints goodput)
 //         [--codec C] [--job-id ID] [--corrupt 1]: frame i is sent as (ID, step i, micro-batch 0, stage 0, FORWARD)
@@ -97,7 +98,23 @@ int main(int argc, char** argv) {
     o.bulk_bytes =
         std::clamp<int64_t>(static_cast<int64_t>(first->forward_bytes_per_second * secs), 1 << 20, 512 << 20);
     o.deadline = std::chrono::seconds(120);
-    auto m = rpc::ProbeLink(**client, o);
+    // --both-ways one|own: also both directions at once, the pull over the stream's connection or its own.
+    std::unique_ptr<rpc::PeerClient> pull_client;
+    if (f.count("--both-ways")) {
+      o.both_ways = true;
+      if (f["--both-ways"] == "own") {
+        auto c = rpc::PeerClient::Create(need("--certs"), need("--self"), need("--peer"), need("--address"), true);
+        if (!c.ok()) {
+          std::fprintf(stderr, "meridian-peertool: %s\n", std::string(c.status().message()).c_str());
+          return 2;
+        }
+        pull_client = std::move(*c);
+      } else if (f["--both-ways"] != "one") {
+        std::fprintf(stderr, "meridian-peertool: --both-ways takes one or own\n");
+        return 2;
+      }
+    }
+    auto m = rpc::ProbeLink(**client, o, pull_client.get());
     if (!m.ok()) {
       std::fprintf(stderr, "meridian-peertool: %s\n", std::string(m.status().message()).c_str());
       return 1;
@@ -112,7 +129,10 @@ int main(int argc, char** argv) {
                      {"to", self},
                      {"bandwidth_bytes_per_second", m->reverse_bytes_per_second},
                      {"latency_seconds", m->rtt_seconds / 2}});
-    std::printf("%s\n", nlohmann::json{{"links", links}, {"rtt_seconds", m->rtt_seconds}}.dump(2).c_str());
+    nlohmann::json out{{"links", links}, {"rtt_seconds", m->rtt_seconds}};
+    if (o.both_ways)
+      out["loaded_bytes_per_second"] = {m->forward_loaded_bytes_per_second, m->reverse_loaded_bytes_per_second};
+    std::printf("%s\n", out.dump(2).c_str());
     return 0;
   }
   if (mode == "send") {
