@@ -5,11 +5,9 @@
 #include <gmock/gmock.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
 #include <openssl/evp.h>
 
-#include <array>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -21,11 +19,13 @@
 #include "core/version.h"
 #include "rpc/coordinator_client.h"
 #include "rpc/credentials.h"
+#include "tests/test_util.h"
 
 namespace meridian::rpc {
 namespace {
 
 namespace fs = std::filesystem;
+using meridian::testing::Shell;
 using ::testing::HasSubstr;
 
 class CountingHandler : public CoordinatorHandler {
@@ -92,15 +92,6 @@ class CountingHandler : public CoordinatorHandler {
   std::atomic<int> calls{0};
   std::string store;
 };
-
-std::pair<int, std::string> Shell(const std::string& cmd) {
-  std::string out;
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  std::array<char, 4096> buf;
-  while (p && fgets(buf.data(), buf.size(), p)) out += buf.data();
-  int rc = p ? pclose(p) : -1;
-  return {WIFEXITED(rc) ? WEXITSTATUS(rc) : -1, out};
-}
 
 class CoordinatorAuthTest : public ::testing::Test {
  protected:

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cctype>
 #include <filesystem>
 #include <future>
 #include <random>
@@ -15,6 +16,7 @@
 #include "compression/codec.h"
 #include "core/certs.h"
 #include "rpc/credentials.h"
+#include "tests/test_util.h"
 
 namespace meridian::rpc {
 namespace {
@@ -217,19 +219,17 @@ TEST_F(PeerTest, ProbeMeasuresLoopback) {
 // For each connection established from this host to `port`, the bytes its client side has received,
 // read with iproute2's ss (which the emulated WAN needs anyway).
 static std::vector<int64_t> BytesReceivedOnConnectionsTo(int port) {
-  const std::string cmd = "ss -tinH state established '( dport = :" + std::to_string(port) + " )'";
+  const auto [rc, text] =
+      meridian::testing::Shell("ss -tinH state established '( dport = :" + std::to_string(port) + " )'");
+  EXPECT_EQ(rc, 0) << text;
+  // Each socket: a line with its queues and addresses, then an indented one with its TCP_INFO
+  // (bytes_received:N once it has received any).
   std::vector<int64_t> out;
-  FILE* p = ::popen(cmd.c_str(), "r");
-  if (!p) return out;
-  std::string text;
-  char buf[4096];
-  for (size_t n; (n = std::fread(buf, 1, sizeof buf, p)) > 0;) text.append(buf, n);
-  ::pclose(p);
-  // Each socket: a line with its addresses, then one with its TCP_INFO (bytes_received:N when any).
   std::istringstream lines(text);
   std::string line;
   while (std::getline(lines, line)) {
-    if (line.find(':' + std::to_string(port)) != std::string::npos) {
+    if (line.empty()) continue;
+    if (!std::isspace(static_cast<unsigned char>(line[0]))) {
       out.push_back(0);
     } else if (!out.empty()) {
       const auto at = line.find("bytes_received:");

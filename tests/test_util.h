@@ -4,18 +4,32 @@
 
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <array>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <map>
 #include <mutex>
 #include <set>
 #include <string>
+#include <utility>
 
 #include "core/safetensors.h"
 
 namespace meridian::testing {
+
+// Runs `cmd` under /bin/sh, stderr joined to stdout; its exit status (-1 if it did not exit) and output.
+inline std::pair<int, std::string> Shell(const std::string& cmd) {
+  std::string out;
+  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
+  std::array<char, 4096> buf;
+  while (p && fgets(buf.data(), buf.size(), p)) out += buf.data();
+  int rc = p ? pclose(p) : -1;
+  return {WIFEXITED(rc) ? WEXITSTATUS(rc) : -1, out};
+}
 
 // A built binary of this tree (build/bin/NAME).
 inline std::string Bin(const std::string& name) { return std::string(MERIDIAN_TEST_BINARY_DIR) + "/bin/" + name; }
