@@ -11,35 +11,15 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "core/codec_spec.h"
 #include "core/tensor_view.h"
 
 namespace meridian::compression {
 
-// Values are part of the frame format: never renumber.
-enum class CodecKind : uint8_t { kIdentity = 0, kFp16 = 1, kBf16 = 2, kInt8 = 3, kInt4 = 4, kTopK = 5, kInt2 = 6 };
-
-struct CodecSpec {
-  CodecKind kind = CodecKind::kIdentity;
-  int block_size = 64;          // int8/int4 (and top-k int8 values): elements per absmax scale; even, 2..65536
-  double topk_fraction = 0.01;  // top-k: fraction of elements kept, in (0, 1]
-  bool topk_int8_values = false;
-  bool zstd = false;  // compress the payload with zstd afterwards
-  int zstd_level = 1;
-  // AQ-SGD activation deltas (int8, int4, int2 only): each training sequence's activation is sent as
-  // the quantised change against its previous reconstruction (activation_delta.h). Encode refuses
-  // such a spec: the previous reconstruction lives in a DeltaEncoder.
-  bool delta = false;
-
-  // Parses "identity", "fp16", "bf16", "int8", "int4", "int2", "topk", "topk-int8", and the delta
-  // codecs "int8-delta", "int4-delta", "int2-delta", with options ":block=N", ":k=F" and a "+zstd" suffix,
-  // e.g. "int4:block=32+zstd", "topk:k=0.001", "int2-delta".
-  static absl::StatusOr<CodecSpec> Parse(const std::string& text);
-  std::string ToString() const;  // every option spelled out, e.g. "int8:block=64"
-  // The shortest text Parse reads back as this spec: options at their defaults left out ("int8",
-  // "int4-delta", "topk:k=0.001"). How plans name codecs.
-  std::string ShortString() const;
-  bool lossless() const { return kind == CodecKind::kIdentity; }
-};
+// The codec names and options (core/codec_spec.h): CodecSpec::Parse reads "int8", "int4:block=32+zstd",
+// "topk:k=0.001", "int2-delta", ...
+using core::CodecKind;
+using core::CodecSpec;
 
 // Encodes a float32/float16/bfloat16 tensor (identity also accepts any dtype) into a frame.
 // Errors: InvalidArgument for an unsupported dtype, a bad spec, or non-finite values in a quantised

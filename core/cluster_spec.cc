@@ -17,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/codec_spec.h"
 #include "core/files.h"
 #include "core/units.h"
 
@@ -283,6 +284,20 @@ class Checker {
       if (name == ToString(e)) *out = e;
   }
 
+  // A codec as core::CodecSpec::Parse reads it ("int8", "int4:block=128+zstd", ...); the AQ-SGD delta
+  // codecs only where `delta_allowed` (activations: a delta needs the same sequence's previous tensor).
+  void Codec(const YAML::Node& map, const char* key, const std::string& ctx, bool delta_allowed, std::string* out) {
+    Field(map, key, ctx, false, [&](const std::string& s) -> std::string {
+      auto spec = CodecSpec::Parse(s);
+      if (!spec.ok()) return std::string(spec.status().message());
+      if (spec->delta && !delta_allowed)
+        return absl::StrCat("'", s, "' is an activation codec (a delta against the same sequence's previous ",
+                            "activation); use int8, int4 or int2 here");
+      *out = s;
+      return "";
+    });
+  }
+
   // A quantity with a unit, parsed by `parse`; must be strictly positive.
   void Quantity(const YAML::Node& map, const char* key, const std::string& ctx, bool required,
                 absl::StatusOr<double> (*parse)(const std::string&), std::optional<double>* out) {
@@ -535,12 +550,8 @@ void ParseJob(Checker& c, const YAML::Node& n, JobSpec* j) {
       CompressionSpec& cp = j->compression;
       c.Choice(o, "policy", oc, {CompressionPolicy::kAdaptive, CompressionPolicy::kNone, CompressionPolicy::kFixed},
                &cp.policy);
-      const std::vector<const char*> codecs = {"identity", "fp16", "bf16", "int8", "int4", "int2", "topk", "topk-int8"};
-      const std::vector<const char*> activation_codecs = {"identity",   "fp16",       "bf16",      "int8",
-                                                          "int4",       "int2",       "topk",      "topk-int8",
-                                                          "int8-delta", "int4-delta", "int2-delta"};
-      c.Choice(o, "activations", oc, activation_codecs, &cp.activations);
-      c.Choice(o, "gradients", oc, codecs, &cp.gradients);
+      c.Codec(o, "activations", oc, /*delta_allowed=*/true, &cp.activations);
+      c.Codec(o, "gradients", oc, /*delta_allowed=*/false, &cp.gradients);
       std::optional<double> memory, spill;
       c.Quantity(o, "activation_memory", oc, false, ParseBytes, &memory);
       c.Quantity(o, "activation_spill", oc, false, ParseBytes, &spill);
@@ -557,7 +568,7 @@ void ParseJob(Checker& c, const YAML::Node& n, JobSpec* j) {
       c.Choice(o, "mode", oc, {SyncMode::kEveryStep, SyncMode::kDiloco}, &s.mode);
       c.IntAs(o, "inner_steps", oc, false, 1, 100000000, &s.inner_steps);
       c.IntAs(o, "fragments", oc, false, 1, 1 << 16, &s.fragments);
-      c.Choice(o, "codec", oc, {"identity", "fp16", "bf16", "int8", "int4", "int2", "topk", "topk-int8"}, &s.codec);
+      c.Codec(o, "codec", oc, /*delta_allowed=*/false, &s.codec);
       c.Bool(o, "error_feedback", oc, &s.error_feedback);
       c.Bool(o, "overlap", oc, &s.overlap);
       if (YAML::Node oo = o["outer_optimizer"]; oo.IsDefined() && !oo.IsNull()) {

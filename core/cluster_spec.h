@@ -99,6 +99,7 @@ const char* ToString(SyncMode mode);
 
 struct CompressionSpec {
   CompressionPolicy policy = CompressionPolicy::kAdaptive;
+  // Codecs as core::CodecSpec::Parse reads them (options and "+zstd" allowed; delta codecs for activations only).
   std::string activations = "int8";  // codec for activations/gradients between stages when policy=fixed
   std::string gradients = "topk";    // codec for replica gradient sync when policy=fixed
   double topk_fraction = 0.01;
@@ -121,7 +122,7 @@ struct SyncSpec {
   std::string outer_optimizer = "nesterov";  // nesterov | sgd
   double outer_lr = 0.7;
   double outer_momentum = 0.9;
-  std::string codec = "int4";
+  std::string codec = "int4";  // any codec but the delta ones, e.g. "int4:block=128+zstd" (core/codec_spec.h)
   bool error_feedback = true;
   int fragments = 1;
   // The exchange runs while the inner steps continue, and is applied at the next synchronisation point

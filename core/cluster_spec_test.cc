@@ -124,6 +124,10 @@ TEST(ClusterSpec, SyncDefaultsToEveryStepAndParsesDiloco) {
   EXPECT_DOUBLE_EQ(d.spec->job->sync.outer_momentum, 0.9);
   EXPECT_EQ(d.spec->job->sync.codec, "int4");
   EXPECT_TRUE(d.spec->job->sync.overlap);
+  // Any codec of compression/ with its options, as core::CodecSpec::Parse reads it.
+  auto o = ParseSpec("job:\n  model: m\n  sync: {mode: diloco, codec: 'int4:block=128+zstd'}\n", "job.yaml");
+  ASSERT_TRUE(o.errors.empty()) << o.errors[0].ToString();
+  EXPECT_EQ(o.spec->job->sync.codec, "int4:block=128+zstd");
 }
 
 struct BadCase {
@@ -248,7 +252,7 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"job_bad_optimizer", "job:\n  model: m\n  optimizer: {name: lion}\n", "'lion' is not one of adamw, sgd", 3},
         BadCase{"job_bad_checkpoint_store", "job:\n  model: m\n  checkpoint: {interval: 2, store: s3}\n",
                 "'s3' is not one of shared, coordinator", 3},
-        BadCase{"job_bad_codec", "job:\n  model: m\n  compression: {policy: fixed, activations: int3}\n", "'int3' is not one of", 3},
+        BadCase{"job_bad_codec", "job:\n  model: m\n  compression: {policy: fixed, activations: int3}\n", "job.compression.activations: unknown codec 'int3'", 3},
         BadCase{"job_bad_lora_target", "job:\n  model: m\n  lora: {r: 8, target_modules: [attn]}\n", "each entry must be one of", 3},
         BadCase{"job_lr_zero", "job:\n  model: m\n  optimizer: {lr: 0}\n", "must be greater than 0", 3},
         BadCase{"job_zero_two", "job:\n  model: m\n  optimizer: {zero: 2}\n", "job.optimizer.zero", 3},
@@ -256,7 +260,9 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"job_sync_outer", "job:\n  model: m\n  sync:\n    mode: diloco\n    overlap: false\n    outer_optimizer: {name: adam}\n",
                 "job.sync.outer_optimizer.name: 'adam' is not one of nesterov, sgd", 6},
         BadCase{"job_sync_momentum", "job:\n  model: m\n  sync:\n    outer_optimizer: {momentum: 1}\n", "momentum: must be below 1", 4},
-        BadCase{"job_sync_codec", "job:\n  model: m\n  sync: {mode: diloco, overlap: false, codec: int4-delta}\n", "'int4-delta' is not one of", 3},
+        BadCase{"job_sync_codec", "job:\n  model: m\n  sync: {mode: diloco, overlap: false, codec: int4-delta}\n", "job.sync.codec: 'int4-delta' is an activation codec", 3},
+        BadCase{"job_sync_codec_block", "job:\n  model: m\n  sync: {mode: diloco, codec: 'int4:block=3'}\n", "job.sync.codec: block size 3 must be even", 3},
+        BadCase{"job_gradient_codec_option", "job:\n  model: m\n  compression: {gradients: 'int8:blocks=32'}\n", "job.compression.gradients: unknown codec option 'blocks'", 3},
         BadCase{"job_sync_fragments", "job:\n  model: m\n  sync:\n    mode: diloco\n    overlap: false\n    inner_steps: 10\n    fragments: 3\n",
                 "job.sync.fragments: 3 does not divide job.sync.inner_steps 10", 7},
         BadCase{"job_unknown_key", "job:\n  model: m\n  epochs: 3\n", "unknown key 'epochs'", 3},
