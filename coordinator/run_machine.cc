@@ -764,6 +764,11 @@ void RunMachine::Assign() {
       g->add_micro_batches(st[k].micro_batches[i]);
     }
   };
+  // DiLoCo over whole-pipeline replicas: every stage replicated alike, so each pipeline keeps its micro-batches.
+  bool whole_pipelines = job.sync.mode == core::SyncMode::kDiloco && st.size() > 1 && st[0].site_names.size() > 1;
+  for (size_t k = 1; k < st.size(); ++k)
+    whole_pipelines = whole_pipelines && st[k].site_names.size() == st[0].site_names.size() &&
+                      st[k].micro_batches == st[0].micro_batches;
   for (size_t k = 0; k < st.size(); ++k) {
     for (const auto& site : st[k].site_names) {  // every replica of the stage gets the same assignment
       v1::Command c;
@@ -795,6 +800,7 @@ void RunMachine::Assign() {
       a->set_micro_batches(c_.micro_batches);
       a->set_in_flight(st[k].in_flight);
       a->set_recompute(st[k].recompute);
+      a->set_whole_pipelines(whole_pipelines);
       a->set_job_yaml(c_.job_yaml);
       a->set_job_dir(c_.job_dir);
       a->set_steps(c_.steps);

@@ -177,6 +177,7 @@ StageAssignment FromProto(const v1::StageAssignment& pa) {
   if (pa.bucket_bytes() > 0) a.bucket_bytes = pa.bucket_bytes();
   a.in_flight = std::max(0, pa.in_flight());
   a.recompute = pa.recompute();
+  a.whole_pipelines = pa.whole_pipelines();
   for (auto [from, to] : {std::pair<const v1::StageSites*, StageSites*>{&pa.prev_stage(), &a.prev_replicas},
                           {&pa.this_stage(), &a.replicas},
                           {&pa.next_stage(), &a.next_replicas}}) {

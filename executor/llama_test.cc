@@ -4,6 +4,7 @@
 #include "executor/diloco.h"
 #include "executor/profiler.h"
 #include "executor/replica_sync.h"
+#include "executor/stage.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -214,6 +215,26 @@ TEST(Trainer, AdamWStateRoundTripsAndRefusesMomentsOfAnotherShape) {
               testing::HasSubstr("optim.m.w has shape [1, 2] Float but parameter w has [3, 2] Float"));
   EXPECT_EQ(hurt.steps(), 0);
   EXPECT_TRUE(hurt.ExportState().empty());
+}
+
+TEST(Diloco, WholePipelinesNeedNeighboursPairedWithTheStage) {
+  const std::string text =
+      R"({"stage": 0, "num_stages": 2, "first_op": 0, "last_op": 2, "whole_pipelines": true,
+          "replicas": [{"site": "a", "address": "h:1", "micro_batches": 2}, {"site": "b", "address": "h:2", "micro_batches": 2}],
+          "next_replicas": [{"site": "c", "address": "h:3", "micro_batches": 3}, {"site": "d", "address": "h:4", "micro_batches": 1}]})";
+  auto a = ParseAssignmentJson(text, "a.json");
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_TRUE(a->whole_pipelines);
+  StageAssignment crossing = *a;
+  EXPECT_THAT(std::string(ResolveReplicas(&crossing, "a", 4).message()),
+              testing::HasSubstr(
+                  "whole_pipelines: next_replicas has 2 sites with micro-batch shares 3/1, not the stage's 2/2"));
+  a->next_replicas.micro_batches = {2, 2};
+  EXPECT_TRUE(ResolveReplicas(&*a, "a", 4).ok());
+  auto bad = ParseAssignmentJson(R"({"stage": 0, "num_stages": 1, "first_op": 0, "last_op": 2, "whole_pipelines": 1})",
+                                 "b.json");
+  EXPECT_THAT(std::string(bad.status().message()),
+              testing::HasSubstr("b.json: whole_pipelines: expected true or false"));
 }
 
 TEST(Diloco, FragmentsAreContiguousBalancedAndRotate) {

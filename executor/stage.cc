@@ -16,6 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "core/checkpoint_dir.h"
 #include "core/log.h"
 #include "core/status.h"
@@ -64,10 +65,11 @@ absl::StatusOr<StageAssignment> ParseAssignmentJson(const std::string& text, con
                         {"last_op", &a.last_op}})
     if (auto s = num(k, out, true); !s.ok()) return s;
   if (auto s = num("in_flight", &a.in_flight, false); !s.ok()) return s;
-  if (j.contains("recompute")) {
-    if (!j["recompute"].is_boolean())
-      return absl::InvalidArgumentError(absl::StrCat(path, ": recompute: expected true or false"));
-    a.recompute = j["recompute"].get<bool>();
+  for (auto [k, out] :
+       {std::pair<const char*, bool*>{"recompute", &a.recompute}, {"whole_pipelines", &a.whole_pipelines}}) {
+    if (!j.contains(k)) continue;
+    if (!j[k].is_boolean()) return absl::InvalidArgumentError(absl::StrCat(path, ": ", k, ": expected true or false"));
+    *out = j[k].get<bool>();
   }
   if (auto s = str("gradient_codec", &a.gradient_codec); !s.ok()) return s;
   for (auto [k, out] :
@@ -158,6 +160,17 @@ absl::Status ResolveReplicas(StageAssignment* a, const std::string& self, int mi
   if (std::find(a->replicas.sites.begin(), a->replicas.sites.end(), self) == a->replicas.sites.end())
     return absl::InvalidArgumentError(
         absl::StrCat("assignment: replicas: this site '", self, "' is not among the stage's sites"));
+  if (a->whole_pipelines) {  // pipeline r is replica r of every stage: the neighbours must pair up with this stage
+    if (a->replicas.sites.size() < 2)
+      return absl::InvalidArgumentError("assignment: whole_pipelines: the stage has one site, not one per pipeline");
+    for (auto [name, g] : {std::pair<const char*, const StageSites*>{"prev_replicas", &a->prev_replicas},
+                           {"next_replicas", &a->next_replicas}})
+      if (!g->sites.empty() && g->micro_batches != a->replicas.micro_batches)
+        return absl::InvalidArgumentError(absl::StrCat(
+            "assignment: whole_pipelines: ", name, " has ", g->sites.size(), " sites with micro-batch shares ",
+            absl::StrJoin(g->micro_batches, "/"), ", not the stage's ", absl::StrJoin(a->replicas.micro_batches, "/"),
+            ": micro-batches would cross between pipelines"));
+  }
   return absl::OkStatus();
 }
 
@@ -700,9 +713,9 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
       for (auto& [n, p] : model_->parameters())
         if (p.grad().defined()) p.mutable_grad().mul_(scale);
     }
-    const bool independent = IndependentWorkers();
+    const bool independent = IndependentWorkers(), pipelines = PipelineWorkers();
     // Each DiLoCo replica steps on its own gradient: each checks it (replica 0 also does below, for the norm).
-    if (outer_ && replica_ != 0 && !independent && !std::isfinite(GradSquareSum(model_->parameters())))
+    if (outer_ && replica_ != 0 && !independent && !pipelines && !std::isfinite(GradSquareSum(model_->parameters())))
       return absl::DataLossError(absl::StrCat(Where(), ": non-finite gradients in step ", step + 1,
                                               " (the inputs from the previous stage, or the data)"));
     const auto& R = a_.replicas.sites;
@@ -720,6 +733,31 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
             absl::StrCat(Where(), ": non-finite gradients or loss in step ", step + 1, " (the data)"));
       if (replica_ != 0)
         if (absl::Status s = send_pair(R[0], true, -2, 0, loss_sum); !s.ok()) return s;
+    } else if (pipelines) {
+      // Pipeline r (replica r of every stage) alone: its partial sums from its last stage to its first, the
+      // total back again, as replica 0 does below for the whole plan. Stage 0 then sends the pipeline's loss
+      // to its replica 0, which awaits the other pipelines' shares after its own inner step.
+      square = GradSquareSum(model_->parameters());
+      if (!std::isfinite(square) || !std::isfinite(loss))
+        return absl::DataLossError(absl::StrCat(Where(), ": non-finite gradients or loss in step ", step + 1,
+                                                " (the inputs from the previous stage, or the data)"));
+      if (!last) {
+        auto r = recv_pair(a_.next_replicas.sites[replica_], a_.stage + 1, -1);
+        if (!r.ok()) return r.status();
+        square += r->first;
+        loss = r->second;
+      }
+      if (!first) {
+        if (absl::Status s = send_pair(a_.prev_replicas.sites[replica_], false, -1, square, loss); !s.ok()) return s;
+        auto total = recv_pair(a_.prev_replicas.sites[replica_], a_.stage - 1, -1);
+        if (!total.ok()) return total.status();
+        square = total->first;
+        loss = total->second;
+      }
+      if (!last)
+        if (absl::Status s = send_pair(a_.next_replicas.sites[replica_], false, -1, square, loss); !s.ok()) return s;
+      if (first && replica_ != 0)
+        if (absl::Status s = send_pair(R[0], true, -2, 0, loss); !s.ok()) return s;
     } else if (replica_ == 0) {
       if (last)  // the other replicas' losses, in replica order
         for (size_t j = 1; j < R.size(); ++j) {
@@ -822,7 +860,7 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
       wait_seconds_ += waited;
       if (!s.ok()) return Annotate(s, absl::StrCat(Where(), ": the outer parameters to the site's workers"));
     }
-    if (independent && replica_ == 0 && talks_to_sites())  // the other workers' losses
+    if ((independent || (pipelines && first)) && replica_ == 0 && talks_to_sites())  // the other workers' losses
       for (size_t j = 1; j < R.size(); ++j) {
         if (left_out_.count(R[j])) continue;
         // In slices: a worker gone without closing its connection (a partition) is left out by the

@@ -62,6 +62,13 @@ struct StageAssignment {
   // kept) and runs again, recording them, just before the micro-batch's backward pass. The same
   // arithmetic in the same order, so the same gradients; a third more compute for less memory.
   bool recompute = false;
+  // DiLoCo over whole-pipeline replicas: every stage of the plan has the same number of replicas (at least
+  // two) with the same micro-batch shares, so pipeline r -- replica r of every stage -- keeps its
+  // micro-batches to itself (the coordinator sets it from the whole plan; ResolveReplicas checks the
+  // neighbours). Each pipeline is then an independent DiLoCo worker between outer syncs: it clips by its own
+  // gradient norm, summed along its own stages, and only its share of the step's loss goes to stage 0's
+  // replica 0, off its path. Without it the replicas of every stage share one norm each step.
+  bool whole_pipelines = false;
   // Bytes each neighbour's send queue holds before the compute thread waits (rpc::QueuedSender): a bound
   // on what this stage keeps for a slow link. 1 makes every send wait for the previous one to be written.
   int64_t send_queue_bytes = int64_t{256} << 20;
@@ -262,6 +269,9 @@ class StageWorker {
   // On a site of several devices only worker 0 holds outer_: this is false on the others, so no
   // collective of the site's workers may depend on it (diloco_ is the same on every worker).
   bool IndependentWorkers() const { return outer_ && a_.num_stages == 1; }
+  // DiLoCo pipelines of several stages (StageAssignment::whole_pipelines): each exchanges its gradient norm
+  // along its own stages only. Unlike IndependentWorkers, a lost pipeline is not left out (not built).
+  bool PipelineWorkers() const { return outer_ && a_.whole_pipelines && a_.num_stages > 1; }
   // The other replicas of this stage among `sites`.
   std::vector<std::string> OtherReplicasIn(const std::set<std::string>& sites) const;
   bool OtherReplicaLeftOut() const;  // left_out_source_ names another replica of this stage now

@@ -754,6 +754,24 @@ TEST_F(PipelineTest, DilocoWithOneInnerStepEqualsEveryStepAveraging) {
     EXPECT_LT(share[i], 0.9 * losses[i]);
   }
   ExpectClose(Distributed(job, {{0, 1}, {2, 3, {2, 2}}, {4, 5}}, "identity", "identity", nullptr), want);
+  // Two whole pipelines of two stages (a -> c with one micro-batch, b -> d with three), each an independent
+  // worker between syncs: the same weights, and stage 0's replica 1 printed its pipeline's share of each
+  // step's loss, not the total (the pipelines exchanged no norm).
+  assignment_extra_ = ", \"whole_pipelines\": true";
+  logs.clear();
+  ExpectClose(Distributed(job, {{0, 2, {1, 3}}, {3, 5, {1, 3}}}, "identity", "identity", &losses, "", nullptr,
+                          "identity", &logs),
+              want);
+  assignment_extra_.clear();
+  ASSERT_EQ(losses.size(), 4u);
+  for (int i = 0; i < 4; ++i) EXPECT_NEAR(losses[i], ref_losses[i], 1e-5 * ref_losses[i]);
+  ASSERT_EQ(logs.size(), 4u);
+  const std::vector<double> pipeline_share = Losses(logs[1]);
+  ASSERT_EQ(pipeline_share.size(), 4u);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_GT(pipeline_share[i], 0.5 * losses[i]);
+    EXPECT_LT(pipeline_share[i], 0.9 * losses[i]);
+  }
   // Fragments each synchronised every inner step (H = F = 2 with H / F = 1: fragment 0, then 1, ...) are not
   // one averaging per step; H = 2 is not either. Both still train, and the replicas agree after each sync.
   write(2, 2, "{name: nesterov, lr: 0.7, momentum: 0.9}");
@@ -832,7 +850,9 @@ TEST_F(PipelineTest, TwoDilocoPipelinesTrainWithinTwoPercentOfEveryStepAveraging
   std::ofstream(job, std::ios::app)
       << "  sync: {mode: diloco, inner_steps: 20, codec: int4, outer_optimizer: {name: nesterov, lr: 0.7, momentum: "
          "0.5}}\n";
+  assignment_extra_ = ", \"whole_pipelines\": true";  // as the coordinator assigns this plan: each its own norm
   Distributed(job, stages, "identity", "identity", &diloco, "", nullptr, "identity", &logs);
+  assignment_extra_.clear();
   ASSERT_EQ(every.size(), static_cast<size_t>(steps));
   ASSERT_EQ(diloco.size(), static_cast<size_t>(steps));
   EXPECT_LT(TailMean(every, 20), 0.5 * every.front());  // it trains
