@@ -22,18 +22,21 @@ all-reduce bytes and the measured goodput), and a 300-step convergence compariso
 against identity on a tiny model. It writes its own section of RESULTS.md, between markers.
 
 Sections run only with --only, each writing its own part of RESULTS.md between markers: wan-diloco (DiLoCo
-replicas at 2 and 1 Mbit/s), simulator (the simulator against measured runs), multi-device (a site of two
+replicas at 2 and 1 Mbit/s), diloco-pipelines (issue #17: two pipelines joined by 1 Mbit/s links, every-step
+replicas against DiLoCo against DDP-Gloo), simulator (the simulator against measured runs), multi-device (a site of two
 workers), straggler (issue #21: a site's CPU quota drops mid-run and the coordinator re-plans around it),
 codecs (issue #16: every activation codec against identity, its bytes and its loss after 300 steps).
 
 Usage: bench/run_all.py [--build build] [--out runs/bench] [--steps 6] [--ddp-steps 2]
                         [--results bench/RESULTS.md]
-                        [--only e2e|components|wan-bound|wan-diloco|simulator|multi-device|straggler|codecs] [--tiny]
+                        [--only e2e|components|wan-bound|wan-diloco|diloco-pipelines|simulator|multi-device|straggler|codecs]
+                        [--tiny]
 --tiny shrinks the model and batch (a smoke test of the script, minutes instead of half an hour); its
 figures are not the benchmark's and it writes RESULTS to runs/bench/RESULTS-tiny.md.
 """
 import argparse
 import datetime
+import glob
 import json
 import os
 import re
@@ -77,17 +80,18 @@ def job_yaml(path, steps, global_batch, micro_batches, seq, seed, compression):
                 f"grad_clip: {OPT['grad_clip']}}}\n  compression: {compression}\n")
 
 
-def link_bytes(emu):
-    """Bytes sent on every emulated WAN link so far (tx of the link interfaces, all namespaces)."""
+def link_bytes(emu, links=None):
+    """Bytes sent on the emulated WAN links so far (tx of the link interfaces, all namespaces): every link, or
+    those numbered in `links` (1-based, in the order of the emulation's link list)."""
     if not emu.root:
         return 0
     total = 0
-    for s, _ in SITES:
+    for s, _ in emu.sites:
         out = sh(f"ip netns exec {emu.prefix}-{s} cat /proc/net/dev", check=False).stdout
         for line in out.splitlines():
             name, _, rest = line.partition(":")
-            name = name.strip()
-            if re.fullmatch(rf"{emu.prefix}\d+[ab]", name):
+            m = re.fullmatch(rf"{emu.prefix}(\d+)[ab]", name.strip())
+            if m and (links is None or int(m.group(1)) in links):
                 total += int(rest.split()[8])
     return total
 
@@ -104,9 +108,9 @@ def compute_bound(emu, bin_dir, work, global_batch, micro_batches, seq, seed, st
     job = os.path.join(work, "alone.yaml")
     job_yaml(job, 100, global_batch, micro_batches, seq, seed, "{policy: fixed}")
     procs = {}
-    for s, _ in SITES:
+    for s, _ in emu.sites:
         procs[s] = emu.start(s, f"{bin_dir}/meridian train-local {job} --steps {steps} --out {work}/alone-{s}", None)
-    stamps = {s: [] for s, _ in SITES}
+    stamps = {s: [] for s, _ in emu.sites}
     sel = selectors.DefaultSelector()
     for s, p in procs.items():
         sel.register(p.stdout, selectors.EVENT_READ, s)
@@ -148,19 +152,19 @@ def write_model(work, cfg, seed):
 
 
 def run_meridian(emu, bin_dir, work, name, job, steps, split, repeats, extra="", time_to_second_last=False,
-                 on_line=None):
+                 on_line=None, wire_links=None):
     """One `meridian run` on the emulated sites; on_line(line), when given, sees each line the coordinator
-    prints as it comes."""
+    prints as it comes. `wire_links`: count the bytes of only these links (link_bytes)."""
     run = os.path.join(work, name)
     shutil.rmtree(run, ignore_errors=True)
     os.makedirs(run)
     spec = os.path.join(work, "cluster.yaml")
-    before = after = link_bytes(emu)
+    before = after = link_bytes(emu, wire_links)
     coord = emu.start(None, f"{bin_dir}/meridian run {spec} {job} --run-dir {run} --join-timeout 120 --steps {steps} "
                             f"{'' if '--plan' in extra else f'--split {split} '}--eval-examples 0 "
                             f"--profile-repeats {repeats} {extra}", None)
     time.sleep(0.5)
-    for i, (s, _) in enumerate(SITES, start=1):
+    for s, _ in emu.sites:
         listen, advertise = emu.addresses[s]
         emu.start(s, f"{bin_dir}/meridian-executor --coordinator {emu.coordinator} --site {s} "
                      f"--certs {work}/certs/bundles/{s} --listen {listen} --advertise {advertise}", os.path.join(run, f"executor-{s}.log"))
@@ -171,9 +175,9 @@ def run_meridian(emu, bin_dir, work, name, job, steps, split, repeats, extra="",
             on_line(line)
         # Link bytes while training (the profile's link probes before it are not the system's traffic).
         if line.startswith("training:"):
-            before = link_bytes(emu)
+            before = link_bytes(emu, wire_links)
         elif line.startswith("done:"):
-            after = link_bytes(emu)
+            after = link_bytes(emu, wire_links)
     rc = coord.wait()
     open(os.path.join(run, "coordinator.log"), "w").write("".join(out))
     emu.stop_executors()
@@ -213,19 +217,20 @@ def run_meridian(emu, bin_dir, work, name, job, steps, split, repeats, extra="",
         "wire_bytes": after - before,
         "steps": steps,
         "final_step_seconds": final_step_seconds,
+        "first_step": first["step"], "last_step": last["step"],
         "replicas": [st["sites"] for st in plan["stages"]],
         "plan": ", ".join(f"{st['sites'][0]} ops {st['first_op']}-{st['last_op']}" for st in plan["stages"]),
         "codecs": ", ".join(l["codec"] for l in plan["links"]) or "none",
     }
 
 
-def run_ddp(emu, work, model_dir, steps, total_steps, global_batch, meridian_mbs, seq, seed, accum):
-    before = link_bytes(emu)
+def run_ddp(emu, work, model_dir, steps, total_steps, global_batch, meridian_mbs, seq, seed, accum, wire_links=None):
+    before = link_bytes(emu, wire_links)
     port = 29600 + accum
     store = f"{emu.public_ip(1)}:{port}"
     procs = []
-    for r, (s, _) in enumerate(SITES):
-        cmd = (f"{PY} {HERE}/ddp_gloo.py --rank {r} --world {len(SITES)} --store {store} --bind {emu.public_ip(r + 1)} "
+    for r, (s, _) in enumerate(emu.sites):
+        cmd = (f"{PY} {HERE}/ddp_gloo.py --rank {r} --world {len(emu.sites)} --store {store} --bind {emu.public_ip(r + 1)} "
                f"--model {model_dir} --steps {steps} --total-steps {total_steps} --global-batch {global_batch} "
                f"--accum {accum} --meridian-mbs {meridian_mbs} --seq {seq} --seed {seed} --lr {OPT['lr']} "
                f"--weight-decay {OPT['weight_decay']} --warmup-steps {OPT['warmup_steps']} "
@@ -240,14 +245,16 @@ def run_ddp(emu, work, model_dir, steps, total_steps, global_batch, meridian_mbs
     secs = sum(x["seconds"] for x in timed) / len(timed)
     return {"name": f"ddp-gloo accum {accum}", "accum": accum, "losses": {x["step"] + 1: x["loss"] for x in lines},
             "step_seconds": secs, "tokens_per_second": global_batch * seq / secs,
-            "wire_bytes": link_bytes(emu) - before, "steps": len(lines)}
+            "wire_bytes": link_bytes(emu, wire_links) - before, "steps": len(lines)}
 
 
 class BenchEmulation(Emulation):
-    def __init__(self, bin_dir, mbit, rtt_ms=RTT_MS):
-        links = [("fast", "medium", mbit), ("medium", "slow", mbit), ("fast", "slow", mbit)]
-        super().__init__(bin_dir, SITES, links, rtt_ms, prefix="mrbench", net=214, port_base=7700)
-        self.addresses = {s: self.site_addresses(i, s) for i, (s, _) in enumerate(SITES, start=1)}
+    def __init__(self, bin_dir, mbit, rtt_ms=RTT_MS, sites=None, links=None):
+        """The bench's three sites (SITES) with every pair at `mbit`, or the given sites and links."""
+        sites = sites or SITES
+        links = links or [("fast", "medium", mbit), ("medium", "slow", mbit), ("fast", "slow", mbit)]
+        super().__init__(bin_dir, sites, links, rtt_ms, prefix="mrbench", net=214, port_base=7700)
+        self.addresses = {s: self.site_addresses(i, s) for i, (s, _) in enumerate(sites, start=1)}
         self.executors = []
 
     def public_ip(self, i):
@@ -505,6 +512,200 @@ def diloco_section(w, command):
                  f"{x['wire_bytes'] / max(1, x['steps']) / tokens:.0f} B | {x['final_step_seconds']:.1f} | "
                  f"{' / '.join('+'.join(s) for s in x['replicas'])}; {x['codecs']} |")
     L += ["", DILOCO_END, ""]
+    return "\n".join(L)
+
+
+# ---- Two pipelines joined by 1 Mbit/s links: every-step replicas, DiLoCo and DDP-Gloo (issue #17) ----
+
+DP_BEGIN, DP_END = "<!-- diloco-pipelines:begin -->", "<!-- diloco-pipelines:end -->"
+# Pipeline a is a0 -> a1, pipeline b is b0 -> b1; four sites at equal quotas fill 1.8 of this host's 2 cores.
+DP_SITES = [("a0", 0.45), ("a1", 0.45), ("b0", 0.45), ("b1", 0.45)]
+# A model small enough that every-step replicas and DDP-Gloo finish a few steps at 1 Mbit/s (1.3M parameters:
+# 5.3 MB of float32 gradients).
+DP_MODEL = {"vocab_size": 2048, "hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 4,
+            "num_attention_heads": 4, "num_key_value_heads": 4, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+            "tie_word_embeddings": False}
+
+
+def diloco_pipelines(a, bin_dir, work, cfg, model_dir, weights_params):
+    """Issue #17's comparison. Two pipelines of two emulated sites each, each pipeline's sites joined at
+    --dp-inner-mbit, the pipelines joined by --dp-mbit links (every pair across), 80 ms RTT on every link. The same
+    pinned layout (stage 0 on a0 and b0, stage 1 on a1 and b1, the micro-batches shared equally, so micro-batch m
+    stays in one pipeline) trains with every-step replicas (Meridian's default sync, adaptive codecs) and with
+    DiLoCo; DDP-Gloo trains the whole model on each of the four sites. Reports tokens/s against the compute bound,
+    the bytes on the links between the pipelines per token, and the loss at equal tokens against train-local of
+    the same job (what exact every-step averaging and DDP compute)."""
+    dpw = os.path.join(work, "diloco-pipelines")
+    shutil.rmtree(dpw, ignore_errors=True)
+    os.makedirs(dpw)
+    seed = 20261201
+    # Micro-batches of 4 sequences, as the compute bound's steps; 12 per pipeline.
+    seq, global_batch, micro_batches = (32, 8, 4) if a.tiny else (128, 96, 24)
+    dp_model, params = write_model(dpw, TINY if a.tiny else DP_MODEL, seed)
+    H = a.dp_inner_steps
+    steps = a.dp_steps
+    res = {"params": params, "seq": seq, "global_batch": global_batch, "micro_batches": micro_batches,
+           "rtt_ms": WAN_RTT_MS, "mbit": a.dp_mbit, "inner_mbit": a.dp_inner_mbit, "inner_steps": H, "steps": steps,
+           "sites": dict(DP_SITES), "codecs": a.dp_codecs.split(","), "model": cfg_text(dp_model)}
+    res["sync"] = (f"{{mode: diloco, inner_steps: {H}, codec: CODEC, "
+                   "outer_optimizer: {name: nesterov, lr: 0.7, momentum: 0.5}}")
+    every = os.path.join(dpw, "every.yaml")
+    job_yaml(every, steps, global_batch, micro_batches, seq, seed, "{policy: adaptive, error_feedback: true}")
+    diloco = {}
+    for i, codec in enumerate(res["codecs"]):
+        diloco[codec] = os.path.join(dpw, f"diloco-{i}.yaml")
+        job_yaml(diloco[codec], steps, global_batch, micro_batches, seq, seed, "{policy: adaptive, error_feedback: true}")
+        with open(diloco[codec], "a") as f:
+            f.write(f"  sync: {res['sync'].replace('CODEC', repr(codec))}\n")
+    # Stage 0 the embedding and all blocks but the last; stage 1 the last block and the head, which computes
+    # about as long as two blocks (profiled with a vocabulary of 4,096 at 2 sequences a micro-batch: a block
+    # 15-21 ms, the head 45-100 ms; half of that with 2,048).
+    layers = res_layers(dp_model)
+    ops = 2 * layers + 2
+    plan = os.path.join(dpw, "layout.json")
+    json.dump({"stages": [{"sites": ["a0", "b0"], "last_op": 2 * (layers - 1),
+                           "micro_batches": [micro_batches // 2, micro_batches // 2]},
+                          {"sites": ["a1", "b1"], "last_op": ops - 1,
+                           "micro_batches": [micro_batches // 2, micro_batches // 2]}]}, open(plan, "w"))
+    links = [("a0", "a1", a.dp_inner_mbit), ("b0", "b1", a.dp_inner_mbit), ("a0", "b0", a.dp_mbit),
+             ("a1", "b1", a.dp_mbit), ("a0", "b1", a.dp_mbit), ("a1", "b0", a.dp_mbit)]
+    cross = {3, 4, 5, 6}  # link numbers (1-based) of the links between the pipelines
+    log(f"two pipelines (a0 -> a1, b0 -> b1) at {a.dp_inner_mbit} Mbit/s, joined at {a.dp_mbit} Mbit/s, "
+        f"{WAN_RTT_MS} ms RTT")
+    emu = BenchEmulation(bin_dir, a.dp_mbit, WAN_RTT_MS, sites=DP_SITES, links=links)
+    try:
+        spec = os.path.join(dpw, "cluster.yaml")
+        emu.write_spec(spec, "bench", emu.addresses, heartbeat_timeout_s=60, elastic=False)
+        sh(f"{bin_dir}/meridian certs init --spec {spec} --out {dpw}/certs --force")
+        measure_bound(emu, bin_dir, dpw, seq, seed, res)
+        res["diloco"] = {}
+        for i, codec in enumerate(res["codecs"]):
+            log(f"Meridian, DiLoCo (H = {H}, {codec}), {steps} steps")
+            r = run_meridian(emu, bin_dir, dpw, f"diloco-{i}", diloco[codec], steps, None, a.profile_repeats,
+                             extra=f"--plan {plan}", time_to_second_last=True, wire_links=cross)
+            r["outer_syncs"] = outer_syncs(os.path.join(dpw, f"diloco-{i}"))
+            res["diloco"][codec] = r
+            log(f"  {r['tokens_per_second']:.0f} tokens/s ({100 * r['tokens_per_second'] / res['bound']:.0f}% of the "
+                f"bound), exchanges {r['outer_syncs']}")
+        log(f"Meridian, every-step replicas, {a.dp_every_steps} steps")
+        res["every"] = run_meridian(emu, bin_dir, dpw, "every", every, a.dp_every_steps, None, a.profile_repeats,
+                                    extra=f"--plan {plan}", wire_links=cross)
+        log(f"  {res['every']['tokens_per_second']:.0f} tokens/s, gradient codecs "
+            f"{json.load(open(os.path.join(dpw, 'every', 'plan.json'))).get('replica_codecs', '?')}")
+        accum = max(1, global_batch // len(DP_SITES) // 2)
+        log(f"DDP-Gloo, 4 ranks, {a.dp_ddp_steps} steps (accumulation {accum})")
+        res["ddp"] = run_ddp(emu, dpw, dp_model, a.dp_ddp_steps, steps, global_batch, global_batch // micro_batches,
+                             seq, seed, accum, wire_links=cross)
+        log(f"  {res['ddp']['step_seconds']:.1f} s per step")
+    finally:
+        emu.close()
+    log(f"train-local of the job, {steps} steps: the loss exact every-step averaging and DDP compute")
+    # Both of this host's cores (the emulation is closed).
+    out = sh(f"OPENBLAS_NUM_THREADS=2 OMP_NUM_THREADS=2 {bin_dir}/meridian train-local {every} --steps {steps} "
+             f"--out {dpw}/local").stdout
+    res["local"] = {int(m.group(1)) + 1: float(m.group(2)) for m in re.finditer(r"step (\d+) loss ([\d.]+)", out)}
+    return res
+
+
+def res_layers(model_dir):
+    return json.load(open(os.path.join(model_dir, "config.json")))["num_hidden_layers"]
+
+
+def cfg_text(model_dir):
+    c = json.load(open(os.path.join(model_dir, "config.json")))
+    return f"d {c['hidden_size']}, {c['num_hidden_layers']} layers, vocabulary {c['vocab_size']}"
+
+
+def outer_syncs(run_dir):
+    """A DiLoCo run's outer synchronisations, from its executors' logs: {step: {"sites", "wire", "float32"}}, the
+    bytes every replica that reported the exchange sent and their float32 size."""
+    syncs = {}
+    for log_path in glob.glob(os.path.join(run_dir, "executor-*.log")):
+        for m in re.finditer(r"outer sync of fragment \d+ after step (\d+): (\d+) bytes on the wire \((\d+) as float32\)",
+                             open(log_path, errors="replace").read()):
+            x = syncs.setdefault(int(m.group(1)), {"sites": 0, "wire": 0, "float32": 0})
+            x["sites"] += 1
+            x["wire"] += int(m.group(2))
+            x["float32"] += int(m.group(3))
+    return syncs
+
+
+def dp_section(w, command):
+    b, tokens = w["bound"], w["global_batch"] * w["seq"]
+    e, g = w["every"], w["ddp"]
+    fp32_step = 2 * w["params"] * 4  # every-step float32 sums of two replicas: each site sends its stage once
+    local = {int(k): v for k, v in w["local"].items()}
+
+    def row(name, x, steps_note):
+        per_token = x["wire_bytes"] / max(1, x["steps"]) / tokens
+        return (f"| {name} | {x['tokens_per_second']:.0f} | {pct(x['tokens_per_second'] / b)} | {x['step_seconds']:.2f} "
+                f"| {per_token:,.1f} B | {steps_note} |")
+
+    L = [DP_BEGIN, "## DiLoCo across two pipelines joined by 1 Mbit/s links", "",
+         f"Command: `{command}`. Four emulated sites at a quota of "
+         f"{w['sites']['a0']} of a core each form two pipelines, a0 -> a1 and b0 -> b1: each pipeline's two sites are "
+         f"joined at {w['inner_mbit']} Mbit/s, and every pair across the pipelines at {w['mbit']} Mbit/s, "
+         f"{w['rtt_ms']} ms RTT on every link. A {w['params'] / 1e6:.1f}M-parameter model ({w['model']}), "
+         f"Meridian's synthetic language, {w['global_batch']} sequences of {w['seq']} tokens a step in "
+         f"{w['micro_batches']} micro-batches. Meridian runs one pinned layout: stage 0 (the embedding and all blocks "
+         "but the last) on a0 and b0, stage 1 (the last block and the head) on a1 and b1, each replica taking half the micro-batches, so each "
+         "micro-batch stays within one pipeline and only the replicas' synchronisation crosses between the "
+         "pipelines: every step's gradient sums with every-step replicas; with DiLoCo each exchange of pseudo-"
+         "gradients and, every step, each pipeline's share of the loss (each pipeline clips by its own gradient "
+         "norm: docs/sync.md). *Every-step* is Meridian's default `sync` (the gradient "
+         "sum every step, adaptive codecs); *DiLoCo* adds "
+         f"`sync: {w['sync']}` with each CODEC of the table (the outer momentum 0.5 of docs/sync.md for small models); *DDP-Gloo* "
+         "(bench/ddp_gloo.py) trains the whole model on each of the four sites and all-reduces float32 gradients "
+         "every step (Gloo's connections do not pass the relays that add the RTT; it is bandwidth-bound "
+         "anyway).", "",
+         f"Compute bound: {b:.0f} tokens/s = " + " + ".join(f"{v:.0f} ({s})" for s, v in w["bound_sites"].items())
+         + ", each site training the whole model alone at its quota, all four at once. Timed from the end of the "
+         "first step; DiLoCo to the end of the last inner step before its final synchronisation (that step: "
+         + ", ".join(f"{d['final_step_seconds']:.1f} s" for d in w["diloco"].values()) + "). Bytes: what crossed the links between the pipelines while training "
+         "(tc counters, both directions, TCP/TLS included), per token trained.", "",
+         "| system | tokens/s | of the compute bound | step (s) | bytes between the pipelines per token | steps |",
+         "|---|---|---|---|---|---|"]
+    L += [row(f"Meridian, DiLoCo (H = {w['inner_steps']}, {codec})", d, f"{d['steps']}") for codec, d in w["diloco"].items()]
+    L += [row("Meridian, every-step replicas", e, f"{e['steps']}"), row("DDP-Gloo, 4 ranks", g, f"{g['steps']}"), ""]
+    L.append(f"- **Bytes.** Every-step float32 sums between the two pipelines would send {fp32_step / 1e6:.1f} MB a "
+             f"step ({fp32_step / tokens:,.0f} B a token: each site sends its stage's gradients once, half in the "
+             f"reduce-scatter and half in the all-gather). DDP-Gloo's all-reduce over four ranks put "
+             f"{g['wire_bytes'] / max(1, g['steps']) / tokens:,.0f} B a token on these links.")
+    for codec, d in w["diloco"].items():
+        syncs = {int(k): v for k, v in (d.get("outer_syncs") or {}).items()}
+        sites = max((v["sites"] for v in syncs.values()), default=0)
+        full = [v for v in syncs.values() if v["sites"] == sites]  # exchanges every replica logged
+        ratio_wire = (fp32_step / tokens) / (d["wire_bytes"] / d["steps"] / tokens)
+        L.append(f"- DiLoCo with `{codec}`: its links carried {d['wire_bytes'] / d['steps'] / tokens:,.1f} B a token, "
+                 f"{ratio_wire:.0f}x fewer than every-step float32, everything on them counted (each step's loss "
+                 "messages, TCP and TLS).")
+        if full:
+            wire = sum(v["wire"] for v in full) / len(full)
+            f32 = sum(v["float32"] for v in full) / len(full)
+            L.append(f"  Its replica synchronisation alone (the executors' logged exchanges, {len(full)} in which all "
+                     f"{sites} replicas sent): {wire / 1e6:.2f} MB an exchange, {wire / (w['inner_steps'] * tokens):,.2f} B "
+                     f"a token, against {f32 / 1e6:.2f} MB of float32 that every-step sums send every step: "
+                     f"**{w['inner_steps'] * f32 / wire:.0f}x fewer bytes per token** ({f32 / wire:.2f}x from the codec, "
+                     f"{w['inner_steps']}x from H).")
+    for codec, d in w["diloco"].items():
+        dl = {int(k): v for k, v in d["losses"].items()}
+        last = max(dl)
+        tail = [k for k in sorted(dl) if k in local and k > last - 10]
+        if not tail:
+            continue
+        dm = statistics.mean(dl[k] for k in tail)
+        lm = statistics.mean(local[k] for k in tail)
+        L.append(f"- **Loss at equal tokens** (`{codec}`). The mean loss of steps {tail[0]}-{tail[-1]}: DiLoCo {dm:.4f}, "
+                 f"train-local of the same job {lm:.4f} ({100 * (dm - lm) / lm:+.1f}%).")
+    if w["diloco"]:
+        last = max(int(k) for k in next(iter(w["diloco"].values()))["losses"])
+        L.append(f"- Train-local is what exact "
+                 "every-step averaging and DDP compute (Meridian's every-step replicas with identity codecs equal it "
+                 "within 1e-5, tests/pipeline_test.cc); the every-step and DDP-Gloo runs here are too slow at "
+                 f"{w['mbit']} Mbit/s to train {last} steps themselves. Their own losses at their last step: "
+                 f"every-step {e['losses'][max(e['losses'])]:.4f} (train-local {local.get(max(e['losses']), float('nan')):.4f}), "
+                 f"DDP-Gloo {g['losses'][max(g['losses'])]:.4f} (train-local {local.get(max(g['losses']), float('nan')):.4f}).")
+    L += ["", DP_END, ""]
     return "\n".join(L)
 
 
@@ -1050,14 +1251,22 @@ def main():
                          "speed, comma-separated; the fastest is used at the others. Default 4: a sweep of 1,4 "
                          "(bench/RESULTS.md, 2026-12-01) found it fastest, and each setting costs about 5 minutes")
     ap.add_argument("--results", default="bench/RESULTS.md")
-    ap.add_argument("--only", choices=["e2e", "components", "wan-bound", "wan-diloco", "simulator", "multi-device", "codecs",
-                                       "straggler"])
+    ap.add_argument("--only", choices=["e2e", "components", "wan-bound", "wan-diloco", "diloco-pipelines", "simulator",
+                                       "multi-device", "codecs", "straggler"])
     ap.add_argument("--straggler-steps", type=int, default=24, help="steps of the straggler run")
     ap.add_argument("--straggler-drop-step", type=int, default=6,
                     help="the straggler run's quota drops once the coordinator reports this step")
     ap.add_argument("--diloco-steps", type=int, default=24, help="steps of the WAN-bound DiLoCo runs")
     ap.add_argument("--diloco-inner-steps", type=int, default=8, help="job.sync.inner_steps of the WAN-bound DiLoCo runs")
     ap.add_argument("--diloco-speeds", default="2", help="link rates (Mbit/s) of the WAN-bound DiLoCo runs, comma-separated")
+    ap.add_argument("--dp-steps", type=int, default=200, help="steps of the DiLoCo run of --only diloco-pipelines")
+    ap.add_argument("--dp-inner-steps", type=int, default=50, help="its job.sync.inner_steps")
+    ap.add_argument("--dp-codecs", default="int4,int4:block=128+zstd",
+                    help="its job.sync.codec: a DiLoCo run for each, comma-separated")
+    ap.add_argument("--dp-every-steps", type=int, default=4, help="steps of its every-step replica run")
+    ap.add_argument("--dp-ddp-steps", type=int, default=3, help="steps of its DDP-Gloo run (the first is warm-up)")
+    ap.add_argument("--dp-mbit", type=float, default=1, help="its links between the two pipelines (Mbit/s)")
+    ap.add_argument("--dp-inner-mbit", type=float, default=20, help="its links within each pipeline (Mbit/s)")
     ap.add_argument("--wan-steps", type=int, default=4, help="steps of the WAN-bound planned runs (the first is warm-up)")
     ap.add_argument("--wan-identity-steps", type=int, default=2, help="steps of the WAN-bound identity runs")
     ap.add_argument("--wan-ddp-from", help="take DDP-Gloo's WAN-bound step from this earlier results-wan.json "
@@ -1108,6 +1317,8 @@ def main():
     wan_modes = {"wan-bound": (wan_bound, "wan_bound", "results-wan.json", wan_section, WAN_BEGIN, WAN_END, "WAN-bound"),
                  "wan-diloco": (wan_diloco, "wan_diloco", "results-wan-diloco.json", diloco_section, DILOCO_BEGIN,
                                 DILOCO_END, "WAN-bound DiLoCo"),
+                 "diloco-pipelines": (diloco_pipelines, "diloco_pipelines", "results-diloco-pipelines.json", dp_section,
+                                      DP_BEGIN, DP_END, "DiLoCo across two pipelines"),
                  "simulator": (simulator_validation, "simulator", "results-simulator.json", simulator_section, SIM_BEGIN,
                                SIM_END, "simulator validation"),
                  "multi-device": (multi_device, "multi_device", "results-multi-device.json", multi_section, MULTI_BEGIN,
