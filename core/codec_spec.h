@@ -24,7 +24,7 @@ struct CodecSpec {
   int block_size = 64;          // int8/int4/int2 (and top-k int8 values): elements per absmax scale; even, 2..65536
   double topk_fraction = 0.01;  // top-k: fraction of elements kept, in [1e-5, 1]
   bool topk_int8_values = false;
-  bool zstd = false;  // compress the payload with zstd afterwards
+  bool zstd = false;   // compress the payload with zstd afterwards
   int zstd_level = 1;  // -5..19
   // AQ-SGD activation deltas (int8, int4, int2 only): each training sequence's activation is sent as
   // the quantised change against its previous reconstruction (compression/activation_delta.h). Encode
