@@ -540,10 +540,11 @@ def diloco_pipelines(a, bin_dir, work, cfg, model_dir, weights_params):
     os.makedirs(dpw)
     seed = 20261201
     # Micro-batches of 4 sequences, as the compute bound's steps; 12 per pipeline.
-    seq, global_batch, micro_batches = (32, 8, 4) if a.tiny else (128, 96, 24)
+    seq, global_batch, micro_batches = (32, 8, 4) if a.tiny else (128, 4 * a.dp_micro_batches, a.dp_micro_batches)
     dp_model, params = write_model(dpw, TINY if a.tiny else DP_MODEL, seed)
     H = a.dp_inner_steps
     steps = a.dp_steps
+    systems = a.dp_systems.split(",")
     res = {"params": params, "seq": seq, "global_batch": global_batch, "micro_batches": micro_batches,
            "rtt_ms": WAN_RTT_MS, "mbit": a.dp_mbit, "inner_mbit": a.dp_inner_mbit, "inner_steps": H, "steps": steps,
            "sites": dict(DP_SITES), "codecs": a.dp_codecs.split(","), "model": cfg_text(dp_model)}
@@ -563,7 +564,11 @@ def diloco_pipelines(a, bin_dir, work, cfg, model_dir, weights_params):
     layers = res_layers(dp_model)
     ops = 2 * layers + 2
     plan = os.path.join(dpw, "layout.json")
-    json.dump({"stages": [{"sites": ["a0", "b0"], "last_op": 2 * (layers - 1),
+    cut = a.dp_cut if a.dp_cut is not None else 2 * (layers - 1)
+    if not 0 <= cut < ops - 1:
+        raise SystemExit(f"--dp-cut {cut}: stage 0's last op must be in 0..{ops - 2}")
+    res["cut"] = cut
+    json.dump({"stages": [{"sites": ["a0", "b0"], "last_op": cut,
                            "micro_batches": [micro_batches // 2, micro_batches // 2]},
                           {"sites": ["a1", "b1"], "last_op": ops - 1,
                            "micro_batches": [micro_batches // 2, micro_batches // 2]}]}, open(plan, "w"))
@@ -579,7 +584,7 @@ def diloco_pipelines(a, bin_dir, work, cfg, model_dir, weights_params):
         sh(f"{bin_dir}/meridian certs init --spec {spec} --out {dpw}/certs --force")
         measure_bound(emu, bin_dir, dpw, seq, seed, res)
         res["diloco"] = {}
-        for i, codec in enumerate(res["codecs"]):
+        for i, codec in enumerate(res["codecs"] if "diloco" in systems else []):
             log(f"Meridian, DiLoCo (H = {H}, {codec}), {steps} steps")
             r = run_meridian(emu, bin_dir, dpw, f"diloco-{i}", diloco[codec], steps, None, a.profile_repeats,
                              extra=f"--plan {plan}", time_to_second_last=True, wire_links=cross)
@@ -587,11 +592,15 @@ def diloco_pipelines(a, bin_dir, work, cfg, model_dir, weights_params):
             res["diloco"][codec] = r
             log(f"  {r['tokens_per_second']:.0f} tokens/s ({100 * r['tokens_per_second'] / res['bound']:.0f}% of the "
                 f"bound), exchanges {r['outer_syncs']}")
+        if "every" not in systems:
+            return res
         log(f"Meridian, every-step replicas, {a.dp_every_steps} steps")
         res["every"] = run_meridian(emu, bin_dir, dpw, "every", every, a.dp_every_steps, None, a.profile_repeats,
                                     extra=f"--plan {plan}", wire_links=cross)
         log(f"  {res['every']['tokens_per_second']:.0f} tokens/s, gradient codecs "
             f"{json.load(open(os.path.join(dpw, 'every', 'plan.json'))).get('replica_codecs', '?')}")
+        if "ddp" not in systems:
+            return res
         accum = max(1, global_batch // len(DP_SITES) // 2)
         log(f"DDP-Gloo, 4 ranks, {a.dp_ddp_steps} steps (accumulation {accum})")
         res["ddp"] = run_ddp(emu, dpw, dp_model, a.dp_ddp_steps, steps, global_batch, global_batch // micro_batches,
@@ -599,6 +608,8 @@ def diloco_pipelines(a, bin_dir, work, cfg, model_dir, weights_params):
         log(f"  {res['ddp']['step_seconds']:.1f} s per step")
     finally:
         emu.close()
+    if "local" not in systems:
+        return res
     log(f"train-local of the job, {steps} steps: the loss exact every-step averaging and DDP compute")
     # Both of this host's cores (the emulation is closed).
     out = sh(f"OPENBLAS_NUM_THREADS=2 OMP_NUM_THREADS=2 {bin_dir}/meridian train-local {every} --steps {steps} "
@@ -1265,6 +1276,13 @@ def main():
                     help="its job.sync.codec: a DiLoCo run for each, comma-separated")
     ap.add_argument("--dp-every-steps", type=int, default=4, help="steps of its every-step replica run")
     ap.add_argument("--dp-ddp-steps", type=int, default=3, help="steps of its DDP-Gloo run (the first is warm-up)")
+    ap.add_argument("--dp-micro-batches", type=int, default=24,
+                    help="its micro-batches a step, of 4 sequences of 128 tokens, shared equally by the pipelines")
+    ap.add_argument("--dp-cut", type=int, help="its stage 0's last op (default: the embedding and all blocks but the last)")
+    ap.add_argument("--dp-systems", default="diloco,every,ddp,local",
+                    help="what it runs: diloco, every, ddp, local (train-local, for the loss at equal tokens), in "
+                         "this order; it stops at the first of every, ddp and local left out. Only a run of all four "
+                         "writes the section (the others leave their results JSON)")
     ap.add_argument("--dp-mbit", type=float, default=1, help="its links between the two pipelines (Mbit/s)")
     ap.add_argument("--dp-inner-mbit", type=float, default=20, help="its links within each pipeline (Mbit/s)")
     ap.add_argument("--wan-steps", type=int, default=4, help="steps of the WAN-bound planned runs (the first is warm-up)")
@@ -1333,6 +1351,9 @@ def main():
         w = measure(a, bin_dir, work, cfg, model_dir, params)
         json.dump({"info": info, key: w, "seconds": time.time() - t_start},
                   open(os.path.join(work, json_name), "w"), indent=2, default=str)
+        if a.only == "diloco-pipelines" and set(a.dp_systems.split(",")) != {"diloco", "every", "ddp", "local"}:
+            log(f"--dp-systems {a.dp_systems}: results in {os.path.join(work, json_name)}, no section written")
+            return
         splice_section(a.results, section(w, info["command"]), begin, end)
         log(f"wrote the {what} section of {a.results} ({time.time() - t_start:.0f} s in all)")
         return
