@@ -202,18 +202,37 @@ struct Evaluation {
   std::vector<double> recompute_t;
   std::vector<double> pace;                 // per link: what it adds to the steady state (CostModel::LinkSteady)
   std::vector<int> link_codec, grad_codec;  // indices into the menus; -1 = fixed ratio
+  // Per stage: how its sites share the micro-batches (one count per site; {M} for a lone site).
+  std::vector<std::vector<int>> shares;
 };
 
+// The pairs of sites (indices into the profile) of stages k and k + 1 that a micro-batch goes between:
+// micro-batch m runs on MicroBatchOwners(shares[k])[m] at stage k and on that of shares[k + 1] at stage
+// k + 1 (as the executors route it). Replicated stages with the same shares pair their replicas one to one
+// (whole pipelines); without shares for both stages, every pair.
+std::vector<std::pair<int, int>> LinkPairs(const Layout& L, const Evaluation& e, int k) {
+  std::set<std::pair<int, int>> pairs;
+  if (k + 1 < static_cast<int>(e.shares.size()) && !e.shares[k].empty() && !e.shares[k + 1].empty()) {
+    const std::vector<int> from = MicroBatchOwners(e.shares[k]), to = MicroBatchOwners(e.shares[k + 1]);
+    for (size_t m = 0; m < from.size() && m < to.size(); ++m)
+      pairs.insert({L.sites[k][from[m]], L.sites[k + 1][to[m]]});
+  }
+  if (pairs.empty())
+    for (int a : L.sites[k])
+      for (int b : L.sites[k + 1]) pairs.insert({a, b});
+  return {pairs.begin(), pairs.end()};
+}
+
 // Link k of layout L carrying `codec`: {its c_k (CostModel::LinkCost), what it adds to the steady state
-// (CostModel::LinkSteady)}, each the worst over the pairs of the two stages' sites.
-std::pair<double, double> LinkTimes(const CostModel& cm, const Layout& L, int k, const Codec& codec) {
+// (CostModel::LinkSteady)}, each the worst over the pairs of sites that micro-batches go between (LinkPairs).
+std::pair<double, double> LinkTimes(const CostModel& cm, const Layout& L, const Evaluation& e, int k,
+                                    const Codec& codec) {
   const double x = cm.CutBytes(L.last[k]);
   double cost = 0, pace = 0;
-  for (int a : L.sites[k])
-    for (int b : L.sites[k + 1]) {
-      cost = std::max(cost, cm.LinkCost(a, b, codec.ratio * x, codec.backward() * x));
-      pace = std::max(pace, cm.LinkSteady(a, b, codec.ratio * x, codec.backward() * x));
-    }
+  for (auto [a, b] : LinkPairs(L, e, k)) {
+    cost = std::max(cost, cm.LinkCost(a, b, codec.ratio * x, codec.backward() * x));
+    pace = std::max(pace, cm.LinkSteady(a, b, codec.ratio * x, codec.backward() * x));
+  }
   return {cost, pace};
 }
 
@@ -251,6 +270,7 @@ Evaluation Evaluate(const CostModel& cm, const Layout& L, const PlanOptions& o, 
   e.grad_codec.assign(S, -1);
   e.recompute.assign(S, false);
   e.recompute_t.assign(S, 0.0);
+  e.shares.assign(S, {});
   double max_t = 0;
   for (int k = 0; k < S; ++k) {
     int a = k == 0 ? 0 : L.last[k - 1] + 1, b = L.last[k];
@@ -268,8 +288,10 @@ Evaluation Evaluate(const CostModel& cm, const Layout& L, const PlanOptions& o, 
     for (int s : L.sites[k]) times.push_back(cm.StageTime(s, a, b));
     if (times.size() == 1) {
       e.t[k] = times[0];
+      e.shares[k] = {M};
     } else {
       const std::vector<int> share = StageShares(o, k, M, times);
+      e.shares[k] = share;
       double slowest = 0;
       for (size_t i = 0; i < times.size(); ++i) slowest = std::max(slowest, share[i] * times[i]);
       e.t[k] = slowest / M;
@@ -289,14 +311,14 @@ Evaluation Evaluate(const CostModel& cm, const Layout& L, const PlanOptions& o, 
       // strongest.
       int pick = static_cast<int>(o.link_codecs.size()) - 1;
       for (int i = 0; i < static_cast<int>(o.link_codecs.size()); ++i)
-        if (LinkTimes(cm, L, k, o.link_codecs[i]).second <= max_t) {
+        if (LinkTimes(cm, L, e, k, o.link_codecs[i]).second <= max_t) {
           pick = i;
           break;
         }
       e.link_codec[k] = pick;
       codec = o.link_codecs[pick];
     }
-    std::tie(e.c[k], e.pace[k]) = LinkTimes(cm, L, k, codec);
+    std::tie(e.c[k], e.pace[k]) = LinkTimes(cm, L, e, k, codec);
     if (e.c[k] == kInf) return e;
   }
   // Replica gradient sync: the executors' reduce-scatter + all-gather (docs/executor.md). Each of the two
@@ -406,7 +428,7 @@ std::pair<double, double> PassTransportSeconds(const CostModel& cm, const Layout
 // The per-stage and per-link times of an evaluated layout, as the schedule simulator takes them: each
 // stage's time per micro-batch split into forward and backward by its ops' FLOPs, plus each pass's codec
 // and transport work (PassCodecSeconds, PassTransportSeconds); each direction of a link at its codec's bytes over the
-// worst pair of the two stages' sites.
+// worst pair of sites that micro-batches go between (LinkPairs).
 PipelineTimes TimesOf(const CostModel& cm, const Layout& L, const Evaluation& ev, const PlanOptions& o,
                       const OpGraph& g, const std::vector<bool>& recompute) {
   PipelineTimes t;
@@ -426,13 +448,12 @@ PipelineTimes TimesOf(const CostModel& cm, const Layout& L, const Evaluation& ev
     const Codec codec = LinkCodecOf(ev, o, k);
     const double x = codec.ratio * cm.CutBytes(L.last[k]), xb = codec.backward() * cm.CutBytes(L.last[k]);
     double fx = 0, fl = 0, bx = 0, bl = 0;
-    for (int a : L.sites[k])
-      for (int b : L.sites[k + 1]) {
-        fx = std::max(fx, x / cm.Bandwidth(a, b));
-        fl = std::max(fl, cm.Latency(a, b));
-        bx = std::max(bx, xb / cm.Bandwidth(b, a));
-        bl = std::max(bl, cm.Latency(b, a));
-      }
+    for (auto [a, b] : LinkPairs(L, ev, k)) {
+      fx = std::max(fx, x / cm.Bandwidth(a, b));
+      fl = std::max(fl, cm.Latency(a, b));
+      bx = std::max(bx, xb / cm.Bandwidth(b, a));
+      bl = std::max(bl, cm.Latency(b, a));
+    }
     t.forward_transfer_seconds.push_back(fx);
     t.forward_latency_seconds.push_back(fl);
     t.backward_transfer_seconds.push_back(bx);
@@ -526,7 +547,7 @@ void ChooseLinkCodecsBySimulation(const CostModel& cm, const Layout& L, const Pl
   const int strongest = static_cast<int>(o.link_codecs.size()) - 1;
   auto set = [&](Evaluation* e, int k, int codec) {
     e->link_codec[k] = codec;
-    std::tie(e->c[k], e->pace[k]) = LinkTimes(cm, L, k, o.link_codecs[codec]);
+    std::tie(e->c[k], e->pace[k]) = LinkTimes(cm, L, *e, k, o.link_codecs[codec]);
   };
   Evaluation trial = *ev;
   for (int k = 0; k + 1 < S; ++k) set(&trial, k, strongest);

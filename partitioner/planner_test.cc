@@ -545,6 +545,39 @@ TEST(Planner, ReplicatedStagesCarryTheirSharesAndPriceTheSlowestShare) {
   EXPECT_THAT(PlanTable(*plan, g, p), HasSubstr("replicas run 6/2 of the 8 micro-batches"));
 }
 
+// Two whole pipelines (a0 -> a1, b0 -> b1) pinned with equal shares: every micro-batch stays within its
+// pipeline, so the links between the pipelines (a0 -> b1, b0 -> a1) are not priced, however slow. Shares that
+// differ from one stage to the next send micro-batches across, and then they are.
+TEST(Planner, WholePipelineReplicasPriceOnlyTheLinksTheirMicroBatchesCross) {
+  const OpGraph g = Chain(4, 1e9, 1e6);
+  auto profile = [](double cross) {
+    ClusterProfile p;
+    p.sites = {{"a0", 1e9, 1e12, {}}, {"a1", 1e9, 1e12, {}}, {"b0", 1e9, 1e12, {}}, {"b1", 1e9, 1e12, {}}};
+    for (auto [u, v, bw] : {std::tuple<const char*, const char*, double>{"a0", "a1", 1e8},
+                            {"b0", "b1", 1e8},
+                            {"a0", "b0", 1e8},
+                            {"a1", "b1", 1e8},
+                            {"a0", "b1", cross},
+                            {"b0", "a1", cross}}) {
+      p.links.push_back({u, v, bw, 1e-3});
+      p.links.push_back({v, u, bw, 1e-3});
+    }
+    return p;
+  };
+  PlanOptions o;
+  o.micro_batches = 8;
+  PinLayout({{0, 2}, {1, 3}}, {1, 3}, &o, {{4, 4}, {4, 4}});
+  auto fast = PlanPipeline(g, profile(1e8), o), slow = PlanPipeline(g, profile(1e5), o);
+  ASSERT_TRUE(fast.ok()) << fast.status();
+  ASSERT_TRUE(slow.ok()) << slow.status();
+  EXPECT_NEAR(slow->predicted_step_seconds, fast->predicted_step_seconds, 1e-9 * fast->predicted_step_seconds);
+  PinLayout({{0, 2}, {1, 3}}, {1, 3}, &o, {{4, 4}, {6, 2}});
+  auto crossing_fast = PlanPipeline(g, profile(1e8), o), crossing_slow = PlanPipeline(g, profile(1e5), o);
+  ASSERT_TRUE(crossing_fast.ok()) << crossing_fast.status();
+  ASSERT_TRUE(crossing_slow.ok()) << crossing_slow.status();
+  EXPECT_GT(crossing_slow->predicted_step_seconds, 2 * crossing_fast->predicted_step_seconds);
+}
+
 // A pinned layout may pin its replicas' shares too (plan.json's "micro_batches", read back by --plan): the
 // plan runs them and prices the slowest share, whatever the profile's speeds say.
 TEST(Planner, PinnedSharesAreRunAndPriced) {

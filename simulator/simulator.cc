@@ -65,6 +65,7 @@ struct Worker {
   // Phases after the passes: 0 passes, 1 gradient sum, 2 norm, 3 done.
   int phase = 0;
   bool sent_up = false;
+  bool sent_down = false;  // whole pipelines: the total to the next stage (and stage 0's loss share to replica 0)
   int buckets_done = 0;
   // DiLoCo: an exchange this replica has begun and not yet received in full; what to do when it has.
   bool exchange_open = false;
@@ -140,12 +141,15 @@ class Simulation {
   std::vector<Worker> workers_;
   std::vector<std::vector<int>> stage_workers_;  // stage -> worker indices in replica order
   std::vector<std::vector<int>> owners_;         // stage -> micro-batch -> replica
-  std::vector<LinkCodec> links_;                 // per pipeline link
-  std::vector<double> link_bytes_;               // raw bytes per micro-batch crossing each link
-  std::vector<double> grad_bytes_;               // per stage: float32 gradient bytes
-  std::vector<LinkCodec> grad_codec_;            // per stage: replica sum codec
-  std::vector<int> buckets_;                     // per stage
-  bool coarse_ = false;                          // buckets or chunks merged (kMaxTransfersPerSum)
+  // DiLoCo over whole pipelines (executor: StageAssignment::whole_pipelines): several stages, each replicated
+  // alike with the same shares, so pipeline r is replica r of every stage and exchanges its norm alone.
+  bool whole_pipelines_ = false;
+  std::vector<LinkCodec> links_;       // per pipeline link
+  std::vector<double> link_bytes_;     // raw bytes per micro-batch crossing each link
+  std::vector<double> grad_bytes_;     // per stage: float32 gradient bytes
+  std::vector<LinkCodec> grad_codec_;  // per stage: replica sum codec
+  std::vector<int> buckets_;           // per stage
+  bool coarse_ = false;                // buckets or chunks merged (kMaxTransfersPerSum)
   std::map<ReductionKey, Reduction> reductions_;
   std::priority_queue<Event, std::vector<Event>, std::greater<Event>> events_;
   uint64_t seq_ = 0;
@@ -201,6 +205,11 @@ absl::Status Simulation::Init() {
       return absl::InvalidArgumentError(
           absl::StrCat(where, ": micro-batch shares must be one per site, summing to ", M));
     owners_[k] = partitioner::MicroBatchOwners(st.micro_batches);
+    if (k == 0)
+      whole_pipelines_ = plan_.sync.diloco && S > 1 && st.sites.size() > 1;
+    else
+      whole_pipelines_ = whole_pipelines_ && st.sites.size() == plan_.stages[0].sites.size() &&
+                         st.micro_batches == plan_.stages[0].micro_batches;
     const double share = partitioner::ForwardShare(g_, st.first_op, st.last_op);
     for (size_t r = 0; r < st.sites.size(); ++r) {
       const int site = st.sites[r];
@@ -295,6 +304,7 @@ void Simulation::StartStep(int wi, double t) {
   w.next = 0;
   w.phase = 0;
   w.sent_up = false;
+  w.sent_down = false;
   w.buckets_done = 0;
   w.step_start = t;
   if (w.step == steps_ - 1) last_step_start_ = std::min(last_step_start_, t);
@@ -512,6 +522,28 @@ void Simulation::Advance(int wi, double t) {
       w.sent_up = true;
       SendControl(wi, R[0], t);
     }
+  } else if (whole_pipelines_) {
+    // Pipeline r alone: its partial norms from its last stage to its first and the total back; its stage 0
+    // sends its loss share to replica 0, which awaits them before its step ends (the executor: after its
+    // optimizer step and outer sync).
+    const int r = w.replica;
+    if (!last && !has(stage_workers_[w.stage + 1][r])) return;
+    if (!first) {
+      const int prev = stage_workers_[w.stage - 1][r];
+      if (!w.sent_up) {
+        w.sent_up = true;
+        SendControl(wi, prev, t);
+      }
+      if (!has(prev)) return;
+    }
+    if (!w.sent_down) {
+      w.sent_down = true;
+      if (!last) SendControl(wi, stage_workers_[w.stage + 1][r], t);
+      if (first && r != 0) SendControl(wi, R[0], t);
+    }
+    if (first && r == 0)
+      for (size_t j = 1; j < R.size(); ++j)
+        if (!has(R[j])) return;
   } else if (w.replica == 0) {
     if (last)
       for (size_t j = 1; j < R.size(); ++j)
@@ -728,10 +760,11 @@ absl::StatusOr<double> AnalyticStepSeconds(const OpGraph& graph, const ClusterPr
   o.replication = false;
   o.deep_pipeline = false;
   o.gradient_bytes_fraction = options.gradient_bytes_fraction;
-  std::vector<std::vector<int>> sites;
+  std::vector<std::vector<int>> sites, shares;  // the plan's shares: they decide which site pairs a link uses
   std::vector<int> last_ops;
-  for (const auto& st : plan.stages) sites.push_back(st.sites), last_ops.push_back(st.last_op);
-  partitioner::PinLayout(sites, last_ops, &o);
+  for (const auto& st : plan.stages)
+    sites.push_back(st.sites), last_ops.push_back(st.last_op), shares.push_back(st.micro_batches);
+  partitioner::PinLayout(sites, last_ops, &o, shares);
   std::vector<partitioner::Codec> menu;
   for (const auto& l : plan.links) {
     partitioner::Codec c{l.codec, l.ratio};

@@ -309,6 +309,33 @@ TEST(SimulatorTest, DilocoSynchronisesEveryInnerStepsAndOverlapHidesTheExchange)
     EXPECT_NEAR(fragments->step_times[s], step + ((s + 1) % 2 == 0 ? 0.5 : 0.0), 0.01) << "step " << s + 1;
 }
 
+// Two whole pipelines under DiLoCo (s0 -> s1 and s2 -> s3, the same shares at both stages) exchange their
+// norms along their own stages only (executor: StageAssignment::whole_pipelines): between syncs no step waits
+// on the links between the pipelines, however long they are. Stage 0's replica 0 hears the other
+// pipeline's loss share one latency late, which delays only the first step.
+TEST(SimulatorTest, WholeDilocoPipelinesWaitForNoLinkBetweenThemBetweenSyncs) {
+  const OpGraph g = Chain(2);
+  auto steps = [&](double between) {
+    ClusterProfile p = Sites(4, 1e12, 1e9, 1e-3);
+    for (auto& l : p.links) {
+      const bool within = (l.from == "s0" && l.to == "s1") || (l.from == "s1" && l.to == "s0") ||
+                          (l.from == "s2" && l.to == "s3") || (l.from == "s3" && l.to == "s2");
+      if (!within) l.latency_seconds = between;
+    }
+    Plan plan = Pipeline(g, p, 4, {{0, 2}, {1, 3}});
+    plan.sync.diloco = true;
+    plan.sync.inner_steps = 100;  // no exchange within the simulated steps
+    plan.sync.codec = *partitioner::PriceCodec("identity");
+    auto r = Simulate(g, p, plan, {.steps = 6});
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? r->step_times : std::vector<double>{};
+  };
+  const std::vector<double> near = steps(1e-3), far = steps(0.5);
+  ASSERT_EQ(near.size(), 6u);
+  ASSERT_EQ(far.size(), 6u);
+  for (int s = 1; s < 6; ++s) EXPECT_NEAR(far[s], near[s], 1e-6) << "step " << s + 1;
+}
+
 TEST(SimulatorTest, PlanJsonRoundTripsAndErrorsNameTheField) {
   const OpGraph g = Chain(6);
   const ClusterProfile p = Sites(3, 1e12, 1e8, 0.01);
