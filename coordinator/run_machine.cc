@@ -765,10 +765,8 @@ void RunMachine::Assign() {
     }
   };
   // DiLoCo over whole-pipeline replicas: every stage replicated alike, so each pipeline keeps its micro-batches.
-  bool whole_pipelines = job.sync.mode == core::SyncMode::kDiloco && st.size() > 1 && st[0].site_names.size() > 1;
-  for (size_t k = 1; k < st.size(); ++k)
-    whole_pipelines = whole_pipelines && st[k].site_names.size() == st[0].site_names.size() &&
-                      st[k].micro_batches == st[0].micro_batches;
+  const bool whole_pipelines =
+      job.sync.mode == core::SyncMode::kDiloco && partitioner::WholePipelineReplicas(plan_->stages);
   for (size_t k = 0; k < st.size(); ++k) {
     for (const auto& site : st[k].site_names) {  // every replica of the stage gets the same assignment
       v1::Command c;

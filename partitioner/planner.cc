@@ -209,18 +209,28 @@ struct Evaluation {
 // The pairs of sites (indices into the profile) of stages k and k + 1 that a micro-batch goes between:
 // micro-batch m runs on MicroBatchOwners(shares[k])[m] at stage k and on that of shares[k + 1] at stage
 // k + 1 (as the executors route it). Replicated stages with the same shares pair their replicas one to one
-// (whole pipelines); without shares for both stages, every pair.
+// (whole pipelines); next to a lone site, every site of the other stage with a share; without shares for
+// both stages, every pair.
 std::vector<std::pair<int, int>> LinkPairs(const Layout& L, const Evaluation& e, int k) {
-  std::set<std::pair<int, int>> pairs;
-  if (k + 1 < static_cast<int>(e.shares.size()) && !e.shares[k].empty() && !e.shares[k + 1].empty()) {
+  std::vector<std::pair<int, int>> pairs;
+  const bool shared = k + 1 < static_cast<int>(e.shares.size()) && e.shares[k].size() == L.sites[k].size() &&
+                      e.shares[k + 1].size() == L.sites[k + 1].size();
+  if (shared && L.sites[k].size() > 1 && L.sites[k + 1].size() > 1) {
     const std::vector<int> from = MicroBatchOwners(e.shares[k]), to = MicroBatchOwners(e.shares[k + 1]);
     for (size_t m = 0; m < from.size() && m < to.size(); ++m)
-      pairs.insert({L.sites[k][from[m]], L.sites[k + 1][to[m]]});
+      pairs.emplace_back(L.sites[k][from[m]], L.sites[k + 1][to[m]]);
+    std::sort(pairs.begin(), pairs.end());
+    pairs.erase(std::unique(pairs.begin(), pairs.end()), pairs.end());
+  } else {
+    for (size_t i = 0; i < L.sites[k].size(); ++i)
+      for (size_t j = 0; j < L.sites[k + 1].size(); ++j)
+        if (!shared || (e.shares[k][i] > 0 && e.shares[k + 1][j] > 0))
+          pairs.emplace_back(L.sites[k][i], L.sites[k + 1][j]);
   }
-  if (pairs.empty())
+  if (pairs.empty())  // no micro-batches at all: price every pair, as without shares
     for (int a : L.sites[k])
-      for (int b : L.sites[k + 1]) pairs.insert({a, b});
-  return {pairs.begin(), pairs.end()};
+      for (int b : L.sites[k + 1]) pairs.emplace_back(a, b);
+  return pairs;
 }
 
 // Link k of layout L carrying `codec`: {its c_k (CostModel::LinkCost), what it adds to the steady state
@@ -991,6 +1001,13 @@ std::vector<int> ShareMicroBatches(int micro_batches, const std::vector<double>&
   std::sort(remainder.begin(), remainder.end());
   for (int j = 0; given < micro_batches; ++j, ++given) ++counts[remainder[j % r].second];
   return counts;
+}
+
+bool WholePipelineReplicas(const std::vector<StagePlan>& stages) {
+  if (stages.size() < 2 || stages[0].sites.size() < 2) return false;
+  for (const StagePlan& st : stages)
+    if (st.sites.size() != stages[0].sites.size() || st.micro_batches != stages[0].micro_batches) return false;
+  return true;
 }
 
 std::vector<int> MicroBatchOwners(const std::vector<int>& counts) {

@@ -161,6 +161,12 @@ struct StagePlan {
   double busy_seconds = 0, wait_seconds = 0;
 };
 
+// Whether `stages` are whole-pipeline replicas: more than one stage, each on the same number of sites (at
+// least two) with the same micro-batch shares, so micro-batch m runs on replica r of every stage and
+// pipeline r is replica r of every stage. Under DiLoCo such pipelines are independent between outer syncs
+// (executor: StageAssignment::whole_pipelines; simulator/ likewise).
+bool WholePipelineReplicas(const std::vector<StagePlan>& stages);
+
 // Seconds per micro-batch that `site` computes stage `stage`'s passes: its ops' time (RangeSeconds), with
 // a recomputing stage's second forward pass (ComputeFactor). What a site's reported compute time is
 // compared with.

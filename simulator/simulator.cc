@@ -193,6 +193,7 @@ absl::Status Simulation::Init() {
         absl::StrCat("plan: ", S, " stages need ", S - 1, " links, not ", plan_.links.size()));
   stage_workers_.resize(S);
   owners_.resize(S);
+  whole_pipelines_ = plan_.sync.diloco && partitioner::WholePipelineReplicas(plan_.stages);
   for (int k = 0; k < S; ++k) {
     const auto& st = plan_.stages[k];
     const std::string where = absl::StrCat("plan: stage ", k + 1);
@@ -205,11 +206,6 @@ absl::Status Simulation::Init() {
       return absl::InvalidArgumentError(
           absl::StrCat(where, ": micro-batch shares must be one per site, summing to ", M));
     owners_[k] = partitioner::MicroBatchOwners(st.micro_batches);
-    if (k == 0)
-      whole_pipelines_ = plan_.sync.diloco && S > 1 && st.sites.size() > 1;
-    else
-      whole_pipelines_ = whole_pipelines_ && st.sites.size() == plan_.stages[0].sites.size() &&
-                         st.micro_batches == plan_.stages[0].micro_batches;
     const double share = partitioner::ForwardShare(g_, st.first_op, st.last_op);
     for (size_t r = 0; r < st.sites.size(); ++r) {
       const int site = st.sites[r];
