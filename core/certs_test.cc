@@ -4,27 +4,17 @@
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 
-#include <array>
-#include <cstdio>
-#include <cstdlib>
 #include <filesystem>
 #include <string>
+
+#include "tests/test_util.h"
 
 namespace meridian::core {
 namespace {
 
 namespace fs = std::filesystem;
+using meridian::testing::Shell;
 using ::testing::HasSubstr;
-
-// Runs a shell command; returns its exit status and stdout+stderr.
-std::pair<int, std::string> Shell(const std::string& cmd) {
-  std::string out;
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  std::array<char, 512> buf;
-  while (p && fgets(buf.data(), buf.size(), p)) out += buf.data();
-  int rc = p ? pclose(p) : -1;
-  return {WIFEXITED(rc) ? WEXITSTATUS(rc) : -1, out};
-}
 
 ClusterSpec Spec(const std::string& name) {
   ClusterSpec s;

@@ -9,9 +9,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <malloc.h>
-#include <sys/wait.h>
 
-#include <array>
 #include <filesystem>
 #include <fstream>
 
@@ -20,6 +18,7 @@
 #include "executor/trainer.h"
 #include "job/job.h"
 #include "partitioner/model.h"
+#include "tests/test_util.h"
 
 namespace meridian::executor {
 namespace {
@@ -65,13 +64,9 @@ void CheckAgainstPython(const std::string& config_json) {
   ASSERT_TRUE(core::WriteSafetensors((dir / "o.safetensors").string(), out).ok());
   std::string cmd = "/usr/bin/python3 " + std::string(MERIDIAN_TEST_SOURCE_DIR) + "/tests/llama_oracle.py " +
                     (dir / "config.json").string() + " " + (dir / "w.safetensors").string() + " " +
-                    (dir / "b.safetensors").string() + " " + (dir / "o.safetensors").string() + " 2>&1";
-  std::string report;
-  FILE* p = popen(cmd.c_str(), "r");
-  std::array<char, 512> buf;
-  while (p && fgets(buf.data(), buf.size(), p)) report += buf.data();
-  int rc = p ? pclose(p) : -1;
-  EXPECT_TRUE(WIFEXITED(rc) && WEXITSTATUS(rc) == 0) << report;
+                    (dir / "b.safetensors").string() + " " + (dir / "o.safetensors").string();
+  const auto [rc, report] = meridian::testing::Shell(cmd);
+  EXPECT_EQ(rc, 0) << report;
   EXPECT_THAT(report, ::testing::HasSubstr("logits relative error"));
   ::testing::Test::RecordProperty("oracle_report", report);
   fs::remove_all(dir);
@@ -212,7 +207,7 @@ TEST(Trainer, AdamWStateRoundTripsAndRefusesMomentsOfAnotherShape) {
   absl::Status s = hurt.ImportState(params, forged, 1, torch::kCPU);
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
   EXPECT_THAT(std::string(s.message()),
-              testing::HasSubstr("optim.m.w has shape [1, 2] Float but parameter w has [3, 2] Float"));
+              ::testing::HasSubstr("optim.m.w has shape [1, 2] Float but parameter w has [3, 2] Float"));
   EXPECT_EQ(hurt.steps(), 0);
   EXPECT_TRUE(hurt.ExportState().empty());
 }
@@ -227,14 +222,14 @@ TEST(Diloco, WholePipelinesNeedNeighboursPairedWithTheStage) {
   EXPECT_TRUE(a->whole_pipelines);
   StageAssignment crossing = *a;
   EXPECT_THAT(std::string(ResolveReplicas(&crossing, "a", 4).message()),
-              testing::HasSubstr(
+              ::testing::HasSubstr(
                   "whole_pipelines: next_replicas has 2 sites with micro-batch shares 3/1, not the stage's 2/2"));
   a->next_replicas.micro_batches = {2, 2};
   EXPECT_TRUE(ResolveReplicas(&*a, "a", 4).ok());
   auto bad = ParseAssignmentJson(R"({"stage": 0, "num_stages": 1, "first_op": 0, "last_op": 2, "whole_pipelines": 1})",
                                  "b.json");
   EXPECT_THAT(std::string(bad.status().message()),
-              testing::HasSubstr("b.json: whole_pipelines: expected true or false"));
+              ::testing::HasSubstr("b.json: whole_pipelines: expected true or false"));
 }
 
 TEST(Diloco, FragmentsAreContiguousBalancedAndRotate) {
