@@ -561,7 +561,7 @@ def diloco_pipelines(a, bin_dir, work, cfg, model_dir, weights_params):
     # Stage 0 the embedding and all blocks but the last; stage 1 the last block and the head, which computes
     # about as long as two blocks (profiled with a vocabulary of 4,096 at 2 sequences a micro-batch: a block
     # 15-21 ms, the head 45-100 ms; half of that with 2,048).
-    layers = res_layers(dp_model)
+    layers = model_layers(dp_model)
     ops = 2 * layers + 2
     plan = os.path.join(dpw, "layout.json")
     cut = a.dp_cut if a.dp_cut is not None else 2 * (layers - 1)
@@ -618,7 +618,7 @@ def diloco_pipelines(a, bin_dir, work, cfg, model_dir, weights_params):
     return res
 
 
-def res_layers(model_dir):
+def model_layers(model_dir):
     return json.load(open(os.path.join(model_dir, "config.json")))["num_hidden_layers"]
 
 
