@@ -414,8 +414,6 @@ uint64_t RawPayloadSize(const Header& h, uint64_t index_bytes) {
   return 0;
 }
 
-absl::Status CheckSpec(const CodecSpec& s) { return s.Check(); }
-
 absl::Status EncodeFloat(const float* x, const std::vector<int64_t>& shape, int64_t n, DType out_dtype,
                          const CodecSpec& spec, const void* raw_input, std::vector<uint8_t>* frame) {
   Header h{spec.kind, out_dtype, 0, spec.block_size, shape, n, 0, 0, 0};
@@ -577,7 +575,7 @@ absl::StatusOr<Header> ParseHeader(const uint8_t* data, size_t size, const Decod
 namespace {}  // namespace
 
 absl::Status EncodeTo(const core::TensorView& in, const CodecSpec& spec, std::vector<uint8_t>* frame) {
-  absl::Status st = CheckSpec(spec);
+  absl::Status st = spec.Check();
   if (!st.ok()) return st;
   if (spec.delta)
     return absl::InvalidArgumentError(
