@@ -1,8 +1,10 @@
 #include "coordinator/coordinator.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <utility>
 
 #include <nlohmann/json.hpp>
 
@@ -239,11 +241,13 @@ void Coordinator::SetFileDir(const std::string& dir) {
 
 void Coordinator::SetFileWriters(std::map<std::string, int> writers, int64_t max_step, int64_t max_bytes,
                                  int checkpoint_interval, int64_t resume_step,
-                                 std::map<std::string, std::set<std::string>> readable, int64_t quota_bytes) {
+                                 std::map<std::string, std::set<std::string>> readable, int64_t quota_bytes,
+                                 std::map<std::string, std::pair<int, int>> round_writers) {
   std::lock_guard<std::mutex> l(mu_);
   readable_ = std::move(readable);
   quota_bytes_ = quota_bytes;
   file_writers_ = std::move(writers);
+  round_writers_ = std::move(round_writers);
   file_max_step_ = max_step;
   file_max_bytes_ = max_bytes;
   checkpoint_interval_ = checkpoint_interval;
@@ -254,7 +258,8 @@ void Coordinator::SetFileWriters(std::map<std::string, int> writers, int64_t max
 absl::StatusOr<rpc::CoordinatorHandler::FileGrant> Coordinator::FileDestination(const std::string& site,
                                                                                 const std::string& job_id,
                                                                                 const std::string& path) {
-  // The service admits only weights/stage-K.safetensors and checkpoints/step-S/stage-K.{safetensors,json}.
+  // The service admits only weights/stage-K.safetensors and checkpoints/step-S/stage-K.{safetensors,json}
+  // (and stage-K.replica-R.{safetensors,json}).
   const std::optional<core::SiteFile> file = core::ParseSiteFile(path);
   if (!file) return absl::InvalidArgumentError(absl::StrCat("site '", site, "': ", path, " names no stage"));
   const int64_t step = file->step;
@@ -270,13 +275,24 @@ absl::StatusOr<rpc::CoordinatorHandler::FileGrant> Coordinator::FileDestination(
     if (job_id != job_id_)
       return absl::FailedPreconditionError(absl::StrCat("site '", site, "' sent ", path, " of attempt '", job_id,
                                                         "', but the attempt now running is '", job_id_, "'"));
-    auto w = file_writers_.find(site);
-    if (w == file_writers_.end())
-      return absl::PermissionDeniedError(
-          absl::StrCat("site '", site, "' sent ", path, ", but it writes no stage's files in attempt '", job_id_, "'"));
-    if (w->second != stage)
-      return absl::PermissionDeniedError(absl::StrCat("site '", site, "' sent ", path, ", but it writes stage ",
-                                                      w->second, "'s files, not stage ", stage, "'s"));
+    if (file->replica < 0) {
+      auto w = file_writers_.find(site);
+      if (w == file_writers_.end())
+        return absl::PermissionDeniedError(absl::StrCat("site '", site, "' sent ", path,
+                                                        ", but it writes no stage's files in attempt '", job_id_, "'"));
+      if (w->second != stage)
+        return absl::PermissionDeniedError(absl::StrCat("site '", site, "' sent ", path, ", but it writes stage ",
+                                                        w->second, "'s files, not stage ", stage, "'s"));
+    } else {
+      auto w = round_writers_.find(site);
+      if (w == round_writers_.end())
+        return absl::PermissionDeniedError(
+            absl::StrCat("site '", site, "' sent ", path, ", but it is no DiLoCo replica in attempt '", job_id_, "'"));
+      if (w->second != std::make_pair(stage, file->replica))
+        return absl::PermissionDeniedError(absl::StrCat("site '", site, "' sent ", path, ", but it is replica ",
+                                                        w->second.second, " of stage ", w->second.first,
+                                                        ", not replica ", file->replica, " of stage ", stage));
+    }
     if (step > file_max_step_)
       return absl::InvalidArgumentError(
           absl::StrCat("site '", site, "' sent ", path, ", a step beyond the job's ", file_max_step_));
@@ -336,7 +352,7 @@ absl::Status Coordinator::FileCommit(const std::string& site, const std::string&
   // Outside the lock: what a stage JSON claims (the digest came with the upload, checked as it arrived).
   std::optional<StageMetaClaims> claims;
   if (checkpoint && file->kind == core::SiteFile::Kind::kCheckpointMeta) {
-    auto read = ReadStageMeta(site, path, part);
+    auto read = ReadStageMeta(site, path, part, file->replica >= 0);
     if (!read.ok()) return read.status();
     claims = *read;
   }
@@ -346,19 +362,23 @@ absl::Status Coordinator::FileCommit(const std::string& site, const std::string&
       return absl::FailedPreconditionError(
           absl::StrCat("site '", site, "' sent ", path, " of attempt '", job_id, "', which ended while it arrived"));
     const bool counted = checkpoint && checkpoint_interval_ > 0;
+    const std::pair<int, int> key = file ? std::make_pair(file->stage, file->replica) : std::make_pair(0, -1);
     if (counted) {
       StepUploads& u = uploads_[file->step];
       const auto& sent = file->kind == core::SiteFile::Kind::kCheckpointShard ? u.shard_sha256 : u.meta_sha256;
-      if (sent.count(file->stage))
+      if (sent.count(key))
         return absl::FailedPreconditionError(
             absl::StrCat("site '", site, "' sent ", path, " again; a step's file is sent once"));
       if (claims) {
         const int n = NumStages();
-        if (claims->stage != file->stage || claims->num_stages != n)
-          return absl::InvalidArgumentError(absl::StrCat("site '", site, "' sent ", path, ": it describes stage ",
-                                                         claims->stage, " of ", claims->num_stages,
-                                                         "; the plan has stage ", file->stage, " of ", n));
-        auto shard = u.shard_sha256.find(file->stage);
+        if (claims->stage != file->stage || claims->num_stages != n || claims->replica != file->replica)
+          return absl::InvalidArgumentError(
+              absl::StrCat("site '", site, "' sent ", path, ": it describes ",
+                           claims->replica >= 0 ? absl::StrCat("replica ", claims->replica, " of ") : "", "stage ",
+                           claims->stage, " of ", claims->num_stages, "; the plan has ",
+                           file->replica >= 0 ? absl::StrCat("replica ", file->replica, " of ") : "", "stage ",
+                           file->stage, " of ", n));
+        auto shard = u.shard_sha256.find(key);
         if (shard == u.shard_sha256.end() || shard->second != claims->sha256)
           return absl::InvalidArgumentError(
               absl::StrCat("site '", site, "' sent ", path,
@@ -372,7 +392,7 @@ absl::Status Coordinator::FileCommit(const std::string& site, const std::string&
           absl::StrCat("site '", site, "' sent ", path, ": cannot rename ", part, " to ", dest, ": ", ec.message()));
     if (counted) {
       StepUploads& u = uploads_[file->step];
-      (file->kind == core::SiteFile::Kind::kCheckpointShard ? u.shard_sha256 : u.meta_sha256)[file->stage] = sha;
+      (file->kind == core::SiteFile::Kind::kCheckpointShard ? u.shard_sha256 : u.meta_sha256)[key] = sha;
       WriteManifestIfComplete(file->step, std::filesystem::path(dest).parent_path().string());
     }
   }
@@ -388,41 +408,54 @@ int Coordinator::NumStages() const {
 
 absl::StatusOr<Coordinator::StageMetaClaims> Coordinator::ReadStageMeta(const std::string& site,
                                                                         const std::string& path,
-                                                                        const std::string& part) {
+                                                                        const std::string& part, bool replica) {
   auto bad = [&](const std::string& why) {
     return absl::InvalidArgumentError(absl::StrCat("site '", site, "' sent ", path, ": ", why));
   };
   auto text = core::ReadFile(part, int64_t{64} << 20);
   if (!text.ok()) return bad(std::string(text.status().message()));
+  if (replica) {
+    std::optional<core::ReplicaMeta> m = core::ParseReplicaMeta(*text, 0);
+    if (!m) return bad("not a replica's round state description");
+    return StageMetaClaims{m->stage, m->num_stages, m->replica, m->sha256};
+  }
   auto j = nlohmann::json::parse(*text, nullptr, false);
   if (!j.is_object() || !j.contains("stage") || !j["stage"].is_number_integer() || !j.contains("num_stages") ||
       !j["num_stages"].is_number_integer() || !j.contains("sha256") || !j["sha256"].is_string() ||
       !j.contains("tensors") || !j["tensors"].is_array())
     return bad("not a stage checkpoint description");
-  return StageMetaClaims{j["stage"].get<int>(), j["num_stages"].get<int>(), j["sha256"].get<std::string>()};
+  return StageMetaClaims{j["stage"].get<int>(), j["num_stages"].get<int>(), -1, j["sha256"].get<std::string>()};
 }
 
 void Coordinator::WriteManifestIfComplete(int64_t step, const std::string& step_dir) {
-  const StepUploads& u = uploads_[step];
+  StepUploads& u = uploads_[step];
   const int n = NumStages();
   core::Manifest m;
   m.step = step;
   m.num_stages = n;
   m.job_id = job_id_;
   for (int k = 0; k < n; ++k) {
-    if (!u.shard_sha256.count(k) || !u.meta_sha256.count(k)) return;
+    const std::pair<int, int> key{k, -1};
+    if (!u.shard_sha256.count(key) || !u.meta_sha256.count(key)) return;
     std::string writer;
     for (const auto& [site, stage] : file_writers_)
       if (stage == k) writer = site;
-    m.stages.push_back({writer, u.shard_sha256.at(k), u.meta_sha256.at(k)});
+    m.stages.push_back({writer, u.shard_sha256.at(key), u.meta_sha256.at(key), {}});
   }
+  for (const auto& [site, key] : round_writers_)  // the round states complete so far
+    if (key.first < n && u.shard_sha256.count(key) && u.meta_sha256.count(key))
+      m.stages[key.first].replicas.push_back({key.second, site, u.shard_sha256.at(key), u.meta_sha256.at(key)});
+  for (auto& stage : m.stages)
+    std::sort(stage.replicas.begin(), stage.replicas.end(),
+              [](const auto& x, const auto& y) { return x.replica < y.replica; });
   if (absl::Status s = core::WriteFileAtomic((std::filesystem::path(step_dir) / core::kManifestFile).string(),
                                              core::ManifestJson(m));
-      !s.ok())
+      !s.ok()) {
     std::fprintf(stderr, "meridian run: %s\n", std::string(s.message()).c_str());
-  else
+  } else if (!std::exchange(u.manifested, true)) {
     AddEventLocked("checkpoint", "",
                    absl::StrCat("step ", step, ": every stage's checkpoint arrived and checked out; manifest written"));
+  }
 }
 
 absl::StatusOr<std::string> Coordinator::FileSource(const std::string& site, const std::string& path) {

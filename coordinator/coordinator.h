@@ -17,6 +17,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -96,13 +97,17 @@ class Coordinator : public rpc::CoordinatorHandler {
   // interval ahead of the progress (counted from `resume_step`), and a stage's JSON must describe the
   // shard its writer sent (stage, the plan's number of stages, SHA-256); once every writer sent both
   // files of a step, the coordinator writes the step's manifest (core/checkpoint_dir.h), which alone
-  // makes the step count. A site fetches only the files `readable` lists for it (the run machine's choice:
-  // every stage JSON of `resume_step` and the shards holding its own stage's tensors). With `quota_bytes`
-  // > 0 the files under the run directory's checkpoints/ and weights/ may total at most that: an upload
-  // is granted what is left of it, and of the filesystem's free space. BeginJob clears it.
+  // makes the step count. `round_writers` maps each replica of a DiLoCo stage to its (stage, replica):
+  // it alone sends that replica's round state (stage-K.replica-R.*, its JSON describing the shard it
+  // sent), listed in the manifest as it arrives. A site fetches only the files `readable` lists for it
+  // (the run machine's choice: every stage JSON of `resume_step`, the shards holding its own stage's
+  // tensors, and its own round state when its stage resumes it). With `quota_bytes` > 0 the files under
+  // the run directory's checkpoints/ and weights/ may total at most that: an upload is granted what is
+  // left of it, and of the filesystem's free space. BeginJob clears it.
   void SetFileWriters(std::map<std::string, int> writers, int64_t max_step, int64_t max_bytes,
                       int checkpoint_interval = 0, int64_t resume_step = 0,
-                      std::map<std::string, std::set<std::string>> readable = {}, int64_t quota_bytes = 0);
+                      std::map<std::string, std::set<std::string>> readable = {}, int64_t quota_bytes = 0,
+                      std::map<std::string, std::pair<int, int>> round_writers = {});
   // What Inspect reports besides the live state: the run's profile, graph and current plan (JSON).
   void SetRunInfo(std::string profile_json, std::string graph_json, std::string plan_json);
 
@@ -162,11 +167,13 @@ class Coordinator : public rpc::CoordinatorHandler {
   // What an uploaded stage JSON (`part`) claims; checked against the plan and its writer's shard under mu_.
   struct StageMetaClaims {
     int stage = 0, num_stages = 0;
+    int replica = -1;  // a replica's round state: its replica
     std::string sha256;
   };
   static absl::StatusOr<StageMetaClaims> ReadStageMeta(const std::string& site, const std::string& path,
-                                                       const std::string& part);
-  // Writes step-S/manifest.json once every stage's writer sent both files of `step`. REQUIRES: mu_ held.
+                                                       const std::string& part, bool replica);
+  // Writes step-S/manifest.json once every stage's writer sent both files of `step`, and again as each
+  // replica's round state completes. REQUIRES: mu_ held.
   void WriteManifestIfComplete(int64_t step, const std::string& step_dir);
 
   core::ClusterSpec spec_;
@@ -195,13 +202,16 @@ class Coordinator : public rpc::CoordinatorHandler {
   std::ofstream event_log_;                        // SetEventLog's file
   std::string file_dir_;                           // guarded by mu_, as the three below
   std::map<std::string, int> file_writers_;
+  std::map<std::string, std::pair<int, int>> round_writers_;  // site -> (stage, replica)
   int64_t file_max_step_ = 0, file_max_bytes_ = 0;
   int checkpoint_interval_ = 0;
   int64_t resume_step_ = 0;
   std::map<std::string, std::set<std::string>> readable_;  // site -> the run files it may fetch
   int64_t quota_bytes_ = 0;                                // 0: none
   struct StepUploads {  // what the writers of the running attempt sent of one checkpoint step
-    std::map<int, std::string> shard_sha256, meta_sha256;  // by stage
+    // By (stage, replica): replica -1 for the stage's own files, R >= 0 for replica R's round state.
+    std::map<std::pair<int, int>, std::string> shard_sha256, meta_sha256;
+    bool manifested = false;
   };
   std::map<int64_t, StepUploads> uploads_;
   std::string log_dir_;                             // guarded by log_mu_

@@ -201,6 +201,98 @@ TEST(CoordinatorFiles, OnlyAManifestedStepCountsAndForgedUploadsAreRefused) {
   fs::remove_all(dir);
 }
 
+// DiLoCo round states (#17): only replica R of stage K sends stage-K.replica-R.*, its JSON must describe
+// the shard it sent, and the manifest lists each round state as it completes -- the step counts without
+// them, and a round state replaced afterwards is left out, not the step.
+TEST(CoordinatorFiles, EachDilocoReplicaSendsOnlyItsOwnRoundStateAndTheManifestListsIt) {
+  const fs::path dir = fs::temp_directory_path() / ("meridian_rounds_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  core::ClusterSpec spec;
+  spec.name = "t";
+  spec.sites = {{"a", {"127.0.0.1", 2}}, {"b", {"127.0.0.1", 3}}, {"c", {"127.0.0.1", 4}}};
+  Coordinator c(spec, "run");
+  c.SetFileDir(dir.string());
+  c.BeginJob("j", {{"a", 0}, {"b", 0}, {"c", 1}});
+  c.SetFileWriters({{"a", 0}, {"c", 1}}, 100, 1 << 20, 10, 0, {}, 0, {{"a", {0, 0}}, {"b", {0, 1}}});
+  auto upload = [&](const std::string& site, const std::string& path, const std::string& content) {
+    auto grant = c.FileDestination(site, "j", path);
+    if (!grant.ok()) return grant.status();
+    const std::string part = grant->path + ".part";
+    std::ofstream(part) << content;
+    absl::Status s = c.FileCommit(site, "j", path, part, grant->path, static_cast<int64_t>(content.size()),
+                                  core::Sha256Hex(content));
+    if (!s.ok()) fs::remove(part);
+    return s;
+  };
+  auto stage_meta = [](int stage, const std::string& shard) {
+    return nlohmann::json{{"step", 10},
+                          {"stage", stage},
+                          {"num_stages", 2},
+                          {"shard", "stage-" + std::to_string(stage) + ".safetensors"},
+                          {"sha256", core::Sha256Hex(shard)},
+                          {"tensors", {"w"}}}
+        .dump();
+  };
+  auto round_meta = [](int replica, const std::string& shard) {
+    core::ReplicaMeta m;
+    m.step = 10;
+    m.stage = 0;
+    m.num_stages = 2;
+    m.replica = replica;
+    m.last_op = 2;
+    m.micro_batches = {2, 2};
+    m.shard = core::ReplicaShardName(0, replica);
+    m.sha256 = core::Sha256Hex(shard);
+    return core::ReplicaMetaJson(m);
+  };
+  // b is replica 1 of stage 0: not the stage's writer, not replica 0, not c's stage.
+  auto refused = c.FileDestination("b", "j", "checkpoints/step-10/stage-0.replica-0.safetensors");
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(std::string(refused.status().message()),
+              testing::HasSubstr("it is replica 1 of stage 0, not replica 0 of stage 0"));
+  EXPECT_EQ(c.FileDestination("b", "j", "checkpoints/step-10/stage-0.safetensors").status().code(),
+            absl::StatusCode::kPermissionDenied);
+  auto spare = c.FileDestination("c", "j", "checkpoints/step-10/stage-1.replica-0.safetensors");
+  EXPECT_THAT(std::string(spare.status().message()), testing::HasSubstr("it is no DiLoCo replica"));
+  ASSERT_TRUE(upload("b", "checkpoints/step-10/stage-0.replica-1.safetensors", "round-b").ok());
+  // A JSON vouching for another shard, or describing another replica.
+  EXPECT_EQ(upload("b", "checkpoints/step-10/stage-0.replica-1.json", round_meta(1, "other")).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(upload("b", "checkpoints/step-10/stage-0.replica-1.json", round_meta(0, "round-b")).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(upload("b", "checkpoints/step-10/stage-0.replica-1.json", stage_meta(0, "round-b")).code(),
+            absl::StatusCode::kInvalidArgument);  // a stage's description is no round state's
+  ASSERT_TRUE(upload("b", "checkpoints/step-10/stage-0.replica-1.json", round_meta(1, "round-b")).ok());
+  EXPECT_FALSE(fs::exists(dir / "checkpoints" / "step-10" / core::kManifestFile));  // no stage's shard yet
+  for (const auto& [site, stage] : {std::pair<std::string, int>{"a", 0}, {"c", 1}}) {
+    const std::string shard = "shard-" + site;
+    ASSERT_TRUE(upload(site, "checkpoints/step-10/stage-" + std::to_string(stage) + ".safetensors", shard).ok());
+    ASSERT_TRUE(
+        upload(site, "checkpoints/step-10/stage-" + std::to_string(stage) + ".json", stage_meta(stage, shard)).ok());
+  }
+  // Manifested with b's round state; a's arrives after and is listed too.
+  auto found = core::FindLatestManifested((dir / "checkpoints").string());
+  ASSERT_TRUE(found.ok()) << found.status();
+  ASSERT_EQ(found->round_states[0].size(), 1u);
+  EXPECT_EQ(found->round_states[0].at(1).micro_batches, (std::vector<int>{2, 2}));
+  ASSERT_TRUE(upload("a", "checkpoints/step-10/stage-0.replica-0.safetensors", "round-a").ok());
+  ASSERT_TRUE(upload("a", "checkpoints/step-10/stage-0.replica-0.json", round_meta(0, "round-a")).ok());
+  found = core::FindLatestManifested((dir / "checkpoints").string());
+  ASSERT_TRUE(found.ok()) << found.status();
+  EXPECT_EQ(found->round_states[0].size(), 2u);
+  EXPECT_EQ(found->files.size(), 4u);  // the stages' files; round states apart
+  std::string why;
+  EXPECT_TRUE(core::RoundStatesMatch(found->round_states[0], {0, 2, 0, 2, {2, 2}}, &why)) << why;
+  EXPECT_FALSE(core::RoundStatesMatch(found->round_states[0], {0, 2, 0, 2, {3, 1}}, &why));
+  // b's round state replaced behind the coordinator's back: left out, the step still counts.
+  std::ofstream(dir / "checkpoints" / "step-10" / core::ReplicaShardName(0, 1)) << "tampered";
+  found = core::FindLatestManifested((dir / "checkpoints").string());
+  ASSERT_TRUE(found.ok()) << found.status();
+  EXPECT_EQ(found->round_states[0].size(), 1u);
+  EXPECT_THAT(found->round_state_problems, testing::HasSubstr("stage-0.replica-1.safetensors: does not match"));
+  fs::remove_all(dir);
+}
+
 // The run as JSON (/api/run, `meridian status --json`): steps numbered in the order recorded (a resumed
 // attempt's steps come again under new numbers), `after` returning only the newer ones, the tokens/s the
 // plan predicts, events with their site, and the event log on disk with a hostile site's bytes replaced.

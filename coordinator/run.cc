@@ -421,7 +421,7 @@ class RunDriver {
             } else if constexpr (std::is_same_v<T, BeginAttempt>) {
               coord_.BeginJob(a.job_id, a.stages);
               coord_.SetFileWriters(a.file_writers, a.max_step, a.max_file_bytes, a.checkpoint_interval, a.resume_step,
-                                    a.readable, a.store_quota_bytes);
+                                    a.readable, a.store_quota_bytes, a.round_writers);
             } else if constexpr (std::is_same_v<T, PublishRunInfo>) {
               coord_.SetRunInfo(a.profile_json, a.graph_json, a.plan_json);
             } else if constexpr (std::is_same_v<T, WriteRunFile>) {

@@ -547,13 +547,31 @@ void RunMachine::StartAttempt() {
   if (absl::Status s = FindResumePoint(); !s.ok()) return Fail(std::string(s.message()));
   const bool store = c_.job.checkpoint.store == core::CheckpointStore::kCoordinator;
   std::map<std::string, std::set<std::string>> readable;
+  std::map<std::string, std::pair<int, int>> round_writers;  // DiLoCo: every replica sends its round state
   for (size_t k = 0; k < plan_->stages.size(); ++k) {
-    const std::vector<std::string> files = ResumeFilesFor(k);
-    for (const auto& site : plan_->stages[k].site_names) readable[site].insert(files.begin(), files.end());
+    const auto& sites = plan_->stages[k].site_names;
+    for (size_t r = 0; r < sites.size(); ++r) {
+      const std::vector<std::string> files = ResumeFilesFor(k, r);
+      readable[sites[r]].insert(files.begin(), files.end());
+      if (c_.job.sync.mode == core::SyncMode::kDiloco && sites.size() > 1)
+        round_writers[sites[r]] = {static_cast<int>(k), static_cast<int>(r)};
+    }
+  }
+  if (resume_files_ && c_.job.sync.mode == core::SyncMode::kDiloco) {
+    if (!resume_files_->round_state_problems.empty())
+      Say(absl::StrCat("round states left out: ", resume_files_->round_state_problems, "\n"));
+    for (size_t k = 0; k < plan_->stages.size(); ++k) {
+      if (plan_->stages[k].site_names.size() < 2) continue;
+      std::string why;
+      Say(ResumesRoundStates(k, &why)
+              ? absl::StrCat("stage ", k, ": every DiLoCo replica resumes its own round state\n")
+              : absl::StrCat("stage ", k, ": every DiLoCo replica resumes from replica 0's state (", why,
+                             "what the others learnt since the last outer synchronisation is not kept)\n"));
+    }
   }
   Out(BeginAttempt{job_id_, std::move(stages), std::move(writers), c_.steps, max_file_bytes_,
                    store ? c_.job.checkpoint.interval : 0, std::max<int64_t>(resume_step_, 0), std::move(readable),
-                   store ? StoreQuotaBytes(c_) : 0});
+                   store ? StoreQuotaBytes(c_) : 0, std::move(round_writers)});
   // What an abandoned attempt left above the resume point would otherwise mix with the steps written
   // again (after BeginAttempt: no file of the attempt before lands any more).
   if (store && resume_step_ > 0) Out(RemoveCheckpointsAbove{resume_step_});
@@ -717,11 +735,27 @@ int64_t StoreQuotaBytes(const RunConfig& c) {
   return (c.job.checkpoint.keep + 3) * per_step;  // keep + 2 steps, and the weights
 }
 
-std::vector<std::string> RunMachine::ResumeFilesFor(size_t k) const {
+// DiLoCo: a replica resumes its own round state when every replica of the stage had one for this very
+// stage (all or none: a stage's replicas must agree on the exchange in flight).
+bool RunMachine::ResumesRoundStates(size_t k, std::string* why) const {
+  const partitioner::StagePlan& stage = plan_->stages[k];
+  if (!resume_files_ || c_.job.sync.mode != core::SyncMode::kDiloco || stage.site_names.size() < 2) return false;
+  const core::ReplicaLayout layout{static_cast<int>(k), static_cast<int>(plan_->stages.size()), stage.first_op,
+                                   stage.last_op, stage.micro_batches};
+  auto states = resume_files_->round_states.find(static_cast<int>(k));
+  std::string ignored;
+  if (states != resume_files_->round_states.end())
+    return core::RoundStatesMatch(states->second, layout, why ? why : &ignored);
+  if (why) absl::StrAppend(why, "stage ", k, ": the checkpoint holds no round state of its replicas; ");
+  return false;
+}
+
+std::vector<std::string> RunMachine::ResumeFilesFor(size_t k, size_t replica) const {
   std::vector<std::string> out;
   if (!resume_files_) return out;
+  const partitioner::StagePlan& stage = plan_->stages[k];
   std::set<std::string> ops;
-  for (int op = plan_->stages[k].first_op; op <= plan_->stages[k].last_op; ++op) ops.insert(graph_.ops[op].name);
+  for (int op = stage.first_op; op <= stage.last_op; ++op) ops.insert(graph_.ops[op].name);
   for (const auto& f : resume_files_->files) {
     bool needed = true;  // stage JSONs, and shards whose JSON lists no tensors
     if (auto t = resume_files_->shard_tensors.find(f); t != resume_files_->shard_tensors.end())
@@ -730,6 +764,11 @@ std::vector<std::string> RunMachine::ResumeFilesFor(size_t k) const {
         return op && ops.count(*op);
       });
     if (needed) out.push_back(core::CheckpointFile(resume_step_, f));
+  }
+  if (ResumesRoundStates(k, nullptr)) {
+    const int r = static_cast<int>(replica);
+    out.push_back(core::CheckpointFile(resume_step_, core::ReplicaShardName(static_cast<int>(k), r)));
+    out.push_back(core::CheckpointFile(resume_step_, core::ReplicaMetaName(static_cast<int>(k), r)));
   }
   return out;
 }
@@ -807,7 +846,9 @@ void RunMachine::Assign() {
       a->set_resume_step(resume_step_);  // 0 afresh; -1 each stage loads the newest intact checkpoint; S
       // This run's checkpoints only, unless it was started to continue from what the directory holds.
       if (!c_.resume) a->set_resume_run(c_.run_id);
-      for (const auto& f : ResumeFilesFor(k)) a->add_resume_files(f);
+      const size_t replica = static_cast<size_t>(std::find(st[k].site_names.begin(), st[k].site_names.end(), site) -
+                                                 st[k].site_names.begin());
+      for (const auto& f : ResumeFilesFor(k, replica)) a->add_resume_files(f);
       Out(LogSite{
           site, absl::StrCat("assigned stage ", k + 1, "/", st.size(), " (ops ", st[k].first_op, "-", st[k].last_op,
                              ") of job ", job_id_, k > 0 ? absl::StrCat(", after '", st[k - 1].site_names[0], "'") : "",
@@ -975,6 +1016,7 @@ void RunMachine::OnDone(const StageReportedDone& e) {
       if (!attempt_.done.count(u) && !sites_[u].silent) return;
     return AfterDrain();
   }
+  if (phase_ == Phase::kFailing && !d.error().empty()) attempt_.failed.insert(d.site());
   if (phase_ != Phase::kTraining && phase_ != Phase::kSwitching) return;
   // A stage that went past the switch's boundary (which the step lease rules out unless a site breaks
   // it) fails -- it says so, or a neighbour that ended at the boundary never answers it -- and so may its
@@ -984,6 +1026,8 @@ void RunMachine::OnDone(const StageReportedDone& e) {
   if (!d.error().empty() && !missed_boundary) {
     // Said at once, with the site and its stage; heartbeats then get the time to name a site that died
     // (a stage fails when a neighbour dies).
+    attempt_.failed = {d.site()};
+    attempt_.before_failing = phase_;
     int stage = -1;
     for (size_t k = 0; plan_ && k < plan_->stages.size(); ++k)
       for (const auto& s : plan_->stages[k].site_names)
@@ -1031,7 +1075,24 @@ void RunMachine::OnLost(const HeartbeatLost& e) {
       }
       return;
     case Phase::kFailing:
-      if (attempt_.used.count(e.site)) EndAttempt();
+      if (!attempt_.used.count(e.site)) return;
+      // The stages that failed meanwhile may be the lost site's pipeline-mates alone (their neighbour
+      // went): that pipeline is left out, and the attempt goes on as it was.
+      if (!DilocoPipelineOf(e.site).empty()) {
+        const Phase failing = std::exchange(phase_, attempt_.before_failing);
+        if (LeaveOutDilocoWorker(e.site, attempt_.failed)) {
+          Say(absl::StrCat("  (the failure of ",
+                           Quoted(std::vector<std::string>(attempt_.failed.begin(), attempt_.failed.end())),
+                           " was the lost site's pipeline's own)\n"));
+          attempt_.failure.clear();
+          attempt_.failed_site.clear();
+          attempt_.failure_code = 0;
+          attempt_.failed.clear();
+          return;
+        }
+        phase_ = failing;
+      }
+      EndAttempt();
       return;
     case Phase::kDraining:
       for (const auto& u : attempt_.used)
@@ -1169,26 +1230,53 @@ void RunMachine::PlaceBoundary() {
                     ", the attempt's first: no stage goes past it before a lease is granted"));
 }
 
-bool RunMachine::LeaveOutDilocoWorker(const std::string& site) {
+std::vector<std::string> RunMachine::DilocoPipelineOf(const std::string& site) const {
   // Only where the run re-plans around lost sites (on_failure: wait waits for them instead).
-  if (!plan_ || !plan_->sync.diloco || plan_->stages.size() != 1 || c_.spec.on_failure != core::OnFailure::kReplan)
-    return false;
-  const std::vector<std::string>& R = plan_->stages[0].site_names;
-  if (R.size() < 2 || R[0] == site || sites_[R[0]].silent) return false;
+  if (!plan_ || !plan_->sync.diloco || c_.spec.on_failure != core::OnFailure::kReplan) return {};
+  const auto& st = plan_->stages;
+  if (st.size() != 1 && !partitioner::WholePipelineReplicas(st)) return {};
+  for (const auto& stage : st) {
+    const auto it = std::find(stage.site_names.begin(), stage.site_names.end(), site);
+    if (it == stage.site_names.end()) continue;
+    const size_t r = static_cast<size_t>(it - stage.site_names.begin());
+    if (stage.site_names.size() < 2 || r == 0) return {};  // replica 0 writes the stage's checkpoints
+    std::vector<std::string> pipeline;
+    for (const auto& k : st) {
+      if (sites_.at(k.site_names[0]).silent) return {};  // pipeline 0 is needed whole
+      pipeline.push_back(k.site_names[r]);
+    }
+    return pipeline;
+  }
+  return {};
+}
+
+bool RunMachine::LeaveOutDilocoWorker(const std::string& site, const std::set<std::string>& failed) {
+  const std::vector<std::string> pipeline = DilocoPipelineOf(site);
+  if (pipeline.empty()) return false;
+  // Errors reported meanwhile must all be the left-out pipeline's own (its stages fail when one goes).
+  for (const auto& f : failed)
+    if (std::find(pipeline.begin(), pipeline.end(), f) == pipeline.end()) return false;
   // The workers left must reach a switch before the run's last step, whose final outer sync needs all.
   if ((phase_ == Phase::kSwitching ? boundary_ : lease_) >= c_.steps) return false;
-  attempt_.used.erase(site);
-  attempt_.left_out.push_back(site);
+  for (const auto& p : pipeline) {
+    attempt_.used.erase(p);
+    attempt_.done.erase(p);  // a failure of its own, not the attempt's
+    if (std::find(attempt_.left_out.begin(), attempt_.left_out.end(), p) == attempt_.left_out.end())
+      attempt_.left_out.push_back(p);
+  }
   lost_.insert(site);
-  const std::string why =
-      absl::StrCat("site '", site, "' stopped answering (no heartbeat for ", c_.spec.heartbeat_timeout_seconds,
-                   " s); its DiLoCo worker is left out of the outer average and the others go on");
-  Out(LogSite{site, absl::StrCat("lost: no heartbeat for ", c_.spec.heartbeat_timeout_seconds,
-                                 " s; its DiLoCo worker is left out")});
+  const bool several = pipeline.size() > 1;
+  const std::string what =
+      several ? absl::StrCat("its DiLoCo pipeline (", Quoted(pipeline), ") is left out of the outer average")
+              : std::string("its DiLoCo worker is left out of the outer average");
+  const std::string why = absl::StrCat("site '", site, "' stopped answering (no heartbeat for ",
+                                       c_.spec.heartbeat_timeout_seconds, " s); ", what, " and the others go on");
+  Out(LogSite{site, absl::StrCat("lost: no heartbeat for ", c_.spec.heartbeat_timeout_seconds, " s; ", what)});
   Note("left_out", site, why);
   Say(absl::StrCat("lost: ", why, "\n"));
   if (phase_ != Phase::kSwitching) {
-    BeginSwitch(absl::StrCat("site '", site, "' was lost; the DiLoCo workers left re-plan without it"));
+    BeginSwitch(absl::StrCat("site '", site, "' was lost; the DiLoCo ", several ? "pipelines" : "workers",
+                             " left re-plan without it"));
     return true;
   }
   Out(SetBoundary{job_id_, boundary_, attempt_.left_out});  // the switch under way leaves it out too

@@ -25,8 +25,9 @@
 // When a site is lost during an attempt -- its heartbeats stop, or a stage fails and heartbeats then name
 // a silent site -- the survivors abandon the attempt (draining), then the machine re-plans without the
 // lost sites (on_failure: replan) or waits for them to return (wait), and every stage resumes from the
-// newest intact checkpoint -- except a lost DiLoCo worker of a one-stage plan (not replica 0): the others
-// leave it out and go on to a switch without it (LeaveOutDilocoWorker).
+// newest intact checkpoint -- except a lost DiLoCo worker of a one-stage plan, or a lost site of a
+// whole-pipeline DiLoCo plan (neither in replica 0 or pipeline 0, which write the checkpoints): the others
+// leave that worker or pipeline out and go on to a switch without it (LeaveOutDilocoWorker).
 //
 // Thread-compatible: one thread (the run loop) owns a RunMachine.
 #ifndef MERIDIAN_COORDINATOR_RUN_MACHINE_H_
@@ -133,6 +134,8 @@ struct BeginAttempt {
   // resume_files).
   std::map<std::string, std::set<std::string>> readable;
   int64_t store_quota_bytes = 0;  // StoreQuotaBytes; 0: the store is not used
+  // DiLoCo: each replica of a replicated stage -> (stage, replica): the round state it sends.
+  std::map<std::string, std::pair<int, int>> round_writers;
 };
 // What `meridian status` and `meridian profile` show of the run (JSON).
 struct PublishRunInfo {
@@ -248,12 +251,15 @@ class RunMachine {
     // Replica 0 of stage 0: its reports carry the step's loss and drive the progress (other replicas of a
     // one-stage DiLoCo plan report their own share of it).
     std::string reporter;
-    // Sites lost from a one-stage DiLoCo plan whose workers the others go on without (LeaveOutDilocoWorker).
+    // The sites of DiLoCo workers or pipelines the others go on without (LeaveOutDilocoWorker): the lost
+    // site, and in a pipeline its pipeline's other sites.
     std::vector<std::string> left_out;
-    std::string failure, failed_site;  // the first stage error, or "no heartbeat"
-    int failure_code = 0;              // its absl::StatusCode
-    std::string lost;                  // why it ended: the sites lost, for messages
-    Clock::time_point deadline;        // kFailing: wait for heartbeats; kDraining: drain
+    std::string failure, failed_site;         // the first stage error, or "no heartbeat"
+    int failure_code = 0;                     // its absl::StatusCode
+    std::set<std::string> failed;             // kFailing: every site whose stage reported an error
+    Phase before_failing = Phase::kTraining;  // kFailing: the phase it interrupted
+    std::string lost;                         // why it ended: the sites lost, for messages
+    Clock::time_point deadline;               // kFailing: wait for heartbeats; kDraining: drain
   };
 
   void OnRegistered(const SiteRegistered& e);
@@ -298,11 +304,18 @@ class RunMachine {
   // the boundary is the furthest step reported, since no stage may pass its first step without a lease.
   void PlaceBoundary();
   int64_t SwitchMargin() const;
-  // A lost site of a one-stage DiLoCo plan other than replica 0 (the stage's writer): the workers are
-  // independent between outer syncs, so the others leave it out of their outer average (told through the
-  // heartbeats' answers, SetBoundary::left_out) and go on to a switch that re-plans without it, no step
-  // lost. Whether it did; false leaves the loss to the recovery from the newest checkpoint.
-  bool LeaveOutDilocoWorker(const std::string& site);
+  // A lost site of a one-stage DiLoCo plan other than replica 0 (the stage's writer), or of a
+  // whole-pipeline DiLoCo plan (partitioner::WholePipelineReplicas) outside pipeline 0 (replica 0 of
+  // every stage, the writers): the workers or pipelines are independent between outer syncs, so the
+  // others leave it -- the whole pipeline r of a lost replica r -- out of their outer average (told
+  // through the heartbeats' answers, SetBoundary::left_out) and go on to a switch that re-plans without
+  // the lost site, no step lost. The lost pipeline's other sites fail when their neighbour goes: their
+  // errors (`failed`, reported before the heartbeats named the lost site) are theirs alone and stop
+  // nothing. Whether it did; false leaves the loss to the recovery from the newest checkpoint.
+  bool LeaveOutDilocoWorker(const std::string& site, const std::set<std::string>& failed = {});
+  // The sites of the DiLoCo worker or pipeline LeaveOutDilocoWorker would leave out for lost `site`
+  // (empty: none can be).
+  std::vector<std::string> DilocoPipelineOf(const std::string& site) const;
   // Stragglers (core::ElasticSpec): a used site's step compute against its planned share, relative to
   // the used sites' common ratio (the lower median of their latest ratios: what every site spends beyond
   // the profile's op times -- the optimizer, the framework -- cancels), or where the plan uses one site
@@ -385,9 +398,12 @@ class RunMachine {
   int64_t resume_step_ = 0;  // 0 afresh; -1 each stage loads the newest intact; S: step S
   // store: coordinator: the resume step's files, and the tensors each shard holds (when its JSON lists them).
   std::optional<core::CheckpointFiles> resume_files_;
-  // The resume step's files that stage `k` of the plan needs: every stage JSON, and the shards holding a
-  // tensor of one of its ops (a shard whose JSON lists no tensors: every stage).
-  std::vector<std::string> ResumeFilesFor(size_t k) const;
+  // The resume step's files that replica `replica` of stage `k` of the plan needs: every stage JSON, the
+  // shards holding a tensor of one of its ops (a shard whose JSON lists no tensors: every stage), and its
+  // own DiLoCo round state when the stage resumes them (ResumesRoundStates).
+  std::vector<std::string> ResumeFilesFor(size_t k, size_t replica) const;
+  // Whether stage k's DiLoCo replicas resume their own round states (all of them); else why, appended.
+  bool ResumesRoundStates(size_t k, std::string* why) const;
   Attempt attempt_;
   int64_t progress_step_ = -1;  // the current attempt's last step reported by stage 0
   double last_loss_ = 0;

@@ -1250,6 +1250,63 @@ TEST(RunMachine, TheCoordinatorsStoreResumesFromItsNewestStepAndIsPruned) {
   EXPECT_EQ(begun[0].readable["a"].count("checkpoints/step-10/stage-2.safetensors"), 0u);
 }
 
+// DiLoCo round states (#17): resuming, each replica of a stage is named its own round state only when
+// every replica of the stage wrote one for this very stage (ops and shares); otherwise none is, and the
+// run says why.
+TEST(RunMachine, DilocoReplicasResumeTheirRoundStatesOnlyWhenAllFitTheStage) {
+  for (const bool fits : {true, false}) {
+    SCOPED_TRACE(fits ? "the shares the checkpoint was written with" : "other shares");
+    RunConfig c = Config();
+    c.even_split = false;
+    c.plan_path = "pinned.json";
+    c.pinned = {{{"a", "b"}, 5, {3, 1}}};
+    c.job.sync.mode = core::SyncMode::kDiloco;
+    c.job.checkpoint.store = core::CheckpointStore::kCoordinator;
+    c.find_checkpoint = [fits](std::string*) -> absl::StatusOr<core::CheckpointFiles> {
+      core::CheckpointFiles f{10, "/runs/t/checkpoints/step-10", {"stage-0.safetensors", "stage-0.json"}};
+      for (int r = 0; r < 2; ++r) {
+        core::ReplicaMeta m;
+        m.step = 10;
+        m.num_stages = 1;
+        m.replica = r;
+        m.last_op = 5;
+        m.micro_batches = fits ? std::vector<int>{3, 1} : std::vector<int>{2, 2};
+        f.round_states[0][r] = m;
+      }
+      return f;
+    };
+    Driver d(c);
+    d.JoinAndProfile({"a", "b", "c"});
+    d.Feed(MetricsReported{Metrics("a", kRun, 0, 11)});
+    v1::StageDone poisoned = Done("b", kRun, "stage 0 replica 1 (site 'b'): peer 'c' sent a non-finite gradient");
+    poisoned.set_error_code(static_cast<int>(absl::StatusCode::kDataLoss));
+    d.Feed(StageReportedDone{poisoned});
+    d.Feed(StageReportedDone{Done("a", kRun, "broke")});
+    auto resumed = d.Feed(Tick{}, 7);  // heartbeats named nobody: recovery from the checkpoint
+    EXPECT_THAT(Printed(resumed), HasSubstr("resuming from step 10 of the coordinator's checkpoints"));
+    auto assigned = Assignments(resumed);
+    ASSERT_EQ(assigned.size(), 2u) << Printed(resumed);
+    auto begun = All<BeginAttempt>(resumed);
+    ASSERT_EQ(begun.size(), 1u);
+    EXPECT_EQ(begun[0].round_writers["a"], std::make_pair(0, 0));
+    EXPECT_EQ(begun[0].round_writers["b"], std::make_pair(0, 1));
+    for (const auto& [site, replica] : {std::pair<std::string, std::string>{"a", "0"}, {"b", "1"}}) {
+      const std::vector<std::string> files(assigned[site].resume_files().begin(), assigned[site].resume_files().end());
+      const std::string own = "checkpoints/step-10/stage-0.replica-" + replica + ".safetensors";
+      const std::string other =
+          "checkpoints/step-10/stage-0.replica-" + std::string(replica == "0" ? "1" : "0") + ".json";
+      EXPECT_EQ(std::count(files.begin(), files.end(), own), fits ? 1 : 0) << site;
+      EXPECT_EQ(std::count(files.begin(), files.end(), other), 0) << site;  // never another replica's
+      EXPECT_EQ(begun[0].readable[site].count(own), fits ? 1u : 0u) << site;
+    }
+    EXPECT_THAT(Printed(resumed), HasSubstr(fits ? "stage 0: every DiLoCo replica resumes its own round state"
+                                                 : "stage 0: every DiLoCo replica resumes from replica 0's state "
+                                                   "(stage 0: replica 0's round state was written for stage 0 of "
+                                                   "1, ops 0-5, shares [2, 2]; it resumes as stage 0 of 1, ops "
+                                                   "0-5, shares [3, 1]"));
+  }
+}
+
 // DiLoCo: the progress line says where the round is and what the last outer sync cost; metrics.jsonl has
 // each replica's sync and drift.
 TEST(RunMachine, DilocoProgressShowsTheRoundAndTheLastOuterSync) {
@@ -1272,6 +1329,73 @@ TEST(RunMachine, DilocoProgressShowsTheRoundAndTheLastOuterSync) {
   EXPECT_EQ(stage["outer_sync_step"], 5);
   EXPECT_EQ(stage["outer_sync_bytes"], 2500000);
   EXPECT_DOUBLE_EQ(stage["outer_drift"].get<double>(), 0.5);
+}
+
+// Whole DiLoCo pipelines outlive a lost one (#17): pipelines a -> c and b -> d; d is lost after b, its
+// pipeline's other stage, failed (its neighbour went): the pipeline (b, d) is left out, b's failure is
+// its own, and a and c switch at a step boundary to a plan without d. A failure outside the lost
+// pipeline, or a lost site of pipeline 0 (the writers), is recovered from the newest checkpoint as before.
+TEST(RunMachine, ALostDilocoPipelineIsLeftOutAndTheOtherGoesOnToASwitch) {
+  RunConfig c = Config();
+  c.spec.sites.push_back({"d", {"127.0.0.1", 7004}});
+  c.even_split = false;
+  c.plan_path = "pinned.json";
+  c.pinned = {{{"a", "b"}, 2, {2, 2}}, {{"c", "d"}, 5, {2, 2}}};
+  c.job.sync.mode = core::SyncMode::kDiloco;
+  c.job.sync.inner_steps = 5;
+  c.spec.heartbeat_interval_seconds = 0.1;
+  c.steps = c.job.steps = 100;
+  {
+    Driver d(c);
+    d.JoinAndProfile({"a", "b", "c", "d"});
+    ASSERT_THAT(Sites(Assignments(d.last())), ElementsAre("a", "b", "c", "d"));
+    EXPECT_TRUE(Assignments(d.last())["d"].whole_pipelines());
+    d.Feed(MetricsReported{Metrics("a", kRun, 0, 10)});
+    auto failed = d.Feed(StageReportedDone{Done("b", kRun, "stage 0 replica 1 (site 'b'): peer 'd' stream broke")});
+    EXPECT_EQ(d.machine().phase(), RunMachine::Phase::kFailing) << Printed(failed);
+    auto lost = d.Feed(HeartbeatLost{"d"});
+    auto boundary = All<SetBoundary>(lost);
+    ASSERT_EQ(boundary.size(), 1u) << Printed(lost);
+    EXPECT_EQ(boundary[0].step, 14);
+    EXPECT_EQ(boundary[0].left_out, (std::vector<std::string>{"b", "d"}));
+    EXPECT_THAT(Printed(lost),
+                HasSubstr("its DiLoCo pipeline ('b', 'd') is left out of the outer average and the others go on"));
+    EXPECT_THAT(Printed(lost), HasSubstr("the failure of 'b' was the lost site's pipeline's own"));
+    EXPECT_EQ(d.machine().phase(), RunMachine::Phase::kSwitching);
+    d.Feed(StageReportedDone{DoneAt("a", kRun, boundary[0].step)});
+    auto switched = d.Feed(StageReportedDone{DoneAt("c", kRun, boundary[0].step)});
+    EXPECT_THAT(Printed(switched), HasSubstr("switch: every stage saved step 14"));
+    auto assigned = Assignments(switched);
+    ASSERT_FALSE(assigned.empty()) << Printed(switched);
+    EXPECT_EQ(assigned.count("d"), 0u);
+    for (const auto& [site, a] : assigned) EXPECT_EQ(a.resume_step(), 14) << site;
+  }
+  {  // Lost first, its pipeline's stage failing after: that report is of a site the attempt left out.
+    Driver d(c);
+    d.JoinAndProfile({"a", "b", "c", "d"});
+    d.Feed(MetricsReported{Metrics("a", kRun, 0, 10)});
+    EXPECT_EQ(All<SetBoundary>(d.Feed(HeartbeatLost{"d"})).size(), 1u);
+    d.Feed(StageReportedDone{Done("b", kRun, "peer 'd' stream broke")});
+    EXPECT_EQ(d.machine().phase(), RunMachine::Phase::kSwitching);
+  }
+  {  // A failure in the other pipeline too: not the lost pipeline's own, so the newest checkpoint.
+    Driver d(c);
+    d.JoinAndProfile({"a", "b", "c", "d"});
+    d.Feed(MetricsReported{Metrics("a", kRun, 0, 10)});
+    d.Feed(StageReportedDone{Done("b", kRun, "peer 'd' stream broke")});
+    d.Feed(StageReportedDone{Done("a", kRun, "peer 'b' broke")});
+    auto lost = d.Feed(HeartbeatLost{"d"});
+    EXPECT_THAT(Printed(lost), Not(HasSubstr("is left out")));
+    EXPECT_NE(d.machine().phase(), RunMachine::Phase::kSwitching);
+  }
+  {  // c, pipeline 0's last stage (a writer), lost: no leaving out.
+    Driver d(c);
+    d.JoinAndProfile({"a", "b", "c", "d"});
+    d.Feed(MetricsReported{Metrics("a", kRun, 0, 10)});
+    auto lost = d.Feed(HeartbeatLost{"c"});
+    EXPECT_THAT(Printed(lost), Not(HasSubstr("is left out")));
+    EXPECT_TRUE(All<SetBoundary>(lost).empty());
+  }
 }
 
 // DiLoCo workers of a one-stage plan outlive a lost one (#17): the others are told to leave it out, and

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "core/files.h"
 #include "core/run_layout.h"
 
@@ -42,6 +43,10 @@ std::optional<StageMeta> ParseStageMeta(const std::string& text, int64_t step) {
   return m;
 }
 
+bool IsIntArray(const nlohmann::json& j) {
+  return j.is_array() && std::all_of(j.begin(), j.end(), [](const auto& x) { return x.is_number_integer(); });
+}
+
 // Removes one step directory; false (and `problems` says why) when it could not.
 bool RemoveStepDir(const std::string& path, std::string* problems) {
   std::error_code ec;
@@ -58,6 +63,90 @@ std::string StageMetaJson(const StageMeta& m) {
   if (!m.run.empty()) j["run"] = m.run;
   if (m.tensors) j["tensors"] = *m.tensors;
   return j.dump(1);
+}
+
+std::string ReplicaMetaJson(const ReplicaMeta& m) {
+  nlohmann::json j = {
+      {"step", m.step},         {"stage", m.stage},     {"num_stages", m.num_stages},       {"replica", m.replica},
+      {"first_op", m.first_op}, {"last_op", m.last_op}, {"micro_batches", m.micro_batches}, {"shard", m.shard},
+      {"sha256", m.sha256}};
+  if (!m.run.empty()) j["run"] = m.run;
+  return j.dump(1);
+}
+
+std::optional<ReplicaMeta> ParseReplicaMeta(const std::string& text, int64_t step) {
+  auto j = nlohmann::json::parse(text, nullptr, false);
+  if (j.is_discarded() || !j.is_object()) return std::nullopt;
+  for (const char* key : {"stage", "num_stages", "replica", "first_op", "last_op"})
+    if (!j.contains(key) || !j[key].is_number_integer()) return std::nullopt;
+  for (const char* key : {"shard", "sha256"})
+    if (!j.contains(key) || !j[key].is_string()) return std::nullopt;
+  if (!j.contains("micro_batches") || !IsIntArray(j["micro_batches"])) return std::nullopt;
+  ReplicaMeta m;
+  m.step = step;
+  m.stage = j["stage"].get<int>();
+  m.num_stages = j["num_stages"].get<int>();
+  m.replica = j["replica"].get<int>();
+  m.first_op = j["first_op"].get<int>();
+  m.last_op = j["last_op"].get<int>();
+  m.micro_batches = j["micro_batches"].get<std::vector<int>>();
+  m.shard = j["shard"].get<std::string>();
+  m.sha256 = j["sha256"].get<std::string>();
+  if (j.contains("run") && j["run"].is_string()) m.run = j["run"].get<std::string>();
+  if (m.num_stages <= 0 || m.stage < 0 || m.stage >= m.num_stages || m.replica < 0 ||
+      m.replica >= static_cast<int>(m.micro_batches.size()) || m.shard != ReplicaShardName(m.stage, m.replica))
+    return std::nullopt;
+  return m;
+}
+
+bool RoundStateFits(const ReplicaMeta& m, const ReplicaLayout& layout, std::string* why) {
+  if (m.stage == layout.stage && m.num_stages == layout.num_stages && m.first_op == layout.first_op &&
+      m.last_op == layout.last_op && m.micro_batches == layout.micro_batches)
+    return true;
+  absl::StrAppend(why, "stage ", layout.stage, ": replica ", m.replica, "'s round state was written for stage ",
+                  m.stage, " of ", m.num_stages, ", ops ", m.first_op, "-", m.last_op, ", shares [",
+                  absl::StrJoin(m.micro_batches, ", "), "]; it resumes as stage ", layout.stage, " of ",
+                  layout.num_stages, ", ops ", layout.first_op, "-", layout.last_op, ", shares [",
+                  absl::StrJoin(layout.micro_batches, ", "), "]; ");
+  return false;
+}
+
+bool RoundStatesMatch(const std::map<int, ReplicaMeta>& metas, const ReplicaLayout& layout, std::string* why) {
+  for (int r = 0; r < static_cast<int>(layout.micro_batches.size()); ++r) {
+    auto it = metas.find(r);
+    if (it == metas.end()) {
+      absl::StrAppend(why, "stage ", layout.stage, ": no round state of replica ", r, "; ");
+      return false;
+    }
+    if (!RoundStateFits(it->second, layout, why)) return false;
+  }
+  return true;
+}
+
+std::map<int, ReplicaMeta> RoundStatesIn(const std::string& step_dir, int stage, bool verify_hashes, std::string* why) {
+  const int64_t step = ParseStepDirName(fs::path(step_dir).filename().string()).value_or(0);
+  std::map<int, ReplicaMeta> out;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(step_dir, ec)) {
+    const std::string name = e.path().filename().string();
+    const std::string prefix = absl::StrCat("stage-", stage, ".replica-");
+    if (name.rfind(prefix, 0) != 0 || e.path().extension() != ".json") continue;
+    auto text = ReadFile(e.path().string(), kMaxStageMetaBytes);
+    std::optional<ReplicaMeta> m = text.ok() ? ParseReplicaMeta(*text, step) : std::nullopt;
+    if (!m || m->stage != stage || ReplicaMetaName(m->stage, m->replica) != name) {
+      absl::StrAppend(why, e.path().string(), ": not a replica's round state; ");
+      continue;
+    }
+    if (verify_hashes) {
+      auto digest = Sha256OfFile((fs::path(step_dir) / m->shard).string());
+      if (!digest.ok() || *digest != m->sha256) {
+        absl::StrAppend(why, step_dir, "/", m->shard, ": checksum mismatch (truncated or corrupt); ");
+        continue;
+      }
+    }
+    out[m->replica] = std::move(*m);
+  }
+  return out;
 }
 
 std::string RunIdOfJob(const std::string& job_id) { return job_id.substr(0, job_id.find('-')); }
@@ -166,13 +255,27 @@ int RemoveCheckpointsAbove(const std::string& dir, int64_t newest, std::string* 
 
 std::string ManifestJson(const Manifest& m) {
   nlohmann::json stages = nlohmann::json::array();
-  for (size_t k = 0; k < m.stages.size(); ++k)
-    stages.push_back({{"stage", k},
-                      {"writer", m.stages[k].writer},
-                      {"shard", StageShardName(static_cast<int>(k))},
-                      {"sha256", m.stages[k].shard_sha256},
-                      {"meta", StageMetaName(static_cast<int>(k))},
-                      {"meta_sha256", m.stages[k].meta_sha256}});
+  for (size_t k = 0; k < m.stages.size(); ++k) {
+    const int stage = static_cast<int>(k);
+    nlohmann::json s = {{"stage", k},
+                        {"writer", m.stages[k].writer},
+                        {"shard", StageShardName(stage)},
+                        {"sha256", m.stages[k].shard_sha256},
+                        {"meta", StageMetaName(stage)},
+                        {"meta_sha256", m.stages[k].meta_sha256}};
+    if (!m.stages[k].replicas.empty()) {
+      nlohmann::json replicas = nlohmann::json::array();
+      for (const auto& r : m.stages[k].replicas)
+        replicas.push_back({{"replica", r.replica},
+                            {"writer", r.writer},
+                            {"shard", ReplicaShardName(stage, r.replica)},
+                            {"sha256", r.shard_sha256},
+                            {"meta", ReplicaMetaName(stage, r.replica)},
+                            {"meta_sha256", r.meta_sha256}});
+      s["replicas"] = std::move(replicas);
+    }
+    stages.push_back(std::move(s));
+  }
   return nlohmann::json{{"step", m.step}, {"num_stages", m.num_stages}, {"job_id", m.job_id}, {"stages", stages}}.dump(
       1);
 }
@@ -198,9 +301,22 @@ std::optional<Manifest> ReadManifest(const std::string& step_dir, std::string* w
       const auto& s = j["stages"][k];
       ok = s.is_object() && s.contains("sha256") && s["sha256"].is_string() && s.contains("meta_sha256") &&
            s["meta_sha256"].is_string() && s.contains("writer") && s["writer"].is_string();
-      if (ok)
-        m.stages.push_back(
-            {s["writer"].get<std::string>(), s["sha256"].get<std::string>(), s["meta_sha256"].get<std::string>()});
+      if (!ok) break;
+      Manifest::Stage stage{
+          s["writer"].get<std::string>(), s["sha256"].get<std::string>(), s["meta_sha256"].get<std::string>(), {}};
+      if (s.contains("replicas")) {
+        ok = s["replicas"].is_array();
+        for (size_t i = 0; ok && i < s["replicas"].size(); ++i) {
+          const auto& r = s["replicas"][i];
+          ok = r.is_object() && r.contains("replica") && r["replica"].is_number_integer() && r["replica"] >= 0 &&
+               r.contains("writer") && r["writer"].is_string() && r.contains("sha256") && r["sha256"].is_string() &&
+               r.contains("meta_sha256") && r["meta_sha256"].is_string();
+          if (ok)
+            stage.replicas.push_back({r["replica"].get<int>(), r["writer"].get<std::string>(),
+                                      r["sha256"].get<std::string>(), r["meta_sha256"].get<std::string>()});
+        }
+      }
+      m.stages.push_back(std::move(stage));
     }
   }
   if (!ok) {
@@ -229,6 +345,26 @@ std::optional<CheckpointFiles> ManifestedCheckpoint(const std::string& step_dir,
     std::optional<StageMeta> meta = text.ok() ? ParseStageMeta(*text, step) : std::nullopt;
     if (meta && meta->tensors) f.shard_tensors[StageShardName(k)] = *meta->tensors;
   }
+  // The round states listed: each whose files match the manifest and whose JSON parses as what it is named.
+  for (int k = 0; k < m->num_stages; ++k)
+    for (const auto& r : m->stages[k].replicas) {
+      bool match = true;
+      for (const auto& [name, sha] :
+           {std::pair<std::string, std::string>{ReplicaShardName(k, r.replica), r.shard_sha256},
+            {ReplicaMetaName(k, r.replica), r.meta_sha256}}) {
+        auto digest = Sha256OfFile((fs::path(step_dir) / name).string());
+        if (!digest.ok() || *digest != sha) {
+          absl::StrAppend(&f.round_state_problems, step_dir, "/", name,
+                          ": does not match the manifest (truncated, corrupt or replaced); ");
+          match = false;
+          break;
+        }
+      }
+      if (!match) continue;
+      auto text = ReadFile((fs::path(step_dir) / ReplicaMetaName(k, r.replica)).string(), kMaxStageMetaBytes);
+      std::optional<ReplicaMeta> meta = text.ok() ? ParseReplicaMeta(*text, step) : std::nullopt;
+      if (meta && meta->stage == k && meta->replica == r.replica) f.round_states[k][r.replica] = std::move(*meta);
+    }
   return f;
 }
 

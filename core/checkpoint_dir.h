@@ -29,6 +29,37 @@ struct StageMeta {
   // standalone executor, or a checkpoint older than the field).
   std::string run;
 };
+// What stage-K.replica-R.json says about replica R's DiLoCo round state of stage K (its shard
+// stage-K.replica-R.safetensors: executor/diloco.h). A resumed replica takes it only when the stage it
+// resumes is the same: the same stage of the same number of stages, the same ops, the same replicas
+// with the same shares of a step's micro-batches (RoundStatesMatch).
+struct ReplicaMeta {
+  int64_t step = 0;
+  int stage = 0, num_stages = 0, replica = 0;
+  int first_op = 0, last_op = 0;
+  std::vector<int> micro_batches;  // every replica's share of a step's micro-batches, by replica
+  std::string shard, sha256;       // "stage-K.replica-R.safetensors", of the shard file
+  std::string run;                 // as StageMeta's
+};
+std::string ReplicaMetaJson(const ReplicaMeta& meta);
+// stage-K.replica-R.json's content as written in step directory `step`'s, or nullopt when it is not one
+// (not JSON, a field missing or of the wrong type, a replica without a share, a shard not named after it).
+std::optional<ReplicaMeta> ParseReplicaMeta(const std::string& text, int64_t step);
+
+// A stage as a resuming attempt's plan has it.
+struct ReplicaLayout {
+  int stage = 0, num_stages = 0, first_op = 0, last_op = 0;
+  std::vector<int> micro_batches;  // by replica
+};
+// Whether `meta` was written for a replica of `layout`; otherwise false, and why (appended).
+bool RoundStateFits(const ReplicaMeta& meta, const ReplicaLayout& layout, std::string* why);
+// Whether `metas` (by replica) are the round states of every replica of `layout`, each written for it;
+// otherwise false, and why (appended).
+bool RoundStatesMatch(const std::map<int, ReplicaMeta>& metas, const ReplicaLayout& layout, std::string* why);
+// The round states of stage `stage` in step directory `step_dir` whose JSON parses and, with
+// `verify_hashes`, whose shard matches its SHA-256 (those that do not are named in `why`), by replica.
+std::map<int, ReplicaMeta> RoundStatesIn(const std::string& step_dir, int stage, bool verify_hashes, std::string* why);
+
 // The run id of an attempt's job id: `meridian run` names attempts RUN and RUN-N.
 std::string RunIdOfJob(const std::string& job_id);
 // The text of stage-K.json for `meta`.
@@ -54,6 +85,10 @@ struct CheckpointFiles {
   std::vector<std::string> files;  // in it: each stage's shard, then its JSON
   // FindLatestManifested: shard file name -> the tensors its stage JSON lists (shards listing none absent).
   std::map<std::string, std::vector<std::string>> shard_tensors;
+  // FindLatestManifested: the replicas' round states the manifest lists and whose files match it, by
+  // stage and replica (their files are not in `files`).
+  std::map<int, std::map<int, ReplicaMeta>> round_states;
+  std::string round_state_problems;  // listed round states left out, and why
 };
 absl::StatusOr<CheckpointFiles> FindLatestCheckpoint(const std::string& dir, std::string* skipped = nullptr);
 
@@ -73,14 +108,22 @@ int RemoveCheckpointsAbove(const std::string& dir, int64_t step, std::string* pr
 // The coordinator's record of a checkpoint step it holds (job.checkpoint.store: coordinator), written by
 // the coordinator itself as step-S/manifest.json once every stage's writer of the running plan uploaded
 // its shard and JSON, each checked against the plan. Only manifested steps are resumed from or kept: a
-// site can upload its own stage's files, never make a step count.
+// site can upload its own stage's files, never make a step count. The DiLoCo replicas' round states
+// are listed as they arrive (the coordinator writes the manifest again for each): a step counts without
+// them, and a resumed stage then starts every replica from replica 0's state.
 struct Manifest {
   int64_t step = 0;
   int num_stages = 0;
   std::string job_id;  // the attempt that wrote it
+  struct Replica {
+    int replica = 0;
+    std::string writer;
+    std::string shard_sha256, meta_sha256;
+  };
   struct Stage {
     std::string writer;  // the site that uploaded it
     std::string shard_sha256, meta_sha256;
+    std::vector<Replica> replicas;  // round states that arrived, by replica
   };
   std::vector<Stage> stages;  // by stage
 };

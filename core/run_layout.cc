@@ -27,14 +27,31 @@ bool Consume(std::string_view* s, std::string_view prefix) {
 constexpr int64_t kMaxStep = 999'999'999;
 constexpr int64_t kMaxStage = 999'999;
 
-// "stage-K.EXT" -> K and EXT.
-std::optional<std::pair<int, std::string_view>> ParseStageFile(std::string_view name) {
+struct StageFile {
+  int stage = 0;
+  int replica = -1;  // "stage-K.replica-R.EXT"; -1 for "stage-K.EXT"
+  std::string_view ext;
+};
+// "stage-K.EXT" and "stage-K.replica-R.EXT" -> K, R and EXT.
+std::optional<StageFile> ParseStageFile(std::string_view name) {
   if (!Consume(&name, "stage-")) return std::nullopt;
   const size_t dot = name.find('.');
   if (dot == std::string_view::npos) return std::nullopt;
   auto k = ParseCanonical(name.substr(0, dot), 0, kMaxStage);
   if (!k) return std::nullopt;
-  return std::make_pair(static_cast<int>(*k), name.substr(dot + 1));
+  StageFile f;
+  f.stage = static_cast<int>(*k);
+  name.remove_prefix(dot + 1);
+  if (Consume(&name, "replica-")) {
+    const size_t end = name.find('.');
+    if (end == std::string_view::npos) return std::nullopt;
+    auto r = ParseCanonical(name.substr(0, end), 0, kMaxStage);
+    if (!r) return std::nullopt;
+    f.replica = static_cast<int>(*r);
+    name.remove_prefix(end + 1);
+  }
+  f.ext = name;
+  return f;
 }
 
 }  // namespace
@@ -48,6 +65,12 @@ std::optional<int64_t> ParseStepDirName(std::string_view name) {
 
 std::string StageShardName(int stage) { return absl::StrCat("stage-", stage, ".safetensors"); }
 std::string StageMetaName(int stage) { return absl::StrCat("stage-", stage, ".json"); }
+std::string ReplicaShardName(int stage, int replica) {
+  return absl::StrCat("stage-", stage, ".replica-", replica, ".safetensors");
+}
+std::string ReplicaMetaName(int stage, int replica) {
+  return absl::StrCat("stage-", stage, ".replica-", replica, ".json");
+}
 
 std::string WeightsFile(int stage) { return absl::StrCat(kWeightsDir, "/", StageShardName(stage)); }
 std::string CheckpointFile(int64_t step, std::string_view name) {
@@ -59,9 +82,9 @@ std::optional<SiteFile> ParseSiteFile(std::string_view path) {
   SiteFile f;
   if (Consume(&path, kWeightsDir) && Consume(&path, "/")) {
     auto stage = ParseStageFile(path);
-    if (!stage || stage->second != "safetensors") return std::nullopt;
+    if (!stage || stage->replica >= 0 || stage->ext != "safetensors") return std::nullopt;
     f.kind = SiteFile::Kind::kWeights;
-    f.stage = stage->first;
+    f.stage = stage->stage;
     return f;
   }
   if (!Consume(&path, kCheckpointsDir) || !Consume(&path, "/")) return std::nullopt;
@@ -71,14 +94,15 @@ std::optional<SiteFile> ParseSiteFile(std::string_view path) {
   if (!step || *step > kMaxStep) return std::nullopt;
   auto stage = ParseStageFile(path.substr(slash + 1));
   if (!stage) return std::nullopt;
-  if (stage->second == "safetensors")
+  if (stage->ext == "safetensors")
     f.kind = SiteFile::Kind::kCheckpointShard;
-  else if (stage->second == "json")
+  else if (stage->ext == "json")
     f.kind = SiteFile::Kind::kCheckpointMeta;
   else
     return std::nullopt;
   f.step = *step;
-  f.stage = stage->first;
+  f.stage = stage->stage;
+  f.replica = stage->replica;
   return f;
 }
 

@@ -10,6 +10,9 @@
 //   RUN/checkpoints/step-S/stage-K.safetensors, stage-K.json
 //                                             job.checkpoint.store: coordinator (the same step-S layout
 //                                             under job.checkpoint.dir with store: shared)
+//   RUN/checkpoints/step-S/stage-K.replica-R.safetensors, stage-K.replica-R.json
+//                                             DiLoCo: replica R of stage K's state within its round
+//                                             (executor/diloco.h; docs/sync.md)
 #ifndef MERIDIAN_CORE_RUN_LAYOUT_H_
 #define MERIDIAN_CORE_RUN_LAYOUT_H_
 
@@ -38,6 +41,10 @@ std::optional<int64_t> ParseStepDirName(std::string_view name);
 // "stage-K.safetensors" and "stage-K.json": stage K's shard and its description in a step directory.
 std::string StageShardName(int stage);
 std::string StageMetaName(int stage);
+// "stage-K.replica-R.safetensors" and "stage-K.replica-R.json": replica R's DiLoCo round state of stage K
+// (what it learnt since the last outer synchronisation, and the exchange in flight) in a step directory.
+std::string ReplicaShardName(int stage, int replica);
+std::string ReplicaMetaName(int stage, int replica);
 
 // Paths relative to the run directory.
 std::string WeightsFile(int stage);                               // "weights/stage-K.safetensors"
@@ -45,13 +52,15 @@ std::string CheckpointFile(int64_t step, std::string_view name);  // "checkpoint
 std::string SiteLogFile(std::string_view site);                   // "sites/SITE.log"
 
 // A file a site may send to the coordinator's run directory, parsed. Only the canonical forms above are
-// accepted: weights/stage-K.safetensors and checkpoints/step-S/stage-K.{safetensors,json}, with
-// 1 <= S < 10^9 and 0 <= K < 10^6.
+// accepted: weights/stage-K.safetensors, checkpoints/step-S/stage-K.{safetensors,json} and
+// checkpoints/step-S/stage-K.replica-R.{safetensors,json}, with 1 <= S < 10^9, 0 <= K < 10^6 and
+// 0 <= R < 10^6.
 struct SiteFile {
   enum class Kind { kWeights, kCheckpointShard, kCheckpointMeta };
   Kind kind = Kind::kWeights;
   int64_t step = 0;  // checkpoint files only
   int stage = 0;
+  int replica = -1;  // checkpoint files: -1 the stage's own; R >= 0 replica R's round state
 };
 std::optional<SiteFile> ParseSiteFile(std::string_view path);
 

@@ -23,6 +23,20 @@ TEST(RunLayout, BuildsThePathsItParses) {
   auto meta = ParseSiteFile(CheckpointFile(999999999, StageMetaName(999999)));
   ASSERT_TRUE(meta);
   EXPECT_EQ(meta->kind, SiteFile::Kind::kCheckpointMeta);
+  EXPECT_EQ(meta->replica, -1);
+
+  // A DiLoCo replica's round state.
+  EXPECT_EQ(CheckpointFile(12, ReplicaShardName(1, 2)), "checkpoints/step-12/stage-1.replica-2.safetensors");
+  EXPECT_EQ(CheckpointFile(12, ReplicaMetaName(1, 0)), "checkpoints/step-12/stage-1.replica-0.json");
+  auto round = ParseSiteFile(CheckpointFile(12, ReplicaShardName(1, 2)));
+  ASSERT_TRUE(round);
+  EXPECT_EQ(round->kind, SiteFile::Kind::kCheckpointShard);
+  EXPECT_EQ(round->stage, 1);
+  EXPECT_EQ(round->replica, 2);
+  auto round_meta = ParseSiteFile(CheckpointFile(12, ReplicaMetaName(1, 0)));
+  ASSERT_TRUE(round_meta);
+  EXPECT_EQ(round_meta->kind, SiteFile::Kind::kCheckpointMeta);
+  EXPECT_EQ(round_meta->replica, 0);
 }
 
 TEST(RunLayout, RefusesEveryOtherPath) {
@@ -47,7 +61,14 @@ TEST(RunLayout, RefusesEveryOtherPath) {
                           "weights/stage--0.safetensors",
                           "checkpoints/step-10/stage--0.json",
                           "weights/stage-+1.safetensors",
-                          "checkpoints/step-10/stage- 1.json"})
+                          "checkpoints/step-10/stage- 1.json",
+                          "weights/stage-1.replica-0.safetensors",
+                          "checkpoints/step-1/stage-1.replica-01.json",
+                          "checkpoints/step-1/stage-1.replica-.json",
+                          "checkpoints/step-1/stage-1.replica-1",
+                          "checkpoints/step-1/stage-1.replica--1.json",
+                          "checkpoints/step-1/stage-1.replica-1000000.json",
+                          "checkpoints/step-1/stage-1.replica-1.txt"})
     EXPECT_FALSE(ParseSiteFile(bad)) << bad;
 }
 

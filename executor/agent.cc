@@ -63,7 +63,8 @@ struct ScratchDir {
 };
 
 // Sends checkpoint steps to the coordinator on a thread of its own, so training goes on while a shard
-// crosses the coordinator's link: the shard, then its JSON (which vouches for it); once both arrived,
+// crosses the coordinator's link: each shard this site wrote for the step (the stage's, a DiLoCo
+// replica's round state), then its JSON (which vouches for it); once all arrived,
 // the local copy is removed (kept when the upload failed). One step at a time: Start waits for the previous step's
 // upload. Thread-compatible: used by the stage thread only; the destructor waits for the upload in flight.
 class CheckpointUploader {
@@ -72,12 +73,24 @@ class CheckpointUploader {
       : coordinator_(coordinator), site_(std::move(site)), job_id_(std::move(job_id)) {}
   ~CheckpointUploader() { (void)Wait(); }
   // Waits for the previous upload and returns its error, if any (then nothing new starts); else starts
-  // sending `step_dir`'s files of `stage` as checkpoints/step-S/.
+  // sending the files of `stage` in `step_dir` (this site's alone) as checkpoints/step-S/.
   absl::Status Start(const std::string& step_dir, int64_t step, int stage) {
     if (absl::Status s = Wait(); !s.ok()) return s;
-    pending_ = std::async(std::launch::async, [this, step_dir, step, stage] {
+    std::vector<std::string> shards, metas;  // every shard goes before every JSON
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(step_dir, ec)) {
+      const std::string name = e.path().filename().string();
+      const std::optional<core::SiteFile> f = core::ParseSiteFile(core::CheckpointFile(step, name));
+      if (!f || f->stage != stage) continue;  // a temporary file, or nothing of this site's
+      (f->kind == core::SiteFile::Kind::kCheckpointShard ? shards : metas).push_back(name);
+    }
+    std::vector<std::string> names = shards;
+    names.insert(names.end(), metas.begin(), metas.end());
+    if (names.empty())
+      return absl::InternalError(absl::StrCat(step_dir, ": no checkpoint file of stage ", stage, " to send"));
+    pending_ = std::async(std::launch::async, [this, step_dir, step, names] {
       absl::Status s;
-      for (const std::string& name : {core::StageShardName(stage), core::StageMetaName(stage)}) {
+      for (const std::string& name : names) {
         s = coordinator_->PutFile(site_, job_id_, step_dir + "/" + name, core::CheckpointFile(step, name));
         if (!s.ok()) break;
       }
@@ -585,7 +598,8 @@ void Agent::OnAssign(const v1::StageAssignment& pa) {
               return absl::InvalidArgumentError(absl::StrCat("resume file '", f, "' is not a checkpoint file"));
             const fs::path local = in / core::StepDirName(file->step) / fs::path(f).filename();
             step_dir = local.parent_path().string();
-            if (file->kind == core::SiteFile::Kind::kCheckpointMeta) {
+            // Stage JSONs, and this replica's DiLoCo round state (named only when its stage resumes them).
+            if (file->kind == core::SiteFile::Kind::kCheckpointMeta || file->replica >= 0) {
               if (absl::Status s = coordinator_->GetFile(o_.site, f, local.string()); !s.ok()) return s;
             } else {
               shard_paths[local.filename().string()] = f;
@@ -604,6 +618,7 @@ void Agent::OnAssign(const v1::StageAssignment& pa) {
               return s;
           }
           c = LoadCheckpointFor(step_dir, wanted);
+          if (c.ok()) c->chosen_by_coordinator = true;
         } else {
           std::string skipped;
           c = LoadLatestCheckpoint(run.checkpoint_dir, &skipped, pa.resume_run());

@@ -51,6 +51,56 @@ absl::Status WriteCheckpoint(const std::string& dir, int64_t step, int stage, in
   });
 }
 
+absl::Status WriteRoundState(const std::string& dir, core::ReplicaMeta meta,
+                             const std::map<std::string, torch::Tensor>& tensors) {
+  return GuardTorch(absl::StrCat("writing replica ", meta.replica, "'s round state of step ", meta.step, " in ", dir),
+                    [&]() -> absl::Status {
+                      const std::string sdir = (fs::path(dir) / core::StepDirName(meta.step)).string();
+                      std::error_code ec;
+                      fs::create_directories(sdir, ec);
+                      if (ec) return absl::InternalError(absl::StrCat(sdir, ": cannot create: ", ec.message()));
+                      meta.shard = core::ReplicaShardName(meta.stage, meta.replica);
+                      const std::string shard = (fs::path(sdir) / meta.shard).string();
+                      if (absl::Status s = SaveParameters(shard, tensors); !s.ok()) return s;
+                      auto digest = core::Sha256OfFile(shard);
+                      if (!digest.ok()) return digest.status();
+                      meta.sha256 = *digest;
+                      return core::WriteFileAtomic(
+                          (fs::path(sdir) / core::ReplicaMetaName(meta.stage, meta.replica)).string(),
+                          core::ReplicaMetaJson(meta));
+                    });
+}
+
+absl::StatusOr<std::optional<std::map<std::string, torch::Tensor>>> LoadRoundState(const std::string& step_dir,
+                                                                                   const core::ReplicaLayout& layout,
+                                                                                   int replica, bool check_all,
+                                                                                   std::string* why) {
+  using Result = std::optional<std::map<std::string, torch::Tensor>>;
+  return GuardTorch(
+      absl::StrCat("loading replica ", replica, "'s round state from ", step_dir), [&]() -> absl::StatusOr<Result> {
+        std::map<int, core::ReplicaMeta> metas = core::RoundStatesIn(step_dir, layout.stage, check_all, why);
+        if (!check_all) {  // this replica's only: the coordinator matched the others
+          auto own = metas.find(replica);
+          if (own == metas.end()) {
+            absl::StrAppend(why, "stage ", layout.stage, ": no round state of replica ", replica, "; ");
+            return Result();
+          }
+          if (!core::RoundStateFits(own->second, layout, why)) return Result();
+        } else if (!core::RoundStatesMatch(metas, layout, why)) {
+          return Result();
+        }
+        const core::ReplicaMeta& meta = metas.at(replica);
+        const std::string file = (fs::path(step_dir) / meta.shard).string();
+        auto digest = core::Sha256OfFile(file);
+        if (!digest.ok()) return digest.status();
+        if (*digest != meta.sha256)
+          return absl::DataLossError(absl::StrCat(file, ": checksum mismatch (truncated or corrupt)"));
+        auto tensors = LoadParameters(file);
+        if (!tensors.ok()) return tensors.status();
+        return Result(std::move(*tensors));
+      });
+}
+
 absl::StatusOr<Checkpoint> LoadLatestCheckpoint(const std::string& dir, std::string* skipped, const std::string& run) {
   return GuardTorch(absl::StrCat("loading the newest checkpoint of ", dir), [&]() -> absl::StatusOr<Checkpoint> {
     auto steps = core::StepDirs(dir);

@@ -113,23 +113,26 @@ void OuterSync::Begin(int f, int64_t step, bool overlap) {
   pending_ = f;
 }
 
+void OuterSync::AwaitExchange() {
+  if (!exchange_.joinable()) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  while (cancel_check_ && !exchange_done_.load()) {
+    if (cancel_check_()) {
+      cancel_requested_ = true;  // before Cancel: an exchange not yet in BeginStep sees it after
+      averagers_[pending_]->Cancel();
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  exchange_.join();
+  last_wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
 absl::Status OuterSync::Complete() {
   if (pending_ < 0) return absl::OkStatus();
   const int f = pending_;
   const bool overlapped = pending_overlapped_;
-  if (exchange_.joinable()) {
-    const auto t0 = std::chrono::steady_clock::now();
-    while (cancel_check_ && !exchange_done_.load()) {
-      if (cancel_check_()) {
-        cancel_requested_ = true;  // before Cancel: an exchange not yet in BeginStep sees it after
-        averagers_[f]->Cancel();
-        break;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    exchange_.join();
-    last_wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  }
+  AwaitExchange();
   pending_ = -1;
   if (!exchange_status_.ok()) return exchange_status_;
   torch::NoGradGuard no_grad;
@@ -150,7 +153,7 @@ absl::Status OuterSync::Complete() {
       p.detach().copy_(outer_[i]);
     }
   }
-  GradientAverager& averager = *averagers_[f];
+  GradientAverager& averager = *averagers_[f];  // counters since the exchange began (a resumed one: before)
   last_.fragment = f;
   last_.step = pending_step_;
   last_.wire_bytes = averager.wire_bytes() - wire_bytes_at_begin_;
@@ -242,6 +245,90 @@ absl::Status OuterSync::ImportState(const std::map<std::string, torch::Tensor>& 
   }
   outer_ = std::move(outer);
   momentum_ = std::move(momentum);
+  return absl::OkStatus();
+}
+
+namespace {
+constexpr char kRoundName[] = "outer.round";
+std::string SnapshotName(const std::string& name) { return "outer.snapshot." + name; }
+std::string SumName(const std::string& name) { return "outer.sum." + name; }
+}  // namespace
+
+absl::StatusOr<std::map<std::string, torch::Tensor>> OuterSync::ExportRoundState() {
+  std::map<std::string, torch::Tensor> out;
+  torch::Tensor round = torch::full({6}, -1.0, torch::kFloat64);
+  if (pending_ >= 0) {
+    AwaitExchange();
+    if (!exchange_status_.ok())
+      return absl::Status(exchange_status_.code(),
+                          absl::StrCat("the outer exchange of fragment ", pending_, " begun after step ",
+                                       pending_step_ + 1, ": ", exchange_status_.message()));
+    const int f = pending_;
+    round[0] = static_cast<double>(f);
+    round[1] = static_cast<double>(pending_step_);
+    round[2] = drift2_;
+    const bool attached = static_cast<size_t>(f) < averagers_.size();  // else restored and not yet attached
+    round[3] = static_cast<double>((attached ? averagers_[f]->wire_bytes() : 0) - wire_bytes_at_begin_);
+    round[4] = static_cast<double>((attached ? averagers_[f]->raw_bytes() : 0) - raw_bytes_at_begin_);
+    round[5] = std::chrono::duration<double>(std::chrono::steady_clock::now() - began_).count();
+    const auto& fragment = fragments_[f];
+    for (size_t k = 0; k < fragment.size(); ++k) {
+      const int i = fragment[k];
+      const std::string& name = params_[i].first;
+      out[SumName(name)] = buffers_[f][k].second.grad().detach().cpu().clone();
+      if (pending_overlapped_) out[SnapshotName(name)] = snapshot_[i].detach().cpu().clone();
+    }
+  }
+  out[kRoundName] = round;
+  return out;
+}
+
+absl::Status OuterSync::ImportRoundState(const std::map<std::string, torch::Tensor>& state) {
+  torch::NoGradGuard no_grad;
+  auto round_it = state.find(kRoundName);
+  if (round_it == state.end() || round_it->second.numel() != 6)
+    return absl::DataLossError(absl::StrCat(kRoundName, " is missing or not 6 values"));
+  const torch::Tensor round = round_it->second.to(torch::kFloat64);
+  const int f = static_cast<int>(round[0].item<double>());
+  if (f < 0) return absl::OkStatus();  // nothing was in flight
+  if (f >= static_cast<int>(fragments_.size()))
+    return absl::DataLossError(absl::StrCat(kRoundName, " names fragment ", f, " of ", fragments_.size()));
+  // Everything checked before anything is set.
+  std::vector<torch::Tensor> sums, snapshots;
+  for (int i : fragments_[f]) {
+    const auto& [name, p] = params_[i];
+    for (const std::string& key : {SumName(name), SnapshotName(name)}) {
+      auto it = state.find(key);
+      if (it == state.end()) {
+        if (key == SnapshotName(name) && !spec_.overlap) continue;  // not overlapped: no snapshot
+        return absl::DataLossError(absl::StrCat(key, " is missing from the round state"));
+      }
+      if (it->second.sizes() != p.sizes())
+        return absl::DataLossError(absl::StrCat(key, " has shape ", c10::str(it->second.sizes()), " but parameter ",
+                                                name, " has ", c10::str(p.sizes())));
+      (key == SumName(name) ? sums : snapshots).push_back(it->second);
+    }
+  }
+  const bool overlapped = snapshots.size() == fragments_[f].size();
+  for (size_t k = 0; k < fragments_[f].size(); ++k) {
+    const int i = fragments_[f][k];
+    buffers_[f][k].second.mutable_grad() = sums[k].to(torch::kCPU, torch::kFloat32).clone();
+    if (overlapped) snapshot_[i] = snapshots[k].to(params_[i].second.device(), params_[i].second.scalar_type());
+  }
+  pending_ = f;
+  pending_step_ = static_cast<int64_t>(round[1].item<double>());
+  pending_overlapped_ = overlapped;
+  drift2_ = round[2].item<double>();
+  // Complete counts the averager's bytes since wire_bytes_at_begin_: the fresh averager's (none yet) plus
+  // what the exchange took before the checkpoint.
+  const int64_t wire = static_cast<int64_t>(round[3].item<double>()),
+                raw = static_cast<int64_t>(round[4].item<double>());
+  wire_bytes_at_begin_ = (averagers_.size() > static_cast<size_t>(f) ? averagers_[f]->wire_bytes() : 0) - wire;
+  raw_bytes_at_begin_ = (averagers_.size() > static_cast<size_t>(f) ? averagers_[f]->raw_bytes() : 0) - raw;
+  began_ = std::chrono::steady_clock::now() - std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                  std::chrono::duration<double>(round[5].item<double>()));
+  exchange_status_ = absl::OkStatus();
+  exchange_done_ = true;
   return absl::OkStatus();
 }
 

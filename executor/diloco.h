@@ -102,6 +102,19 @@ class OuterSync {
   // The checkpoint names ExportState uses for parameter `name`.
   static std::vector<std::string> StateNames(const std::string& name);
 
+  // This replica's state within the round, beside ExportState, for an exact resume mid-round (the
+  // replica's round state file, core/run_layout.h). With overlap an exchange may be in flight: this waits
+  // for it to end (polling the cancel check as Complete does) without applying it, and saves what
+  // applying it needs: "outer.round" (float64: the fragment in flight or -1, the inner step it began
+  // after, its drift squared, wire and raw bytes, seconds so far), and for that fragment's parameters
+  // "outer.snapshot.NAME" (this replica's values when it began) and "outer.sum.NAME" (the replicas'
+  // summed pseudo-gradient). An exchange that failed or was cancelled is its error.
+  absl::StatusOr<std::map<std::string, torch::Tensor>> ExportRoundState();
+  // Restores what ExportRoundState wrote, after ImportState: the exchange in flight then is applied at the
+  // synchronisation point it was due at, as if it had never stopped. Refused (DataLoss naming the tensor,
+  // nothing restored) when it does not fit: another fragment count, a tensor missing or of another shape.
+  absl::Status ImportRoundState(const std::map<std::string, torch::Tensor>& state);
+
   // The last synchronisation applied: its fragment, the inner step after which it began, wire bytes,
   // seconds from its start to its application, and the drift (this replica's unweighted pseudo-gradient
   // norm over the fragment).
@@ -121,6 +134,9 @@ class OuterSync {
   void Begin(int f, int64_t step, bool overlap);
   // Waits for the exchange begun for fragment `pending_` and applies it; no-op when none is in flight.
   absl::Status Complete();
+  // Waits for the exchange thread, if any, cancelling it once the cancel check says so; adds the wait to
+  // last_wait_seconds_. Its result is then in exchange_status_.
+  void AwaitExchange();
   void Exchange(int f, int64_t step);  // BeginStep + Finish of fragment f's averager; sets exchange_status_
 
   core::SyncSpec spec_;

@@ -14,6 +14,7 @@
 #include <fstream>
 
 #include "core/checkpoint_dir.h"
+#include "core/run_layout.h"
 #include "core/safetensors.h"
 #include "executor/trainer.h"
 #include "job/job.h"
@@ -280,6 +281,48 @@ TEST(Diloco, OuterStateRoundTripsThroughACheckpointAndRefusesOtherShapes) {
   EXPECT_FALSE(a.AfterInnerStep(49).ok());  // no averager attached
 }
 
+// A round state with nothing in flight is its marker alone; one that names an exchange in flight must
+// carry its fragment's sums (and snapshots, overlapped) of the right shapes, or nothing is restored.
+TEST(Diloco, RoundStateWithoutAnExchangeInFlightIsItsMarkerAndAForgedOneIsRefused) {
+  core::SyncSpec spec;
+  spec.fragments = 2;
+  torch::Tensor w = torch::ones({2, 2}), v = torch::ones({3});
+  OuterSync a(spec, 0.5, {{"w", w}, {"v", v}});
+  auto idle = a.ExportRoundState();
+  ASSERT_TRUE(idle.ok()) << idle.status();
+  ASSERT_EQ(idle->size(), 1u);
+  EXPECT_EQ(idle->at("outer.round")[0].item<double>(), -1);
+  OuterSync b(spec, 0.5, {{"w", w}, {"v", v}});
+  EXPECT_TRUE(b.ImportRoundState(*idle).ok());
+  auto round = [](double fragment) {
+    torch::Tensor r = torch::zeros({6}, torch::kFloat64);
+    r[0] = fragment;
+    r[1] = 3;
+    return r;
+  };
+  // Fragment 1 holds v (the second parameter): its sum and its snapshot.
+  EXPECT_EQ(b.ImportRoundState({{"outer.round", round(1)}}).code(), absl::StatusCode::kDataLoss);  // no sum
+  EXPECT_EQ(b.ImportRoundState({{"outer.round", round(2)}}).code(), absl::StatusCode::kDataLoss);  // no fragment 2
+  EXPECT_EQ(b.ImportRoundState({{"outer.round", torch::zeros({2})}}).code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(b.ImportRoundState(
+                 {{"outer.round", round(1)}, {"outer.sum.v", torch::ones({4})}, {"outer.snapshot.v", torch::ones({3})}})
+                .code(),
+            absl::StatusCode::kDataLoss);  // a sum of another shape
+  EXPECT_EQ(b.ImportRoundState({{"outer.round", round(1)}, {"outer.sum.v", torch::ones({3})}}).code(),
+            absl::StatusCode::kDataLoss);  // overlapped, but no snapshot
+  EXPECT_TRUE(
+      b.ImportRoundState(
+           {{"outer.round", round(1)}, {"outer.sum.v", torch::ones({3})}, {"outer.snapshot.v", torch::ones({3})}})
+          .ok());
+  // Restored, the exchange is in flight: it is what the next round state saves.
+  auto again = b.ExportRoundState();
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->at("outer.round")[0].item<double>(), 1);
+  EXPECT_EQ(again->at("outer.round")[1].item<double>(), 3);
+  EXPECT_TRUE(torch::equal(again->at("outer.sum.v"), torch::ones({3})));
+  EXPECT_EQ(again->count("outer.sum.w"), 0u);
+}
+
 TEST(Lora, OnlyAdaptersTrainAndTheMergedModelComputesTheSameFunction) {
   auto cfg = ParseLlamaConfigText(kLoraConfig, "config.json");
   ASSERT_TRUE(cfg.ok()) << cfg.status();
@@ -474,6 +517,62 @@ TEST(Checkpoints, AStageLoadsOnlyTheShardsHoldingItsTensors) {
   EXPECT_EQ(LoadCheckpointFor(step, {"a.w"}).status().code(), absl::StatusCode::kDataLoss);
   fs::remove(dir / "step-5" / "stage-1.json");  // a stage's JSON missing: no checkpoint at all
   EXPECT_FALSE(core::ShardsHolding(step, {"a.w"}).ok());
+  fs::remove_all(dir);
+}
+
+// DiLoCo round states (#17): a replica resumes its own only when every replica of its stage wrote one
+// for the very stage it resumes (same stage, ops and shares) and each is intact; they are no stage's
+// shard, so a checkpoint's completeness and its other readers ignore them.
+TEST(Checkpoints, AReplicaResumesItsRoundStateOnlyWhenEveryReplicaOfTheStageHasOne) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("meridian_rounds_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  ASSERT_TRUE(WriteCheckpoint(dir.string(), 5, 0, 1, {{"a.w", torch::ones({3})}}).ok());
+  const core::ReplicaLayout layout{0, 1, 0, 4, {3, 1}};
+  auto write = [&](int replica, float v) {
+    core::ReplicaMeta m;
+    m.step = 5;
+    m.stage = 0;
+    m.num_stages = 1;
+    m.replica = replica;
+    m.first_op = 0;
+    m.last_op = 4;
+    m.micro_batches = {3, 1};
+    return WriteRoundState(dir.string(), m, {{"a.w", torch::full({3}, v)}, {"outer.round", torch::zeros({6})}});
+  };
+  ASSERT_TRUE(write(1, 7).ok());
+  const std::string step = (dir / "step-5").string();
+  std::string why;
+  EXPECT_TRUE(core::CompleteStages(step, &why, true).has_value()) << why;  // the round state is no stage's shard
+  auto loaded = LoadRoundState(step, layout, 1, /*check_all=*/true, &why);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_FALSE(loaded->has_value());  // replica 0 wrote none: all or none
+  EXPECT_THAT(why, ::testing::HasSubstr("no round state of replica 0"));
+  // The coordinator chose the files (it checked the others): this replica's own is enough.
+  loaded = LoadRoundState(step, layout, 1, /*check_all=*/false, &why);
+  ASSERT_TRUE(loaded.ok() && loaded->has_value());
+  EXPECT_TRUE(torch::equal((**loaded).at("a.w"), torch::full({3}, 7.0f)));
+  ASSERT_TRUE(write(0, 6).ok());
+  loaded = LoadRoundState(step, layout, 1, /*check_all=*/true, &why);
+  ASSERT_TRUE(loaded.ok() && loaded->has_value());
+  // Another layout: other shares, or other ops.
+  why.clear();
+  loaded = LoadRoundState(step, {0, 1, 0, 4, {2, 2}}, 1, true, &why);
+  ASSERT_TRUE(loaded.ok());
+  EXPECT_FALSE(loaded->has_value());
+  EXPECT_THAT(why, ::testing::HasSubstr("shares [3, 1]; it resumes as stage 0 of 1, ops 0-4, shares [2, 2]"));
+  loaded = LoadRoundState(step, {0, 1, 0, 3, {3, 1}}, 1, false, &why);
+  ASSERT_TRUE(loaded.ok());
+  EXPECT_FALSE(loaded->has_value());
+  // Another replica's shard corrupt: nobody resumes theirs.
+  fs::resize_file(dir / "step-5" / core::ReplicaShardName(0, 0), 10);
+  why.clear();
+  loaded = LoadRoundState(step, layout, 1, true, &why);
+  ASSERT_TRUE(loaded.ok());
+  EXPECT_FALSE(loaded->has_value());
+  EXPECT_THAT(why, ::testing::HasSubstr("stage-0.replica-0.safetensors: checksum mismatch"));
+  // Its own corrupt, when the coordinator chose it: an error, not a silent fallback.
+  EXPECT_EQ(LoadRoundState(step, layout, 0, false, &why).status().code(), absl::StatusCode::kDataLoss);
   fs::remove_all(dir);
 }
 

@@ -713,7 +713,7 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
       for (auto& [n, p] : model_->parameters())
         if (p.grad().defined()) p.mutable_grad().mul_(scale);
     }
-    const bool independent = IndependentWorkers(), pipelines = PipelineWorkers();
+    const bool independent = IndependentWorkers(), pipelines = PipelineWorkers(), leaves_out = LeavesOutLostReplicas();
     // Each DiLoCo replica steps on its own gradient: each checks it (replica 0 also does below, for the norm).
     if (outer_ && replica_ != 0 && !independent && !pipelines && !std::isfinite(GradSquareSum(model_->parameters())))
       return absl::DataLossError(absl::StrCat(Where(), ": non-finite gradients in step ", step + 1,
@@ -821,11 +821,11 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
       const int64_t synced_before = outer_->last_sync().step;
       const bool final_step = step + 1 == total_steps || step == final_step_;
       // A replica the coordinator left out: no more outer syncs (every worker stops them as it hears).
-      if (independent && !final_step && !outer_->suspended() && OtherReplicaLeftOut())
+      if (leaves_out && !final_step && !outer_->suspended() && OtherReplicaLeftOut())
         AwaitLeftOut("", absl::UnavailableError("the coordinator left a replica out"));
       absl::Status synced = final_step ? outer_->Finish(step) : outer_->AfterInnerStep(step);
       // A replica lost mid-exchange: go on without it if the coordinator leaves it out.
-      if (!synced.ok() && independent && !final_step && AwaitLeftOut("", synced)) {
+      if (!synced.ok() && leaves_out && !final_step && AwaitLeftOut("", synced)) {
         synced = absl::OkStatus();
         outer_gave_up_ = true;  // an exchange given up may have changed some parameters: to every worker
       }
@@ -901,14 +901,14 @@ void StageWorker::WriteTrace(int64_t step, Clock::time_point start) {
 absl::Status StageWorker::Finish() {
   return GuardTorch(Where(), [&]() -> absl::Status {
     averager_.reset();  // its streams close below
-    const bool independent = IndependentWorkers();
+    const bool leaves_out = LeavesOutLostReplicas();
     outer_.reset();
+    std::set<std::string> gone = left_out_;  // a lost replica's streams may fail
+    if (leaves_out && left_out_source_) gone.merge(left_out_source_());
     for (auto& [site, sender] : senders_) {  // what is still queued goes out first
       auto r = sender->Finish();
-      if (!r.ok()) return Annotate(r.status(), Where());
+      if (!r.ok() && !gone.count(site)) return Annotate(r.status(), Where());
     }
-    std::set<std::string> gone = left_out_;  // a lost replica's streams may fail
-    if (independent && left_out_source_) gone.merge(left_out_source_());
     for (auto* streams : {&streams_, &replica_streams_, &diloco_streams_})
       for (auto& [site, s] : *streams) {
         auto r = s->Finish();
@@ -921,7 +921,7 @@ absl::Status StageWorker::Finish() {
 void StageWorker::set_left_out(std::function<std::set<std::string>()> left_out, std::chrono::milliseconds wait) {
   left_out_source_ = std::move(left_out);
   left_out_wait_ = wait;
-  if (IndependentWorkers()) outer_->set_cancel_check([this] { return OtherReplicaLeftOut(); });
+  if (LeavesOutLostReplicas()) outer_->set_cancel_check([this] { return OtherReplicaLeftOut(); });
 }
 
 std::vector<std::string> StageWorker::OtherReplicasIn(const std::set<std::string>& sites) const {
@@ -936,7 +936,7 @@ bool StageWorker::OtherReplicaLeftOut() const {
 }
 
 bool StageWorker::AwaitLeftOut(const std::string& peer, const absl::Status& cause) {
-  if (!IndependentWorkers() || !left_out_source_) return false;
+  if (!LeavesOutLostReplicas() || !left_out_source_) return false;
   const auto deadline = Clock::now() + left_out_wait_;
   spdlog::warn("{}", absl::StrCat(Where(), ": ", cause.message(), "; asking the coordinator whether ",
                                   peer.empty() ? "a replica" : absl::StrCat("'", peer, "'"),
@@ -957,7 +957,7 @@ bool StageWorker::AwaitLeftOut(const std::string& peer, const absl::Status& caus
   }
 }
 
-absl::Status StageWorker::SaveCheckpoint(const std::string& dir, int64_t steps_done, int keep) const {
+absl::Status StageWorker::SaveCheckpoint(const std::string& dir, int64_t steps_done, int keep) {
   return GuardTorch(absl::StrCat(Where(), ": checkpoint of step ", steps_done), [&]() -> absl::Status {
     std::map<std::string, torch::Tensor> all = Parameters();
     if (zero_) {  // the workers' shards of the moments, gathered at worker 0
@@ -967,13 +967,42 @@ absl::Status StageWorker::SaveCheckpoint(const std::string& dir, int64_t steps_d
     } else {
       for (auto& [k, v] : opt_.ExportState()) all[k] = v;
     }
-    if (!talks_to_sites()) return absl::OkStatus();  // worker 0 writes the site's shard
-    if (outer_)
+    if (!talks_to_sites()) return absl::OkStatus();  // worker 0 writes the site's files
+    auto finite = [&](const std::map<std::string, torch::Tensor>& tensors) -> absl::Status {
+      for (const auto& [name, t] : tensors)  // a checkpoint holds finite values only: recovery resumes from it
+        if (t.is_floating_point() && !torch::isfinite(t).all().item<bool>())
+          return absl::DataLossError(absl::StrCat(Where(), ": ", name, " is not finite after step ", steps_done,
+                                                  "; the checkpoint is not written"));
+      return absl::OkStatus();
+    };
+    // DiLoCo: this replica's round state (replica 0's parameters and moments are in the stage's shard).
+    if (outer_) {
+      auto round = outer_->ExportRoundState();
+      // A replica lost mid-exchange: go on without it if the coordinator leaves it out (as Step does).
+      if (!round.ok() && LeavesOutLostReplicas() && AwaitLeftOut("", round.status())) {
+        outer_gave_up_ = true;
+        round = outer_->ExportRoundState();  // suspended: nothing in flight
+      }
+      if (!round.ok()) return Annotate(round.status(), absl::StrCat(Where(), ": checkpoint of step ", steps_done));
+      if (replica_ != 0)
+        for (const auto& [k, v] : all) (*round)[k] = v;
+      if (absl::Status s = finite(*round); !s.ok()) return s;
+      const core::ReplicaLayout layout = RoundLayout();
+      core::ReplicaMeta meta;
+      meta.step = steps_done;
+      meta.stage = layout.stage;
+      meta.num_stages = layout.num_stages;
+      meta.replica = replica_;
+      meta.first_op = layout.first_op;
+      meta.last_op = layout.last_op;
+      meta.micro_batches = layout.micro_batches;
+      meta.run = core::RunIdOfJob(a_.job_id);
+      if (absl::Status s = WriteRoundState(dir, meta, *round); !s.ok())
+        return Annotate(s, absl::StrCat(Where(), ": checkpoint"));
       for (auto& [k, v] : outer_->ExportState()) all[k] = v;
-    for (const auto& [name, t] : all)  // a checkpoint holds finite values only: recovery resumes from it
-      if (t.is_floating_point() && !torch::isfinite(t).all().item<bool>())
-        return absl::DataLossError(absl::StrCat(Where(), ": ", name, " is not finite after step ", steps_done,
-                                                "; the checkpoint is not written"));
+    }
+    if (!writes_shard()) return absl::OkStatus();
+    if (absl::Status s = finite(all); !s.ok()) return s;
     absl::Status s = WriteCheckpoint(dir, steps_done, a_.stage, a_.num_stages, all, core::RunIdOfJob(a_.job_id));
     if (!s.ok()) return Annotate(s, absl::StrCat(Where(), ": checkpoint"));
     if (keep > 0 && a_.stage == 0 && writes_shard()) {
@@ -985,6 +1014,17 @@ absl::Status StageWorker::SaveCheckpoint(const std::string& dir, int64_t steps_d
   });
 }
 
+core::ReplicaLayout StageWorker::RoundLayout() const {
+  core::ReplicaLayout layout;
+  layout.stage = a_.stage;
+  layout.num_stages = a_.num_stages;
+  layout.first_op = a_.first_op;
+  layout.last_op = a_.last_op;
+  for (size_t r = 0; r < a_.replicas.sites.size(); ++r)
+    layout.micro_batches.push_back(static_cast<int>(std::count(owner_.begin(), owner_.end(), static_cast<int>(r))));
+  return layout;
+}
+
 void StageWorker::ForgetCheckpointsAfter(const std::string& dir, int64_t step) const {
   if (a_.stage != 0 || !writes_shard() || !talks_to_sites()) return;
   std::string problems;
@@ -994,15 +1034,42 @@ void StageWorker::ForgetCheckpointsAfter(const std::string& dir, int64_t step) c
 
 absl::Status StageWorker::Restore(const Checkpoint& c) {
   return GuardTorch(absl::StrCat(Where(), ": restoring ", c.path), [&]() -> absl::Status {
-    if (group_) return RestoreSite(c);
-    restored_step_ = c.step;
-    if (absl::Status s = model_->Load(c.tensors); !s.ok())
-      return Annotate(s, absl::StrCat(Where(), ": restoring from ", c.path));
-    if (absl::Status s = opt_.ImportState(model_->parameters(), c.tensors, c.step, device_); !s.ok())
-      return Annotate(s, absl::StrCat(Where(), ": restoring from ", c.path));
-    if (outer_)
-      if (absl::Status s = outer_->ImportState(c.tensors); !s.ok())
+    // DiLoCo: this replica's own round state, when its stage's replicas resume theirs (worker 0 reads it).
+    std::optional<std::map<std::string, torch::Tensor>> round;
+    if (diloco_ && talks_to_sites()) {
+      std::string why;
+      auto loaded = LoadRoundState(c.path, RoundLayout(), replica_, !c.chosen_by_coordinator, &why);
+      if (!loaded.ok()) return Annotate(loaded.status(), absl::StrCat(Where(), ": restoring from ", c.path));
+      round = std::move(*loaded);
+      if (round)
+        spdlog::info("{}", absl::StrCat(Where(), ": resumes its own DiLoCo round state of step ", c.step));
+      else
+        spdlog::warn("{}", absl::StrCat(Where(), ": resumes from replica 0's state of step ", c.step, " (", why,
+                                        "what this replica learnt since the last outer synchronisation is lost)"));
+    }
+    Checkpoint own;  // replica r > 0: its parameters and moments in place of replica 0's
+    const Checkpoint* from = &c;
+    if (round && replica_ != 0) {
+      own = c;
+      for (const auto& [k, v] : *round)
+        if (k.rfind("outer.", 0) != 0) own.tensors[k] = v;
+      from = &own;
+    }
+    if (group_) {
+      if (absl::Status s = RestoreSite(*from); !s.ok()) return s;
+    } else {
+      restored_step_ = from->step;
+      if (absl::Status s = model_->Load(from->tensors); !s.ok())
         return Annotate(s, absl::StrCat(Where(), ": restoring from ", c.path));
+      if (absl::Status s = opt_.ImportState(model_->parameters(), from->tensors, from->step, device_); !s.ok())
+        return Annotate(s, absl::StrCat(Where(), ": restoring from ", c.path));
+      if (outer_)
+        if (absl::Status s = outer_->ImportState(from->tensors); !s.ok())
+          return Annotate(s, absl::StrCat(Where(), ": restoring from ", c.path));
+    }
+    if (round && outer_)
+      if (absl::Status s = outer_->ImportRoundState(*round); !s.ok())
+        return Annotate(s, absl::StrCat(Where(), ": restoring the round state of ", c.path));
     return absl::OkStatus();
   });
 }

@@ -151,19 +151,30 @@ class StageWorker {
   std::optional<OuterSyncReport> last_outer_sync() const;
   // The checkpoint tensors Restore uses: each trained parameter and its two AdamW moments, by name.
   std::set<std::string> CheckpointTensorNames() const;
-  // Replica 0 of each stage writes the stage's checkpoint shards and weights (all replicas hold the same).
+  // Replica 0 of each stage writes the stage's checkpoint shards and weights (every-step replicas hold
+  // the same; DiLoCo replicas the same at each round's end).
   bool writes_shard() const { return replica_ == 0; }
-  // Writes this stage's shard of the checkpoint after `steps_done` steps (parameters and AdamW moments).
-  // The error-feedback residual is not saved: a resumed lossy link starts with an empty one. With
-  // `keep` > 0, stage 0's writer -- one pruner per directory -- then keeps the newest `keep` complete
-  // steps of `dir` (PruneCheckpoints; what it cannot remove goes to stderr).
-  absl::Status SaveCheckpoint(const std::string& dir, int64_t steps_done, int keep = 0) const;
+  // Whether SaveCheckpoint is to be called at checkpoint steps: replica 0's workers, and with DiLoCo
+  // every replica's (each writes its round state).
+  bool saves_checkpoints() const { return writes_shard() || diloco_; }
+  // Writes this stage's shard of the checkpoint after `steps_done` steps (parameters and AdamW moments;
+  // with DiLoCo the outer parameters and momentum), and with DiLoCo this replica's round state
+  // (stage-K.replica-R.*: its own parameters and moments, and the outer exchange in flight, which it
+  // waits for; OuterSync::ExportRoundState), so that the same replicas resume exactly mid-round.
+  // Error-feedback residuals are not saved: a resumed lossy link or pseudo-gradient codec starts with
+  // empty ones. With `keep` > 0, stage 0's writer -- one pruner per directory -- then keeps the newest
+  // `keep` complete steps of `dir` (PruneCheckpoints; what it cannot remove goes to stderr).
+  absl::Status SaveCheckpoint(const std::string& dir, int64_t steps_done, int keep = 0);
   // After resuming from step `step` of `dir`: stage 0's writer removes the step directories above it, so
   // what an abandoned attempt left there cannot mix with the steps written again (RemoveCheckpointsAbove).
   void ForgetCheckpointsAfter(const std::string& dir, int64_t step) const;
   // Loads this stage's parameters and moments by name from a checkpoint of any partition. On a site of
   // several workers only worker 0 reads `checkpoint` and sends the state to the others (collective).
+  // A DiLoCo replica then takes its own round state (LoadRoundState in `checkpoint.path`) when its
+  // stage's replicas resume theirs, and otherwise starts from replica 0's state, saying why.
   absl::Status Restore(const Checkpoint& checkpoint);
+  // This stage as a DiLoCo round state describes it.
+  core::ReplicaLayout RoundLayout() const;
   // The step the last Restore resumed at (worker 0's checkpoint's, on every worker of a site).
   int64_t restored_step() const { return restored_step_; }
   // Of the last Step: seconds spent waiting for the site's workers' gradient sum after the last backward
@@ -270,8 +281,11 @@ class StageWorker {
   // collective of the site's workers may depend on it (diloco_ is the same on every worker).
   bool IndependentWorkers() const { return outer_ && a_.num_stages == 1; }
   // DiLoCo pipelines of several stages (StageAssignment::whole_pipelines): each exchanges its gradient norm
-  // along its own stages only. Unlike IndependentWorkers, a lost pipeline is not left out (not built).
+  // along its own stages only.
   bool PipelineWorkers() const { return outer_ && a_.whole_pipelines && a_.num_stages > 1; }
+  // Whether a lost replica (worker or pipeline) can be left out and the others go on without it
+  // (set_left_out): DiLoCo workers of the whole model, or whole pipelines.
+  bool LeavesOutLostReplicas() const { return IndependentWorkers() || PipelineWorkers(); }
   // The other replicas of this stage among `sites`.
   std::vector<std::string> OtherReplicasIn(const std::set<std::string>& sites) const;
   bool OtherReplicaLeftOut() const;  // left_out_source_ names another replica of this stage now

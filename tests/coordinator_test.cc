@@ -550,6 +550,52 @@ TEST_F(CoordinatorTest, ALostDilocoWorkerIsLeftOutAndTheOthersFinishWithNoStepLo
   EXPECT_THAT(b->ReadAll(10s), HasSubstr("replica 'c' was lost and is left out of the outer average"));
 }
 
+// Whole DiLoCo pipelines (#17; a pinned plan of two pipelines, a -> c and b -> d, H = 5, overlapped int4
+// exchanges): d is killed mid-run. b, its pipeline's other stage, fails when d goes, before the heartbeats
+// name d; the coordinator leaves the pipeline (b, d) out, and a and c -- the other pipeline, stage 0's
+// replica 0 waiting for b's loss share -- go on without it and switch at a step boundary to a plan without
+// d that resumes from exactly that step: no fallback to a checkpoint, and every step reported once.
+TEST_F(CoordinatorTest, ALostDilocoPipelineIsLeftOutAndTheOtherFinishesWithNoStepLost) {
+  Edit("cluster.yaml", "heartbeat: {interval: 1s, timeout: 4s}", "heartbeat: {interval: 250ms, timeout: 3s}");
+  ports_["d"] = FreePort();
+  std::ofstream(dir_ / "cluster.yaml", std::ios::app) << "  - {name: d, address: 127.0.0.1:" << ports_["d"] << "}\n";
+  fs::remove_all(dir_ / "certs");
+  Process certs(Bin("meridian") + " certs init --spec " + (dir_ / "cluster.yaml").string() + " --out " +
+                (dir_ / "certs").string());
+  ASSERT_EQ(certs.Wait(30s), 0);
+  const int steps = 1000;
+  SetSteps(steps);
+  std::ofstream(dir_ / "job.yaml", std::ios::app)
+      << "  checkpoint: {dir: ckpt, interval: 50}\n"
+         "  sync: {mode: diloco, inner_steps: 5, codec: int4, overlap: true,\n"
+         "         outer_optimizer: {name: nesterov, lr: 0.7, momentum: 0.5}}\n";
+  std::ofstream(dir_ / "plan.json") << R"({"stages": [{"sites": ["a", "b"], "last_op": 2, "micro_batches": [2, 2]},
+                                                      {"sites": ["c", "d"], "last_op": 5, "micro_batches": [2, 2]}]})";
+  auto coord = Coordinator("--plan " + (dir_ / "plan.json").string());
+  std::this_thread::sleep_for(500ms);
+  auto a = Executor("a"), b = Executor("b"), c = Executor("c"), d = Executor("d");
+  std::string log;
+  ASSERT_TRUE(ReadUntilStep(coord.get(), 40, &log)) << log;
+  ASSERT_EQ(coord->Wait(1ms), -1) << log;
+  ASSERT_EQ(KillAndAwaitTheRunsEnd(coord.get(), d.get(), "d", &log), 0) << log;
+  EXPECT_THAT(log, HasSubstr("its DiLoCo pipeline ('b', 'd') is left out of the outer average and the others go on"));
+  EXPECT_THAT(log, HasSubstr("switch: every stage saved step"));
+  EXPECT_THAT(log, Not(HasSubstr("newest intact checkpoint")));
+  EXPECT_THAT(log, HasSubstr("done: " + std::to_string(steps) + " steps"));
+  auto plan = nlohmann::json::parse(std::ifstream(dir_ / "run" / "plan.json"), nullptr, false);
+  for (const auto& st : plan["stages"])
+    for (const auto& site : st["sites"]) EXPECT_NE(site, "d") << plan.dump();
+  // Every step trained, and reported, exactly once across the two attempts.
+  std::vector<int> reported;
+  std::ifstream metrics(dir_ / "run" / "metrics.jsonl");
+  for (std::string line; std::getline(metrics, line);) reported.push_back(nlohmann::json::parse(line)["step"]);
+  ASSERT_EQ(reported.size(), static_cast<size_t>(steps));
+  for (int i = 0; i < steps; ++i) EXPECT_EQ(reported[i], i + 1);  // 1-based
+  // The other pipeline's stages said why they went on.
+  EXPECT_THAT(a->ReadAll(10s), HasSubstr("replica 'b' was lost and is left out of the outer average"));
+  EXPECT_THAT(c->ReadAll(10s), HasSubstr("replica 'd' was lost and is left out of the outer average"));
+}
+
 // A site of two CPU workers (#22): b runs the second stage of a pinned 2-stage pipeline on two worker
 // processes in a c10d Gloo group, each computing half the rows of every micro-batch; after 4 steps the
 // weights equal `meridian train-local`'s, with the AdamW moments whole on each worker and sharded (ZeRO-1).
@@ -689,6 +735,54 @@ TEST_F(CoordinatorTest, ADilocoReplicaOnATwoWorkerSiteResumesLikeOneOnASingleDev
     }
     ASSERT_EQ(got.size(), one_worker.size());
     for (const auto& [name, t] : one_worker) EXPECT_LE(testing::RelativeL2(got[name], t), 1e-5) << name;
+  }
+}
+
+// Resuming mid-round (#17): stage 0's DiLoCo replicas a and b (H = 4 in 2 fragments, overlapped, identity
+// codec) checkpoint after step 5, while the exchange of fragment 0 begun after step 4 is in flight. c then
+// sends a NaN activation gradient in step 7: the step fails, every stage resumes from step 5, each replica
+// from its own round state (its parameters, moments and the exchange's result), and the run ends with the
+// weights of the same run uninterrupted -- with the coordinator's store and with a shared directory.
+// Before, b resumed from a's parameters and the exchange in flight was lost (9-49% off).
+TEST_F(CoordinatorTest, ADilocoRunResumedMidRoundEndsWhereAnUninterruptedOneEnds) {
+  SetSteps(12);
+  std::ofstream(dir_ / "job.yaml", std::ios::app)
+      << "  checkpoint: {interval: 5, store: coordinator, dir: ckpt}\n"
+         "  sync: {mode: diloco, inner_steps: 4, fragments: 2, codec: identity, overlap: true,\n"
+         "         outer_optimizer: {name: nesterov, lr: 0.7, momentum: 0.9}}\n";
+  std::ofstream(dir_ / "plan.json") << R"({"stages": [{"sites": ["a", "b"], "last_op": 2, "micro_batches": [2, 2]},
+                                                      {"sites": ["c"], "last_op": 5}]})";
+  std::string b_log;
+  const std::string log = RunPinned("", &b_log);
+  ASSERT_THAT(log, HasSubstr("done: 12 steps"));
+  const auto uninterrupted = testing::MergeShards(dir_ / "run" / "weights");
+  ASSERT_FALSE(uninterrupted.empty());
+  for (const std::string store : {"coordinator", "shared"}) {
+    SCOPED_TRACE(store);
+    fs::remove_all(dir_ / "run");
+    fs::remove_all(dir_ / "ckpt");
+    if (store == "shared") Edit("job.yaml", "store: coordinator", "store: shared");
+    auto coord = Coordinator("--plan " + (dir_ / "plan.json").string());
+    std::this_thread::sleep_for(500ms);
+    auto a = Executor("a"), b = Executor("b"), c = Executor("c", "", {}, "--fault nan-gradient:6");
+    const std::string resumed = coord->ReadAll(180s);
+    ASSERT_EQ(coord->Wait(30s), 0) << resumed;
+    const std::string sites = a->ReadAll(30s) + b->ReadAll(30s) + c->ReadAll(30s);
+    for (auto* e : {a.get(), b.get(), c.get()}) EXPECT_NE(e->Wait(30s), -1);  // 1 for each: an attempt failed
+    EXPECT_THAT(sites, HasSubstr("fault injection: a NaN activation gradient to"));
+    EXPECT_THAT(resumed, HasSubstr("failed on corrupt or non-finite data"));
+    EXPECT_THAT(resumed, HasSubstr("done: 12 steps"));
+    if (store == "coordinator") {
+      EXPECT_THAT(resumed, HasSubstr("resuming from step 5 of the coordinator's checkpoints"));
+      EXPECT_THAT(resumed, HasSubstr("stage 0: every DiLoCo replica resumes its own round state"));
+    }
+    for (const char* replica : {"replica 0 (site 'a')", "replica 1 (site 'b')"})
+      EXPECT_THAT(sites,
+                  HasSubstr(std::string("stage 0 ") + replica + ": resumes its own DiLoCo round state of step 5"))
+          << sites;
+    auto got = testing::MergeShards(dir_ / "run" / "weights");
+    ASSERT_EQ(got.size(), uninterrupted.size());
+    for (const auto& [name, t] : uninterrupted) EXPECT_LE(testing::RelativeL2(got[name], t), 1e-6) << name;
   }
 }
 
