@@ -558,16 +558,18 @@ def diloco_pipelines(a, bin_dir, work, cfg, model_dir, weights_params):
         job_yaml(diloco[codec], steps, global_batch, micro_batches, seq, seed, "{policy: adaptive, error_feedback: true}")
         with open(diloco[codec], "a") as f:
             f.write(f"  sync: {res['sync'].replace('CODEC', repr(codec))}\n")
-    # Stage 0 the embedding and all blocks but the last; stage 1 the last block and the head, which computes
-    # about as long as two blocks (profiled with a vocabulary of 4,096 at 2 sequences a micro-batch: a block
-    # 15-21 ms, the head 45-100 ms; half of that with 2,048).
+    # Ops: the embedding, each block's attention and MLP, the head. By default stage 0 takes the embedding,
+    # all blocks but the last two and the attention of the next (op 2 L - 3), stage 1 the rest: balanced by
+    # session 27's measured steps (cut after all blocks but the last, op 2 L - 2, stage 0 computed 1.17-1.19 s
+    # a step and stage 1 0.69-0.82 s; at op 2 L - 3, 0.97-1.14 s both).
     layers = model_layers(dp_model)
     ops = 2 * layers + 2
     plan = os.path.join(dpw, "layout.json")
-    cut = a.dp_cut if a.dp_cut is not None else 2 * (layers - 1)
+    cut = a.dp_cut if a.dp_cut is not None else 2 * layers - 3
     if not 0 <= cut < ops - 1:
         raise SystemExit(f"--dp-cut {cut}: stage 0's last op must be in 0..{ops - 2}")
     res["cut"] = cut
+    res["ops"] = ops
     json.dump({"stages": [{"sites": ["a0", "b0"], "last_op": cut,
                            "micro_batches": [micro_batches // 2, micro_batches // 2]},
                           {"sites": ["a1", "b1"], "last_op": ops - 1,
@@ -618,6 +620,20 @@ def diloco_pipelines(a, bin_dir, work, cfg, model_dir, weights_params):
     return res
 
 
+def describe_ops(first, last, ops):
+    """Ops first..last of a LLaMA graph of `ops` ops (the embedding, each block's attention and MLP, the head;
+    job/job.cc's OpName), in words."""
+    names = []
+    for op in range(first, last + 1):
+        if op == 0:
+            names.append("the embedding")
+        elif op == ops - 1:
+            names.append("the head")
+        else:
+            names.append(f"block {(op - 1) // 2}'s {'attention' if (op - 1) % 2 == 0 else 'MLP'}")
+    return ", ".join(names)
+
+
 def model_layers(model_dir):
     return json.load(open(os.path.join(model_dir, "config.json")))["num_hidden_layers"]
 
@@ -658,8 +674,9 @@ def dp_section(w, command):
          f"joined at {w['inner_mbit']} Mbit/s, and every pair across the pipelines at {w['mbit']} Mbit/s, "
          f"{w['rtt_ms']} ms RTT on every link. A {w['params'] / 1e6:.1f}M-parameter model ({w['model']}), "
          f"Meridian's synthetic language, {w['global_batch']} sequences of {w['seq']} tokens a step in "
-         f"{w['micro_batches']} micro-batches. Meridian runs one pinned layout: stage 0 (the embedding and all blocks "
-         "but the last) on a0 and b0, stage 1 (the last block and the head) on a1 and b1, each replica taking half the micro-batches, so each "
+         f"{w['micro_batches']} micro-batches. Meridian runs one pinned layout: stage 0 (ops 0-{w['cut']}: "
+         f"{describe_ops(0, w['cut'], w['ops'])}) on a0 and b0, stage 1 (ops {w['cut'] + 1}-{w['ops'] - 1}: "
+         f"{describe_ops(w['cut'] + 1, w['ops'] - 1, w['ops'])}) on a1 and b1, each replica taking half the micro-batches, so each "
          "micro-batch stays within one pipeline and only the replicas' synchronisation crosses between the "
          "pipelines: every step's gradient sums with every-step replicas; with DiLoCo each exchange of pseudo-"
          "gradients and, every step, each pipeline's share of the loss (each pipeline clips by its own gradient "
@@ -1278,7 +1295,9 @@ def main():
     ap.add_argument("--dp-ddp-steps", type=int, default=3, help="steps of its DDP-Gloo run (the first is warm-up)")
     ap.add_argument("--dp-micro-batches", type=int, default=24,
                     help="its micro-batches a step, of 4 sequences of 128 tokens, shared equally by the pipelines")
-    ap.add_argument("--dp-cut", type=int, help="its stage 0's last op (default: the embedding and all blocks but the last)")
+    ap.add_argument("--dp-cut", type=int,
+                    help="its stage 0's last op (default 2 L - 3: the embedding, all blocks but the last two, and the "
+                         "attention of the next)")
     ap.add_argument("--dp-systems", default="diloco,every,ddp,local",
                     help="what it runs: diloco, every, ddp, local (train-local, for the loss at equal tokens), in "
                          "this order; it stops at the first of every, ddp and local left out. Only a run of all four "
