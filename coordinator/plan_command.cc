@@ -78,7 +78,7 @@ int SimulateCandidates(const PlanCommandOptions& o, const partitioner::OpGraph& 
     if (static_cast<int>(rows.size()) == o.simulate) break;
     partitioner::PlanOptions fixed = po;
     fixed.replication = false;
-    partitioner::PinLayout(c.sites, c.last_ops, &fixed);
+    partitioner::PinLayout(c.sites, c.last_ops, &fixed, c.shares);
     auto plan = partitioner::PlanPipeline(graph, profile, fixed);
     if (!plan.ok()) continue;
     auto sim = simulator::Simulate(graph, profile, *plan);

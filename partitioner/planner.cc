@@ -190,6 +190,11 @@ class CostModel {
 struct Layout {
   std::vector<std::vector<int>> sites;
   std::vector<int> last;
+  // Whole-pipeline replicas (GroupPipelines): every stage on P sites, pipeline r being sites[k][r] of
+  // every stage, and every stage sharing the micro-batches alike, in proportion to each pipeline's speed
+  // (its slowest stage), so that each micro-batch stays within one pipeline. Else each stage shares them
+  // by its own sites' speeds.
+  bool pipelines = false;
 };
 
 struct Evaluation {
@@ -204,23 +209,33 @@ struct Evaluation {
   std::vector<int> link_codec, grad_codec;  // indices into the menus; -1 = fixed ratio
   // Per stage: how its sites share the micro-batches (one count per site; {M} for a lone site).
   std::vector<std::vector<int>> shares;
+  // Per stage of several sites: MicroBatchOwners(shares[k]), computed once (LinkPairs needs it for every
+  // link and codec tried); empty for a lone site.
+  std::vector<std::vector<int>> owners;
 };
 
 // The pairs of sites (indices into the profile) of stages k and k + 1 that a micro-batch goes between:
 // micro-batch m runs on MicroBatchOwners(shares[k])[m] at stage k and on that of shares[k + 1] at stage
 // k + 1 (as the executors route it). Replicated stages with the same shares pair their replicas one to one
 // (whole pipelines); next to a lone site, every site of the other stage with a share; without shares for
-// both stages, every pair.
+// both stages, every pair. A pair may come more than once (one per micro-batch): callers take maxima.
 std::vector<std::pair<int, int>> LinkPairs(const Layout& L, const Evaluation& e, int k) {
   std::vector<std::pair<int, int>> pairs;
   const bool shared = k + 1 < static_cast<int>(e.shares.size()) && e.shares[k].size() == L.sites[k].size() &&
                       e.shares[k + 1].size() == L.sites[k + 1].size();
-  if (shared && L.sites[k].size() > 1 && L.sites[k + 1].size() > 1) {
-    const std::vector<int> from = MicroBatchOwners(e.shares[k]), to = MicroBatchOwners(e.shares[k + 1]);
-    for (size_t m = 0; m < from.size() && m < to.size(); ++m)
+  if (shared && L.sites[k].size() > 1 && e.shares[k] == e.shares[k + 1]) {
+    // The same shares: the same owners, replica i to replica i.
+    for (size_t i = 0; i < L.sites[k].size(); ++i)
+      if (e.shares[k][i] > 0) pairs.emplace_back(L.sites[k][i], L.sites[k + 1][i]);
+  } else if (shared && L.sites[k].size() > 1 && L.sites[k + 1].size() > 1) {
+    auto owners = [&](int stage) {
+      return stage < static_cast<int>(e.owners.size()) && !e.owners[stage].empty() ? e.owners[stage]
+                                                                                   : MicroBatchOwners(e.shares[stage]);
+    };
+    const std::vector<int> from = owners(k), to = owners(k + 1);
+    pairs.reserve(std::min(from.size(), to.size()));
+    for (size_t m = 0; m < from.size() && m < to.size(); ++m)  // one per micro-batch, repeats and all
       pairs.emplace_back(L.sites[k][from[m]], L.sites[k + 1][to[m]]);
-    std::sort(pairs.begin(), pairs.end());
-    pairs.erase(std::unique(pairs.begin(), pairs.end()), pairs.end());
   } else {
     for (size_t i = 0; i < L.sites[k].size(); ++i)
       for (size_t j = 0; j < L.sites[k + 1].size(); ++j)
@@ -281,6 +296,18 @@ Evaluation Evaluate(const CostModel& cm, const Layout& L, const PlanOptions& o, 
   e.recompute.assign(S, false);
   e.recompute_t.assign(S, 0.0);
   e.shares.assign(S, {});
+  // Whole pipelines: one share per pipeline, from its slowest stage, for every stage.
+  std::vector<int> pipeline_shares;
+  if (L.pipelines && S > 0 && L.sites[0].size() > 1) {
+    std::vector<double> slowest(L.sites[0].size(), 0);
+    for (int k = 0; k < S; ++k) {
+      if (L.sites[k].size() != slowest.size()) return e;
+      const int a = k == 0 ? 0 : L.last[k - 1] + 1, b = L.last[k];
+      if (a > b) return e;
+      for (size_t r = 0; r < slowest.size(); ++r) slowest[r] = std::max(slowest[r], cm.StageTime(L.sites[k][r], a, b));
+    }
+    pipeline_shares = ShareMicroBatches(M, slowest);
+  }
   double max_t = 0;
   for (int k = 0; k < S; ++k) {
     int a = k == 0 ? 0 : L.last[k - 1] + 1, b = L.last[k];
@@ -300,8 +327,11 @@ Evaluation Evaluate(const CostModel& cm, const Layout& L, const PlanOptions& o, 
       e.t[k] = times[0];
       e.shares[k] = {M};
     } else {
-      const std::vector<int> share = StageShares(o, k, M, times);
+      const bool pinned = k < static_cast<int>(o.fixed_shares.size()) && !o.fixed_shares[k].empty();
+      const std::vector<int> share = pipeline_shares.empty() || pinned ? StageShares(o, k, M, times) : pipeline_shares;
       e.shares[k] = share;
+      if (e.owners.size() != static_cast<size_t>(S)) e.owners.assign(S, {});
+      e.owners[k] = MicroBatchOwners(share);
       double slowest = 0;
       for (size_t i = 0; i < times.size(); ++i) slowest = std::max(slowest, share[i] * times[i]);
       e.t[k] = slowest / M;
@@ -1175,6 +1205,110 @@ void ReplicateGreedily(const CostModel& cm, const PlanOptions& o, const OpGraph&
   }
 }
 
+// Up to this many sites in a grouping, GroupPipelines tries every grouping of them into pipelines and
+// every order of each ((P S)! / P! of them: 360 for two pipelines of three sites).
+constexpr int kExactGroupSites = 6;
+constexpr int kMaxPipelines = 32;
+
+// The best whole-pipeline layout of the pipelines `grid` (grid[r] = pipeline r's sites, stage by stage),
+// cut as one of them cuts best alone (CutOrder of each), by the formula (Evaluate); total kInf when none
+// fits.
+std::pair<Layout, Evaluation> CutPipelines(const CostModel& cm, const PlanOptions& o, const OpGraph& graph,
+                                           double ratio, const std::vector<std::vector<int>>& grid) {
+  std::pair<Layout, Evaluation> best;
+  // Beyond the exact search's size, the cuts of the first and the last pipeline only (the fastest sites'
+  // and the slowest's).
+  const bool few = cm.sites() <= o.exact_max_sites;
+  for (size_t r = 0; r < grid.size(); ++r) {
+    if (!few && r != 0 && r + 1 != grid.size()) continue;
+    const std::vector<int>& pipeline = grid[r];
+    const Candidate c = CutOrder(cm, pipeline, ratio);
+    if (c.cost == kInf || c.last.size() != pipeline.size()) continue;
+    Layout trial;
+    trial.pipelines = true;
+    trial.last = c.last;
+    trial.sites.assign(pipeline.size(), {});
+    for (const auto& p : grid)
+      for (size_t k = 0; k < p.size(); ++k) trial.sites[k].push_back(p[k]);
+    Evaluation te = Evaluate(cm, trial, o, graph);
+    if (te.total < best.second.total) best = {std::move(trial), std::move(te)};
+  }
+  return best;
+}
+
+// DiLoCo's whole-pipeline replicas, searched (docs/sync.md): for each number of pipelines P >= 2 and of
+// stages S with P S sites at most (beyond the exact search's size: at most kMaxPipelines pipelines, and
+// P and S on a geometric grid), the fastest P S sites are grouped into P pipelines of S sites --
+// every grouping and every order within each when P S <= kExactGroupSites; beyond, two groupings:
+// pipelines grown from the fastest free site along the widest links, and stage k's replicas the k-th P
+// fastest sites -- and each grouping cut as its best-cutting pipeline alone (CutPipelines). Evaluate
+// prices them as the executors run them: every stage shares the micro-batches alike (Layout::pipelines),
+// each micro-batch's links only between its own pipeline's sites (LinkPairs), the replicas' sync as its
+// bytes once every H steps, overlapped (SyncModel). Returns, for each (P, S) with a feasible grouping,
+// the best by the formula with its evaluation.
+std::vector<std::pair<Layout, Evaluation>> GroupPipelines(const CostModel& cm, const PlanOptions& o,
+                                                          const OpGraph& graph, double ratio) {
+  std::vector<std::pair<Layout, Evaluation>> out;
+  const int n = cm.sites(), N = cm.ops();
+  std::vector<int> by_speed(n);
+  std::iota(by_speed.begin(), by_speed.end(), 0);
+  std::stable_sort(by_speed.begin(), by_speed.end(),
+                   [&](int a, int b) { return cm.WholeModelTime(a) < cm.WholeModelTime(b); });
+  // Beyond the exact search's size, P and S on a geometric grid (1, 2, 3, 4, 6, 8, 12, 16, ...): hundreds
+  // of sites then plan in seconds, not minutes.
+  const bool few = n <= o.exact_max_sites;
+  auto next = [&](int x) { return few || x < 4 ? x + 1 : (x & (x - 1)) == 0 ? x + x / 2 : x / 3 * 4; };
+  const int max_pipelines = few ? n : std::min(n, kMaxPipelines);
+  for (int P = 2; P <= max_pipelines; P = next(P))
+    for (int S = 1; S <= std::min(n / P, N); S = next(S)) {
+      const std::vector<int> chosen(by_speed.begin(), by_speed.begin() + P * S);
+      std::pair<Layout, Evaluation> best;
+      auto grid_of = [&](const std::vector<int>& flat) {  // pipeline r = flat[r S .. r S + S)
+        std::vector<std::vector<int>> grid(P);
+        for (int r = 0; r < P; ++r) grid[r].assign(flat.begin() + r * S, flat.begin() + (r + 1) * S);
+        return grid;
+      };
+      auto take = [&](std::pair<Layout, Evaluation> c) {
+        if (c.second.total < best.second.total * (1 - 1e-12)) best = std::move(c);
+      };
+      if (P * S <= kExactGroupSites) {
+        std::vector<int> flat = chosen;
+        std::sort(flat.begin(), flat.end());
+        do {
+          bool canonical = true;  // the pipelines in the order of their first sites: each grouping once
+          for (int r = 1; r < P && canonical; ++r) canonical = flat[(r - 1) * S] < flat[r * S];
+          if (canonical) take(CutPipelines(cm, o, graph, ratio, grid_of(flat)));
+        } while (std::next_permutation(flat.begin(), flat.end()));
+      } else {
+        // Along the widest links: each pipeline from the fastest free site.
+        std::vector<bool> taken(n, true);
+        for (int s : chosen) taken[s] = false;
+        std::vector<int> flat;
+        for (int r = 0; r < P; ++r) {
+          int from = -1;
+          for (int s : chosen)
+            if (!taken[s]) {
+              from = s;
+              break;
+            }
+          for (int k = 0; k < S && from >= 0; ++k) {
+            flat.push_back(from);
+            taken[from] = true;
+            if (k + 1 < S) from = WidestLinkFrom(cm, from, chosen, taken);
+          }
+        }
+        if (static_cast<int>(flat.size()) == P * S) take(CutPipelines(cm, o, graph, ratio, grid_of(flat)));
+        // By speed: stage k's replicas the k-th P fastest, pipeline r the r-th of each.
+        std::vector<int> tiers;
+        for (int r = 0; r < P; ++r)
+          for (int k = 0; k < S; ++k) tiers.push_back(chosen[k * P + r]);
+        take(CutPipelines(cm, o, graph, ratio, grid_of(tiers)));
+      }
+      if (best.second.total < kInf) out.push_back(std::move(best));
+    }
+  return out;
+}
+
 absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& profile, const PlanOptions& o) {
   if (o.micro_batches < 1) return absl::InvalidArgumentError("micro_batches must be at least 1");
   if (!(o.ratio > 0 && o.ratio <= 1)) return absl::InvalidArgumentError("the compression ratio must be in (0, 1]");
@@ -1324,11 +1458,11 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
   };
   // Every layout compared below, with its prediction (Plan::candidates).
   std::vector<PlanCandidate> considered;
-  auto consider = [&](const Layout& L, double x) {
-    if (x < kInf) considered.push_back({L.sites, L.last, x});
+  auto consider = [&](const Layout& L, const Evaluation& e, double x) {
+    if (x < kInf) considered.push_back({L.sites, L.last, x, L.pipelines ? e.shares : std::vector<std::vector<int>>{}});
   };
   double current = predicted(layout, ev);  // the prediction for `layout` as it stands
-  consider(layout, current);
+  consider(layout, ev, current);
   size_t formula_stages = layout.sites.size();  // the formula's best pipeline, before any simulation
   size_t simulated_stages = formula_stages;     // the pipeline the simulation preferred among those
   if (o.deep_pipeline && alternatives.size() > 1) {
@@ -1341,7 +1475,7 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
       trial.last = c.last;
       Evaluation te = Evaluate(cm, trial, o, graph);
       const double x = predicted(trial, te);
-      consider(trial, x);
+      consider(trial, te, x);
       if (x < current * (1 - 1e-9)) layout = trial, ev = te, current = x;
     }
     formula_stages = stages_before;
@@ -1352,7 +1486,7 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
     const size_t pipeline_stages = layout.sites.size();
     ReplicateGreedily(cm, o, graph, &layout, &ev);
     current = predicted(layout, ev);
-    consider(layout, current);
+    consider(layout, ev, current);
     std::vector<int> by_speed(n);
     std::iota(by_speed.begin(), by_speed.end(), 0);
     std::stable_sort(by_speed.begin(), by_speed.end(),
@@ -1366,8 +1500,35 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
       Evaluation te = Evaluate(cm, trial, o, graph);
       ReplicateGreedily(cm, o, graph, &trial, &te);
       const double x = predicted(trial, te);
-      consider(trial, x);
+      consider(trial, te, x);
       if (x < current * (1 - 1e-9)) layout = trial, ev = te, current = x;
+    }
+    // DiLoCo: whole pipelines, grouped and cut by their own search.
+    if (o.sync.diloco) {
+      const double before = current;
+      bool grouped = false;
+      // The formula ranks the groupings of each (P, S); the three best are predicted (simulated).
+      std::vector<std::pair<Layout, Evaluation>> groupings = GroupPipelines(cm, o, graph, ratio);
+      std::stable_sort(groupings.begin(), groupings.end(),
+                       [](const auto& a, const auto& b) { return a.second.total < b.second.total; });
+      if (groupings.size() > 3) groupings.resize(3);
+      for (auto& [trial, te] : groupings) {
+        const double x = predicted(trial, te);
+        consider(trial, te, x);
+        if (x < current * (1 - 1e-9)) layout = trial, ev = te, current = x, grouped = true;
+      }
+      if (grouped) {
+        std::vector<std::string> pipelines;
+        for (size_t r = 0; r < layout.sites[0].size(); ++r) {
+          std::vector<std::string> names;
+          for (const auto& R : layout.sites) names.push_back(profile.sites[R[r]].name);
+          pipelines.push_back(absl::StrJoin(names, " -> "));
+        }
+        plan.notes.push_back(absl::StrFormat(
+            "%d whole DiLoCo pipelines (%s), each of %d stage(s), its micro-batches within its own sites: "
+            "predicted %.4g s per step against %.4g s for the best layout otherwise",
+            layout.sites[0].size(), absl::StrJoin(pipelines, "; "), layout.sites.size(), current, before));
+      }
     }
     int replicas = 0;
     for (const auto& R : layout.sites) replicas += static_cast<int>(R.size()) - 1;
@@ -1399,9 +1560,7 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
     if (st.sites.size() == 1) {
       st.micro_batches = {plan.micro_batches};
     } else {
-      std::vector<double> times;
-      for (int s : st.sites) times.push_back(cm.StageTime(s, st.first_op, st.last_op));
-      st.micro_batches = StageShares(o, k, plan.micro_batches, times);
+      st.micro_batches = ev.shares[k];  // by speed, pinned, or alike along whole pipelines (Evaluate)
     }
     st.memory_bytes = ev.memory[k];
     st.in_flight = std::min(plan.micro_batches, S - k);

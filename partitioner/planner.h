@@ -187,6 +187,9 @@ struct PlanCandidate {
   std::vector<std::vector<int>> sites;
   std::vector<int> last_ops;
   double predicted_seconds = 0;
+  // Whole DiLoCo pipelines (every stage sharing the micro-batches alike): the shares, per stage, to pin
+  // with the layout (PinLayout); empty: by speed.
+  std::vector<std::vector<int>> shares;
 };
 
 struct Plan {

@@ -578,6 +578,65 @@ TEST(Planner, WholePipelineReplicasPriceOnlyTheLinksTheirMicroBatchesCross) {
   EXPECT_GT(crossing_slow->predicted_step_seconds, 2 * crossing_fast->predicted_step_seconds);
 }
 
+// DiLoCo's whole pipelines, searched (#17): four sites in two regions (a0-a1 and b0-b1 at 100 MB/s, every
+// link between the regions at 100 kB/s), none able to hold the whole model. Adding replicas one at a time
+// never gets there (a lone replica's micro-batches would cross between the regions); the grouping search
+// finds two pipelines, one per region, each cut in two, every stage sharing the micro-batches alike (the
+// note says the grouping won). A region twice as slow gets fewer micro-batches, the same share at both
+// its stages.
+TEST(Planner, DilocoGroupsSitesIntoWholePipelinesAlongTheirFastLinks) {
+  OpGraph g;
+  for (int i = 0; i < 4; ++i) g.ops.push_back({"op" + std::to_string(i), 1e9, 2e9, 1e8, 2e8, 1e6, {}});
+  for (int i = 1; i < 4; ++i) g.ops[i].inputs = {i - 1};
+  auto profile = [](double b_speed) {
+    ClusterProfile p;
+    // 3e8 bytes of state per op: two ops and their activations fit in 8e8, four do not.
+    p.sites = {{"a0", 1e9, 8e8, {}}, {"b0", b_speed, 8e8, {}}, {"a1", 1e9, 8e8, {}}, {"b1", b_speed, 8e8, {}}};
+    for (const auto& x : p.sites)
+      for (const auto& y : p.sites)
+        if (x.name != y.name) p.links.push_back({x.name, y.name, x.name[0] == y.name[0] ? 1e8 : 1e5, 0.04});
+    return p;
+  };
+  PlanOptions o;
+  o.micro_batches = 8;
+  o.replication = true;
+  o.adaptive_compression = true;
+  o.deep_pipeline = true;
+  auto every = PlanPipeline(g, profile(1e9), o);
+  ASSERT_TRUE(every.ok()) << every.status();
+  o.sync.diloco = true;
+  o.sync.inner_steps = 50;
+  for (const double b_speed : {1e9, 5e8}) {
+    SCOPED_TRACE(b_speed);
+    const ClusterProfile p = profile(b_speed);
+    auto plan = PlanPipeline(g, p, o);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    ASSERT_EQ(plan->stages.size(), 2u) << PlanTable(*plan, g, p);
+    ASSERT_EQ(plan->stages[0].sites.size(), 2u) << PlanTable(*plan, g, p);
+    ASSERT_EQ(plan->stages[1].sites.size(), 2u) << PlanTable(*plan, g, p);
+    EXPECT_TRUE(WholePipelineReplicas(plan->stages));
+    for (size_t r = 0; r < 2; ++r)  // each pipeline within one region
+      EXPECT_EQ(plan->stages[0].site_names[r][0], plan->stages[1].site_names[r][0]) << PlanTable(*plan, g, p);
+    EXPECT_EQ(plan->stages[0].micro_batches, plan->stages[1].micro_batches);
+    EXPECT_EQ(plan->stages[0].last_op, 1);
+    const auto& shares = plan->stages[0].micro_batches;
+    const size_t a = plan->stages[0].site_names[0][0] == 'a' ? 0 : 1;
+    if (b_speed < 1e9)
+      EXPECT_GT(shares[a], shares[1 - a]);
+    else
+      EXPECT_EQ(shares[0], shares[1]);
+    bool explained = false;
+    for (const auto& n : plan->notes) explained |= n.find("2 whole DiLoCo pipelines") != std::string::npos;
+    EXPECT_TRUE(explained) << PlanTable(*plan, g, p);
+    // The candidates keep the pipelines' shares, so `meridian plan --simulate` re-plans them alike.
+    ASSERT_FALSE(plan->candidates.empty());
+    EXPECT_EQ(plan->candidates[0].shares, (std::vector<std::vector<int>>{shares, shares}));
+    // Every-step sync's best: a stage per region, each on its two sites summing gradients, the activations
+    // crossing between the regions in int4 (31 s); DiLoCo's pipelines: 27 s.
+    if (b_speed == 1e9) EXPECT_LT(plan->predicted_step_seconds, every->predicted_step_seconds);
+  }
+}
+
 // A pinned layout may pin its replicas' shares too (plan.json's "micro_batches", read back by --plan): the
 // plan runs them and prices the slowest share, whatever the profile's speeds say.
 TEST(Planner, PinnedSharesAreRunAndPriced) {
