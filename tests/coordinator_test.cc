@@ -743,7 +743,7 @@ TEST_F(CoordinatorTest, ADilocoReplicaOnATwoWorkerSiteResumesLikeOneOnASingleDev
 // sends a NaN activation gradient in step 7: the step fails, every stage resumes from step 5, each replica
 // from its own round state (its parameters, moments and the exchange's result), and the run ends with the
 // weights of the same run uninterrupted -- with the coordinator's store and with a shared directory.
-// Before, b resumed from a's parameters and the exchange in flight was lost (9-49% off).
+// Before, b resumed from a's parameters and the exchange in flight was lost (3-49% off).
 TEST_F(CoordinatorTest, ADilocoRunResumedMidRoundEndsWhereAnUninterruptedOneEnds) {
   SetSteps(12);
   std::ofstream(dir_ / "job.yaml", std::ios::app)
