@@ -50,6 +50,19 @@ TEST(CoordinatorLayering, TheCoordinatorLibraryLinksNoTorch) {
       EXPECT_EQ(so.find(banned), std::string::npos) << "the coordinator's test binary loaded " << so;
 }
 
+// Sends `content` as `path` from `site` for attempt `job`, as the service does: a grant, the bytes, the commit.
+absl::Status Upload(Coordinator& c, const std::string& site, const std::string& job, const std::string& path,
+                    const std::string& content) {
+  auto grant = c.FileDestination(site, job, path);
+  if (!grant.ok()) return grant.status();
+  const std::string part = grant->path + ".part";
+  std::ofstream(part) << content;
+  absl::Status s =
+      c.FileCommit(site, job, path, part, grant->path, static_cast<int64_t>(content.size()), core::Sha256Hex(content));
+  if (!s.ok()) fs::remove(part);
+  return s;
+}
+
 TEST(CoordinatorFiles, OnlyEachStagesWriterSendsItsOwnFilesOfTheRunningAttempt) {
   const fs::path dir = fs::temp_directory_path() / ("meridian_coordfiles_" + std::to_string(::getpid()));
   fs::remove_all(dir);
@@ -160,14 +173,7 @@ TEST(CoordinatorFiles, OnlyAManifestedStepCountsAndForgedUploadsAreRefused) {
   EXPECT_EQ(c.FileDestination("a", "j", "checkpoints/step-90/stage-0.safetensors").status().code(),
             absl::StatusCode::kInvalidArgument);
   auto upload = [&](const std::string& site, const std::string& path, const std::string& content) {
-    auto grant = c.FileDestination(site, "j", path);
-    if (!grant.ok()) return grant.status();
-    const std::string part = grant->path + ".part";
-    std::ofstream(part) << content;
-    absl::Status s = c.FileCommit(site, "j", path, part, grant->path, static_cast<int64_t>(content.size()),
-                                  core::Sha256Hex(content));
-    if (!s.ok()) fs::remove(part);
-    return s;
+    return Upload(c, site, "j", path, content);
   };
   auto meta = [](int stage, int num_stages, const std::string& shard) {
     return nlohmann::json{{"step", 10},
@@ -215,14 +221,7 @@ TEST(CoordinatorFiles, EachDilocoReplicaSendsOnlyItsOwnRoundStateAndTheManifestL
   c.BeginJob("j", {{"a", 0}, {"b", 0}, {"c", 1}});
   c.SetFileWriters({{"a", 0}, {"c", 1}}, 100, 1 << 20, 10, 0, {}, 0, {{"a", {0, 0}}, {"b", {0, 1}}});
   auto upload = [&](const std::string& site, const std::string& path, const std::string& content) {
-    auto grant = c.FileDestination(site, "j", path);
-    if (!grant.ok()) return grant.status();
-    const std::string part = grant->path + ".part";
-    std::ofstream(part) << content;
-    absl::Status s = c.FileCommit(site, "j", path, part, grant->path, static_cast<int64_t>(content.size()),
-                                  core::Sha256Hex(content));
-    if (!s.ok()) fs::remove(part);
-    return s;
+    return Upload(c, site, "j", path, content);
   };
   auto stage_meta = [](int stage, const std::string& shard) {
     return nlohmann::json{{"step", 10},

@@ -25,6 +25,14 @@ absl::Status Merge(std::map<std::string, torch::Tensor> shard, const std::string
   return absl::OkStatus();
 }
 
+// The tensors of shard `file` once its SHA-256 is `sha256`; DataLoss naming the file otherwise.
+absl::StatusOr<std::map<std::string, torch::Tensor>> LoadVerified(const std::string& file, const std::string& sha256) {
+  auto digest = core::Sha256OfFile(file);
+  if (!digest.ok()) return digest.status();
+  if (*digest != sha256) return absl::DataLossError(absl::StrCat(file, ": checksum mismatch (truncated or corrupt)"));
+  return LoadParameters(file);
+}
+
 }  // namespace
 
 absl::Status WriteCheckpoint(const std::string& dir, int64_t step, int stage, int num_stages,
@@ -90,12 +98,7 @@ absl::StatusOr<std::optional<std::map<std::string, torch::Tensor>>> LoadRoundSta
           return Result();
         }
         const core::ReplicaMeta& meta = metas.at(replica);
-        const std::string file = (fs::path(step_dir) / meta.shard).string();
-        auto digest = core::Sha256OfFile(file);
-        if (!digest.ok()) return digest.status();
-        if (*digest != meta.sha256)
-          return absl::DataLossError(absl::StrCat(file, ": checksum mismatch (truncated or corrupt)"));
-        auto tensors = LoadParameters(file);
+        auto tensors = LoadVerified((fs::path(step_dir) / meta.shard).string(), meta.sha256);
         if (!tensors.ok()) return tensors.status();
         return Result(std::move(*tensors));
       });
@@ -162,11 +165,7 @@ absl::StatusOr<Checkpoint> LoadCheckpointFor(const std::string& step_dir, const 
     for (const auto& [k, meta] : *metas) {
       if (std::find(shards->begin(), shards->end(), meta.shard) == shards->end()) continue;
       const std::string file = (path / meta.shard).string();
-      auto digest = core::Sha256OfFile(file);
-      if (!digest.ok()) return digest.status();
-      if (*digest != meta.sha256)
-        return absl::DataLossError(absl::StrCat(file, ": checksum mismatch (truncated or corrupt)"));
-      auto tensors = LoadParameters(file);
+      auto tensors = LoadVerified(file, meta.sha256);
       if (!tensors.ok()) return tensors.status();
       if (absl::Status s = Merge(std::move(*tensors), file, &c.tensors); !s.ok()) return s;
     }

@@ -132,6 +132,14 @@ class CoordinatorTest : public ::testing::Test {
     }
     return ReadText(out).find(what) != std::string::npos;
   }
+  // Every step trained, and reported, exactly once in RUN/metrics.jsonl, across the run's attempts.
+  void ExpectEveryStepReportedOnce(int steps) {
+    std::vector<int> reported;
+    std::ifstream metrics(dir_ / "run" / "metrics.jsonl");
+    for (std::string line; std::getline(metrics, line);) reported.push_back(nlohmann::json::parse(line)["step"]);
+    ASSERT_EQ(reported.size(), static_cast<size_t>(steps));
+    for (int i = 0; i < steps; ++i) EXPECT_EQ(reported[i], i + 1);  // 1-based
+  }
   fs::path dir_;
   int coord_port_ = 0;
   std::map<std::string, int> ports_;
@@ -539,12 +547,7 @@ TEST_F(CoordinatorTest, ALostDilocoWorkerIsLeftOutAndTheOthersFinishWithNoStepLo
   auto plan = nlohmann::json::parse(std::ifstream(dir_ / "run" / "plan.json"), nullptr, false);
   for (const auto& st : plan["stages"])
     for (const auto& site : st["sites"]) EXPECT_NE(site, "c") << plan.dump();
-  // Every step trained, and reported, exactly once across the two attempts.
-  std::vector<int> reported;
-  std::ifstream metrics(dir_ / "run" / "metrics.jsonl");
-  for (std::string line; std::getline(metrics, line);) reported.push_back(nlohmann::json::parse(line)["step"]);
-  ASSERT_EQ(reported.size(), static_cast<size_t>(steps));
-  for (int i = 0; i < steps; ++i) EXPECT_EQ(reported[i], i + 1);  // 1-based
+  ExpectEveryStepReportedOnce(steps);
   // The survivors said why they went on.
   EXPECT_THAT(a->ReadAll(10s), HasSubstr("replica 'c' was lost and is left out of the outer average"));
   EXPECT_THAT(b->ReadAll(10s), HasSubstr("replica 'c' was lost and is left out of the outer average"));
@@ -585,12 +588,7 @@ TEST_F(CoordinatorTest, ALostDilocoPipelineIsLeftOutAndTheOtherFinishesWithNoSte
   auto plan = nlohmann::json::parse(std::ifstream(dir_ / "run" / "plan.json"), nullptr, false);
   for (const auto& st : plan["stages"])
     for (const auto& site : st["sites"]) EXPECT_NE(site, "d") << plan.dump();
-  // Every step trained, and reported, exactly once across the two attempts.
-  std::vector<int> reported;
-  std::ifstream metrics(dir_ / "run" / "metrics.jsonl");
-  for (std::string line; std::getline(metrics, line);) reported.push_back(nlohmann::json::parse(line)["step"]);
-  ASSERT_EQ(reported.size(), static_cast<size_t>(steps));
-  for (int i = 0; i < steps; ++i) EXPECT_EQ(reported[i], i + 1);  // 1-based
+  ExpectEveryStepReportedOnce(steps);
   // The other pipeline's stages said why they went on.
   EXPECT_THAT(a->ReadAll(10s), HasSubstr("replica 'b' was lost and is left out of the outer average"));
   EXPECT_THAT(c->ReadAll(10s), HasSubstr("replica 'd' was lost and is left out of the outer average"));
