@@ -254,6 +254,11 @@ std::string SnapshotName(const std::string& name) { return "outer.snapshot." + n
 std::string SumName(const std::string& name) { return "outer.sum." + name; }
 }  // namespace
 
+std::pair<int64_t, int64_t> OuterSync::AveragerBytes(int f) const {
+  if (static_cast<size_t>(f) >= averagers_.size()) return {0, 0};  // restored, not yet attached
+  return {averagers_[f]->wire_bytes(), averagers_[f]->raw_bytes()};
+}
+
 absl::StatusOr<std::map<std::string, torch::Tensor>> OuterSync::ExportRoundState() {
   std::map<std::string, torch::Tensor> out;
   torch::Tensor round = torch::full({6}, -1.0, torch::kFloat64);
@@ -267,9 +272,9 @@ absl::StatusOr<std::map<std::string, torch::Tensor>> OuterSync::ExportRoundState
     round[0] = static_cast<double>(f);
     round[1] = static_cast<double>(pending_step_);
     round[2] = drift2_;
-    const bool attached = static_cast<size_t>(f) < averagers_.size();  // else restored and not yet attached
-    round[3] = static_cast<double>((attached ? averagers_[f]->wire_bytes() : 0) - wire_bytes_at_begin_);
-    round[4] = static_cast<double>((attached ? averagers_[f]->raw_bytes() : 0) - raw_bytes_at_begin_);
+    const auto [wire, raw] = AveragerBytes(f);
+    round[3] = static_cast<double>(wire - wire_bytes_at_begin_);
+    round[4] = static_cast<double>(raw - raw_bytes_at_begin_);
     round[5] = std::chrono::duration<double>(std::chrono::steady_clock::now() - began_).count();
     const auto& fragment = fragments_[f];
     for (size_t k = 0; k < fragment.size(); ++k) {
@@ -321,10 +326,9 @@ absl::Status OuterSync::ImportRoundState(const std::map<std::string, torch::Tens
   drift2_ = round[2].item<double>();
   // Complete counts the averager's bytes since wire_bytes_at_begin_: the fresh averager's (none yet) plus
   // what the exchange took before the checkpoint.
-  const int64_t wire = static_cast<int64_t>(round[3].item<double>()),
-                raw = static_cast<int64_t>(round[4].item<double>());
-  wire_bytes_at_begin_ = (averagers_.size() > static_cast<size_t>(f) ? averagers_[f]->wire_bytes() : 0) - wire;
-  raw_bytes_at_begin_ = (averagers_.size() > static_cast<size_t>(f) ? averagers_[f]->raw_bytes() : 0) - raw;
+  const auto [wire, raw] = AveragerBytes(f);
+  wire_bytes_at_begin_ = wire - static_cast<int64_t>(round[3].item<double>());
+  raw_bytes_at_begin_ = raw - static_cast<int64_t>(round[4].item<double>());
   began_ = std::chrono::steady_clock::now() - std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                                                   std::chrono::duration<double>(round[5].item<double>()));
   exchange_status_ = absl::OkStatus();

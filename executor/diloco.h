@@ -137,6 +137,8 @@ class OuterSync {
   // Waits for the exchange thread, if any, cancelling it once the cancel check says so; adds the wait to
   // last_wait_seconds_. Its result is then in exchange_status_.
   void AwaitExchange();
+  // Fragment f's averager's wire and raw bytes so far; {0, 0} before Attach.
+  std::pair<int64_t, int64_t> AveragerBytes(int f) const;
   void Exchange(int f, int64_t step);  // BeginStep + Finish of fragment f's averager; sets exchange_status_
 
   core::SyncSpec spec_;
