@@ -337,18 +337,20 @@ TEST_F(PeerTest, QueuedSenderDoesNotBlockItsCallerOnAStalledLink) {
   auto client = *PeerClient::Create(dir_->string(), "a", "b", "127.0.0.1:" + std::to_string(port));
   auto stream = client->OpenStream(std::chrono::seconds(60));
   ASSERT_TRUE(stream.ok()) << stream.status();
-  // 24 MiB into a receiver that reads nothing: far beyond any HTTP/2 window, within the queue's bound.
-  QueuedSender sender(std::move(*stream), 32 << 20);
-  const auto big = Frame(2 << 20, "identity");  // 8 MiB
+  // Frames larger than the stream's receive window, into a receiver that reads nothing: the link takes
+  // part of the first and none of the others, and the queue holds three of them.
+  const auto big = Frame((kReceiveWindowBytes + (8 << 20)) / 4, "identity");
+  const int64_t frame_bytes = static_cast<int64_t>(big.size());
+  QueuedSender sender(std::move(*stream), 3 * frame_bytes);
   double blocked = 0;
   for (int mb = 0; mb < 3; ++mb) {
     absl::Status sent = sender.Send({"job", 1, mb, 0, v1::FORWARD, 0}, big, &blocked);
     if (!sent.ok()) stalled.Release();
     ASSERT_TRUE(sent.ok()) << sent;
   }
-  // The link is still holding most of it: the caller went on regardless.
+  // None of them has left the queue whole: the caller went on regardless.
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
-  EXPECT_GT(sender.queued_bytes(), int64_t{16} << 20);
+  EXPECT_EQ(sender.queued_bytes(), 3 * frame_bytes);
   // A queue at its bound passes the back-pressure on: this send returns only once the link moves.
   std::atomic<bool> released{false};
   std::thread release([&] {
