@@ -26,6 +26,7 @@
 #include "core/run_layout.h"
 #include "core/version.h"
 #include "executor/agent.h"
+#include "executor/host_memory.h"
 #include "executor/options.h"
 #include "executor/profiler.h"
 #include "executor/run_stage.h"
@@ -177,6 +178,7 @@ int Guarded(Body body) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  executor::KeepFreedHostMemoryForReuse();  // before any thread starts
   CLI::App app{"meridian-executor: runs one site's slice of a Meridian job"};
   app.set_version_flag("--version", std::string("meridian-executor ") + kVersion);
   executor::ExecutorFlags f;

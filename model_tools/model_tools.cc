@@ -19,6 +19,7 @@
 #include "executor/checkpoint.h"
 #include "executor/evaluate.h"
 #include "executor/export.h"
+#include "executor/host_memory.h"
 #include "executor/trainer.h"
 #include "nlohmann/json.hpp"
 
@@ -86,6 +87,7 @@ void AddTrainLocalOptions(CLI::App* cmd, TrainLocalOptions* o) {
 }
 
 int RunTrainLocal(const TrainLocalOptions& o) {
+  executor::KeepFreedHostMemoryForReuse();
   auto setup = executor::LoadJob(o.job_path);
   if (!setup.ok()) {
     std::cerr << "meridian train-local: " << setup.status().message() << "\n";
@@ -133,6 +135,7 @@ void AddEvalOptions(CLI::App* cmd, EvalOptions* o) {
 }
 
 int RunEval(const EvalOptions& o) {
+  executor::KeepFreedHostMemoryForReuse();
   auto setup = executor::LoadJob(o.job_path);
   if (!setup.ok()) {
     std::cerr << "meridian eval: " << setup.status().message() << "\n";
