@@ -212,6 +212,7 @@ def run_meridian(emu, bin_dir, work, name, job, steps, split, repeats, extra="",
         "slowest_compute_seconds": last.get("slowest_compute_seconds"),
         "slowest_site": last.get("slowest_site"),
         "stages": last.get("stages"),  # each stage's compute / wait / send-blocked seconds in the last step
+        "stage_medians": stage_medians(metrics[1:-1] if time_to_second_last else metrics[1:]),
         "payload_mb": float(m.group(1)) if m else None,
         "payload_percent": int(m.group(2)) if m else None,
         "wire_bytes": after - before,
@@ -633,6 +634,32 @@ def diloco_pipelines(a, bin_dir, work, cfg, model_dir, weights_params):
     return res
 
 
+def stage_medians(metrics):
+    """{site: {"stage", "compute", "wait"}}: each site's median compute and wait seconds a step over `metrics`
+    (metrics.jsonl lines)."""
+    per = {}
+    for x in metrics:
+        for st in x.get("stages") or []:
+            d = per.setdefault(st["site"], {"stage": st["stage"], "compute": [], "wait": []})
+            d["compute"].append(st["compute_seconds"])
+            d["wait"].append(st["wait_seconds"])
+    return {s: {"stage": d["stage"], "compute": statistics.median(d["compute"]), "wait": statistics.median(d["wait"])}
+            for s, d in sorted(per.items())}
+
+
+def balance_ceiling(medians, pipelines):
+    """The share of its sites' compute a pipeline of these stages can use at most: its stages' median compute
+    summed, over the number of stages times the slowest stage's (a step is at least the slowest stage's
+    compute; the bound counts every site computing all the time). The lowest over `pipelines` (lists of
+    sites); None without the sites' figures."""
+    caps = []
+    for sites in pipelines:
+        c = [medians[s]["compute"] for s in sites if s in medians]
+        if len(c) == len(sites) and max(c) > 0:
+            caps.append(sum(c) / (len(c) * max(c)))
+    return min(caps) if caps else None
+
+
 def describe_ops(first, last, ops):
     """Ops first..last of a LLaMA graph of `ops` ops (the embedding, each block's attention and MLP, the head;
     job/job.cc's OpName), in words."""
@@ -732,6 +759,16 @@ def dp_section(w, command):
                      f"a token, against {f32 / 1e6:.2f} MB of float32 that every-step sums send every step: "
                      f"**{w['inner_steps'] * f32 / wire:.0f}x fewer bytes per token** ({f32 / wire:.2f}x from the codec, "
                      f"{w['inner_steps']}x from H).")
+    for codec, d in w["diloco"].items():
+        med = d.get("stage_medians") or {}
+        cap = balance_ceiling(med, [["a0", "a1"], ["b0", "b1"]])
+        if cap is None:
+            continue
+        L.append(f"- **Where the step goes** (`{codec}`, median step {d['step_seconds']:.2f} s): "
+                 + ", ".join(f"{s} (stage {m['stage']}) computed {m['compute']:.2f} s and waited {m['wait']:.2f} s"
+                             for s, m in med.items())
+                 + f". The cut's balance alone caps a pipeline at {pct(cap)} of its sites' compute (its stages' "
+                 "compute summed over twice the slower's).")
     for codec, d in w["diloco"].items():
         dl = {int(k): v for k, v in d["losses"].items()}
         last = max(dl)
