@@ -499,6 +499,17 @@ PipelineTimes TimesOf(const CostModel& cm, const Layout& L, const Evaluation& ev
     t.backward_transfer_seconds.push_back(bx);
     t.backward_latency_seconds.push_back(bl);
   }
+  // Replicated stages: which replica runs each micro-batch, and how long a pass takes at each replica's
+  // site against the stage's combined pace (ev.t).
+  t.owners.assign(S, {});
+  t.replica_scale.assign(S, {});
+  for (int k = 0; k < S; ++k) {
+    if (L.sites[k].size() < 2 || k >= static_cast<int>(ev.owners.size()) || ev.owners[k].empty() || ev.t[k] <= 0)
+      continue;
+    const int a = k == 0 ? 0 : L.last[k - 1] + 1, b = L.last[k];
+    t.owners[k] = ev.owners[k];
+    for (int s : L.sites[k]) t.replica_scale[k].push_back(cm.StageTime(s, a, b) / ev.t[k]);
+  }
   return t;
 }
 

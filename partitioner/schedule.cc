@@ -54,19 +54,42 @@ SimulatedStep SimulatePipeline(const PipelineTimes& t) {
   r.forward_link_busy_seconds.assign(std::max(S - 1, 0), 0.0);
   r.backward_link_busy_seconds.assign(std::max(S - 1, 0), 0.0);
   r.passes.assign(S, {});
-  std::vector<std::vector<std::pair<char, int>>> order(S);
-  for (int k = 0; k < S; ++k) order[k] = PipelineSchedule(k, S, M, DefaultInFlight(t, k));
+  // One unit per site computing a stage: each replica of a replicated stage runs the stage's order
+  // filtered to its own micro-batches.
+  struct Unit {
+    int stage;
+    double scale = 1;  // of the stage's pass times
+    std::vector<std::pair<char, int>> order;
+    size_t next = 0;
+    double free_at = 0, busy = 0, wait = 0;
+    bool started = false;
+  };
+  std::vector<Unit> units;
+  for (int k = 0; k < S; ++k) {
+    const auto schedule = PipelineSchedule(k, S, M, DefaultInFlight(t, k));
+    const bool replicated = k < static_cast<int>(t.owners.size()) && !t.owners[k].empty();
+    const int replicas = replicated ? 1 + *std::max_element(t.owners[k].begin(), t.owners[k].end()) : 1;
+    for (int rep = 0; rep < replicas; ++rep) {
+      Unit u{k};
+      if (replicated && k < static_cast<int>(t.replica_scale.size()) &&
+          rep < static_cast<int>(t.replica_scale[k].size()))
+        u.scale = t.replica_scale[k][rep];
+      for (auto e : schedule)
+        if (!replicated || t.owners[k][e.second] == rep) u.order.push_back(e);
+      units.push_back(std::move(u));
+    }
+  }
   // Arrival time of stage k's input for micro-batch m (activation; stage 0: 0) and of its gradient.
   std::vector<std::vector<double>> act(S, std::vector<double>(M, kInf)), grad(S, std::vector<double>(M, kInf));
   for (int m = 0; m < M; ++m) act[0][m] = 0;
-  std::vector<double> free_at(S, 0.0), fwd_link(std::max(S - 1, 0), 0.0), bwd_link(std::max(S - 1, 0), 0.0);
+  std::vector<double> fwd_link(std::max(S - 1, 0), 0.0), bwd_link(std::max(S - 1, 0), 0.0);
   std::vector<double> forward_done(S * static_cast<size_t>(M), kInf);
-  std::vector<size_t> next(S, 0);
   for (bool progress = true; progress;) {
     progress = false;
-    for (int k = 0; k < S; ++k) {
-      while (next[k] < order[k].size()) {
-        const auto [kind, m] = order[k][next[k]];
+    for (Unit& u : units) {
+      const int k = u.stage;
+      while (u.next < u.order.size()) {
+        const auto [kind, m] = u.order[u.next];
         double ready;
         if (kind == 'F')
           ready = act[k][m];
@@ -74,17 +97,19 @@ SimulatedStep SimulatePipeline(const PipelineTimes& t) {
           ready = k == S - 1 ? forward_done[k * static_cast<size_t>(M) + m] : grad[k][m];
         if (ready == kInf) break;
         if (kind == 'B' && RecomputeSeconds(t, k) > 0) {  // needs no gradient: at once
-          const double again = RecomputeSeconds(t, k);
-          r.passes[k].push_back({'R', m, free_at[k], free_at[k] + again});
-          r.busy_seconds[k] += again;
-          free_at[k] += again;
+          const double again = RecomputeSeconds(t, k) * u.scale;
+          r.passes[k].push_back({'R', m, u.free_at, u.free_at + again});
+          u.busy += again;
+          u.free_at += again;
+          u.started = true;
         }
-        const double start = std::max(free_at[k], ready);
-        if (!r.passes[k].empty()) r.wait_seconds[k] += start - free_at[k];
-        const double work = kind == 'F' ? t.forward_seconds[k] : t.backward_seconds[k];
+        const double start = std::max(u.free_at, ready);
+        if (u.started) u.wait += start - u.free_at;
+        const double work = (kind == 'F' ? t.forward_seconds[k] : t.backward_seconds[k]) * u.scale;
         const double end = start + work;
-        r.busy_seconds[k] += work;
-        free_at[k] = end;
+        u.busy += work;
+        u.free_at = end;
+        u.started = true;
         r.passes[k].push_back({kind, m, start, end});
         if (kind == 'F') {
           forward_done[k * static_cast<size_t>(M) + m] = end;
@@ -100,18 +125,22 @@ SimulatedStep SimulatePipeline(const PipelineTimes& t) {
           r.backward_link_busy_seconds[k - 1] += t.backward_transfer_seconds[k - 1];
           grad[k - 1][m] = bwd_link[k - 1] + t.backward_latency_seconds[k - 1];
         }
-        ++next[k];
+        ++u.next;
         progress = true;
       }
     }
   }
-  for (int k = 0; k < S; ++k)
-    if (next[k] < order[k].size()) r.deadlocked = true;
+  for (const Unit& u : units)
+    if (u.next < u.order.size()) r.deadlocked = true;
   if (r.deadlocked) {
     r.step_seconds = kInf;
     return r;
   }
-  for (int k = 0; k < S; ++k) r.finish_seconds[k] = free_at[k];
+  for (const Unit& u : units) {
+    r.busy_seconds[u.stage] = std::max(r.busy_seconds[u.stage], u.busy);
+    r.wait_seconds[u.stage] = std::max(r.wait_seconds[u.stage], u.wait);
+    r.finish_seconds[u.stage] = std::max(r.finish_seconds[u.stage], u.free_at);
+  }
   // The gradient norm: partial sums from the last stage to the first, the total back to every stage.
   double up = S ? r.finish_seconds[S - 1] : 0.0;
   for (int k = S - 2; k >= 0; --k) up = std::max(r.finish_seconds[k], up + t.backward_latency_seconds[k]);
@@ -138,12 +167,19 @@ std::vector<int> ChooseInFlight(const PipelineTimes& t, const std::vector<int>& 
   for (int k = 0; k < S; ++k) pace = std::max(pace, passes(k));
   for (int k = 0; k + 1 < S; ++k)
     pace = std::max({pace, t.forward_transfer_seconds[k], t.backward_transfer_seconds[k]});
+  // A micro-batch's passes at a replicated stage take its slowest replica's time, not the combined pace.
+  auto slowest = [&](int k) {
+    double x = 1;
+    if (k < static_cast<int>(t.owners.size()) && !t.owners[k].empty() && k < static_cast<int>(t.replica_scale.size()))
+      for (double v : t.replica_scale[k]) x = std::max(x, v);
+    return passes(k) * x;
+  };
   // Round trip of a micro-batch from stage k's forward pass to its gradient's return, plus the pass.
   for (int k = 0; k < S; ++k) {
-    double trip = passes(k);
+    double trip = slowest(k);
     for (int j = k; j + 1 < S; ++j)
       trip += t.forward_transfer_seconds[j] + t.forward_latency_seconds[j] + t.backward_transfer_seconds[j] +
-              t.backward_latency_seconds[j] + passes(j + 1);
+              t.backward_latency_seconds[j] + slowest(j + 1);
     const int need = pace > 0 ? static_cast<int>(std::min<double>(std::ceil(trip / pace - 1e-9), M)) : 1;
     d[k] = std::clamp(need, lo[k], hi[k]);
   }

@@ -41,17 +41,25 @@ struct PipelineTimes {
   std::vector<double> forward_transfer_seconds, backward_transfer_seconds;  // per link (S - 1 entries)
   std::vector<double> forward_latency_seconds, backward_latency_seconds;    // per link, one way
   std::vector<int> in_flight;  // per stage; empty: 1F1B (num_stages - stage)
+  // Replicated stages (empty, or an empty entry: the stage runs on one site). owners[k][m] is the replica
+  // of stage k that runs micro-batch m (partitioner::MicroBatchOwners), and replica r's passes take
+  // replica_scale[k][r] times the stage's seconds above, which are its combined pace per micro-batch. As
+  // the executors do, each replica runs the stage's PipelineSchedule filtered to its own micro-batches,
+  // one pass at a time, so it keeps only its share of the stage's depth in flight.
+  std::vector<std::vector<int>> owners;
+  std::vector<std::vector<double>> replica_scale;
 };
 
 struct SimulatedStep {
-  bool deadlocked = false;             // the schedules wait on each other (in_flight increases somewhere)
-  double step_seconds = 0;             // to the end of the gradient-norm exchange (before the optimizer step)
+  bool deadlocked = false;  // the schedules wait on each other (in_flight increases somewhere)
+  double step_seconds = 0;  // to the end of the gradient-norm exchange (before the optimizer step)
+  // Per stage; of a replicated stage, its busiest replica's, its longest-waiting replica's, and its last.
   std::vector<double> busy_seconds;    // per stage: forward, backward and send work
   std::vector<double> wait_seconds;    // per stage: idle between its first pass and its last
   std::vector<double> finish_seconds;  // per stage: end of its last pass
   std::vector<double> forward_link_busy_seconds, backward_link_busy_seconds;  // per link
   // Per stage, the passes in the order they ran: (kind, micro-batch, start, end); a recomputation is an
-  // 'R' pass before its micro-batch's 'B'.
+  // 'R' pass before its micro-batch's 'B'. A replicated stage's replicas' passes one replica after another.
   struct Pass {
     char kind;
     int micro_batch;
@@ -60,8 +68,9 @@ struct SimulatedStep {
   std::vector<std::vector<Pass>> passes;
 };
 
-// Simulates one step: every stage runs PipelineSchedule(k, S, M, in_flight[k]) in order, a pass starting
-// when the stage is free and its input (activation or gradient) has arrived. Then the gradient norm
+// Simulates one step: every stage (every replica of a replicated stage) runs PipelineSchedule(k, S, M,
+// in_flight[k]) in order (its own micro-batches of it), a pass starting when the stage (replica) is free
+// and its input (activation or gradient) has arrived. Then the gradient norm
 // travels from the last stage to the first and back (latency only), as the executors exchange it.
 // REQUIRES: the vectors sized as documented above (S >= 1 stages).
 SimulatedStep SimulatePipeline(const PipelineTimes& times);
