@@ -69,15 +69,15 @@ SimulatedStep SimulatePipeline(const PipelineTimes& t) {
     const auto schedule = PipelineSchedule(k, S, M, DefaultInFlight(t, k));
     const bool replicated = k < static_cast<int>(t.owners.size()) && !t.owners[k].empty();
     const int replicas = replicated ? 1 + *std::max_element(t.owners[k].begin(), t.owners[k].end()) : 1;
+    const size_t first = units.size();
     for (int rep = 0; rep < replicas; ++rep) {
       Unit u{k};
       if (replicated && k < static_cast<int>(t.replica_scale.size()) &&
           rep < static_cast<int>(t.replica_scale[k].size()))
         u.scale = t.replica_scale[k][rep];
-      for (auto e : schedule)
-        if (!replicated || t.owners[k][e.second] == rep) u.order.push_back(e);
       units.push_back(std::move(u));
     }
+    for (auto e : schedule) units[first + (replicated ? t.owners[k][e.second] : 0)].order.push_back(e);
   }
   // Arrival time of stage k's input for micro-batch m (activation; stage 0: 0) and of its gradient.
   std::vector<std::vector<double>> act(S, std::vector<double>(M, kInf)), grad(S, std::vector<double>(M, kInf));
