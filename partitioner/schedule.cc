@@ -18,6 +18,19 @@ double RecomputeSeconds(const PipelineTimes& t, int k) {
   return t.recompute_seconds.empty() ? 0.0 : t.recompute_seconds[k];
 }
 
+// How many replicas run stage k (PipelineTimes::owners; 1 where none are given).
+int Replicas(const PipelineTimes& t, int k) {
+  if (k >= static_cast<int>(t.owners.size()) || t.owners[k].empty()) return 1;
+  return 1 + *std::max_element(t.owners[k].begin(), t.owners[k].end());
+}
+
+// Replica r of stage k's pass times over the stage's (PipelineTimes::replica_scale; 1 where none is given).
+double ReplicaScale(const PipelineTimes& t, int k, int r) {
+  const bool given = Replicas(t, k) > 1 && k < static_cast<int>(t.replica_scale.size()) &&
+                     r < static_cast<int>(t.replica_scale[k].size());
+  return given ? t.replica_scale[k][r] : 1.0;
+}
+
 }  // namespace
 
 std::vector<std::pair<char, int>> PipelineSchedule(int stage, int num_stages, int micro_batches, int in_flight) {
@@ -66,18 +79,11 @@ SimulatedStep SimulatePipeline(const PipelineTimes& t) {
   };
   std::vector<Unit> units;
   for (int k = 0; k < S; ++k) {
-    const auto schedule = PipelineSchedule(k, S, M, DefaultInFlight(t, k));
-    const bool replicated = k < static_cast<int>(t.owners.size()) && !t.owners[k].empty();
-    const int replicas = replicated ? 1 + *std::max_element(t.owners[k].begin(), t.owners[k].end()) : 1;
+    const int replicas = Replicas(t, k);
     const size_t first = units.size();
-    for (int rep = 0; rep < replicas; ++rep) {
-      Unit u{k};
-      if (replicated && k < static_cast<int>(t.replica_scale.size()) &&
-          rep < static_cast<int>(t.replica_scale[k].size()))
-        u.scale = t.replica_scale[k][rep];
-      units.push_back(std::move(u));
-    }
-    for (auto e : schedule) units[first + (replicated ? t.owners[k][e.second] : 0)].order.push_back(e);
+    for (int rep = 0; rep < replicas; ++rep) units.push_back(Unit{k, ReplicaScale(t, k, rep)});
+    for (auto e : PipelineSchedule(k, S, M, DefaultInFlight(t, k)))
+      units[first + (replicas > 1 ? t.owners[k][e.second] : 0)].order.push_back(e);
   }
   // Arrival time of stage k's input for micro-batch m (activation; stage 0: 0) and of its gradient.
   std::vector<std::vector<double>> act(S, std::vector<double>(M, kInf)), grad(S, std::vector<double>(M, kInf));
@@ -170,8 +176,7 @@ std::vector<int> ChooseInFlight(const PipelineTimes& t, const std::vector<int>& 
   // A micro-batch's passes at a replicated stage take its slowest replica's time, not the combined pace.
   auto slowest = [&](int k) {
     double x = 1;
-    if (k < static_cast<int>(t.owners.size()) && !t.owners[k].empty() && k < static_cast<int>(t.replica_scale.size()))
-      for (double v : t.replica_scale[k]) x = std::max(x, v);
+    for (int r = 0; r < Replicas(t, k); ++r) x = std::max(x, ReplicaScale(t, k, r));
     return passes(k) * x;
   };
   // Round trip of a micro-batch from stage k's forward pass to its gradient's return, plus the pass.

@@ -1002,7 +1002,8 @@ TEST_F(CoordinatorTest, StoppedSiteIsDetectedAndWithOnFailureWaitTheRunResumesWh
 TEST_F(CoordinatorTest, StatusProfileLivePlanAndSiteLogsOfARunningJob) {
   // Long enough to answer five commands while it trains (400 steps ended before `plan --live` once the
   // executors kept their freed memory; with 1,500 the test took 40 s).
-  SetSteps(1500);
+  constexpr int kSteps = 1500;
+  SetSteps(kSteps);
   auto coord = Coordinator();
   std::this_thread::sleep_for(500ms);
   auto a = Executor("a"), b = Executor("b"), c = Executor("c");
@@ -1049,8 +1050,8 @@ TEST_F(CoordinatorTest, StatusProfileLivePlanAndSiteLogsOfARunningJob) {
   log += coord->ReadAll(120s);
   ASSERT_EQ(coord->Wait(60s), 0) << log;
   // The progress line names the slowest site and the bytes on the links; so does metrics.jsonl.
-  EXPECT_THAT(log,
-              ::testing::ContainsRegex("step [0-9]+/1500 .* slowest [abc] \\([0-9.]+ s compute\\)  WAN [0-9.]+ MB"));
+  EXPECT_THAT(log, ::testing::ContainsRegex("step [0-9]+/" + std::to_string(kSteps) +
+                                            " .* slowest [abc] \\([0-9.]+ s compute\\)  WAN [0-9.]+ MB"));
   std::ifstream jl(dir_ / "run" / "metrics.jsonl");
   nlohmann::json last;
   for (std::string l; std::getline(jl, l);) last = nlohmann::json::parse(l, nullptr, false);
@@ -1065,7 +1066,7 @@ TEST_F(CoordinatorTest, StatusProfileLivePlanAndSiteLogsOfARunningJob) {
     EXPECT_THAT(text, HasSubstr("measured its device")) << s;
     if (!used.count(s)) continue;
     EXPECT_THAT(text, HasSubstr("assigned stage")) << s;
-    EXPECT_THAT(text, HasSubstr("finished: 1500 steps")) << s;
+    EXPECT_THAT(text, HasSubstr("finished: " + std::to_string(kSteps) + " steps")) << s;
   }
 }
 
