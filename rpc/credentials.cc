@@ -62,8 +62,6 @@ grpc::ChannelArguments PeerChannelArguments(const std::string& peer_name) {
   args.SetSslTargetNameOverride(peer_name);
   args.SetMaxReceiveMessageSize(8 << 20);
   args.SetMaxSendMessageSize(8 << 20);
-  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
-  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, kReceiveWindowBytes);
   // Keepalive pings notice a peer that vanished without closing its connection (SIGSTOP, a cut link)
   // within about 22 s, even on a stream that is idle. gRPC also makes the timeout the socket's
   // TCP_USER_TIMEOUT (data unacknowledged that long closes the connection), so it must outlast a slow,
@@ -77,15 +75,13 @@ grpc::ChannelArguments PeerChannelArguments(const std::string& peer_name) {
 }
 
 void ConfigureServer(grpc::ServerBuilder* builder, int max_threads) {
-  if (max_threads > 0) {  // every running call holds one of them
-    grpc::ResourceQuota quota("meridian-server");
-    quota.SetMaxThreads(max_threads);
-    builder->SetResourceQuota(quota);
-  }
+  grpc::ResourceQuota quota("meridian-server");
+  // gRPC's flow control shrinks its receive windows as what it holds nears this bound.
+  quota.Resize(kServerTransportMemoryBytes);
+  if (max_threads > 0) quota.SetMaxThreads(max_threads);  // every running call holds one of them
+  builder->SetResourceQuota(quota);
   builder->SetMaxReceiveMessageSize(8 << 20);
   builder->SetMaxSendMessageSize(8 << 20);
-  builder->AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 0);
-  builder->AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, kReceiveWindowBytes);
   // Accept the clients' 2 s keepalive pings (the default minimum interval would reject them).
   builder->AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
   builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);

@@ -45,15 +45,16 @@ inline int ServerThreadsFor(int clients, int streams_per_client) {
   return clients * streams_per_client + kUnaryHeadroom;
 }
 
-// The HTTP/2 receive window of every stream, fixed (gRPC's BDP probe, which grows windows without bound,
-// is off on both ends): what a sender may have in flight on a stream before the receiver reads it. It
-// bounds what gRPC holds for a client that sends faster than its calls read: a hostile site flooding a
-// stream made the receiver buffer 25-45 MiB beyond its frames with BDP windows, about 10 MiB with this
-// one. 16 MiB covers a link's bandwidth-delay product up to 1 Gbit/s at 130 ms round trip and matched
-// the BDP probe's throughput over loopback TLS (bench: 960 MiB in 4.0 s either way; 8 MiB took 4.6 s).
-inline constexpr int kReceiveWindowBytes = 16 << 20;
+// What gRPC may hold of a server's received data before its calls read it (the server's resource
+// quota): gRPC's flow control sizes each stream's receive window to the link's bandwidth-delay product
+// (its BDP probe) and shrinks the windows as this memory fills, so a hostile site flooding a stream
+// costs the receiver at most this beyond its frames. (Session 29 turned the BDP probe off for a fixed
+// window instead; gRPC 1.51 ignores the window it asked for and kept its 64 KiB default, which cost a
+// round trip per frame on a WAN link: 16-78 Mbit/s of a 100 Mbit/s, 40 ms link, by frame size, against
+// 93-95 Mbit/s with the probe.)
+inline constexpr int64_t kServerTransportMemoryBytes = int64_t{64} << 20;
 
-// Message-size limits, the receive window and keepalive policy matching PeerChannelArguments, no
+// Message-size limits, the transport's memory bound and keepalive policy matching PeerChannelArguments, no
 // SO_REUSEPORT (a port in use fails to bind), and at most `max_threads` threads for calls (0: unbounded);
 // call on every ServerBuilder.
 void ConfigureServer(grpc::ServerBuilder* builder, int max_threads = kServerThreads);

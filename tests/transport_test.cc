@@ -133,11 +133,11 @@ TEST_F(TransportTest, AHostilePeerCannotExhaustTheReceiversMemory) {
   s = HostileStream(certs(), "c", address, {Chunk("j", 0, 16, 0, std::string(16, 'x'))});
   EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
 
-  // The frames it holds (at most kBound), what gRPC holds unread on the stream (at most one receive window,
-  // rpc::kReceiveWindowBytes: 16 MiB; with gRPC's growing BDP windows it was 25-45 MiB), and the copies
-  // of the frame being read.
+  // The frames it holds (at most kBound), what gRPC holds unread (at most its resource quota,
+  // rpc::kServerTransportMemoryBytes: 64 MiB; without a quota its growing BDP windows held 25-45 MiB),
+  // and the copies of the frame being read.
   const int64_t grew = PeakRss(victim.pid()) - before;
-  EXPECT_LT(grew, kBound + rpc::kReceiveWindowBytes + (int64_t{16} << 20))
+  EXPECT_LT(grew, kBound + rpc::kServerTransportMemoryBytes + (int64_t{16} << 20))
       << "the victim's peak memory grew by " << grew / (1 << 20) << " MiB";
   // And it still answers its neighbour.
   Process probe(Bin("meridian-peertool") + " probe --certs " + certs() + " --self a --peer b --address " + address +
