@@ -582,8 +582,9 @@ TEST(Planner, WholePipelineReplicasPriceOnlyTheLinksTheirMicroBatchesCross) {
 // Each replica keeps only its own share of a stage's depth in flight, and a micro-batch's round trip from
 // stage 0 (its forward pass, the hop, a whole 80 ms pass at one site of stage 1, the hop back) is 187 ms,
 // so a replica needs 3 of its micro-batches in flight (its forward, backward and two more passes while
-// the gradient comes back) and the stage a depth of 6. Priced as one stage at the replicas' combined pace
-// (40 ms), the round trip looked 40 ms shorter and the depth came out at 4.
+// the gradient comes back). The replicas take alternate micro-batches, so a stage depth of 5 gives each
+// 3 (a0 runs F0 F2 F4 before B0, b0 F1 F3 F5 before B1). Priced as one stage at the replicas' combined
+// pace (40 ms), the round trip looked 40 ms shorter and the depth came out at 4 (2 per replica).
 TEST(Planner, ADepthCoversEachReplicasRoundTripThroughTheNextStage) {
   const OpGraph g = Chain(4, 4e7 / 3, 1e3);  // 40 ms an op per micro-batch at 1 GFLOP/s, forward and backward
   ClusterProfile p;
@@ -597,7 +598,7 @@ TEST(Planner, ADepthCoversEachReplicasRoundTripThroughTheNextStage) {
   ASSERT_TRUE(plan.ok()) << plan.status();
   ASSERT_EQ(plan->stages.size(), 2u);
   EXPECT_NEAR(plan->stages[1].compute_seconds, 0.04, 1e-3);  // 80 ms at a site, 12 of the 24 micro-batches
-  EXPECT_GE(plan->stages[0].in_flight, 6);
+  EXPECT_GE(plan->stages[0].in_flight, 5);
 }
 
 // DiLoCo's whole pipelines, searched (#17): four sites in two regions (a0-a1 and b0-b1 at 100 MB/s, every

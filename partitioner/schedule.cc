@@ -88,7 +88,15 @@ SimulatedStep SimulatePipeline(const PipelineTimes& t) {
   // Arrival time of stage k's input for micro-batch m (activation; stage 0: 0) and of its gradient.
   std::vector<std::vector<double>> act(S, std::vector<double>(M, kInf)), grad(S, std::vector<double>(M, kInf));
   for (int m = 0; m < M; ++m) act[0][m] = 0;
-  std::vector<double> fwd_link(std::max(S - 1, 0), 0.0), bwd_link(std::max(S - 1, 0), 0.0);
+  // Each direction of each pair of sites is its own FIFO: link k's pair (replica of stage k, replica of
+  // stage k + 1) that micro-batch m goes between, as the executors send over one stream per peer.
+  auto owner = [&](int k, int m) { return Replicas(t, k) > 1 ? t.owners[k][m] : 0; };
+  auto pair = [&](int k, int m) { return owner(k, m) * Replicas(t, k + 1) + owner(k + 1, m); };
+  std::vector<std::vector<double>> fwd_link(std::max(S - 1, 0)), bwd_link(std::max(S - 1, 0));
+  for (int k = 0; k + 1 < S; ++k) {
+    fwd_link[k].assign(static_cast<size_t>(Replicas(t, k)) * Replicas(t, k + 1), 0.0);
+    bwd_link[k] = fwd_link[k];
+  }
   std::vector<double> forward_done(S * static_cast<size_t>(M), kInf);
   for (bool progress = true; progress;) {
     progress = false;
@@ -120,16 +128,16 @@ SimulatedStep SimulatePipeline(const PipelineTimes& t) {
         if (kind == 'F') {
           forward_done[k * static_cast<size_t>(M) + m] = end;
           if (k + 1 < S) {
-            const double go = std::max(end, fwd_link[k]);
-            fwd_link[k] = go + t.forward_transfer_seconds[k];
+            double& link = fwd_link[k][pair(k, m)];
+            link = std::max(end, link) + t.forward_transfer_seconds[k];
             r.forward_link_busy_seconds[k] += t.forward_transfer_seconds[k];
-            act[k + 1][m] = fwd_link[k] + t.forward_latency_seconds[k];
+            act[k + 1][m] = link + t.forward_latency_seconds[k];
           }
         } else if (k > 0) {
-          const double go = std::max(end, bwd_link[k - 1]);
-          bwd_link[k - 1] = go + t.backward_transfer_seconds[k - 1];
+          double& link = bwd_link[k - 1][pair(k - 1, m)];
+          link = std::max(end, link) + t.backward_transfer_seconds[k - 1];
           r.backward_link_busy_seconds[k - 1] += t.backward_transfer_seconds[k - 1];
-          grad[k - 1][m] = bwd_link[k - 1] + t.backward_latency_seconds[k - 1];
+          grad[k - 1][m] = link + t.backward_latency_seconds[k - 1];
         }
         ++u.next;
         progress = true;

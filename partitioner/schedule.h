@@ -27,8 +27,9 @@ std::vector<std::pair<char, int>> PipelineSchedule(int stage, int num_stages, in
 bool InFlightIsDeadlockFree(const std::vector<int>& in_flight);
 
 // What one step of a pipeline costs, per micro-batch. Stage k sends activations over link k (k -> k+1)
-// and receives gradients over it (k+1 -> k). Each direction of a link is a FIFO: a tensor starts when the
-// previous one has left, takes its transfer seconds, and arrives one latency later.
+// and receives gradients over it (k+1 -> k). Each direction of a link between two sites is a FIFO: a
+// tensor starts when the previous one has left, takes its transfer seconds, and arrives one latency
+// later. Between replicated stages, each pair of replicas that micro-batches go between has its own.
 struct PipelineTimes {
   int micro_batches = 1;
   // Per stage, the compute thread's seconds per pass, with the codec work that pass does (decoding its
@@ -57,7 +58,7 @@ struct SimulatedStep {
   std::vector<double> busy_seconds;    // per stage: forward, backward and send work
   std::vector<double> wait_seconds;    // per stage: idle between its first pass and its last
   std::vector<double> finish_seconds;  // per stage: end of its last pass
-  std::vector<double> forward_link_busy_seconds, backward_link_busy_seconds;  // per link
+  std::vector<double> forward_link_busy_seconds, backward_link_busy_seconds;  // per link, its pairs summed
   // Per stage, the passes in the order they ran: (kind, micro-batch, start, end); a recomputation is an
   // 'R' pass before its micro-batch's 'B'. A replicated stage's replicas' passes one replica after another.
   struct Pass {

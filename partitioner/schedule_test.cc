@@ -100,6 +100,25 @@ TEST(ScheduleSimulation, LinksAreFifosAtTheirBandwidthWithLatency) {
   EXPECT_DOUBLE_EQ(s.forward_link_busy_seconds[0], 4.0);
 }
 
+// Two whole pipelines (stage 0 on sites a0 and b0, stage 1 on a1 and b1; micro-batch m stays in pipeline
+// m % 2) over link-bound hops: a0 -> a1 and b0 -> b1 are separate links, so the step is that of one
+// pipeline alone on its half of the micro-batches, not of both queued on one link.
+TEST(ScheduleSimulation, EachPairOfReplicasHasLinksOfItsOwn) {
+  PipelineTimes both = Uniform(2, 8, 0.1, 0.2, 1.0, 0.5);
+  both.in_flight = {8, 1};
+  both.owners = {{0, 1, 0, 1, 0, 1, 0, 1}, {0, 1, 0, 1, 0, 1, 0, 1}};
+  // Each replica's passes take twice the stage's combined pace per micro-batch.
+  both.replica_scale = {{2, 2}, {2, 2}};
+  PipelineTimes one = Uniform(2, 4, 0.2, 0.4, 1.0, 0.5);
+  one.in_flight = {8, 1};
+  const SimulatedStep s = SimulatePipeline(both), alone = SimulatePipeline(one);
+  ASSERT_FALSE(s.deadlocked);
+  EXPECT_DOUBLE_EQ(s.step_seconds, alone.step_seconds);
+  EXPECT_DOUBLE_EQ(s.forward_link_busy_seconds[0], 8.0);  // both pairs' transfers
+  // The link paces the step: four transfers per pair, not eight on one FIFO.
+  EXPECT_LT(s.step_seconds, 8 * 1.0);
+}
+
 // A recomputed forward pass needs no gradient: it runs as soon as the stage is free, so it costs nothing
 // while the gradient is still on its way, and delays the backward pass only by what it takes beyond that.
 TEST(ScheduleSimulation, RecomputationRunsWhileTheGradientIsOnItsWay) {
