@@ -636,7 +636,9 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
     }
     codec_seconds_ += ahead.decode_seconds();  // every tensor expected was taken, so decoded
     if (reducer_) {                            // the site's workers' sum first
+      const auto t0 = Clock::now();
       auto waited = reducer_->Finish();
+      Trace("wait_site", -1, t0);
       if (!waited.ok()) return Annotate(waited.status(), absl::StrCat(Where(), ": step ", step + 1));
       site_reduce_seconds_ = *waited;
       wait_seconds_ += *waited;
@@ -645,6 +647,7 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
       const auto t0 = Clock::now();
       absl::Status finished = averager_->Finish();
       wait_seconds_ += std::chrono::duration<double>(Clock::now() - t0).count();
+      Trace("wait_sync", -1, t0);
       abort_on_exit.averager = nullptr;  // Finish joined the threads, successful or not
       if (!finished.ok()) return finished;
       replica_wire_bytes_ += averager_->wire_bytes() - sync_wire0;
