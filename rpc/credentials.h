@@ -46,13 +46,14 @@ inline int ServerThreadsFor(int clients, int streams_per_client) {
 }
 
 // What gRPC may hold of a server's received data before its calls read it (the server's resource
-// quota): gRPC's flow control sizes each stream's receive window to the link's bandwidth-delay product
-// (its BDP probe) and shrinks the windows as this memory fills, so a hostile site flooding a stream
-// costs the receiver at most this beyond its frames. (Session 29 turned the BDP probe off for a fixed
+// quota): gRPC sizes each stream's receive window to the link's bandwidth-delay product (its BDP probe)
+// and resets streams (ENHANCE_YOUR_CALM) rather than hold more, so a hostile site flooding a stream
+// costs the receiver at most this beyond its frames. Legitimate streams must never come near it: at
+// 64 MiB a link probe on a loaded machine was reset. (Session 29 turned the BDP probe off for a fixed
 // window instead; gRPC 1.51 ignores the window it asked for and kept its 64 KiB default, which cost a
 // round trip per frame on a WAN link: 16-78 Mbit/s of a 100 Mbit/s, 40 ms link, by frame size, against
 // 93-95 Mbit/s with the probe.)
-inline constexpr int64_t kServerTransportMemoryBytes = int64_t{64} << 20;
+inline constexpr int64_t kServerTransportMemoryBytes = int64_t{256} << 20;
 
 // Message-size limits, the transport's memory bound and keepalive policy matching PeerChannelArguments, no
 // SO_REUSEPORT (a port in use fails to bind), and at most `max_threads` threads for calls (0: unbounded);

@@ -337,10 +337,10 @@ TEST_F(PeerTest, QueuedSenderDoesNotBlockItsCallerOnAStalledLink) {
   auto client = *PeerClient::Create(dir_->string(), "a", "b", "127.0.0.1:" + std::to_string(port));
   auto stream = client->OpenStream(std::chrono::seconds(60));
   ASSERT_TRUE(stream.ok()) << stream.status();
-  // Frames larger than what the receiver's gRPC may hold unread (its receive windows shrink to nothing
-  // before that), into a receiver that reads nothing: the link takes part of the first and none of the
-  // others, and the queue holds three of them.
-  const auto big = Frame((kServerTransportMemoryBytes + (8 << 20)) / 4, "identity");
+  // Frames larger than what the link takes while the receiver reads nothing (a receive window that does
+  // not grow while nothing is read, and the sockets' buffers): the link takes part of the first and none
+  // of the others, and the queue holds three of them.
+  const auto big = Frame((24 << 20) / 4, "identity");
   const int64_t frame_bytes = static_cast<int64_t>(big.size());
   QueuedSender sender(std::move(*stream), 3 * frame_bytes);
   double blocked = 0;
