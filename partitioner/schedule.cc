@@ -77,24 +77,26 @@ SimulatedStep SimulatePipeline(const PipelineTimes& t) {
     double free_at = 0, busy = 0, wait = 0;
     bool started = false;
   };
+  // Each stage's replica count, once: the links below look it up for every transfer.
+  std::vector<int> replicas(S);
+  for (int k = 0; k < S; ++k) replicas[k] = Replicas(t, k);
+  auto owner = [&](int k, int m) { return replicas[k] > 1 ? t.owners[k][m] : 0; };  // stage k's replica of m
   std::vector<Unit> units;
   for (int k = 0; k < S; ++k) {
-    const int replicas = Replicas(t, k);
     const size_t first = units.size();
-    for (int rep = 0; rep < replicas; ++rep) units.push_back(Unit{k, ReplicaScale(t, k, rep)});
+    for (int rep = 0; rep < replicas[k]; ++rep) units.push_back(Unit{k, ReplicaScale(t, k, rep)});
     for (auto e : PipelineSchedule(k, S, M, DefaultInFlight(t, k)))
-      units[first + (replicas > 1 ? t.owners[k][e.second] : 0)].order.push_back(e);
+      units[first + owner(k, e.second)].order.push_back(e);
   }
   // Arrival time of stage k's input for micro-batch m (activation; stage 0: 0) and of its gradient.
   std::vector<std::vector<double>> act(S, std::vector<double>(M, kInf)), grad(S, std::vector<double>(M, kInf));
   for (int m = 0; m < M; ++m) act[0][m] = 0;
   // Each direction of each pair of sites is its own FIFO: link k's pair (replica of stage k, replica of
   // stage k + 1) that micro-batch m goes between, as the executors send over one stream per peer.
-  auto owner = [&](int k, int m) { return Replicas(t, k) > 1 ? t.owners[k][m] : 0; };
-  auto pair = [&](int k, int m) { return owner(k, m) * Replicas(t, k + 1) + owner(k + 1, m); };
+  auto pair = [&](int k, int m) { return owner(k, m) * replicas[k + 1] + owner(k + 1, m); };
   std::vector<std::vector<double>> fwd_link(std::max(S - 1, 0)), bwd_link(std::max(S - 1, 0));
   for (int k = 0; k + 1 < S; ++k) {
-    fwd_link[k].assign(static_cast<size_t>(Replicas(t, k)) * Replicas(t, k + 1), 0.0);
+    fwd_link[k].assign(static_cast<size_t>(replicas[k]) * replicas[k + 1], 0.0);
     bwd_link[k] = fwd_link[k];
   }
   std::vector<double> forward_done(S * static_cast<size_t>(M), kInf);

@@ -76,7 +76,7 @@ grpc::ChannelArguments PeerChannelArguments(const std::string& peer_name) {
 
 void ConfigureServer(grpc::ServerBuilder* builder, int max_threads) {
   grpc::ResourceQuota quota("meridian-server");
-  // gRPC's flow control shrinks its receive windows as what it holds nears this bound.
+  // What gRPC may hold unread: past it, gRPC resets streams rather than hold more.
   quota.Resize(kServerTransportMemoryBytes);
   if (max_threads > 0) quota.SetMaxThreads(max_threads);  // every running call holds one of them
   builder->SetResourceQuota(quota);
