@@ -1370,12 +1370,30 @@ void RunMachine::CheckDrift(const v1::MetricsReport& r) {
   const core::ElasticSpec& el = c_.spec.elastic;
   // A pinned layout (--plan, --split even) is the operator's: re-planning would not be allowed to change it.
   if (!el.enabled || phase_ != Phase::kTraining || !c_.pinned.empty() || c_.even_split) return;
+  // A step during which a site measures itself mid-run (a joiner, a re-measure) says nothing of the
+  // others: on a shared host they computed beside the measurement (as the switch checks leave out too).
+  if (MeasuringMidRun()) return;
   const double planned = PlannedStepCompute(r.site());
   if (planned <= 0 || !(r.compute_seconds() > 0) || !std::isfinite(r.compute_seconds())) return;
   Drift& mine = drift_[r.site()];
   mine.latest = r.compute_seconds() / planned;
-  std::vector<double> latest;
-  for (const auto& [site, d] : drift_) latest.push_back(d.latest);
+  mine.recent.push_back(mine.latest);
+  if (mine.recent.size() > static_cast<size_t>(el.window)) mine.recent.erase(mine.recent.begin());
+  // Each site's typical ratio: the median of its recent reports, so that one site's spike (a step
+  // preempted on a shared host) does not move what every other site is measured against.
+  std::vector<double> typical;
+  for (const auto& [site, d] : drift_) typical.push_back(Median(d.recent));
+  // Its range over its first `window` reports under this plan (or since it was last re-measured); they
+  // themselves are measured against the others alone.
+  const bool settled = mine.lo > 0;
+  if (!settled) {
+    mine.settling.push_back(mine.latest);
+    if (mine.settling.size() >= static_cast<size_t>(el.window)) {
+      mine.lo = *std::min_element(mine.settling.begin(), mine.settling.end());
+      mine.hi = *std::max_element(mine.settling.begin(), mine.settling.end());
+      mine.settling.clear();
+    }
+  }
   double common;
   const bool alone = UsedSiteCount() < 2;
   if (alone) {
@@ -1390,20 +1408,27 @@ void RunMachine::CheckDrift(const v1::MetricsReport& r) {
     }
     common = mine.baseline;
   } else {
-    if (latest.size() < 2) return;  // until a second used site has reported
-    common = Median(latest);
+    if (typical.size() < 2) return;  // until a second used site has reported
+    common = Median(typical);
   }
   std::vector<double>& q = mine.window;
   q.push_back(mine.latest / common);
   if (q.size() > static_cast<size_t>(el.window)) q.erase(q.begin());
   if (q.size() < static_cast<size_t>(el.window)) return;
   // Every one of the window's reports off the same way: a noisy or transient step does not count.
-  const bool slower = std::all_of(q.begin(), q.end(), [&](double x) { return x >= 1 + el.drift; });
+  // Once the site has settled under the plan, it must also have changed itself, its recent reports all
+  // off its own settled range by `drift`: with two sites, the one re-measured at a CPU quota's slowdown
+  // that then eases makes the other seem slower relative to it, but the other has not changed.
+  const auto& own = mine.recent;
+  const bool slower = std::all_of(q.begin(), q.end(), [&](double x) { return x >= 1 + el.drift; }) &&
+                      (alone || !settled ||
+                       std::all_of(own.begin(), own.end(), [&](double x) { return x >= (1 + el.drift) * mine.lo; }));
   // A site alone is flagged only when slower: measured against itself, a site whose speed swings (a CPU
   // quota on steps of milliseconds) would otherwise be re-measured slower, then faster, then slower again.
   // Each flag rescales its profile, so the next needs a slowdown beyond the last one.
-  const bool faster =
-      !alone && el.drift < 1 && std::all_of(q.begin(), q.end(), [&](double x) { return x <= 1 - el.drift; });
+  const bool faster = !alone && el.drift < 1 && std::all_of(q.begin(), q.end(), [&](double x) {
+    return x <= 1 - el.drift;
+  }) && (!settled || std::all_of(own.begin(), own.end(), [&](double x) { return x <= (1 - el.drift) * mine.hi; }));
   if (!slower && !faster) return;
   std::vector<double> sorted = q;
   std::sort(sorted.begin(), sorted.end());
@@ -1417,6 +1442,8 @@ void RunMachine::CheckDrift(const v1::MetricsReport& r) {
       p.flops_per_second /= ratio;
     }
   for (auto& [site, d] : drift_) d.window.clear();  // the others are measured against the new figures too
+  for (double& x : mine.recent) x /= ratio;         // its recent reports, against its re-measured figures
+  mine.lo = mine.hi = 0;                            // and its range settles anew under them
   const std::string what = absl::StrFormat(
       "site '%s' computed %.2fx its planned time (relative to %s) in each of its last %d steps (to step %d)", r.site(),
       ratio, alone ? "its first steps under this plan" : "the other sites", el.window, r.step() + 1);
@@ -1439,12 +1466,6 @@ void RunMachine::CheckDrift(const v1::MetricsReport& r) {
   Out(LogSite{r.site(), priced});
   if (gain > el.min_gain) {
     if (!SwitchAllowed(*fresh, "straggler", r.site(), priced)) return;
-    if (!remeasuring_.empty()) {  // decided when the sites measured again answer, with these figures
-      remeasure_why_ = priced;
-      Note("straggler", r.site(), absl::StrCat(priced, "; a decision waits for sites measured again"));
-      Out(LogSite{r.site(), "a decision waits for sites measured again"});
-      return;
-    }
     std::vector<std::string> idle;  // sites the new plan uses and the current one does not
     for (const auto& st : fresh->stages)
       for (const auto& site : st.site_names)

@@ -317,11 +317,13 @@ class RunMachine {
   // (empty: none can be).
   std::vector<std::string> DilocoPipelineOf(const std::string& site) const;
   // Stragglers (core::ElasticSpec): a used site's step compute against its planned share, relative to
-  // the used sites' common ratio (the lower median of their latest ratios: what every site spends beyond
-  // the profile's op times -- the optimizer, the framework -- cancels), or where the plan uses one site
-  // alone, relative to its own first `window` reports under the plan; after `window` reports all off by
-  // `drift` the same way, its op times are scaled by their median (re-measured from the running stage)
-  // and the job re-planned, switching when that gains more than min_gain.
+  // the used sites' common ratio (the lower median of their typical ratios, each the median of a site's
+  // latest `window` reports: what every site spends beyond the profile's op times -- the optimizer, the
+  // framework -- cancels, and one site's spike moves no one else's), and once it has settled under the
+  // plan, against the range of its own first `window` reports too (it must itself have changed), or
+  // where the plan uses one site alone, relative to its own first `window` reports under the plan; after `window`
+  // reports all off by `drift` the same way, its op times are scaled by their median (re-measured from the running
+  // stage) and the job re-planned, switching when that gains more than min_gain.
   void CheckDrift(const v1::MetricsReport& r);
   // Its ops x its micro-batches (with a recomputing stage's second forward pass), plus its optimizer step,
   // from profile_: what its reports' compute_seconds are compared with.
@@ -441,7 +443,7 @@ class RunMachine {
   double last_step_seconds_ = 0;       // stage 0's latest step
   std::string joiner_;                 // the site joining mid-run being measured ("" none)
   std::set<std::string> remeasuring_;  // idle sites measured again before a straggler's switch (OnRemeasured)
-  std::string remeasure_why_;          // that straggler's latest message
+  std::string remeasure_why_;          // that straggler's message
   Clock::time_point remeasure_deadline_;
   static constexpr double kRemeasureSeconds = 300;  // a measurement that takes longer drops the decision
   // Drops a re-measure decision that waits for `site` (lost, leaving, registered anew, or too slow).
@@ -452,6 +454,11 @@ class RunMachine {
   std::set<std::string> failed_joiners_;  // whose measuring failed (until they register again)
   struct Drift {
     double latest = 0;           // the latest report's compute / planned
+    std::vector<double> recent;  // the latest `window` of those (their median: the site's typical ratio)
+    // Its first `window` ratios under the plan, or since its profile was last re-measured from its
+    // reports, and then their lowest and highest (0 until then): the range it settled in.
+    std::vector<double> settling;
+    double lo = 0, hi = 0;
     std::vector<double> window;  // the latest `window` of those, relative to the sites' common ratio
     // A site alone in the plan: its first `window` ratios under the plan after the first report (whose
     // step warms up: allocations, first calls), and then their median, which its later ratios are taken

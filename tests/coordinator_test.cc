@@ -1236,17 +1236,19 @@ TEST_F(CoordinatorTest, ADrainedSiteAndASigtermedOneAreLeftWithNoStepLostOrRepea
 // steps, re-measures it from those reports, re-plans, and switches at a step boundary; the run still
 // trains every step once and ends with the weights of `meridian train-local`.
 //
-// Disabled in CI: on this machine's two shared cores it is flaky. A CPU quota stretches a stage of
-// milliseconds in some steps and not others, and contention moves the other sites' times, so in one
-// clean-clone run another site was flagged first and the slowed one never was (issue #21's note). Run
-// it with --gtest_also_run_disabled_tests; the decisions themselves are unit-tested in
-// coordinator/run_machine_test.cc.
-TEST_F(CoordinatorTest, DISABLED_AStageSlowedByACpuQuotaIsReplannedAroundWithNoStepLost) {
+// Run alone (tests/run_alone.cmake): a training test beside it on these two cores would move every
+// site's times. The stages compute bursts of several milliseconds (micro-batches of 2 x 64 tokens), so
+// that the quota stretches each step's compute rather than some; with `drift` 0.3 the slowed site (2-3.5x
+// here) clears the threshold in every step where 0.5 let some through. A decision on a site that was a
+// little off its figures before the drop (this machine's noise) is let happen before the drop.
+TEST_F(CoordinatorTest, AStageSlowedByACpuQuotaIsReplannedAroundWithNoStepLost) {
   const fs::path cpu("/sys/fs/cgroup/cpu");
   if (::geteuid() != 0 || !fs::exists(cpu / "cgroup.procs"))
     GTEST_SKIP() << "needs root and the cgroup v1 cpu controller";
-  SetSteps(800);
-  std::ofstream(dir_ / "job.yaml", std::ios::app) << "  checkpoint: {dir: ckpt, interval: 400}\n  replication: false\n";
+  SetSteps(500);
+  // Micro-batches of two sequences of 64 tokens: each pass a burst of several milliseconds of compute.
+  Edit("job.yaml", "micro_batches: 4\n  sequence_length: 16", "micro_batches: 2\n  sequence_length: 64");
+  std::ofstream(dir_ / "job.yaml", std::ios::app) << "  checkpoint: {dir: ckpt, interval: 200}\n  replication: false\n";
   // A model whose stages compute for several milliseconds a step: longer than the quota's slices, so
   // the quota slows every step's compute, as a shared GPU would, not just some.
   std::ofstream(dir_ / "model" / "config.json")
@@ -1256,7 +1258,7 @@ TEST_F(CoordinatorTest, DISABLED_AStageSlowedByACpuQuotaIsReplannedAroundWithNoS
     std::string text;
     std::ifstream in(dir_ / "cluster.yaml");
     text.assign(std::istreambuf_iterator<char>(in), {});
-    text.replace(text.find("elastic: {enabled: false}"), 25, "elastic: {enabled: true, window: 5, drift: 0.5}");
+    text.replace(text.find("elastic: {enabled: false}"), 25, "elastic: {enabled: true, window: 5, drift: 0.3}");
     std::ofstream(dir_ / "cluster.yaml") << text;
   }
   const fs::path out = dir_ / "coordinator.out";
@@ -1267,6 +1269,21 @@ TEST_F(CoordinatorTest, DISABLED_AStageSlowedByACpuQuotaIsReplannedAroundWithNoS
   auto read_out = [&] { return ReadText(out); };
   auto wait_for = [&](const std::string& what) { return WaitForText(coord.get(), out, what, 180s); };
   ASSERT_TRUE(wait_for("step 100/")) << read_out();
+  // The plan to slow is one that runs: where this machine's noise made the coordinator decide on a switch
+  // before the drop (a site a little off its figures in the first steps), that switch is let happen first.
+  auto count = [](const std::string& text, const std::string& what) {
+    int n = 0;
+    for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+    return n;
+  };
+  for (std::string so_far = read_out();
+       count(so_far, "; every stage ends after step ") > count(so_far, "switch: every stage saved step");
+       so_far = read_out()) {
+    ASSERT_TRUE(wait_for("switch: every stage saved step")) << so_far;
+    const std::string now = read_out();
+    const int at = std::atoi(now.c_str() + now.rfind("\nstep ") + 6);
+    ASSERT_TRUE(wait_for("step " + std::to_string(at + 30) + "/")) << read_out();
+  }
   const auto plan = nlohmann::json::parse(std::ifstream(dir_ / "run" / "plan.json"), nullptr, false);
   int used = 0;
   for (const auto& st : plan["stages"]) used += st["sites"].size();
@@ -1296,15 +1313,13 @@ TEST_F(CoordinatorTest, DISABLED_AStageSlowedByACpuQuotaIsReplannedAroundWithNoS
   ASSERT_EQ(rc, 0) << read_out();
   const std::string log = read_out();
   EXPECT_THAT(log, HasSubstr("switch: site '" + slow + "' computed "));
-  EXPECT_THAT(log, HasSubstr("done: 800 steps"));
+  EXPECT_THAT(log, HasSubstr("done: 500 steps"));
   std::ifstream jl(dir_ / "run" / "metrics.jsonl");
   int64_t expect = 1;
   for (std::string l; std::getline(jl, l); ++expect)
     ASSERT_EQ(nlohmann::json::parse(l)["step"].get<int64_t>(), expect) << "a step lost or repeated";
-  EXPECT_EQ(expect, 801);
-  // The straggler event names the site and the step of its own whose report completed the window. (The
-  // issue asks for the decision within window + 3 steps of the drop; measured here it came 12 to 395
-  // steps after it: see the issue's note. This test checks that it comes, and what follows.)
+  EXPECT_EQ(expect, 501);
+  // The straggler event names the site and the step of its own whose report completed the window.
   int64_t detected = -1;
   std::ifstream ev(dir_ / "run" / "events.jsonl");
   for (std::string l; std::getline(ev, l);) {
@@ -1316,8 +1331,13 @@ TEST_F(CoordinatorTest, DISABLED_AStageSlowedByACpuQuotaIsReplannedAroundWithNoS
       detected = std::atoi(text.c_str() + to + 9);
   }
   ASSERT_GE(detected, 0) << "no straggler event for site '" << slow << "' after the drop at step " << drop_step;
-  std::printf("straggler: quota dropped at step %d; site '%s' flagged after its step %lld\n", drop_step, slow.c_str(),
-              static_cast<long long>(detected));
+  // The issue asks for the decision within window + 3 steps of the drop. Recorded, not asserted: in 2 of
+  // 14 runs here the quota let one whole step through at full speed a few steps after the drop, and a
+  // window must be slow in every step (issue #21's note).
+  std::printf(
+      "straggler: quota dropped at step %d; site '%s' flagged after its step %lld, %lld steps later "
+      "(window + 3 = 8)\n",
+      drop_step, slow.c_str(), static_cast<long long>(detected), static_cast<long long>(detected - drop_step));
   ExpectWeightsOfTheReference(dir_);
 }
 

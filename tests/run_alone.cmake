@@ -5,3 +5,7 @@
 # three-executor training test. (Every other timing is recorded, never asserted.)
 set_tests_properties("SshLaunchTest.AWrongKeyAnUnknownHostOrAnotherVersionIsRefusedNamingTheSite"
   PROPERTIES RUN_SERIAL TRUE)
+# #21's CPU-quota straggler: the slowed site must stand out from the others' times, which a training
+# test beside it on the same two cores would move.
+set_tests_properties("CoordinatorTest.AStageSlowedByACpuQuotaIsReplannedAroundWithNoStepLost"
+  PROPERTIES RUN_SERIAL TRUE)
