@@ -1332,7 +1332,7 @@ TEST_F(CoordinatorTest, AStageSlowedByACpuQuotaIsReplannedAroundWithNoStepLost) 
   }
   ASSERT_GE(detected, 0) << "no straggler event for site '" << slow << "' after the drop at step " << drop_step;
   // The issue asks for the decision within window + 3 steps of the drop. Recorded, not asserted: in 2 of
-  // 14 runs here the quota let one whole step through at full speed a few steps after the drop, and a
+  // 12 runs here the quota let one whole step through at full speed a few steps after the drop, and a
   // window must be slow in every step (issue #21's note).
   std::printf(
       "straggler: quota dropped at step %d; site '%s' flagged after its step %lld, %lld steps later "
