@@ -317,6 +317,7 @@ void RunMachine::MaybeMeasureJoiner() {
   }
   if (now_ < joiner_at_) return;
   joiner_asked_ = true;
+  joiner_deadline_ = now_ + After(kRemeasureSeconds);
   Out(LogSite{joiner_, "asked to measure its device, the model and its links to the running sites"});
   Out(SendCommand{joiner_, ProfileCommand(joiner_, {joiner_peers_.begin(), joiner_peers_.end()})});
 }
@@ -1132,6 +1133,17 @@ void RunMachine::DropRemeasure(const std::string& site, const std::string& why) 
 void RunMachine::OnTick() {
   if (!remeasuring_.empty() && now_ >= remeasure_deadline_)
     DropRemeasure(*remeasuring_.begin(), absl::StrCat("which did not answer within ", kRemeasureSeconds, " s"));
+  if (joiner_asked_ && now_ >= joiner_deadline_) {  // registered and heartbeating, but never answered
+    const std::string site = std::exchange(joiner_, "");
+    joiner_asked_ = false;
+    failed_joiners_.insert(site);  // not asked again (it may rejoin: a fresh registration clears this)
+    Out(SetProbers{});
+    const std::string why =
+        absl::StrCat("did not answer its measurement within ", kRemeasureSeconds, " s; not planned with");
+    Out(LogSite{site, why});
+    Note("join", site, why);
+    Say(absl::StrCat("join: site '", site, "': ", why, "\n"));
+  }
   if (c_.spec.elastic.enabled && phase_ == Phase::kTraining) MaybeMeasureJoiner();
   if (phase_ == Phase::kJoining && started_ && now_ > join_deadline_) {
     std::string missing;
@@ -1370,8 +1382,8 @@ void RunMachine::CheckDrift(const v1::MetricsReport& r) {
   const core::ElasticSpec& el = c_.spec.elastic;
   // A pinned layout (--plan, --split even) is the operator's: re-planning would not be allowed to change it.
   if (!el.enabled || phase_ != Phase::kTraining || !c_.pinned.empty() || c_.even_split) return;
-  // A step during which a site measures itself mid-run (a joiner, a re-measure) says nothing of the
-  // others: on a shared host they computed beside the measurement (as the switch checks leave out too).
+  // Reports that come in while a site measures itself mid-run (a joiner, a re-measure) are left out: on a
+  // shared host the others computed beside the measurement (the switch checks leave such steps out too).
   if (MeasuringMidRun()) return;
   const double planned = PlannedStepCompute(r.site());
   if (planned <= 0 || !(r.compute_seconds() > 0) || !std::isfinite(r.compute_seconds())) return;
@@ -1383,17 +1395,7 @@ void RunMachine::CheckDrift(const v1::MetricsReport& r) {
   // preempted on a shared host) does not move what every other site is measured against.
   std::vector<double> typical;
   for (const auto& [site, d] : drift_) typical.push_back(Median(d.recent));
-  // Its range over its first `window` reports under this plan (or since it was last re-measured); they
-  // themselves are measured against the others alone.
-  const bool settled = mine.lo > 0;
-  if (!settled) {
-    mine.settling.push_back(mine.latest);
-    if (mine.settling.size() >= static_cast<size_t>(el.window)) {
-      mine.lo = *std::min_element(mine.settling.begin(), mine.settling.end());
-      mine.hi = *std::max_element(mine.settling.begin(), mine.settling.end());
-      mine.settling.clear();
-    }
-  }
+  const bool settled = mine.lo > 0;  // below: the range of a window it spent on plan
   double common;
   const bool alone = UsedSiteCount() < 2;
   if (alone) {
@@ -1429,7 +1431,17 @@ void RunMachine::CheckDrift(const v1::MetricsReport& r) {
   const bool faster = !alone && el.drift < 1 && std::all_of(q.begin(), q.end(), [&](double x) {
     return x <= 1 - el.drift;
   }) && (!settled || std::all_of(own.begin(), own.end(), [&](double x) { return x <= (1 - el.drift) * mine.hi; }));
-  if (!slower && !faster) return;
+  if (!slower && !faster) {
+    // The first full window it spends within `drift` of the others (under this plan, or since it was last
+    // re-measured) is where it settled: its range then is what a later change is measured against. A
+    // site off its figures from the start never settles, and is measured against the others alone.
+    if (!settled && !alone &&
+        std::all_of(q.begin(), q.end(), [&](double x) { return x > 1 - el.drift && x < 1 + el.drift; })) {
+      mine.lo = *std::min_element(own.begin(), own.end());
+      mine.hi = *std::max_element(own.begin(), own.end());
+    }
+    return;
+  }
   std::vector<double> sorted = q;
   std::sort(sorted.begin(), sorted.end());
   const double ratio = sorted[sorted.size() / 2];

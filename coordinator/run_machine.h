@@ -450,16 +450,16 @@ class RunMachine {
   void DropRemeasure(const std::string& site, const std::string& why);
   Clock::time_point joiner_at_;  // when it may be asked to measure (its probes admitted by then)
   bool joiner_asked_ = false;
+  Clock::time_point joiner_deadline_;     // when a joiner asked to measure that has not answered is dropped
   std::set<std::string> joiner_peers_;    // the sites it was asked to probe
   std::set<std::string> failed_joiners_;  // whose measuring failed (until they register again)
   struct Drift {
     double latest = 0;           // the latest report's compute / planned
     std::vector<double> recent;  // the latest `window` of those (their median: the site's typical ratio)
-    // Its first `window` ratios under the plan, or since its profile was last re-measured from its
-    // reports, and then their lowest and highest (0 until then): the range it settled in.
-    std::vector<double> settling;
+    // The lowest and highest of its ratios over the first full window it spent within `drift` of the
+    // others under the plan, or since its profile was last re-measured (0 until then): where it settled.
     double lo = 0, hi = 0;
-    std::vector<double> window;  // the latest `window` of those, relative to the sites' common ratio
+    std::vector<double> window;  // the latest `window` ratios, each relative to the sites' common ratio
     // A site alone in the plan: its first `window` ratios under the plan after the first report (whose
     // step warms up: allocations, first calls), and then their median, which its later ratios are taken
     // relative to (there is no other site to compare it with).

@@ -723,30 +723,33 @@ TEST(RunMachine, ASiteSteadyOffItsPlanIsReMeasuredOnceAndDoesNotFlap) {
   c.spec.elastic.min_gain = 0.9;  // nothing is worth a switch here: the decision alone is under test
   c.steps = c.job.steps = 200;
   c.graph = LargeGraph();
-  Driver d(c);
-  d.JoinAndProfile({"a", "b", "c"});
-  const partitioner::Plan plan = *d.machine().plan();
-  ASSERT_GE(plan.stages.size(), 2u);
-  const std::string site = plan.stages.back().site_names[0];
-  int flagged = 0;
-  for (int step = 0; step < 60; ++step)
-    for (size_t k = 0; k < plan.stages.size(); ++k) {
-      const partitioner::StagePlan& st = plan.stages[k];
-      partitioner::SiteProfile p{st.site_names[0], 1e11, 8e9, {}, {}};
-      v1::MetricsReport m = Metrics(st.site_names[0], kRun, static_cast<int>(k), step);
-      // Everyone a little noisy (+-5%); the site steadily 1.5x.
-      const double noise = 1 + 0.05 * ((step * 7 + static_cast<int>(k) * 3) % 3 - 1);
-      m.set_compute_seconds(partitioner::RangeSeconds(c.graph, p, st.first_op, st.last_op) * st.micro_batches[0] *
-                            noise * (st.site_names[0] == site ? 1.5 : 1.0));
-      for (const auto& e : All<RecordEvent>(d.Feed(MetricsReported{m})))
-        if (e.kind == "straggler") {
-          ++flagged;
-          EXPECT_EQ(e.site, site);
-          EXPECT_THAT(e.text, HasSubstr("no switch"));
-        }
-    }
-  EXPECT_EQ(flagged, 1);
-  EXPECT_EQ(d.machine().phase(), RunMachine::Phase::kTraining);
+  // The site of the last stage (whose reports come in after the others' in each step), then of the first.
+  for (const bool last : {true, false}) {
+    Driver d(c);
+    d.JoinAndProfile({"a", "b", "c"});
+    const partitioner::Plan plan = *d.machine().plan();
+    ASSERT_GE(plan.stages.size(), 2u);
+    const std::string site = (last ? plan.stages.back() : plan.stages.front()).site_names[0];
+    int flagged = 0;
+    for (int step = 0; step < 60; ++step)
+      for (size_t k = 0; k < plan.stages.size(); ++k) {
+        const partitioner::StagePlan& st = plan.stages[k];
+        partitioner::SiteProfile p{st.site_names[0], 1e11, 8e9, {}, {}};
+        v1::MetricsReport m = Metrics(st.site_names[0], kRun, static_cast<int>(k), step);
+        // Everyone a little noisy (+-5%); the site steadily 1.5x.
+        const double noise = 1 + 0.05 * ((step * 7 + static_cast<int>(k) * 3) % 3 - 1);
+        m.set_compute_seconds(partitioner::RangeSeconds(c.graph, p, st.first_op, st.last_op) * st.micro_batches[0] *
+                              noise * (st.site_names[0] == site ? 1.5 : 1.0));
+        for (const auto& e : All<RecordEvent>(d.Feed(MetricsReported{m})))
+          if (e.kind == "straggler") {
+            ++flagged;
+            EXPECT_EQ(e.site, site);
+            EXPECT_THAT(e.text, HasSubstr("no switch"));
+          }
+      }
+    EXPECT_EQ(flagged, 1) << (last ? "the last stage's site" : "the first stage's site");
+    EXPECT_EQ(d.machine().phase(), RunMachine::Phase::kTraining);
+  }
 }
 
 // What `site` reports after measuring at `flops`, with its links to `peers` (both directions).
@@ -1126,6 +1129,26 @@ TEST(RunMachine, ASiteJoiningMidRunIsMeasuredAndSwitchedToWhenThatPays) {
   auto assigned = Assignments(switched);
   EXPECT_TRUE(assigned.count("c")) << Printed(switched);
   for (const auto& [site, a] : assigned) EXPECT_EQ(a.resume_step(), boundary[0].step) << site;
+}
+
+// A joiner asked to measure that keeps its heartbeat but never answers is dropped after 300 s (the
+// straggler checks, which pause while a site measures itself mid-run, would otherwise never resume).
+TEST(RunMachine, AJoinerThatNeverAnswersItsMeasurementIsDropped) {
+  const RunConfig c = TwoSiteConfig();
+  Driver d(c);
+  StartTwoSites(&d, 1e9, 1e9);
+  ASSERT_EQ(d.machine().phase(), RunMachine::Phase::kTraining);
+  d.Feed(MetricsReported{Metrics("a", kRun, 0, 9)});
+  d.Feed(SiteRegistered{"c", "127.0.0.1:9c", "cpu"});
+  ASSERT_EQ(All<SendCommand>(d.Feed(Tick{}, 0.3)).size(), 1u);  // asked
+  EXPECT_TRUE(Printed(d.Feed(Tick{}, 250)).empty());
+  auto dropped = d.Feed(Tick{}, 51);
+  EXPECT_THAT(Printed(dropped), HasSubstr("join: site 'c': did not answer its measurement within 300 s"));
+  EXPECT_EQ(All<SetProbers>(dropped).size(), 1u);  // no prober any more
+  EXPECT_TRUE(All<SendCommand>(d.Feed(Tick{}, 10)).empty()) << "not asked again until it registers again";
+  auto late = d.Feed(ProfileReported{ProfileAmong("c", {"a", "b"}, 1e10)});
+  EXPECT_TRUE(All<SetBoundary>(late).empty()) << Printed(late);
+  EXPECT_EQ(d.machine().phase(), RunMachine::Phase::kTraining);
 }
 
 TEST(RunMachine, SurvivorsThatNeverAnswerAreWaitedForAtMostTheDrainTime) {
