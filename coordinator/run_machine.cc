@@ -322,24 +322,27 @@ void RunMachine::MaybeMeasureJoiner() {
   Out(SendCommand{joiner_, ProfileCommand(joiner_, {joiner_peers_.begin(), joiner_peers_.end()})});
 }
 
-void RunMachine::OnJoinerProfile(const v1::ProfileReport& r) {
-  const std::string site = joiner_;
-  measured_in_step_ = true;
-  joiner_.clear();
+std::string RunMachine::EndJoinerMeasurement() {
   joiner_asked_ = false;
   Out(SetProbers{});
+  return std::exchange(joiner_, "");
+}
+
+void RunMachine::RefuseJoiner(const std::string& site, const std::string& what) {
+  failed_joiners_.insert(site);  // not asked again (it may rejoin: a fresh registration clears this)
+  const std::string why = absl::StrCat(what, "; not planned with");
+  Out(LogSite{site, why});
+  Note("join", site, why);
+  Say(absl::StrCat("join: site '", site, "': ", why, "\n"));
+}
+
+void RunMachine::OnJoinerProfile(const v1::ProfileReport& r) {
+  const std::string site = EndJoinerMeasurement();
+  measured_in_step_ = true;
   partitioner::ClusterProfile checked;
   absl::Status s =
       r.error().empty() ? CheckProfile(r, &checked, joiner_peers_) : absl::UnavailableError(Clean(r.error()));
-  if (!s.ok()) {
-    failed_joiners_.insert(site);  // not asked again (it may rejoin: a fresh registration clears this)
-    const std::string why =
-        absl::StrCat("measuring it failed: ", Clean(std::string(s.message())), "; not planned with");
-    Out(LogSite{site, why});
-    Note("join", site, why);
-    Say(absl::StrCat("join: site '", site, "': ", why, "\n"));
-    return;
-  }
+  if (!s.ok()) return RefuseJoiner(site, absl::StrCat("measuring it failed: ", Clean(std::string(s.message()))));
   profile_.sites.push_back(checked.sites[0]);
   for (const auto& l : checked.links) profile_.links.push_back(l);
   Out(LogSite{site, "measured its device, the model per op and its links to the running sites"});
@@ -1133,17 +1136,9 @@ void RunMachine::DropRemeasure(const std::string& site, const std::string& why) 
 void RunMachine::OnTick() {
   if (!remeasuring_.empty() && now_ >= remeasure_deadline_)
     DropRemeasure(*remeasuring_.begin(), absl::StrCat("which did not answer within ", kRemeasureSeconds, " s"));
-  if (joiner_asked_ && now_ >= joiner_deadline_) {  // registered and heartbeating, but never answered
-    const std::string site = std::exchange(joiner_, "");
-    joiner_asked_ = false;
-    failed_joiners_.insert(site);  // not asked again (it may rejoin: a fresh registration clears this)
-    Out(SetProbers{});
-    const std::string why =
-        absl::StrCat("did not answer its measurement within ", kRemeasureSeconds, " s; not planned with");
-    Out(LogSite{site, why});
-    Note("join", site, why);
-    Say(absl::StrCat("join: site '", site, "': ", why, "\n"));
-  }
+  if (joiner_asked_ && now_ >= joiner_deadline_)  // registered and heartbeating, but never answered
+    RefuseJoiner(EndJoinerMeasurement(),
+                 absl::StrCat("did not answer its measurement within ", kRemeasureSeconds, " s"));
   if (c_.spec.elastic.enabled && phase_ == Phase::kTraining) MaybeMeasureJoiner();
   if (phase_ == Phase::kJoining && started_ && now_ > join_deadline_) {
     std::string missing;
@@ -1388,13 +1383,9 @@ void RunMachine::CheckDrift(const v1::MetricsReport& r) {
   const double planned = PlannedStepCompute(r.site());
   if (planned <= 0 || !(r.compute_seconds() > 0) || !std::isfinite(r.compute_seconds())) return;
   Drift& mine = drift_[r.site()];
-  mine.latest = r.compute_seconds() / planned;
-  mine.recent.push_back(mine.latest);
+  const double latest = r.compute_seconds() / planned;
+  mine.recent.push_back(latest);
   if (mine.recent.size() > static_cast<size_t>(el.window)) mine.recent.erase(mine.recent.begin());
-  // Each site's typical ratio: the median of its recent reports, so that one site's spike (a step
-  // preempted on a shared host) does not move what every other site is measured against.
-  std::vector<double> typical;
-  for (const auto& [site, d] : drift_) typical.push_back(Median(d.recent));
   const bool settled = mine.lo > 0;  // below: the range of a window it spent on plan
   double common;
   const bool alone = UsedSiteCount() < 2;
@@ -1403,18 +1394,22 @@ void RunMachine::CheckDrift(const v1::MetricsReport& r) {
     // the first, a warm-up) set the ratio it is measured against.
     if (mine.baseline <= 0) {
       if (!std::exchange(mine.warmed_up, true)) return;
-      mine.first.push_back(mine.latest);
+      mine.first.push_back(latest);
       if (mine.first.size() < static_cast<size_t>(el.window)) return;
       mine.baseline = Median(mine.first);
       return;
     }
     common = mine.baseline;
   } else {
-    if (typical.size() < 2) return;  // until a second used site has reported
+    if (drift_.size() < 2) return;  // until a second used site has reported
+    // Each site's typical ratio: the median of its recent reports, so that one site's spike (a step
+    // preempted on a shared host) does not move what every other site is measured against.
+    std::vector<double> typical;
+    for (const auto& [site, d] : drift_) typical.push_back(Median(d.recent));
     common = Median(typical);
   }
   std::vector<double>& q = mine.window;
-  q.push_back(mine.latest / common);
+  q.push_back(latest / common);
   if (q.size() > static_cast<size_t>(el.window)) q.erase(q.begin());
   if (q.size() < static_cast<size_t>(el.window)) return;
   // Every one of the window's reports off the same way: a noisy or transient step does not count.

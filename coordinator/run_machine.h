@@ -320,7 +320,8 @@ class RunMachine {
   // the used sites' common ratio (the lower median of their typical ratios, each the median of a site's
   // latest `window` reports: what every site spends beyond the profile's op times -- the optimizer, the
   // framework -- cancels, and one site's spike moves no one else's), and once it has settled under the
-  // plan, against the range of its own first `window` reports too (it must itself have changed), or
+  // plan, against its own range over the first full window it spent within `drift` of the others too
+  // (it must itself have changed), or
   // where the plan uses one site alone, relative to its own first `window` reports under the plan; after `window`
   // reports all off by `drift` the same way, its op times are scaled by their median (re-measured from the running
   // stage) and the job re-planned, switching when that gains more than min_gain.
@@ -450,12 +451,16 @@ class RunMachine {
   void DropRemeasure(const std::string& site, const std::string& why);
   Clock::time_point joiner_at_;  // when it may be asked to measure (its probes admitted by then)
   bool joiner_asked_ = false;
+  // Ends the joiner's measuring (the running sites stop admitting its probes); returns its name.
+  std::string EndJoinerMeasurement();
+  // A joiner whose measuring failed (`what`): said, and not asked again until it registers again.
+  void RefuseJoiner(const std::string& site, const std::string& what);
   Clock::time_point joiner_deadline_;     // when a joiner asked to measure that has not answered is dropped
   std::set<std::string> joiner_peers_;    // the sites it was asked to probe
   std::set<std::string> failed_joiners_;  // whose measuring failed (until they register again)
   struct Drift {
-    double latest = 0;           // the latest report's compute / planned
-    std::vector<double> recent;  // the latest `window` of those (their median: the site's typical ratio)
+    // Its latest `window` reports' compute / planned (their median: the site's typical ratio).
+    std::vector<double> recent;
     // The lowest and highest of its ratios over the first full window it spent within `drift` of the
     // others under the plan, or since its profile was last re-measured (0 until then): where it settled.
     double lo = 0, hi = 0;
