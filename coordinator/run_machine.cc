@@ -67,6 +67,11 @@ double Median(std::vector<double> values) {
   return values[(values.size() - 1) / 2];
 }
 
+// The last `n` of `values` (all of them when there are fewer).
+std::vector<double> Last(const std::vector<double>& values, size_t n) {
+  return {values.end() - static_cast<std::ptrdiff_t>(std::min(n, values.size())), values.end()};
+}
+
 }  // namespace
 
 RunMachine::RunMachine(RunConfig config) : c_(std::move(config)) {
@@ -1384,8 +1389,11 @@ void RunMachine::CheckDrift(const v1::MetricsReport& r) {
   if (planned <= 0 || !(r.compute_seconds() > 0) || !std::isfinite(r.compute_seconds())) return;
   Drift& mine = drift_[r.site()];
   const double latest = r.compute_seconds() / planned;
+  // A window of reports, and one more: a slowdown is seen through one step that ran at full speed (a CPU
+  // quota or a shared GPU lets a whole step through now and then; the window must not start again then).
+  const size_t window = static_cast<size_t>(el.window), span = window + 1;
   mine.recent.push_back(latest);
-  if (mine.recent.size() > static_cast<size_t>(el.window)) mine.recent.erase(mine.recent.begin());
+  if (mine.recent.size() > span) mine.recent.erase(mine.recent.begin());
   const bool settled = mine.lo > 0;  // below: the range of a window it spent on plan
   double common;
   const bool alone = UsedSiteCount() < 2;
@@ -1405,41 +1413,54 @@ void RunMachine::CheckDrift(const v1::MetricsReport& r) {
     // Each site's typical ratio: the median of its recent reports, so that one site's spike (a step
     // preempted on a shared host) does not move what every other site is measured against.
     std::vector<double> typical;
-    for (const auto& [site, d] : drift_) typical.push_back(Median(d.recent));
+    for (const auto& [site, d] : drift_) typical.push_back(Median(Last(d.recent, window)));
     common = Median(typical);
   }
   std::vector<double>& q = mine.window;
   q.push_back(latest / common);
-  if (q.size() > static_cast<size_t>(el.window)) q.erase(q.begin());
-  if (q.size() < static_cast<size_t>(el.window)) return;
-  // Every one of the window's reports off the same way: a noisy or transient step does not count.
-  // Once the site has settled under the plan, it must also have changed itself, its recent reports all
-  // off its own settled range by `drift`: with two sites, the one re-measured at a CPU quota's slowdown
-  // that then eases makes the other seem slower relative to it, but the other has not changed.
-  const auto& own = mine.recent;
-  const bool slower = std::all_of(q.begin(), q.end(), [&](double x) { return x >= 1 + el.drift; }) &&
-                      (alone || !settled ||
-                       std::all_of(own.begin(), own.end(), [&](double x) { return x >= (1 + el.drift) * mine.lo; }));
+  if (q.size() > span) q.erase(q.begin());
+  if (q.size() < window) return;
+  // `window` of its latest `window` + 1 reports off the same way (all of them while only `window` have
+  // come): a noisy or transient step does not count, nor does one step at full speed within a slowdown.
+  // Once the site has settled under the plan, it must also have changed itself, as many of its own
+  // reports off its settled range by `drift`: with two sites, the one re-measured at a CPU quota's
+  // slowdown that then eases makes the other seem slower relative to it, but the other has not changed.
+  const std::vector<double> own = Last(mine.recent, q.size());
+  auto enough = [&](const std::vector<double>& xs, auto&& off) {
+    return static_cast<size_t>(std::count_if(xs.begin(), xs.end(), off)) >= window;
+  };
+  const auto slow = [&](double x) { return x >= 1 + el.drift; };
+  const auto fast = [&](double x) { return x <= 1 - el.drift; };
+  const bool slower =
+      enough(q, slow) && (alone || !settled || enough(own, [&](double x) { return x >= (1 + el.drift) * mine.lo; }));
   // A site alone is flagged only when slower: measured against itself, a site whose speed swings (a CPU
   // quota on steps of milliseconds) would otherwise be re-measured slower, then faster, then slower again.
   // Each flag rescales its profile, so the next needs a slowdown beyond the last one.
-  const bool faster = !alone && el.drift < 1 && std::all_of(q.begin(), q.end(), [&](double x) {
-    return x <= 1 - el.drift;
-  }) && (!settled || std::all_of(own.begin(), own.end(), [&](double x) { return x <= (1 - el.drift) * mine.hi; }));
+  const bool faster = !alone && el.drift < 1 && enough(q, fast) &&
+                      (!settled || enough(own, [&](double x) { return x <= (1 - el.drift) * mine.hi; }));
   if (!slower && !faster) {
     // The first full window it spends within `drift` of the others (under this plan, or since it was last
     // re-measured) is where it settled: its range then is what a later change is measured against. A
     // site off its figures from the start never settles, and is measured against the others alone.
-    if (!settled && !alone &&
-        std::all_of(q.begin(), q.end(), [&](double x) { return x > 1 - el.drift && x < 1 + el.drift; })) {
-      mine.lo = *std::min_element(own.begin(), own.end());
-      mine.hi = *std::max_element(own.begin(), own.end());
+    const std::vector<double> latest_window = Last(q, window);
+    if (!settled && !alone && std::all_of(latest_window.begin(), latest_window.end(), [&](double x) {
+          return x > 1 - el.drift && x < 1 + el.drift;
+        })) {
+      const std::vector<double> range = Last(own, window);
+      mine.lo = *std::min_element(range.begin(), range.end());
+      mine.hi = *std::max_element(range.begin(), range.end());
     }
     return;
   }
-  std::vector<double> sorted = q;
-  std::sort(sorted.begin(), sorted.end());
-  const double ratio = sorted[sorted.size() / 2];
+  // The re-measured ratio: the median of the reports off -- the latest `window` when they all are, else
+  // those of the latest `window` + 1 (a full-speed step among them is not one).
+  const std::vector<double> latest_window = Last(q, window);
+  const bool each =
+      std::all_of(latest_window.begin(), latest_window.end(), [&](double x) { return slower ? slow(x) : fast(x); });
+  std::vector<double> off;
+  for (double x : each ? latest_window : q)
+    if (slower ? slow(x) : fast(x)) off.push_back(x);
+  const double ratio = Median(off);
   q.clear();
   // Re-measured from the running stage: the site's op times scale by the median ratio (its profile is
   // what every later plan prices it with).
@@ -1451,9 +1472,12 @@ void RunMachine::CheckDrift(const v1::MetricsReport& r) {
   for (auto& [site, d] : drift_) d.window.clear();  // the others are measured against the new figures too
   for (double& x : mine.recent) x /= ratio;         // its recent reports, against its re-measured figures
   mine.lo = mine.hi = 0;                            // and its range settles anew under them
-  const std::string what = absl::StrFormat(
-      "site '%s' computed %.2fx its planned time (relative to %s) in each of its last %d steps (to step %d)", r.site(),
-      ratio, alone ? "its first steps under this plan" : "the other sites", el.window, r.step() + 1);
+  const std::string what =
+      absl::StrFormat("site '%s' computed %.2fx its planned time (relative to %s) in %s (to step %d)", r.site(), ratio,
+                      alone ? "its first steps under this plan" : "the other sites",
+                      each ? absl::StrFormat("each of its last %d steps", window)
+                           : absl::StrFormat("%d of its last %d steps", window, span),
+                      r.step() + 1);
   // The current layout and a new plan, both priced with the re-measured profile.
   auto priced_plans = ReplanAgainstCurrent();
   if (!priced_plans.ok()) {

@@ -322,8 +322,9 @@ class RunMachine {
   // framework -- cancels, and one site's spike moves no one else's), and once it has settled under the
   // plan, against its own range over the first full window it spent within `drift` of the others too
   // (it must itself have changed), or
-  // where the plan uses one site alone, relative to its own first `window` reports under the plan; after `window`
-  // reports all off by `drift` the same way, its op times are scaled by their median (re-measured from the running
+  // where the plan uses one site alone, relative to its own first `window` reports under the plan; once `window`
+  // of its latest `window` + 1 reports are off by `drift` the same way (one step at full speed within a slowdown
+  // does not start the window again), its op times are scaled by their median (re-measured from the running
   // stage) and the job re-planned, switching when that gains more than min_gain.
   void CheckDrift(const v1::MetricsReport& r);
   // Its ops x its micro-batches (with a recomputing stage's second forward pass), plus its optimizer step,
@@ -459,12 +460,13 @@ class RunMachine {
   std::set<std::string> joiner_peers_;    // the sites it was asked to probe
   std::set<std::string> failed_joiners_;  // whose measuring failed (until they register again)
   struct Drift {
-    // Its latest `window` reports' compute / planned (their median: the site's typical ratio).
+    // Its latest `window` + 1 reports' compute / planned (the median of the latest `window`: the site's
+    // typical ratio).
     std::vector<double> recent;
     // The lowest and highest of its ratios over the first full window it spent within `drift` of the
     // others under the plan, or since its profile was last re-measured (0 until then): where it settled.
     double lo = 0, hi = 0;
-    std::vector<double> window;  // the latest `window` ratios, each relative to the sites' common ratio
+    std::vector<double> window;  // the latest `window` + 1 ratios, each relative to the sites' common ratio
     // A site alone in the plan: its first `window` ratios under the plan after the first report (whose
     // step warms up: allocations, first calls), and then their median, which its later ratios are taken
     // relative to (there is no other site to compare it with).

@@ -10,6 +10,7 @@
 
 #include <functional>
 #include <memory>
+#include <set>
 
 #include "core/run_layout.h"
 
@@ -711,6 +712,49 @@ TEST(RunMachine, AnotherSitesSpikeDoesNotHideAStraggler) {
   EXPECT_EQ(flagged[0].site, slow);
   EXPECT_EQ(flagged_at, 9) << flagged[0].text;
   EXPECT_THAT(flagged[0].text, HasSubstr("computed 2.00x its planned time (relative to the other sites)"));
+}
+
+// A slowdown is seen through one step that ran at full speed (a CPU quota or a shared GPU lets a whole step
+// through now and then): `window` slow reports among the latest `window` + 1 flag the site, where a window
+// that had to be slow in every step started again at that step. Two full-speed steps in the span do hold
+// the flag back until `window` of the latest `window` + 1 are slow again.
+TEST(RunMachine, OneFullSpeedStepWithinASlowdownDoesNotStartTheWindowAgain) {
+  RunConfig c = Config();
+  c.even_split = false;
+  c.spec.heartbeat_interval_seconds = 0.1;
+  c.steps = c.job.steps = 100;
+  c.graph = LargeGraph();
+  for (const std::set<int>& full_speed : {std::set<int>{7}, std::set<int>{7, 9}}) {
+    Driver d(c);
+    d.JoinAndProfile({"a", "b", "c"});
+    const partitioner::Plan plan = *d.machine().plan();
+    ASSERT_GE(plan.stages.size(), 2u);
+    const std::string slow = plan.stages.back().site_names[0];
+    std::vector<RecordEvent> flagged;
+    int flagged_at = -1;
+    for (int step = 0; step < 16 && flagged.empty(); ++step)
+      for (size_t k = 0; k < plan.stages.size(); ++k) {
+        const partitioner::StagePlan& st = plan.stages[k];
+        partitioner::SiteProfile p{st.site_names[0], 1e11, 8e9, {}, {}};
+        v1::MetricsReport m = Metrics(st.site_names[0], kRun, static_cast<int>(k), step);
+        double factor = 1.3;  // everyone: the framework's share
+        if (st.site_names[0] == slow && step >= 5 && !full_speed.count(step)) factor *= 2;  // slowed from step 5
+        m.set_compute_seconds(partitioner::RangeSeconds(c.graph, p, st.first_op, st.last_op) * st.micro_batches[0] *
+                              factor);
+        for (const auto& e : All<RecordEvent>(d.Feed(MetricsReported{m})))
+          if (e.kind == "straggler") flagged.push_back(e), flagged_at = step;
+      }
+    ASSERT_EQ(flagged.size(), 1u) << full_speed.size() << " full-speed step(s)";
+    EXPECT_EQ(flagged[0].site, slow);
+    if (full_speed.size() == 1) {
+      EXPECT_EQ(flagged_at, 10) << flagged[0].text;  // steps 5, 6, 8, 9, 10 of 5-10
+      EXPECT_THAT(flagged[0].text,
+                  HasSubstr("computed 2.00x its planned time (relative to the other sites) in 5 of its last 6 steps"));
+    } else {
+      EXPECT_EQ(flagged_at, 13) << flagged[0].text;  // steps 8, 10, 11, 12, 13 of 8-13
+      EXPECT_THAT(flagged[0].text, HasSubstr("in 5 of its last 6 steps"));
+    }
+  }
 }
 
 // Hysteresis: a site that settles at 1.5x its planned time (relative to the others) is re-measured once;
