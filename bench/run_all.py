@@ -133,12 +133,15 @@ def compute_bound(emu, bin_dir, work, global_batch, micro_batches, seq, seed, st
     return rates
 
 
-def measure_bound(emu, bin_dir, work, seq, seed, into, sequences=4):
-    """Sets into["bound_sites"] and into["bound"]: compute_bound's per-site tokens/s and their sum, each
-    site training steps of `sequences` sequences in micro-batches of one."""
+def measure_bound(emu, bin_dir, work, seq, seed, into, sequences=12):
+    """Sets into["bound_sites"], into["bound"] and into["bound_sequences"]: compute_bound's per-site tokens/s
+    and their sum, each site training steps of `sequences` sequences in micro-batches of one. Steps of 12:
+    the whole model's optimizer step, once a step, weighs on a bound measured over steps of 4 three times as
+    much per token as over 12, and twelve times as much as on the runs' steps of 48, so such a bound read low
+    (session 26's straggler bound; the end-to-end and WAN-bound sections' until session 32)."""
     log(f"compute bound: each site trains the whole model alone at its quota ({sequences} sequences a step)")
     rates = compute_bound(emu, bin_dir, work, sequences, sequences, seq, seed)
-    into["bound_sites"], into["bound"] = rates, sum(rates.values())
+    into["bound_sites"], into["bound"], into["bound_sequences"] = rates, sum(rates.values()), sequences
     log(f"  {rates} -> {into['bound']:.0f} tokens/s")
 
 
@@ -902,9 +905,7 @@ def straggler(a, bin_dir, work, cfg, model_dir, weights_params):
            "to_quota": to_quota, "mbit": mbit}
     emu = open_sites(bin_dir, work, mbit, RTT_MS, heartbeat_timeout_s=60, elastic=True)
     try:
-        # Steps of 12 sequences: the whole model's optimizer step, once a step, weighs on a bound measured
-        # over steps of 4 three times as much as on the run's steps of 48 (session 26's bound read low).
-        res["bound_sequences"] = 4 if a.tiny else 12
+        res["bound_sequences"] = 4 if a.tiny else 12  # as measure_bound explains
         measure_bound(emu, bin_dir, work, seq, seed, res, res["bound_sequences"])
         res["bound_before"], res["bound_sites_before"] = res.pop("bound"), res.pop("bound_sites")
         emu.set_quota(slowed, to_quota)
@@ -1098,7 +1099,9 @@ def wan_section(w, command):
          "fine-tuning set of about one step of sequences (the start of Debian's GPL-3 text, SentencePiece with 4000 "
          "pieces), so every step after the first revisits every sequence, as epochs of a fine-tune do; the first step "
          "(first epoch, warm-up) is not timed.", "",
-         f"Compute bound: {b:.0f} tokens/s = " + " + ".join(f"{v:.0f} ({s})" for s, v in w["bound_sites"].items()) + ".", "",
+         f"Compute bound: {b:.0f} tokens/s = " + " + ".join(f"{v:.0f} ({s})" for s, v in w["bound_sites"].items())
+         + ", each site training the whole model alone (`meridian train-local`, steps of "
+         f"{w.get('bound_sequences', 4)} sequences in micro-batches of one) at its quota, all three at once.", "",
          "| link | system | tokens/s | of compute bound | step (s) | predicted step (s) | bytes on the wire per token | plan, codecs |",
          "|---|---|---|---|---|---|---|---|"]
     for mbit, r in w["speeds"].items():
@@ -1510,7 +1513,10 @@ def pct(x):
 def write_results(path, info, comps, e2e, seconds, root):
     L = ["# Benchmark results", "",
          f"Written by `{info['command']}` on {info['date']} ({info['cpu']}, 2 cores, no GPU), in {seconds / 60:.1f} "
-         "minutes. Every figure below comes from that run; each section names the command that measured it.", ""]
+         "minutes: " + " and ".join(x for x, ran in (("the end-to-end section", e2e), ("the component benchmarks", comps))
+                                      if ran)
+         + (" come" if e2e and comps else " comes") + " from that run, and each other section names the command "
+         "that measured it.", ""]
     if seconds > 30 * 60:
         L += [f"The run took {seconds / 60 - 30:.1f} minutes more than the 30 the suite should take: three systems at "
               "two link speeds, at 60 to 170 s per optimizer step of this model on two cores. A DDP-Gloo sweep "
@@ -1529,11 +1535,10 @@ def write_results(path, info, comps, e2e, seconds, root):
               f"pair of sites joined by a tbf link at the given rate, {RTT_MS} ms RTT through meridian-wanrelay.",
               "",
               f"Compute bound: {b:.0f} tokens/s = " + " + ".join(f"{v:.0f} ({s})" for s, v in e2e["bound_sites"].items())
-              + ", each site training the whole model alone (`meridian train-local`, micro-batches of one sequence) "
-              "at its quota, all three at once. (Issue #9 quotes about 830 tokens/s for this bound; this machine's "
-              "cores reach about 17-19 GFLOP/s in libtorch's fp32 GEMM (`meridian run` prints each site's), and "
-              "training costs about 6 x 34M FLOP per token, so one full core trains about 90 tokens/s: the bound "
-              "measured here is the one to hold the systems to.)", "",
+              + ", each site training the whole model alone (`meridian train-local`, steps of "
+              f"{e2e.get('bound_sequences', 4)} sequences in micro-batches of one) at its quota, all three at once. "
+              "(Issue #9 quotes about 830 tokens/s for this bound on other hardware; the bound measured here, on "
+              "this machine's two cores, is the one to hold the systems to.)", "",
               "| link | system | tokens/s | of compute bound | step (s) | predicted step (s) | bytes on the wire per step | payload vs uncompressed | loss after step " + str(min(min(max(x["losses"]) for x in r.values()) for r in e2e["speeds"].values())) + " | loss after the last step |",
               "|---|---|---|---|---|---|---|---|---|---|"]
         common = min(min(max(x["losses"]) for x in r.values()) for r in e2e["speeds"].values())
@@ -1584,16 +1589,18 @@ def write_results(path, info, comps, e2e, seconds, root):
                     for r in e2e["speeds"].values()]
         L += ["", "Two causes, in our reading of these figures:", "",
               "1. The per-operator profile is noisy: the same three sites measured " + ", ".join(bounds) +
-              f" tokens/s in the four Meridian runs' profiles (two timed passes per operator, to fit the time "
-              f"budget; `--profile-repeats`), against {b:.0f} from whole-model runs, and the even split's "
+              f" tokens/s in the four Meridian runs' profiles (each operator timed in three rounds of at least "
+              f"`--profile-repeats` passes and 50 ms), against {b:.0f} from whole-model runs, and the even split's "
               "predicted step was off by " + " and ".join(f"{x:+.0f}%" for x in even_err) +
-              " (positive: the prediction was slower than the measurement). Prediction errors of about 10% in either direction "
-              "come from the measurement alone."]
+              " (positive: the prediction was slower than the measurement, negative: faster). A prediction "
+              "carries whatever the profile misses of the run's compute."]
         L += ["2. The cost model prices compute and links as independent resources, as they are on GPUs (copy "
               "engines and NICs beside the SMs). Here every site is a CPU quota: its TLS encryption, gRPC threads "
-              "and codecs run inside the same quota as its forward and backward passes, and the latency relays "
-              "run outside any quota on the same two cores the three quotas (1.0 + 0.6 + 0.4) already fill; "
-              "communication therefore slows compute, which the model does not predict. It is also why the "
+              "and codecs run inside the same quota as its forward and backward passes, and so does the latency "
+              "relay in front of it (scripts/emulation.py starts each site's relay in the site's cgroup), on two "
+              "cores the three quotas (1.0 + 0.6 + 0.4) already fill; communication therefore slows compute. "
+              "The planner prices a site's own transport work per frame and per byte (docs/cost-model.md), not "
+              "its relay's, which a real site does not have. It is also why the "
               "adaptive policy can keep the identity codec on slow links: it judges them off the critical path "
               "behind the stages' compute, while every byte sent still costs the sender CPU. "
               "Newer runs of this script also report the slowest stage's own compute time per step, which "
