@@ -65,6 +65,17 @@ RunConfig Config(core::OnFailure on_failure = core::OnFailure::kReplan) {
   return c;
 }
 
+// The straggler tests' run: the planner's layout (a pinned one is never re-planned) of LargeGraph over
+// `steps` steps, with heartbeats of 0.1 s.
+RunConfig StragglerConfig(int steps = 100) {
+  RunConfig c = Config();
+  c.even_split = false;
+  c.spec.heartbeat_interval_seconds = 0.1;
+  c.steps = c.job.steps = steps;
+  c.graph = LargeGraph();
+  return c;
+}
+
 // What site `site` reports after the first round of measuring: its device and the graph (no link yet).
 v1::ProfileReport Profile(const std::string& site, const std::string& error = "", double memory = 8e9) {
   v1::ProfileReport r;
@@ -621,11 +632,7 @@ TEST(RunMachine, ABoundaryIsSetAtTheFastestRecentPaceAndAStageThatMissesItIsAnUn
 // re-measured from them and the job re-planned; a big enough gain switches at a step boundary. A slow
 // spell shorter than the window triggers nothing.
 TEST(RunMachine, ASiteThatStaysSlowIsReplannedAroundAndATransientSlowdownIsNot) {
-  RunConfig c = Config();
-  c.even_split = false;  // the planner's layout (a pinned one is never re-planned)
-  c.spec.heartbeat_interval_seconds = 0.1;
-  c.steps = c.job.steps = 100;
-  c.graph = LargeGraph();
+  RunConfig c = StragglerConfig();
   Driver d(c);
   d.JoinAndProfile({"a", "b", "c"});
   ASSERT_EQ(d.machine().phase(), RunMachine::Phase::kTraining);
@@ -682,11 +689,7 @@ TEST(RunMachine, ASiteThatStaysSlowIsReplannedAroundAndATransientSlowdownIsNot) 
 // reports), not their latest: a slowed site is flagged after exactly `window` slow reports although another
 // site's step spiked to 4x its planned time in the middle of them (a step preempted on a shared host).
 TEST(RunMachine, AnotherSitesSpikeDoesNotHideAStraggler) {
-  RunConfig c = Config();
-  c.even_split = false;
-  c.spec.heartbeat_interval_seconds = 0.1;
-  c.steps = c.job.steps = 100;
-  c.graph = LargeGraph();
+  RunConfig c = StragglerConfig();
   Driver d(c);
   d.JoinAndProfile({"a", "b", "c"});
   const partitioner::Plan plan = *d.machine().plan();
@@ -719,11 +722,7 @@ TEST(RunMachine, AnotherSitesSpikeDoesNotHideAStraggler) {
 // that had to be slow in every step started again at that step. Two full-speed steps in the span do hold
 // the flag back until `window` of the latest `window` + 1 are slow again.
 TEST(RunMachine, OneFullSpeedStepWithinASlowdownDoesNotStartTheWindowAgain) {
-  RunConfig c = Config();
-  c.even_split = false;
-  c.spec.heartbeat_interval_seconds = 0.1;
-  c.steps = c.job.steps = 100;
-  c.graph = LargeGraph();
+  RunConfig c = StragglerConfig();
   for (const std::set<int>& full_speed : {std::set<int>{7}, std::set<int>{7, 9}}) {
     Driver d(c);
     d.JoinAndProfile({"a", "b", "c"});
@@ -761,12 +760,8 @@ TEST(RunMachine, OneFullSpeedStepWithinASlowdownDoesNotStartTheWindowAgain) {
 // the plan over the re-measured profile is no better, so nothing switches, and as it stays at that level
 // it is not flagged again and again (its profile now says what it does).
 TEST(RunMachine, ASiteSteadyOffItsPlanIsReMeasuredOnceAndDoesNotFlap) {
-  RunConfig c = Config();
-  c.even_split = false;
-  c.spec.heartbeat_interval_seconds = 0.1;
+  RunConfig c = StragglerConfig(200);
   c.spec.elastic.min_gain = 0.9;  // nothing is worth a switch here: the decision alone is under test
-  c.steps = c.job.steps = 200;
-  c.graph = LargeGraph();
   // The site of the last stage (whose reports come in after the others' in each step), then of the first.
   for (const bool last : {true, false}) {
     Driver d(c);
