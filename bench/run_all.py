@@ -905,11 +905,11 @@ def straggler(a, bin_dir, work, cfg, model_dir, weights_params):
            "to_quota": to_quota, "mbit": mbit}
     emu = open_sites(bin_dir, work, mbit, RTT_MS, heartbeat_timeout_s=60, elastic=True)
     try:
-        res["bound_sequences"] = 4 if a.tiny else 12  # as measure_bound explains
-        measure_bound(emu, bin_dir, work, seq, seed, res, res["bound_sequences"])
+        sequences = 4 if a.tiny else 12  # as measure_bound explains; it records them in res
+        measure_bound(emu, bin_dir, work, seq, seed, res, sequences)
         res["bound_before"], res["bound_sites_before"] = res.pop("bound"), res.pop("bound_sites")
         emu.set_quota(slowed, to_quota)
-        measure_bound(emu, bin_dir, work, seq, seed, res, res["bound_sequences"])
+        measure_bound(emu, bin_dir, work, seq, seed, res, sequences)
         res["bound_after"], res["bound_sites_after"] = res.pop("bound"), res.pop("bound_sites")
         emu.set_quota(slowed, dict(SITES)[slowed])
         job = os.path.join(work, "straggler.yaml")

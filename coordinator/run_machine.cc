@@ -1438,11 +1438,11 @@ void RunMachine::CheckDrift(const v1::MetricsReport& r) {
   // Each flag rescales its profile, so the next needs a slowdown beyond the last one.
   const bool faster = !alone && el.drift < 1 && enough(q, fast) &&
                       (!settled || enough(own, [&](double x) { return x <= (1 - el.drift) * mine.hi; }));
+  const std::vector<double> latest_window = Last(q, window);
   if (!slower && !faster) {
     // The first full window it spends within `drift` of the others (under this plan, or since it was last
     // re-measured) is where it settled: its range then is what a later change is measured against. A
     // site off its figures from the start never settles, and is measured against the others alone.
-    const std::vector<double> latest_window = Last(q, window);
     if (!settled && !alone && std::all_of(latest_window.begin(), latest_window.end(), [&](double x) {
           return x > 1 - el.drift && x < 1 + el.drift;
         })) {
@@ -1454,12 +1454,11 @@ void RunMachine::CheckDrift(const v1::MetricsReport& r) {
   }
   // The re-measured ratio: the median of the reports off -- the latest `window` when they all are, else
   // those of the latest `window` + 1 (a full-speed step among them is not one).
-  const std::vector<double> latest_window = Last(q, window);
-  const bool each =
-      std::all_of(latest_window.begin(), latest_window.end(), [&](double x) { return slower ? slow(x) : fast(x); });
+  const auto is_off = [&](double x) { return slower ? slow(x) : fast(x); };
+  const bool each = std::all_of(latest_window.begin(), latest_window.end(), is_off);
   std::vector<double> off;
   for (double x : each ? latest_window : q)
-    if (slower ? slow(x) : fast(x)) off.push_back(x);
+    if (is_off(x)) off.push_back(x);
   const double ratio = Median(off);
   q.clear();
   // Re-measured from the running stage: the site's op times scale by the median ratio (its profile is

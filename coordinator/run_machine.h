@@ -324,7 +324,7 @@ class RunMachine {
   // (it must itself have changed), or
   // where the plan uses one site alone, relative to its own first `window` reports under the plan; once `window`
   // of its latest `window` + 1 reports are off by `drift` the same way (one step at full speed within a slowdown
-  // does not start the window again), its op times are scaled by their median (re-measured from the running
+  // does not start the window again), its op times are scaled by the median of those off (re-measured from the running
   // stage) and the job re-planned, switching when that gains more than min_gain.
   void CheckDrift(const v1::MetricsReport& r);
   // Its ops x its micro-batches (with a recomputing stage's second forward pass), plus its optimizer step,
