@@ -119,6 +119,25 @@ TEST(Profiler, ATiedHeadIsTimedAsTheSameWorkUntied) {
   EXPECT_EQ(b->graph.ops.back().tied_to, -1);
 }
 
+// Every op is timed in a pass through the whole model (each fed the previous op's output, backward in
+// reverse): under LoRA too, where the embedding's output needs no gradient and so has no backward pass to
+// time, and the ops after it still compute their inputs' gradients as a stage does. Each op gets a time.
+TEST(Profiler, EveryOpIsTimedInAPassThroughTheWholeModelWithAndWithoutLora) {
+  auto cfg = ParseLlamaConfigText(R"({"vocab_size": 256, "hidden_size": 64, "intermediate_size": 160,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "tie_word_embeddings": false})",
+                                  "c.json");
+  ASSERT_TRUE(cfg.ok()) << cfg.status();
+  core::LoraSpec lora;
+  lora.enabled = true;
+  for (const core::LoraSpec& spec : {core::LoraSpec{}, lora}) {
+    auto p = ProfileModel(*cfg, 2, 16, "s", torch::kCPU, 1, spec);
+    ASSERT_TRUE(p.ok()) << p.status();
+    ASSERT_EQ(static_cast<int>(p->site.op_seconds.size()), cfg->num_ops()) << "lora " << spec.enabled;
+    for (int op = 0; op < cfg->num_ops(); ++op)
+      EXPECT_GT(p->site.op_seconds.at(OpName(*cfg, op)), 0) << OpName(*cfg, op) << ", lora " << spec.enabled;
+  }
+}
+
 // The planner's memory model counts what each op's forward pass leaves for its backward pass
 // (partitioner::SavedBytes: the tensors autograd keeps, output included; several times the output for a
 // transformer block, and heads x s x s per sequence for attention's probabilities). Measured here as the

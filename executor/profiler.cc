@@ -29,7 +29,7 @@ using Clock = std::chrono::steady_clock;
 // cgroup CPU quota, as the emulated sites have, or a GPU at its power cap) runs most short calls at full
 // speed and stalls in a few, and a stage's step sees the average. Returns -1 when a call fails (< 0).
 constexpr double kMinTimedSeconds = 0.05;
-constexpr int kOpRounds = 3;  // ProfileModel: rounds over all the ops, each op's median kept
+constexpr int kOpRounds = 3;  // ProfileModel: rounds of passes through all the ops, each op's median kept
 constexpr int kMaxCalls = 10000;
 template <typename F>
 double SustainedSeconds(F timed_call, int repeats) {
@@ -183,40 +183,67 @@ absl::StatusOr<OpProfile> ProfileModel(const LlamaConfig& c, int mbs, int seq, c
     SyntheticData data{1, c.shape.vocab_size};
     auto tokens = data.MicroBatch(0, 0, mbs, seq).to(device);
     auto inputs = tokens.slice(1, 0, seq), targets = tokens.slice(1, 1, seq + 1);
-    const std::vector<int64_t> hidden = {mbs, seq, c.shape.hidden_size};
     // A head tied to the embedding cannot run without it: it is timed with weights of its own, the same
     // work (its projection, the loss, and the gradient of the shared weights).
     LlamaConfig untied = c;
     untied.shape.tie_word_embeddings = false;
-    // Every op is timed in kOpRounds rounds over all the ops, and its median round kept: a burst of
-    // other load on the host (another site measuring, the coordinator) lands in one round of an op, not
-    // in its figure (one site's head op read 42.7 ms in a single window against 19-26 ms in other runs).
+    // Every op is timed in place, in passes of one micro-batch through the whole model: forward through
+    // every op, each fed the previous op's output as a stage receives it (detached, requiring its
+    // gradient), then backward from the loss through every op in reverse, each fed the gradient of the
+    // next op's input; the weights' gradients accumulate over a round's passes as over a step's
+    // micro-batches. So an op runs as in a stage, with the other ops' weights and activations passing
+    // through the caches in between. Timed alone, each op repeated with its weights hot, the ops summed to
+    // 5-20% less than whole-model training under the emulated sites' quotas (bench/RESULTS.md, session 33).
+    // A round is at least `repeats` passes and kMinTimedSeconds of timed time, each op's figure the mean
+    // over them; kOpRounds rounds, each op's median round kept: a burst of other load on the host (another
+    // site measuring, the coordinator) lands in one round of an op, not in its figure.
     std::vector<std::unique_ptr<StageModel>> models;
     for (int op = 0; op < c.num_ops(); ++op)
       models.push_back(std::make_unique<StageModel>(CheckSlice(c, op, op).ok() ? c : untied, op, op, 1, device, lora));
-    std::vector<std::vector<double>> rounds(c.num_ops());
-    for (int round = 0; round < kOpRounds; ++round)
-      for (int op = 0; op < c.num_ops(); ++op) {
-        StageModel& m = *models[op];
-        rounds[op].push_back(SustainedSeconds(
-            [&] {
-              torch::Tensor in =
-                  op == 0 ? inputs : torch::randn(hidden, torch::TensorOptions().device(device)).requires_grad_(true);
-              Sync(device);
-              auto t0 = Clock::now();
-              auto y = m.Forward(in);
-              if (op == c.num_ops() - 1) {
-                CrossEntropySum(y, targets, static_cast<double>(targets.numel())).backward();
-              } else if (y.requires_grad()) {  // under LoRA the embedding needs no backward pass
-                y.backward(torch::ones_like(y));
-              }
-              Sync(device);
-              const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-              for (auto& [n, p] : m.parameters()) p.mutable_grad() = torch::Tensor();
-              return seconds;
-            },
-            repeats));
+    const int ops = c.num_ops();
+    std::vector<double> pass_seconds(ops);
+    auto pass = [&] {  // one micro-batch forward and backward through every op, adding each op's seconds
+      std::vector<torch::Tensor> in(ops), out(ops);
+      for (int op = 0; op < ops; ++op) {
+        in[op] = op == 0 ? inputs : out[op - 1].detach().requires_grad_(true);
+        Sync(device);
+        const auto t0 = Clock::now();
+        out[op] = models[op]->Forward(in[op]);
+        Sync(device);
+        pass_seconds[op] += std::chrono::duration<double>(Clock::now() - t0).count();
       }
+      for (int op = ops - 1; op >= 0; --op) {
+        if (op < ops - 1 && !out[op].requires_grad()) continue;  // under LoRA the embedding needs no backward
+        const auto t0 = Clock::now();
+        if (op == ops - 1)
+          CrossEntropySum(out[op], targets, static_cast<double>(targets.numel())).backward();
+        else
+          out[op].backward(in[op + 1].grad());
+        Sync(device);
+        pass_seconds[op] += std::chrono::duration<double>(Clock::now() - t0).count();
+        out[op] = torch::Tensor();  // its graph is spent: free it before the next op's backward
+      }
+    };
+    auto clear_gradients = [&] {
+      for (auto& m : models)
+        for (auto& [n, p] : m->parameters()) p.mutable_grad() = torch::Tensor();
+    };
+    pass();  // warm-up
+    clear_gradients();
+    std::vector<std::vector<double>> rounds(ops);
+    for (int round = 0; round < kOpRounds; ++round) {
+      std::fill(pass_seconds.begin(), pass_seconds.end(), 0.0);
+      int passes = 0;
+      double timed = 0;
+      while (passes < repeats || (timed < kMinTimedSeconds && passes < kMaxCalls)) {
+        pass();
+        ++passes;
+        timed = 0;
+        for (double t : pass_seconds) timed += t;
+      }
+      clear_gradients();
+      for (int op = 0; op < ops; ++op) rounds[op].push_back(pass_seconds[op] / passes);
+    }
     for (int op = 0; op < c.num_ops(); ++op) {
       std::vector<double>& r = rounds[op];
       std::sort(r.begin(), r.end());

@@ -21,8 +21,10 @@ struct OpProfile {
   partitioner::SiteProfile site;  // name, measured flops_per_second, memory_bytes, op_seconds
 };
 
-// At least `repeats` timed forward+backward passes per op (and 50 ms of them) after one warm-up, their
-// mean, in each of three rounds over all the ops; each op's median round is kept. With `lora`
+// Every op is timed in place, in passes of one micro-batch forward through all the ops and backward
+// through them in reverse (each op a model of its own, fed the previous one's output as a stage receives
+// it): at least `repeats` passes (and 50 ms of timed time) after one warm-up pass, each op's mean over
+// them, in each of three rounds; each op's median round is kept. With `lora`
 // enabled the ops are timed as LoRA trains them (frozen weights: no weight gradients) and the graph's
 // memory counts no gradients or optimizer state for the base weights. On a CUDA device the profile also
 // holds cuBLAS's GEMM throughputs (FP32, TF32, BF16), measured directly (gpu/probe.h), and the device's
