@@ -3,7 +3,7 @@
 
 End to end (issue #9): a 34M-parameter LLaMA (d_model 512, 8 layers, 8 heads, SwiGLU 1408, vocab 8192,
 sequence 256), 48 sequences per optimizer step, three sites at CPU quotas 1.0 / 0.6 / 0.4 of a core
-(one thread each), every pair of sites joined by an emulated WAN link (tbf, both ways) at 100 Mbit/s
+(one thread each, pinned: fast to one core, medium and slow sharing the other), every pair of sites joined by an emulated WAN link (tbf, both ways) at 100 Mbit/s
 and then at 20 Mbit/s, 40 ms RTT (meridian-wanrelay). Systems, on the same data (Meridian's synthetic
 language; bench/ddp_gloo.py regenerates it bit for bit) from the same initial weights:
   - Meridian as planned, adaptive compression;
@@ -1510,6 +1510,10 @@ def pct(x):
     return f"{100 * x:.0f}%"
 
 
+E2E_BEGIN, E2E_END = "<!-- e2e:begin -->", "<!-- e2e:end -->"
+COMPONENTS_BEGIN, COMPONENTS_END = "<!-- components:begin -->", "<!-- components:end -->"
+
+
 def write_results(path, info, comps, e2e, seconds, root):
     L = ["# Benchmark results", "",
          f"Written by `{info['command']}` on {info['date']} ({info['cpu']}, 2 cores, no GPU), in {seconds / 60:.1f} "
@@ -1526,12 +1530,13 @@ def write_results(path, info, comps, e2e, seconds, root):
               "sections describe.**", ""]
     if e2e:
         b = e2e["bound"]
-        L += ["## End to end: Meridian against PyTorch DDP-Gloo", "",
+        L += [E2E_BEGIN, "## End to end: Meridian against PyTorch DDP-Gloo", "",
               f"A LLaMA-architecture model of {e2e['params'] / 1e6:.1f}M parameters (config in "
               "`bench/run_all.py`), sequence length "
               f"{e2e['seq']}, {e2e['global_batch']} sequences per optimizer step for every system (Meridian: "
               f"{e2e['micro_batches']} micro-batches of one sequence), the same synthetic data and initial weights; "
-              "three sites in network namespaces at CPU quotas 1.0 / 0.6 / 0.4 of a core, one thread each; every "
+              "three sites in network namespaces at CPU quotas 1.0 / 0.6 / 0.4 of a core, one thread each, pinned "
+              "(fast to one core, medium and slow sharing the other: scripts/emulation.py); every "
               f"pair of sites joined by a tbf link at the given rate, {RTT_MS} ms RTT through meridian-wanrelay.",
               "",
               f"Compute bound: {b:.0f} tokens/s = " + " + ".join(f"{v:.0f} ({s})" for s, v in e2e["bound_sites"].items())
@@ -1589,8 +1594,8 @@ def write_results(path, info, comps, e2e, seconds, root):
                     for r in e2e["speeds"].values()]
         L += ["", "Two causes, in our reading of these figures:", "",
               "1. The per-operator profile is noisy: the same three sites measured " + ", ".join(bounds) +
-              f" tokens/s in the four Meridian runs' profiles (each operator timed in three rounds of at least "
-              f"`--profile-repeats` passes and 50 ms), against {b:.0f} from whole-model runs, and the even split's "
+              f" tokens/s in the four Meridian runs' profiles (each operator timed in place, in three rounds of at "
+              f"least `--profile-repeats` passes through the whole model and 50 ms), against {b:.0f} from whole-model runs, and the even split's "
               "predicted step was off by " + " and ".join(f"{x:+.0f}%" for x in even_err) +
               " (positive: the prediction was slower than the measurement, negative: faster). A prediction "
               "carries whatever the profile misses of the run's compute."]
@@ -1618,9 +1623,9 @@ def write_results(path, info, comps, e2e, seconds, root):
               "- DDP-Gloo connects ranks directly, so its traffic crosses the rate-limited links but not the "
               "latency relay (this machine's tc has no netem): it runs without the 40 ms RTT, which favours it.",
               "- Few steps are run (the whole suite must fit in 30 minutes on 2 cores), so the loss comparison "
-              "is early in training.", ""]
+              "is early in training.", E2E_END, ""]
     if comps:
-        L += ["## Components", ""]
+        L += [COMPONENTS_BEGIN, "## Components", ""]
         titles = {"partitioner": "Partitioner (targets: a 256-site x 1024-op plan in < 2 s)",
                   "compression": "Compression codecs on one core (targets: int8 encode+decode >= 50% of memcpy, "
                                  "top-1% encode >= 20%)",
@@ -1635,13 +1640,16 @@ def write_results(path, info, comps, e2e, seconds, root):
               "where the optimum uses slower sites with far better links). Over loopback "
               "the TLS stream is CPU-bound in gRPC's HTTP/2 framing and message copies, not in AES. The probe "
               "reads low right after a saturating stream over the same relay; the coordinator probes links "
-              "before traffic.", ""]
-    # The marked sections of the file as it was (written by --only runs, bench/demo_breakdown.py, or a full
-    # run's WAN-bound part, which splice_section then replaces) stay: this run did not measure them again.
+              "before traffic.", COMPONENTS_END, ""]
+    # The other marked sections of the file as it was (written by --only runs, bench/demo_breakdown.py, or a
+    # full run's WAN-bound part, which splice_section then replaces) stay: this run did not measure them
+    # again. So do the end-to-end and component sections when this run did not measure them (`--only e2e`
+    # once dropped the component benchmarks).
     old = open(path).read() if os.path.exists(path) else ""
+    written = {name for name, ran in (("e2e", e2e), ("components", comps)) if ran}
     for begin in re.findall(r"<!-- ([a-z-]+):begin -->", old):
         b, e = f"<!-- {begin}:begin -->", f"<!-- {begin}:end -->"
-        if e in old:
+        if e in old and begin not in written:
             L += [b + old.split(b, 1)[1].split(e, 1)[0] + e, ""]
     open(path, "w").write("\n".join(L))
 

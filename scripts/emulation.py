@@ -1,8 +1,9 @@
 """Sites and WAN links on one machine, for the demo and the benchmarks.
 
 As root, each site gets its own network namespace and a CPU quota (cgroup v1 cpu controller, a 10 ms
-period); site pairs are joined by veth links rate-limited with tbf in both directions, and each site's
-executor is reached through meridian-wanrelay, which adds the RTT (tc here has no netem). The
+period), and is pinned to a core its quota fits beside the others' (`_pin`); site pairs are joined by
+veth links rate-limited with tbf in both directions, and each site's executor is reached through
+meridian-wanrelay, which adds the RTT (tc here has no netem). The
 coordinator is reached over an unshaped bridge. Addresses: site i listens for peers on 10.NET.100.i
 (routed over the links), reaches the coordinator at 10.NET.200.254. Without root everything runs on
 loopback at full speed, and the class says so.
@@ -31,6 +32,7 @@ class Emulation:
         self.procs = []
         self.cgroups = self.root and os.path.isdir("/sys/fs/cgroup/cpu")
         self.coordinator = f"127.0.0.1:{port_base}"
+        self.cpus = {}
         if not self.root:
             print("notice: not root: sites run on loopback without WAN emulation or CPU quotas")
             return
@@ -68,6 +70,28 @@ class Emulation:
                 self._write_quota(g, quota)
         else:
             print("notice: no cgroup v1 cpu controller: sites run at full speed")
+        self.cpus = self._pin(sites) if self.cgroups else {}
+
+    @staticmethod
+    def _pin(sites):
+        """Each site's CPU, {site: cpu}: the quotas packed onto the host's cores (first fit, largest first), so
+        that every site's quota fits one core and a core's sites together fit it, as a real site's device is
+        its own. Unpinned, the scheduler chose each site's core from moment to moment and a site's speed
+        moved with the other sites' load: in one run a site of quota 0.6 computed at about 0.5 of a core
+        while the three sites together used 1.6 of the 2 cores (docs/transport.md). {} (no pinning) for a
+        single site, or when the quotas do not pack."""
+        if len(sites) < 2:
+            return {}
+        free = [1.0] * (os.cpu_count() or 1)
+        cpus = {}
+        for s, quota in sorted(sites, key=lambda x: -x[1]):
+            cpu = next((c for c, f in enumerate(free) if quota <= f + 1e-9), None)
+            if cpu is None:
+                print(f"notice: the sites' quotas do not pack onto {len(free)} cores: sites are not pinned")
+                return {}
+            free[cpu] -= quota
+            cpus[s] = cpu
+        return cpus
 
     def set_quota(self, site, quota):
         """Changes a site's CPU quota now, for every process in its group (as a shared GPU slows down).
@@ -93,6 +117,8 @@ class Emulation:
         netns = f"ip netns exec {prefix}-{site} {cmd}"
         if not self.cgroups:
             return netns
+        if site in self.cpus:
+            netns = f"taskset -c {self.cpus[site]} {netns}"
         return f"sh -c 'echo $$ > /sys/fs/cgroup/cpu/{prefix}-{site}/cgroup.procs && exec {netns}'"
 
     def start(self, site, cmd, log):
