@@ -66,11 +66,12 @@ int Connect(const std::string& addr) {
 // One direction: a reader thread stamps chunks, a writer thread releases each after the delay.
 class Pipe {
   static constexpr std::chrono::microseconds kGather{1000};
+
  public:
   Pipe(int in, int out, double delay_ms, size_t cap) : in_(in), out_(out), delay_(delay_ms), cap_(cap) {}
   void Run() {
     std::thread writer([this] { Write(); });
-    std::vector<char> buf(256 << 10);
+    std::vector<char> buf(64 << 10);
     bool eof = false;
     while (!eof) {
       ssize_t n = read(in_, buf.data(), buf.size());
@@ -93,7 +94,8 @@ class Pipe {
         break;
       }
       std::unique_lock<std::mutex> l(mu_);
-      space_.wait(l, [&] { return queued_ + n <= cap_ || failed_; });
+      // An empty queue takes any chunk: one larger than --buffer-bytes would otherwise wait forever.
+      space_.wait(l, [&] { return queued_ == 0 || queued_ + n <= cap_ || failed_; });
       if (failed_) break;
       q_.push_back({due, std::string(buf.data(), static_cast<size_t>(n))});
       queued_ += static_cast<size_t>(n);
