@@ -190,10 +190,12 @@ absl::StatusOr<OpProfile> ProfileModel(const LlamaConfig& c, int mbs, int seq, c
     // Every op is timed in place, in passes of one micro-batch through the whole model: forward through
     // every op, each fed the previous op's output as a stage receives it (detached, requiring its
     // gradient), then backward from the loss through every op in reverse, each fed the gradient of the
-    // next op's input; the weights' gradients accumulate over a round's passes as over a step's
-    // micro-batches. So an op runs as in a stage, with the other ops' weights and activations passing
+    // next op's input. So an op runs as in a stage, with the other ops' weights and activations passing
     // through the caches in between. Timed alone, each op repeated with its weights hot, the ops summed to
-    // 5-20% less than whole-model training under the emulated sites' quotas (bench/RESULTS.md, session 33).
+    // 11-21% less time than whole-model training under the emulated sites' quotas (bench/RESULTS.md, the
+    // end-to-end section, sessions 32-33). Each op's weight gradients are dropped once its backward pass is
+    // timed, so that the profile holds the model's weights and one op's gradients, not the whole model's
+    // (accumulating them, as a step's later micro-batches do, moved op times by under 3%: session 20).
     // A round is at least `repeats` passes and kMinTimedSeconds of timed time, each op's figure the mean
     // over them; kOpRounds rounds, each op's median round kept: a burst of other load on the host (another
     // site measuring, the coordinator) lands in one round of an op, not in its figure.
@@ -222,14 +224,10 @@ absl::StatusOr<OpProfile> ProfileModel(const LlamaConfig& c, int mbs, int seq, c
         Sync(device);
         pass_seconds[op] += std::chrono::duration<double>(Clock::now() - t0).count();
         out[op] = torch::Tensor();  // its graph is spent: free it before the next op's backward
+        for (auto& [n, p] : models[op]->parameters()) p.mutable_grad() = torch::Tensor();
       }
     };
-    auto clear_gradients = [&] {
-      for (auto& m : models)
-        for (auto& [n, p] : m->parameters()) p.mutable_grad() = torch::Tensor();
-    };
     pass();  // warm-up
-    clear_gradients();
     std::vector<std::vector<double>> rounds(ops);
     for (int round = 0; round < kOpRounds; ++round) {
       std::fill(pass_seconds.begin(), pass_seconds.end(), 0.0);
@@ -241,7 +239,6 @@ absl::StatusOr<OpProfile> ProfileModel(const LlamaConfig& c, int mbs, int seq, c
         timed = 0;
         for (double t : pass_seconds) timed += t;
       }
-      clear_gradients();
       for (int op = 0; op < ops; ++op) rounds[op].push_back(pass_seconds[op] / passes);
     }
     for (int op = 0; op < c.num_ops(); ++op) {
