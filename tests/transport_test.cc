@@ -162,6 +162,24 @@ TEST_F(TransportTest, PeerKilledMidStreamFailsTheSenderNamingItWithinTheDeadline
   EXPECT_THAT(sender.ReadAll(2s), HasSubstr("to peer 'b' failed"));
 }
 
+// meridian-wanrelay gathers what arrives within a millisecond into one chunk of up to 64 KiB. A queue
+// smaller than that (--buffer-bytes) must still pass it, since an empty queue takes any chunk: gathering
+// 256 KiB chunks against a 5 Mbit/s link's 137 KiB queue once stalled the relay until gRPC's keepalive
+// gave up (bench/RESULTS.md, session 33). Loopback: no root needed.
+TEST_F(TransportTest, TheLatencyRelayPassesAStreamThroughAQueueSmallerThanItsChunks) {
+  std::unique_ptr<Process> server;
+  const int port = Serve(&server);
+  ASSERT_GT(port, 0);
+  const std::string relay_addr = "127.0.0.1:" + std::to_string(FreePort());
+  Process relay(Bin("meridian-wanrelay") + " --listen " + relay_addr + " --target 127.0.0.1:" + std::to_string(port) +
+                " --delay-ms 5 --buffer-bytes 4096");
+  ASSERT_THAT(relay.ReadLine(10s), HasSubstr("relaying"));
+  Process sender(Bin("meridian-peertool") + " send --certs " + certs() + " --self a --peer b --address " + relay_addr +
+                 " --frame-mib 1 --frames 8 2>&1");
+  const int rc = sender.Wait(60s);
+  EXPECT_EQ(rc, 0) << "the sender did not get 8 MiB through the relay in 60 s: " << sender.ReadAll(2s);
+}
+
 struct WanCase {
   double mbit;
   double rtt_ms;
