@@ -3,8 +3,9 @@
 
 End to end (issue #9): a 34M-parameter LLaMA (d_model 512, 8 layers, 8 heads, SwiGLU 1408, vocab 8192,
 sequence 256), 48 sequences per optimizer step, three sites at CPU quotas 1.0 / 0.6 / 0.4 of a core
-(one thread each, pinned: fast to one core, medium and slow sharing the other), every pair of sites joined by an emulated WAN link (tbf, both ways) at 100 Mbit/s
-and then at 20 Mbit/s, 40 ms RTT (meridian-wanrelay). Systems, on the same data (Meridian's synthetic
+(one thread each, pinned: fast to one core, medium and slow sharing the other), every pair of sites
+joined by an emulated WAN link (tbf, both ways) at 100 Mbit/s and then at 20 Mbit/s, 40 ms RTT
+(meridian-wanrelay). Systems, on the same data (Meridian's synthetic
 language; bench/ddp_gloo.py regenerates it bit for bit) from the same initial weights:
   - Meridian as planned, adaptive compression;
   - Meridian with an even split (equal op counts, spec order) and no compression (ablation);

@@ -31,12 +31,17 @@ using Clock = std::chrono::steady_clock;
 constexpr double kMinTimedSeconds = 0.05;
 constexpr int kOpRounds = 3;  // ProfileModel: rounds of passes through all the ops, each op's median kept
 constexpr int kMaxCalls = 10000;
+// Whether a measurement of `calls` timed calls, `timed` seconds in all, needs another call: fewer than
+// `repeats`, or under kMinTimedSeconds (and kMaxCalls).
+bool NeedsMoreCalls(int calls, double timed, int repeats) {
+  return calls < repeats || (timed < kMinTimedSeconds && calls < kMaxCalls);
+}
 template <typename F>
 double SustainedSeconds(F timed_call, int repeats) {
   if (timed_call() < 0) return -1;  // warm-up
   double total = 0;
   int calls = 0;
-  while (calls < repeats || (total < kMinTimedSeconds && calls < kMaxCalls)) {
+  while (NeedsMoreCalls(calls, total, repeats)) {
     const double t = timed_call();
     if (t < 0) return -1;
     total += t;
@@ -199,10 +204,10 @@ absl::StatusOr<OpProfile> ProfileModel(const LlamaConfig& c, int mbs, int seq, c
     // A round is at least `repeats` passes and kMinTimedSeconds of timed time, each op's figure the mean
     // over them; kOpRounds rounds, each op's median round kept: a burst of other load on the host (another
     // site measuring, the coordinator) lands in one round of an op, not in its figure.
-    std::vector<std::unique_ptr<StageModel>> models;
-    for (int op = 0; op < c.num_ops(); ++op)
-      models.push_back(std::make_unique<StageModel>(CheckSlice(c, op, op).ok() ? c : untied, op, op, 1, device, lora));
     const int ops = c.num_ops();
+    std::vector<std::unique_ptr<StageModel>> models;
+    for (int op = 0; op < ops; ++op)
+      models.push_back(std::make_unique<StageModel>(CheckSlice(c, op, op).ok() ? c : untied, op, op, 1, device, lora));
     std::vector<double> pass_seconds(ops);
     auto pass = [&] {  // one micro-batch forward and backward through every op, adding each op's seconds
       std::vector<torch::Tensor> in(ops), out(ops);
@@ -233,7 +238,7 @@ absl::StatusOr<OpProfile> ProfileModel(const LlamaConfig& c, int mbs, int seq, c
       std::fill(pass_seconds.begin(), pass_seconds.end(), 0.0);
       int passes = 0;
       double timed = 0;
-      while (passes < repeats || (timed < kMinTimedSeconds && passes < kMaxCalls)) {
+      while (NeedsMoreCalls(passes, timed, repeats)) {
         pass();
         ++passes;
         timed = 0;
@@ -241,7 +246,7 @@ absl::StatusOr<OpProfile> ProfileModel(const LlamaConfig& c, int mbs, int seq, c
       }
       for (int op = 0; op < ops; ++op) rounds[op].push_back(pass_seconds[op] / passes);
     }
-    for (int op = 0; op < c.num_ops(); ++op) {
+    for (int op = 0; op < ops; ++op) {
       std::vector<double>& r = rounds[op];
       std::sort(r.begin(), r.end());
       out.site.op_seconds[OpName(c, op)] = r[r.size() / 2];

@@ -64,13 +64,14 @@ class Emulation:
             for s, quota in sites:
                 g = f"/sys/fs/cgroup/cpu/{prefix}-{s}"
                 os.makedirs(g, exist_ok=True)
-                # A 10 ms period: the executors' profiler times each operator over at least 50 ms, so it
-                # measures the quota's sustained speed, not the full speed short calls get between throttles.
+                # A 10 ms period: the executors' profiler times the operators over at least 50 ms of passes,
+                # so it measures the quota's sustained speed, not the full speed short calls get between
+                # throttles.
                 open(f"{g}/cpu.cfs_period_us", "w").write("10000")
                 self._write_quota(g, quota)
+            self.cpus = self._pin(sites)
         else:
             print("notice: no cgroup v1 cpu controller: sites run at full speed")
-        self.cpus = self._pin(sites) if self.cgroups else {}
 
     @staticmethod
     def _pin(sites):

@@ -165,7 +165,7 @@ TEST_F(TransportTest, PeerKilledMidStreamFailsTheSenderNamingItWithinTheDeadline
 // meridian-wanrelay gathers what arrives within a millisecond into one chunk of up to 64 KiB. A queue
 // smaller than that (--buffer-bytes) must still pass it, since an empty queue takes any chunk: gathering
 // 256 KiB chunks against a 5 Mbit/s link's 137 KiB queue once stalled the relay until gRPC's keepalive
-// gave up (bench/RESULTS.md, session 33). Loopback: no root needed.
+// gave up (session 33: a 5 Mbit/s run of the simulator bench). Loopback: no root needed.
 TEST_F(TransportTest, TheLatencyRelayPassesAStreamThroughAQueueSmallerThanItsChunks) {
   std::unique_ptr<Process> server;
   const int port = Serve(&server);
