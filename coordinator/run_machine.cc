@@ -1558,9 +1558,11 @@ void RunMachine::OnRemeasured(const v1::ProfileReport& r) {
   }
   if (!remeasuring_.empty()) return;  // the others next
   auto priced_plans = ReplanAgainstCurrent();
-  if (!priced_plans.ok()) {
-    Note("straggler", site,
-         absl::StrCat("re-planning after measuring again failed: ", priced_plans.status().message()));
+  if (!priced_plans.ok()) {  // the end of the re-plan announced as "measuring ... again first": said too
+    const std::string why =
+        absl::StrCat("re-planning after measuring again failed: ", priced_plans.status().message(), " (no switch)");
+    Note("straggler", site, why);
+    Say(absl::StrCat("straggler: site '", site, "': ", why, "\n"));
     return;
   }
   const double gain = 1 - priced_plans->fresh.predicted_step_seconds / priced_plans->current.predicted_step_seconds;

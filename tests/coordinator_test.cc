@@ -1240,14 +1240,18 @@ TEST_F(CoordinatorTest, ADrainedSiteAndASigtermedOneAreLeftWithNoStepLostOrRepea
 // site's times. The stages compute bursts of several milliseconds (micro-batches of 2 x 64 tokens), so
 // that the quota stretches each step's compute rather than some; with `drift` 0.3 the slowed site (2-3.5x
 // here) clears the threshold in every step where 0.5 let some through. A decision on a site that was a
-// little off its figures before the drop (this machine's noise) is let happen before the drop.
+// little off its figures before the drop (this machine's noise) is let happen, or be dropped, before
+// the drop.
 TEST_F(CoordinatorTest, AStageSlowedByACpuQuotaIsReplannedAroundWithNoStepLost) {
   const fs::path cpu("/sys/fs/cgroup/cpu");
   if (::geteuid() != 0 || !fs::exists(cpu / "cgroup.procs"))
     GTEST_SKIP() << "needs root and the cgroup v1 cpu controller";
   SetSteps(500);
   // Micro-batches of two sequences of 64 tokens: each pass a burst of several milliseconds of compute.
-  Edit("job.yaml", "micro_batches: 4\n  sequence_length: 16", "micro_batches: 2\n  sequence_length: 64");
+  // Four of them a step: with two, a pipeline's fill and drain made one site alone the better plan in 2
+  // of 20 runs here, and a plan of one site has no straggler to re-plan around.
+  Edit("job.yaml", "global_batch: 4\n  micro_batches: 4\n  sequence_length: 16",
+       "global_batch: 8\n  micro_batches: 4\n  sequence_length: 64");
   std::ofstream(dir_ / "job.yaml", std::ios::app) << "  checkpoint: {dir: ckpt, interval: 200}\n  replication: false\n";
   // A model whose stages compute for several milliseconds a step: longer than the quota's slices, so
   // the quota slows every step's compute, as a shared GPU would, not just some.
@@ -1276,9 +1280,25 @@ TEST_F(CoordinatorTest, AStageSlowedByACpuQuotaIsReplannedAroundWithNoStepLost) 
     for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
     return n;
   };
+  // A straggler's re-plan that first measures an idle site again is pending until that site answers; its
+  // outcome is printed with "measured again" (a switch, or none), or with why it was dropped. Slowing a
+  // site while one is pending raced it: the re-plan then switched away from the site about to be slowed.
+  auto remeasure_pending = [&](const std::string& text) {
+    return count(text, " again first (idle since it was measured)") >
+           count(text, "measured again, a new plan predicts") + count(text, "measuring it again failed") +
+               count(text, "to be measured again, ") + count(text, "re-planning after measuring again failed");
+  };
   for (std::string so_far = read_out();
+       remeasure_pending(so_far) ||
        count(so_far, "; every stage ends after step ") > count(so_far, "switch: every stage saved step");
        so_far = read_out()) {
+    if (remeasure_pending(so_far)) {
+      const auto until = std::chrono::steady_clock::now() + 120s;
+      while (remeasure_pending(read_out()) && std::chrono::steady_clock::now() < until)
+        std::this_thread::sleep_for(100ms);
+      ASSERT_FALSE(remeasure_pending(read_out())) << "a re-measure never ended:\n" << read_out();
+      continue;
+    }
     ASSERT_TRUE(wait_for("switch: every stage saved step")) << so_far;
     const std::string now = read_out();
     const int at = std::atoi(now.c_str() + now.rfind("\nstep ") + 6);
@@ -1331,10 +1351,11 @@ TEST_F(CoordinatorTest, AStageSlowedByACpuQuotaIsReplannedAroundWithNoStepLost) 
       detected = std::atoi(text.c_str() + to + 9);
   }
   ASSERT_GE(detected, 0) << "no straggler event for site '" << slow << "' after the drop at step " << drop_step;
-  // The issue asks for the decision within window + 3 steps of the drop. Recorded, not asserted: it came
-  // later in 3 of 15 runs of session 31, in two because the quota let one whole step through at full speed
-  // a few steps after the drop while a window had to be slow in every step; since a window lets one such
-  // step through, in 1 of 4 runs of session 32, for a cause not found (issue #21's notes).
+  // The issue asks for the decision within window + 3 steps of the drop. Recorded, not asserted. With
+  // micro-batches of two sequences, two a step, it came later in 3 of 15 runs of session 31 and 1 of 4 of
+  // session 32; with four a step (twice the compute a step, less at the mercy of one preempted burst) 5 or
+  // 6 steps after the drop in 15 of 16 runs of session 34, and 15 in the other, for a cause not found
+  // (issue #21's notes): asserted, this test would fail about one CI run in sixteen.
   std::printf(
       "straggler: quota dropped at step %d; site '%s' flagged after its step %lld, %lld steps later "
       "(window + 3 = 8)\n",
