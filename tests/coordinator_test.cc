@@ -123,14 +123,20 @@ class CoordinatorTest : public ::testing::Test {
     std::ifstream in(out);
     return std::string(std::istreambuf_iterator<char>(in), {});
   }
-  // Waits until `what` appears in `out`, `coord` exits, or `limit` passes; whether it appeared.
-  static bool WaitForText(Process* coord, const fs::path& out, const std::string& what, std::chrono::seconds limit) {
+  // Waits until `done(text written to out so far)` holds, `coord` exits, or `limit` passes; whether it holds.
+  template <typename Done>
+  static bool WaitForOutput(Process* coord, const fs::path& out, Done done, std::chrono::seconds limit) {
     for (auto end = std::chrono::steady_clock::now() + limit;
-         std::chrono::steady_clock::now() < end && ReadText(out).find(what) == std::string::npos;) {
+         std::chrono::steady_clock::now() < end && !done(ReadText(out));) {
       if (coord->Wait(std::chrono::milliseconds(1)) != -1) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
-    return ReadText(out).find(what) != std::string::npos;
+    return done(ReadText(out));
+  }
+  // Waits until `what` appears in `out`, `coord` exits, or `limit` passes; whether it appeared.
+  static bool WaitForText(Process* coord, const fs::path& out, const std::string& what, std::chrono::seconds limit) {
+    return WaitForOutput(
+        coord, out, [&](const std::string& text) { return text.find(what) != std::string::npos; }, limit);
   }
   // Every step trained, and reported, exactly once in RUN/metrics.jsonl, across the run's attempts.
   void ExpectEveryStepReportedOnce(int steps) {
@@ -1293,10 +1299,10 @@ TEST_F(CoordinatorTest, AStageSlowedByACpuQuotaIsReplannedAroundWithNoStepLost) 
        count(so_far, "; every stage ends after step ") > count(so_far, "switch: every stage saved step");
        so_far = read_out()) {
     if (remeasure_pending(so_far)) {
-      const auto until = std::chrono::steady_clock::now() + 120s;
-      while (remeasure_pending(read_out()) && std::chrono::steady_clock::now() < until)
-        std::this_thread::sleep_for(100ms);
-      ASSERT_FALSE(remeasure_pending(read_out())) << "a re-measure never ended:\n" << read_out();
+      ASSERT_TRUE(WaitForOutput(
+          coord.get(), out, [&](const std::string& text) { return !remeasure_pending(text); }, 120s))
+          << "a re-measure never ended:\n"
+          << read_out();
       continue;
     }
     ASSERT_TRUE(wait_for("switch: every stage saved step")) << so_far;
