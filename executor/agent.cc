@@ -262,7 +262,7 @@ absl::StatusOr<OpProfile> ProfileAsWorker(SiteGroup* group, const JobSetup& setu
   }
   // The workers' all-reduce: 16 MiB of float32, one warm-up and three timed; bus bandwidth as NCCL's tests
   // report it (2 (K-1)/K of the bytes per worker over the time).
-  torch::Tensor buffer = torch::ones({int64_t{4} << 20});
+  torch::Tensor buffer = torch::ones({int64_t{4} << 20}, torch::TensorOptions().device(group->collective_device()));
   if (absl::Status s = group->AllReduce(buffer); !s.ok()) return s;
   const auto t0 = Clock::now();
   for (int i = 0; i < 3; ++i)
@@ -764,7 +764,7 @@ absl::StatusOr<Agent::SiteWorkers> Agent::StartSiteWorkers(const std::string& di
   if (!pool.ok()) return pool.status();
   w.pool = std::move(*pool);
   auto group = SiteGroup::Join(store, 0, static_cast<int>(devices_.size()), kSiteGroupTimeout,
-                               absl::StrCat("site '", o_.site, "'"));
+                               absl::StrCat("site '", o_.site, "'"), devices_[0]);
   if (!group.ok()) return group.status();  // w's pool kills the workers it started
   w.group = std::move(*group);
   return w;
@@ -776,7 +776,8 @@ int RunSiteWorker(const SiteWorkerOptions& w) {
   absl::Status status = text.status();
   if (text.ok())
     status = GuardTorch(where, [&]() -> absl::Status {
-      auto group = SiteGroup::Join(w.store, w.rank, w.workers, kSiteGroupTimeout, absl::StrCat("site '", w.site, "'"));
+      auto group =
+          SiteGroup::Join(w.store, w.rank, w.workers, kSiteGroupTimeout, absl::StrCat("site '", w.site, "'"), w.device);
       if (!group.ok()) return group.status();
       const torch::Device device(w.device);
       if (w.task == "profile") {  // the site's measurement, as worker w.rank

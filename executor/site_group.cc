@@ -8,6 +8,15 @@
 #include <cstring>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#ifdef MERIDIAN_HAVE_NCCL
+#include <condition_variable>
+#include <cstdio>
+#include <deque>
+#include <future>
+#include <random>
+
+#include "gpu/nccl_group.h"
+#endif
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -15,18 +24,118 @@
 #include "core/log.h"
 
 namespace meridian::executor {
+namespace {
+
+#ifdef MERIDIAN_HAVE_NCCL
+// A CUDA site's NCCL group with its calls on a thread of its own, run in the order submitted: an NcclGroup
+// is used by one thread (the one that joined it, whose current CUDA device is the worker's), and a gradient
+// bucket's sum started from autograd's hooks runs while the backward pass goes on.
+// Thread-safe: Submit from any thread; the group itself is touched by the thread only.
+class NcclThread {
+ public:
+  using Op = std::function<absl::Status(gpu::NcclGroup&)>;
+  NcclThread() : thread_([this] { Loop(); }) {}
+  // Runs what is queued (an NCCL call that never returns, for a worker gone, holds this: the site's
+  // process ends instead, see SiteGroup::Join).
+  ~NcclThread() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  absl::Status Join(const std::string& id_file, int rank, int size, int device, std::chrono::milliseconds timeout) {
+    return Post([=, this]() -> absl::Status {
+             auto g = gpu::NcclGroup::Join(id_file, rank, size, device, timeout);
+             if (!g.ok()) return g.status();
+             group_ = std::move(*g);
+             return absl::OkStatus();
+           })
+        .get();
+  }
+  // `op` on the joined group, after everything submitted before it.
+  std::shared_future<absl::Status> Submit(Op op) {
+    return Post([this, op = std::move(op)]() -> absl::Status {
+      if (!group_) return absl::FailedPreconditionError("the NCCL group was not joined");
+      return op(*group_);
+    });
+  }
+
+ private:
+  std::shared_future<absl::Status> Post(std::function<absl::Status()> fn) {
+    std::packaged_task<absl::Status()> task(std::move(fn));
+    std::shared_future<absl::Status> done = task.get_future().share();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back(std::move(task));
+    }
+    cv_.notify_all();
+    return done;
+  }
+  void Loop() {
+    for (;;) {
+      std::packaged_task<absl::Status()> task;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) break;  // stopping, and everything run
+        task = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      task();
+    }
+    group_.reset();  // ncclCommDestroy on the thread that used it
+  }
+
+  std::mutex mu_;  // guards queue_ and stop_
+  std::condition_variable cv_;
+  std::deque<std::packaged_task<absl::Status()>> queue_;
+  bool stop_ = false;
+  std::unique_ptr<gpu::NcclGroup> group_;  // the thread's alone
+  std::thread thread_;                     // last: it uses everything above
+};
+#endif
+
+}  // namespace
 
 struct SiteGroup::Impl {
   c10::intrusive_ptr<::c10d::ProcessGroup> pg;
+  torch::Device device{torch::kCPU};  // the worker's
+#ifdef MERIDIAN_HAVE_NCCL
+  std::unique_ptr<NcclThread> nccl;  // on a CUDA device
+#endif
+
+  bool has_nccl() const {
+#ifdef MERIDIAN_HAVE_NCCL
+    return nccl != nullptr;
+#else
+    return false;
+#endif
+  }
+  // Whether `t` goes through NCCL: float32, contiguous, on the worker's CUDA device, under NCCL.
+  bool OnNccl(const torch::Tensor& t) const {
+    return has_nccl() && t.defined() && t.device() == device && t.scalar_type() == torch::kFloat32 && t.is_contiguous();
+  }
+#ifdef MERIDIAN_HAVE_NCCL
+  // Starts `op` after the device's queued work (it reads or writes what torch computed there); the tensors it
+  // uses must outlive it (capture them).
+  std::shared_future<absl::Status> StartNccl(NcclThread::Op op) {
+    torch::cuda::synchronize(device.index());
+    return nccl->Submit(std::move(op));
+  }
+#endif
 };
 
 SiteGroup::SiteGroup(int rank, int size, std::string where)
     : rank_(rank), size_(size), where_(std::move(where)), impl_(std::make_unique<Impl>()) {}
 
 absl::StatusOr<std::unique_ptr<SiteGroup>> SiteGroup::Join(const std::string& store_path, int rank, int size,
-                                                           std::chrono::milliseconds timeout, std::string where) {
+                                                           std::chrono::milliseconds timeout, std::string where,
+                                                           const std::string& device) {
   std::unique_ptr<SiteGroup> g(new SiteGroup(rank, size, std::move(where)));
   absl::Status s = g->Guard("joining the site's process group", [&] {
+    g->impl_->device = torch::Device(device);
     auto store = c10::make_intrusive<::c10d::FileStore>(store_path, size);
     store->setTimeout(timeout);
     auto opts = ::c10d::ProcessGroupGloo::Options::create();
@@ -36,10 +145,36 @@ absl::StatusOr<std::unique_ptr<SiteGroup>> SiteGroup::Join(const std::string& st
     g->impl_->pg = c10::make_intrusive<::c10d::ProcessGroupGloo>(store, rank, size, opts);
   });
   if (!s.ok()) return s;
+  if (!g->impl_->device.is_cuda()) return g;
+#ifdef MERIDIAN_HAVE_NCCL
+  // Rank 0's NCCL id goes through a file named by rank 0's random number, shared through Gloo: a file an
+  // earlier group left at that path is never read. ncclCommInitRank returns once every rank has read it.
+  torch::Tensor nonce = torch::zeros({1}, torch::kInt64);
+  if (rank == 0) {
+    std::random_device random;
+    nonce[0] = static_cast<int64_t>((uint64_t{random()} << 31) ^ random());
+  }
+  if (absl::Status b = g->Broadcast(nonce); !b.ok()) return b;
+  const std::string id_file = absl::StrCat(store_path, ".nccl-id.", nonce.item<int64_t>());
+  g->impl_->nccl = std::make_unique<NcclThread>();
+  if (absl::Status j = g->impl_->nccl->Join(id_file, rank, size, g->impl_->device.index(), timeout); !j.ok())
+    return absl::UnavailableError(
+        absl::StrCat(g->where_, " worker ", rank, " of ", size, ": joining the site's NCCL group: ", j.message()));
+  if (rank == 0) std::remove(id_file.c_str());
+  spdlog::info("{}", absl::StrCat(g->where_, " worker ", rank, " of ", size, " on ", device,
+                                  ": NCCL among the site's workers, Gloo for host tensors"));
+#else
+  spdlog::warn("{}", absl::StrCat(g->where_, " worker ", rank, " of ", size, " on ", device,
+                                  ": this build has no NCCL; the site's workers sum through Gloo via host memory"));
+#endif
   return g;
 }
 
 SiteGroup::~SiteGroup() = default;
+
+bool SiteGroup::uses_nccl() const { return impl_->has_nccl(); }
+
+torch::Device SiteGroup::collective_device() const { return impl_->has_nccl() ? impl_->device : torch::kCPU; }
 
 absl::Status SiteGroup::Guard(const char* what, const std::function<void()>& fn) {
   try {
@@ -60,8 +195,49 @@ std::pair<int64_t, int64_t> SiteGroup::Rows(int64_t rows, int worker) const {
   return {first, base + (worker < extra ? 1 : 0)};
 }
 
+#ifdef MERIDIAN_HAVE_NCCL
+namespace {
+// An NCCL call's failure, worded as Guard words Gloo's.
+absl::Status NcclFailure(const SiteGroup& g, const char* what, const absl::Status& s) {
+  if (s.ok()) return s;
+  return absl::UnavailableError(
+      absl::StrCat(g.where(), " worker ", g.rank(), " of ", g.size(), ": ", what, " (NCCL): ", s.message()));
+}
+}  // namespace
+#endif
+
 absl::StatusOr<torch::Tensor> SiteGroup::Scatter(const torch::Tensor& whole, const std::vector<int64_t>& whole_shape) {
   torch::Tensor mine;
+#ifdef MERIDIAN_HAVE_NCCL
+  if (impl_->has_nccl()) {  // device to device: worker 0's rows to each worker in turn
+    const char* what = "scattering a micro-batch's rows";
+    absl::Status nccl;
+    absl::Status s = Guard(what, [&] {
+      const auto opts = torch::TensorOptions().device(impl_->device).dtype(torch::kFloat32);
+      if (rank_ == 0) {
+        torch::Tensor w = whole.detach().to(opts).contiguous();
+        for (int r = 1; r < size_ && nccl.ok(); ++r) {
+          auto [first, count] = Rows(whole_shape[0], r);
+          torch::Tensor part = w.narrow(0, first, count);  // rows of a contiguous tensor: contiguous
+          nccl =
+              impl_->StartNccl([part, r](gpu::NcclGroup& n) { return n.Send(part.data_ptr<float>(), part.numel(), r); })
+                  .get();
+        }
+        auto [first, count] = Rows(whole_shape[0], 0);
+        mine = w.narrow(0, first, count).clone();
+      } else {
+        std::vector<int64_t> shape = whole_shape;
+        shape[0] = Rows(whole_shape[0], rank_).second;
+        mine = torch::empty(shape, opts);
+        nccl = impl_->StartNccl([mine](gpu::NcclGroup& n) { return n.Recv(mine.data_ptr<float>(), mine.numel(), 0); })
+                   .get();
+      }
+    });
+    if (!s.ok()) return s;
+    if (!nccl.ok()) return NcclFailure(*this, what, nccl);
+    return mine;
+  }
+#endif
   absl::Status s = Guard("scattering a micro-batch's rows", [&] {
     std::vector<int64_t> shape = whole_shape;
     if (rank_ == 0) {
@@ -86,6 +262,33 @@ absl::StatusOr<torch::Tensor> SiteGroup::Scatter(const torch::Tensor& whole, con
 
 absl::StatusOr<torch::Tensor> SiteGroup::Gather(const torch::Tensor& mine, const std::vector<int64_t>& whole_shape) {
   torch::Tensor whole;
+#ifdef MERIDIAN_HAVE_NCCL
+  if (impl_->has_nccl()) {  // device to device: each worker's rows to worker 0 in turn
+    const char* what = "gathering a micro-batch's rows";
+    absl::Status nccl;
+    absl::Status s = Guard(what, [&] {
+      const auto opts = torch::TensorOptions().device(impl_->device).dtype(torch::kFloat32);
+      torch::Tensor m = mine.detach().to(opts).contiguous();
+      if (rank_ == 0) {
+        whole = torch::empty(whole_shape, opts);
+        auto [first0, count0] = Rows(whole_shape[0], 0);
+        whole.narrow(0, first0, count0).copy_(m);
+        for (int r = 1; r < size_ && nccl.ok(); ++r) {
+          auto [first, count] = Rows(whole_shape[0], r);
+          torch::Tensor part = whole.narrow(0, first, count);
+          nccl =
+              impl_->StartNccl([part, r](gpu::NcclGroup& n) { return n.Recv(part.data_ptr<float>(), part.numel(), r); })
+                  .get();
+        }
+      } else {
+        nccl = impl_->StartNccl([m](gpu::NcclGroup& n) { return n.Send(m.data_ptr<float>(), m.numel(), 0); }).get();
+      }
+    });
+    if (!s.ok()) return s;
+    if (!nccl.ok()) return NcclFailure(*this, what, nccl);
+    return whole;
+  }
+#endif
   absl::Status s = Guard("gathering a micro-batch's rows", [&] {
     torch::Tensor m = mine.detach().to(torch::kCPU, torch::kFloat32).contiguous();
     if (rank_ == 0) {
@@ -112,6 +315,19 @@ absl::StatusOr<torch::Tensor> SiteGroup::Gather(const torch::Tensor& mine, const
 absl::Status SiteGroup::AllReduce(torch::Tensor& t) { return StartAllReduce(t).Wait(); }
 
 absl::Status SiteGroup::Broadcast(torch::Tensor& t) {
+#ifdef MERIDIAN_HAVE_NCCL
+  if (impl_->OnNccl(t)) {
+    std::shared_future<absl::Status> done;
+    if (absl::Status s = Guard("broadcasting from worker 0",
+                               [&] {
+                                 done = impl_->StartNccl(
+                                     [t](gpu::NcclGroup& n) { return n.Broadcast(t.data_ptr<float>(), t.numel()); });
+                               });
+        !s.ok())
+      return s;
+    return NcclFailure(*this, "broadcasting from worker 0", done.get());
+  }
+#endif
   return Guard("broadcasting from worker 0", [&] {
     std::vector<at::Tensor> v{t};
     ::c10d::BroadcastOptions o;
@@ -123,7 +339,7 @@ absl::Status SiteGroup::Broadcast(torch::Tensor& t) {
 absl::Status SiteGroup::BroadcastInPlace(const std::vector<torch::Tensor>& tensors) {
   torch::NoGradGuard no_grad;
   std::vector<torch::Tensor> parts;
-  for (const auto& t : tensors) parts.push_back(t.detach().reshape({-1}).to(torch::kCPU, torch::kFloat32));
+  for (const auto& t : tensors) parts.push_back(t.detach().reshape({-1}).to(collective_device(), torch::kFloat32));
   torch::Tensor flat = torch::cat(parts);
   if (absl::Status s = Broadcast(flat); !s.ok()) return s;
   int64_t offset = 0;
@@ -136,6 +352,26 @@ absl::Status SiteGroup::BroadcastInPlace(const std::vector<torch::Tensor>& tenso
 
 absl::StatusOr<torch::Tensor> SiteGroup::AllGather(const torch::Tensor& mine) {
   torch::Tensor out;
+#ifdef MERIDIAN_HAVE_NCCL
+  if (impl_->has_nccl()) {
+    const char* what = "gathering the workers' shards";
+    std::shared_future<absl::Status> done;
+    absl::Status s = Guard(what, [&] {
+      const auto opts = torch::TensorOptions().device(impl_->device).dtype(torch::kFloat32);
+      torch::Tensor in = mine.detach().to(opts).contiguous();
+      if (in.dim() == 0) in = in.reshape({1});
+      std::vector<int64_t> shape = in.sizes().vec();
+      shape[0] *= size_;  // as the workers' tensors concatenated along dimension 0
+      out = torch::empty(shape, opts);
+      done = impl_->StartNccl([in, out](gpu::NcclGroup& n) {
+        return n.AllGather(in.data_ptr<float>(), out.data_ptr<float>(), in.numel());
+      });
+    });
+    if (!s.ok()) return s;
+    if (absl::Status n = NcclFailure(*this, what, done.get()); !n.ok()) return n;
+    return out;
+  }
+#endif
   absl::Status s = Guard("gathering the workers' shards", [&] {
     std::vector<at::Tensor> in{mine.detach().to(torch::kCPU, torch::kFloat32).contiguous()};
     std::vector<std::vector<at::Tensor>> parts(1);
@@ -149,6 +385,19 @@ absl::StatusOr<torch::Tensor> SiteGroup::AllGather(const torch::Tensor& mine) {
 
 SiteGroup::PendingSum SiteGroup::StartAllReduce(torch::Tensor t) {
   PendingSum p;
+#ifdef MERIDIAN_HAVE_NCCL
+  if (impl_->OnNccl(t)) {
+    std::shared_future<absl::Status> done;
+    absl::Status started = Guard("summing over the workers", [&] {
+      done = impl_->StartNccl([t](gpu::NcclGroup& n) { return n.AllReduceSum(t.data_ptr<float>(), t.numel()); });
+    });
+    if (!started.ok())
+      p.wait_ = [started] { return started; };
+    else
+      p.wait_ = [this, done] { return NcclFailure(*this, "summing over the workers", done.get()); };
+    return p;
+  }
+#endif
   c10::intrusive_ptr<::c10d::Work> work;
   absl::Status started = Guard("summing over the workers", [&] {
     std::vector<at::Tensor> v{t};
@@ -180,7 +429,7 @@ SiteReducer::SiteReducer(SiteGroup* group, std::vector<std::pair<std::string, to
   for (const auto& l : layout.buckets) {
     Bucket b;
     b.params = l.params;
-    b.data = torch::zeros({l.numel}, torch::kFloat32);
+    b.data = torch::zeros({l.numel}, torch::TensorOptions().device(group_->collective_device()).dtype(torch::kFloat32));
     buckets_.push_back(std::move(b));
   }
   captured_.assign(params_.size(), false);
@@ -215,7 +464,7 @@ void SiteReducer::Capture(int param, const torch::Tensor& final_grad) {
   Bucket& b = buckets_[bucket_of_[param]];
   auto dst = b.data.narrow(0, offset_of_[param], params_[param].second.numel());
   if (final_grad.defined())
-    dst.copy_(final_grad.detach().reshape({-1}).to(torch::kCPU, torch::kFloat32));
+    dst.copy_(final_grad.detach().reshape({-1}).to(b.data.device(), torch::kFloat32));
   else
     dst.zero_();
   captured_[param] = true;

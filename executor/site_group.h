@@ -1,7 +1,9 @@
 // A site of several devices (`sites[].devices` in the cluster spec): one worker process per device, as
 // torchrun starts them, joined in a torch c10d process group -- Gloo, the backend of Debian's CPU libtorch --
 // over a c10d::FileStore in the site's scratch directory. Meridian uses c10d inside a site and its own mTLS
-// streams between sites.
+// streams between sites. On CUDA devices, in a build with NCCL (gpu/nccl_group.h: Debian's libtorch has no
+// c10d ProcessGroupNCCL), the workers form an NCCL group beside it, one rank per device, and the
+// collectives on float32 CUDA tensors go through NCCL, device to device; everything else through Gloo.
 //
 // Worker 0 is the executor that joined the coordinator: it alone holds the site's identity and streams to
 // the other sites. Workers 1..K-1 are its child processes (WorkerPool), started for each stage it is
@@ -36,36 +38,52 @@ namespace meridian::executor {
 
 class SiteGroup {
  public:
-  // Joins worker `rank` of `size` to the group whose store file is `store_path` (fresh for each group:
-  // a FileStore left by an earlier group would mix the two). Waits up to `timeout` for every worker; the
-  // same timeout bounds each collective afterwards. `where` names the site in errors ("site 'b'").
+  // Joins worker `rank` of `size`, on `device` ("cpu" or "cuda:N", as sites[].devices spells it), to the
+  // group whose store file is `store_path` (fresh for each group: a FileStore left by an earlier group
+  // would mix the two). Waits up to `timeout` for every worker; the same timeout bounds each Gloo
+  // collective afterwards. `where` names the site in errors ("site 'b'").
+  // On a CUDA device in a build with NCCL, every worker must be on a CUDA device of its own (the spec lists
+  // each once): they also join an NCCL group, its unique id passed through `store_path`.nccl-id. NCCL's
+  // collectives have no timeout: a worker that dies ends the site through WorkerPool (worker 0) or
+  // PR_SET_PDEATHSIG (the others) instead. Without NCCL in the build, CUDA tensors go through Gloo via
+  // host memory (a warning says so).
   static absl::StatusOr<std::unique_ptr<SiteGroup>> Join(const std::string& store_path, int rank, int size,
-                                                         std::chrono::milliseconds timeout, std::string where);
+                                                         std::chrono::milliseconds timeout, std::string where,
+                                                         const std::string& device = "cpu");
   ~SiteGroup();
 
   int rank() const { return rank_; }
   int size() const { return size_; }
   const std::string& where() const { return where_; }
+  // Whether float32 tensors on this worker's CUDA device go through NCCL.
+  bool uses_nccl() const;
+  // Where the bulk collectives (Scatter's and Gather's rows, gradient buckets, AllGather) want their
+  // tensors and return them: this worker's CUDA device under NCCL, else the CPU.
+  torch::Device collective_device() const;
 
   // The rows [first, first + count) of a micro-batch of `rows` rows that worker `worker` computes: equal
   // shares, the first rows % size workers one more.
   std::pair<int64_t, int64_t> Rows(int64_t rows, int worker) const;
   // Worker 0 passes the whole tensor (dimension 0: `rows`), the others an undefined one; every worker gets
-  // its rows (float32, contiguous, on the CPU).
+  // its rows (float32, contiguous, on collective_device()).
   absl::StatusOr<torch::Tensor> Scatter(const torch::Tensor& whole, const std::vector<int64_t>& whole_shape);
-  // Every worker passes its rows; worker 0 gets the whole tensor of `whole_shape`, the others an undefined one.
+  // Every worker passes its rows; worker 0 gets the whole tensor of `whole_shape` (float32, on
+  // collective_device()), the others an undefined one.
   absl::StatusOr<torch::Tensor> Gather(const torch::Tensor& mine, const std::vector<int64_t>& whole_shape);
-  // Sums `t` (CPU, contiguous) over the workers, in place.
+  // Sums `t` (contiguous; NCCL's when float32 on the CUDA device, else Gloo's) over the workers, in place.
   absl::Status AllReduce(torch::Tensor& t);
-  // Copies worker 0's `t` (CPU, contiguous, the same shape everywhere) to every worker, in place.
+  // Copies worker 0's `t` (contiguous, the same shape everywhere; NCCL's as AllReduce) to every worker, in
+  // place.
   absl::Status Broadcast(torch::Tensor& t);
   // Copies worker 0's `tensors` (each the same shape on every worker; any device) into every worker's, in
   // place, as one float32 broadcast.
   absl::Status BroadcastInPlace(const std::vector<torch::Tensor>& tensors);
   // Every worker passes `mine` (float32, the same numel everywhere); every worker gets the workers' tensors
-  // concatenated in rank order.
+  // concatenated in rank order, on collective_device().
   absl::StatusOr<torch::Tensor> AllGather(const torch::Tensor& mine);
-  // The asynchronous sum SiteReducer starts from autograd's hooks; Wait() returns its outcome.
+  // The asynchronous sum SiteReducer starts from autograd's hooks (of `t`, contiguous, which must outlive
+  // Wait); Wait() returns its outcome. Under NCCL the sums run in the order started, on a thread of the
+  // group's, while the caller goes on.
   class PendingSum {
    public:
     absl::Status Wait();
@@ -77,7 +95,7 @@ class SiteGroup {
   PendingSum StartAllReduce(torch::Tensor t);
 
  private:
-  struct Impl;  // the c10d process group
+  struct Impl;  // the c10d process group, and the NCCL group where there is one
   SiteGroup(int rank, int size, std::string where);
   absl::Status Guard(const char* what, const std::function<void()>& fn);
 

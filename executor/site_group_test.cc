@@ -12,6 +12,7 @@
 
 #include "executor/trainer.h"
 #include "executor/zero.h"
+#include "gpu/probe.h"
 
 namespace meridian::executor {
 namespace {
@@ -192,6 +193,49 @@ TEST(SiteGroupTest, AWorkerFlagIsCheckedAndAMissingWorkerFailsTheJoinNamingTheSi
   ASSERT_FALSE(g.ok());
   EXPECT_NE(g.status().message().find("site 'b' worker 0 of 2"), std::string::npos) << g.status();
   fs::remove(store);
+}
+
+// Workers on CUDA devices: with NCCL in the build they join an NCCL group beside Gloo's, so on a machine
+// without a GPU each fails to join, naming the site, the worker and the CUDA call; without NCCL they join
+// Gloo alone and sum through host memory. (Two GPUs run NCCL itself: scripts/gpu_check.sh.)
+TEST(SiteGroupTest, WorkersOnCudaDevicesJoinNcclOrSayWhyNot) {
+  if (gpu::Available()) GTEST_SKIP() << "a GPU is present: gpu/nccl_group_test runs NCCL there";
+  static int n = 0;
+  const std::string store = (fs::temp_directory_path() /
+                             ("meridian_site_group_cuda_" + std::to_string(::getpid()) + "_" + std::to_string(n++)))
+                                .string();
+  fs::remove(store);
+  std::vector<absl::StatusOr<std::unique_ptr<SiteGroup>>> groups(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r)
+    threads.emplace_back([&, r] {
+      groups[r] = SiteGroup::Join(store, r, 2, std::chrono::seconds(30), "site 'g'", "cuda:" + std::to_string(r));
+    });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 2; ++r) {
+#ifdef MERIDIAN_HAVE_NCCL
+    ASSERT_FALSE(groups[r].ok()) << "worker " << r;
+    const std::string msg(groups[r].status().message());
+    EXPECT_NE(msg.find("site 'g' worker " + std::to_string(r) + " of 2: joining the site's NCCL group"),
+              std::string::npos)
+        << msg;
+    EXPECT_NE(msg.find("on cuda:" + std::to_string(r) + ": cudaSetDevice"), std::string::npos) << msg;
+#else
+    ASSERT_TRUE(groups[r].ok()) << groups[r].status();
+    EXPECT_FALSE((*groups[r])->uses_nccl());
+    EXPECT_TRUE((*groups[r])->collective_device().is_cpu());
+#endif
+  }
+  groups.clear();
+  fs::remove(store);
+}
+
+TEST(SiteGroupTest, WorkersOnTheCpuUseGlooAndTheCpu) {
+  auto errors = OnWorkers(2, [](SiteGroup& g) {
+    EXPECT_FALSE(g.uses_nccl());
+    EXPECT_TRUE(g.collective_device().is_cpu());
+  });
+  for (const auto& e : errors) EXPECT_EQ(e, "");
 }
 
 }  // namespace

@@ -1,9 +1,9 @@
 // NCCL among the workers of a site of several CUDA devices (sites[].devices: [cuda:0, cuda:1, ...]), one
 // rank per device: the intra-site collectives a CUDA build needs, where Debian's libtorch has no c10d
 // ProcessGroupNCCL. Torch-free and CUDA-free in this header: it works on device pointers of float32.
-// Built only with CUDA and NCCL (nvcc, the toolkit and nccl.h found); the executor's site group still
-// uses Gloo (executor/site_group.h, docs/executor.md) -- this is the NCCL side, tested on GPUs by
-// scripts/gpu_check.sh.
+// Built only with CUDA and NCCL (nvcc, the toolkit and nccl.h found); the executor's site group then uses
+// it for float32 tensors on a worker's CUDA device (executor/site_group.h, docs/executor.md). Tested on
+// GPUs by scripts/gpu_check.sh.
 //
 // Thread-compatible: one NcclGroup per rank, used by one thread; every collective must be entered by
 // every rank in the same order. Each call waits for its result (it synchronises its stream).

@@ -23,7 +23,7 @@ TEST(NcclGroup, TwoRanksSumBroadcastGatherAndExchangeRows) {
   const int devices = Devices();
   if (devices < 2)
     GTEST_SKIP() << "NCCL runs one rank per device and this machine has " << devices
-                 << " CUDA device(s); a site of workers on one GPU would use Gloo through host memory";
+                 << " CUDA device(s) (a site lists each CUDA device once)";
   const std::string id =
       (std::filesystem::temp_directory_path() / ("meridian_nccl_" + std::to_string(::getpid()))).string();
   std::filesystem::remove(id);
