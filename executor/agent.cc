@@ -764,7 +764,7 @@ absl::StatusOr<Agent::SiteWorkers> Agent::StartSiteWorkers(const std::string& di
   if (!pool.ok()) return pool.status();
   w.pool = std::move(*pool);
   auto group = SiteGroup::Join(store, 0, static_cast<int>(devices_.size()), kSiteGroupTimeout,
-                               absl::StrCat("site '", o_.site, "'"), devices_[0]);
+                               absl::StrCat("site '", o_.site, "'"), device_.str());
   if (!group.ok()) return group.status();  // w's pool kills the workers it started
   w.group = std::move(*group);
   return w;

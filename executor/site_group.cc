@@ -28,19 +28,21 @@ namespace {
 
 #ifdef MERIDIAN_HAVE_NCCL
 // A CUDA site's NCCL group with its calls on a thread of its own, run in the order submitted: an NcclGroup
-// is used by one thread (the one that joined it, whose current CUDA device is the worker's), and a gradient
-// bucket's sum started from autograd's hooks runs while the backward pass goes on.
-// Thread-safe: Submit from any thread; the group itself is touched by the thread only.
+// is used by one thread, and a gradient bucket's sum started from autograd's hooks runs while the backward
+// pass goes on (the group's stream waits for the device's default stream only up to each call's
+// StreamMark, and the default stream never waits for it).
+// Thread-safe: Submit from any thread; the group itself is touched by the thread only (Abort excepted).
 class NcclThread {
  public:
-  using Op = std::function<absl::Status(gpu::NcclGroup&)>;
+  using Op = std::function<absl::Status(gpu::NcclGroup&, const gpu::StreamMark*)>;
   NcclThread() : thread_([this] { Loop(); }) {}
-  // Runs what is queued (an NCCL call that never returns, for a worker gone, holds this: the site's
-  // process ends instead, see SiteGroup::Join).
+  // A call still queued or running belongs to a step that failed (a step waits for every call it starts):
+  // the group is aborted rather than waited for, so each ends at once with an error no one reads.
   ~NcclThread() {
     {
       std::lock_guard<std::mutex> lock(mu_);
       stop_ = true;
+      if ((busy_ || !queue_.empty()) && joined_) joined_->Abort();
     }
     cv_.notify_all();
     thread_.join();
@@ -50,21 +52,30 @@ class NcclThread {
              auto g = gpu::NcclGroup::Join(id_file, rank, size, device, timeout);
              if (!g.ok()) return g.status();
              group_ = std::move(*g);
+             std::lock_guard<std::mutex> lock(mu_);
+             joined_ = group_.get();
              return absl::OkStatus();
            })
         .get();
   }
-  // `op` on the joined group, after everything submitted before it.
-  std::shared_future<absl::Status> Submit(Op op) {
-    return Post([this, op = std::move(op)]() -> absl::Status {
+  // `op` on the joined group, after `after`'s work on the device and after everything submitted before it.
+  std::shared_future<absl::Status> Submit(Op op, std::shared_ptr<const gpu::StreamMark> after) {
+    return Post([this, op = std::move(op), after = std::move(after)]() -> absl::Status {
       if (!group_) return absl::FailedPreconditionError("the NCCL group was not joined");
-      return op(*group_);
+      return op(*group_, after.get());
     });
   }
 
  private:
+  // Runs `fn` on the thread; an exception it throws (torch's, reading a tensor) becomes its error.
   std::shared_future<absl::Status> Post(std::function<absl::Status()> fn) {
-    std::packaged_task<absl::Status()> task(std::move(fn));
+    std::packaged_task<absl::Status()> task([fn = std::move(fn)]() -> absl::Status {
+      try {
+        return fn();
+      } catch (const std::exception& e) {
+        return absl::InternalError(core::Printable(e.what()));
+      }
+    });
     std::shared_future<absl::Status> done = task.get_future().share();
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -78,20 +89,23 @@ class NcclThread {
       std::packaged_task<absl::Status()> task;
       {
         std::unique_lock<std::mutex> lock(mu_);
+        busy_ = false;
         cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
         if (queue_.empty()) break;  // stopping, and everything run
         task = std::move(queue_.front());
         queue_.pop_front();
+        busy_ = true;
       }
       task();
     }
     group_.reset();  // ncclCommDestroy on the thread that used it
   }
 
-  std::mutex mu_;  // guards queue_ and stop_
+  std::mutex mu_;  // guards the five below
   std::condition_variable cv_;
   std::deque<std::packaged_task<absl::Status()>> queue_;
-  bool stop_ = false;
+  bool stop_ = false, busy_ = false;
+  gpu::NcclGroup* joined_ = nullptr;       // group_ once joined: for Abort, its one call from another thread
   std::unique_ptr<gpu::NcclGroup> group_;  // the thread's alone
   std::thread thread_;                     // last: it uses everything above
 };
@@ -118,11 +132,17 @@ struct SiteGroup::Impl {
     return has_nccl() && t.defined() && t.device() == device && t.scalar_type() == torch::kFloat32 && t.is_contiguous();
   }
 #ifdef MERIDIAN_HAVE_NCCL
-  // Starts `op` after the device's queued work (it reads or writes what torch computed there); the tensors it
-  // uses must outlive it (capture them).
+  // Starts `op` after the work queued so far on the device's default stream, where torch computed what it
+  // reads (a StreamMark recorded here, on the caller's thread); the tensors it uses must outlive it
+  // (capture them). A mark that cannot be recorded fails the call.
   std::shared_future<absl::Status> StartNccl(NcclThread::Op op) {
-    torch::cuda::synchronize(device.index());
-    return nccl->Submit(std::move(op));
+    auto mark = gpu::StreamMark::Record(device.index());
+    if (!mark.ok()) {
+      std::promise<absl::Status> failed;
+      failed.set_value(mark.status());
+      return failed.get_future().share();
+    }
+    return nccl->Submit(std::move(op), std::move(*mark));
   }
 #endif
 };
@@ -176,7 +196,7 @@ bool SiteGroup::uses_nccl() const { return impl_->has_nccl(); }
 
 torch::Device SiteGroup::collective_device() const { return impl_->has_nccl() ? impl_->device : torch::kCPU; }
 
-absl::Status SiteGroup::Guard(const char* what, const std::function<void()>& fn) {
+absl::Status SiteGroup::Guard(const char* what, const std::function<void()>& fn, const char* backend) {
   try {
     fn();
     return absl::OkStatus();
@@ -185,7 +205,7 @@ absl::Status SiteGroup::Guard(const char* what, const std::function<void()>& fn)
     std::string msg = e.what();
     if (auto nl = msg.find('\n'); nl != std::string::npos) msg.resize(nl);
     return absl::UnavailableError(
-        absl::StrCat(where_, " worker ", rank_, " of ", size_, ": ", what, " (c10d/Gloo): ", core::Printable(msg)));
+        absl::StrCat(where_, " worker ", rank_, " of ", size_, ": ", what, " (", backend, "): ", core::Printable(msg)));
   }
 }
 
@@ -212,27 +232,35 @@ absl::StatusOr<torch::Tensor> SiteGroup::Scatter(const torch::Tensor& whole, con
   if (impl_->has_nccl()) {  // device to device: worker 0's rows to each worker in turn
     const char* what = "scattering a micro-batch's rows";
     absl::Status nccl;
-    absl::Status s = Guard(what, [&] {
-      const auto opts = torch::TensorOptions().device(impl_->device).dtype(torch::kFloat32);
-      if (rank_ == 0) {
-        torch::Tensor w = whole.detach().to(opts).contiguous();
-        for (int r = 1; r < size_ && nccl.ok(); ++r) {
-          auto [first, count] = Rows(whole_shape[0], r);
-          torch::Tensor part = w.narrow(0, first, count);  // rows of a contiguous tensor: contiguous
-          nccl =
-              impl_->StartNccl([part, r](gpu::NcclGroup& n) { return n.Send(part.data_ptr<float>(), part.numel(), r); })
-                  .get();
-        }
-        auto [first, count] = Rows(whole_shape[0], 0);
-        mine = w.narrow(0, first, count).clone();
-      } else {
-        std::vector<int64_t> shape = whole_shape;
-        shape[0] = Rows(whole_shape[0], rank_).second;
-        mine = torch::empty(shape, opts);
-        nccl = impl_->StartNccl([mine](gpu::NcclGroup& n) { return n.Recv(mine.data_ptr<float>(), mine.numel(), 0); })
-                   .get();
-      }
-    });
+    absl::Status s = Guard(
+        what,
+        [&] {
+          const auto opts = torch::TensorOptions().device(impl_->device).dtype(torch::kFloat32);
+          if (rank_ == 0) {
+            torch::Tensor w = whole.detach().to(opts).contiguous();
+            for (int r = 1; r < size_ && nccl.ok(); ++r) {
+              auto [first, count] = Rows(whole_shape[0], r);
+              torch::Tensor part = w.narrow(0, first, count);  // rows of a contiguous tensor: contiguous
+              nccl = impl_
+                         ->StartNccl([part, r](gpu::NcclGroup& n, const gpu::StreamMark* after) {
+                           return n.Send(part.data_ptr<float>(), part.numel(), r, after);
+                         })
+                         .get();
+            }
+            auto [first, count] = Rows(whole_shape[0], 0);
+            mine = w.narrow(0, first, count).clone();
+          } else {
+            std::vector<int64_t> shape = whole_shape;
+            shape[0] = Rows(whole_shape[0], rank_).second;
+            mine = torch::empty(shape, opts);
+            nccl = impl_
+                       ->StartNccl([mine](gpu::NcclGroup& n, const gpu::StreamMark* after) {
+                         return n.Recv(mine.data_ptr<float>(), mine.numel(), 0, after);
+                       })
+                       .get();
+          }
+        },
+        "NCCL");
     if (!s.ok()) return s;
     if (!nccl.ok()) return NcclFailure(*this, what, nccl);
     return mine;
@@ -266,24 +294,33 @@ absl::StatusOr<torch::Tensor> SiteGroup::Gather(const torch::Tensor& mine, const
   if (impl_->has_nccl()) {  // device to device: each worker's rows to worker 0 in turn
     const char* what = "gathering a micro-batch's rows";
     absl::Status nccl;
-    absl::Status s = Guard(what, [&] {
-      const auto opts = torch::TensorOptions().device(impl_->device).dtype(torch::kFloat32);
-      torch::Tensor m = mine.detach().to(opts).contiguous();
-      if (rank_ == 0) {
-        whole = torch::empty(whole_shape, opts);
-        auto [first0, count0] = Rows(whole_shape[0], 0);
-        whole.narrow(0, first0, count0).copy_(m);
-        for (int r = 1; r < size_ && nccl.ok(); ++r) {
-          auto [first, count] = Rows(whole_shape[0], r);
-          torch::Tensor part = whole.narrow(0, first, count);
-          nccl =
-              impl_->StartNccl([part, r](gpu::NcclGroup& n) { return n.Recv(part.data_ptr<float>(), part.numel(), r); })
-                  .get();
-        }
-      } else {
-        nccl = impl_->StartNccl([m](gpu::NcclGroup& n) { return n.Send(m.data_ptr<float>(), m.numel(), 0); }).get();
-      }
-    });
+    absl::Status s = Guard(
+        what,
+        [&] {
+          const auto opts = torch::TensorOptions().device(impl_->device).dtype(torch::kFloat32);
+          torch::Tensor m = mine.detach().to(opts).contiguous();
+          if (rank_ == 0) {
+            whole = torch::empty(whole_shape, opts);
+            auto [first0, count0] = Rows(whole_shape[0], 0);
+            whole.narrow(0, first0, count0).copy_(m);
+            for (int r = 1; r < size_ && nccl.ok(); ++r) {
+              auto [first, count] = Rows(whole_shape[0], r);
+              torch::Tensor part = whole.narrow(0, first, count);
+              nccl = impl_
+                         ->StartNccl([part, r](gpu::NcclGroup& n, const gpu::StreamMark* after) {
+                           return n.Recv(part.data_ptr<float>(), part.numel(), r, after);
+                         })
+                         .get();
+            }
+          } else {
+            nccl = impl_
+                       ->StartNccl([m](gpu::NcclGroup& n, const gpu::StreamMark* after) {
+                         return n.Send(m.data_ptr<float>(), m.numel(), 0, after);
+                       })
+                       .get();
+          }
+        },
+        "NCCL");
     if (!s.ok()) return s;
     if (!nccl.ok()) return NcclFailure(*this, what, nccl);
     return whole;
@@ -318,11 +355,11 @@ absl::Status SiteGroup::Broadcast(torch::Tensor& t) {
 #ifdef MERIDIAN_HAVE_NCCL
   if (impl_->OnNccl(t)) {
     std::shared_future<absl::Status> done;
-    if (absl::Status s = Guard("broadcasting from worker 0",
-                               [&] {
-                                 done = impl_->StartNccl(
-                                     [t](gpu::NcclGroup& n) { return n.Broadcast(t.data_ptr<float>(), t.numel()); });
-                               });
+    auto op = [t](gpu::NcclGroup& n, const gpu::StreamMark* after) {
+      return n.Broadcast(t.data_ptr<float>(), t.numel(), after);
+    };
+    if (absl::Status s = Guard(
+            "broadcasting from worker 0", [&] { done = impl_->StartNccl(op); }, "NCCL");
         !s.ok())
       return s;
     return NcclFailure(*this, "broadcasting from worker 0", done.get());
@@ -338,8 +375,13 @@ absl::Status SiteGroup::Broadcast(torch::Tensor& t) {
 
 absl::Status SiteGroup::BroadcastInPlace(const std::vector<torch::Tensor>& tensors) {
   torch::NoGradGuard no_grad;
+  // Through NCCL when every tensor is on the worker's CUDA device; host tensors (a checkpoint's moments)
+  // stay on the host, through Gloo.
+  bool on_device = impl_->has_nccl();
+  for (const auto& t : tensors) on_device = on_device && t.device() == impl_->device;
   std::vector<torch::Tensor> parts;
-  for (const auto& t : tensors) parts.push_back(t.detach().reshape({-1}).to(collective_device(), torch::kFloat32));
+  for (const auto& t : tensors)
+    parts.push_back(t.detach().reshape({-1}).to(on_device ? impl_->device : torch::kCPU, torch::kFloat32));
   torch::Tensor flat = torch::cat(parts);
   if (absl::Status s = Broadcast(flat); !s.ok()) return s;
   int64_t offset = 0;
@@ -353,20 +395,23 @@ absl::Status SiteGroup::BroadcastInPlace(const std::vector<torch::Tensor>& tenso
 absl::StatusOr<torch::Tensor> SiteGroup::AllGather(const torch::Tensor& mine) {
   torch::Tensor out;
 #ifdef MERIDIAN_HAVE_NCCL
-  if (impl_->has_nccl()) {
+  if (impl_->has_nccl() && mine.device() == impl_->device) {
     const char* what = "gathering the workers' shards";
     std::shared_future<absl::Status> done;
-    absl::Status s = Guard(what, [&] {
-      const auto opts = torch::TensorOptions().device(impl_->device).dtype(torch::kFloat32);
-      torch::Tensor in = mine.detach().to(opts).contiguous();
-      if (in.dim() == 0) in = in.reshape({1});
-      std::vector<int64_t> shape = in.sizes().vec();
-      shape[0] *= size_;  // as the workers' tensors concatenated along dimension 0
-      out = torch::empty(shape, opts);
-      done = impl_->StartNccl([in, out](gpu::NcclGroup& n) {
-        return n.AllGather(in.data_ptr<float>(), out.data_ptr<float>(), in.numel());
-      });
-    });
+    absl::Status s = Guard(
+        what,
+        [&] {
+          const auto opts = torch::TensorOptions().device(impl_->device).dtype(torch::kFloat32);
+          torch::Tensor in = mine.detach().to(opts).contiguous();
+          if (in.dim() == 0) in = in.reshape({1});
+          std::vector<int64_t> shape = in.sizes().vec();
+          shape[0] *= size_;  // as the workers' tensors concatenated along dimension 0
+          out = torch::empty(shape, opts);
+          done = impl_->StartNccl([in, out](gpu::NcclGroup& n, const gpu::StreamMark* after) {
+            return n.AllGather(in.data_ptr<float>(), out.data_ptr<float>(), in.numel(), after);
+          });
+        },
+        "NCCL");
     if (!s.ok()) return s;
     if (absl::Status n = NcclFailure(*this, what, done.get()); !n.ok()) return n;
     return out;
@@ -388,9 +433,11 @@ SiteGroup::PendingSum SiteGroup::StartAllReduce(torch::Tensor t) {
 #ifdef MERIDIAN_HAVE_NCCL
   if (impl_->OnNccl(t)) {
     std::shared_future<absl::Status> done;
-    absl::Status started = Guard("summing over the workers", [&] {
-      done = impl_->StartNccl([t](gpu::NcclGroup& n) { return n.AllReduceSum(t.data_ptr<float>(), t.numel()); });
-    });
+    auto op = [t](gpu::NcclGroup& n, const gpu::StreamMark* after) {
+      return n.AllReduceSum(t.data_ptr<float>(), t.numel(), after);
+    };
+    absl::Status started = Guard(
+        "summing over the workers", [&] { done = impl_->StartNccl(op); }, "NCCL");
     if (!started.ok())
       p.wait_ = [started] { return started; };
     else

@@ -12,8 +12,11 @@
 // neighbouring sites and gathers what leaves. docs/executor.md ("Sites with several devices") says why.
 //
 // Thread-safety: a SiteGroup is used by its stage's thread only (SiteReducer's hooks run on autograd's
-// thread, which on CPU is that same thread); every collective must be entered by every worker in the same
-// order. A WorkerPool is thread-compatible; its monitor thread only reaps and reports.
+// thread, which on CPU is that same thread and on a GPU autograd's device thread while the stage's thread
+// waits in backward()); every collective must be entered by every worker in the same order. Under NCCL the
+// order is load-bearing beyond Gloo's: the NCCL calls of a worker run in the order started, the gradient
+// buckets' sums among them, so every worker must start its buckets in the same order (the same slice and
+// schedule on every worker give that). A WorkerPool is thread-compatible; its monitor thread only reaps and reports.
 #ifndef MERIDIAN_EXECUTOR_SITE_GROUP_H_
 #define MERIDIAN_EXECUTOR_SITE_GROUP_H_
 
@@ -43,10 +46,10 @@ class SiteGroup {
   // would mix the two). Waits up to `timeout` for every worker; the same timeout bounds each Gloo
   // collective afterwards. `where` names the site in errors ("site 'b'").
   // On a CUDA device in a build with NCCL, every worker must be on a CUDA device of its own (the spec lists
-  // each once): they also join an NCCL group, its unique id passed through `store_path`.nccl-id. NCCL's
-  // collectives have no timeout: a worker that dies ends the site through WorkerPool (worker 0) or
-  // PR_SET_PDEATHSIG (the others) instead. Without NCCL in the build, CUDA tensors go through Gloo via
-  // host memory (a warning says so).
+  // each once): they also join an NCCL group, its unique id passed through a file beside `store_path`
+  // named by worker 0's random number, which it broadcasts through Gloo. `timeout` bounds NCCL's
+  // collectives too (one not done by then aborts the group). Without NCCL in the build, CUDA tensors go
+  // through Gloo via host memory (a warning says so).
   static absl::StatusOr<std::unique_ptr<SiteGroup>> Join(const std::string& store_path, int rank, int size,
                                                          std::chrono::milliseconds timeout, std::string where,
                                                          const std::string& device = "cpu");
@@ -76,10 +79,10 @@ class SiteGroup {
   // place.
   absl::Status Broadcast(torch::Tensor& t);
   // Copies worker 0's `tensors` (each the same shape on every worker; any device) into every worker's, in
-  // place, as one float32 broadcast.
+  // place, as one float32 broadcast: NCCL's when they are all on the worker's CUDA device, else Gloo's.
   absl::Status BroadcastInPlace(const std::vector<torch::Tensor>& tensors);
   // Every worker passes `mine` (float32, the same numel everywhere); every worker gets the workers' tensors
-  // concatenated in rank order, on collective_device().
+  // concatenated in rank order, where `mine` is: NCCL's on the worker's CUDA device, else Gloo's on the host.
   absl::StatusOr<torch::Tensor> AllGather(const torch::Tensor& mine);
   // The asynchronous sum SiteReducer starts from autograd's hooks (of `t`, contiguous, which must outlive
   // Wait); Wait() returns its outcome. Under NCCL the sums run in the order started, on a thread of the
@@ -97,7 +100,8 @@ class SiteGroup {
  private:
   struct Impl;  // the c10d process group, and the NCCL group where there is one
   SiteGroup(int rank, int size, std::string where);
-  absl::Status Guard(const char* what, const std::function<void()>& fn);
+  // Runs `fn`, its exception an Unavailable error naming the site, the worker, `what` and `backend`.
+  absl::Status Guard(const char* what, const std::function<void()>& fn, const char* backend = "c10d/Gloo");
 
   int rank_, size_;
   std::string where_;

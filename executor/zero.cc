@@ -58,7 +58,9 @@ void ShardedAdamW::Step(const Params& params, double lr) {
 
 absl::Status ShardedAdamW::GatherParameters(SiteGroup& group, const Params& params) {
   torch::NoGradGuard ng;
-  torch::Tensor mine = torch::zeros({shard_}, torch::kFloat32);
+  // On the worker's device: a CUDA site's workers gather it through NCCL, device to device.
+  torch::Tensor mine =
+      torch::zeros({shard_}, torch::TensorOptions().device(group.collective_device()).dtype(torch::kFloat32));
   for (const auto& piece : pieces_)
     mine.narrow(0, piece.flat - rank_ * shard_, piece.count)
         .copy_(params[piece.param].second.detach().reshape({-1}).narrow(0, piece.begin, piece.count));
@@ -81,6 +83,7 @@ absl::StatusOr<std::map<std::string, torch::Tensor>> ShardedAdamW::ExportState(S
   torch::Tensor any = torch::full({1}, stepped ? 1.0f : 0.0f);
   if (absl::Status s = group.AllReduce(any); !s.ok()) return s;
   if (any.item<float>() == 0) return out;
+  // On the host, gathered through Gloo: the whole moments on a device would undo ZeRO-1's saving there.
   torch::Tensor m = torch::zeros({shard_}, torch::kFloat32), v = torch::zeros({shard_}, torch::kFloat32);
   for (const auto& piece : pieces_)
     if (piece.m.defined()) {

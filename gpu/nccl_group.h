@@ -5,8 +5,9 @@
 // it for float32 tensors on a worker's CUDA device (executor/site_group.h, docs/executor.md). Tested on
 // GPUs by scripts/gpu_check.sh.
 //
-// Thread-compatible: one NcclGroup per rank, used by one thread; every collective must be entered by
-// every rank in the same order. Each call waits for its result (it synchronises its stream).
+// Thread-compatible: one NcclGroup per rank, used by one thread (Abort excepted); every collective must be
+// entered by every rank in the same order. Each call waits for its result on the group's own stream,
+// which does not synchronise with the device's other streams: give a StreamMark for data computed there.
 #ifndef MERIDIAN_GPU_NCCL_GROUP_H_
 #define MERIDIAN_GPU_NCCL_GROUP_H_
 
@@ -20,10 +21,27 @@
 
 namespace meridian::gpu {
 
+// The work queued so far on a CUDA device's legacy default stream (libtorch's current stream, unless a
+// stream guard names another), as a CUDA event: a collective given the mark starts on the device after
+// that work, while the stream goes on with what is queued later. Immutable once recorded; thread-safe.
+class StreamMark {
+ public:
+  // Records the mark on `device`'s default stream, from the calling thread (whose current device it sets).
+  static absl::StatusOr<std::shared_ptr<const StreamMark>> Record(int device);
+  ~StreamMark();
+
+ private:
+  friend class NcclGroup;
+  struct Impl;
+  StreamMark();
+  std::unique_ptr<Impl> impl_;
+};
+
 class NcclGroup {
  public:
   // Joins rank `rank` of `size` on CUDA device `device`. Rank 0 writes the group's NCCL unique id to
-  // `id_file` (atomically: a temporary file renamed); the other ranks wait up to `timeout` for it.
+  // `id_file` (atomically: a temporary file renamed); the other ranks wait up to `timeout` for it. The
+  // same timeout bounds each collective afterwards: one not done by then aborts the group.
   // Errors name the rank, the device and the NCCL or CUDA call.
   static absl::StatusOr<std::unique_ptr<NcclGroup>> Join(const std::string& id_file, int rank, int size, int device,
                                                          std::chrono::milliseconds timeout);
@@ -31,22 +49,32 @@ class NcclGroup {
 
   int rank() const { return rank_; }
   int size() const { return size_; }
+  // Each collective starts after `after`'s work when given, and returns once its result is in place.
   // Sums `n` floats at `data` (device memory) over the ranks, in place.
-  absl::Status AllReduceSum(float* data, int64_t n);
+  absl::Status AllReduceSum(float* data, int64_t n, const StreamMark* after = nullptr);
   // Copies rank 0's `n` floats at `data` to every rank, in place.
-  absl::Status Broadcast(float* data, int64_t n);
+  absl::Status Broadcast(float* data, int64_t n, const StreamMark* after = nullptr);
   // Every rank's `n` floats at `send` into `recv` (size() * n floats), in rank order.
-  absl::Status AllGather(const float* send, float* recv, int64_t n);
+  absl::Status AllGather(const float* send, float* recv, int64_t n, const StreamMark* after = nullptr);
   // Point to point, as the site's row scatter and gather use it: `n` floats to or from rank `peer`.
-  absl::Status Send(const float* data, int64_t n, int peer);
-  absl::Status Recv(float* data, int64_t n, int peer);
+  absl::Status Send(const float* data, int64_t n, int peer, const StreamMark* after = nullptr);
+  absl::Status Recv(float* data, int64_t n, int peer, const StreamMark* after = nullptr);
+  // Thread-safe, from any thread: the collective now waiting (for a rank that never comes) aborts the
+  // communicator and fails within about a millisecond, and so does every later call; the destructor then
+  // aborts rather than waits for the other ranks.
+  void Abort();
 
  private:
   struct Impl;
-  NcclGroup(int rank, int size, int device);
+  NcclGroup(int rank, int size, int device, std::chrono::milliseconds timeout);
+  // Before a collective: the group still usable, the device current, the stream after `after`.
+  absl::Status Begin(const char* what, const StreamMark* after);
+  // After it: waits for the stream, polling so that a timeout or Abort can end the wait.
   absl::Status Finish(const char* what, int nccl_result);
+  std::string Who() const;
 
   int rank_, size_, device_;
+  std::chrono::milliseconds timeout_;
   std::unique_ptr<Impl> impl_;
 };
 

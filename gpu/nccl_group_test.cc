@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <filesystem>
 #include <thread>
 #include <vector>
@@ -79,6 +80,82 @@ TEST(NcclGroup, TwoRanksSumBroadcastGatherAndExchangeRows) {
     EXPECT_EQ(bcast[r][n - 1], 10.0f);
   }
   EXPECT_EQ(got[1].front(), 10.0f);
+}
+
+// Data written on the default stream (as libtorch computes) and marked is what the group's own stream sums.
+TEST(NcclGroup, ASumAfterAStreamMarkSeesTheDefaultStreamsWork) {
+  const int devices = Devices();
+  if (devices < 2) GTEST_SKIP() << "NCCL runs one rank per device and this machine has " << devices;
+  const std::string id =
+      (std::filesystem::temp_directory_path() / ("meridian_nccl_mark_" + std::to_string(::getpid()))).string();
+  const int64_t n = 16 << 20;  // 64 MiB: a copy long enough for a race to show
+  std::vector<float> first(2), last(2);
+  std::vector<std::string> errors(2);
+  auto rank = [&](int r) {
+    auto g = NcclGroup::Join(id, r, 2, r, std::chrono::seconds(60));
+    if (!g.ok()) {
+      errors[r] = std::string(g.status().message());
+      return;
+    }
+    float* a = nullptr;
+    cudaMalloc(&a, n * sizeof(float));
+    std::vector<float> host(n, static_cast<float>(r + 1));
+    cudaMemcpyAsync(a, host.data(), n * sizeof(float), cudaMemcpyHostToDevice, 0);  // the default stream
+    auto mark = StreamMark::Record(r);
+    if (!mark.ok()) {
+      errors[r] = std::string(mark.status().message());
+      return;
+    }
+    if (absl::Status s = (*g)->AllReduceSum(a, n, mark->get()); !s.ok()) errors[r] = std::string(s.message());
+    cudaMemcpy(&first[r], a, sizeof(float), cudaMemcpyDeviceToHost);
+    cudaMemcpy(&last[r], a + n - 1, sizeof(float), cudaMemcpyDeviceToHost);
+    cudaFree(a);
+  };
+  std::thread t0(rank, 0), t1(rank, 1);
+  t0.join();
+  t1.join();
+  std::filesystem::remove(id);
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(errors[r], "") << "rank " << r;
+    EXPECT_EQ(first[r], 3.0f);
+    EXPECT_EQ(last[r], 3.0f);
+  }
+}
+
+// A rank that never enters the collective: the other's call ends at the group's timeout, naming itself,
+// and the group is aborted (every later call fails at once).
+TEST(NcclGroup, ACollectiveWithoutItsPeerTimesOutAndAbortsTheGroup) {
+  const int devices = Devices();
+  if (devices < 2) GTEST_SKIP() << "NCCL runs one rank per device and this machine has " << devices;
+  const std::string id =
+      (std::filesystem::temp_directory_path() / ("meridian_nccl_late_" + std::to_string(::getpid()))).string();
+  std::vector<absl::Status> sum(2), after(2);
+  std::atomic<bool> done{false};
+  auto rank = [&](int r) {
+    auto g = NcclGroup::Join(id, r, 2, r, std::chrono::seconds(3));
+    if (!g.ok()) {
+      sum[r] = g.status();
+      return;
+    }
+    float* a = nullptr;
+    cudaMalloc(&a, 1024 * sizeof(float));
+    if (r == 0) {
+      sum[r] = (*g)->AllReduceSum(a, 1024);
+      after[r] = (*g)->AllReduceSum(a, 1024);
+      done = true;
+    } else {
+      while (!done) std::this_thread::sleep_for(std::chrono::milliseconds(10));  // alive, never taking part
+      (*g)->Abort();  // its peer is gone: destroying would wait for it
+    }
+    cudaFree(a);
+  };
+  std::thread t0(rank, 0), t1(rank, 1);
+  t0.join();
+  t1.join();
+  std::filesystem::remove(id);
+  EXPECT_EQ(sum[0].code(), absl::StatusCode::kDeadlineExceeded) << sum[0];
+  EXPECT_NE(sum[0].message().find("NCCL rank 0 of 2 on cuda:0: ncclAllReduce"), std::string::npos) << sum[0];
+  EXPECT_EQ(after[0].code(), absl::StatusCode::kFailedPrecondition) << after[0];
 }
 
 // Without a device (cudaSetDevice fails) or without rank 0 (no id comes): an error naming the rank and device.
