@@ -430,8 +430,11 @@ void ParseSites(Checker& c, const YAML::Node& n, ClusterSpec* cs, const std::str
         if (d.rfind("cuda:", 0) == 0 && d.size() > 5) {
           ok = true;
           for (size_t k = 5; k < d.size(); ++k) ok &= std::isdigit(static_cast<unsigned char>(d[k])) != 0;
+          // One spelling per device, so that "listed twice" below sees every repeat (cuda:01 is cuda:1).
+          ok &= d.size() <= 9 && (d.size() == 6 || d[5] != '0');
         }
-        if (!ok) c.Error(dev.Mark(), absl::StrCat(ctx, ".devices: '", d, "' is not cpu or cuda:N"));
+        if (!ok)
+          c.Error(dev.Mark(), absl::StrCat(ctx, ".devices: '", d, "' is not cpu or cuda:N (N without leading zeros)"));
       }
       if (dev.IsSequence() && devices.empty()) c.Error(dev.Mark(), absl::StrCat(ctx, ".devices: list is empty"));
       // One worker process per device (docs/executor.md): all of one kind, each CUDA device once.

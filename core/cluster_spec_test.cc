@@ -218,6 +218,8 @@ INSTANTIATE_TEST_SUITE_P(
                 "site 'a'.devices: mixes cpu and cuda devices", 4},
         BadCase{"device_twice", WithSites("  - {name: a, address: 127.0.0.1:7001, devices: [cuda:1, cuda:1]}\n"),
                 "site 'a'.devices: cuda:1 is listed twice", 4},
+        BadCase{"device_leading_zero", WithSites("  - {name: a, address: 127.0.0.1:7001, devices: [cuda:1, cuda:01]}\n"),
+                "site 'a'.devices: 'cuda:01' is not cpu or cuda:N (N without leading zeros)", 4},
         BadCase{"quota_zero", WithSites("  - {name: a, address: 127.0.0.1:7001, emulation: {cpu_quota: 0}}\n"),
                 "must be greater than 0", 4},
         BadCase{"quota_wrong_type", WithSites("  - {name: a, address: 127.0.0.1:7001, emulation: {cpu_quota: fast}}\n"),
