@@ -754,6 +754,12 @@ void Agent::OnAssign(const v1::StageAssignment& pa) {
 
 absl::StatusOr<Agent::SiteWorkers> Agent::StartSiteWorkers(const std::string& dir, const std::string& task,
                                                            const std::string& command) {
+  // Worker r runs on devices[r]: worker 0 (this process) too, or two workers could share a device.
+  if (device_.str() != devices_[0])
+    return absl::FailedPreconditionError(absl::StrCat("site '", o_.site, "': this executor runs on ", device_.str(),
+                                                      " (--device or MERIDIAN_DEVICE), but the spec's ",
+                                                      "sites[].devices puts worker 0 on ", devices_[0],
+                                                      "; leave --device out on a site of several devices"));
   const std::string command_file = dir + "/" + task + ".pb", store = dir + "/store";
   if (absl::Status s = core::WriteFileAtomic(command_file, command); !s.ok()) return s;
   const auto level = spdlog::level::to_string_view(spdlog::get_level());

@@ -47,9 +47,9 @@ class SiteGroup {
   // collective afterwards. `where` names the site in errors ("site 'b'").
   // On a CUDA device in a build with NCCL, every worker must be on a CUDA device of its own (the spec lists
   // each once): they also join an NCCL group, its unique id passed through a file beside `store_path`
-  // named by worker 0's random number, which it broadcasts through Gloo. `timeout` bounds NCCL's
-  // collectives too (one not done by then aborts the group). Without NCCL in the build, CUDA tensors go
-  // through Gloo via host memory (a warning says so).
+  // named by worker 0's random number, which it broadcasts through Gloo. `timeout` bounds NCCL's calls
+  // too (gpu/nccl_group.h: one not done by then aborts the group). Without NCCL in the build, CUDA tensors
+  // go through Gloo via host memory (a warning says so).
   static absl::StatusOr<std::unique_ptr<SiteGroup>> Join(const std::string& store_path, int rank, int size,
                                                          std::chrono::milliseconds timeout, std::string where,
                                                          const std::string& device = "cpu");

@@ -26,13 +26,19 @@ StreamMark::~StreamMark() {
 
 absl::StatusOr<std::shared_ptr<const StreamMark>> StreamMark::Record(int device) {
   const std::string who = absl::StrCat("cuda:", device);
+  int current = -1;
+  cudaGetDevice(&current);  // the caller's, restored below
   if (cudaError_t e = cudaSetDevice(device); e != cudaSuccess)
     return absl::FailedPreconditionError(absl::StrCat(who, ": cudaSetDevice: ", cudaGetErrorString(e)));
   std::shared_ptr<StreamMark> mark(new StreamMark());
-  if (cudaError_t e = cudaEventCreateWithFlags(&mark->impl_->event, cudaEventDisableTiming); e != cudaSuccess)
-    return absl::InternalError(absl::StrCat(who, ": cudaEventCreateWithFlags: ", cudaGetErrorString(e)));
-  if (cudaError_t e = cudaEventRecord(mark->impl_->event, /*legacy default stream*/ 0); e != cudaSuccess)
-    return absl::InternalError(absl::StrCat(who, ": cudaEventRecord: ", cudaGetErrorString(e)));
+  cudaError_t e = cudaEventCreateWithFlags(&mark->impl_->event, cudaEventDisableTiming);
+  const char* call = "cudaEventCreateWithFlags";
+  if (e == cudaSuccess) {
+    e = cudaEventRecord(mark->impl_->event, cudaStreamLegacy);
+    call = "cudaEventRecord";
+  }
+  if (current >= 0 && current != device) cudaSetDevice(current);
+  if (e != cudaSuccess) return absl::InternalError(absl::StrCat(who, ": ", call, ": ", cudaGetErrorString(e)));
   return std::shared_ptr<const StreamMark>(std::move(mark));
 }
 
@@ -92,54 +98,84 @@ absl::StatusOr<std::unique_ptr<NcclGroup>> NcclGroup::Join(const std::string& id
   // waiting for another rank would hold its kernels); StreamMark orders what must be ordered.
   if (cudaError_t e = cudaStreamCreateWithFlags(&g->impl_->stream, cudaStreamNonBlocking); e != cudaSuccess)
     return absl::InternalError(absl::StrCat(who, ": cudaStreamCreateWithFlags: ", cudaGetErrorString(e)));
-  if (ncclResult_t r = ncclCommInitRank(&g->impl_->comm, size, id, rank); r != ncclSuccess)
-    return absl::InternalError(absl::StrCat(who, ": ncclCommInitRank: ", ncclGetErrorString(r)));
+  // Non-blocking: a call that waits for the other ranks (this one, a first send to a peer, a first
+  // collective's connections) returns ncclInProgress, and Wait bounds it, where a blocking communicator
+  // would wait inside NCCL for ever.
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  const auto until = std::chrono::steady_clock::now() + timeout;
+  if (absl::Status s = g->Wait("ncclCommInitRankConfig",
+                               ncclCommInitRankConfig(&g->impl_->comm, size, id, rank, &config), until, false);
+      !s.ok())
+    return s;
   return g;
 }
 
 absl::Status NcclGroup::Begin(const char* what, const StreamMark* after) {
   if (!impl_->comm)
     return absl::FailedPreconditionError(absl::StrCat(Who(), ": ", what, ": the group was aborted earlier"));
-  if (impl_->abort.load()) {
-    ncclCommAbort(impl_->comm);
-    impl_->comm = nullptr;
-    return absl::AbortedError(absl::StrCat(Who(), ": ", what, ": the group was aborted"));
-  }
+  if (impl_->abort.load()) return Fail(absl::AbortedError(absl::StrCat(Who(), ": ", what, ": the group was aborted")));
   if (cudaError_t e = cudaSetDevice(device_); e != cudaSuccess)
-    return absl::InternalError(absl::StrCat(Who(), ": ", what, ": cudaSetDevice: ", cudaGetErrorString(e)));
+    return Fail(absl::InternalError(absl::StrCat(Who(), ": ", what, ": cudaSetDevice: ", cudaGetErrorString(e))));
   if (after)
     if (cudaError_t e = cudaStreamWaitEvent(impl_->stream, after->impl_->event, 0); e != cudaSuccess)
-      return absl::InternalError(absl::StrCat(Who(), ": ", what, ": cudaStreamWaitEvent: ", cudaGetErrorString(e)));
+      return Fail(
+          absl::InternalError(absl::StrCat(Who(), ": ", what, ": cudaStreamWaitEvent: ", cudaGetErrorString(e))));
   return absl::OkStatus();
 }
 
-absl::Status NcclGroup::Finish(const char* what, int nccl_result) {
-  if (nccl_result != ncclSuccess)
-    return absl::InternalError(
-        absl::StrCat(Who(), ": ", what, ": ", ncclGetErrorString(static_cast<ncclResult_t>(nccl_result))));
-  // Polled rather than cudaStreamSynchronize: a rank that never comes would hold that for ever.
-  const auto until = std::chrono::steady_clock::now() + timeout_;
+absl::Status NcclGroup::Fail(absl::Status error) {
+  // A communicator that returned an error is fit only for abort (NCCL's rule); it ends the kernels and
+  // connections still waiting for the other ranks.
+  if (impl_->comm) ncclCommAbort(impl_->comm);
+  impl_->comm = nullptr;
+  return error;
+}
+
+absl::Status NcclGroup::Wait(const char* what, int nccl_result, std::chrono::steady_clock::time_point until,
+                             bool stream) {
+  // Polled, never a blocking wait: a rank that never comes would hold one for ever. First the call itself
+  // (ncclInProgress while it connects to the other ranks), then, for a collective, its kernels on the stream.
+  // The poll spins for about 100 us, then backs off to 1 ms: a sum of a few MiB over NVLink takes tens of us.
+  const auto start = std::chrono::steady_clock::now();
+  auto pause = [&] {
+    const auto waited = std::chrono::steady_clock::now() - start;
+    if (waited < std::chrono::microseconds(100)) return;
+    std::this_thread::sleep_for(
+        std::min<std::chrono::steady_clock::duration>(waited / 8, std::chrono::milliseconds(1)));
+  };
+  auto late = [&]() -> absl::Status {
+    if (impl_->abort.load())
+      return Fail(absl::AbortedError(absl::StrCat(Who(), ": ", what, ": the group was aborted")));
+    if (std::chrono::steady_clock::now() >= until)
+      return Fail(
+          absl::DeadlineExceededError(absl::StrCat(Who(), ": ", what, ": the other ranks did not take part within ",
+                                                   timeout_.count(), " ms; the group is aborted")));
+    return absl::OkStatus();
+  };
+  ncclResult_t r = static_cast<ncclResult_t>(nccl_result);
+  while (r == ncclInProgress) {
+    if (absl::Status s = late(); !s.ok()) return s;
+    pause();
+    if (ncclResult_t q = ncclCommGetAsyncError(impl_->comm, &r); q != ncclSuccess) r = q;
+  }
+  if (r != ncclSuccess) return Fail(absl::InternalError(absl::StrCat(Who(), ": ", what, ": ", ncclGetErrorString(r))));
+  if (!stream) return absl::OkStatus();
   for (;;) {
     const cudaError_t e = cudaStreamQuery(impl_->stream);
     if (e == cudaSuccess) return absl::OkStatus();
     if (e != cudaErrorNotReady)
-      return absl::InternalError(absl::StrCat(Who(), ": ", what, ": cudaStreamQuery: ", cudaGetErrorString(e)));
+      return Fail(absl::InternalError(absl::StrCat(Who(), ": ", what, ": cudaStreamQuery: ", cudaGetErrorString(e))));
     ncclResult_t async = ncclSuccess;
-    const bool failed =
-        ncclCommGetAsyncError(impl_->comm, &async) == ncclSuccess && async != ncclSuccess && async != ncclInProgress;
-    const bool late = std::chrono::steady_clock::now() >= until;
-    if (failed || late || impl_->abort.load()) {
-      ncclCommAbort(impl_->comm);  // ends the kernels waiting for the other ranks
-      impl_->comm = nullptr;
-      if (failed) return absl::InternalError(absl::StrCat(Who(), ": ", what, ": ", ncclGetErrorString(async)));
-      if (late)
-        return absl::DeadlineExceededError(absl::StrCat(Who(), ": ", what,
-                                                        ": the other ranks did not take part within ", timeout_.count(),
-                                                        " ms; the group is aborted"));
-      return absl::AbortedError(absl::StrCat(Who(), ": ", what, ": the group was aborted"));
-    }
-    std::this_thread::sleep_for(std::chrono::microseconds(20));
+    if (ncclCommGetAsyncError(impl_->comm, &async) == ncclSuccess && async != ncclSuccess && async != ncclInProgress)
+      return Fail(absl::InternalError(absl::StrCat(Who(), ": ", what, ": ", ncclGetErrorString(async))));
+    if (absl::Status s = late(); !s.ok()) return s;
+    pause();
   }
+}
+
+absl::Status NcclGroup::Finish(const char* what, int nccl_result) {
+  return Wait(what, nccl_result, std::chrono::steady_clock::now() + timeout_, true);
 }
 
 absl::Status NcclGroup::AllReduceSum(float* data, int64_t n, const StreamMark* after) {

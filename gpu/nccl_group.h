@@ -40,8 +40,9 @@ class StreamMark {
 class NcclGroup {
  public:
   // Joins rank `rank` of `size` on CUDA device `device`. Rank 0 writes the group's NCCL unique id to
-  // `id_file` (atomically: a temporary file renamed); the other ranks wait up to `timeout` for it. The
-  // same timeout bounds each collective afterwards: one not done by then aborts the group.
+  // `id_file` (atomically: a temporary file renamed); the other ranks wait up to `timeout` for it, and
+  // for the group to form. The communicator is non-blocking, so the same timeout bounds each call
+  // afterwards, its connection to the other ranks included: one not done by then aborts the group.
   // Errors name the rank, the device and the NCCL or CUDA call.
   static absl::StatusOr<std::unique_ptr<NcclGroup>> Join(const std::string& id_file, int rank, int size, int device,
                                                          std::chrono::milliseconds timeout);
@@ -59,9 +60,10 @@ class NcclGroup {
   // Point to point, as the site's row scatter and gather use it: `n` floats to or from rank `peer`.
   absl::Status Send(const float* data, int64_t n, int peer, const StreamMark* after = nullptr);
   absl::Status Recv(float* data, int64_t n, int peer, const StreamMark* after = nullptr);
-  // Thread-safe, from any thread: the collective now waiting (for a rank that never comes) aborts the
-  // communicator and fails within about a millisecond, and so does every later call; the destructor then
-  // aborts rather than waits for the other ranks.
+  // Thread-safe, from any thread: the call now waiting (for a rank that never comes) aborts the
+  // communicator and fails at its next poll (within a millisecond), and so does every later call; the
+  // destructor then aborts rather than destroys. ncclCommAbort itself may wait for the other ranks of the
+  // process's NCCL proxy to let go (NVIDIA/nccl#863): a worker's death, which ends its site, ends that.
   void Abort();
 
  private:
@@ -69,8 +71,13 @@ class NcclGroup {
   NcclGroup(int rank, int size, int device, std::chrono::milliseconds timeout);
   // Before a collective: the group still usable, the device current, the stream after `after`.
   absl::Status Begin(const char* what, const StreamMark* after);
-  // After it: waits for the stream, polling so that a timeout or Abort can end the wait.
+  // After it: waits for the call (ncclInProgress) and then its stream, until the group's timeout.
   absl::Status Finish(const char* what, int nccl_result);
+  // Waits for a call that returned `nccl_result` to be done, and with `stream` for its kernels too; polled,
+  // so that `until` or Abort ends the wait (the group then aborted).
+  absl::Status Wait(const char* what, int nccl_result, std::chrono::steady_clock::time_point until, bool stream);
+  // Aborts the communicator (a failed one is fit for nothing else) and returns `error`.
+  absl::Status Fail(absl::Status error);
   std::string Who() const;
 
   int rank_, size_, device_;

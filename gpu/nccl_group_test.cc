@@ -83,12 +83,13 @@ TEST(NcclGroup, TwoRanksSumBroadcastGatherAndExchangeRows) {
 }
 
 // Data written on the default stream (as libtorch computes) and marked is what the group's own stream sums.
+// From pinned host memory the 64 MiB copy is asynchronous (milliseconds), so a missing mark would show.
 TEST(NcclGroup, ASumAfterAStreamMarkSeesTheDefaultStreamsWork) {
   const int devices = Devices();
   if (devices < 2) GTEST_SKIP() << "NCCL runs one rank per device and this machine has " << devices;
   const std::string id =
       (std::filesystem::temp_directory_path() / ("meridian_nccl_mark_" + std::to_string(::getpid()))).string();
-  const int64_t n = 16 << 20;  // 64 MiB: a copy long enough for a race to show
+  const int64_t n = 16 << 20;
   std::vector<float> first(2), last(2);
   std::vector<std::string> errors(2);
   auto rank = [&](int r) {
@@ -97,19 +98,21 @@ TEST(NcclGroup, ASumAfterAStreamMarkSeesTheDefaultStreamsWork) {
       errors[r] = std::string(g.status().message());
       return;
     }
-    float* a = nullptr;
-    cudaMalloc(&a, n * sizeof(float));
-    std::vector<float> host(n, static_cast<float>(r + 1));
-    cudaMemcpyAsync(a, host.data(), n * sizeof(float), cudaMemcpyHostToDevice, 0);  // the default stream
-    auto mark = StreamMark::Record(r);
-    if (!mark.ok()) {
-      errors[r] = std::string(mark.status().message());
+    float *a = nullptr, *host = nullptr;
+    if (cudaMalloc(&a, n * sizeof(float)) != cudaSuccess || cudaMallocHost(&host, n * sizeof(float)) != cudaSuccess) {
+      errors[r] = "out of memory";
+      (*g)->Abort();  // the peer's sum then times out rather than waits
       return;
     }
-    if (absl::Status s = (*g)->AllReduceSum(a, n, mark->get()); !s.ok()) errors[r] = std::string(s.message());
+    for (int64_t i = 0; i < n; ++i) host[i] = static_cast<float>(r + 1);
+    cudaMemcpyAsync(a, host, n * sizeof(float), cudaMemcpyHostToDevice, cudaStreamLegacy);  // the default stream
+    auto mark = StreamMark::Record(r);
+    absl::Status s = mark.ok() ? (*g)->AllReduceSum(a, n, mark->get()) : mark.status();
+    if (!s.ok()) errors[r] = std::string(s.message());
     cudaMemcpy(&first[r], a, sizeof(float), cudaMemcpyDeviceToHost);
     cudaMemcpy(&last[r], a + n - 1, sizeof(float), cudaMemcpyDeviceToHost);
     cudaFree(a);
+    cudaFreeHost(host);
   };
   std::thread t0(rank, 0), t1(rank, 1);
   t0.join();
@@ -139,7 +142,11 @@ TEST(NcclGroup, ACollectiveWithoutItsPeerTimesOutAndAbortsTheGroup) {
     }
     float* a = nullptr;
     cudaMalloc(&a, 1024 * sizeof(float));
-    if (r == 0) {
+    // One sum together first: its connections made, the next call's wait is for the peer's part alone.
+    if (absl::Status s = (*g)->AllReduceSum(a, 1024); !s.ok()) {
+      sum[r] = s;
+      done = true;
+    } else if (r == 0) {
       sum[r] = (*g)->AllReduceSum(a, 1024);
       after[r] = (*g)->AllReduceSum(a, 1024);
       done = true;

@@ -31,7 +31,8 @@ LOG=gpu-check.log
   build-gpu/compression/cuda/compression_gpu_bench
   build-gpu/gpu/gpu_probe_test
   # NCCL among a site's workers, one rank per device: needs two GPUs (it says so and skips on one).
-  if [[ -x build-gpu/gpu/nccl_group_test ]]; then build-gpu/gpu/nccl_group_test; else
+  # Bounded: a collective that never completes would otherwise hold the machine.
+  if [[ -x build-gpu/gpu/nccl_group_test ]]; then timeout 300 build-gpu/gpu/nccl_group_test; else
     echo "NCCL is not in this CUDA toolkit: gpu/nccl_group_test was not built"; fi
   build-gpu/bin/meridian-gpu-probe 0 8192
 } 2>&1 | tee "$LOG"
