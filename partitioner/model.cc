@@ -242,6 +242,21 @@ double TransportSeconds(const SiteProfile& site, double wire_bytes) {
   return site.transport_seconds_per_frame + site.transport_seconds_per_byte * wire_bytes;
 }
 
+double ReplicaSumCpuSeconds(const SiteProfile& site, const std::string& codec, double wire_ratio, double grad_bytes,
+                            int replicas, int buckets) {
+  if (replicas < 2) return 0;
+  const double R = replicas;
+  auto spec = compression::CodecSpec::Parse(codec);
+  const double lossy = spec.ok() && !spec->lossless() ? 1 : 0;
+  // Encoded: its R - 1 slices to the others and its slice's sum; decoded: the others' R - 1 slices of its
+  // own, that sum again when lossy (every replica keeps what the others decode), the others' R - 1 sums.
+  const double raw = grad_bytes * (1 + (2 * (R - 1) + lossy) / R);
+  const double frames = 4.0 * (R - 1) * std::max(1, buckets);  // sent and received, in both halves
+  const double wire = 4.0 * (R - 1) / R * grad_bytes * wire_ratio;
+  return CodecSeconds(site, codec, raw) + frames * site.transport_seconds_per_frame +
+         site.transport_seconds_per_byte * wire;
+}
+
 double OpSeconds(const Op& op, const SiteProfile& site) {
   auto it = site.op_seconds.find(op.name);
   return it != site.op_seconds.end() ? it->second : (op.forward_flops + op.backward_flops) / site.flops_per_second;

@@ -97,6 +97,14 @@ double CodecSeconds(const SiteProfile& site, const std::string& codec, double ra
 // `site`'s transport work for one frame of `wire_bytes` on one side of a link:
 // transport_seconds_per_frame + transport_seconds_per_byte * wire_bytes (0 when not measured).
 double TransportSeconds(const SiteProfile& site, double wire_bytes);
+// `site`'s CPU seconds for its part in one sum of a stage's `grad_bytes` of float32 gradients over
+// `replicas` replicas in `buckets` buckets, as executor/replica_sync.h does it (reduce-scatter, then
+// all-gather): the codec's work on every slice it encodes or decodes (each slice it sends, the sum of its
+// own, that sum again when lossy, and the others' sums) and the transport's on every frame it sends or
+// receives (`wire_ratio`: wire bytes per raw byte). That work runs beside the compute thread, so on a CPU
+// site it takes from the same quota. 0 for fewer than 2 replicas.
+double ReplicaSumCpuSeconds(const SiteProfile& site, const std::string& codec, double wire_ratio, double grad_bytes,
+                            int replicas, int buckets);
 // `site`'s seconds per step for the norm, clipping and optimizer step of ops [first, last]: their
 // optimizer_bytes x optimizer_seconds_per_byte (0 when not measured); with `zero` 1 (ZeRO-1,
 // job.optimizer.zero) each of the site's workers steps a 1/workers share (the parameters' all-gather is

@@ -268,6 +268,35 @@ TEST(SimulatorTest, ReplicasSumTheirGradientsAfterTheLastBackwardPass) {
   EXPECT_GT(bucketed->step_times[0], 2 * pass - 2e9 / 1e12 + 1.0);
 }
 
+TEST(SimulatorTest, TheGradientSumsCodecAndTransportWorkTakesTheSitesCpuWhenTheLinksAreFast) {
+  // Two replicas summing 8 MB of gradients as int8, over links fast enough to take no time: the step is the
+  // passes plus each replica's CPU work for the sum (partitioner::ReplicaSumCpuSeconds), not the links.
+  OpGraph g = Chain(1);
+  g.ops[0].param_bytes = 16e6;
+  ClusterProfile p = Sites(2, 1e12, 1e15, 0);
+  for (auto& s : p.sites) {
+    s.codec_bytes_per_second["int8"] = 1e8;
+    s.transport_seconds_per_frame = 1e-4;
+    s.transport_seconds_per_byte = 1e-9;
+  }
+  Plan plan = Pipeline(g, p, 4, {{0, 1}});
+  plan.stages[0].gradient_codec = "int8";
+  auto r = Simulate(g, p, plan, {.steps = 2, .bucket_bytes = 1 << 30});
+  ASSERT_TRUE(r.ok()) << r.status();
+  const double ratio = partitioner::PriceCodec("int8")->ratio;
+  const double cpu = partitioner::ReplicaSumCpuSeconds(p.sites[0], "int8", ratio, 8e6, 2, 1);
+  // Encoded 8 MB, decoded 2 x 4 MB and, lossy, the own sum's 4 MB again: 20 MB at 100 MB/s; four frames;
+  // 4 x 4 MB x ratio on the wire.
+  EXPECT_NEAR(cpu, 20e6 / 1e8 + 4 * 1e-4 + 1e-9 * 16e6 * ratio, 1e-9);
+  const double pass = 3e9 / 1e12;
+  EXPECT_NEAR(r->step_times[0], 2 * pass + cpu, 1e-3);
+  // Identity has no codec work: only the frames' transport.
+  plan.stages[0].gradient_codec = "identity";
+  auto id = Simulate(g, p, plan, {.steps = 2, .bucket_bytes = 1 << 30});
+  ASSERT_TRUE(id.ok());
+  EXPECT_NEAR(id->step_times[0], 2 * pass + 4 * 1e-4 + 1e-9 * 16e6, 1e-3);
+}
+
 TEST(SimulatorTest, DilocoSynchronisesEveryInnerStepsAndOverlapHidesTheExchange) {
   OpGraph g = Chain(1);
   g.ops[0].param_bytes = 16e6;  // 8 MB of float32 pseudo-gradients
