@@ -127,6 +127,33 @@ struct SiteGroup::Impl {
     return false;
 #endif
   }
+  const char* backend() const { return has_nccl() ? "NCCL" : "c10d/Gloo"; }
+  // Point to point, waited for: `t` (float32, contiguous, on collective_device()) to or from worker
+  // `peer`. Gloo's failures throw; NCCL's come back.
+  absl::Status SendRows(torch::Tensor t, int peer) {
+#ifdef MERIDIAN_HAVE_NCCL
+    if (nccl)
+      return StartNccl([t, peer](gpu::NcclGroup& n, const gpu::StreamMark* after) {
+               return n.Send(t.data_ptr<float>(), t.numel(), peer, after);
+             })
+          .get();
+#endif
+    std::vector<at::Tensor> v{t};
+    pg->send(v, peer, 0)->wait();
+    return absl::OkStatus();
+  }
+  absl::Status RecvRows(torch::Tensor t, int peer) {
+#ifdef MERIDIAN_HAVE_NCCL
+    if (nccl)
+      return StartNccl([t, peer](gpu::NcclGroup& n, const gpu::StreamMark* after) {
+               return n.Recv(t.data_ptr<float>(), t.numel(), peer, after);
+             })
+          .get();
+#endif
+    std::vector<at::Tensor> v{t};
+    pg->recv(v, peer, 0)->wait();
+    return absl::OkStatus();
+  }
   // Whether `t` goes through NCCL: float32, contiguous, on the worker's CUDA device, under NCCL.
   bool OnNccl(const torch::Tensor& t) const {
     return has_nccl() && t.defined() && t.device() == device && t.scalar_type() == torch::kFloat32 && t.is_contiguous();
@@ -215,7 +242,6 @@ std::pair<int64_t, int64_t> SiteGroup::Rows(int64_t rows, int worker) const {
   return {first, base + (worker < extra ? 1 : 0)};
 }
 
-#ifdef MERIDIAN_HAVE_NCCL
 namespace {
 // An NCCL call's failure, worded as Guard words Gloo's.
 absl::Status NcclFailure(const SiteGroup& g, const char* what, const absl::Status& s) {
@@ -224,128 +250,63 @@ absl::Status NcclFailure(const SiteGroup& g, const char* what, const absl::Statu
       absl::StrCat(g.where(), " worker ", g.rank(), " of ", g.size(), ": ", what, " (NCCL): ", s.message()));
 }
 }  // namespace
-#endif
 
+// Scatter and Gather move rows point to point, worker 0 with each worker in turn: through NCCL on the
+// worker's CUDA device, else through Gloo on the host (rows of a contiguous tensor are contiguous). A Gloo
+// failure throws, caught by Guard; an NCCL one comes back as a status.
 absl::StatusOr<torch::Tensor> SiteGroup::Scatter(const torch::Tensor& whole, const std::vector<int64_t>& whole_shape) {
+  const char* what = "scattering a micro-batch's rows";
+  const auto opts = torch::TensorOptions().device(collective_device()).dtype(torch::kFloat32);
   torch::Tensor mine;
-#ifdef MERIDIAN_HAVE_NCCL
-  if (impl_->has_nccl()) {  // device to device: worker 0's rows to each worker in turn
-    const char* what = "scattering a micro-batch's rows";
-    absl::Status nccl;
-    absl::Status s = Guard(
-        what,
-        [&] {
-          const auto opts = torch::TensorOptions().device(impl_->device).dtype(torch::kFloat32);
-          if (rank_ == 0) {
-            torch::Tensor w = whole.detach().to(opts).contiguous();
-            for (int r = 1; r < size_ && nccl.ok(); ++r) {
-              auto [first, count] = Rows(whole_shape[0], r);
-              torch::Tensor part = w.narrow(0, first, count);  // rows of a contiguous tensor: contiguous
-              nccl = impl_
-                         ->StartNccl([part, r](gpu::NcclGroup& n, const gpu::StreamMark* after) {
-                           return n.Send(part.data_ptr<float>(), part.numel(), r, after);
-                         })
-                         .get();
-            }
-            auto [first, count] = Rows(whole_shape[0], 0);
-            mine = w.narrow(0, first, count).clone();
-          } else {
-            std::vector<int64_t> shape = whole_shape;
-            shape[0] = Rows(whole_shape[0], rank_).second;
-            mine = torch::empty(shape, opts);
-            nccl = impl_
-                       ->StartNccl([mine](gpu::NcclGroup& n, const gpu::StreamMark* after) {
-                         return n.Recv(mine.data_ptr<float>(), mine.numel(), 0, after);
-                       })
-                       .get();
+  absl::Status moved;
+  absl::Status s = Guard(
+      what,
+      [&] {
+        if (rank_ == 0) {
+          torch::Tensor w = whole.detach().to(opts).contiguous();
+          for (int r = 1; r < size_ && moved.ok(); ++r) {
+            auto [first, count] = Rows(whole_shape[0], r);
+            moved = impl_->SendRows(w.narrow(0, first, count), r);
           }
-        },
-        "NCCL");
-    if (!s.ok()) return s;
-    if (!nccl.ok()) return NcclFailure(*this, what, nccl);
-    return mine;
-  }
-#endif
-  absl::Status s = Guard("scattering a micro-batch's rows", [&] {
-    std::vector<int64_t> shape = whole_shape;
-    if (rank_ == 0) {
-      torch::Tensor w = whole.detach().to(torch::kCPU, torch::kFloat32).contiguous();
-      for (int r = 1; r < size_; ++r) {
-        auto [first, count] = Rows(whole_shape[0], r);
-        std::vector<at::Tensor> part{w.narrow(0, first, count).contiguous()};
-        impl_->pg->send(part, r, 0)->wait();
-      }
-      auto [first, count] = Rows(whole_shape[0], 0);
-      mine = w.narrow(0, first, count).clone();
-    } else {
-      shape[0] = Rows(whole_shape[0], rank_).second;
-      std::vector<at::Tensor> part{torch::empty(shape, torch::kFloat32)};
-      impl_->pg->recv(part, 0, 0)->wait();
-      mine = part[0];
-    }
-  });
+          auto [first, count] = Rows(whole_shape[0], 0);
+          mine = w.narrow(0, first, count).clone();
+        } else {
+          std::vector<int64_t> shape = whole_shape;
+          shape[0] = Rows(whole_shape[0], rank_).second;
+          mine = torch::empty(shape, opts);
+          moved = impl_->RecvRows(mine, 0);
+        }
+      },
+      impl_->backend());
   if (!s.ok()) return s;
+  if (!moved.ok()) return NcclFailure(*this, what, moved);
   return mine;
 }
 
 absl::StatusOr<torch::Tensor> SiteGroup::Gather(const torch::Tensor& mine, const std::vector<int64_t>& whole_shape) {
+  const char* what = "gathering a micro-batch's rows";
+  const auto opts = torch::TensorOptions().device(collective_device()).dtype(torch::kFloat32);
   torch::Tensor whole;
-#ifdef MERIDIAN_HAVE_NCCL
-  if (impl_->has_nccl()) {  // device to device: each worker's rows to worker 0 in turn
-    const char* what = "gathering a micro-batch's rows";
-    absl::Status nccl;
-    absl::Status s = Guard(
-        what,
-        [&] {
-          const auto opts = torch::TensorOptions().device(impl_->device).dtype(torch::kFloat32);
-          torch::Tensor m = mine.detach().to(opts).contiguous();
-          if (rank_ == 0) {
-            whole = torch::empty(whole_shape, opts);
-            auto [first0, count0] = Rows(whole_shape[0], 0);
-            whole.narrow(0, first0, count0).copy_(m);
-            for (int r = 1; r < size_ && nccl.ok(); ++r) {
-              auto [first, count] = Rows(whole_shape[0], r);
-              torch::Tensor part = whole.narrow(0, first, count);
-              nccl = impl_
-                         ->StartNccl([part, r](gpu::NcclGroup& n, const gpu::StreamMark* after) {
-                           return n.Recv(part.data_ptr<float>(), part.numel(), r, after);
-                         })
-                         .get();
-            }
-          } else {
-            nccl = impl_
-                       ->StartNccl([m](gpu::NcclGroup& n, const gpu::StreamMark* after) {
-                         return n.Send(m.data_ptr<float>(), m.numel(), 0, after);
-                       })
-                       .get();
+  absl::Status moved;
+  absl::Status s = Guard(
+      what,
+      [&] {
+        torch::Tensor m = mine.detach().to(opts).contiguous();
+        if (rank_ == 0) {
+          whole = torch::empty(whole_shape, opts);
+          auto [first0, count0] = Rows(whole_shape[0], 0);
+          whole.narrow(0, first0, count0).copy_(m);
+          for (int r = 1; r < size_ && moved.ok(); ++r) {
+            auto [first, count] = Rows(whole_shape[0], r);
+            moved = impl_->RecvRows(whole.narrow(0, first, count), r);
           }
-        },
-        "NCCL");
-    if (!s.ok()) return s;
-    if (!nccl.ok()) return NcclFailure(*this, what, nccl);
-    return whole;
-  }
-#endif
-  absl::Status s = Guard("gathering a micro-batch's rows", [&] {
-    torch::Tensor m = mine.detach().to(torch::kCPU, torch::kFloat32).contiguous();
-    if (rank_ == 0) {
-      whole = torch::empty(whole_shape, torch::kFloat32);
-      auto [first0, count0] = Rows(whole_shape[0], 0);
-      whole.narrow(0, first0, count0).copy_(m);
-      for (int r = 1; r < size_; ++r) {
-        auto [first, count] = Rows(whole_shape[0], r);
-        std::vector<int64_t> shape = whole_shape;
-        shape[0] = count;
-        std::vector<at::Tensor> part{torch::empty(shape, torch::kFloat32)};
-        impl_->pg->recv(part, r, 0)->wait();
-        whole.narrow(0, first, count).copy_(part[0]);
-      }
-    } else {
-      std::vector<at::Tensor> part{m};
-      impl_->pg->send(part, 0, 0)->wait();
-    }
-  });
+        } else {
+          moved = impl_->SendRows(m, 0);
+        }
+      },
+      impl_->backend());
   if (!s.ok()) return s;
+  if (!moved.ok()) return NcclFailure(*this, what, moved);
   return whole;
 }
 

@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <filesystem>
+#include <functional>
 #include <thread>
 #include <vector>
 
@@ -20,16 +21,12 @@ int Devices() {
   return n;
 }
 
-TEST(NcclGroup, TwoRanksSumBroadcastGatherAndExchangeRows) {
-  const int devices = Devices();
-  if (devices < 2)
-    GTEST_SKIP() << "NCCL runs one rank per device and this machine has " << devices
-                 << " CUDA device(s) (a site lists each CUDA device once)";
-  const std::string id =
-      (std::filesystem::temp_directory_path() / ("meridian_nccl_" + std::to_string(::getpid()))).string();
+// Runs body(group, rank, &error) on two ranks, one thread each on its own device, in a fresh group;
+// returns each rank's error ("" when none). A rank that cannot join records why and runs nothing.
+std::vector<std::string> OnTwoRanks(const std::string& name,
+                                    const std::function<void(NcclGroup&, int, std::string*)>& body) {
+  const std::string id = (std::filesystem::temp_directory_path() / (name + std::to_string(::getpid()))).string();
   std::filesystem::remove(id);
-  const int64_t n = 1 << 20;
-  std::vector<std::vector<float>> sum(2), bcast(2), gathered(2), got(2);
   std::vector<std::string> errors(2);
   auto rank = [&](int r) {
     auto g = NcclGroup::Join(id, r, 2, r, std::chrono::seconds(60));
@@ -37,40 +34,53 @@ TEST(NcclGroup, TwoRanksSumBroadcastGatherAndExchangeRows) {
       errors[r] = std::string(g.status().message());
       return;
     }
+    body(**g, r, &errors[r]);
+  };
+  std::thread t0(rank, 0), t1(rank, 1);
+  t0.join();
+  t1.join();
+  std::filesystem::remove(id);
+  return errors;
+}
+
+TEST(NcclGroup, TwoRanksSumBroadcastGatherAndExchangeRows) {
+  const int devices = Devices();
+  if (devices < 2)
+    GTEST_SKIP() << "NCCL runs one rank per device and this machine has " << devices
+                 << " CUDA device(s) (a site lists each CUDA device once)";
+  const int64_t n = 1 << 20;
+  std::vector<std::vector<float>> sum(2), bcast(2), gathered(2), got(2);
+  auto errors = OnTwoRanks("meridian_nccl_", [&](NcclGroup& group, int r, std::string* error) {
     float *a = nullptr, *b = nullptr;
     cudaMalloc(&a, n * sizeof(float));
     cudaMalloc(&b, 2 * n * sizeof(float));
     std::vector<float> host(n, static_cast<float>(r + 1));
     cudaMemcpy(a, host.data(), n * sizeof(float), cudaMemcpyHostToDevice);
     auto check = [&](const absl::Status& s) {
-      if (!s.ok() && errors[r].empty()) errors[r] = std::string(s.message());
+      if (!s.ok() && error->empty()) *error = std::string(s.message());
     };
-    check((*g)->AllReduceSum(a, n));
+    check(group.AllReduceSum(a, n));
     sum[r].resize(n);
     cudaMemcpy(sum[r].data(), a, n * sizeof(float), cudaMemcpyDeviceToHost);
     std::vector<float> mine(n, static_cast<float>(10 * (r + 1)));
     cudaMemcpy(a, mine.data(), n * sizeof(float), cudaMemcpyHostToDevice);
-    check((*g)->AllGather(a, b, n));
+    check(group.AllGather(a, b, n));
     gathered[r].resize(2 * n);
     cudaMemcpy(gathered[r].data(), b, 2 * n * sizeof(float), cudaMemcpyDeviceToHost);
-    check((*g)->Broadcast(a, n));
+    check(group.Broadcast(a, n));
     bcast[r].resize(n);
     cudaMemcpy(bcast[r].data(), a, n * sizeof(float), cudaMemcpyDeviceToHost);
     // Rows from rank 0 to rank 1, as worker 0 scatters a micro-batch.
     if (r == 0) {
-      check((*g)->Send(a, n / 2, 1));
+      check(group.Send(a, n / 2, 1));
     } else {
-      check((*g)->Recv(b, n / 2, 0));
+      check(group.Recv(b, n / 2, 0));
       got[r].resize(n / 2);
       cudaMemcpy(got[r].data(), b, n / 2 * sizeof(float), cudaMemcpyDeviceToHost);
     }
     cudaFree(a);
     cudaFree(b);
-  };
-  std::thread t0(rank, 0), t1(rank, 1);
-  t0.join();
-  t1.join();
-  std::filesystem::remove(id);
+  });
   for (const auto& e : errors) ASSERT_EQ(e, "");
   for (int r = 0; r < 2; ++r) {
     EXPECT_EQ(sum[r].front(), 3.0f);
@@ -87,37 +97,25 @@ TEST(NcclGroup, TwoRanksSumBroadcastGatherAndExchangeRows) {
 TEST(NcclGroup, ASumAfterAStreamMarkSeesTheDefaultStreamsWork) {
   const int devices = Devices();
   if (devices < 2) GTEST_SKIP() << "NCCL runs one rank per device and this machine has " << devices;
-  const std::string id =
-      (std::filesystem::temp_directory_path() / ("meridian_nccl_mark_" + std::to_string(::getpid()))).string();
   const int64_t n = 16 << 20;
   std::vector<float> first(2), last(2);
-  std::vector<std::string> errors(2);
-  auto rank = [&](int r) {
-    auto g = NcclGroup::Join(id, r, 2, r, std::chrono::seconds(60));
-    if (!g.ok()) {
-      errors[r] = std::string(g.status().message());
-      return;
-    }
+  auto errors = OnTwoRanks("meridian_nccl_mark_", [&](NcclGroup& group, int r, std::string* error) {
     float *a = nullptr, *host = nullptr;
     if (cudaMalloc(&a, n * sizeof(float)) != cudaSuccess || cudaMallocHost(&host, n * sizeof(float)) != cudaSuccess) {
-      errors[r] = "out of memory";
-      (*g)->Abort();  // the peer's sum then times out rather than waits
+      *error = "out of memory";
+      group.Abort();  // the peer's sum then times out rather than waits
       return;
     }
     for (int64_t i = 0; i < n; ++i) host[i] = static_cast<float>(r + 1);
     cudaMemcpyAsync(a, host, n * sizeof(float), cudaMemcpyHostToDevice, cudaStreamLegacy);  // the default stream
     auto mark = StreamMark::Record(r);
-    absl::Status s = mark.ok() ? (*g)->AllReduceSum(a, n, mark->get()) : mark.status();
-    if (!s.ok()) errors[r] = std::string(s.message());
+    absl::Status s = mark.ok() ? group.AllReduceSum(a, n, mark->get()) : mark.status();
+    if (!s.ok()) *error = std::string(s.message());
     cudaMemcpy(&first[r], a, sizeof(float), cudaMemcpyDeviceToHost);
     cudaMemcpy(&last[r], a + n - 1, sizeof(float), cudaMemcpyDeviceToHost);
     cudaFree(a);
     cudaFreeHost(host);
-  };
-  std::thread t0(rank, 0), t1(rank, 1);
-  t0.join();
-  t1.join();
-  std::filesystem::remove(id);
+  });
   for (int r = 0; r < 2; ++r) {
     ASSERT_EQ(errors[r], "") << "rank " << r;
     EXPECT_EQ(first[r], 3.0f);
