@@ -223,6 +223,18 @@ bool SiteGroup::uses_nccl() const { return impl_->has_nccl(); }
 
 torch::Device SiteGroup::collective_device() const { return impl_->has_nccl() ? impl_->device : torch::kCPU; }
 
+namespace {
+// A collective's failure: the site cannot go on with this group.
+absl::Status GroupFailure(const SiteGroup& g, const char* what, const char* backend, absl::string_view message) {
+  return absl::UnavailableError(
+      absl::StrCat(g.where(), " worker ", g.rank(), " of ", g.size(), ": ", what, " (", backend, "): ", message));
+}
+// An NCCL call's outcome, its failure worded as Guard words Gloo's.
+absl::Status NcclFailure(const SiteGroup& g, const char* what, const absl::Status& s) {
+  return s.ok() ? s : GroupFailure(g, what, "NCCL", s.message());
+}
+}  // namespace
+
 absl::Status SiteGroup::Guard(const char* what, const std::function<void()>& fn, const char* backend) {
   try {
     fn();
@@ -231,8 +243,7 @@ absl::Status SiteGroup::Guard(const char* what, const std::function<void()>& fn,
     // Gloo reports a worker gone or late as an exception: the site cannot go on with this group.
     std::string msg = e.what();
     if (auto nl = msg.find('\n'); nl != std::string::npos) msg.resize(nl);
-    return absl::UnavailableError(
-        absl::StrCat(where_, " worker ", rank_, " of ", size_, ": ", what, " (", backend, "): ", core::Printable(msg)));
+    return GroupFailure(*this, what, backend, core::Printable(msg));
   }
 }
 
@@ -241,15 +252,6 @@ std::pair<int64_t, int64_t> SiteGroup::Rows(int64_t rows, int worker) const {
   const int64_t first = worker * base + std::min<int64_t>(worker, extra);
   return {first, base + (worker < extra ? 1 : 0)};
 }
-
-namespace {
-// An NCCL call's failure, worded as Guard words Gloo's.
-absl::Status NcclFailure(const SiteGroup& g, const char* what, const absl::Status& s) {
-  if (s.ok()) return s;
-  return absl::UnavailableError(
-      absl::StrCat(g.where(), " worker ", g.rank(), " of ", g.size(), ": ", what, " (NCCL): ", s.message()));
-}
-}  // namespace
 
 // Scatter and Gather move rows point to point, worker 0 with each worker in turn: through NCCL on the
 // worker's CUDA device, else through Gloo on the host (rows of a contiguous tensor are contiguous). A Gloo

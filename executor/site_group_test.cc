@@ -19,14 +19,20 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// Runs fn(group) on `k` workers, one thread each, in a fresh group, which they leave together; returns each
-// worker's failure text.
-std::vector<std::string> OnWorkers(int k, const std::function<void(SiteGroup&)>& fn) {
+// A store path no group has used yet.
+std::string FreshStore() {
   static int n = 0;
   const std::string store =
       (fs::temp_directory_path() / ("meridian_site_group_" + std::to_string(::getpid()) + "_" + std::to_string(n++)))
           .string();
   fs::remove(store);
+  return store;
+}
+
+// Runs fn(group) on `k` workers, one thread each, in a fresh group, which they leave together; returns each
+// worker's failure text.
+std::vector<std::string> OnWorkers(int k, const std::function<void(SiteGroup&)>& fn) {
+  const std::string store = FreshStore();
   std::vector<std::string> errors(k);
   std::vector<std::thread> threads;
   for (int r = 0; r < k; ++r)
@@ -200,11 +206,7 @@ TEST(SiteGroupTest, AWorkerFlagIsCheckedAndAMissingWorkerFailsTheJoinNamingTheSi
 // Gloo alone and sum through host memory. (Two GPUs run NCCL itself: scripts/gpu_check.sh.)
 TEST(SiteGroupTest, WorkersOnCudaDevicesJoinNcclOrSayWhyNot) {
   if (gpu::Available()) GTEST_SKIP() << "a GPU is present: gpu/nccl_group_test runs NCCL there";
-  static int n = 0;
-  const std::string store = (fs::temp_directory_path() /
-                             ("meridian_site_group_cuda_" + std::to_string(::getpid()) + "_" + std::to_string(n++)))
-                                .string();
-  fs::remove(store);
+  const std::string store = FreshStore();
   std::vector<absl::StatusOr<std::unique_ptr<SiteGroup>>> groups(2);
   std::vector<std::thread> threads;
   for (int r = 0; r < 2; ++r)

@@ -13,6 +13,12 @@
 #include "absl/strings/str_cat.h"
 
 namespace meridian::gpu {
+namespace {
+// How errors name a rank.
+std::string Describe(int rank, int size, int device) {
+  return absl::StrCat("NCCL rank ", rank, " of ", size, " on cuda:", device);
+}
+}  // namespace
 
 struct StreamMark::Impl {
   cudaEvent_t event = nullptr;
@@ -57,13 +63,13 @@ NcclGroup::~NcclGroup() {
   if (impl_->stream) cudaStreamDestroy(impl_->stream);
 }
 
-std::string NcclGroup::Who() const { return absl::StrCat("NCCL rank ", rank_, " of ", size_, " on cuda:", device_); }
+std::string NcclGroup::Who() const { return Describe(rank_, size_, device_); }
 
 void NcclGroup::Abort() { impl_->abort.store(true); }
 
 absl::StatusOr<std::unique_ptr<NcclGroup>> NcclGroup::Join(const std::string& id_file, int rank, int size, int device,
                                                            std::chrono::milliseconds timeout) {
-  const std::string who = absl::StrCat("NCCL rank ", rank, " of ", size, " on cuda:", device);
+  const std::string who = Describe(rank, size, device);
   if (rank < 0 || rank >= size) return absl::InvalidArgumentError(absl::StrCat(who, ": no such rank"));
   if (cudaError_t e = cudaSetDevice(device); e != cudaSuccess)
     return absl::FailedPreconditionError(absl::StrCat(who, ": cudaSetDevice: ", cudaGetErrorString(e)));

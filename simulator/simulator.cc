@@ -67,9 +67,8 @@ struct Worker {
   bool sent_up = false;
   bool sent_down = false;  // whole pipelines: the total to the next stage (and stage 0's loss share to replica 0)
   int buckets_done = 0;
-  // The gradient sum's own CPU work (its codec and transport) ends no earlier than this; scheduled once.
+  // The gradient sum's own CPU work (its codec and transport) ends no earlier than this.
   double sum_cpu_until = 0;
-  bool sum_cpu_scheduled = false;
   // DiLoCo: an exchange this replica has begun and not yet received in full; what to do when it has.
   bool exchange_open = false;
   std::function<void(double)> resume;
@@ -305,8 +304,6 @@ void Simulation::StartStep(int wi, double t) {
   w.sent_up = false;
   w.sent_down = false;
   w.buckets_done = 0;
-  w.sum_cpu_until = 0;
-  w.sum_cpu_scheduled = false;
   w.step_start = t;
   if (w.step == steps_ - 1) last_step_start_ = std::min(last_step_start_, t);
   TryRun(wi, t);
@@ -418,10 +415,12 @@ void Simulation::AfterPasses(int wi, double t) {
   // The sum's codec and transport work shares the site's CPU with the passes (executor/replica_sync.h: the
   // averager's threads, then the compute thread's decoding of the sums): on a CPU site it ends at the
   // earliest that long after the passes, however early the links deliver.
-  if (w.phase == 1)
+  if (w.phase == 1) {
     w.sum_cpu_until = t + partitioner::ReplicaSumCpuSeconds(p_.sites[w.site], grad_codec_[w.stage].name,
                                                             grad_codec_[w.stage].forward_ratio, grad_bytes_[w.stage], R,
                                                             buckets_[w.stage]);
+    if (w.sum_cpu_until > t) At(w.sum_cpu_until, [this, wi, until = w.sum_cpu_until] { Advance(wi, until); });
+  }
   if (w.phase == 1 && w.last_backward < 0) {
     // A replica without micro-batches this step hands over zero gradients at once.
     for (int b = 0; b < buckets_[w.stage]; ++b) BucketReady(w.stage, w.step, b, w.replica, t);
@@ -515,13 +514,7 @@ void Simulation::Advance(int wi, double t) {
   const bool first = w.stage == 0, last = w.stage == S - 1;
   if (w.phase == 1) {
     if (w.buckets_done < buckets_[w.stage] || w.next < w.order.size()) return;
-    if (t < w.sum_cpu_until) {
-      if (!w.sum_cpu_scheduled) {
-        w.sum_cpu_scheduled = true;
-        At(w.sum_cpu_until, [this, wi, until = w.sum_cpu_until] { Advance(wi, until); });
-      }
-      return;
-    }
+    if (t < w.sum_cpu_until) return;  // AfterPasses scheduled this Advance at sum_cpu_until
     w.phase = 2;
   }
   if (w.phase != 2) return;
