@@ -119,6 +119,22 @@ TEST(Profiler, ATiedHeadIsTimedAsTheSameWorkUntied) {
   EXPECT_EQ(b->graph.ops.back().tied_to, -1);
 }
 
+// On the host CPU a timed part is charged the measurement window's wall time by its CPU time: session 36's
+// round under a quota of 0.45 (ops timed 0.51 s of wall and 0.312 s of CPU, the round 0.70 s and 0.315 s)
+// gives the ops 0.693 s, not the 0.51 s their intervals saw; two parts split the window by their CPU, and
+// together take all of it but the untimed parts' CPU share. A GPU's part, or a window without CPU time, keeps
+// its wall time.
+TEST(Profiler, OnTheHostCpuATimedPartIsChargedTheWindowsWallByItsCpuTime) {
+  EXPECT_NEAR(ChargedSeconds(0.51, 0.312, 0.70, 0.315, true), 0.312 * 0.70 / 0.315, 1e-12);
+  const double a = ChargedSeconds(0.2, 0.1, 1.0, 0.4, true), b = ChargedSeconds(0.3, 0.3, 1.0, 0.4, true);
+  EXPECT_NEAR(a, 0.25, 1e-12);
+  EXPECT_NEAR(b, 0.75, 1e-12);
+  EXPECT_NEAR(a + b, 1.0, 1e-12);
+  EXPECT_EQ(ChargedSeconds(0.51, 0.312, 0.70, 0.315, false), 0.51);
+  EXPECT_EQ(ChargedSeconds(0.51, 0.0, 0.70, 0.0, true), 0.51);
+  EXPECT_EQ(ChargedSeconds(0.51, 0.3, 0.0, 0.3, true), 0.51);
+}
+
 // Every op is timed in a pass through the whole model (each fed the previous op's output, backward in
 // reverse): under LoRA too, where the embedding's output needs no gradient and so has no backward pass to
 // time, and the ops after it still compute their inputs' gradients as a stage does. Each op gets a time.

@@ -23,11 +23,40 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Seconds per call of `timed_call` (which runs one call and returns the seconds of its timed part), as
-// the mean over at least `repeats` calls and at least kMinTimedSeconds of timed time, after one untimed
-// warm-up call. A mean over a window, not a median of single calls: a device throttled in periods (a
-// cgroup CPU quota, as the emulated sites have, or a GPU at its power cap) runs most short calls at full
-// speed and stalls in a few, and a stage's step sees the average. Returns -1 when a call fails (< 0).
+double ThreadCpuSeconds() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + ts.tv_nsec * 1e-9;
+}
+
+// Wall and this thread's CPU seconds from a start.
+struct Span {
+  double wall = 0, cpu = 0;
+  Span& operator+=(const Span& o) {
+    wall += o.wall;
+    cpu += o.cpu;
+    return *this;
+  }
+};
+class SpanTimer {
+ public:
+  SpanTimer() : wall0_(Clock::now()), cpu0_(ThreadCpuSeconds()) {}
+  Span Elapsed() const {
+    return {std::chrono::duration<double>(Clock::now() - wall0_).count(), ThreadCpuSeconds() - cpu0_};
+  }
+
+ private:
+  Clock::time_point wall0_;
+  double cpu0_;
+};
+
+// Seconds per call of `timed_call` (which runs one call and returns the Span of its timed part, a
+// negative wall when the call fails), as the mean over at least `repeats` calls and at least
+// kMinTimedSeconds of timed time, after one untimed warm-up call. A mean over a window, not a median of
+// single calls: a device throttled in periods (a cgroup CPU quota, as the emulated sites have, or a GPU
+// at its power cap) runs most short calls at full speed and stalls in a few, and a stage's step sees the
+// average. On the host CPU (`cpu_device`) the timed parts are charged the window's wall by their CPU
+// time (ChargedSeconds). Returns -1 when a call fails.
 constexpr double kMinTimedSeconds = 0.05;
 constexpr int kOpRounds = 3;  // ProfileModel: rounds of passes through all the ops, each op's median kept
 constexpr int kMaxCalls = 10000;
@@ -37,17 +66,19 @@ bool NeedsMoreCalls(int calls, double timed, int repeats) {
   return calls < repeats || (timed < kMinTimedSeconds && calls < kMaxCalls);
 }
 template <typename F>
-double SustainedSeconds(F timed_call, int repeats) {
-  if (timed_call() < 0) return -1;  // warm-up
-  double total = 0;
+double SustainedSeconds(F timed_call, int repeats, bool cpu_device) {
+  if (timed_call().wall < 0) return -1;  // warm-up
+  Span timed;
   int calls = 0;
-  while (NeedsMoreCalls(calls, total, repeats)) {
-    const double t = timed_call();
-    if (t < 0) return -1;
-    total += t;
+  const SpanTimer window;
+  while (NeedsMoreCalls(calls, timed.wall, repeats)) {
+    const Span t = timed_call();
+    if (t.wall < 0) return -1;
+    timed += t;
     ++calls;
   }
-  return total / calls;
+  const Span w = window.Elapsed();
+  return ChargedSeconds(timed.wall, timed.cpu, w.wall, w.cpu, cpu_device) / calls;
 }
 
 void Sync(torch::Device d) {
@@ -56,13 +87,13 @@ void Sync(torch::Device d) {
 
 }  // namespace
 
+double ChargedSeconds(double part_wall, double part_cpu, double window_wall, double window_cpu, bool cpu_device) {
+  if (!cpu_device || !(window_cpu > 0) || !(window_wall > 0) || !(part_cpu >= 0)) return part_wall;
+  return part_cpu * window_wall / window_cpu;
+}
+
 double MeasureCpuShare(double seconds) {
-  auto thread_cpu = [] {
-    timespec ts{};
-    ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-    return static_cast<double>(ts.tv_sec) + ts.tv_nsec * 1e-9;
-  };
-  const double cpu0 = thread_cpu();
+  const double cpu0 = ThreadCpuSeconds();
   const auto t0 = Clock::now();
   volatile double x = 1;
   double wall = 0;
@@ -70,7 +101,7 @@ double MeasureCpuShare(double seconds) {
     for (int i = 0; i < 100000; ++i) x = x * 1.0000001 + 1e-9;
     wall = std::chrono::duration<double>(Clock::now() - t0).count();
   }
-  return std::clamp((thread_cpu() - cpu0) / wall, 0.01, 1.0);
+  return std::clamp((ThreadCpuSeconds() - cpu0) / wall, 0.01, 1.0);
 }
 
 double MeasureGemmFlops(torch::Device device, int n, int repeats) {
@@ -79,12 +110,12 @@ double MeasureGemmFlops(torch::Device device, int n, int repeats) {
   auto b = torch::randn({n, n}, torch::TensorOptions().device(device));
   const double seconds = SustainedSeconds(
       [&] {
-        auto t0 = Clock::now();
+        const SpanTimer t;
         auto c = torch::mm(a, b);
         Sync(device);
-        return std::chrono::duration<double>(Clock::now() - t0).count();
+        return t.Elapsed();
       },
-      repeats);
+      repeats, !device.is_cuda());
   return 2.0 * n * n * n / seconds;
 }
 
@@ -102,13 +133,13 @@ std::map<std::string, double> MeasureCodecBytesPerSecond(int64_t elements, int r
     if (spec.kind == compression::CodecKind::kIdentity) continue;
     std::vector<uint8_t> frame;
     const double seconds = SustainedSeconds(
-        [&]() -> double {
-          const auto t0 = Clock::now();
-          if (!compression::EncodeTo(view, spec, &frame).ok()) return -1;
-          if (!compression::Decode(frame.data(), frame.size()).ok()) return -1;
-          return std::chrono::duration<double>(Clock::now() - t0).count();
+        [&]() -> Span {
+          const SpanTimer t;
+          if (!compression::EncodeTo(view, spec, &frame).ok()) return {-1, 0};
+          if (!compression::Decode(frame.data(), frame.size()).ok()) return {-1, 0};
+          return t.Elapsed();
         },
-        repeats);
+        repeats, /*cpu_device=*/true);
     if (seconds > 0) out[spec.ShortString()] = 2 * bytes / seconds;
   }
   return out;
@@ -129,13 +160,13 @@ double MeasureOptimizerSecondsPerByte(torch::Device device, int64_t elements, in
   const double seconds = SustainedSeconds(
       [&] {
         Sync(device);
-        const auto t0 = Clock::now();
+        const SpanTimer t;
         ClipByGlobalNorm(params, GradSquareSum(params), 1.0);
         adamw.Step(params, 1e-6);
         Sync(device);
-        return std::chrono::duration<double>(Clock::now() - t0).count();
+        return t.Elapsed();
       },
-      repeats);
+      repeats, !device.is_cuda());
   int64_t total = 0;
   for (const auto& [n, p] : params) total += p.numel();
   return seconds / (8.0 * static_cast<double>(total));
@@ -203,31 +234,34 @@ absl::StatusOr<OpProfile> ProfileModel(const LlamaConfig& c, int mbs, int seq, c
     // (accumulating them, as a step's later micro-batches do, moved op times by under 3%: session 20).
     // A round is at least `repeats` passes and kMinTimedSeconds of timed time, each op's figure the mean
     // over them; kOpRounds rounds, each op's median round kept: a burst of other load on the host (another
-    // site measuring, the coordinator) lands in one round of an op, not in its figure.
+    // site measuring, the coordinator) lands in one round of an op, not in its figure. On the host CPU an
+    // op's figure is its CPU time over the round's CPU share (ChargedSeconds): timed by the wall clock, the
+    // ops of a site under a CPU quota missed the throttling that fell between them, the tensors' frees,
+    // and read 18-27% fast (session 36), which the planner then took as a faster site.
     const int ops = c.num_ops();
     std::vector<std::unique_ptr<StageModel>> models;
     for (int op = 0; op < ops; ++op)
       models.push_back(std::make_unique<StageModel>(CheckSlice(c, op, op).ok() ? c : untied, op, op, 1, device, lora));
-    std::vector<double> pass_seconds(ops);
-    auto pass = [&] {  // one micro-batch forward and backward through every op, adding each op's seconds
+    std::vector<Span> pass_spans(ops);
+    auto pass = [&] {  // one micro-batch forward and backward through every op, adding each op's Span
       std::vector<torch::Tensor> in(ops), out(ops);
       for (int op = 0; op < ops; ++op) {
         in[op] = op == 0 ? inputs : out[op - 1].detach().requires_grad_(true);
         Sync(device);
-        const auto t0 = Clock::now();
+        const SpanTimer t;
         out[op] = models[op]->Forward(in[op]);
         Sync(device);
-        pass_seconds[op] += std::chrono::duration<double>(Clock::now() - t0).count();
+        pass_spans[op] += t.Elapsed();
       }
       for (int op = ops - 1; op >= 0; --op) {
         if (op < ops - 1 && !out[op].requires_grad()) continue;  // under LoRA the embedding needs no backward
-        const auto t0 = Clock::now();
+        const SpanTimer t;
         if (op == ops - 1)
           CrossEntropySum(out[op], targets, static_cast<double>(targets.numel())).backward();
         else
           out[op].backward(in[op + 1].grad());
         Sync(device);
-        pass_seconds[op] += std::chrono::duration<double>(Clock::now() - t0).count();
+        pass_spans[op] += t.Elapsed();
         out[op] = torch::Tensor();  // its graph is spent: free it before the next op's backward
         for (auto& [n, p] : models[op]->parameters()) p.mutable_grad() = torch::Tensor();
       }
@@ -235,16 +269,20 @@ absl::StatusOr<OpProfile> ProfileModel(const LlamaConfig& c, int mbs, int seq, c
     pass();  // warm-up
     std::vector<std::vector<double>> rounds(ops);
     for (int round = 0; round < kOpRounds; ++round) {
-      std::fill(pass_seconds.begin(), pass_seconds.end(), 0.0);
+      std::fill(pass_spans.begin(), pass_spans.end(), Span{});
       int passes = 0;
       double timed = 0;
+      const SpanTimer window;
       while (NeedsMoreCalls(passes, timed, repeats)) {
         pass();
         ++passes;
         timed = 0;
-        for (double t : pass_seconds) timed += t;
+        for (const Span& t : pass_spans) timed += t.wall;
       }
-      for (int op = 0; op < ops; ++op) rounds[op].push_back(pass_seconds[op] / passes);
+      const Span w = window.Elapsed();
+      for (int op = 0; op < ops; ++op)
+        rounds[op].push_back(ChargedSeconds(pass_spans[op].wall, pass_spans[op].cpu, w.wall, w.cpu, !device.is_cuda()) /
+                             passes);
     }
     for (int op = 0; op < ops; ++op) {
       std::vector<double>& r = rounds[op];

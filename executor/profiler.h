@@ -4,7 +4,9 @@
 // thread; results vary run to run by the device's noise. Every time measured here (not gpu/probe.h's
 // cuBLAS figures, medians of their own) is a mean over at least `repeats`
 // calls and 50 ms of timed calls (after a warm-up), so that a device throttled in periods (a CPU quota,
-// a power cap) is measured at its sustained speed, not at the full speed most short calls get.
+// a power cap) is measured at its sustained speed, not at the full speed most short calls get. On the
+// host CPU the timed calls are charged the whole measurement's wall time by their CPU time
+// (ChargedSeconds), so throttling that falls between them is not lost.
 #ifndef MERIDIAN_EXECUTOR_PROFILER_H_
 #define MERIDIAN_EXECUTOR_PROFILER_H_
 
@@ -24,7 +26,8 @@ struct OpProfile {
 // Every op is timed in place, in passes of one micro-batch forward through all the ops and backward
 // through them in reverse (each op a model of its own, fed the previous one's output as a stage receives
 // it): at least `repeats` passes (and 50 ms of timed time) after one warm-up pass, each op's mean over
-// them, in each of three rounds; each op's median round is kept. With `lora`
+// them, in each of three rounds; each op's median round is kept. On the host CPU each op is charged its
+// CPU time over the round's CPU share (ChargedSeconds). With `lora`
 // enabled the ops are timed as LoRA trains them (frozen weights: no weight gradients) and the graph's
 // memory counts no gradients or optimizer state for the base weights. On a CUDA device the profile also
 // holds cuBLAS's GEMM throughputs (FP32, TF32, BF16), measured directly (gpu/probe.h), and the device's
@@ -32,6 +35,17 @@ struct OpProfile {
 absl::StatusOr<OpProfile> ProfileModel(const LlamaConfig& config, int micro_batch_size, int sequence_length,
                                        const std::string& site_name, torch::Device device, int repeats = 5,
                                        const core::LoraSpec& lora = {});
+
+// The seconds to charge a timed part of a measurement on the host CPU: its CPU seconds (this thread's)
+// over the CPU share of the whole measurement window (`window_cpu` / `window_wall`, its untimed parts
+// included), so that the window's wall time is shared among its timed parts by the work they did. A cgroup
+// CPU quota throttles a thread where the kernel enforces it, mostly at system calls, which a measurement's
+// untimed parts (freeing a pass's tensors) are full of: under a quota of 0.45 of a core the op intervals of
+// ProfileModel held 99% of the thread's CPU time but 73% of the wall time (0.51 of 0.70 s a round), so
+// wall-timed ops summed 27% short of the sustained speed; unthrottled they held 99% of both. Returns
+// `part_wall` for a device other than the host CPU (`cpu_device` false: a GPU's kernels are not this
+// thread's CPU time) or when the CPU times are not positive.
+double ChargedSeconds(double part_wall, double part_cpu, double window_wall, double window_cpu, bool cpu_device);
 
 // Float32 input bytes per second that this process encodes and decodes with each codec of the activation
 // menu (compression::ActivationMenu, identity left out), on `elements` floats of a micro-batch's hidden
