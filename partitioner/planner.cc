@@ -32,11 +32,13 @@ class CostModel {
   // link paces the steady state by its transfer time alone (LinkSteady); else by transfer plus latency.
   // `recompute`: a stage whose memory holds 1F1B's window only with activation recomputation is feasible,
   // at its time with the second forward pass (FittingStageTime; PlanOptions::recompute).
+  // `gradient_bytes_fraction`: PlanOptions::gradient_bytes_fraction (SiteMemory's gradient buckets).
   CostModel(const OpGraph& g, const ClusterProfile& p, int micro_batches, bool pipelined_links = false, int zero = 0,
-            bool recompute = false)
+            bool recompute = false, double gradient_bytes_fraction = 0.5)
       : graph_(g),
         profile_(p),
         zero_(zero),
+        gradient_fraction_(gradient_bytes_fraction),
         m_(micro_batches),
         n_(static_cast<int>(g.ops.size())),
         sites_(static_cast<int>(p.sites.size())),
@@ -129,13 +131,16 @@ class CostModel {
     return sum;
   }
   // Memory on site s: Memory for a site of one device; with K workers each holds the weights and gradients,
-  // and the optimizer state whole, or a 1/K share under ZeRO-1 (the activations are split by rows).
+  // the buckets of the workers' gradient sum (executor::SiteReducer: a copy of the gradients, on the
+  // device that sums them), and the optimizer state whole, or a 1/K share under ZeRO-1 (the activations
+  // are split by rows).
   double SiteMemory(int s, int a, int b, int from_end, bool recompute = false) const {
     const int k = std::max(1, profile_.sites[s].workers);
     if (k == 1) return Memory(a, b, from_end, recompute);
     const double params = param_prefix_[b + 1] - param_prefix_[a];
     const double optimizer = state_prefix_[b + 1] - state_prefix_[a] - params;
-    return k * params + (zero_ == 1 ? 1 : k) * optimizer + ActivationMemory(a, b, from_end, recompute);
+    const double buckets = gradient_fraction_ * params;
+    return k * (params + buckets) + (zero_ == 1 ? 1 : k) * optimizer + ActivationMemory(a, b, from_end, recompute);
   }
   bool Fits(int s, int a, int b, int from_end, bool recompute = false) const {
     return SiteMemory(s, a, b, from_end, recompute) <= profile_.sites[s].memory_bytes;
@@ -179,6 +184,7 @@ class CostModel {
   const OpGraph& graph_;
   const ClusterProfile& profile_;
   int zero_;
+  double gradient_fraction_;
   int m_, n_, sites_;
   bool pipelined_, recompute_;
   std::vector<std::vector<double>> time_prefix_;
@@ -1335,7 +1341,7 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
         return absl::InvalidArgumentError(
             absl::StrCat("profile: sites '", s.name, "'.op_seconds names op '", name, "', which the graph lacks"));
 
-  CostModel cm(graph, profile, o.micro_batches, o.deep_pipeline, o.zero, o.recompute);
+  CostModel cm(graph, profile, o.micro_batches, o.deep_pipeline, o.zero, o.recompute, o.gradient_bytes_fraction);
   const int n = cm.sites(), N = cm.ops();
   const double ratio = SearchRatio(o);
   Plan plan;

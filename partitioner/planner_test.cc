@@ -359,9 +359,10 @@ TEST(Planner, InfeasibleMemoryNamesWhatDoesNotFit) {
   EXPECT_THAT(std::string(plan2.status().message()), HasSubstr("all 2 sites together"));
 }
 
-// A site of several devices (#22): its workers each hold the stage's weights and gradients, and the
-// optimizer state whole or, with ZeRO-1, a 1/K share; their c10d gradient sum is charged every step at the
-// measured intra-site bandwidth; the table and plan.json show the workers.
+// A site of several devices (#22): its workers each hold the stage's weights and gradients, their gradient
+// sum's buckets (a copy of the gradients), and the optimizer state whole or, with ZeRO-1, a 1/K share; their
+// c10d gradient sum is charged every step at the measured intra-site bandwidth; the table and plan.json
+// show the workers.
 TEST(Planner, SitesOfSeveralWorkersPayTheirMemoryAndGradientSum) {
   OpGraph g = Chain(4);  // per op: 1e3 bytes of weights and gradients, 2e3 of optimizer state
   ClusterProfile p;
@@ -378,10 +379,10 @@ TEST(Planner, SitesOfSeveralWorkersPayTheirMemoryAndGradientSum) {
   o.zero = 1;
   auto zero = PlanPipeline(g, p, o);
   ASSERT_TRUE(zero.ok()) << zero.status();
-  // Stage 2 on b: 2 ops; whole: 2 x (2e3 + 4e3) + activations; ZeRO-1: 4e3 less.
+  // Stage 2 on b: 2 ops; whole: 2 x (2e3 + 1e3 of buckets + 4e3) + activations; ZeRO-1: 4e3 less.
   const double acts = 1 * 2 * 1e3;  // the last stage keeps one micro-batch's outputs of its 2 ops
-  EXPECT_DOUBLE_EQ(whole->stages[1].memory_bytes, 2 * 2e3 + 2 * 4e3 + acts);
-  EXPECT_DOUBLE_EQ(zero->stages[1].memory_bytes, 2 * 2e3 + 4e3 + acts);
+  EXPECT_DOUBLE_EQ(whole->stages[1].memory_bytes, 2 * (2e3 + 1e3) + 2 * 4e3 + acts);
+  EXPECT_DOUBLE_EQ(zero->stages[1].memory_bytes, 2 * (2e3 + 1e3) + 4e3 + acts);
   EXPECT_DOUBLE_EQ(whole->stages[0].memory_bytes, 2e3 + 4e3 + 2 * 2e3);  // a: one worker, 2 in flight
   // Gradients are half the weight bytes (PlanOptions::gradient_bytes_fraction): 1e3 bytes; the all-reduce
   // moves 2 (K-1)/K of them, ZeRO-1's all-gather (K-1)/K more, at 1e3 bytes/s.
@@ -397,11 +398,17 @@ TEST(Planner, SitesOfSeveralWorkersPayTheirMemoryAndGradientSum) {
   EXPECT_THAT(table, HasSubstr("optimizer state sharded (ZeRO-1)"));
   EXPECT_THAT(PlanJson(*zero, g), HasSubstr("\"workers\": [\n        2\n      ]"));
   // Memory that fits only with the optimizer state sharded.
-  p.sites[1].memory_bytes = 2 * 2e3 + 4e3 + acts;
+  p.sites[1].memory_bytes = 2 * (2e3 + 1e3) + 4e3 + acts;
   o.zero = 0;
   EXPECT_FALSE(PlanPipeline(g, p, o).ok());
   o.zero = 1;
   EXPECT_TRUE(PlanPipeline(g, p, o).ok());
+  // Without room for the buckets it does not fit either way.
+  p.sites[1].memory_bytes = 2 * 2e3 + 4e3 + acts;
+  o.zero = 0;
+  EXPECT_FALSE(PlanPipeline(g, p, o).ok());
+  o.zero = 1;
+  EXPECT_FALSE(PlanPipeline(g, p, o).ok());
 }
 
 TEST(Planner, ProfilesCarryWorkersAndTheirBandwidth) {
