@@ -420,7 +420,11 @@ def wan_bound(a, bin_dir, work, cfg, model_dir, weights_params):
             prof = json.load(open(os.path.join(work, f"wan-meridian-{mbit}", "profile.json")))
             r["goodput_bytes_per_second"] = sorted(l["bandwidth_bytes_per_second"] for l in prof["links"])[len(prof["links"]) // 2]
             if mbit == WAN_SPEEDS[0] and a.wan_ddp_from:
-                r["ddp"] = dict(json.load(open(a.wan_ddp_from))["wan_bound"]["speeds"][str(mbit)]["ddp"], reused=a.wan_ddp_from)
+                earlier = json.load(open(a.wan_ddp_from))
+                ddp = earlier["wan_bound"]["speeds"][str(mbit)]["ddp"]
+                # The date it was measured: that run's, or the one it took the step from in turn.
+                measured = ddp.get("reused_date") or earlier.get("info", {}).get("date", "date not recorded")
+                r["ddp"] = dict(ddp, reused=a.wan_ddp_from, reused_date=measured)
                 log(f"DDP-Gloo: {r['ddp']['step_seconds']:.0f} s per step, from {a.wan_ddp_from}")
             elif mbit == WAN_SPEEDS[0]:
                 log("DDP-Gloo, one step (accumulation 4)")
@@ -1112,8 +1116,8 @@ def wan_section(w, command):
             tokens = w["global_batch"] * w["seq"]
             pred = f"{x['predicted_step_seconds']:.1f}" if "predicted_step_seconds" in x else "-"
             label = label + (" (computed: measured all-reduce bytes / measured goodput)" if x.get("computed") else "")
-            label = label + (" (measured by an earlier run of this command, the same day: `--wan-ddp-from`)"
-                             if x.get("reused") else "")
+            label = label + (f" (measured by an earlier run of this command, {x.get('reused_date', 'date not recorded')}: "
+                             f"`--wan-ddp-from {x['reused']}`)" if x.get("reused") else "")
             L.append(f"| {mbit} Mbit/s | {label} | {x['tokens_per_second']:.0f} | {pct(x['tokens_per_second'] / b)} | "
                      f"{x['step_seconds']:.1f} | {pred} | {x['wire_bytes'] / max(1, x['steps']) / tokens:.0f} B | "
                      f"{x.get('plan', '-')}; {x.get('codecs', '-')} |")
