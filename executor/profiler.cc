@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <memory>
@@ -81,6 +82,15 @@ double SustainedSeconds(F timed_call, int repeats, bool cpu_device) {
   return ChargedSeconds(timed.wall, timed.cpu, w.wall, w.cpu, cpu_device) / calls;
 }
 
+// Whether this thread's CPU time is the work of what it runs on `device`: the host CPU, with libtorch's
+// intra-op threads and OpenBLAS's (OPENBLAS_NUM_THREADS; unset, it takes every core) both 1, as the
+// emulated sites, the bench and the tests run them (docs/threading.md). With more threads part of an op's
+// work is theirs, and its wall time is charged instead.
+bool ChargedByCpu(torch::Device device) {
+  const char* blas = std::getenv("OPENBLAS_NUM_THREADS");
+  return device.is_cpu() && at::get_num_threads() == 1 && blas != nullptr && std::string(blas) == "1";
+}
+
 void Sync(torch::Device d) {
   if (d.is_cuda()) torch::cuda::synchronize(d.index());
 }
@@ -115,7 +125,7 @@ double MeasureGemmFlops(torch::Device device, int n, int repeats) {
         Sync(device);
         return t.Elapsed();
       },
-      repeats, !device.is_cuda());
+      repeats, ChargedByCpu(device));
   return 2.0 * n * n * n / seconds;
 }
 
@@ -166,7 +176,7 @@ double MeasureOptimizerSecondsPerByte(torch::Device device, int64_t elements, in
         Sync(device);
         return t.Elapsed();
       },
-      repeats, !device.is_cuda());
+      repeats, ChargedByCpu(device));
   int64_t total = 0;
   for (const auto& [n, p] : params) total += p.numel();
   return seconds / (8.0 * static_cast<double>(total));
@@ -243,6 +253,7 @@ absl::StatusOr<OpProfile> ProfileModel(const LlamaConfig& c, int mbs, int seq, c
     for (int op = 0; op < ops; ++op)
       models.push_back(std::make_unique<StageModel>(CheckSlice(c, op, op).ok() ? c : untied, op, op, 1, device, lora));
     std::vector<Span> pass_spans(ops);
+    const bool by_cpu = ChargedByCpu(device);
     auto pass = [&] {  // one micro-batch forward and backward through every op, adding each op's Span
       std::vector<torch::Tensor> in(ops), out(ops);
       for (int op = 0; op < ops; ++op) {
@@ -281,8 +292,7 @@ absl::StatusOr<OpProfile> ProfileModel(const LlamaConfig& c, int mbs, int seq, c
       }
       const Span w = window.Elapsed();
       for (int op = 0; op < ops; ++op)
-        rounds[op].push_back(ChargedSeconds(pass_spans[op].wall, pass_spans[op].cpu, w.wall, w.cpu, !device.is_cuda()) /
-                             passes);
+        rounds[op].push_back(ChargedSeconds(pass_spans[op].wall, pass_spans[op].cpu, w.wall, w.cpu, by_cpu) / passes);
     }
     for (int op = 0; op < ops; ++op) {
       std::vector<double>& r = rounds[op];

@@ -5,8 +5,10 @@
 // cuBLAS figures, medians of their own) is a mean over at least `repeats`
 // calls and 50 ms of timed calls (after a warm-up), so that a device throttled in periods (a CPU quota,
 // a power cap) is measured at its sustained speed, not at the full speed most short calls get. On the
-// host CPU the timed calls are charged the whole measurement's wall time by their CPU time
-// (ChargedSeconds), so throttling that falls between them is not lost.
+// host CPU, when the process computes on one thread (libtorch's intra-op threads and OPENBLAS_NUM_THREADS
+// both 1, as docs/threading.md sets them for sites sharing a machine), the timed calls are charged the
+// whole measurement's wall time by their CPU time (ChargedSeconds), so throttling that falls between them
+// is not lost; the codecs, which run on the calling thread, always are.
 #ifndef MERIDIAN_EXECUTOR_PROFILER_H_
 #define MERIDIAN_EXECUTOR_PROFILER_H_
 
@@ -26,8 +28,8 @@ struct OpProfile {
 // Every op is timed in place, in passes of one micro-batch forward through all the ops and backward
 // through them in reverse (each op a model of its own, fed the previous one's output as a stage receives
 // it): at least `repeats` passes (and 50 ms of timed time) after one warm-up pass, each op's mean over
-// them, in each of three rounds; each op's median round is kept. On the host CPU each op is charged its
-// CPU time over the round's CPU share (ChargedSeconds). With `lora`
+// them, in each of three rounds; each op's median round is kept. On the host CPU computing on one thread
+// each op is charged its CPU time over the round's CPU share (ChargedSeconds). With `lora`
 // enabled the ops are timed as LoRA trains them (frozen weights: no weight gradients) and the graph's
 // memory counts no gradients or optimizer state for the base weights. On a CUDA device the profile also
 // holds cuBLAS's GEMM throughputs (FP32, TF32, BF16), measured directly (gpu/probe.h), and the device's

@@ -270,6 +270,13 @@ double OptimizerSeconds(const OpGraph& graph, const SiteProfile& site, int first
   return bytes * site.optimizer_seconds_per_byte / (zero == 1 ? std::max(1, site.workers) : 1);
 }
 
+double GradientBytes(const OpGraph& graph, int first, int last, double fraction) {
+  double bytes = 0;
+  for (int i = first; i <= last; ++i)
+    if (graph.ops[i].optimizer_bytes > 0) bytes += graph.ops[i].param_bytes;
+  return fraction * bytes;
+}
+
 double RangeSeconds(const OpGraph& graph, const SiteProfile& site, int first, int last) {
   double t = 0;
   for (int i = first; i <= last; ++i) t += OpSeconds(graph.ops[i], site);

@@ -110,6 +110,11 @@ double ReplicaSumCpuSeconds(const SiteProfile& site, const std::string& codec, d
 // job.optimizer.zero) each of the site's workers steps a 1/workers share (the parameters' all-gather is
 // priced with the site's gradient sum).
 double OptimizerSeconds(const OpGraph& graph, const SiteProfile& site, int first, int last, int zero);
+// The gradient bytes of ops [first, last]: `fraction` (PlanOptions::gradient_bytes_fraction) of the
+// param_bytes (weights and gradients) of the ops that train, those with optimizer state. Under LoRA no
+// base weight does (the graph leaves the adapters out as negligible), so a stage's gradient sum and its
+// buckets are priced at nothing.
+double GradientBytes(const OpGraph& graph, int first, int last, double fraction);
 // Ops [first, last]'s OpSeconds at `site`, summed in order.
 double RangeSeconds(const OpGraph& graph, const SiteProfile& site, int first, int last);
 // The share of ops [first, last]'s time that the forward pass takes, by FLOPs (1/3 without FLOPs).

@@ -32,7 +32,7 @@ class CostModel {
   // link paces the steady state by its transfer time alone (LinkSteady); else by transfer plus latency.
   // `recompute`: a stage whose memory holds 1F1B's window only with activation recomputation is feasible,
   // at its time with the second forward pass (FittingStageTime; PlanOptions::recompute).
-  // `gradient_bytes_fraction`: PlanOptions::gradient_bytes_fraction (SiteMemory's gradient buckets).
+  // `gradient_bytes_fraction`: PlanOptions::gradient_bytes_fraction (GradientBytes).
   CostModel(const OpGraph& g, const ClusterProfile& p, int micro_batches, bool pipelined_links = false, int zero = 0,
             bool recompute = false, double gradient_bytes_fraction = 0.5)
       : graph_(g),
@@ -125,11 +125,8 @@ class CostModel {
   double Memory(int a, int b, int from_end, bool recompute = false) const {
     return state_prefix_[b + 1] - state_prefix_[a] + ActivationMemory(a, b, from_end, recompute);
   }
-  double ParamBytes(int a, int b) const {
-    double sum = 0;
-    for (int i = a; i <= b; ++i) sum += graph_.ops[i].param_bytes;
-    return sum;
-  }
+  // partitioner::GradientBytes of ops [a, b].
+  double GradientBytes(int a, int b) const { return partitioner::GradientBytes(graph_, a, b, gradient_fraction_); }
   // Memory on site s: Memory for a site of one device; with K workers each holds the weights and gradients,
   // the buckets of the workers' gradient sum (executor::SiteReducer: a copy of the gradients, on the
   // device that sums them), and the optimizer state whole, or a 1/K share under ZeRO-1 (the activations
@@ -139,7 +136,7 @@ class CostModel {
     if (k == 1) return Memory(a, b, from_end, recompute);
     const double params = param_prefix_[b + 1] - param_prefix_[a];
     const double optimizer = state_prefix_[b + 1] - state_prefix_[a] - params;
-    const double buckets = gradient_fraction_ * params;
+    const double buckets = GradientBytes(a, b);
     return k * (params + buckets) + (zero_ == 1 ? 1 : k) * optimizer + ActivationMemory(a, b, from_end, recompute);
   }
   bool Fits(int s, int a, int b, int from_end, bool recompute = false) const {
@@ -375,7 +372,7 @@ Evaluation Evaluate(const CostModel& cm, const Layout& L, const PlanOptions& o, 
     int r = static_cast<int>(R.size());
     if (r < 2) continue;
     int a = k == 0 ? 0 : L.last[k - 1] + 1, b = L.last[k];
-    double grad = o.gradient_bytes_fraction * cm.ParamBytes(a, b);
+    double grad = cm.GradientBytes(a, b);
     double inv_bw = 0, max_lat = 0;  // max over sites of sum over peers of 1 / bandwidth
     for (int u : R) {
       double sum = 0;
@@ -419,8 +416,7 @@ Evaluation Evaluate(const CostModel& cm, const Layout& L, const PlanOptions& o, 
   for (int k = 0; k < S; ++k) {
     int a = k == 0 ? 0 : L.last[k - 1] + 1, b = L.last[k];
     for (int s : L.sites[k])
-      e.site_reduce[k] =
-          std::max(e.site_reduce[k], cm.SiteReduceSeconds(s, o.gradient_bytes_fraction * cm.ParamBytes(a, b)));
+      e.site_reduce[k] = std::max(e.site_reduce[k], cm.SiteReduceSeconds(s, cm.GradientBytes(a, b)));
     e.allreduce[k] += e.site_reduce[k];
   }
   SumUp(M, &e);

@@ -76,7 +76,8 @@ struct PlanOptions {
   bool recompute = true;
   std::vector<Codec> link_codecs = DefaultLinkCodecs();
   std::vector<Codec> gradient_codecs = DefaultGradientCodecs();
-  double gradient_bytes_fraction = 0.5;  // gradient bytes = this * param_bytes (param_bytes = weights + grads)
+  // Gradient bytes = this * param_bytes (weights + grads) of the ops that train (optimizer_bytes > 0).
+  double gradient_bytes_fraction = 0.5;
   // Search: exact dynamic programme up to this many sites, the documented heuristic beyond.
   int exact_max_sites = 8;
   bool force_heuristic = false;

@@ -409,6 +409,16 @@ TEST(Planner, SitesOfSeveralWorkersPayTheirMemoryAndGradientSum) {
   EXPECT_FALSE(PlanPipeline(g, p, o).ok());
   o.zero = 1;
   EXPECT_FALSE(PlanPipeline(g, p, o).ok());
+  // Ops that do not train (no optimizer state, as LoRA's base weights) have no gradients to hold in
+  // buckets or to sum (partitioner::GradientBytes).
+  OpGraph frozen = g;
+  for (auto& op : frozen.ops) op.optimizer_bytes = 0;
+  p.sites[1].memory_bytes = 1e12;
+  o.zero = 0;
+  auto f = PlanPipeline(frozen, p, o);
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_DOUBLE_EQ(f->stages[1].memory_bytes, 2 * 2e3 + acts);
+  EXPECT_DOUBLE_EQ(f->stages[1].site_reduce_seconds, 0.0);
 }
 
 TEST(Planner, ProfilesCarryWorkersAndTheirBandwidth) {

@@ -230,9 +230,7 @@ absl::Status Simulation::Init() {
       stage_workers_[k].push_back(static_cast<int>(workers_.size()));
       workers_.push_back(std::move(w));
     }
-    double params = 0;
-    for (int i = st.first_op; i <= st.last_op; ++i) params += g_.ops[i].param_bytes;
-    grad_bytes_.push_back(o_.gradient_bytes_fraction * params);
+    grad_bytes_.push_back(partitioner::GradientBytes(g_, st.first_op, st.last_op, o_.gradient_bytes_fraction));
     const std::string gc = st.gradient_codec.empty() ? "identity" : st.gradient_codec;
     if (st.sites.size() > 1 && !plan_.sync.diloco && !partitioner::PriceCodec(gc).ok())
       return absl::InvalidArgumentError(absl::StrCat(where, ": gradient codec '", gc, "' is not a codec"));

@@ -27,6 +27,7 @@ OpGraph Chain(int ops, double out = 1e6) {
     op.forward_flops = 1e9;
     op.backward_flops = 2e9;
     op.param_bytes = 1e6;
+    op.optimizer_bytes = 2e6;  // it trains: its gradients are summed (partitioner::GradientBytes)
     op.output_bytes = out;
     if (i > 0) op.inputs = {i - 1};
     g.ops.push_back(op);
