@@ -56,7 +56,7 @@ class SpanTimer {
 // kMinTimedSeconds of timed time, after one untimed warm-up call. A mean over a window, not a median of
 // single calls: a device throttled in periods (a cgroup CPU quota, as the emulated sites have, or a GPU
 // at its power cap) runs most short calls at full speed and stalls in a few, and a stage's step sees the
-// average. On the host CPU (`cpu_device`) the timed parts are charged the window's wall by their CPU
+// average. With `by_cpu` (ChargedByCpu) the timed parts are charged the window's wall by their CPU
 // time (ChargedSeconds). Returns -1 when a call fails.
 constexpr double kMinTimedSeconds = 0.05;
 constexpr int kOpRounds = 3;  // ProfileModel: rounds of passes through all the ops, each op's median kept
@@ -67,7 +67,7 @@ bool NeedsMoreCalls(int calls, double timed, int repeats) {
   return calls < repeats || (timed < kMinTimedSeconds && calls < kMaxCalls);
 }
 template <typename F>
-double SustainedSeconds(F timed_call, int repeats, bool cpu_device) {
+double SustainedSeconds(F timed_call, int repeats, bool by_cpu) {
   if (timed_call().wall < 0) return -1;  // warm-up
   Span timed;
   int calls = 0;
@@ -79,7 +79,7 @@ double SustainedSeconds(F timed_call, int repeats, bool cpu_device) {
     ++calls;
   }
   const Span w = window.Elapsed();
-  return ChargedSeconds(timed.wall, timed.cpu, w.wall, w.cpu, cpu_device) / calls;
+  return ChargedSeconds(timed.wall, timed.cpu, w.wall, w.cpu, by_cpu) / calls;
 }
 
 // Whether this thread's CPU time is the work of what it runs on `device`: the host CPU, with libtorch's
@@ -97,8 +97,8 @@ void Sync(torch::Device d) {
 
 }  // namespace
 
-double ChargedSeconds(double part_wall, double part_cpu, double window_wall, double window_cpu, bool cpu_device) {
-  if (!cpu_device || !(window_cpu > 0) || !(window_wall > 0) || !(part_cpu >= 0)) return part_wall;
+double ChargedSeconds(double part_wall, double part_cpu, double window_wall, double window_cpu, bool by_cpu) {
+  if (!by_cpu || !(window_cpu > 0) || !(window_wall > 0) || !(part_cpu >= 0)) return part_wall;
   return part_cpu * window_wall / window_cpu;
 }
 
@@ -149,7 +149,7 @@ std::map<std::string, double> MeasureCodecBytesPerSecond(int64_t elements, int r
           if (!compression::Decode(frame.data(), frame.size()).ok()) return {-1, 0};
           return t.Elapsed();
         },
-        repeats, /*cpu_device=*/true);
+        repeats, /*by_cpu=*/true);  // the codecs run on this thread alone
     if (seconds > 0) out[spec.ShortString()] = 2 * bytes / seconds;
   }
   return out;
@@ -244,8 +244,9 @@ absl::StatusOr<OpProfile> ProfileModel(const LlamaConfig& c, int mbs, int seq, c
     // (accumulating them, as a step's later micro-batches do, moved op times by under 3%: session 20).
     // A round is at least `repeats` passes and kMinTimedSeconds of timed time, each op's figure the mean
     // over them; kOpRounds rounds, each op's median round kept: a burst of other load on the host (another
-    // site measuring, the coordinator) lands in one round of an op, not in its figure. On the host CPU an
-    // op's figure is its CPU time over the round's CPU share (ChargedSeconds): timed by the wall clock, the
+    // site measuring, the coordinator) lands in one round of an op, not in its figure. On the host CPU
+    // computing on one thread (ChargedByCpu) an op's figure is its CPU time over the round's CPU share
+    // (ChargedSeconds): timed by the wall clock, the
     // ops of a site under a CPU quota missed the throttling that fell between them, the tensors' frees,
     // and read 18-27% fast (session 36), which the planner then took as a faster site.
     const int ops = c.num_ops();

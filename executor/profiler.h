@@ -45,9 +45,9 @@ absl::StatusOr<OpProfile> ProfileModel(const LlamaConfig& config, int micro_batc
 // untimed parts (freeing a pass's tensors) are full of: under a quota of 0.45 of a core the op intervals of
 // ProfileModel held 99% of the thread's CPU time but 73% of the wall time (0.51 of 0.70 s a round), so
 // wall-timed ops summed 27% short of the sustained speed; unthrottled they held 99% of both. Returns
-// `part_wall` for a device other than the host CPU (`cpu_device` false: a GPU's kernels are not this
-// thread's CPU time) or when the CPU times are not positive.
-double ChargedSeconds(double part_wall, double part_cpu, double window_wall, double window_cpu, bool cpu_device);
+// `part_wall` where this thread's CPU time is not the part's work (`by_cpu` false: a GPU's kernels, or
+// an op that other threads share) or when the CPU times are not positive.
+double ChargedSeconds(double part_wall, double part_cpu, double window_wall, double window_cpu, bool by_cpu);
 
 // Float32 input bytes per second that this process encodes and decodes with each codec of the activation
 // menu (compression::ActivationMenu, identity left out), on `elements` floats of a micro-batch's hidden
