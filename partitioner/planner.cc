@@ -38,7 +38,6 @@ class CostModel {
       : graph_(g),
         profile_(p),
         zero_(zero),
-        gradient_fraction_(gradient_bytes_fraction),
         m_(micro_batches),
         n_(static_cast<int>(g.ops.size())),
         sites_(static_cast<int>(p.sites.size())),
@@ -50,12 +49,14 @@ class CostModel {
     state_prefix_.assign(n_ + 1, 0.0);
     act_prefix_.assign(n_ + 1, 0.0);
     param_prefix_.assign(n_ + 1, 0.0);
+    grad_prefix_.assign(n_ + 1, 0.0);
     forward_prefix_.assign(n_ + 1, 0.0);
     flops_prefix_.assign(n_ + 1, 0.0);
     for (int i = 0; i < n_; ++i) {
       forward_prefix_[i + 1] = forward_prefix_[i] + g.ops[i].forward_flops;
       flops_prefix_[i + 1] = flops_prefix_[i] + g.ops[i].forward_flops + g.ops[i].backward_flops;
       param_prefix_[i + 1] = param_prefix_[i] + g.ops[i].param_bytes;
+      grad_prefix_[i + 1] = grad_prefix_[i] + partitioner::GradientBytes(g, i, i, gradient_bytes_fraction);
       state_prefix_[i + 1] = state_prefix_[i] + g.ops[i].param_bytes + g.ops[i].optimizer_bytes;
       act_prefix_[i + 1] = act_prefix_[i] + SavedBytes(g.ops[i]);
     }
@@ -126,7 +127,7 @@ class CostModel {
     return state_prefix_[b + 1] - state_prefix_[a] + ActivationMemory(a, b, from_end, recompute);
   }
   // partitioner::GradientBytes of ops [a, b].
-  double GradientBytes(int a, int b) const { return partitioner::GradientBytes(graph_, a, b, gradient_fraction_); }
+  double GradientBytes(int a, int b) const { return grad_prefix_[b + 1] - grad_prefix_[a]; }
   // Memory on site s: Memory for a site of one device; with K workers each holds the weights and gradients,
   // the buckets of the workers' gradient sum (executor::SiteReducer: a copy of the gradients, on the
   // device that sums them), and the optimizer state whole, or a 1/K share under ZeRO-1 (the activations
@@ -181,11 +182,11 @@ class CostModel {
   const OpGraph& graph_;
   const ClusterProfile& profile_;
   int zero_;
-  double gradient_fraction_;
   int m_, n_, sites_;
   bool pipelined_, recompute_;
   std::vector<std::vector<double>> time_prefix_;
-  std::vector<double> param_prefix_, state_prefix_, act_prefix_, forward_prefix_, flops_prefix_, cut_bytes_;
+  std::vector<double> param_prefix_, grad_prefix_, state_prefix_, act_prefix_, forward_prefix_, flops_prefix_,
+      cut_bytes_;
   std::vector<std::vector<double>> bw_, lat_;
 };
 
