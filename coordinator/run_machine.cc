@@ -1596,21 +1596,47 @@ void RunMachine::CompleteSwitch() {
   // (which warms up), to check the new plan against.
   // Steps during which a site measured itself mid-run are left out: the cores were shared.
   std::optional<SwitchTrial> trial = std::exchange(switching_for_speed_, std::nullopt);
-  std::vector<double> before;
-  for (size_t i = attempt_steps_.size(); i-- > 1 && before.size() < static_cast<size_t>(c_.spec.elastic.window);)
-    if (!attempt_steps_[i].second) before.push_back(attempt_steps_[i].first);
+  const std::vector<double> before = RecentSteps();
   if (trial && !before.empty()) trial->before_seconds = Median(before);
+  if (plan_ && before.size() == static_cast<size_t>(c_.spec.elastic.window))
+    measured_[LayoutOf(*plan_)] = {Median(before), before.size(), progress_step_ + 1};
   StartAttempt();
   if (trial && trial->before_seconds > 0 && phase_ == Phase::kTraining && plan_ &&
       LayoutOf(*plan_) != trial->before_layout)
     trial_ = std::move(trial);
 }
 
+std::vector<double> RunMachine::RecentSteps() const {
+  std::vector<double> out;
+  for (size_t i = attempt_steps_.size(); i-- > 1 && out.size() < static_cast<size_t>(c_.spec.elastic.window);)
+    if (!attempt_steps_[i].second) out.push_back(attempt_steps_[i].first);
+  return out;
+}
+
 bool RunMachine::SwitchAllowed(const partitioner::Plan& fresh, const std::string& kind, const std::string& site,
                                const std::string& priced) {
-  if (!refused_.count(SitesOf(fresh))) return true;
-  const std::string why = absl::StrCat(
-      priced, "; a switch onto these sites measured slower than the plan before it earlier in this run: no switch");
+  std::string why;
+  if (refused_.count(SitesOf(fresh))) {
+    why = absl::StrCat(priced,
+                       "; a switch onto these sites measured slower than the plan before it earlier in this run: no "
+                       "switch");
+  } else if (const std::string layout = LayoutOf(fresh); plan_ && layout != LayoutOf(*plan_)) {
+    const auto earlier = measured_.find(layout);
+    const std::vector<double> now = RecentSteps();
+    // The current plan's steps so far (a straggler is flagged `window` reports into a plan, when its
+    // reporter has completed `window` - 1 steps after its first).
+    if (earlier == measured_.end() || now.empty()) return true;
+    const double current = Median(now), gain = 1 - earlier->second.seconds / current;
+    if (gain > c_.spec.elastic.min_gain) return true;
+    why = absl::StrFormat(
+        "%s; but %s ran a median %.4f s a step over its last %d steps to step %d earlier in this run, against %.4f "
+        "s for the current plan over its %d steps after its first: %s, not above elastic.min_gain (%.0f%%): no switch",
+        priced, layout, earlier->second.seconds, earlier->second.steps, earlier->second.last_step, current, now.size(),
+        absl::StrFormat("%.0f%% %s", 100 * std::abs(gain), gain >= 0 ? "faster" : "slower"),
+        100 * c_.spec.elastic.min_gain);
+  } else {
+    return true;
+  }
   Note(kind, site, why);
   Say(absl::StrCat(kind == "join" ? "join: " : "straggler: ", why, "\n"));
   return false;

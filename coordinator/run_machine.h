@@ -288,8 +288,10 @@ class RunMachine {
   // re-plan), so the switch is checked against what the new plan then measures (CheckSwitch).
   void BeginSwitch(const std::string& why, bool for_speed = false);
   // A switch for speed onto `fresh`: false, with an event and a line saying so, when a switch onto the same
-  // sites measured slower than the plan before it earlier in the run (`site`: whose change prompted it).
-  // `kind`: the event's ("straggler" or "join").
+  // sites measured slower than the plan before it earlier in the run, or when `fresh`'s layout (its sites,
+  // stage by stage: LayoutOf) ran earlier in the run and measured no more than min_gain faster than the
+  // current plan measures now -- what a layout measured outweighs what a re-scaled profile predicts for it
+  // (`site`: whose change prompted it). `kind`: the event's ("straggler" or "join").
   bool SwitchAllowed(const partitioner::Plan& fresh, const std::string& kind, const std::string& site,
                      const std::string& priced);
   // Takes the reporter's latest step: once the attempt after a switch for speed has run `window` steps
@@ -437,6 +439,20 @@ class RunMachine {
   std::optional<SwitchTrial> trial_;                   // the running attempt came from a switch for speed, unchecked
   std::vector<partitioner::PinnedStage> switch_back_;  // the layout the next attempt takes (a failed check)
   std::set<std::set<std::string>> refused_;            // sets of sites a switch for speed measured slower on
+  // What each layout (LayoutOf) that ended in a switch measured over its last `window` steps.
+  // A profile re-scaled from a stage's reports puts the whole error on the site, while part of it can be
+  // the ops' own (a stage that holds the head or the loss computing more than their profile on any site):
+  // without this, the next plan moves those ops to the other site, which is flagged in turn, and two sites
+  // trade places at every window, their figures inflating each time (RunMachine tests; a demo run).
+  struct Measured {
+    double seconds = 0;     // the median step
+    size_t steps = 0;       // over so many
+    int64_t last_step = 0;  // the last of them, 1-based
+  };
+  std::map<std::string, Measured> measured_;
+  // The attempt's last `window` steps after its first (which warms up), those during which a site measured
+  // itself mid-run left out (the cores were shared): fewer when it has not run that many.
+  std::vector<double> RecentSteps() const;
   // The reporter's steps this attempt: seconds, and whether a site measured itself mid-run meanwhile.
   std::vector<std::pair<double, bool>> attempt_steps_;
   bool measured_in_step_ = false;  // a mid-run measurement ended since the reporter's last step
