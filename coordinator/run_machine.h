@@ -440,10 +440,10 @@ class RunMachine {
   std::vector<partitioner::PinnedStage> switch_back_;  // the layout the next attempt takes (a failed check)
   std::set<std::set<std::string>> refused_;            // sets of sites a switch for speed measured slower on
   // What each layout (LayoutOf) that ended in a switch measured over its last `window` steps.
-  // A profile re-scaled from a stage's reports puts the whole error on the site, while part of it can be
-  // the ops' own (a stage that holds the head or the loss computing more than their profile on any site):
-  // without this, the next plan moves those ops to the other site, which is flagged in turn, and two sites
-  // trade places at every window, their figures inflating each time (RunMachine tests; a demo run).
+  // A profile re-scaled from a stage's reports puts the whole error on the site, while it can be the ops'
+  // own (ops costing more than profiled on any site) or a passing disturbance: without this, the next plan
+  // moves those ops to the other site, which is flagged in turn, and two sites trade places at every
+  // window, their figures inflating each time (docs/coordinator.md; a RunMachine test).
   struct Measured {
     double seconds = 0;     // the median step
     size_t steps = 0;       // over so many
