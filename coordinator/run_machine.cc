@@ -67,6 +67,13 @@ double Median(std::vector<double> values) {
   return values[(values.size() - 1) / 2];
 }
 
+// The median; with an even count, the mean of the middle two. REQUIRES: !values.empty().
+double MiddleMedian(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  const size_t n = values.size();
+  return n % 2 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2;
+}
+
 // The last `n` of `values` (all of them when there are fewer).
 std::vector<double> Last(const std::vector<double>& values, size_t n) {
   return {values.end() - static_cast<std::ptrdiff_t>(std::min(n, values.size())), values.end()};
@@ -1341,25 +1348,32 @@ void RunMachine::BeginSwitch(const std::string& why, bool for_speed) {
                     " with its checkpoint of that step, then a new plan resumes from it"));
 }
 
-absl::StatusOr<RunMachine::Repriced> RunMachine::ReplanAgainstCurrent() const {
+absl::StatusOr<partitioner::Plan> RunMachine::PriceLayout(const partitioner::Plan& layout) const {
   const partitioner::ClusterProfile live = LiveProfile();
-  const partitioner::PlanOptions po = BaseOptions();
-  auto fresh = partitioner::PlanPipeline(graph_, live, po);
-  if (!fresh.ok()) return fresh.status();
-  partitioner::PlanOptions pin = po;
+  partitioner::PlanOptions pin = BaseOptions();
   std::vector<std::vector<int>> sites;
   std::vector<int> last_ops;
-  for (const auto& st : plan_->stages) {
+  for (const auto& st : layout.stages) {
     sites.emplace_back();
-    for (const auto& name : st.site_names)
+    for (const auto& name : st.site_names) {
+      int index = -1;
       for (size_t i = 0; i < live.sites.size(); ++i)
-        if (live.sites[i].name == name) sites.back().push_back(static_cast<int>(i));
+        if (live.sites[i].name == name) index = static_cast<int>(i);
+      if (index < 0) return absl::FailedPreconditionError(absl::StrCat("site '", name, "' is not in the run"));
+      sites.back().push_back(index);
+    }
     last_ops.push_back(st.last_op);
   }
   partitioner::PinLayout(sites, last_ops, &pin);
-  auto current = partitioner::PlanPipeline(graph_, live, pin);
+  return partitioner::PlanPipeline(graph_, live, pin);
+}
+
+absl::StatusOr<RunMachine::Repriced> RunMachine::ReplanAgainstCurrent() const {
+  auto fresh = partitioner::PlanPipeline(graph_, LiveProfile(), BaseOptions());
+  if (!fresh.ok()) return fresh.status();
+  auto current = PriceLayout(*plan_);
   if (!current.ok()) return current.status();
-  return Repriced{std::move(*fresh), std::move(*current), static_cast<int>(live.sites.size())};
+  return Repriced{std::move(*fresh), std::move(*current), static_cast<int>(LiveProfile().sites.size())};
 }
 
 int RunMachine::UsedSiteCount() const { return plan_ ? static_cast<int>(SitesOf(*plan_).size()) : 0; }
@@ -1411,10 +1425,15 @@ void RunMachine::CheckDrift(const v1::MetricsReport& r) {
   } else {
     if (drift_.size() < 2) return;  // until a second used site has reported
     // Each site's typical ratio: the median of its recent reports, so that one site's spike (a step
-    // preempted on a shared host) does not move what every other site is measured against.
+    // preempted on a shared host) does not move what every other site is measured against. A site that
+    // has not settled is measured against the lower median of all, itself included: of two sites off each
+    // other from the start, the slower is the one flagged. One that has settled is measured against the
+    // others alone (it must also have changed itself, below): with two sites, one that grew faster (a
+    // slowdown it was re-measured at easing) was otherwise its own reference, and never flagged.
     std::vector<double> typical;
-    for (const auto& [site, d] : drift_) typical.push_back(Median(Last(d.recent, window)));
-    common = Median(typical);
+    for (const auto& [site, d] : drift_)
+      if (!settled || site != r.site()) typical.push_back(Median(Last(d.recent, window)));
+    common = settled ? MiddleMedian(typical) : Median(typical);
   }
   std::vector<double>& q = mine.window;
   q.push_back(latest / common);
@@ -1592,14 +1611,17 @@ void RunMachine::CompleteSwitch() {
     Say(absl::StrCat("switch: the stages did not all end at step ", boundary_,
                      "; resuming from the newest intact checkpoint\n"));
   }
-  // The plan before a switch for speed: its median step over its last `window` steps after its first
-  // (which warms up), to check the new plan against.
-  // Steps during which a site measured itself mid-run are left out: the cores were shared.
+  // The plan before: its median step over its last `window` steps after its first (which warms up),
+  // steps during which a site measured itself mid-run left out (the cores were shared). A switch for speed
+  // is checked against it (CheckSwitch), and with a full window it is what the layout measured, beside
+  // its price over the profile as it is now (a straggler's re-measure included), for later switches onto
+  // it (SwitchAllowed). Not where DiLoCo workers were left out: those steps ran without them.
   std::optional<SwitchTrial> trial = std::exchange(switching_for_speed_, std::nullopt);
   const std::vector<double> before = RecentSteps();
   if (trial && !before.empty()) trial->before_seconds = Median(before);
-  if (plan_ && before.size() == static_cast<size_t>(c_.spec.elastic.window))
-    measured_[LayoutOf(*plan_)] = {Median(before), before.size(), progress_step_ + 1};
+  if (plan_ && attempt_.left_out.empty() && before.size() == static_cast<size_t>(c_.spec.elastic.window))
+    if (auto priced = PriceLayout(*plan_); priced.ok() && priced->predicted_step_seconds > 0)
+      measured_[LayoutOf(*plan_)] = {Median(before), priced->predicted_step_seconds, before.size(), progress_step_ + 1};
   StartAttempt();
   if (trial && trial->before_seconds > 0 && phase_ == Phase::kTraining && plan_ &&
       LayoutOf(*plan_) != trial->before_layout)
@@ -1622,18 +1644,23 @@ bool RunMachine::SwitchAllowed(const partitioner::Plan& fresh, const std::string
                        "switch");
   } else if (const std::string layout = LayoutOf(fresh); plan_ && layout != LayoutOf(*plan_)) {
     const auto earlier = measured_.find(layout);
+    // The current plan's last `window` steps after its first; a straggler is flagged `window` reports into
+    // a plan at the earliest, when its reporter has completed `window` - 1 of them: no fewer.
     const std::vector<double> now = RecentSteps();
-    // The current plan's steps so far (a straggler is flagged `window` reports into a plan, when its
-    // reporter has completed `window` - 1 steps after its first).
-    if (earlier == measured_.end() || now.empty()) return true;
-    const double current = Median(now), gain = 1 - earlier->second.seconds / current;
+    if (earlier == measured_.end() || now.empty() || now.size() + 1 < static_cast<size_t>(c_.spec.elastic.window))
+      return true;
+    // What the layout measured against its price then carries its prediction's error over to its price
+    // now: re-measured sites (a slowdown that has eased, a joiner) count, the error of its pricing too.
+    const Measured& m = earlier->second;
+    const double ratio = m.seconds / m.priced, expected = fresh.predicted_step_seconds * ratio;
+    const double current = Median(now), gain = 1 - expected / current;
     if (gain > c_.spec.elastic.min_gain) return true;
     why = absl::StrFormat(
-        "%s; but %s ran a median %.4f s a step over its last %d steps to step %d earlier in this run, against %.4f "
-        "s for the current plan over its %d steps after its first: %s, not above elastic.min_gain (%.0f%%): no switch",
-        priced, layout, earlier->second.seconds, earlier->second.steps, earlier->second.last_step, current, now.size(),
-        absl::StrFormat("%.0f%% %s", 100 * std::abs(gain), gain >= 0 ? "faster" : "slower"),
-        100 * c_.spec.elastic.min_gain);
+        "%s; but %s ran a median %.4f s a step over its last %d steps to step %d earlier in this run, %.2fx its "
+        "price then (%.4f s): at that, the new plan's %.4f s would run %.4f s, against %.4f s for the current plan "
+        "over its last %d steps: %.0f%% %s, not above elastic.min_gain (%.0f%%): no switch",
+        priced, layout, m.seconds, m.steps, m.last_step, ratio, m.priced, fresh.predicted_step_seconds, expected,
+        current, now.size(), 100 * std::abs(gain), gain >= 0 ? "faster" : "slower", 100 * c_.spec.elastic.min_gain);
   } else {
     return true;
   }

@@ -289,9 +289,12 @@ class RunMachine {
   void BeginSwitch(const std::string& why, bool for_speed = false);
   // A switch for speed onto `fresh`: false, with an event and a line saying so, when a switch onto the same
   // sites measured slower than the plan before it earlier in the run, or when `fresh`'s layout (its sites,
-  // stage by stage: LayoutOf) ran earlier in the run and measured no more than min_gain faster than the
-  // current plan measures now -- what a layout measured outweighs what a re-scaled profile predicts for it
-  // (`site`: whose change prompted it). `kind`: the event's ("straggler" or "join").
+  // stage by stage: LayoutOf) ran earlier in the run (measured_) and `fresh`'s prediction, scaled by what
+  // that layout measured over its price then, is no more than min_gain faster than the current plan's
+  // last `window` steps (`site`: whose change prompted it). `kind`: the event's ("straggler" or "join").
+  // The switch check (CheckSwitch) does not stop two sites trading places: a site off its figures from a
+  // plan's start is flagged `window` reports in, before the check has the `window` + 1 steps it needs, and
+  // the switch ends the attempt with its check still pending.
   bool SwitchAllowed(const partitioner::Plan& fresh, const std::string& kind, const std::string& site,
                      const std::string& priced);
   // Takes the reporter's latest step: once the attempt after a switch for speed has run `window` steps
@@ -321,7 +324,8 @@ class RunMachine {
   // Stragglers (core::ElasticSpec): a used site's step compute against its planned share, relative to
   // the used sites' common ratio (the lower median of their typical ratios, each the median of a site's
   // latest `window` reports: what every site spends beyond the profile's op times -- the optimizer, the
-  // framework -- cancels, and one site's spike moves no one else's), and once it has settled under the
+  // framework -- cancels, and one site's spike moves no one else's; once the site has settled, the
+  // median of the others' alone, the mean of the middle two for an even count), and once it has settled under the
   // plan, against its own range over the first full window it spent within `drift` of the others too
   // (it must itself have changed), or
   // where the plan uses one site alone, relative to its own first `window` reports under the plan; once `window`
@@ -342,6 +346,9 @@ class RunMachine {
     int sites = 0;  // in LiveProfile()
   };
   absl::StatusOr<Repriced> ReplanAgainstCurrent() const;
+  // `layout`'s sites and cuts priced over LiveProfile() with the job's planning options; an error when
+  // one of its sites is not in it.
+  absl::StatusOr<partitioner::Plan> PriceLayout(const partitioner::Plan& layout) const;
   void CompleteSwitch();  // every stage of the attempt ended while switching
 
   // The sites are measured in two rounds: every site's device and the model at once (they share this
@@ -439,14 +446,16 @@ class RunMachine {
   std::optional<SwitchTrial> trial_;                   // the running attempt came from a switch for speed, unchecked
   std::vector<partitioner::PinnedStage> switch_back_;  // the layout the next attempt takes (a failed check)
   std::set<std::set<std::string>> refused_;            // sets of sites a switch for speed measured slower on
-  // What each layout (LayoutOf) that ended in a switch measured over its last `window` steps.
-  // A profile re-scaled from a stage's reports puts the whole error on the site, while it can be the ops'
-  // own (ops costing more than profiled on any site) or a passing disturbance: without this, the next plan
-  // moves those ops to the other site, which is flagged in turn, and two sites trade places at every
-  // window, their figures inflating each time (docs/coordinator.md; a RunMachine test).
+  // What each layout (LayoutOf) ended by a switch measured over its last `window` steps after its first
+  // (recorded only with that many), and its price then. A profile re-scaled from a stage's reports puts
+  // the whole error on the site, while it can be the ops' own (ops costing more than profiled on any site)
+  // or a passing disturbance: without this, the next plan moves those ops to the other site, which is
+  // flagged in turn, and two sites trade places at every window, their figures inflating each time
+  // (docs/coordinator.md; a RunMachine test). The latest record of a layout replaces the one before.
   struct Measured {
     double seconds = 0;     // the median step
-    size_t steps = 0;       // over so many
+    double priced = 0;      // the layout (its cuts too) priced over the profile when it ended, > 0
+    size_t steps = 0;       // the median's steps
     int64_t last_step = 0;  // the last of them, 1-based
   };
   std::map<std::string, Measured> measured_;
