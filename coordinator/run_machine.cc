@@ -67,13 +67,6 @@ double Median(std::vector<double> values) {
   return values[(values.size() - 1) / 2];
 }
 
-// The median; with an even count, the mean of the middle two. REQUIRES: !values.empty().
-double MiddleMedian(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  const size_t n = values.size();
-  return n % 2 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2;
-}
-
 // The last `n` of `values` (all of them when there are fewer).
 std::vector<double> Last(const std::vector<double>& values, size_t n) {
   return {values.end() - static_cast<std::ptrdiff_t>(std::min(n, values.size())), values.end()};
@@ -1425,15 +1418,17 @@ void RunMachine::CheckDrift(const v1::MetricsReport& r) {
   } else {
     if (drift_.size() < 2) return;  // until a second used site has reported
     // Each site's typical ratio: the median of its recent reports, so that one site's spike (a step
-    // preempted on a shared host) does not move what every other site is measured against. A site that
-    // has not settled is measured against the lower median of all, itself included: of two sites off each
-    // other from the start, the slower is the one flagged. One that has settled is measured against the
-    // others alone (it must also have changed itself, below): with two sites, one that grew faster (a
-    // slowdown it was re-measured at easing) was otherwise its own reference, and never flagged.
+    // preempted on a shared host) does not move what every other site is measured against. The common
+    // ratio is their lower median, the site's own included: of two sites off each other from the start,
+    // the slower is the one flagged. But of two sites, a settled one is measured against the other's
+    // alone (it must also have changed itself, below): the lower median of two is the faster one's, so a
+    // site that grew faster (a slowdown it was re-measured at easing) was its own reference and never
+    // flagged. With three or more, the median of all is robust to one site off either way.
     std::vector<double> typical;
+    const bool other_alone = settled && UsedSiteCount() == 2;
     for (const auto& [site, d] : drift_)
-      if (!settled || site != r.site()) typical.push_back(Median(Last(d.recent, window)));
-    common = settled ? MiddleMedian(typical) : Median(typical);
+      if (!other_alone || site != r.site()) typical.push_back(Median(Last(d.recent, window)));
+    common = Median(typical);
   }
   std::vector<double>& q = mine.window;
   q.push_back(latest / common);
@@ -1461,7 +1456,7 @@ void RunMachine::CheckDrift(const v1::MetricsReport& r) {
   if (!slower && !faster) {
     // The first full window it spends within `drift` of the others (under this plan, or since it was last
     // re-measured) is where it settled: its range then is what a later change is measured against. A
-    // site off its figures from the start never settles, and is measured against the others alone.
+    // site off its figures from the start never settles, and is measured against the common ratio alone.
     if (!settled && !alone && std::all_of(latest_window.begin(), latest_window.end(), [&](double x) {
           return x > 1 - el.drift && x < 1 + el.drift;
         })) {
@@ -1644,11 +1639,11 @@ bool RunMachine::SwitchAllowed(const partitioner::Plan& fresh, const std::string
                        "switch");
   } else if (const std::string layout = LayoutOf(fresh); plan_ && layout != LayoutOf(*plan_)) {
     const auto earlier = measured_.find(layout);
-    // The current plan's last `window` steps after its first; a straggler is flagged `window` reports into
-    // a plan at the earliest, when its reporter has completed `window` - 1 of them: no fewer.
+    // The current plan's last `window` steps after its first: fewer early in a plan (a site off its figures
+    // from the start is flagged at its `window`-th report, when the reporter, stage 0, may have `window` - 2
+    // steps after its first), but at least one.
     const std::vector<double> now = RecentSteps();
-    if (earlier == measured_.end() || now.empty() || now.size() + 1 < static_cast<size_t>(c_.spec.elastic.window))
-      return true;
+    if (earlier == measured_.end() || now.empty()) return true;
     // What the layout measured against its price then carries its prediction's error over to its price
     // now: re-measured sites (a slowdown that has eased, a joiner) count, the error of its pricing too.
     const Measured& m = earlier->second;

@@ -324,8 +324,8 @@ class RunMachine {
   // Stragglers (core::ElasticSpec): a used site's step compute against its planned share, relative to
   // the used sites' common ratio (the lower median of their typical ratios, each the median of a site's
   // latest `window` reports: what every site spends beyond the profile's op times -- the optimizer, the
-  // framework -- cancels, and one site's spike moves no one else's; once the site has settled, the
-  // median of the others' alone, the mean of the middle two for an even count), and once it has settled under the
+  // framework -- cancels, and one site's spike moves no one else's; of two sites, once the site has
+  // settled, the other's alone), and once it has settled under the
   // plan, against its own range over the first full window it spent within `drift` of the others too
   // (it must itself have changed), or
   // where the plan uses one site alone, relative to its own first `window` reports under the plan; once `window`
