@@ -1341,8 +1341,8 @@ void RunMachine::BeginSwitch(const std::string& why, bool for_speed) {
                     " with its checkpoint of that step, then a new plan resumes from it"));
 }
 
-absl::StatusOr<partitioner::Plan> RunMachine::PriceLayout(const partitioner::Plan& layout) const {
-  const partitioner::ClusterProfile live = LiveProfile();
+absl::StatusOr<partitioner::Plan> RunMachine::PriceLayout(const partitioner::Plan& layout,
+                                                          const partitioner::ClusterProfile& live) const {
   partitioner::PlanOptions pin = BaseOptions();
   std::vector<std::vector<int>> sites;
   std::vector<int> last_ops;
@@ -1362,11 +1362,12 @@ absl::StatusOr<partitioner::Plan> RunMachine::PriceLayout(const partitioner::Pla
 }
 
 absl::StatusOr<RunMachine::Repriced> RunMachine::ReplanAgainstCurrent() const {
-  auto fresh = partitioner::PlanPipeline(graph_, LiveProfile(), BaseOptions());
+  const partitioner::ClusterProfile live = LiveProfile();
+  auto fresh = partitioner::PlanPipeline(graph_, live, BaseOptions());
   if (!fresh.ok()) return fresh.status();
-  auto current = PriceLayout(*plan_);
+  auto current = PriceLayout(*plan_, live);
   if (!current.ok()) return current.status();
-  return Repriced{std::move(*fresh), std::move(*current), static_cast<int>(LiveProfile().sites.size())};
+  return Repriced{std::move(*fresh), std::move(*current), static_cast<int>(live.sites.size())};
 }
 
 int RunMachine::UsedSiteCount() const { return plan_ ? static_cast<int>(SitesOf(*plan_).size()) : 0; }
@@ -1403,7 +1404,8 @@ void RunMachine::CheckDrift(const v1::MetricsReport& r) {
   if (mine.recent.size() > span) mine.recent.erase(mine.recent.begin());
   const bool settled = mine.lo > 0;  // below: the range of a window it spent on plan
   double common;
-  const bool alone = UsedSiteCount() < 2;
+  const int used = UsedSiteCount();
+  const bool alone = used < 2;
   if (alone) {
     // One site alone: nothing to compare it with, so its own first `window` reports under this plan (after
     // the first, a warm-up) set the ratio it is measured against.
@@ -1425,7 +1427,7 @@ void RunMachine::CheckDrift(const v1::MetricsReport& r) {
     // site that grew faster (a slowdown it was re-measured at easing) was its own reference and never
     // flagged. With three or more, the median of all is robust to one site off either way.
     std::vector<double> typical;
-    const bool other_alone = settled && UsedSiteCount() == 2;
+    const bool other_alone = settled && used == 2;
     for (const auto& [site, d] : drift_)
       if (!other_alone || site != r.site()) typical.push_back(Median(Last(d.recent, window)));
     common = Median(typical);
@@ -1615,8 +1617,8 @@ void RunMachine::CompleteSwitch() {
   const std::vector<double> before = RecentSteps();
   if (trial && !before.empty()) trial->before_seconds = Median(before);
   if (plan_ && attempt_.left_out.empty() && before.size() == static_cast<size_t>(c_.spec.elastic.window))
-    if (auto priced = PriceLayout(*plan_); priced.ok() && priced->predicted_step_seconds > 0)
-      measured_[LayoutOf(*plan_)] = {Median(before), priced->predicted_step_seconds, before.size(), progress_step_ + 1};
+    if (auto priced = PriceLayout(*plan_, LiveProfile()); priced.ok() && priced->predicted_step_seconds > 0)
+      measured_[LayoutOf(*plan_)] = {Median(before), priced->predicted_step_seconds, progress_step_ + 1};
   StartAttempt();
   if (trial && trial->before_seconds > 0 && phase_ == Phase::kTraining && plan_ &&
       LayoutOf(*plan_) != trial->before_layout)
@@ -1654,8 +1656,9 @@ bool RunMachine::SwitchAllowed(const partitioner::Plan& fresh, const std::string
         "%s; but %s ran a median %.4f s a step over its last %d steps to step %d earlier in this run, %.2fx its "
         "price then (%.4f s): at that, the new plan's %.4f s would run %.4f s, against %.4f s for the current plan "
         "over its last %d steps: %.0f%% %s, not above elastic.min_gain (%.0f%%): no switch",
-        priced, layout, m.seconds, m.steps, m.last_step, ratio, m.priced, fresh.predicted_step_seconds, expected,
-        current, now.size(), 100 * std::abs(gain), gain >= 0 ? "faster" : "slower", 100 * c_.spec.elastic.min_gain);
+        priced, layout, m.seconds, c_.spec.elastic.window, m.last_step, ratio, m.priced, fresh.predicted_step_seconds,
+        expected, current, now.size(), 100 * std::abs(gain), gain >= 0 ? "faster" : "slower",
+        100 * c_.spec.elastic.min_gain);
   } else {
     return true;
   }

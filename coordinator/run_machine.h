@@ -346,9 +346,10 @@ class RunMachine {
     int sites = 0;  // in LiveProfile()
   };
   absl::StatusOr<Repriced> ReplanAgainstCurrent() const;
-  // `layout`'s sites and cuts priced over LiveProfile() with the job's planning options; an error when
-  // one of its sites is not in it.
-  absl::StatusOr<partitioner::Plan> PriceLayout(const partitioner::Plan& layout) const;
+  // `layout`'s sites and cuts priced over `live` (LiveProfile()) with the job's planning options; an error
+  // when one of its sites is not in it.
+  absl::StatusOr<partitioner::Plan> PriceLayout(const partitioner::Plan& layout,
+                                                const partitioner::ClusterProfile& live) const;
   void CompleteSwitch();  // every stage of the attempt ended while switching
 
   // The sites are measured in two rounds: every site's device and the model at once (they share this
@@ -447,16 +448,15 @@ class RunMachine {
   std::vector<partitioner::PinnedStage> switch_back_;  // the layout the next attempt takes (a failed check)
   std::set<std::set<std::string>> refused_;            // sets of sites a switch for speed measured slower on
   // What each layout (LayoutOf) ended by a switch measured over its last `window` steps after its first
-  // (recorded only with that many), and its price then. A profile re-scaled from a stage's reports puts
-  // the whole error on the site, while it can be the ops' own (ops costing more than profiled on any site)
-  // or a passing disturbance: without this, the next plan moves those ops to the other site, which is
-  // flagged in turn, and two sites trade places at every window, their figures inflating each time
-  // (docs/coordinator.md; a RunMachine test). The latest record of a layout replaces the one before.
+  // (recorded only with that many: the message's count is elastic.window), and its price then. A profile re-scaled from
+  // a stage's reports puts the whole error on the site, while it can be the ops' own (ops costing more than profiled on
+  // any site) or a passing disturbance: without this, the next plan moves those ops to the other site, which is flagged
+  // in turn, and two sites trade places at every window, their figures inflating each time (docs/coordinator.md; a
+  // RunMachine test). The latest record of a layout replaces the one before.
   struct Measured {
     double seconds = 0;     // the median step
     double priced = 0;      // the layout (its cuts too) priced over the profile when it ended, > 0
-    size_t steps = 0;       // the median's steps
-    int64_t last_step = 0;  // the last of them, 1-based
+    int64_t last_step = 0;  // the last of the median's steps, 1-based
   };
   std::map<std::string, Measured> measured_;
   // The attempt's last `window` steps after its first (which warms up), those during which a site measured
