@@ -545,8 +545,10 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
         TrainingData::Batch batch;
         std::vector<int64_t> ids;  // the micro-batch's training sequences (the keys of AQ-SGD's deltas sent)
         if (model_->has_embed() || model_->has_head()) {
+          const auto t0 = Clock::now();
           batch = setup_.data.MicroBatch(step, mb, mbs, seq);
           if (group_) batch = {batch.inputs.narrow(0, first_row, rows), batch.targets.narrow(0, first_row, rows)};
+          Trace("data", mb, t0);
         }
         if (model_->has_embed()) {
           s.input = batch.inputs.to(device_);
@@ -576,11 +578,13 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
           auto whole = GatherRows(out, hidden);
           if (!whole.ok()) return whole.status();
           if (talks_to_sites()) {
+            const auto t0 = Clock::now();
             if (fwd_codec_.delta && ids.empty()) ids = setup_.data.SequenceIds(step, mb, mbs);
             if (auto st =
                     Send(*next, {a_.job_id, step, mb, a_.stage, v1::FORWARD, 0}, *whole, fwd_codec_, nullptr, &ids);
                 !st.ok())
               return st;
+            Trace("send", mb, t0);
           }
         }
         stash[mb] = std::move(s);
@@ -626,10 +630,12 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
             spdlog::warn("{}", absl::StrCat(Where(), ": fault injection: a NaN activation gradient to '", *prev,
                                             "' at step ", step + 1));
           }
+          const auto t0 = Clock::now();
           if (auto st = Send(*prev, {a_.job_id, step, mb, a_.stage, v1::BACKWARD, 0}, grad, bwd_codec_,
                              bwd_ef_.count(*prev) ? bwd_ef_[*prev].get() : nullptr);
               !st.ok())
             return st;
+          Trace("send", mb, t0);
         }
         stash.erase(mb);
       }

@@ -298,7 +298,8 @@ class StageWorker {
   // $MERIDIAN_TRACE_DIR/trace-<site>-stage<k>.jsonl: the step, its start (seconds since the first step's)
   // and its intervals [what, micro-batch, start, end] relative to the step's start, what being "F" / "B"
   // (a forward / backward pass), "wait_F" / "wait_B" (for an activation / a gradient), "wait_norm" (the
-  // gradient-norm exchange) or "opt" (clipping and the optimizer step). Worker 0 of a site only.
+  // gradient-norm exchange), "opt" (clipping and the optimizer step), "data" (reading a micro-batch's tokens)
+  // or "send" (encoding a tensor and queueing it; the full list in docs/executor.md). Worker 0 of a site only.
   struct TraceInterval {
     const char* what;
     int micro_batch;

@@ -239,10 +239,12 @@ TEST_F(PipelineTest, RecomputingStagesMatchTheSingleProcessTrainer) {
     ASSERT_TRUE(in) << "stage " << k;
     int steps = 0;
     for (std::string line; std::getline(in, line); ++steps) {
-      int recomputed = -1, backward = 0;
+      int recomputed = -1, backward = 0, sends = 0, reads = 0;
       const auto j = nlohmann::json::parse(line);
       for (const auto& iv : j["intervals"]) {
         const std::string what = iv[0];
+        sends += what == "send";
+        reads += what == "data";
         if (what == "R") recomputed = iv[1].get<int>();
         if (what == "B") {
           EXPECT_EQ(recomputed, iv[1].get<int>()) << "stage " << k << ": " << line;
@@ -251,6 +253,9 @@ TEST_F(PipelineTest, RecomputingStagesMatchTheSingleProcessTrainer) {
         }
       }
       EXPECT_EQ(backward, 4) << line;
+      // Each activation it sends on and each gradient it sends back; the tokens at the first and last stage.
+      EXPECT_EQ(sends, k == 1 ? 8 : 4) << line;
+      EXPECT_EQ(reads, k == 1 ? 0 : 4) << line;
     }
     EXPECT_EQ(steps, 3) << "stage " << k;
   }
