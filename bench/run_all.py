@@ -648,16 +648,29 @@ def diloco_pipelines(a, bin_dir, work, cfg, model_dir, weights_params):
 
 
 def stage_medians(metrics):
-    """{site: {"stage", "compute", "wait"}}: each site's median compute and wait seconds a step over `metrics`
-    (metrics.jsonl lines)."""
+    """{site: {"stage", "compute", "wait"[, "cpu", "compute_cpu"]}}: each site's median compute and wait seconds a
+    step over `metrics` (metrics.jsonl lines), and, where reported, its executor's CPU seconds a step (all threads)
+    and its compute thread's within the passes."""
     per = {}
     for x in metrics:
         for st in x.get("stages") or []:
-            d = per.setdefault(st["site"], {"stage": st["stage"], "compute": [], "wait": []})
+            d = per.setdefault(st["site"], {"stage": st["stage"], "compute": [], "wait": [], "cpu": [], "compute_cpu": []})
             d["compute"].append(st["compute_seconds"])
             d["wait"].append(st["wait_seconds"])
-    return {s: {"stage": d["stage"], "compute": statistics.median(d["compute"]), "wait": statistics.median(d["wait"])}
-            for s, d in sorted(per.items())}
+            if "cpu_seconds" in st:
+                d["cpu"].append(st["cpu_seconds"])
+                d["compute_cpu"].append(st["compute_cpu_seconds"])
+    out = {}
+    for s, d in sorted(per.items()):
+        out[s] = {k: (d[k] if k == "stage" else statistics.median(d[k])) for k in d if k == "stage" or d[k]}
+    return out
+
+
+def cpu_beside(m):
+    """' (CPU beside the compute thread's: X s)' for a stage_medians entry that has the CPU figures, else ''."""
+    if "cpu" not in m:
+        return ""
+    return f" (CPU beside its compute thread's: {m['cpu'] - m['compute_cpu']:.2f} s)"
 
 
 def balance_ceiling(medians, pipelines):
@@ -779,6 +792,7 @@ def dp_section(w, command):
             continue
         L.append(f"- **Where the step goes** (`{codec}`, median step {d['step_seconds']:.2f} s): "
                  + ", ".join(f"{s} (stage {m['stage']}) computed {m['compute']:.2f} s and waited {m['wait']:.2f} s"
+                             f"{cpu_beside(m)}"
                              for s, m in med.items())
                  + f". The cut's balance alone caps a pipeline at {pct(cap)} of its sites' compute (its stages' "
                  "compute summed over twice the slower's).")
@@ -1142,7 +1156,9 @@ def wan_section(w, command):
         if m.get("stages"):
             L.append("  Per stage, last step: " + "; ".join(
                 f"{s['site']} computing {s['compute_seconds']:.1f} s, waiting {s['wait_seconds']:.1f} s, blocked "
-                f"sending {s['send_blocked_seconds']:.3f} s" for s in m["stages"]) + ".")
+                f"sending {s['send_blocked_seconds']:.3f} s"
+                + (f", CPU beside its compute thread's {s['cpu_seconds'] - s['compute_cpu_seconds']:.2f} s"
+                   if "cpu_seconds" in s else "") for s in m["stages"]) + ".")
     c = w["convergence"]
     gap = (c["chosen_tail"] - c["identity_tail"]) / c["identity_tail"]
     L += ["", f"Convergence (tiny model, {c['steps']} steps of 8 x 64 tokens on the same fine-tuning text, three "

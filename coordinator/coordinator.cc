@@ -578,6 +578,8 @@ std::string Coordinator::RunJson(int64_t after, size_t max_steps) const {
                            {"wait_seconds", s.metrics->wait_seconds()},
                            {"send_blocked_seconds", s.metrics->send_blocked_seconds()},
                            {"codec_seconds", s.metrics->codec_seconds()},
+                           {"cpu_seconds", s.metrics->cpu_seconds()},
+                           {"compute_cpu_seconds", s.metrics->compute_cpu_seconds()},
                            {"sent_bytes", s.metrics->wire_bytes()},
                            {"uncompressed_bytes", s.metrics->raw_bytes()}};
       if (s.metrics && s.metrics->outer_sync_step() > 0)  // a DiLoCo replica: its last outer synchronisation

@@ -960,7 +960,9 @@ void RunMachine::ReportStep(const v1::MetricsReport& p) {
                             {"compute_seconds", m.compute_seconds()},
                             {"wait_seconds", m.wait_seconds()},
                             {"send_blocked_seconds", m.send_blocked_seconds()},
-                            {"codec_seconds", m.codec_seconds()}};
+                            {"codec_seconds", m.codec_seconds()},
+                            {"cpu_seconds", m.cpu_seconds()},
+                            {"compute_cpu_seconds", m.compute_cpu_seconds()}};
     if (m.site_reduce_seconds() > 0) stage["site_reduce_seconds"] = m.site_reduce_seconds();
     if (m.outer_sync_step() > 0) {  // DiLoCo: the replica's last outer synchronisation
       stage["outer_sync_step"] = m.outer_sync_step();

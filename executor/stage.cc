@@ -1,5 +1,6 @@
 #include "executor/stage.h"
 
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -397,6 +398,17 @@ compression::ActivationStore::Options StageWorker::DeltaStore(const std::string&
   return o;
 }
 
+namespace {
+double CpuSeconds(clockid_t clock) {
+  timespec ts{};
+  ::clock_gettime(clock, &ts);
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
+}
+// CPU time of this process (all its threads) and of the calling thread, user and system.
+double ProcessCpuSeconds() { return CpuSeconds(CLOCK_PROCESS_CPUTIME_ID); }
+double ThreadCpuSeconds() { return CpuSeconds(CLOCK_THREAD_CPUTIME_ID); }
+}  // namespace
+
 absl::Status StageWorker::Send(const std::string& peer, const rpc::TensorKey& key, const torch::Tensor& t,
                                const compression::CodecSpec& codec, compression::ErrorFeedback* ef,
                                const std::vector<int64_t>* ids) {
@@ -463,6 +475,8 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
     for (auto& [n, p] : model_->parameters())
       if (p.grad().defined()) p.mutable_grad() = torch::Tensor();
     compute_seconds_ = wait_seconds_ = send_blocked_seconds_ = codec_seconds_ = site_reduce_seconds_ = 0;
+    compute_cpu_seconds_ = 0;
+    const double cpu_start = ProcessCpuSeconds();
     const auto step_start = Clock::now();
     if (!trace_epoch_) {
       trace_epoch_ = step_start;
@@ -476,10 +490,12 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
     trace_.clear();
     auto timed = [this](const char* what, int mb, auto&& fn) {
       const auto t0 = Clock::now();
+      const double cpu0 = ThreadCpuSeconds();
       fn();
       // On a GPU the kernels run asynchronously: wait for them, or their time would show up in whatever
       // next waits for the device (a send's copy to the host, counted as codec time).
       if (device_.is_cuda()) torch::cuda::synchronize();
+      compute_cpu_seconds_ += ThreadCpuSeconds() - cpu0;
       compute_seconds_ += std::chrono::duration<double>(Clock::now() - t0).count();
       Trace(what, mb, t0);
     };
@@ -888,6 +904,7 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
     // A write that failed after its frame was queued fails this step, not a neighbour's wait later.
     for (const auto& [site, sender] : senders_)
       if (absl::Status s = sender->error(); !s.ok()) return Annotate(s, Where());
+    cpu_seconds_ = ProcessCpuSeconds() - cpu_start;
     WriteTrace(step, step_start);
     if (first || last) return std::optional<double>(loss);
     return std::optional<double>();

@@ -247,6 +247,15 @@ TEST_F(CoordinatorTest, JoinProfilePlanTrainMatchesTheReference) {
     auto j = nlohmann::json::parse(l, nullptr, false);
     ASSERT_FALSE(j.is_discarded()) << l;
     EXPECT_TRUE(j.contains("loss"));
+    // Each stage's CPU: its compute thread's within the passes is at most their wall-clock time and at most
+    // the whole process's over the step (which also holds the transport's work).
+    ASSERT_TRUE(j.contains("stages")) << l;
+    for (const auto& st : j["stages"]) {
+      const double cpu = st.at("cpu_seconds"), compute_cpu = st.at("compute_cpu_seconds");
+      EXPECT_GT(compute_cpu, 0) << l;
+      EXPECT_LE(compute_cpu, st.at("compute_seconds").get<double>() + 1e-3) << l;
+      EXPECT_GE(cpu, compute_cpu) << l;
+    }
     ++lines;
   }
   EXPECT_GE(lines, 1);
