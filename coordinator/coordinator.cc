@@ -579,6 +579,7 @@ std::string Coordinator::RunJson(int64_t after, size_t max_steps) const {
                            {"send_blocked_seconds", s.metrics->send_blocked_seconds()},
                            {"codec_seconds", s.metrics->codec_seconds()},
                            {"cpu_seconds", s.metrics->cpu_seconds()},
+                           {"compute_thread_cpu_seconds", s.metrics->compute_thread_cpu_seconds()},
                            {"compute_cpu_seconds", s.metrics->compute_cpu_seconds()},
                            {"sent_bytes", s.metrics->wire_bytes()},
                            {"uncompressed_bytes", s.metrics->raw_bytes()}};

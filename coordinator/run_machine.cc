@@ -897,10 +897,10 @@ void RunMachine::OnMetrics(const MetricsReported& e) {
     return;
   }
   const std::string parts = absl::StrFormat(
-      "%.2f s (%.2f s computing, %.2f s waiting, %.3f s blocked sending, %.3f s codecs), %d bytes sent (%d "
-      "uncompressed)",
+      "%.2f s (%.2f s computing, %.2f s waiting, %.3f s blocked sending, %.3f s codecs; CPU %.3f s, %.3f s of "
+      "it the compute thread's), %d bytes sent (%d uncompressed)",
       r.step_seconds(), r.compute_seconds(), r.wait_seconds(), r.send_blocked_seconds(), r.codec_seconds(),
-      r.wire_bytes(), r.raw_bytes());
+      r.cpu_seconds(), r.compute_thread_cpu_seconds(), r.wire_bytes(), r.raw_bytes());
   Out(LogSite{r.site(), r.stage() != 0
                             ? absl::StrFormat("step %d: %s", r.step() + 1, parts)
                             : absl::StrFormat("step %d: loss %s%.4f, %s", r.step() + 1,
@@ -962,6 +962,7 @@ void RunMachine::ReportStep(const v1::MetricsReport& p) {
                             {"send_blocked_seconds", m.send_blocked_seconds()},
                             {"codec_seconds", m.codec_seconds()},
                             {"cpu_seconds", m.cpu_seconds()},
+                            {"compute_thread_cpu_seconds", m.compute_thread_cpu_seconds()},
                             {"compute_cpu_seconds", m.compute_cpu_seconds()}};
     if (m.site_reduce_seconds() > 0) stage["site_reduce_seconds"] = m.site_reduce_seconds();
     if (m.outer_sync_step() > 0) {  // DiLoCo: the replica's last outer synchronisation

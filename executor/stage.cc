@@ -468,6 +468,9 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
     const int M = setup_.micro_batches, mbs = setup_.micro_batch_size, seq = setup_.job.sequence_length;
     const int64_t d = setup_.model.shape.hidden_size;
     const std::vector<int64_t> hidden = {mbs, seq, d};
+    // The step's CPU, from its first instruction (StepTargets below reads every sequence at the last stage).
+    cpu_seconds_ = compute_cpu_seconds_ = compute_thread_cpu_seconds_ = 0;
+    const double cpu_start = ProcessCpuSeconds(), thread_cpu_start = ThreadCpuSeconds();
     // This worker's rows of every micro-batch (all of them on a site of one device).
     const auto [first_row, rows] = group_ ? group_->Rows(mbs, group_->rank()) : std::pair<int64_t, int64_t>{0, mbs};
     // Only the last stage computes the loss, so only it needs the step's count of counted targets.
@@ -475,8 +478,6 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
     for (auto& [n, p] : model_->parameters())
       if (p.grad().defined()) p.mutable_grad() = torch::Tensor();
     compute_seconds_ = wait_seconds_ = send_blocked_seconds_ = codec_seconds_ = site_reduce_seconds_ = 0;
-    compute_cpu_seconds_ = 0;
-    const double cpu_start = ProcessCpuSeconds();
     const auto step_start = Clock::now();
     if (!trace_epoch_) {
       trace_epoch_ = step_start;
@@ -492,10 +493,10 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
       const auto t0 = Clock::now();
       const double cpu0 = ThreadCpuSeconds();
       fn();
+      compute_cpu_seconds_ += ThreadCpuSeconds() - cpu0;  // before the wait below, which may spin
       // On a GPU the kernels run asynchronously: wait for them, or their time would show up in whatever
       // next waits for the device (a send's copy to the host, counted as codec time).
       if (device_.is_cuda()) torch::cuda::synchronize();
-      compute_cpu_seconds_ += ThreadCpuSeconds() - cpu0;
       compute_seconds_ += std::chrono::duration<double>(Clock::now() - t0).count();
       Trace(what, mb, t0);
     };
@@ -904,6 +905,7 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
     // A write that failed after its frame was queued fails this step, not a neighbour's wait later.
     for (const auto& [site, sender] : senders_)
       if (absl::Status s = sender->error(); !s.ok()) return Annotate(s, Where());
+    compute_thread_cpu_seconds_ = ThreadCpuSeconds() - thread_cpu_start;
     cpu_seconds_ = ProcessCpuSeconds() - cpu_start;
     WriteTrace(step, step_start);
     if (first || last) return std::optional<double>(loss);

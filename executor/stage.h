@@ -194,12 +194,17 @@ class StageWorker {
   double last_wait_seconds() const { return wait_seconds_; }
   double last_send_blocked_seconds() const { return send_blocked_seconds_; }
   double last_codec_seconds() const { return codec_seconds_; }
-  // Of the last Step, CPU seconds (user and system): this process's, every thread's from the step's start
-  // to its end (the compute thread, the senders, gRPC's and the receiving threads, the heartbeats); and the
-  // compute thread's within its passes and optimizer step (what last_compute_seconds times by the wall
-  // clock). On a CPU site the difference is the transport's and the executor's other work, drawn from the
-  // same cores (an emulated site's quota) as the compute. On a site of several devices, worker 0's process.
+  // Of the last Step, CPU seconds (user and system), from the step's start to its end:
+  //  - cpu: this process's, every thread (the compute thread, the senders, gRPC's and the receiving
+  //    threads, heartbeats, intra-op threads where there are several, a checkpoint's upload);
+  //  - compute_thread_cpu: the compute (calling) thread's, passes, encoding, data and bookkeeping;
+  //  - compute_cpu: the compute thread's within its passes and optimizer step (what last_compute_seconds
+  //    times by the wall clock; on a GPU, the host's share of launching them).
+  // On a CPU site with one intra-op thread, cpu - compute_thread_cpu is the other threads' work -- the
+  // transport's, mostly -- drawn from the same cores (an emulated site's quota) as the compute. On a site
+  // of several devices, worker 0's process only.
   double last_cpu_seconds() const { return cpu_seconds_; }
+  double last_compute_thread_cpu_seconds() const { return compute_thread_cpu_seconds_; }
   double last_compute_cpu_seconds() const { return compute_cpu_seconds_; }
   int64_t raw_bytes() const { return raw_bytes_; }
   // Of wire_bytes()/raw_bytes(): what the replica gradient sync sent.
@@ -299,7 +304,7 @@ class StageWorker {
   bool nan_gradient_sent_ = false;
   int64_t replica_buckets_ = 0, replica_buckets_during_backward_ = 0;
   double compute_seconds_ = 0, wait_seconds_ = 0, send_blocked_seconds_ = 0, codec_seconds_ = 0;
-  double cpu_seconds_ = 0, compute_cpu_seconds_ = 0;
+  double cpu_seconds_ = 0, compute_thread_cpu_seconds_ = 0, compute_cpu_seconds_ = 0;
   ReceiveAhead* ahead_ = nullptr;  // the running Step's receiver (a local of Step), else null
   // A timeline of each step for diagnosis (docs/executor.md, "Step timelines"): with the environment
   // variable MERIDIAN_TRACE_DIR set, each Step appends one JSON line to

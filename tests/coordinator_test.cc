@@ -248,13 +248,17 @@ TEST_F(CoordinatorTest, JoinProfilePlanTrainMatchesTheReference) {
     ASSERT_FALSE(j.is_discarded()) << l;
     EXPECT_TRUE(j.contains("loss"));
     // Each stage's CPU: its compute thread's within the passes is at most their wall-clock time and at most
-    // the whole process's over the step (which also holds the transport's work).
+    // the thread's over the whole step, itself at most the step's wall-clock time and the whole process's
+    // (which also holds the transport's threads).
     ASSERT_TRUE(j.contains("stages")) << l;
     for (const auto& st : j["stages"]) {
-      const double cpu = st.at("cpu_seconds"), compute_cpu = st.at("compute_cpu_seconds");
-      EXPECT_GT(compute_cpu, 0) << l;
-      EXPECT_LE(compute_cpu, st.at("compute_seconds").get<double>() + 1e-3) << l;
-      EXPECT_GE(cpu, compute_cpu) << l;
+      const double cpu = st.at("cpu_seconds"), thread = st.at("compute_thread_cpu_seconds"),
+                   passes = st.at("compute_cpu_seconds");
+      EXPECT_GT(passes, 0) << l;
+      EXPECT_LE(passes, st.at("compute_seconds").get<double>() + 1e-3) << l;
+      EXPECT_GE(thread, passes) << l;
+      EXPECT_LE(thread, st.at("step_seconds").get<double>() + 1e-3) << l;
+      EXPECT_GE(cpu, thread) << l;
     }
     ++lines;
   }
