@@ -541,7 +541,7 @@ def diloco_pipelines(a, bin_dir, work, cfg, model_dir, weights_params):
     """Issue #17's comparison. Two pipelines of two emulated sites each, each pipeline's sites joined at
     --dp-inner-mbit, the pipelines joined by --dp-mbit links (every pair across), 80 ms RTT on every link. The same
     pinned layout (stage 0 on a0 and b0, stage 1 on a1 and b1, the micro-batches shared equally, so micro-batch m
-    stays in one pipeline) trains with every-step replicas (Meridian's default sync, adaptive codecs) and with
+    stays in one pipeline) trains with every-step replicas (Meridian's default sync; --dp-compression) and with
     DiLoCo; DDP-Gloo trains the whole model on each of the four sites. Reports tokens/s against the compute bound,
     the bytes on the links between the pipelines per token, and the loss at equal tokens against train-local of
     the same job (what exact every-step averaging and DDP compute)."""
@@ -551,7 +551,7 @@ def diloco_pipelines(a, bin_dir, work, cfg, model_dir, weights_params):
     seed = 20261201
     # By default micro-batches of 4 sequences, as the compute bound's steps; 12 per pipeline.
     seq, global_batch, micro_batches = (32, 8, 4) if a.tiny else (128, a.dp_sequences, a.dp_micro_batches)
-    if not a.tiny and (global_batch % micro_batches or micro_batches % 2):
+    if not a.tiny and (global_batch < micro_batches or global_batch % micro_batches or micro_batches % 2):
         raise SystemExit(f"--dp-sequences {global_batch}: must be a multiple of --dp-micro-batches {micro_batches}, "
                          "itself even (the two pipelines share the micro-batches equally)")
     dp_model, params = write_model(dpw, TINY if a.tiny else DP_MODEL, seed)
@@ -560,7 +560,8 @@ def diloco_pipelines(a, bin_dir, work, cfg, model_dir, weights_params):
     systems = a.dp_systems.split(",")
     res = {"params": params, "seq": seq, "global_batch": global_batch, "micro_batches": micro_batches,
            "rtt_ms": WAN_RTT_MS, "mbit": a.dp_mbit, "inner_mbit": a.dp_inner_mbit, "inner_steps": H, "steps": steps,
-           "sites": dict(DP_SITES), "codecs": a.dp_codecs.split(","), "model": cfg_text(dp_model)}
+           "sites": dict(DP_SITES), "codecs": a.dp_codecs.split(","), "model": cfg_text(dp_model),
+           "compression": a.dp_compression, "bound_steps": 23}
     res["sync"] = (f"{{mode: diloco, inner_steps: {H}, codec: CODEC, "
                    "outer_optimizer: {name: nesterov, lr: 0.7, momentum: 0.5}}")
     every = os.path.join(dpw, "every.yaml")
@@ -648,18 +649,17 @@ def diloco_pipelines(a, bin_dir, work, cfg, model_dir, weights_params):
 
 
 def stage_medians(metrics):
-    """{site: {"stage", "compute", "wait"[, "cpu", "compute_cpu"]}}: each site's median compute and wait seconds a
-    step over `metrics` (metrics.jsonl lines), and, where reported, its executor's CPU seconds a step (all threads)
-    and its compute thread's within the passes."""
+    """{site: {"stage", "compute", "wait"[, "other_cpu"]}}: each site's median compute and wait seconds a step over
+    `metrics` (metrics.jsonl lines), and, where reported, the CPU seconds a step of its executor's threads other than
+    the compute thread (the transport's, mostly)."""
     per = {}
     for x in metrics:
         for st in x.get("stages") or []:
-            d = per.setdefault(st["site"], {"stage": st["stage"], "compute": [], "wait": [], "cpu": [], "compute_cpu": []})
+            d = per.setdefault(st["site"], {"stage": st["stage"], "compute": [], "wait": [], "other_cpu": []})
             d["compute"].append(st["compute_seconds"])
             d["wait"].append(st["wait_seconds"])
-            if "cpu_seconds" in st:
-                d["cpu"].append(st["cpu_seconds"])
-                d["compute_cpu"].append(st["compute_cpu_seconds"])
+            if "compute_thread_cpu_seconds" in st:
+                d["other_cpu"].append(st["cpu_seconds"] - st["compute_thread_cpu_seconds"])
     out = {}
     for s, d in sorted(per.items()):
         out[s] = {k: (d[k] if k == "stage" else statistics.median(d[k])) for k in d if k == "stage" or d[k]}
@@ -667,10 +667,10 @@ def stage_medians(metrics):
 
 
 def cpu_beside(m):
-    """' (CPU beside the compute thread's: X s)' for a stage_medians entry that has the CPU figures, else ''."""
-    if "cpu" not in m:
+    """' (its other threads' CPU: X s)' for a stage_medians entry that has the CPU figures, else ''."""
+    if "other_cpu" not in m:
         return ""
-    return f" (CPU beside its compute thread's: {m['cpu'] - m['compute_cpu']:.2f} s)"
+    return f" (its other threads' CPU: {m['other_cpu']:.3f} s)"
 
 
 def balance_ceiling(medians, pipelines):
@@ -747,14 +747,15 @@ def dp_section(w, command):
          "pipelines: every step's gradient sums with every-step replicas; with DiLoCo each exchange of pseudo-"
          "gradients and, every step, each pipeline's share of the loss (each pipeline clips by its own gradient "
          "norm: docs/sync.md). *Every-step* is Meridian's default `sync` (the gradient "
-         "sum every step, adaptive codecs); *DiLoCo* adds "
+         "sum every step), *DiLoCo* adds "
          f"`sync: {w['sync']}` with each CODEC of the table (the outer momentum 0.5 of docs/sync.md for small models); *DDP-Gloo* "
          "(bench/ddp_gloo.py) trains the whole model on each of the four sites and all-reduces float32 gradients "
          "every step (Gloo's connections do not pass the relays that add the RTT; it is bandwidth-bound "
-         "anyway).", "",
+         "anyway). Every Meridian job here has `compression: "
+         f"{w.get('compression', '{policy: adaptive, error_feedback: true}')}`.", "",
          f"Compute bound: {b:.0f} tokens/s = " + " + ".join(f"{v:.0f} ({s})" for s, v in w["bound_sites"].items())
          + ", each site training the whole model alone at its quota, all four at once"
-         + (f" (micro-batches of 4 sequences as the runs', 7 steps timed after a warm-up), the mean of "
+         + (f" (micro-batches of 4 sequences, {w.get('bound_steps', 7)} steps timed after a warm-up), the mean of "
             f"{sum(w['bound_before'].values()):.0f} tokens/s measured before the DiLoCo runs and "
             f"{sum(w['bound_after'].values()):.0f} after them" if "bound_after" in w else "")
          + ". Timed from the end of the "
@@ -1157,8 +1158,8 @@ def wan_section(w, command):
             L.append("  Per stage, last step: " + "; ".join(
                 f"{s['site']} computing {s['compute_seconds']:.1f} s, waiting {s['wait_seconds']:.1f} s, blocked "
                 f"sending {s['send_blocked_seconds']:.3f} s"
-                + (f", CPU beside its compute thread's {s['cpu_seconds'] - s['compute_cpu_seconds']:.2f} s"
-                   if "cpu_seconds" in s else "") for s in m["stages"]) + ".")
+                + (f", its other threads' CPU {s['cpu_seconds'] - s['compute_thread_cpu_seconds']:.3f} s"
+                   if "compute_thread_cpu_seconds" in s else "") for s in m["stages"]) + ".")
     c = w["convergence"]
     gap = (c["chosen_tail"] - c["identity_tail"]) / c["identity_tail"]
     L += ["", f"Convergence (tiny model, {c['steps']} steps of 8 x 64 tokens on the same fine-tuning text, three "
