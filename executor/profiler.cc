@@ -1,7 +1,5 @@
 #include "executor/profiler.h"
 
-#include <time.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
@@ -14,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "compression/codec.h"
 #include "compression/policy.h"
+#include "core/cpu_time.h"
 #include "core/log.h"
 #include "executor/torch_boundary.h"
 #include "executor/trainer.h"
@@ -24,11 +23,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double ThreadCpuSeconds() {
-  timespec ts{};
-  ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return static_cast<double>(ts.tv_sec) + ts.tv_nsec * 1e-9;
-}
+using core::ThreadCpuSeconds;
 
 // Wall and this thread's CPU seconds from a start.
 struct Span {

@@ -1,6 +1,5 @@
 #include "executor/stage.h"
 
-#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -19,6 +18,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "core/checkpoint_dir.h"
+#include "core/cpu_time.h"
 #include "core/log.h"
 #include "core/status.h"
 #include "executor/torch_boundary.h"
@@ -398,17 +398,6 @@ compression::ActivationStore::Options StageWorker::DeltaStore(const std::string&
   return o;
 }
 
-namespace {
-double CpuSeconds(clockid_t clock) {
-  timespec ts{};
-  ::clock_gettime(clock, &ts);
-  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
-}
-// CPU time of this process (all its threads) and of the calling thread, user and system.
-double ProcessCpuSeconds() { return CpuSeconds(CLOCK_PROCESS_CPUTIME_ID); }
-double ThreadCpuSeconds() { return CpuSeconds(CLOCK_THREAD_CPUTIME_ID); }
-}  // namespace
-
 absl::Status StageWorker::Send(const std::string& peer, const rpc::TensorKey& key, const torch::Tensor& t,
                                const compression::CodecSpec& codec, compression::ErrorFeedback* ef,
                                const std::vector<int64_t>* ids) {
@@ -470,7 +459,7 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
     const std::vector<int64_t> hidden = {mbs, seq, d};
     // The step's CPU, from its first instruction (StepTargets below reads every sequence at the last stage).
     cpu_seconds_ = compute_cpu_seconds_ = compute_thread_cpu_seconds_ = 0;
-    const double cpu_start = ProcessCpuSeconds(), thread_cpu_start = ThreadCpuSeconds();
+    const double cpu_start = core::ProcessCpuSeconds(), thread_cpu_start = core::ThreadCpuSeconds();
     // This worker's rows of every micro-batch (all of them on a site of one device).
     const auto [first_row, rows] = group_ ? group_->Rows(mbs, group_->rank()) : std::pair<int64_t, int64_t>{0, mbs};
     // Only the last stage computes the loss, so only it needs the step's count of counted targets.
@@ -491,9 +480,9 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
     trace_.clear();
     auto timed = [this](const char* what, int mb, auto&& fn) {
       const auto t0 = Clock::now();
-      const double cpu0 = ThreadCpuSeconds();
+      const double cpu0 = core::ThreadCpuSeconds();
       fn();
-      compute_cpu_seconds_ += ThreadCpuSeconds() - cpu0;  // before the wait below, which may spin
+      compute_cpu_seconds_ += core::ThreadCpuSeconds() - cpu0;  // before the wait below, which may spin
       // On a GPU the kernels run asynchronously: wait for them, or their time would show up in whatever
       // next waits for the device (a send's copy to the host, counted as codec time).
       if (device_.is_cuda()) torch::cuda::synchronize();
@@ -905,8 +894,8 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
     // A write that failed after its frame was queued fails this step, not a neighbour's wait later.
     for (const auto& [site, sender] : senders_)
       if (absl::Status s = sender->error(); !s.ok()) return Annotate(s, Where());
-    compute_thread_cpu_seconds_ = ThreadCpuSeconds() - thread_cpu_start;
-    cpu_seconds_ = ProcessCpuSeconds() - cpu_start;
+    compute_thread_cpu_seconds_ = core::ThreadCpuSeconds() - thread_cpu_start;
+    cpu_seconds_ = core::ProcessCpuSeconds() - cpu_start;
     WriteTrace(step, step_start);
     if (first || last) return std::optional<double>(loss);
     return std::optional<double>();

@@ -1,7 +1,5 @@
 #include "rpc/peer.h"
 
-#include <time.h>
-
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
@@ -10,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "compression/codec.h"
+#include "core/cpu_time.h"
 #include "rpc/credentials.h"
 #include "rpc/status.h"
 
@@ -533,13 +532,7 @@ absl::StatusOr<LinkMeasurement> ProbeLink(PeerClient& client, const ProbeOptions
   return m;
 }
 
-namespace {
-double ProcessCpuSeconds() {
-  timespec ts{};
-  ::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-  return static_cast<double>(ts.tv_sec) + ts.tv_nsec * 1e-9;
-}
-}  // namespace
+using core::ProcessCpuSeconds;
 
 absl::StatusOr<TransportCost> MeasureTransportCost(PeerClient& client, int64_t frame_bytes, int frames,
                                                    std::chrono::seconds deadline, std::chrono::milliseconds gap) {
