@@ -72,6 +72,13 @@ std::vector<double> Last(const std::vector<double>& values, size_t n) {
   return {values.end() - static_cast<std::ptrdiff_t>(std::min(n, values.size())), values.end()};
 }
 
+// The index of site `name` in `profile`, or -1 when it is not there.
+int SiteIndex(const partitioner::ClusterProfile& profile, const std::string& name) {
+  for (size_t i = 0; i < profile.sites.size(); ++i)
+    if (profile.sites[i].name == name) return static_cast<int>(i);
+  return -1;
+}
+
 }  // namespace
 
 RunMachine::RunMachine(RunConfig config) : c_(std::move(config)) {
@@ -647,11 +654,7 @@ absl::Status RunMachine::PlanAttempt() {
   const bool operators = !c_.pinned.empty();
   std::vector<partitioner::PinnedStage> pinned = operators ? c_.pinned : std::exchange(switch_back_, {});
   if (!pinned.empty()) {
-    auto index = [&](const std::string& name) {
-      for (size_t i = 0; i < live.sites.size(); ++i)
-        if (live.sites[i].name == name) return static_cast<int>(i);
-      return -1;
-    };
+    auto index = [&](const std::string& name) { return SiteIndex(live, name); };
     std::string missing;
     for (const auto& st : pinned)
       for (const auto& site : st.sites)
@@ -1352,9 +1355,7 @@ absl::StatusOr<partitioner::Plan> RunMachine::PriceLayout(const partitioner::Pla
   for (const auto& st : layout.stages) {
     sites.emplace_back();
     for (const auto& name : st.site_names) {
-      int index = -1;
-      for (size_t i = 0; i < live.sites.size(); ++i)
-        if (live.sites[i].name == name) index = static_cast<int>(i);
+      const int index = SiteIndex(live, name);
       if (index < 0) return absl::FailedPreconditionError(absl::StrCat("site '", name, "' is not in the run"));
       sites.back().push_back(index);
     }
