@@ -648,6 +648,14 @@ def diloco_pipelines(a, bin_dir, work, cfg, model_dir, weights_params):
     return res
 
 
+def other_threads_cpu(st):
+    """A metrics.jsonl stage entry's CPU seconds of the executor's threads other than the compute thread (the
+    transport's, mostly), or None where the executor did not report its compute thread's."""
+    if "compute_thread_cpu_seconds" not in st:
+        return None
+    return st["cpu_seconds"] - st["compute_thread_cpu_seconds"]
+
+
 def stage_medians(metrics):
     """{site: {"stage", "compute", "wait"[, "other_cpu"]}}: each site's median compute and wait seconds a step over
     `metrics` (metrics.jsonl lines), and, where reported, the CPU seconds a step of its executor's threads other than
@@ -658,8 +666,8 @@ def stage_medians(metrics):
             d = per.setdefault(st["site"], {"stage": st["stage"], "compute": [], "wait": [], "other_cpu": []})
             d["compute"].append(st["compute_seconds"])
             d["wait"].append(st["wait_seconds"])
-            if "compute_thread_cpu_seconds" in st:
-                d["other_cpu"].append(st["cpu_seconds"] - st["compute_thread_cpu_seconds"])
+            if other_threads_cpu(st) is not None:
+                d["other_cpu"].append(other_threads_cpu(st))
     out = {}
     for s, d in sorted(per.items()):
         out[s] = {k: (d[k] if k == "stage" else statistics.median(d[k])) for k in d if k == "stage" or d[k]}
@@ -1158,8 +1166,8 @@ def wan_section(w, command):
             L.append("  Per stage, last step: " + "; ".join(
                 f"{s['site']} computing {s['compute_seconds']:.1f} s, waiting {s['wait_seconds']:.1f} s, blocked "
                 f"sending {s['send_blocked_seconds']:.3f} s"
-                + (f", its other threads' CPU {s['cpu_seconds'] - s['compute_thread_cpu_seconds']:.3f} s"
-                   if "compute_thread_cpu_seconds" in s else "") for s in m["stages"]) + ".")
+                + (f", its other threads' CPU {other_threads_cpu(s):.3f} s" if other_threads_cpu(s) is not None else "")
+                for s in m["stages"]) + ".")
     c = w["convergence"]
     gap = (c["chosen_tail"] - c["identity_tail"]) / c["identity_tail"]
     L += ["", f"Convergence (tiny model, {c['steps']} steps of 8 x 64 tokens on the same fine-tuning text, three "
