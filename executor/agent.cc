@@ -25,6 +25,7 @@
 #include "core/files.h"
 #include "core/log.h"
 #include "core/run_layout.h"
+#include "core/thread_name.h"
 #include "executor/profiler.h"
 #include "executor/run_stage.h"
 #include "executor/site_group.h"
@@ -89,6 +90,7 @@ class CheckpointUploader {
     if (names.empty())
       return absl::InternalError(absl::StrCat(step_dir, ": no checkpoint file of stage ", stage, " to send"));
     pending_ = std::async(std::launch::async, [this, step_dir, step, names] {
+      core::NameThisThread("mrd-ckpt-upload");
       absl::Status s;
       for (const std::string& name : names) {
         s = coordinator_->PutFile(site_, job_id_, step_dir + "/" + name, core::CheckpointFile(step, name));
@@ -118,7 +120,10 @@ class CheckpointUploader {
 class MetricsReporter {
  public:
   explicit MetricsReporter(rpc::CoordinatorClient* coordinator)
-      : coordinator_(coordinator), thread_([this] { Loop(); }) {}
+      : coordinator_(coordinator), thread_([this] {
+          core::NameThisThread("mrd-report");
+          Loop();
+        }) {}
   ~MetricsReporter() {
     {
       std::lock_guard<std::mutex> l(mu_);
@@ -318,7 +323,10 @@ int Agent::Run() {
     return started.status().code() == absl::StatusCode::kUnavailable ? 1 : 2;
   }
   std::unique_ptr<grpc::Server> server = std::move(*started);
-  std::thread heart([this] { Heartbeats(); });
+  std::thread heart([this] {
+    core::NameThisThread("mrd-heartbeat");
+    Heartbeats();
+  });
   const double interval = reg_.heartbeat_interval_seconds() > 0 ? reg_.heartbeat_interval_seconds() : 1.0;
   bool stopped = false;
   while (!stopped) {

@@ -1,4 +1,5 @@
 #include "executor/diloco.h"
+#include "core/thread_name.h"
 
 #include <chrono>
 #include <cmath>
@@ -107,7 +108,10 @@ void OuterSync::Begin(int f, int64_t step, bool overlap) {
   // On a thread of its own also when not overlapped, if it may have to be cancelled while awaited.
   exchange_done_ = false;
   if (overlap || cancel_check_)
-    exchange_ = std::thread([this, f, step] { Exchange(f, step); });  // may throw: then nothing is pending
+    exchange_ = std::thread([this, f, step] {
+      core::NameThisThread("mrd-diloco");
+      Exchange(f, step);
+    });  // may throw: then nothing is pending
   else
     Exchange(f, step);
   pending_ = f;

@@ -1,4 +1,5 @@
 #include "executor/receive_ahead.h"
+#include "core/thread_name.h"
 
 #include <utility>
 
@@ -17,7 +18,10 @@ ReceiveAhead::ReceiveAhead(rpc::TensorInbox* inbox, std::vector<ExpectedTensor> 
       expected_(std::move(expected)),
       decode_(std::move(decode)),
       lookahead_(std::max(lookahead, 1)),
-      thread_([this] { Loop(); }) {}
+      thread_([this] {
+        core::NameThisThread("mrd-recv-ahead");
+        Loop();
+      }) {}
 
 ReceiveAhead::~ReceiveAhead() {
   {

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/status.h"
+#include "core/thread_name.h"
 
 namespace meridian::executor {
 namespace {
@@ -80,8 +81,14 @@ void GradientAverager::BeginStep(int64_t step) {
     b.pending = static_cast<int>(b.params.size());
     b.ready = false;
   }
-  scatter_thread_ = std::thread([this] { ScatterLoop(); });
-  reduce_thread_ = std::thread([this] { ReduceLoop(); });
+  scatter_thread_ = std::thread([this] {
+    core::NameThisThread("mrd-rs-scatter");
+    ScatterLoop();
+  });
+  reduce_thread_ = std::thread([this] {
+    core::NameThisThread("mrd-rs-reduce");
+    ReduceLoop();
+  });
 }
 
 void GradientAverager::CaptureNextBackward() {

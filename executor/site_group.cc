@@ -22,6 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "core/log.h"
+#include "core/thread_name.h"
 
 namespace meridian::executor {
 namespace {
@@ -35,7 +36,11 @@ namespace {
 class NcclThread {
  public:
   using Op = std::function<absl::Status(gpu::NcclGroup&, const gpu::StreamMark*)>;
-  NcclThread() : thread_([this] { Loop(); }) {}
+  NcclThread()
+      : thread_([this] {
+          core::NameThisThread("mrd-nccl");
+          Loop();
+        }) {}
   // A call still queued or running belongs to a step that failed (a step waits for every call it starts):
   // the group is aborted rather than waited for, so each ends at once with an error no one reads.
   ~NcclThread() {
@@ -551,7 +556,10 @@ absl::StatusOr<std::unique_ptr<WorkerPool>> WorkerPool::Start(const std::vector<
   }
   pool->exited_.assign(pool->pids_.size(), false);
   pool->killed_.assign(pool->pids_.size(), false);
-  pool->monitor_ = std::thread([p = pool.get()] { p->Monitor(); });
+  pool->monitor_ = std::thread([p = pool.get()] {
+    core::NameThisThread("mrd-workers");
+    p->Monitor();
+  });
   return pool;
 }
 

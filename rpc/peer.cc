@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "compression/codec.h"
 #include "core/cpu_time.h"
+#include "core/thread_name.h"
 #include "rpc/credentials.h"
 #include "rpc/status.h"
 
@@ -365,7 +366,10 @@ PeerClient::OutStream::~OutStream() {
 
 QueuedSender::QueuedSender(std::unique_ptr<PeerClient::OutStream> stream, int64_t max_queued_bytes)
     : stream_(std::move(stream)), max_bytes_(std::max<int64_t>(max_queued_bytes, 1)) {
-  thread_ = std::thread([this] { Run(); });
+  thread_ = std::thread([this] {
+    core::NameThisThread("mrd-send");
+    Run();
+  });
 }
 
 QueuedSender::~QueuedSender() {
