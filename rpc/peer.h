@@ -264,15 +264,18 @@ absl::StatusOr<LinkMeasurement> ProbeLink(PeerClient& client, const ProbeOptions
 // through one stream each, `gap` apart, the process's CPU time (both ends) is read around each, and
 // seconds_per_frame + seconds_per_byte * bytes is fitted to the two and halved for one side, the best of
 // two rounds (the receiving end counts probe payloads without keeping them: one copy fewer than a real
-// frame). The gap matters: frames sent back to back share gRPC's and the kernel's wake-ups (measured
-// here: 8-43 us per frame), frames a pipeline sends between its passes do not (110-165 us, 2-5 ms apart).
-// Errors: the stream's, naming the peer.
+// frame). The gap matters, and the default is a pipeline's: a stream carries one frame per micro-batch,
+// tens of milliseconds apart on a CPU site (the README demo's about 27 ms). Measured here between two
+// processes, a 35 KB frame cost the sender about 0.14 ms of CPU and the receiver 0.3 ms at 2 ms apart,
+// and 0.36 ms and 0.45 ms at 10, 25 or 50 ms apart -- what the demo's sites' threads used per frame
+// (0.31 ms sending, 0.44 ms receiving); back to back, frames share gRPC's and the kernel's wake-ups and
+// read cheaper still. Errors: the stream's, naming the peer.
 struct TransportCost {
   double seconds_per_frame = 0, seconds_per_byte = 0;  // CPU seconds, one side, both >= 0
 };
 absl::StatusOr<TransportCost> MeasureTransportCost(PeerClient& self_client, int64_t frame_bytes, int frames,
                                                    std::chrono::seconds deadline,
-                                                   std::chrono::milliseconds gap = std::chrono::milliseconds(2));
+                                                   std::chrono::milliseconds gap = std::chrono::milliseconds(20));
 
 }  // namespace meridian::rpc
 

@@ -6,6 +6,8 @@
 //   send  --certs DIR --self NAME --peer NAME --address HOST:PORT --frame-mib M|--elements N --frames K
 //         (prints goodput)
 //         [--codec C] [--job-id ID] [--corrupt 1]: frame i is sent as (ID, step i, micro-batch 0, stage 0, FORWARD)
+//         [--gap-ms G]: G ms between frames, as a pipeline sends between its passes (then cpu_seconds, this
+//         process's CPU over the sends, says what each frame costs the sender)
 // and, as a site calling the coordinator (the hostile-site tests: a valid certificate, forged requests):
 //   put   --certs DIR --self NAME --coordinator HOST:PORT --job-id ID --path RUN_PATH --file LOCAL
 //   get   --certs DIR --self NAME --coordinator HOST:PORT --path RUN_PATH --file LOCAL
@@ -24,6 +26,7 @@
 #include <nlohmann/json.hpp>
 
 #include "compression/codec.h"
+#include "core/cpu_time.h"
 #include "rpc/coordinator_client.h"
 #include "rpc/credentials.h"
 #include "rpc/peer.h"
@@ -148,8 +151,11 @@ int main(int argc, char** argv) {
     const std::string job_id = f.count("--job-id") ? f["--job-id"] : "bench";
     auto stream = (*client)->OpenStream(std::chrono::seconds(600));
     if (!stream.ok()) return 1;
+    const int gap_ms = f.count("--gap-ms") ? std::atoi(f["--gap-ms"].c_str()) : 0;
     auto t0 = std::chrono::steady_clock::now();
+    const double cpu0 = core::ProcessCpuSeconds();
     for (int i = 0; i < frames; ++i) {
+      if (gap_ms > 0 && i > 0) std::this_thread::sleep_for(std::chrono::milliseconds(gap_ms));
       absl::Status s = (*stream)->Send({job_id, i, 0, 0, v1::FORWARD, 0}, *frame);
       if (!s.ok()) {
         std::fprintf(stderr, "meridian-peertool: %s\n", std::string(s.message()).c_str());
@@ -161,10 +167,11 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "meridian-peertool: %s\n", std::string(acked.status().message()).c_str());
       return 1;
     }
+    const double cpu = core::ProcessCpuSeconds() - cpu0;
     double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     double bytes = static_cast<double>(frame->size()) * frames;
-    std::printf("{\"bytes\": %.0f, \"seconds\": %.4f, \"goodput_bytes_per_second\": %.1f}\n", bytes, secs,
-                bytes / secs);
+    std::printf("{\"bytes\": %.0f, \"seconds\": %.4f, \"goodput_bytes_per_second\": %.1f, \"cpu_seconds\": %.4f}\n",
+                bytes, secs, bytes / secs, cpu);
     return 0;
   }
   std::fprintf(stderr, "meridian-peertool: unknown mode %s\n", mode.c_str());
