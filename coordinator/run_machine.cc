@@ -550,10 +550,11 @@ void RunMachine::StartAttempt() {
   }
   attempt_ = Attempt();
   attempt_steps_.clear();
-  switching_for_speed_.reset();  // CompleteSwitch took it, or the attempt ended otherwise
-  trial_.reset();                // CompleteSwitch sets it again for an attempt that a switch for speed began
-  remeasuring_.clear();          // a straggler decision pending for the attempt before is moot
-  drift_.clear();                // the new plan's shares are what each site is measured against
+  switching_for_speed_.reset();     // CompleteSwitch took it, or the attempt ended otherwise
+  trial_.reset();                   // CompleteSwitch sets it again for an attempt that a switch for speed began
+  after_switch_for_speed_ = false;  // and this
+  remeasuring_.clear();             // a straggler decision pending for the attempt before is moot
+  drift_.clear();                   // the new plan's shares are what each site is measured against
   progress_step_ = -1;
   std::map<std::string, int> stages, writers;  // replica 0 of each stage sends its weights and checkpoints
   for (size_t k = 0; k < plan_->stages.size(); ++k) {
@@ -1397,6 +1398,12 @@ void RunMachine::CheckDrift(const v1::MetricsReport& r) {
   // Reports that come in while a site measures itself mid-run (a joiner, a re-measure) are left out: on a
   // shared host the others computed beside the measurement (the switch checks leave such steps out too).
   if (MeasuringMidRun()) return;
+  // An attempt a switch for speed began is checked before it is judged: its first step and a window go to
+  // CheckSwitch, which may take the run back. Judged from its first report, a site off its figures from
+  // the plan's start would be flagged at its `window`-th report, before the check, and its switch would
+  // end the attempt with the check still pending: two sites could trade places at every window. The same
+  // holds after a switch that only moved the cuts (it starts no check; its figures are as new).
+  if (after_switch_for_speed_ && attempt_steps_.size() <= static_cast<size_t>(el.window)) return;
   const double planned = PlannedStepCompute(r.site());
   if (planned <= 0 || !(r.compute_seconds() > 0) || !std::isfinite(r.compute_seconds())) return;
   Drift& mine = drift_[r.site()];
@@ -1624,6 +1631,7 @@ void RunMachine::CompleteSwitch() {
     if (auto priced = PriceLayout(*plan_, LiveProfile()); priced.ok() && priced->predicted_step_seconds > 0)
       measured_[LayoutOf(*plan_)] = {Median(before), priced->predicted_step_seconds, progress_step_ + 1};
   StartAttempt();
+  after_switch_for_speed_ = trial.has_value();
   if (trial && trial->before_seconds > 0 && phase_ == Phase::kTraining && plan_ &&
       LayoutOf(*plan_) != trial->before_layout)
     trial_ = std::move(trial);

@@ -292,9 +292,8 @@ class RunMachine {
   // stage by stage: LayoutOf) ran earlier in the run (measured_) and `fresh`'s prediction, scaled by what
   // that layout measured over its price then, is no more than min_gain faster than the current plan's
   // last `window` steps (`site`: whose change prompted it). `kind`: the event's ("straggler" or "join").
-  // The switch check (CheckSwitch) does not stop two sites trading places: a site off its figures from a
-  // plan's start is flagged `window` reports in, before the check has the `window` + 1 steps it needs, and
-  // the switch ends the attempt with its check still pending.
+  // The switch check (CheckSwitch) alone does not stop two sites trading places: a switch it kept (within
+  // min_gain) leaves the next flag free to take the run back to a layout that already measured slow.
   bool SwitchAllowed(const partitioner::Plan& fresh, const std::string& kind, const std::string& site,
                      const std::string& priced);
   // Takes the reporter's latest step: once the attempt after a switch for speed has run `window` steps
@@ -331,7 +330,8 @@ class RunMachine {
   // where the plan uses one site alone, relative to its own first `window` reports under the plan; once `window`
   // of its latest `window` + 1 reports are off by `drift` the same way (one step at full speed within a slowdown
   // does not start the window again), its op times are scaled by the median of those off (re-measured from the running
-  // stage) and the job re-planned, switching when that gains more than min_gain.
+  // stage) and the job re-planned, switching when that gains more than min_gain. After a switch for speed, reports
+  // count from the attempt's `window` + 2-th step on: the switch is checked (CheckSwitch) before anything is judged.
   void CheckDrift(const v1::MetricsReport& r);
   // Its ops x its micro-batches (with a recomputing stage's second forward pass), plus its optimizer step,
   // from profile_: what its reports' compute_seconds are compared with.
@@ -443,8 +443,11 @@ class RunMachine {
     std::string before_layout;                     // it, for messages ("a -> b+c")
     double before_seconds = 0;                     // its median step over its last `window` steps
   };
-  std::optional<SwitchTrial> switching_for_speed_;     // kSwitching for speed: the plan before, its steps still coming
-  std::optional<SwitchTrial> trial_;                   // the running attempt came from a switch for speed, unchecked
+  std::optional<SwitchTrial> switching_for_speed_;  // kSwitching for speed: the plan before, its steps still coming
+  std::optional<SwitchTrial> trial_;                // the running attempt came from a switch for speed, unchecked
+  // The running attempt came from a switch for speed (a new layout or new cuts): CheckDrift judges none of
+  // its reports before its first `window` + 1 steps, the switch check's.
+  bool after_switch_for_speed_ = false;
   std::vector<partitioner::PinnedStage> switch_back_;  // the layout the next attempt takes (a failed check)
   std::set<std::set<std::string>> refused_;            // sets of sites a switch for speed measured slower on
   // What each layout (LayoutOf) ended by a switch measured over its last `window` steps after its first

@@ -10,6 +10,7 @@
 
 #include <functional>
 #include <memory>
+#include <regex>
 #include <set>
 
 #include "core/run_layout.h"
@@ -1921,8 +1922,10 @@ struct SimulatedRun {
   std::vector<RecordEvent> stragglers;
   int switches = 0;
   double first_prediction = 0;
-  std::vector<std::string> layouts;  // the first plan's sites in stage order ("a b"), then each switch's
-  std::string log;                   // each straggler event and each switch's new layout, for failure messages
+  std::vector<std::string> layouts;   // the first plan's sites in stage order ("a b"), then each switch's
+  std::vector<int64_t> switch_steps;  // each switch's boundary: the steps done when its new plan began
+  std::vector<RecordEvent> checks;    // the switch checks' events
+  std::string log;                    // each straggler and switch check event and each switch's new layout
 };
 SimulatedRun RunTwoSitePipeline(Driver* d, const RunConfig& c, int steps,
                                 const std::function<double(const std::string&, int, int)>& truth) {
@@ -1946,9 +1949,9 @@ SimulatedRun RunTwoSitePipeline(Driver* d, const RunConfig& c, int steps,
   int64_t boundary = -1;
   auto feed = [&](auto what) {
     for (const auto& a : d->Feed(what)) {
-      if (const auto* e = std::get_if<RecordEvent>(&a); e && e->kind == "straggler") {
-        run.stragglers.push_back(*e);
-        absl::StrAppend(&run.log, e->text, "\n");
+      if (const auto* e = std::get_if<RecordEvent>(&a); e && (e->kind == "straggler" || e->kind == "switch_check")) {
+        (e->kind == "straggler" ? run.stragglers : run.checks).push_back(*e);
+        absl::StrAppend(&run.log, e->kind, ": ", e->text, "\n");
       }
       if (const auto* b = std::get_if<SetBoundary>(&a)) boundary = b->step;
     }
@@ -1973,6 +1976,7 @@ SimulatedRun RunTwoSitePipeline(Driver* d, const RunConfig& c, int steps,
       for (const auto& st : plan.stages) feed(StageReportedDone{DoneAt(st.site_names[0], job, boundary)});
       EXPECT_EQ(d->machine().phase(), RunMachine::Phase::kTraining) << Printed(d->last());
       if (d->machine().phase() != RunMachine::Phase::kTraining) return run;
+      run.switch_steps.push_back(boundary);
       boundary = -1;
       ++run.switches;
       run.layouts.push_back(layout());
@@ -1987,11 +1991,11 @@ SimulatedRun RunTwoSitePipeline(Driver* d, const RunConfig& c, int steps,
 
 // A plan's last stage computes 1.25x what its ops' profile says on whichever site runs it (ops costing
 // more than profiled, or a disturbance that follows them). The site holding it is flagged, its whole
-// profile scaled, and the next plan hands the last stage to the other site, which is flagged in turn:
-// without the measured layouts the two traded places at every window, 16 switches in 300 steps, their
-// figures inflating by 1.56x each time. A layout that ran earlier is judged by what it measured against
-// its price then: the second flag is refused, the switch check then takes the run back to its first
-// layout, and nothing moves after that.
+// profile scaled, and the next plan hands the last stage to the other site, which is off in turn: with
+// neither the switch check nor the measured layouts the two traded places at every window, 16 switches
+// in 300 steps, their figures inflating by 1.56x each time. The new plan is checked before its sites are
+// judged: the check finds it slower and takes the run back to its first layout, no switch onto the two
+// sites is taken again, and nothing moves after that.
 TEST(RunMachine, OpsCostlierThanProfiledWhereverTheyRunDoNotMakeTwoSitesTradePlaces) {
   RunConfig c = StragglerConfig(300);
   c.job.replication = false;       // a pipeline of two stages
@@ -2000,30 +2004,29 @@ TEST(RunMachine, OpsCostlierThanProfiledWhereverTheyRunDoNotMakeTwoSitesTradePla
   Driver d(c);
   const SimulatedRun run = RunTwoSitePipeline(
       &d, c, 300, [&](const std::string&, int stage_last_op, int) { return stage_last_op == last_op ? 1.25 : 1.0; });
-  // The straggler's switch, refused by the rule at its first flap; then the switch check finds the new
-  // layout slower and switches back, and no switch onto the two sites is taken again.
+  // The straggler's switch; the switch check finds the new layout slower and switches back before any of
+  // its sites is judged, and no switch onto the two sites is taken again.
   EXPECT_EQ(run.switches, 2) << run.log;
   ASSERT_EQ(run.layouts.size(), 3u);
   EXPECT_NE(run.layouts[1], run.layouts[0]);
   EXPECT_EQ(run.layouts[2], run.layouts[0]);
-  ASSERT_GE(run.stragglers.size(), 2u) << run.log;
-  EXPECT_THAT(run.stragglers[1].text,
-              ContainsRegex("but (a -> b|b -> a) ran a median [0-9.]+ s a step over its last 5 steps to step [0-9]+ "
-                            "earlier in this run, [0-9.]+x its price then \\([0-9.]+ s\\): at that, the new plan's "
-                            "[0-9.]+ s would run [0-9.]+ s, against [0-9.]+ s for the current plan over its last [34] "
-                            "steps: [0-9]+% slower, not above elastic.min_gain \\(5%\\): no switch"))
+  EXPECT_EQ(run.stragglers.size(), 1u) << run.log;  // one flag: the second site is not judged before the check
+  ASSERT_EQ(run.checks.size(), 1u) << run.log;
+  EXPECT_THAT(
+      run.checks[0].text,
+      ContainsRegex("the switch to (a -> b|b -> a) ran a median [0-9.]+ s a step over its steps [0-9]+-[0-9]+ "
+                    "\\(predicted [0-9.]+ s\\) against [0-9.]+ s for (a -> b|b -> a) before it: the plan before "
+                    "was [0-9]+% faster, above elastic.min_gain \\(5%\\); switching back"))
       << run.log;
-  for (size_t i = 1; i < run.stragglers.size(); ++i) EXPECT_THAT(run.stragglers[i].text, HasSubstr("no switch"));
   // The figures stopped inflating: the plan predicts about what it did at the start (16 switches in,
   // without the measured layouts, it predicted 20 times as long).
   EXPECT_LT(d.machine().plan()->predicted_step_seconds, 1.6 * run.first_prediction);
 }
 
-// The same with the first stage's ops costing 1.7x their profile: its site reports the step, and is
-// flagged at its `window`-th report before that step counts, so the current plan has three steps to
-// show. Without the measured layouts: 7 switches in 300 steps, the plan predicting 30 times its first
-// step; with them the second flag is refused, the switch check reverses the first switch, and the
-// figures stop inflating at 2.7 times (each flag still scales the flagged site's profile).
+// The same with the first stage's ops costing 1.7x their profile (its site reports the step). With
+// neither the check nor the measured layouts: 7 switches in 300 steps, the plan predicting 30 times its
+// first step; now the switch check reverses the first switch before a second flag, and the figures stop
+// at the first flag's scaling.
 TEST(RunMachine, OpsCostlierThanProfiledOnTheFirstStageDoNotMakeTwoSitesTradePlaces) {
   RunConfig c = StragglerConfig(300);
   c.job.replication = false;
@@ -2034,10 +2037,42 @@ TEST(RunMachine, OpsCostlierThanProfiledOnTheFirstStageDoNotMakeTwoSitesTradePla
       &d, c, 300, [&](const std::string&, int stage_last_op, int) { return stage_last_op == last_op ? 1.0 : 1.7; });
   EXPECT_EQ(run.switches, 2) << run.log;
   EXPECT_EQ(run.layouts.back(), run.layouts.front()) << run.log;
-  ASSERT_GE(run.stragglers.size(), 2u) << run.log;
-  EXPECT_THAT(run.stragglers[1].text, HasSubstr("for the current plan over its last 3 steps")) << run.log;
-  EXPECT_THAT(run.stragglers[1].text, HasSubstr("no switch")) << run.log;
-  EXPECT_LT(d.machine().plan()->predicted_step_seconds, 3 * run.first_prediction) << run.log;
+  EXPECT_EQ(run.stragglers.size(), 1u) << run.log;
+  ASSERT_EQ(run.checks.size(), 1u) << run.log;
+  EXPECT_THAT(run.checks[0].text, HasSubstr("switching back")) << run.log;
+  EXPECT_LT(d.machine().plan()->predicted_step_seconds, 2 * run.first_prediction) << run.log;
+}
+
+// A switch the check kept, then a flag that would take the run back to a layout that measured slow. Site b
+// computes the last stage's ops 1.4x their profile and everything else as profiled (ops its device runs
+// slowly); a computes all as profiled. b is flagged, its whole profile scaled, and the run switches to
+// b -> a, which the check finds faster and keeps. There b runs its ops at full speed against its scaled
+// figures, so a looks slow beside it and is flagged in turn, and a new plan prices a -> b 11% faster.
+// That layout ran earlier at about its price, which at a's new figures makes it 24% slower than the
+// current plan measures: refused, and nothing moves after that.
+TEST(RunMachine, AFlagThatWouldReturnToALayoutThatMeasuredSlowIsRefused) {
+  RunConfig c = StragglerConfig(300);
+  c.job.replication = false;
+  const int last_op = static_cast<int>(c.graph.ops.size()) - 1;
+  Driver d(c);
+  const SimulatedRun run = RunTwoSitePipeline(&d, c, 300, [&](const std::string& site, int stage_last_op, int) {
+    return site == "b" && stage_last_op == last_op ? 1.4 : 1.0;
+  });
+  EXPECT_EQ(run.switches, 1) << run.log;
+  ASSERT_EQ(run.layouts.size(), 2u);
+  EXPECT_EQ(run.layouts[0], "a b");
+  EXPECT_EQ(run.layouts[1], "b a");
+  ASSERT_EQ(run.checks.size(), 1u) << run.log;
+  EXPECT_THAT(run.checks[0].text, ContainsRegex("against [0-9.]+ s for a -> b before it: [0-9]+% faster$")) << run.log;
+  ASSERT_EQ(run.stragglers.size(), 2u) << run.log;
+  EXPECT_EQ(run.stragglers[1].site, "a");
+  EXPECT_THAT(
+      run.stragglers[1].text,
+      ContainsRegex("but a -> b ran a median [0-9.]+ s a step over its last 5 steps to step [0-9]+ earlier in "
+                    "this run, [0-9.]+x its price then \\([0-9.]+ s\\): at that, the new plan's [0-9.]+ s "
+                    "would run [0-9.]+ s, against [0-9.]+ s for the current plan over its last 5 steps: [0-9]+% "
+                    "slower, not above elastic.min_gain \\(10%\\): no switch"))
+      << run.log;
 }
 
 // A layout left because a site slowed down measured slow: once the slowdown eases, a switch back onto it
@@ -2061,6 +2096,49 @@ TEST(RunMachine, ALayoutLeftDuringASlowdownIsTakenAgainOnceItEases) {
   EXPECT_EQ(run.layouts[2], run.layouts[0]);  // the layout measured slow, taken again
   // The run ends on figures like the first: its prediction within 10% of the first plan's.
   EXPECT_NEAR(d.machine().plan()->predicted_step_seconds, run.first_prediction, 0.1 * run.first_prediction);
+}
+
+// After a switch for speed, the new plan is checked before any of its reports is judged. Site b computes
+// 2x its figures from step 5 on: it is flagged and the run switches to b -> a, a taking the later ops. On
+// the ops beyond its first cut, a then computes 1.5x their profile (ops costlier than profiled where they
+// now run). Judged from the new plan's first report, a was flagged at its `window`-th report,
+// before the switch check had its `window` + 1 steps. Now no report of a plan that a switch for speed
+// began counts before the check has run: every straggler event after a switch comes after the check's,
+// at a report of step boundary + window + 2 or later (1-based).
+TEST(RunMachine, APlanASwitchForSpeedBeganIsCheckedBeforeItsSitesAreJudged) {
+  RunConfig c = StragglerConfig(120);
+  c.job.replication = false;
+  Driver d(c);
+  int first_cut = -1;  // a's last op under the first plan (a runs stage 0)
+  const SimulatedRun run = RunTwoSitePipeline(&d, c, 120, [&](const std::string& site, int stage_last_op, int step) {
+    if (site == "a" && first_cut < 0) first_cut = stage_last_op;
+    if (site == "b") return step >= 5 ? 2.0 : 1.0;
+    return first_cut >= 0 && stage_last_op > first_cut ? 1.5 : 1.0;
+  });
+  ASSERT_GE(run.switches, 1) << run.log;
+  ASSERT_GE(run.stragglers.size(), 1u) << run.log;
+  EXPECT_EQ(run.stragglers[0].site, "b") << run.log;
+  const int64_t window = c.spec.elastic.window;
+  for (size_t i = 0; i < run.switch_steps.size(); ++i) {
+    const int64_t boundary = run.switch_steps[i];
+    const int64_t next = i + 1 < run.switch_steps.size() ? run.switch_steps[i + 1] : c.steps;
+    for (const auto& e : run.stragglers) {
+      std::smatch m;
+      ASSERT_TRUE(std::regex_search(e.text, m, std::regex("\\(to step ([0-9]+)\\)"))) << e.text;
+      const int64_t at = std::stoll(m[1]);
+      if (at <= boundary || at > next) continue;  // another plan's
+      EXPECT_GE(at, boundary + window + 2)
+          << "a report of the plan begun at step " << boundary << " was judged before its check:\n"
+          << run.log;
+    }
+  }
+  // The check ran first and kept the switch (b -> a within min_gain of a -> b); a was flagged only after it,
+  // and the 8% its re-plan gains is not above min_gain: one switch in 120 steps.
+  ASSERT_EQ(run.checks.size(), 1u) << run.log;
+  EXPECT_THAT(run.checks[0].text, HasSubstr("kept")) << run.log;
+  ASSERT_EQ(run.stragglers.size(), 2u) << run.log;
+  EXPECT_EQ(run.stragglers[1].site, "a") << run.log;
+  EXPECT_EQ(run.switches, 1) << run.log;
 }
 }  // namespace
 }  // namespace meridian::coordinator
