@@ -12,6 +12,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "coordinator/step_figures.h"
 #include "core/checkpoint_dir.h"
 #include "core/files.h"
 #include "core/run_layout.h"
@@ -571,18 +572,12 @@ std::string Coordinator::RunJson(int64_t after, size_t max_steps) const {
                              {"device", s.device},
                              {"stage", stage == stages_.end() ? -1 : stage->second}};
       if (auto g = gemm_flops_.find(name); g != gemm_flops_.end()) site["gemm_flops_per_second"] = g->second;
-      if (s.metrics)  // its stage's latest step
-        site["metrics"] = {{"step", s.metrics->step() + 1},
-                           {"step_seconds", s.metrics->step_seconds()},
-                           {"compute_seconds", s.metrics->compute_seconds()},
-                           {"wait_seconds", s.metrics->wait_seconds()},
-                           {"send_blocked_seconds", s.metrics->send_blocked_seconds()},
-                           {"codec_seconds", s.metrics->codec_seconds()},
-                           {"cpu_seconds", s.metrics->cpu_seconds()},
-                           {"compute_thread_cpu_seconds", s.metrics->compute_thread_cpu_seconds()},
-                           {"compute_cpu_seconds", s.metrics->compute_cpu_seconds()},
-                           {"sent_bytes", s.metrics->wire_bytes()},
-                           {"uncompressed_bytes", s.metrics->raw_bytes()}};
+      if (s.metrics) {  // its stage's latest step
+        nlohmann::json m = StepFiguresJson(*s.metrics);
+        m["sent_bytes"] = s.metrics->wire_bytes();
+        m["uncompressed_bytes"] = s.metrics->raw_bytes();
+        site["metrics"] = std::move(m);
+      }
       if (s.metrics && s.metrics->outer_sync_step() > 0)  // a DiLoCo replica: its last outer synchronisation
         site["outer_sync"] = {{"after_step", s.metrics->outer_sync_step()},
                               {"bytes", s.metrics->outer_sync_bytes()},

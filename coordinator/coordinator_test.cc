@@ -1,5 +1,6 @@
 // The coordinator's state machine without a network: who may send and fetch the run's files.
 #include "coordinator/coordinator.h"
+#include "coordinator/step_figures.h"
 
 #include <gtest/gtest.h>
 #include <link.h>
@@ -329,6 +330,7 @@ TEST(CoordinatorRunJson, StepsEventsAndPredictionsAsTheDashboardReadsThem) {
   EXPECT_EQ(j["sites"][0]["stage"], 0);
   EXPECT_DOUBLE_EQ(j["sites"][0]["gemm_flops_per_second"].get<double>(), 2e9);
   EXPECT_FALSE(j["sites"][1].contains("gemm_flops_per_second"));
+  EXPECT_FALSE(j["sites"][0].contains("metrics"));  // none reported yet
   ASSERT_EQ(j["events"].size(), 2u);
   EXPECT_EQ(j["events"][0]["kind"], "lost");
   EXPECT_EQ(j["events"][0]["site"], "b");
@@ -338,6 +340,29 @@ TEST(CoordinatorRunJson, StepsEventsAndPredictionsAsTheDashboardReadsThem) {
   ASSERT_EQ(lines.size(), 2u);
   EXPECT_EQ(lines[1]["kind"], "stage_failed");
   EXPECT_EQ(lines[1]["text"], "bad \xef\xbf\xbd bytes");  // U+FFFD
+  // A stage's latest step: every step figure (step_figures.h) under its key, and the bytes it sent.
+  v1::MetricsReport r;
+  r.set_job_id("j1");
+  r.set_site("b");
+  r.set_stage(1);
+  r.set_step(4);
+  r.set_step_seconds(2.5);
+  r.set_wire_bytes(1000);
+  r.set_raw_bytes(4000);
+  for (size_t i = 0; i < kStepFigures.size(); ++i) {
+    const std::string setter = kStepFigures[i].key;  // each figure its own value: 0.1, 0.2, ...
+    const auto* field = r.GetDescriptor()->FindFieldByName(setter);
+    ASSERT_NE(field, nullptr) << setter;
+    r.GetReflection()->SetDouble(&r, field, 0.1 * static_cast<double>(i + 1));
+  }
+  ASSERT_TRUE(c.Metrics(r).ok());
+  const auto m = nlohmann::json::parse(c.RunJson())["sites"][1]["metrics"];
+  EXPECT_EQ(m["step"], 5);
+  EXPECT_DOUBLE_EQ(m["step_seconds"].get<double>(), 2.5);
+  for (size_t i = 0; i < kStepFigures.size(); ++i)
+    EXPECT_DOUBLE_EQ(m[kStepFigures[i].key].get<double>(), 0.1 * static_cast<double>(i + 1)) << kStepFigures[i].key;
+  EXPECT_EQ(m["sent_bytes"], 1000);
+  EXPECT_EQ(m["uncompressed_bytes"], 4000);
   fs::remove_all(dir);
 }
 

@@ -14,6 +14,8 @@
 #include <set>
 #include <sstream>
 #include <thread>
+#include <tuple>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -23,6 +25,7 @@
 #include "coordinator/coordinator.h"
 #include "coordinator/launch_command.h"
 #include "coordinator/run_machine.h"
+#include "coordinator/step_figures.h"
 #include "core/certs.h"
 #include "core/checkpoint_dir.h"
 #include "core/files.h"
@@ -104,34 +107,21 @@ std::string MetricsText(Coordinator& coord) {
   for (const auto& [name, st] : sites)
     absl::StrAppend(&body, "meridian_site_up{site=\"", name, "\"} ",
                     st.registered && std::find(silent.begin(), silent.end(), name) == silent.end() ? 1 : 0, "\n");
-  for (auto [metric, help, get] :
-       {std::tuple<const char*, const char*, double (v1::MetricsReport::*)() const>{
-            "meridian_site_compute_seconds", "Compute time of the site's stage in its last step.",
-            &v1::MetricsReport::compute_seconds},
-        {"meridian_site_wait_seconds",
-         "Time the site's compute thread waited for a peer (inputs, gradients, norm, replica sums) in its last step.",
-         &v1::MetricsReport::wait_seconds},
-        {"meridian_site_send_blocked_seconds",
-         "Time the site's compute thread was blocked by a send (a full send queue) in its last step.",
-         &v1::MetricsReport::send_blocked_seconds},
-        {"meridian_site_codec_seconds", "Time the site's compute thread encoded and decoded frames in its last step.",
-         &v1::MetricsReport::codec_seconds},
-        {"meridian_site_cpu_seconds", "CPU time of the site's executor process, all threads, in its last step.",
-         &v1::MetricsReport::cpu_seconds},
-        {"meridian_site_compute_thread_cpu_seconds",
-         "CPU time of the site's compute thread, the whole of its last step.",
-         &v1::MetricsReport::compute_thread_cpu_seconds},
-        {"meridian_site_compute_cpu_seconds",
-         "CPU time of the site's compute thread within its passes and optimizer step in its last step.",
-         &v1::MetricsReport::compute_cpu_seconds},
-        {"meridian_site_reduce_seconds",
-         "A site of several devices: the workers' gradient sum after the last backward pass in its last step.",
-         &v1::MetricsReport::site_reduce_seconds},
-        {"meridian_site_outer_sync_seconds",
-         "DiLoCo: seconds the replica's last outer synchronisation took from its start to its application.",
-         &v1::MetricsReport::outer_sync_seconds},
-        {"meridian_site_outer_drift", "DiLoCo: the norm of the replica's last pseudo-gradient (its drift).",
-         &v1::MetricsReport::outer_drift}}) {
+  // The step figures every view shows (step_figures.h), then a multi-device site's and a DiLoCo replica's.
+  std::vector<std::tuple<std::string, std::string, double (v1::MetricsReport::*)() const>> gauges;
+  for (const StepFigure& f : kStepFigures) gauges.emplace_back(absl::StrCat("meridian_site_", f.key), f.help, f.get);
+  gauges.emplace_back("meridian_site_reduce_seconds",
+                      "A site of several devices: the workers' gradient sum after the last backward pass in its last "
+                      "step.",
+                      &v1::MetricsReport::site_reduce_seconds);
+  gauges.emplace_back("meridian_site_outer_sync_seconds",
+                      "DiLoCo: seconds the replica's last outer synchronisation took from its start to its "
+                      "application.",
+                      &v1::MetricsReport::outer_sync_seconds);
+  gauges.emplace_back("meridian_site_outer_drift",
+                      "DiLoCo: the norm of the replica's last pseudo-gradient (its drift).",
+                      &v1::MetricsReport::outer_drift);
+  for (const auto& [metric, help, get] : gauges) {
     absl::StrAppend(&body, "# HELP ", metric, " ", help, "\n# TYPE ", metric, " gauge\n");
     for (const auto& [name, st] : sites)
       if (st.metrics) absl::StrAppend(&body, metric, "{site=\"", name, "\"} ", ((*st.metrics).*get)(), "\n");

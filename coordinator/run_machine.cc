@@ -1,4 +1,5 @@
 #include "coordinator/run_machine.h"
+#include "coordinator/step_figures.h"
 
 #include <algorithm>
 #include <cmath>
@@ -957,17 +958,9 @@ void RunMachine::ReportStep(const v1::MetricsReport& p) {
     if (m.compute_seconds() > slowest_seconds)
       slowest = name, slowest_seconds = m.compute_seconds(), slowest_wait = m.wait_seconds();
     most_blocked = std::max(most_blocked, m.send_blocked_seconds());
-    nlohmann::json stage = {{"site", name},
-                            {"stage", m.stage()},
-                            {"step", m.step() + 1},
-                            {"step_seconds", m.step_seconds()},
-                            {"compute_seconds", m.compute_seconds()},
-                            {"wait_seconds", m.wait_seconds()},
-                            {"send_blocked_seconds", m.send_blocked_seconds()},
-                            {"codec_seconds", m.codec_seconds()},
-                            {"cpu_seconds", m.cpu_seconds()},
-                            {"compute_thread_cpu_seconds", m.compute_thread_cpu_seconds()},
-                            {"compute_cpu_seconds", m.compute_cpu_seconds()}};
+    nlohmann::json stage = StepFiguresJson(m);
+    stage["site"] = name;
+    stage["stage"] = m.stage();
     if (m.site_reduce_seconds() > 0) stage["site_reduce_seconds"] = m.site_reduce_seconds();
     if (m.outer_sync_step() > 0) {  // DiLoCo: the replica's last outer synchronisation
       stage["outer_sync_step"] = m.outer_sync_step();
