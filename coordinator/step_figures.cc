@@ -7,7 +7,8 @@ const std::array<StepFigure, 7> kStepFigures = {{
     {"wait_seconds",
      "Time the site's compute thread waited for a peer (inputs, gradients, norm, replica sums) in its last step.",
      &v1::MetricsReport::wait_seconds},
-    {"send_blocked_seconds", "Time the site's compute thread was blocked by a send (a full send queue) in its last step.",
+    {"send_blocked_seconds",
+     "Time the site's compute thread was blocked by a send (a full send queue) in its last step.",
      &v1::MetricsReport::send_blocked_seconds},
     {"codec_seconds", "Time the site's compute thread encoded and decoded frames in its last step.",
      &v1::MetricsReport::codec_seconds},
@@ -15,7 +16,8 @@ const std::array<StepFigure, 7> kStepFigures = {{
      &v1::MetricsReport::cpu_seconds},
     {"compute_thread_cpu_seconds", "CPU time of the site's compute thread, the whole of its last step.",
      &v1::MetricsReport::compute_thread_cpu_seconds},
-    {"compute_cpu_seconds", "CPU time of the site's compute thread within its passes and optimizer step in its last step.",
+    {"compute_cpu_seconds",
+     "CPU time of the site's compute thread within its passes and optimizer step in its last step.",
      &v1::MetricsReport::compute_cpu_seconds},
 }};
 

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Applies .clang-format to every tracked C++ and CUDA source (clang-format from scripts/setup.sh).
+# Applies .clang-format to every C++ and CUDA source git tracks or would add (untracked files not ignored:
+# a new file is formatted before its first commit). clang-format from scripts/setup.sh.
 # Usage: scripts/format.sh          rewrite in place
 #        scripts/format.sh --check  list the files that differ; exit 1 if any
 set -euo pipefail
 cd "$(dirname "$0")/.."
-mapfile -t files < <(git ls-files '*.cc' '*.h' '*.cu' '*.cuh')
+mapfile -t files < <(git ls-files --cached --others --exclude-standard '*.cc' '*.h' '*.cu' '*.cuh')
 if [[ "${1:-}" == "--check" ]]; then
   bad=()
   for f in "${files[@]}"; do
