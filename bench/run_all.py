@@ -666,8 +666,8 @@ def stage_medians(metrics):
             d = per.setdefault(st["site"], {"stage": st["stage"], "compute": [], "wait": [], "other_cpu": []})
             d["compute"].append(st["compute_seconds"])
             d["wait"].append(st["wait_seconds"])
-            if other_threads_cpu(st) is not None:
-                d["other_cpu"].append(other_threads_cpu(st))
+            if (other := other_threads_cpu(st)) is not None:
+                d["other_cpu"].append(other)
     out = {}
     for s, d in sorted(per.items()):
         out[s] = {k: (d[k] if k == "stage" else statistics.median(d[k])) for k in d if k == "stage" or d[k]}
@@ -1166,7 +1166,7 @@ def wan_section(w, command):
             L.append("  Per stage, last step: " + "; ".join(
                 f"{s['site']} computing {s['compute_seconds']:.1f} s, waiting {s['wait_seconds']:.1f} s, blocked "
                 f"sending {s['send_blocked_seconds']:.3f} s"
-                + (f", its other threads' CPU {other_threads_cpu(s):.3f} s" if other_threads_cpu(s) is not None else "")
+                + (f", its other threads' CPU {other:.3f} s" if (other := other_threads_cpu(s)) is not None else "")
                 for s in m["stages"]) + ".")
     c = w["convergence"]
     gap = (c["chosen_tail"] - c["identity_tail"]) / c["identity_tail"]

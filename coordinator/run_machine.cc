@@ -1,5 +1,4 @@
 #include "coordinator/run_machine.h"
-#include "coordinator/step_figures.h"
 
 #include <algorithm>
 #include <cmath>
@@ -12,6 +11,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "compression/activation_delta.h"
+#include "coordinator/step_figures.h"
 #include "core/log.h"
 #include "core/run_layout.h"
 #include "job/job.h"
@@ -553,7 +553,7 @@ void RunMachine::StartAttempt() {
   attempt_steps_.clear();
   switching_for_speed_.reset();     // CompleteSwitch took it, or the attempt ended otherwise
   trial_.reset();                   // CompleteSwitch sets it again for an attempt that a switch for speed began
-  after_switch_for_speed_ = false;  // and this
+  after_switch_for_speed_ = false;  // CompleteSwitch sets it for an attempt a switch for speed began
   remeasuring_.clear();             // a straggler decision pending for the attempt before is moot
   drift_.clear();                   // the new plan's shares are what each site is measured against
   progress_step_ = -1;
@@ -647,20 +647,18 @@ absl::Status RunMachine::PlanAttempt() {
   if (c_.even_split) {
     const int n = std::min<int>(static_cast<int>(live.sites.size()), ops);
     for (const auto& site : c_.spec.sites)
-      for (size_t i = 0; i < live.sites.size(); ++i)
-        if (live.sites[i].name == site.name && static_cast<int>(po.fixed_sites.size()) < n)
-          po.fixed_sites.push_back(static_cast<int>(i));
+      if (const int i = SiteIndex(live, site.name); i >= 0 && static_cast<int>(po.fixed_sites.size()) < n)
+        po.fixed_sites.push_back(i);
     po.fixed_last_ops = partitioner::EvenCuts(ops, static_cast<int>(po.fixed_sites.size()));
   }
   // The operator's layout (--plan), or the one a failed switch check goes back to.
   const bool operators = !c_.pinned.empty();
   std::vector<partitioner::PinnedStage> pinned = operators ? c_.pinned : std::exchange(switch_back_, {});
   if (!pinned.empty()) {
-    auto index = [&](const std::string& name) { return SiteIndex(live, name); };
     std::string missing;
     for (const auto& st : pinned)
       for (const auto& site : st.sites)
-        if (index(site) < 0 && missing.empty()) missing = site;
+        if (SiteIndex(live, site) < 0 && missing.empty()) missing = site;
     if (!missing.empty()) {
       Say(absl::StrCat(
           "plan: ", operators ? absl::StrCat("the pinned plan (", c_.plan_path, ")") : "the plan switched back to",
@@ -677,7 +675,7 @@ absl::Status RunMachine::PlanAttempt() {
       std::vector<int> last_ops;
       for (const auto& st : pinned) {  // their shares were checked against the run's micro-batches (run.cc)
         sites.emplace_back();
-        for (const auto& site : st.sites) sites.back().push_back(index(site));
+        for (const auto& site : st.sites) sites.back().push_back(SiteIndex(live, site));
         last_ops.push_back(st.last_op);
         shares.push_back(st.micro_batches);
       }
