@@ -6,6 +6,8 @@
 
 #include <string>
 #include <string_view>
+#include <thread>
+#include <utility>
 
 namespace meridian::core {
 
@@ -15,6 +17,16 @@ void NameThisThread(std::string_view name);
 
 // The calling thread's name ("" if it cannot be read).
 std::string ThisThreadName();
+
+// A thread that names itself `name` (NameThisThread) and then runs `body`. Throws what std::thread's
+// constructor throws.
+template <typename F>
+std::thread NamedThread(std::string name, F&& body) {
+  return std::thread([name = std::move(name), body = std::forward<F>(body)]() mutable {
+    NameThisThread(name);
+    body();
+  });
+}
 
 }  // namespace meridian::core
 

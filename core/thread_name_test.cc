@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <memory>
 #include <thread>
 
 namespace meridian::core {
@@ -20,6 +21,19 @@ TEST(ThreadNameTest, ANamedThreadReadsItsNameBackAndOthersKeepTheirs) {
   EXPECT_EQ(seen, "mrd-send");
   EXPECT_EQ(long_seen, "mrd-a-name-long");  // cut to the kernel's 15 characters, not refused
   EXPECT_EQ(ThisThreadName(), before);      // only the calling thread is named
+}
+
+TEST(ThreadNameTest, NamedThreadIsNamedBeforeItsBodyRuns) {
+  std::string seen;
+  int moved_in = 0;
+  auto value = std::make_unique<int>(7);  // a move-only capture: the body is moved into the thread
+  std::thread t = NamedThread("mrd-report", [&seen, &moved_in, v = std::move(value)] {
+    seen = ThisThreadName();
+    moved_in = *v;
+  });
+  t.join();
+  EXPECT_EQ(seen, "mrd-report");
+  EXPECT_EQ(moved_in, 7);
 }
 
 }  // namespace

@@ -120,10 +120,7 @@ class CheckpointUploader {
 class MetricsReporter {
  public:
   explicit MetricsReporter(rpc::CoordinatorClient* coordinator)
-      : coordinator_(coordinator), thread_([this] {
-          core::NameThisThread("mrd-report");
-          Loop();
-        }) {}
+      : coordinator_(coordinator), thread_(core::NamedThread("mrd-report", [this] { Loop(); })) {}
   ~MetricsReporter() {
     {
       std::lock_guard<std::mutex> l(mu_);
@@ -323,10 +320,7 @@ int Agent::Run() {
     return started.status().code() == absl::StatusCode::kUnavailable ? 1 : 2;
   }
   std::unique_ptr<grpc::Server> server = std::move(*started);
-  std::thread heart([this] {
-    core::NameThisThread("mrd-heartbeat");
-    Heartbeats();
-  });
+  std::thread heart = core::NamedThread("mrd-heartbeat", [this] { Heartbeats(); });
   const double interval = reg_.heartbeat_interval_seconds() > 0 ? reg_.heartbeat_interval_seconds() : 1.0;
   bool stopped = false;
   while (!stopped) {

@@ -1,10 +1,10 @@
 #include "executor/diloco.h"
-#include "core/thread_name.h"
 
 #include <chrono>
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "core/thread_name.h"
 
 namespace meridian::executor {
 
@@ -108,10 +108,8 @@ void OuterSync::Begin(int f, int64_t step, bool overlap) {
   // On a thread of its own also when not overlapped, if it may have to be cancelled while awaited.
   exchange_done_ = false;
   if (overlap || cancel_check_)
-    exchange_ = std::thread([this, f, step] {
-      core::NameThisThread("mrd-diloco");
-      Exchange(f, step);
-    });  // may throw: then nothing is pending
+    exchange_ =
+        core::NamedThread("mrd-diloco", [this, f, step] { Exchange(f, step); });  // may throw: then nothing is pending
   else
     Exchange(f, step);
   pending_ = f;

@@ -1,9 +1,9 @@
 #include "executor/receive_ahead.h"
-#include "core/thread_name.h"
 
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "core/thread_name.h"
 
 namespace meridian::executor {
 
@@ -18,10 +18,7 @@ ReceiveAhead::ReceiveAhead(rpc::TensorInbox* inbox, std::vector<ExpectedTensor> 
       expected_(std::move(expected)),
       decode_(std::move(decode)),
       lookahead_(std::max(lookahead, 1)),
-      thread_([this] {
-        core::NameThisThread("mrd-recv-ahead");
-        Loop();
-      }) {}
+      thread_(core::NamedThread("mrd-recv-ahead", [this] { Loop(); })) {}
 
 ReceiveAhead::~ReceiveAhead() {
   {

@@ -81,14 +81,8 @@ void GradientAverager::BeginStep(int64_t step) {
     b.pending = static_cast<int>(b.params.size());
     b.ready = false;
   }
-  scatter_thread_ = std::thread([this] {
-    core::NameThisThread("mrd-rs-scatter");
-    ScatterLoop();
-  });
-  reduce_thread_ = std::thread([this] {
-    core::NameThisThread("mrd-rs-reduce");
-    ReduceLoop();
-  });
+  scatter_thread_ = core::NamedThread("mrd-rs-scatter", [this] { ScatterLoop(); });
+  reduce_thread_ = core::NamedThread("mrd-rs-reduce", [this] { ReduceLoop(); });
 }
 
 void GradientAverager::CaptureNextBackward() {

@@ -36,11 +36,7 @@ namespace {
 class NcclThread {
  public:
   using Op = std::function<absl::Status(gpu::NcclGroup&, const gpu::StreamMark*)>;
-  NcclThread()
-      : thread_([this] {
-          core::NameThisThread("mrd-nccl");
-          Loop();
-        }) {}
+  NcclThread() : thread_(core::NamedThread("mrd-nccl", [this] { Loop(); })) {}
   // A call still queued or running belongs to a step that failed (a step waits for every call it starts):
   // the group is aborted rather than waited for, so each ends at once with an error no one reads.
   ~NcclThread() {
@@ -556,10 +552,7 @@ absl::StatusOr<std::unique_ptr<WorkerPool>> WorkerPool::Start(const std::vector<
   }
   pool->exited_.assign(pool->pids_.size(), false);
   pool->killed_.assign(pool->pids_.size(), false);
-  pool->monitor_ = std::thread([p = pool.get()] {
-    core::NameThisThread("mrd-workers");
-    p->Monitor();
-  });
+  pool->monitor_ = core::NamedThread("mrd-workers", [p = pool.get()] { p->Monitor(); });
   return pool;
 }
 

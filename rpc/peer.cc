@@ -366,10 +366,7 @@ PeerClient::OutStream::~OutStream() {
 
 QueuedSender::QueuedSender(std::unique_ptr<PeerClient::OutStream> stream, int64_t max_queued_bytes)
     : stream_(std::move(stream)), max_bytes_(std::max<int64_t>(max_queued_bytes, 1)) {
-  thread_ = std::thread([this] {
-    core::NameThisThread("mrd-send");
-    Run();
-  });
+  thread_ = core::NamedThread("mrd-send", [this] { Run(); });
 }
 
 QueuedSender::~QueuedSender() {

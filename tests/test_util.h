@@ -7,12 +7,15 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <mutex>
+#include <random>
 #include <set>
 #include <string>
 #include <utility>
@@ -34,22 +37,35 @@ inline std::pair<int, std::string> Shell(const std::string& cmd) {
 // A built binary of this tree (build/bin/NAME).
 inline std::string Bin(const std::string& name) { return std::string(MERIDIAN_TEST_BINARY_DIR) + "/bin/" + name; }
 
-// A loopback TCP port that was free a moment ago, and not handed out before by this process (the kernel
-// may give a just-closed port again; servers no longer share a port, so a duplicate would fail to bind).
+// A loopback TCP port that was free a moment ago, and not handed out before by this process. Picked
+// at random below the kernel's ephemeral range (net.ipv4.ip_local_port_range): every outgoing connection
+// on the host -- other tests' clients, run by ctest -j beside this one -- takes its local port from that
+// range, so a port picked there could be taken between this pick and the server's bind (a CI run failed
+// "cannot listen on 127.0.0.1:PORT" so). Below it only another server picking the same port at random
+// can collide. Thread-safe.
 inline int FreePort() {
   static std::mutex mu;
   static std::set<int> given;
+  static std::mt19937 random(std::random_device{}() ^ static_cast<unsigned>(getpid()));
   std::lock_guard<std::mutex> lock(mu);
+  int ephemeral_low = 32768;  // Linux's default, when /proc does not say
+  if (std::ifstream range("/proc/sys/net/ipv4/ip_local_port_range"); range) range >> ephemeral_low;
+  const int low = 10000, high = std::max(low + 1000, ephemeral_low) - 1;
+  std::uniform_int_distribution<int> pick(low, high);
   for (;;) {
+    const int port = pick(random);
+    if (given.count(port)) continue;
     int fd = socket(AF_INET, SOCK_STREAM, 0);
     sockaddr_in a{};
     a.sin_family = AF_INET;
     a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-    socklen_t len = sizeof a;
-    getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    const bool free = bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
     close(fd);
-    if (given.insert(ntohs(a.sin_port)).second) return ntohs(a.sin_port);
+    if (free) {
+      given.insert(port);
+      return port;
+    }
   }
 }
 
