@@ -353,14 +353,23 @@ TEST(CoordinatorRunJson, StepsEventsAndPredictionsAsTheDashboardReadsThem) {
     const std::string setter = kStepFigures[i].key;  // each figure its own value: 0.1, 0.2, ...
     const auto* field = r.GetDescriptor()->FindFieldByName(setter);
     ASSERT_NE(field, nullptr) << setter;
-    r.GetReflection()->SetDouble(&r, field, 0.1 * static_cast<double>(i + 1));
+    if (kStepFigures[i].count)
+      r.GetReflection()->SetInt64(&r, field, static_cast<int64_t>(i + 1));
+    else
+      r.GetReflection()->SetDouble(&r, field, 0.1 * static_cast<double>(i + 1));
   }
   ASSERT_TRUE(c.Metrics(r).ok());
   const auto m = nlohmann::json::parse(c.RunJson())["sites"][1]["metrics"];
   EXPECT_EQ(m["step"], 5);
   EXPECT_DOUBLE_EQ(m["step_seconds"].get<double>(), 2.5);
-  for (size_t i = 0; i < kStepFigures.size(); ++i)
-    EXPECT_DOUBLE_EQ(m[kStepFigures[i].key].get<double>(), 0.1 * static_cast<double>(i + 1)) << kStepFigures[i].key;
+  for (size_t i = 0; i < kStepFigures.size(); ++i) {
+    if (kStepFigures[i].count) {
+      EXPECT_TRUE(m[kStepFigures[i].key].is_number_integer()) << kStepFigures[i].key;
+      EXPECT_EQ(m[kStepFigures[i].key].get<int64_t>(), static_cast<int64_t>(i + 1)) << kStepFigures[i].key;
+    } else {
+      EXPECT_DOUBLE_EQ(m[kStepFigures[i].key].get<double>(), 0.1 * static_cast<double>(i + 1)) << kStepFigures[i].key;
+    }
+  }
   EXPECT_EQ(m["sent_bytes"], 1000);
   EXPECT_EQ(m["uncompressed_bytes"], 4000);
   fs::remove_all(dir);

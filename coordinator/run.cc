@@ -108,23 +108,23 @@ std::string MetricsText(Coordinator& coord) {
     absl::StrAppend(&body, "meridian_site_up{site=\"", name, "\"} ",
                     st.registered && std::find(silent.begin(), silent.end(), name) == silent.end() ? 1 : 0, "\n");
   // The step figures every view shows (step_figures.h), then a multi-device site's and a DiLoCo replica's.
-  std::vector<std::tuple<std::string, std::string, double (v1::MetricsReport::*)() const>> gauges;
+  std::vector<std::tuple<std::string, std::string, double (*)(const v1::MetricsReport&)>> gauges;
   for (const StepFigure& f : kStepFigures) gauges.emplace_back(absl::StrCat("meridian_site_", f.key), f.help, f.get);
   gauges.emplace_back("meridian_site_reduce_seconds",
                       "A site of several devices: the workers' gradient sum after the last backward pass in its last "
                       "step.",
-                      &v1::MetricsReport::site_reduce_seconds);
+                      [](const v1::MetricsReport& m) { return m.site_reduce_seconds(); });
   gauges.emplace_back("meridian_site_outer_sync_seconds",
                       "DiLoCo: seconds the replica's last outer synchronisation took from its start to its "
                       "application.",
-                      &v1::MetricsReport::outer_sync_seconds);
+                      [](const v1::MetricsReport& m) { return m.outer_sync_seconds(); });
   gauges.emplace_back("meridian_site_outer_drift",
                       "DiLoCo: the norm of the replica's last pseudo-gradient (its drift).",
-                      &v1::MetricsReport::outer_drift);
+                      [](const v1::MetricsReport& m) { return m.outer_drift(); });
   for (const auto& [metric, help, get] : gauges) {
     absl::StrAppend(&body, "# HELP ", metric, " ", help, "\n# TYPE ", metric, " gauge\n");
     for (const auto& [name, st] : sites)
-      if (st.metrics) absl::StrAppend(&body, metric, "{site=\"", name, "\"} ", ((*st.metrics).*get)(), "\n");
+      if (st.metrics) absl::StrAppend(&body, metric, "{site=\"", name, "\"} ", get(*st.metrics), "\n");
   }
   absl::StrAppend(&body,
                   "# HELP meridian_site_sent_bytes Bytes the site's stage sent to its neighbours in this attempt.\n",

@@ -16,11 +16,13 @@ namespace meridian::coordinator {
 struct StepFigure {
   const char* key;   // the JSON key; /metrics names the gauge meridian_site_<key>
   const char* help;  // /metrics' HELP text
-  double (v1::MetricsReport::*get)() const;
+  double (*get)(const v1::MetricsReport&);
+  bool count;  // a count (a JSON integer), else seconds
 };
 
-// Seconds of the step: where its time went and the CPU it used (docs/executor.md defines each).
-extern const std::array<StepFigure, 7> kStepFigures;
+// Where the step's time went, the CPU it used, and how often its compute thread was preempted
+// (docs/executor.md defines each).
+extern const std::array<StepFigure, 8> kStepFigures;
 
 // {"step": 1-based, "step_seconds", then each of kStepFigures by its key}: what both JSON views of a
 // stage's latest step start from (each adds its own fields).

@@ -1,5 +1,6 @@
 #include "core/cpu_time.h"
 
+#include <sys/resource.h>
 #include <time.h>
 
 namespace meridian::core {
@@ -13,5 +14,11 @@ double Seconds(clockid_t clock) {
 
 double ProcessCpuSeconds() { return Seconds(CLOCK_PROCESS_CPUTIME_ID); }
 double ThreadCpuSeconds() { return Seconds(CLOCK_THREAD_CPUTIME_ID); }
+
+int64_t ThreadPreemptions() {
+  rusage u{};
+  if (::getrusage(RUSAGE_THREAD, &u) != 0) return 0;
+  return static_cast<int64_t>(u.ru_nivcsw);
+}
 
 }  // namespace meridian::core

@@ -1,6 +1,9 @@
-// CPU time clocks of this process and of the calling thread. Thread-safe.
+// CPU time clocks of this process and of the calling thread, and the calling thread's preemptions.
+// Thread-safe.
 #ifndef MERIDIAN_CORE_CPU_TIME_H_
 #define MERIDIAN_CORE_CPU_TIME_H_
+
+#include <cstdint>
 
 namespace meridian::core {
 
@@ -8,6 +11,10 @@ namespace meridian::core {
 double ProcessCpuSeconds();
 // CPU seconds (user and system) the calling thread has used (CLOCK_THREAD_CPUTIME_ID).
 double ThreadCpuSeconds();
+// Times the calling thread has been preempted: taken off its core while it could still run, for another
+// thread or process (getrusage(RUSAGE_THREAD)'s involuntary context switches; waits it blocks in are not
+// counted). Each costs a computing thread more than the switch: what ran meanwhile evicted its caches.
+int64_t ThreadPreemptions();
 
 }  // namespace meridian::core
 

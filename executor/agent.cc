@@ -658,6 +658,7 @@ void Agent::OnAssign(const v1::StageAssignment& pa) {
       m.set_cpu_seconds(worker->last_cpu_seconds());
       m.set_compute_cpu_seconds(worker->last_compute_cpu_seconds());
       m.set_compute_thread_cpu_seconds(worker->last_compute_thread_cpu_seconds());
+      m.set_compute_thread_preemptions(worker->last_compute_thread_preemptions());
       if (const auto sync = worker->last_outer_sync()) {
         m.set_outer_sync_step(sync->after_step);
         m.set_outer_sync_bytes(sync->wire_bytes);

@@ -112,10 +112,11 @@ int RunStatic(const executor::ExecutorOptions& o, const std::string& assignment_
     if (d.loss) std::cout << "step " << d.step << " loss " << *d.loss << std::endl;
     std::cout << absl::StrFormat(
                      "timing step %d: %.4f s, computing %.4f s, waiting %.4f s, blocked sending %.4f s, codecs %.4f s, "
-                     "CPU %.4f s (compute thread %.4f s, in its passes %.4f s)",
+                     "CPU %.4f s (compute thread %.4f s, in its passes %.4f s), compute thread preempted %d times",
                      d.step, d.seconds, worker.last_compute_seconds(), worker.last_wait_seconds(),
                      worker.last_send_blocked_seconds(), worker.last_codec_seconds(), worker.last_cpu_seconds(),
-                     worker.last_compute_thread_cpu_seconds(), worker.last_compute_cpu_seconds())
+                     worker.last_compute_thread_cpu_seconds(), worker.last_compute_cpu_seconds(),
+                     worker.last_compute_thread_preemptions())
               << std::endl;
   };
   if (executor::StageRunResult r = executor::RunStage(worker, run); !r.status.ok()) return fail(r.status);

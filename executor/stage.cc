@@ -459,7 +459,9 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
     const std::vector<int64_t> hidden = {mbs, seq, d};
     // The step's CPU, from its first instruction (StepTargets below reads every sequence at the last stage).
     cpu_seconds_ = compute_cpu_seconds_ = compute_thread_cpu_seconds_ = 0;
+    compute_thread_preemptions_ = 0;
     const double cpu_start = core::ProcessCpuSeconds(), thread_cpu_start = core::ThreadCpuSeconds();
+    const int64_t preemptions_start = core::ThreadPreemptions();
     // This worker's rows of every micro-batch (all of them on a site of one device).
     const auto [first_row, rows] = group_ ? group_->Rows(mbs, group_->rank()) : std::pair<int64_t, int64_t>{0, mbs};
     // Only the last stage computes the loss, so only it needs the step's count of counted targets.
@@ -895,6 +897,7 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
     for (const auto& [site, sender] : senders_)
       if (absl::Status s = sender->error(); !s.ok()) return Annotate(s, Where());
     compute_thread_cpu_seconds_ = core::ThreadCpuSeconds() - thread_cpu_start;
+    compute_thread_preemptions_ = core::ThreadPreemptions() - preemptions_start;
     cpu_seconds_ = core::ProcessCpuSeconds() - cpu_start;
     WriteTrace(step, step_start);
     if (first || last) return std::optional<double>(loss);

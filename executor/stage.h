@@ -206,6 +206,8 @@ class StageWorker {
   double last_cpu_seconds() const { return cpu_seconds_; }
   double last_compute_thread_cpu_seconds() const { return compute_thread_cpu_seconds_; }
   double last_compute_cpu_seconds() const { return compute_cpu_seconds_; }
+  // Times the compute (calling) thread was preempted in the last Step (core::ThreadPreemptions).
+  int64_t last_compute_thread_preemptions() const { return compute_thread_preemptions_; }
   int64_t raw_bytes() const { return raw_bytes_; }
   // Of wire_bytes()/raw_bytes(): what the replica gradient sync sent.
   int64_t replica_wire_bytes() const { return replica_wire_bytes_; }
@@ -305,6 +307,7 @@ class StageWorker {
   int64_t replica_buckets_ = 0, replica_buckets_during_backward_ = 0;
   double compute_seconds_ = 0, wait_seconds_ = 0, send_blocked_seconds_ = 0, codec_seconds_ = 0;
   double cpu_seconds_ = 0, compute_thread_cpu_seconds_ = 0, compute_cpu_seconds_ = 0;
+  int64_t compute_thread_preemptions_ = 0;
   ReceiveAhead* ahead_ = nullptr;  // the running Step's receiver (a local of Step), else null
   // A timeline of each step for diagnosis (docs/executor.md, "Step timelines"): with the environment
   // variable MERIDIAN_TRACE_DIR set, each Step appends one JSON line to

@@ -259,6 +259,9 @@ TEST_F(CoordinatorTest, JoinProfilePlanTrainMatchesTheReference) {
       EXPECT_GE(thread, passes) << l;
       EXPECT_LE(thread, st.at("step_seconds").get<double>() + 1e-3) << l;
       EXPECT_GE(cpu, thread) << l;
+      // How often the compute thread was preempted: a count, never negative.
+      ASSERT_TRUE(st.at("compute_thread_preemptions").is_number_integer()) << l;
+      EXPECT_GE(st.at("compute_thread_preemptions").get<int64_t>(), 0) << l;
     }
     ++lines;
   }
