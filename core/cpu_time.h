@@ -13,7 +13,7 @@ double ProcessCpuSeconds();
 double ThreadCpuSeconds();
 // Times the calling thread has been preempted: taken off its core while it could still run, for another
 // thread or process (getrusage(RUSAGE_THREAD)'s involuntary context switches; waits it blocks in are not
-// counted). Each costs a computing thread more than the switch: what ran meanwhile evicted its caches.
+// counted). What ran meanwhile may have evicted the thread's caches, which it then refills.
 int64_t ThreadPreemptions();
 
 }  // namespace meridian::core
