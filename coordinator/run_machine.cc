@@ -177,7 +177,7 @@ void RunMachine::OnRegistered(const SiteRegistered& e) {
   if (phase_ == Phase::kProfiling && std::find(joined_.begin(), joined_.end(), e.site) != joined_.end()) {
     if (!probing_links_ && !profiles_.count(e.site)) {
       Out(LogSite{e.site, "registered again while measuring: asked again to measure its device and the model"});
-      Out(SendCommand{e.site, ProfileCommand(e.site, {})});
+      Out(SendCommand{e.site, ProfileCommand(e.site, {}, /*links_only=*/false, /*keep_busy=*/true)});
     } else if (auto p = probing_.find(e.site); probing_links_ && p != probing_.end()) {
       Out(LogSite{e.site, "registered again while measuring: asked again to measure its links"});
       Out(SendCommand{e.site, ProfileCommand(e.site, {p->second.begin(), p->second.end()}, /*links_only=*/true)});
@@ -198,7 +198,7 @@ void RunMachine::StartProfiling() {
   // bench/RESULTS.md, "The WAN-bound regime").
   for (const auto& site : joined_) {
     Out(LogSite{site, "asked to measure its device and the model"});
-    Out(SendCommand{site, ProfileCommand(site, {})});
+    Out(SendCommand{site, ProfileCommand(site, {}, /*links_only=*/false, /*keep_busy=*/true)});
   }
 }
 
@@ -231,6 +231,14 @@ std::deque<std::map<std::string, std::set<std::string>>> ProbeRounds(std::vector
 }  // namespace
 
 void RunMachine::StartLinkProbes() {
+  // Every site measured its model: the ones kept computing meanwhile (keep_busy) stop before any link is
+  // probed, whether or not they probe one in the first round -- and one whose profile did not check out.
+  for (const auto& [name, s] : sites_) {
+    if (!s.registered || s.silent) continue;
+    v1::Command settle;
+    settle.set_settle(true);
+    Out(SendCommand{name, settle});
+  }
   probing_links_ = true;
   probe_rounds_ = ProbeRounds(joined_);
   NextProbeRound();
@@ -291,8 +299,8 @@ void RunMachine::OnLinksProfile(const v1::ProfileReport& r) {
   if (probing_.empty()) NextProbeRound();
 }
 
-v1::Command RunMachine::ProfileCommand(const std::string& site, const std::vector<std::string>& peers,
-                                       bool links_only) const {
+v1::Command RunMachine::ProfileCommand(const std::string& site, const std::vector<std::string>& peers, bool links_only,
+                                       bool keep_busy) const {
   v1::Command c;
   auto* p = c.mutable_profile();
   p->set_job_yaml(c_.job_yaml);
@@ -300,6 +308,7 @@ v1::Command RunMachine::ProfileCommand(const std::string& site, const std::vecto
   p->set_probe_seconds(c_.probe_seconds);
   p->set_repeats(c_.profile_repeats);
   p->set_links_only(links_only);
+  if (keep_busy) p->set_keep_busy_seconds(kKeepBusySeconds);
   for (const auto& other : peers) {
     auto* peer = p->add_peers();
     peer->set_site(other);

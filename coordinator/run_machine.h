@@ -280,9 +280,13 @@ class RunMachine {
   // every emulated site measured at once can be far off): the switch is decided again, with their new
   // figures, once all have answered. OnRemeasured takes one answer.
   void OnRemeasured(const v1::ProfileReport& r);
-  // `links_only`: probe the links to `peers`, the device and the model being measured already.
-  v1::Command ProfileCommand(const std::string& site, const std::vector<std::string>& peers,
-                             bool links_only = false) const;
+  // `links_only`: probe the links to `peers`, the device and the model being measured already. `keep_busy`
+  // (the first round, every site measuring at once): a CPU site keeps computing after measuring its model
+  // until its next command, at most kKeepBusySeconds (ProfileRequest.keep_busy_seconds), so that no site's
+  // last rounds run on a host the others have left quiet.
+  v1::Command ProfileCommand(const std::string& site, const std::vector<std::string>& peers, bool links_only = false,
+                             bool keep_busy = false) const;
+  static constexpr double kKeepBusySeconds = 600;
   void OnTick();
   // kTraining -> kSwitching. `for_speed`: a new plan predicts a faster step (a straggler's or a joiner's
   // re-plan), so the switch is checked against what the new plan then measures (CheckSwitch).

@@ -185,6 +185,14 @@ std::vector<T> All(const std::vector<Action>& actions) {
   return out;
 }
 
+// The commands that ask a site to measure (leaving out the settle commands that end the first round).
+std::vector<SendCommand> Profiles(const std::vector<Action>& actions) {
+  std::vector<SendCommand> out;
+  for (const auto& c : All<SendCommand>(actions))
+    if (c.command.has_profile()) out.push_back(c);
+  return out;
+}
+
 std::string Printed(const std::vector<Action>& actions) {
   std::string out;
   for (const auto& p : All<Print>(actions)) out += p.text;
@@ -230,6 +238,9 @@ TEST(RunMachine, JoinsProfilesPlansAndFinishes) {
     EXPECT_EQ(c.command.profile().peers_size(), 0);
     EXPECT_FALSE(c.command.profile().links_only());
     EXPECT_EQ(c.command.profile().repeats(), 3);
+    // Each keeps computing after it has measured, until its next command: no site's last rounds run on a
+    // host the others have left quiet.
+    EXPECT_GT(c.command.profile().keep_busy_seconds(), 0);
   }
   EXPECT_EQ(d.machine().phase(), RunMachine::Phase::kProfiling);
 
@@ -237,10 +248,21 @@ TEST(RunMachine, JoinsProfilesPlansAndFinishes) {
   EXPECT_TRUE(All<SendCommand>(d.Feed(ProfileReported{Profile("b")})).empty());  // c still measures its model
   // Then the links, each pair once (the site whose name sorts first probes both directions), in rounds in
   // which no site probes or is probed twice at once: b-c, then a-c, then a-b.
-  auto probes = All<SendCommand>(d.Feed(ProfileReported{Profile("c")}));
+  // First every site is told the round is over (those kept computing stop), then the first probe goes.
+  const auto round_over_actions = d.Feed(ProfileReported{Profile("c")});
+  const auto round_over = All<SendCommand>(round_over_actions);
+  ASSERT_EQ(round_over.size(), 4u);
+  std::set<std::string> settled;
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_TRUE(round_over[i].command.settle()) << i;
+    settled.insert(round_over[i].site);
+  }
+  EXPECT_EQ(settled, (std::set<std::string>{"a", "b", "c"}));
+  auto probes = Profiles(round_over_actions);
   ASSERT_EQ(probes.size(), 1u);
   EXPECT_EQ(probes[0].site, "b");
   EXPECT_TRUE(probes[0].command.profile().links_only());
+  EXPECT_EQ(probes[0].command.profile().keep_busy_seconds(), 0);
   ASSERT_EQ(probes[0].command.profile().peers_size(), 1);
   EXPECT_EQ(probes[0].command.profile().peers(0).site(), "c");
   EXPECT_EQ(probes[0].command.profile().peers(0).address(), "127.0.0.1:9c");
@@ -1728,7 +1750,7 @@ TEST(RunMachine, LinksAreProbedInRoundsOfDisjointPairs) {
     d.Feed(RunStarted{});
     for (const auto& s : names) d.Feed(SiteRegistered{s, "127.0.0.1:9" + s, "cpu"});
     std::vector<SendCommand> round;
-    for (const auto& s : names) round = All<SendCommand>(d.Feed(ProfileReported{Profile(s)}));
+    for (const auto& s : names) round = Profiles(d.Feed(ProfileReported{Profile(s)}));
     std::set<std::pair<std::string, std::string>> pairs;
     int rounds = 0;
     std::vector<Action> last;
@@ -1816,7 +1838,7 @@ TEST(RunMachine, ALinksAnswerThatDoesNotCheckOutLeavesItsSiteOutOfThePlan) {
     EXPECT_FALSE(again[0].command.profile().links_only());
     EXPECT_TRUE(All<SendCommand>(d.Feed(SiteRegistered{"a", "x", "cpu"})).empty());  // a has answered
     d.Feed(ProfileReported{Profile("b")});
-    EXPECT_EQ(All<SendCommand>(d.Feed(ProfileReported{Profile("c")})).size(), 1u);  // the links: b probes c
+    EXPECT_EQ(Profiles(d.Feed(ProfileReported{Profile("c")})).size(), 1u);  // the links: b probes c
     again = All<SendCommand>(d.Feed(SiteRegistered{"b", "y", "cpu"}));
     ASSERT_EQ(again.size(), 1u);
     EXPECT_TRUE(again[0].command.profile().links_only());

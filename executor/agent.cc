@@ -15,6 +15,7 @@
 #include <future>
 #include <iostream>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -327,11 +328,13 @@ int Agent::Run() {
     std::unique_ptr<rpc::CoordinatorClient::CommandStream> stream = coordinator_->Commands(o_.site);
     v1::Command cmd;
     while (stream->Next(&cmd)) {
+      StopComputing();  // a command comes: the measuring round it kept busy for is over
       if (cmd.has_stop()) {
         spdlog::debug("command: stop");
         stopped = true;
         break;
       }
+      if (cmd.has_settle()) spdlog::debug("command: settle (the measuring round is over)");
       if (cmd.has_profile()) OnProfile(cmd.profile());
       if (cmd.has_assign()) OnAssign(cmd.assign());
     }
@@ -343,6 +346,7 @@ int Agent::Run() {
     spdlog::warn("{}", absl::StrCat("the command stream ended (", ended.message(), "); reconnecting"));
     std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int64_t>(interval * 1000)));
   }
+  StopComputing();
   {
     std::lock_guard<std::mutex> l(heartbeat_mu_);
     done_ = true;
@@ -461,10 +465,12 @@ void Agent::OnProfile(const v1::ProfileRequest& p) {
 
   v1::ProfileReport rep;
   rep.set_site(o_.site);
+  std::optional<JobSetup> measured;  // the job whose model was measured
   absl::Status failure = GuardTorch(absl::StrCat("site '", o_.site, "': profiling"), [&]() -> absl::Status {
     if (!p.links_only()) {  // the device and the model (a links-only request follows them)
       auto setup = JobFromText(p.job_yaml(), p.job_dir());
       if (!setup.ok()) return setup.status();
+      measured = *setup;
       // Its transport first (a CPU site's transport threads share the CPU with the compute thread): every
       // site starts measuring at once, so a site that finishes its model early does not load the host's
       // cores while the others still time theirs.
@@ -537,6 +543,27 @@ void Agent::OnProfile(const v1::ProfileRequest& p) {
   if (absl::Status s = coordinator_->ReportProfile(rep, std::chrono::seconds(30)); !s.ok())
     spdlog::error("{}", absl::StrCat("cannot report the profile: ", s.message()));
   SetState(v1::SITE_IDLE);
+  // A GPU site's computing loads no one else's device; a site of several devices is not kept busy.
+  if (failure.ok() && measured && p.keep_busy_seconds() > 0 && device_.is_cpu() && devices_.size() <= 1)
+    StartComputing(*measured, p.keep_busy_seconds());
+}
+
+void Agent::StartComputing(const JobSetup& setup, double seconds) {
+  StopComputing();
+  stop_computing_ = false;
+  spdlog::info("{}", absl::StrFormat("keeps computing the model, untimed, while the other sites measure theirs "
+                                     "(until the next command, at most %.0f s)",
+                                     seconds));
+  computing_ = core::NamedThread("mrd-keep-busy", [this, setup, seconds] {
+    const absl::Status s = KeepComputing(setup.model, setup.micro_batch_size, setup.job.sequence_length, device_,
+                                         setup.job.lora, &stop_computing_, seconds);
+    if (!s.ok()) spdlog::warn("{}", absl::StrCat("site '", o_.site, "': ", s.message()));
+  });
+}
+
+void Agent::StopComputing() {
+  stop_computing_ = true;
+  if (computing_.joinable()) computing_.join();
 }
 
 void Agent::OnAssign(const v1::StageAssignment& pa) {

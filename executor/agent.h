@@ -18,6 +18,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <thread>
 
 #include <torch/torch.h>
 
@@ -57,6 +58,10 @@ class Agent {
   // (MeasureCpuShare): seconds of the site's compute, for SiteProfile::transport_seconds_per_frame /
   // _per_byte. Errors name what failed.
   absl::StatusOr<rpc::TransportCost> MeasureTransport(const JobSetup& setup);
+  // A CPU site of one device, after measuring the model with keep_busy_seconds > 0: keeps computing the
+  // model's passes on a thread of its own (KeepComputing) until StopComputing. Run's thread only.
+  void StartComputing(const JobSetup& setup, double seconds);
+  void StopComputing();  // joins that thread (at once when none runs); logs its error, if any
   // The heartbeat thread's loop, until `done_`: a beat every interval, and one at once on BeatNow.
   void Heartbeats();
   void SetState(v1::SiteState state);  // and beats at once, so the coordinator's status follows
@@ -90,6 +95,8 @@ class Agent {
   // Guarded by heartbeat_mu_: the process is ending; beat at once (BeatNow).
   bool done_ = false, beat_now_ = false;
   StepControl step_control_;  // the heartbeats' answers: step boundary, lease, DiLoCo workers left out
+  std::thread computing_;     // StartComputing's, joined by StopComputing
+  std::atomic<bool> stop_computing_{false};
   int rc_ = 0;
 };
 

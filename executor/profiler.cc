@@ -299,4 +299,22 @@ absl::StatusOr<OpProfile> ProfileModel(const LlamaConfig& c, int mbs, int seq, c
   });
 }
 
+absl::Status KeepComputing(const LlamaConfig& c, int mbs, int seq, torch::Device device, const core::LoraSpec& lora,
+                           const std::atomic<bool>* stop, double seconds) {
+  return GuardTorch("computing while the other sites measure", [&]() -> absl::Status {
+    const auto end = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+    if (stop->load() || seconds <= 0) return absl::OkStatus();
+    StageModel model(c, 0, c.num_ops() - 1, 1, device, lora);
+    SyntheticData data{1, c.shape.vocab_size};
+    auto tokens = data.MicroBatch(0, 0, mbs, seq).to(device);
+    auto inputs = tokens.slice(1, 0, seq), targets = tokens.slice(1, 1, seq + 1);
+    while (!stop->load() && Clock::now() < end) {
+      CrossEntropySum(model.Forward(inputs), targets, static_cast<double>(targets.numel())).backward();
+      for (auto& [n, p] : model.parameters()) p.mutable_grad() = torch::Tensor();
+      Sync(device);
+    }
+    return absl::OkStatus();
+  });
+}
+
 }  // namespace meridian::executor

@@ -14,6 +14,8 @@
 
 #include <torch/torch.h>
 
+#include <atomic>
+
 #include "absl/status/statusor.h"
 #include "executor/llama.h"
 #include "partitioner/model.h"
@@ -37,6 +39,13 @@ struct OpProfile {
 absl::StatusOr<OpProfile> ProfileModel(const LlamaConfig& config, int micro_batch_size, int sequence_length,
                                        const std::string& site_name, torch::Device device, int repeats = 5,
                                        const core::LoraSpec& lora = {});
+
+// Computes forward and backward passes of one micro-batch through the whole model (as ProfileModel's, on
+// synthetic tokens, nothing timed or kept) on the calling thread until `*stop` is set or `seconds` have
+// passed. Keeps a site computing while the others sharing its host still measure (ProfileRequest's
+// keep_busy_seconds). Errors: the model's construction or passes (GuardTorch's).
+absl::Status KeepComputing(const LlamaConfig& config, int micro_batch_size, int sequence_length, torch::Device device,
+                           const core::LoraSpec& lora, const std::atomic<bool>* stop, double seconds);
 
 // The seconds to charge a timed part of a measurement on the host CPU: its CPU seconds (this thread's)
 // over the CPU share of the whole measurement window (`window_cpu` / `window_wall`, its untimed parts
