@@ -10,8 +10,11 @@
 #include <gtest/gtest.h>
 #include <malloc.h>
 
+#include <atomic>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 #include "core/checkpoint_dir.h"
 #include "core/run_layout.h"
@@ -152,6 +155,32 @@ TEST(Profiler, EveryOpIsTimedInAPassThroughTheWholeModelWithAndWithoutLora) {
     for (int op = 0; op < cfg->num_ops(); ++op)
       EXPECT_GT(p->site.op_seconds.at(OpName(*cfg, op)), 0) << OpName(*cfg, op) << ", lora " << spec.enabled;
   }
+}
+
+// KeepComputing (a site kept busy while the others measure) computes until it is stopped, and returns
+// at once when stopped before it starts or given no time.
+TEST(Profiler, KeepComputingRunsUntilStopped) {
+  auto cfg = ParseLlamaConfigText(R"({"vocab_size": 256, "hidden_size": 64, "intermediate_size": 160,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "tie_word_embeddings": true})",
+                                  "c.json");
+  ASSERT_TRUE(cfg.ok()) << cfg.status();
+  std::atomic<bool> stop{false};
+  std::atomic<int64_t> passes{0};
+  std::atomic<bool> returned{false};
+  absl::Status status = absl::UnknownError("not run");
+  std::thread busy([&] {
+    status = KeepComputing(*cfg, 2, 16, torch::kCPU, {}, &stop, 3600, &passes);
+    returned = true;
+  });
+  while (passes < 3 && !returned) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  EXPECT_FALSE(returned) << "it stopped before it was told to: " << status;  // it computes, pass after pass
+  stop = true;
+  busy.join();  // a loop that ignored `stop` would run for the hour (ctest's timeout)
+  EXPECT_TRUE(status.ok()) << status;
+  EXPECT_GE(passes, 3);
+  EXPECT_TRUE(KeepComputing(*cfg, 2, 16, torch::kCPU, {}, &stop, 3600).ok());  // stopped already
+  stop = false;
+  EXPECT_TRUE(KeepComputing(*cfg, 2, 16, torch::kCPU, {}, &stop, 0).ok());  // no time given
 }
 
 // The planner's memory model counts what each op's forward pass leaves for its backward pass

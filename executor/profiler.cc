@@ -300,7 +300,7 @@ absl::StatusOr<OpProfile> ProfileModel(const LlamaConfig& c, int mbs, int seq, c
 }
 
 absl::Status KeepComputing(const LlamaConfig& c, int mbs, int seq, torch::Device device, const core::LoraSpec& lora,
-                           const std::atomic<bool>* stop, double seconds) {
+                           const std::atomic<bool>* stop, double seconds, std::atomic<int64_t>* passes) {
   return GuardTorch("computing while the other sites measure", [&]() -> absl::Status {
     const auto end = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
     if (stop->load() || seconds <= 0) return absl::OkStatus();
@@ -312,6 +312,7 @@ absl::Status KeepComputing(const LlamaConfig& c, int mbs, int seq, torch::Device
       CrossEntropySum(model.Forward(inputs), targets, static_cast<double>(targets.numel())).backward();
       for (auto& [n, p] : model.parameters()) p.mutable_grad() = torch::Tensor();
       Sync(device);
+      if (passes) ++*passes;
     }
     return absl::OkStatus();
   });

@@ -15,6 +15,7 @@
 #include <torch/torch.h>
 
 #include <atomic>
+#include <cstdint>
 
 #include "absl/status/statusor.h"
 #include "executor/llama.h"
@@ -43,9 +44,11 @@ absl::StatusOr<OpProfile> ProfileModel(const LlamaConfig& config, int micro_batc
 // Computes forward and backward passes of one micro-batch through the whole model (as ProfileModel's, on
 // synthetic tokens, nothing timed or kept) on the calling thread until `*stop` is set or `seconds` have
 // passed. Keeps a site computing while the others sharing its host still measure (ProfileRequest's
-// keep_busy_seconds). Errors: the model's construction or passes (GuardTorch's).
+// keep_busy_seconds). Counts each pass done in `*passes` when given. Errors: the model's construction or
+// passes (GuardTorch's).
 absl::Status KeepComputing(const LlamaConfig& config, int micro_batch_size, int sequence_length, torch::Device device,
-                           const core::LoraSpec& lora, const std::atomic<bool>* stop, double seconds);
+                           const core::LoraSpec& lora, const std::atomic<bool>* stop, double seconds,
+                           std::atomic<int64_t>* passes = nullptr);
 
 // The seconds to charge a timed part of a measurement on the host CPU: its CPU seconds (this thread's)
 // over the CPU share of the whole measurement window (`window_cpu` / `window_wall`, its untimed parts
