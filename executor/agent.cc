@@ -472,8 +472,8 @@ void Agent::OnProfile(const v1::ProfileRequest& p) {
       if (!setup.ok()) return setup.status();
       measured = *setup;
       // Its transport first (a CPU site's transport threads share the CPU with the compute thread): every
-      // site starts measuring at once, so a site that finishes its model early does not load the host's
-      // cores while the others still time theirs.
+      // site starts measuring at once, so no site's transport probe runs while the others time their model
+      // (a site done early computes the model's passes instead, as in training: StartComputing).
       rpc::TransportCost transport;  // none on a GPU site: its transport runs beside the device
       if (device_.is_cpu()) {
         auto measured = MeasureTransport(*setup);
