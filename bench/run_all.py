@@ -1254,14 +1254,13 @@ def measured_step(run_dir, diloco):
     return statistics.median(v), len(v) + 1
 
 
-def site_cpu(run_dir, quotas):
-    """{site: {"ratio", "preemptions_per_cpu_second"}} for each site a run's plan used: the median over its steps
-    after the first of its compute thread's CPU within its passes and optimizer step (`compute_cpu_seconds`), over
-    what its profile prices that at (its ops' profiled seconds x its micro-batches, plus its stage's optimizer
+def site_cpu(run_dir, plan, quotas):
+    """{site: {"ratio", "preemptions_per_cpu_second"}} for each site a run's plan (its plan.json, loaded) used: the
+    median over its steps after the first of its compute thread's CPU within its passes and optimizer step
+    (`compute_cpu_seconds`), over what its profile prices that at (its ops' profiled seconds x its micro-batches, plus its stage's optimizer
     step, times its quota: the profiler charges a CPU site its CPU time over its share of a core); and how often
     that thread was preempted per second of it (`compute_thread_preemptions`, where reported). A recomputing
     stage's second forward pass is not in the price: such sites are left out."""
-    plan = json.load(open(os.path.join(run_dir, "plan.json")))
     prof = {s["name"]: s for s in json.load(open(os.path.join(run_dir, "profile.json")))["sites"]}
     ops = [o["name"] for o in json.load(open(os.path.join(run_dir, "graph.json")))["ops"]]
     priced = {}
@@ -1346,7 +1345,7 @@ def simulator_validation(a, bin_dir, work, cfg, model_dir, weights_params):
                      "codecs": ", ".join(l["codec"] for l in plan["links"]) or "-",
                      "sim": cal["median_step_seconds"], "analytic": cal["analytic_step_seconds"],
                      "sim_profile": raw["median_step_seconds"], "analytic_profile": raw["analytic_step_seconds"],
-                     "planner": plan["predicted_step_seconds"], "site_cpu": site_cpu(run, dict(SITES))})
+                     "planner": plan["predicted_step_seconds"], "site_cpu": site_cpu(run, plan, dict(SITES))})
         x = rows[-1]
         log(f"  {name}: measured {measured:.2f} s, simulated {x['sim']:.2f} s (profile: {x['sim_profile']:.2f} s), "
             f"analytic {x['analytic']:.2f} s")

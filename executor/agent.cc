@@ -465,12 +465,12 @@ void Agent::OnProfile(const v1::ProfileRequest& p) {
 
   v1::ProfileReport rep;
   rep.set_site(o_.site);
-  std::optional<JobSetup> measured;  // the job whose model was measured
+  std::optional<JobSetup> measured_job;  // the job whose model was measured
   absl::Status failure = GuardTorch(absl::StrCat("site '", o_.site, "': profiling"), [&]() -> absl::Status {
     if (!p.links_only()) {  // the device and the model (a links-only request follows them)
       auto setup = JobFromText(p.job_yaml(), p.job_dir());
       if (!setup.ok()) return setup.status();
-      measured = *setup;
+      measured_job = *setup;
       // Its transport first (a CPU site's transport threads share the CPU with the compute thread): every
       // site starts measuring at once, so no site's transport probe runs while the others time their model
       // (a site done early computes the model's passes instead, as in training: StartComputing).
@@ -544,8 +544,8 @@ void Agent::OnProfile(const v1::ProfileRequest& p) {
     spdlog::error("{}", absl::StrCat("cannot report the profile: ", s.message()));
   SetState(v1::SITE_IDLE);
   // A GPU site's computing loads no one else's device; a site of several devices is not kept busy.
-  if (failure.ok() && measured && p.keep_busy_seconds() > 0 && device_.is_cpu() && devices_.size() <= 1)
-    StartComputing(*measured, p.keep_busy_seconds());
+  if (failure.ok() && measured_job && p.keep_busy_seconds() > 0 && device_.is_cpu() && devices_.size() <= 1)
+    StartComputing(*measured_job, p.keep_busy_seconds());
 }
 
 void Agent::StartComputing(const JobSetup& setup, double seconds) {

@@ -61,7 +61,7 @@ class Agent {
   // A CPU site of one device, after measuring the model with keep_busy_seconds > 0: keeps computing the
   // model's passes on a thread of its own (KeepComputing) until StopComputing. Run's thread only.
   void StartComputing(const JobSetup& setup, double seconds);
-  void StopComputing();  // joins that thread (at once when none runs); logs its error, if any
+  void StopComputing();  // stops and joins that thread (at once when none runs; the thread logs its own error)
   // The heartbeat thread's loop, until `done_`: a beat every interval, and one at once on BeatNow.
   void Heartbeats();
   void SetState(v1::SiteState state);  // and beats at once, so the coordinator's status follows

@@ -221,9 +221,8 @@ absl::StatusOr<OpProfile> ProfileModel(const LlamaConfig& c, int mbs, int seq, c
     // The codecs on one micro-batch's hidden states (at most 16M floats: the rate, not the size, matters).
     out.site.codec_bytes_per_second = MeasureCodecBytesPerSecond(
         std::min<int64_t>(int64_t{mbs} * seq * c.shape.hidden_size, int64_t{1} << 24), std::min(repeats, 3));
-    SyntheticData data{1, c.shape.vocab_size};
-    auto tokens = data.MicroBatch(0, 0, mbs, seq).to(device);
-    auto inputs = tokens.slice(1, 0, seq), targets = tokens.slice(1, 1, seq + 1);
+    const TrainingData::Batch batch = TrainingData(SyntheticData{1, c.shape.vocab_size}).MicroBatch(0, 0, mbs, seq);
+    const torch::Tensor inputs = batch.inputs.to(device), targets = batch.targets.to(device);
     // A head tied to the embedding cannot run without it: it is timed with weights of its own, the same
     // work (its projection, the loss, and the gradient of the shared weights).
     LlamaConfig untied = c;
@@ -305,9 +304,8 @@ absl::Status KeepComputing(const LlamaConfig& c, int mbs, int seq, torch::Device
     const auto end = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
     if (stop->load() || seconds <= 0) return absl::OkStatus();
     StageModel model(c, 0, c.num_ops() - 1, 1, device, lora);
-    SyntheticData data{1, c.shape.vocab_size};
-    auto tokens = data.MicroBatch(0, 0, mbs, seq).to(device);
-    auto inputs = tokens.slice(1, 0, seq), targets = tokens.slice(1, 1, seq + 1);
+    const TrainingData::Batch batch = TrainingData(SyntheticData{1, c.shape.vocab_size}).MicroBatch(0, 0, mbs, seq);
+    const torch::Tensor inputs = batch.inputs.to(device), targets = batch.targets.to(device);
     while (!stop->load() && Clock::now() < end) {
       CrossEntropySum(model.Forward(inputs), targets, static_cast<double>(targets.numel())).backward();
       for (auto& [n, p] : model.parameters()) p.mutable_grad() = torch::Tensor();
