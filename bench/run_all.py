@@ -343,7 +343,7 @@ def run_static_pipeline(bin_dir, work, name, job, codecs, ops, steps, wire=None)
     ports = [free_port() for _ in range(3)]
     sites = ["a", "b", "c"]
     cuts = [(0, ops // 3 - 1), (ops // 3, 2 * ops // 3 - 1), (2 * ops // 3, ops - 1)]
-    procs = []
+    procs, logs = [], []
     for k in range(3):
         a = {"stage": k, "num_stages": 3, "first_op": cuts[k][0], "last_op": cuts[k][1]}
         if k > 0:
@@ -353,11 +353,17 @@ def run_static_pipeline(bin_dir, work, name, job, codecs, ops, steps, wire=None)
             a.update(next_site=sites[k + 1], next_address=f"127.0.0.1:{ports[k + 1]}", forward_codec=codecs[k][0])
         ap = os.path.join(out, f"assign{k}.json")
         json.dump(a, open(ap, "w"))
-        procs.append(subprocess.Popen(
-            f"{bin_dir}/meridian-executor --site {sites[k]} --certs {work}/static-certs/bundles/{sites[k]} --listen 127.0.0.1:{ports[k]} "
-            f"--assignment {ap} --job {job} --steps {steps}", shell=True, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True))
-    outs = [p.communicate()[0] for p in procs]
+        # Each executor's output goes to a file: a pipe read only after the first executor ends fills up
+        # (64 KiB, about 290 steps of timing lines) and blocks the others' writes, stalling the pipeline.
+        logs.append(os.path.join(out, f"stage{k}.log"))
+        with open(logs[-1], "w") as log_file:
+            procs.append(subprocess.Popen(
+                f"{bin_dir}/meridian-executor --site {sites[k]} --certs {work}/static-certs/bundles/{sites[k]} "
+                f"--listen 127.0.0.1:{ports[k]} --assignment {ap} --job {job} --steps {steps}", shell=True,
+                stdout=log_file, stderr=subprocess.STDOUT))
+    for p in procs:
+        p.wait()
+    outs = [open(path).read() for path in logs]
     if any(p.returncode for p in procs):
         raise SystemExit(f"static pipeline {name} failed:\n" + "\n".join(o[-2000:] for o in outs))
     if wire is not None:
@@ -1042,9 +1048,15 @@ def splice_section(path, section, begin, end):
     open(path, "w").write(new)
 
 
+# The seeds of the convergence comparisons (the model's initial weights and the order of the data). A lossy
+# codec's gap to identity after 300 steps moves by several points from one seed to the next (int4-delta with int4
+# gradients read -1.8% to +3.0% over these four), so the comparisons report the mean gap over them, and the range.
+CONVERGENCE_SEEDS = (5, 6, 7, 8)
+
+
 def convergence_setup(a, bin_dir, work, data):
     """The tiny model, its tokenizer, certificates and a 300-step job on the fine-tuning set `data`, in
-    work/conv: returns (directory, job, ops, steps)."""
+    work/conv: returns (directory, job, ops, steps). The job's seed is 5; seeded_job writes it with another."""
     cdir = os.path.join(work, "conv")
     shutil.rmtree(cdir, ignore_errors=True)
     os.makedirs(os.path.join(cdir, "model"))
@@ -1063,15 +1075,36 @@ def convergence_setup(a, bin_dir, work, data):
     return cdir, job, 2 * TINY["num_hidden_layers"] + 2, steps
 
 
+def seeded_job(job, seed):
+    """A copy of convergence_setup's job with another seed, beside it: returns its path."""
+    path = job.replace(".yaml", f"-seed{seed}.yaml")
+    open(path, "w").write(open(job).read().replace("  seed: 5\n", f"  seed: {seed}\n"))
+    return path
+
+
+def loss_tail(losses, steps):
+    """The mean loss of the last 20 steps."""
+    return sum(losses[s] for s in range(steps - 19, steps + 1)) / 20
+
+
 def convergence(a, bin_dir, work, codecs, data):
-    """The tiny model for 300 steps on the fine-tuning set, three stages: the chosen codecs against identity."""
+    """The tiny model for 300 steps on the fine-tuning set, three stages: the chosen codecs against identity,
+    once per seed of CONVERGENCE_SEEDS."""
     cdir, job, ops, steps = convergence_setup(a, bin_dir, work, data)
-    log(f"convergence: {steps} steps, codecs {codecs} against identity")
-    chosen = run_static_pipeline(bin_dir, cdir, "chosen", job, codecs, ops, steps)
-    exact = run_static_pipeline(bin_dir, cdir, "identity", job, [("identity", "identity")] * 2, ops, steps)
-    tail = lambda l: sum(l[s] for s in range(steps - 19, steps + 1)) / 20  # noqa: E731
-    return {"steps": steps, "codecs": codecs, "chosen_tail": tail(chosen), "identity_tail": tail(exact),
-            "tokens_per_step": 8 * 64}
+    seeds = []
+    for seed in CONVERGENCE_SEEDS:
+        log(f"convergence: {steps} steps, codecs {codecs} against identity, seed {seed}")
+        sj = seeded_job(job, seed)
+        chosen = run_static_pipeline(bin_dir, cdir, "chosen", sj, codecs, ops, steps)
+        exact = run_static_pipeline(bin_dir, cdir, "identity", sj, [("identity", "identity")] * 2, ops, steps)
+        seeds.append({"seed": seed, "chosen_tail": loss_tail(chosen, steps), "identity_tail": loss_tail(exact, steps)})
+    return {"steps": steps, "codecs": codecs, "seeds": seeds, "tokens_per_step": 8 * 64}
+
+
+def seed_gaps(pairs):
+    """[(codec's tail, identity's tail)] of one comparison over its seeds: (mean gap, lowest, highest)."""
+    gaps = [(c - i) / i for c, i in pairs]
+    return statistics.mean(gaps), min(gaps), max(gaps)
 
 
 # The activation codecs the codecs section compares with identity, as (activations, gradients) on both links.
@@ -1088,13 +1121,18 @@ def codec_convergence(a, bin_dir, work, cfg, model_dir, weights_params):
     cdir, job, ops, steps = convergence_setup(a, bin_dir, work, data)
     runs = []
     for codecs in [("identity", "identity")] + CODEC_PAIRS:
-        log(f"codecs: activations {codecs[0]}, gradients {codecs[1]}, {steps} steps")
-        wire = {}
-        losses = run_static_pipeline(bin_dir, cdir, codecs[0], job, [codecs] * 2, ops, steps, wire)
-        tail = sum(losses[s] for s in range(steps - 19, steps + 1)) / 20
-        runs.append({"activations": codecs[0], "gradients": codecs[1], "tail": tail, **wire})
-        log(f"  loss {tail:.4f}, {wire['wire']} of {wire['raw']} bytes")
-    return {"steps": steps, "micro_batches_per_step": 4, "tokens_per_step": 8 * 64, "runs": runs}
+        tails = []
+        for seed in CONVERGENCE_SEEDS:
+            log(f"codecs: activations {codecs[0]}, gradients {codecs[1]}, {steps} steps, seed {seed}")
+            wire = {}
+            losses = run_static_pipeline(bin_dir, cdir, codecs[0], seeded_job(job, seed), [codecs] * 2, ops, steps,
+                                         wire)
+            tails.append(loss_tail(losses, steps))
+            log(f"  loss {tails[-1]:.4f}, {wire['wire']} of {wire['raw']} bytes")
+        # The bytes of the last seed's run: every seed sends the same tensors' sizes (top-k and zstd aside).
+        runs.append({"activations": codecs[0], "gradients": codecs[1], "tails": tails, **wire})
+    return {"steps": steps, "micro_batches_per_step": 4, "tokens_per_step": 8 * 64, "seeds": list(CONVERGENCE_SEEDS),
+            "runs": runs}
 
 
 def codecs_section(w, command):
@@ -1107,16 +1145,19 @@ def codecs_section(w, command):
          "text (about 190 sequences of 64 tokens, so each comes back every 24 steps or so: AQ-SGD's deltas are "
          "against activations that many steps old); three static stages on loopback, both links on the codec pair. Activation bytes: "
          "what stage 1 sent (its activations, and a 16-byte norm message a step) per micro-batch. Loss: the mean of "
-         "the last 20 steps. Target (issue #16): 8x fewer activation bytes than identity with the loss within 2%.", "",
-         "| activations | gradients | activation bytes per micro-batch | fewer than identity | loss | against identity |",
-         "|---|---|---|---|---|---|"]
+         f"the last 20 steps, each pair run once per seed ({', '.join(map(str, w['seeds']))}: the initial weights and "
+         "the data's order) against identity at the same seed; the gap is the mean over the seeds, with its range. "
+         "Target (issue #16): 8x fewer activation bytes than identity with the loss within 2%.", "",
+         "| activations | gradients | activation bytes per micro-batch | fewer than identity | loss (mean) | "
+         "against identity (mean) | range over the seeds |",
+         "|---|---|---|---|---|---|---|"]
+    gaps = {}
     for r in runs:
         ratio = ident["wire"] / r["wire"] if r["wire"] else 0
-        gap = (r["tail"] - ident["tail"]) / ident["tail"]
-        L.append(f"| {r['activations']} | {r['gradients']} | {r['wire'] / mbs:,.0f} B | {ratio:.1f}x | {r['tail']:.4f} | "
-                 f"{100 * gap:+.2f}% |")
-    best = [r for r in runs[1:] if r["wire"] and ident["wire"] / r["wire"] >= 8
-            and abs(r["tail"] - ident["tail"]) / ident["tail"] <= 0.02]
+        gap, lo, hi = gaps[id(r)] = seed_gaps(list(zip(r["tails"], ident["tails"])))
+        L.append(f"| {r['activations']} | {r['gradients']} | {r['wire'] / mbs:,.0f} B | {ratio:.1f}x | "
+                 f"{statistics.mean(r['tails']):.4f} | {100 * gap:+.2f}% | {100 * lo:+.2f}% to {100 * hi:+.2f}% |")
+    best = [r for r in runs[1:] if r["wire"] and ident["wire"] / r["wire"] >= 8 and abs(gaps[id(r)][0]) <= 0.02]
     L += ["", "Target: " + (f"met by {', '.join(r['activations'] + '/' + r['gradients'] for r in best)}."
                            if best else "missed: no pair is both 8x smaller and within 2%."), "", CODECS_END, ""]
     return "\n".join(L)
@@ -1169,11 +1210,15 @@ def wan_section(w, command):
                 + (f", its other threads' CPU {other:.3f} s" if (other := other_threads_cpu(s)) is not None else "")
                 for s in m["stages"]) + ".")
     c = w["convergence"]
-    gap = (c["chosen_tail"] - c["identity_tail"]) / c["identity_tail"]
+    runs = c.get("seeds") or [{"seed": 5, "chosen_tail": c["chosen_tail"], "identity_tail": c["identity_tail"]}]
+    gap, lo, hi = seed_gaps([(x["chosen_tail"], x["identity_tail"]) for x in runs])
     L += ["", f"Convergence (tiny model, {c['steps']} steps of 8 x 64 tokens on the same fine-tuning text, three "
-          f"static stages on loopback, codecs per link (activations, gradients) {c['codecs']}): mean loss of the last 20 "
-          f"steps {c['chosen_tail']:.4f} against {c['identity_tail']:.4f} with identity ({100 * gap:+.2f}%, target "
-          f"within 2%: {'met' if abs(gap) <= 0.02 else 'missed'}).", "", WAN_END, ""]
+          f"static stages on loopback, codecs per link (activations, gradients) {c['codecs']}, seeds "
+          f"{', '.join(str(x['seed']) for x in runs)}): mean loss of the last 20 steps "
+          f"{statistics.mean(x['chosen_tail'] for x in runs):.4f} against "
+          f"{statistics.mean(x['identity_tail'] for x in runs):.4f} with identity ({100 * gap:+.2f}% over the seeds, "
+          f"{100 * lo:+.2f}% to {100 * hi:+.2f}%; target within 2%: {'met' if abs(gap) <= 0.02 else 'missed'}).", "",
+          WAN_END, ""]
     return "\n".join(L)
 
 
