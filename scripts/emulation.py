@@ -1,7 +1,8 @@
 """Sites and WAN links on one machine, for the demo and the benchmarks.
 
 As root, each site gets its own network namespace and a CPU quota (cgroup v1 cpu controller, a 10 ms
-period), and is pinned to a core its quota fits beside the others' (`_pin`); site pairs are joined by
+period; none for a site alone on its core with a whole core's quota: `_write_quota`), and is pinned to a
+core its quota fits beside the others' (`_pin`); site pairs are joined by
 veth links rate-limited with tbf in both directions, and each site's executor is reached through
 meridian-wanrelay, which adds the RTT (tc here has no netem). The
 coordinator is reached over an unshaped bridge. Addresses: site i listens for peers on 10.NET.100.i
@@ -68,8 +69,9 @@ class Emulation:
                 # so it measures the quota's sustained speed, not the full speed short calls get between
                 # throttles.
                 open(f"{g}/cpu.cfs_period_us", "w").write("10000")
-                self._write_quota(g, quota)
             self.cpus = self._pin(sites)
+            for s, quota in sites:
+                self._write_quota(s, quota)
         else:
             print("notice: no cgroup v1 cpu controller: sites run at full speed")
 
@@ -99,15 +101,22 @@ class Emulation:
         Without cgroups (not root, or no v1 cpu controller) it cannot, and raises."""
         if not self.cgroups:
             raise RuntimeError("set_quota needs root and the cgroup v1 cpu controller")
-        self._write_quota(f"/sys/fs/cgroup/cpu/{self.prefix}-{site}", quota)
+        self._write_quota(site, quota)
 
-    @staticmethod
-    def _write_quota(group, quota):
+    def _write_quota(self, site, quota):
         # The quota caps the site; its weight (cpu.shares, 1024 for a whole core) decides who runs first
         # when the sites together want more than the host's cores. With equal weights a site of quota 1.0
         # sharing a core with one of 0.6 got half of it, and its GEMM measured 21 to 85 GFLOP/s from one
         # demo run to the next.
-        open(f"{group}/cpu.cfs_quota_us", "w").write(str(int(quota * 10000)))
+        # A site pinned alone to its core with a quota of a whole core gets no quota at all: the pinning
+        # already gives it that core, and the kernel's bandwidth control, enforcing a quota equal to its
+        # period, throttled even a lone single-threaded trainer in about half the periods and cost it 6% of
+        # its wall time (7.82 against 7.39 s a step of `meridian train-local` at the same CPU), and more
+        # where the site's other threads woke up: the fast site then ran at 0.92-0.97 of its core.
+        group = f"/sys/fs/cgroup/cpu/{self.prefix}-{site}"
+        cpu = self.cpus.get(site)
+        alone = cpu is not None and all(c != cpu for s, c in self.cpus.items() if s != site)
+        open(f"{group}/cpu.cfs_quota_us", "w").write("-1" if alone and quota >= 1 else str(int(quota * 10000)))
         open(f"{group}/cpu.shares", "w").write(str(max(2, int(quota * 1024))))
 
     def wrap(self, site, cmd):
