@@ -1028,9 +1028,8 @@ def straggler_section(w, command):
              + f", and every stage saved step {sw if sw else '- (no switch)'} and switched to the new plan.")
     after = w["after_replan"]
     if after is not None:
-        short = round(100 * (0.9 - after / b1))
         L += ["", f"Target (issue #21): after the re-plan at least 90% of the new bound: {of(after, b1)} "
-                  f"({'met' if after >= 0.9 * b1 else f'missed by {short} point' + ('s' if short != 1 else '')})."]
+                  f"({'met' if after >= 0.9 * b1 else f'missed by {shortfall(0.9, after / b1)}'})."]
     L += ["", "The coordinator's straggler and switch events:", ""]
     L += [f"- {t}" for t in w["straggler_events"] + w["switch_events"]]
     L += ["", f"The final plan: {w['final_plan']}; link codecs {w['final_codecs']}.", "", STRAGGLER_END, ""]
@@ -1196,7 +1195,7 @@ def wan_section(w, command):
         target = 0.9 if mbit == WAN_SPEEDS[0] else 0.85
         err = (m["predicted_step_seconds"] - m["step_seconds"]) / m["step_seconds"]
         L.append(f"- {mbit} Mbit/s: {pct(util)} of the compute bound (target {pct(target)}: "
-                 f"{'met' if util >= target else f'missed by {100 * (target - util):.0f} points'}); predicted step "
+                 f"{'met' if util >= target else f'missed by {shortfall(target, util)}'}); predicted step "
                  f"{m['predicted_step_seconds']:.1f} s against {m['step_seconds']:.1f} s ({100 * err:+.0f}%, target within "
                  f"10%: {'met' if abs(err) <= 0.1 else 'missed'}); identity on the same plan "
                  f"{r['identity']['tokens_per_second']:.0f} tokens/s; bytes on the wire per token "
@@ -1653,6 +1652,12 @@ def pct(x):
     return f"{100 * x:.0f}%"
 
 
+def shortfall(target, x):
+    """How far the fraction `x` falls short of `target`, in percentage points: one decimal, so that a
+    utilisation that pct() rounds up to its target does not read "missed by 0 points"."""
+    return f"{100 * (target - x):.1f} points"
+
+
 E2E_BEGIN, E2E_END = "<!-- e2e:begin -->", "<!-- e2e:end -->"
 COMPONENTS_BEGIN, COMPONENTS_END = "<!-- components:begin -->", "<!-- components:end -->"
 
@@ -1709,7 +1714,7 @@ def write_results(path, info, comps, e2e, seconds, root):
             loss_gap = abs(lm - le) / le
             pred_err = (m["predicted_step_seconds"] - m["step_seconds"]) / m["step_seconds"]
             L.append(f"- {mbit} Mbit/s: utilisation {pct(util)} of the compute bound (target >= 90%: "
-                     f"{'met' if util >= 0.9 else f'missed by {100 * (0.9 - util):.0f} points'}); loss after "
+                     f"{'met' if util >= 0.9 else f'missed by {shortfall(0.9, util)}'}); loss after "
                      f"{common} steps {lm:.4f} against {le:.4f} uncompressed (DDP-Gloo: "
                      f"{d['losses'].get(common, float('nan')):.4f}) "
                      f"({100 * loss_gap:.2f}% apart, target within 2%: {'met' if loss_gap <= 0.02 else 'missed'}); "
