@@ -14,6 +14,12 @@ class CallSlots {
  public:
   explicit CallSlots(int per_client) : per_client_(per_client) {}
   int per_client() const { return per_client_; }
+  // How many of `client`'s slots are held now.
+  int open(const std::string& client) {
+    std::lock_guard<std::mutex> l(mu_);
+    auto it = open_.find(client);
+    return it == open_.end() ? 0 : it->second;
+  }
 
   // One of `client`'s slots, held until the Slot is destroyed; held() is false when all were taken.
   class Slot {

@@ -176,7 +176,14 @@ grpc::Status PeerService::Stream(grpc::ServerContext* ctx, grpc::ServerReader<v1
   v1::TensorChunk c;
   std::string job;  // the job this stream carries (unknown until its first chunk)
   auto fail = [&](grpc::StatusCode code, const std::string& msg) {
-    inbox_->FailPeer(peer, msg, job);
+    // A stream that carried a job's tensors fails that job's waits. One that carried none yet fails every
+    // job's only when it is the peer's only stream here (its process may have died before its first chunk
+    // was read); beside another stream of the peer it lost nothing, and failing every job would fail the
+    // attempt that other stream serves (a CI run failed so when a stream was cancelled after a switch).
+    if (!job.empty())
+      inbox_->FailPeer(peer, msg, job);
+    else if (streams_.open(peer) <= 1)
+      inbox_->FailPeer(peer, msg, "");
     return grpc::Status(code, msg);
   };
   while (reader->Read(&c)) {

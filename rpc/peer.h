@@ -99,7 +99,11 @@ struct FrameBounds {
 // PermissionDenied before any chunk is read. A stream's frames are buffered as their bytes arrive (never
 // at the size a chunk claims) within `limits`; a peer that exceeds them has its stream ended with
 // ResourceExhausted or InvalidArgument, naming it. Frames of a job other than SetJob's are dropped.
-// Thread-safe.
+// A stream that ends badly (cut off, or ended by one of those errors) fails the inbox's waits for its
+// peer's tensors of the job it carried (TensorInbox::FailPeer). One that carried no tensor yet (none, or
+// probes only) fails every job's waits only when it was the peer's only stream here: beside another
+// stream of the peer it lost nothing, and a sender that cancels such a stream after a switch must not
+// fail the attempt the peer's other stream serves. Thread-safe.
 class PeerService final : public v1::Peer::Service {
  public:
   PeerService(std::string self, std::set<std::string> allowed_peers, TensorInbox* inbox, PeerLimits limits = {});

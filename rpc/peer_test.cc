@@ -181,6 +181,30 @@ TEST_F(PeerTest, SenderCutOffMidStreamFailsWaitersWithinTheDeadline) {
   EXPECT_LT(Clock::now() - t0, std::chrono::seconds(10));
 }
 
+// A sender that cancels a stream on which it sent no tensor -- one of an earlier attempt's, closed after a
+// switch -- loses nothing: the waits for the tensors its peer sends on its other stream go on and get them.
+// (A CI run failed when such a stream, cut off, failed the new attempt's replica sync.)
+TEST_F(PeerTest, AnEmptyStreamCutOffFailsNoWait) {
+  StartServer();
+  auto client = Client("a");
+  auto current = client->OpenStream(std::chrono::seconds(10));
+  ASSERT_TRUE(current.ok());
+  ASSERT_TRUE((*current)->Send({"job-1", 0, 0, 0, v1::REPLICA_GRADIENT, 0}, Frame(1000)).ok());
+  ASSERT_TRUE(
+      inbox_.Wait("a", {"job-1", 0, 0, 0, v1::REPLICA_GRADIENT, 0}, Clock::now() + std::chrono::seconds(5)).ok());
+  {
+    auto stale = client->OpenStream(std::chrono::seconds(10));
+    ASSERT_TRUE(stale.ok());
+    // Destroyed without Finish and without a tensor sent: cancelled.
+  }
+  // The cut-off reaches the service on its own thread: a wait then is where a wrong failure would show.
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  ASSERT_TRUE((*current)->Send({"job-1", 0, 1, 0, v1::REPLICA_GRADIENT, 0}, Frame(1000)).ok());
+  auto w = inbox_.Wait("a", {"job-1", 0, 1, 0, v1::REPLICA_GRADIENT, 0}, Clock::now() + std::chrono::seconds(5));
+  EXPECT_TRUE(w.ok()) << w.status();
+  EXPECT_TRUE((*current)->Finish().ok());
+}
+
 TEST_F(PeerTest, ReceiverGoneFailsTheSenderNamingIt) {
   StartServer();
   auto client = Client("a");
