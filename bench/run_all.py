@@ -1055,7 +1055,7 @@ CONVERGENCE_SEEDS = (5, 6, 7, 8)
 
 def convergence_setup(a, bin_dir, work, data):
     """The tiny model, its tokenizer, certificates and a 300-step job on the fine-tuning set `data`, in
-    work/conv: returns (directory, job, ops, steps). The job's seed is 5; seeded_job writes it with another."""
+    work/conv: returns (directory, job, ops, steps); seeded_job writes the job with another seed."""
     cdir = os.path.join(work, "conv")
     shutil.rmtree(cdir, ignore_errors=True)
     os.makedirs(os.path.join(cdir, "model"))
@@ -1077,7 +1077,10 @@ def convergence_setup(a, bin_dir, work, data):
 def seeded_job(job, seed):
     """A copy of convergence_setup's job with another seed, beside it: returns its path."""
     path = job.replace(".yaml", f"-seed{seed}.yaml")
-    open(path, "w").write(open(job).read().replace("  seed: 5\n", f"  seed: {seed}\n"))
+    text, n = re.subn(r"(?m)^  seed: \d+$", f"  seed: {seed}", open(job).read())
+    if n != 1:
+        raise SystemExit(f"{job}: expected one 'seed:' line to replace, found {n}")
+    open(path, "w").write(text)
     return path
 
 
@@ -1150,13 +1153,13 @@ def codecs_section(w, command):
          "| activations | gradients | activation bytes per micro-batch | fewer than identity | loss (mean) | "
          "against identity (mean) | range over the seeds |",
          "|---|---|---|---|---|---|---|"]
-    gaps = {}
-    for r in runs:
+    gaps = [seed_gaps(list(zip(r["tails"], ident["tails"]))) for r in runs]  # (mean, lowest, highest) per run
+    for r, (gap, lo, hi) in zip(runs, gaps):
         ratio = ident["wire"] / r["wire"] if r["wire"] else 0
-        gap, lo, hi = gaps[id(r)] = seed_gaps(list(zip(r["tails"], ident["tails"])))
         L.append(f"| {r['activations']} | {r['gradients']} | {r['wire'] / mbs:,.0f} B | {ratio:.1f}x | "
                  f"{statistics.mean(r['tails']):.4f} | {100 * gap:+.2f}% | {100 * lo:+.2f}% to {100 * hi:+.2f}% |")
-    best = [r for r in runs[1:] if r["wire"] and ident["wire"] / r["wire"] >= 8 and abs(gaps[id(r)][0]) <= 0.02]
+    best = [r for r, g in zip(runs[1:], gaps[1:])
+            if r["wire"] and ident["wire"] / r["wire"] >= 8 and abs(g[0]) <= 0.02]
     L += ["", "Target: " + (f"met by {', '.join(r['activations'] + '/' + r['gradients'] for r in best)}."
                            if best else "missed: no pair is both 8x smaller and within 2%."), "", CODECS_END, ""]
     return "\n".join(L)
@@ -1209,7 +1212,7 @@ def wan_section(w, command):
                 + (f", its other threads' CPU {other:.3f} s" if (other := other_threads_cpu(s)) is not None else "")
                 for s in m["stages"]) + ".")
     c = w["convergence"]
-    runs = c.get("seeds") or [{"seed": 5, "chosen_tail": c["chosen_tail"], "identity_tail": c["identity_tail"]}]
+    runs = c["seeds"]
     gap, lo, hi = seed_gaps([(x["chosen_tail"], x["identity_tail"]) for x in runs])
     L += ["", f"Convergence (tiny model, {c['steps']} steps of 8 x 64 tokens on the same fine-tuning text, three "
           f"static stages on loopback, codecs per link (activations, gradients) {c['codecs']}, seeds "

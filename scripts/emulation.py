@@ -63,7 +63,7 @@ class Emulation:
                    f"ip netns exec {ns} ip route add 10.{net}.100.{index[other]}/32 via 10.{net}.{k}.{3 - host} dev {v}")
         if self.cgroups:
             for s, quota in sites:
-                g = f"/sys/fs/cgroup/cpu/{prefix}-{s}"
+                g = self._group(s)
                 os.makedirs(g, exist_ok=True)
                 # A 10 ms period: the executors' profiler times the operators over at least 50 ms of passes,
                 # so it measures the quota's sustained speed, not the full speed short calls get between
@@ -103,6 +103,10 @@ class Emulation:
             raise RuntimeError("set_quota needs root and the cgroup v1 cpu controller")
         self._write_quota(site, quota)
 
+    def _group(self, site):
+        """The site's cgroup v1 cpu directory."""
+        return f"/sys/fs/cgroup/cpu/{self.prefix}-{site}"
+
     def _write_quota(self, site, quota):
         # The quota caps the site; its weight (cpu.shares, 1024 for a whole core) decides who runs first
         # when the sites together want more than the host's cores. With equal weights a site of quota 1.0
@@ -113,7 +117,7 @@ class Emulation:
         # period, throttled even a lone single-threaded trainer in about half the periods and cost it 6% of
         # its wall time (7.82 against 7.39 s a step of `meridian train-local` at the same CPU), and more
         # where the site's other threads woke up: the fast site then ran at 0.92-0.97 of its core.
-        group = f"/sys/fs/cgroup/cpu/{self.prefix}-{site}"
+        group = self._group(site)
         cpu = self.cpus.get(site)
         alone = cpu is not None and all(c != cpu for s, c in self.cpus.items() if s != site)
         open(f"{group}/cpu.cfs_quota_us", "w").write("-1" if alone and quota >= 1 else str(int(quota * 10000)))
@@ -129,7 +133,7 @@ class Emulation:
             return netns
         if site in self.cpus:
             netns = f"taskset -c {self.cpus[site]} {netns}"
-        return f"sh -c 'echo $$ > /sys/fs/cgroup/cpu/{prefix}-{site}/cgroup.procs && exec {netns}'"
+        return f"sh -c 'echo $$ > {self._group(site)}/cgroup.procs && exec {netns}'"
 
     def start(self, site, cmd, log):
         out = subprocess.PIPE if log is None else open(log, "w")
@@ -169,9 +173,9 @@ class Emulation:
         prefix = self.prefix
         for s, _ in self.sites:
             sh(f"ip netns del {prefix}-{s}", check=False)
-            if self.cgroups and os.path.isdir(f"/sys/fs/cgroup/cpu/{prefix}-{s}"):
+            if self.cgroups and os.path.isdir(self._group(s)):
                 try:
-                    os.rmdir(f"/sys/fs/cgroup/cpu/{prefix}-{s}")
+                    os.rmdir(self._group(s))
                 except OSError:
                     pass
         sh(f"ip link del {prefix}br", check=False)
