@@ -26,8 +26,9 @@ struct Codec {
 // at its payload per float32 input byte (compression::PayloadRatio: int8 and int4 carry one float32 scale
 // per block of 64).
 // With `revisit_fraction` > 0 -- the share of a job's sequence visits that come back to a sequence seen
-// before (fine-tuning epochs) -- the AQ-SGD codec int4-delta joins the menu at its expected ratio (int8 on
-// first visits, int4 after), its gradients priced as int4 (int2-delta only with a fixed policy).
+// before (fine-tuning epochs) -- the AQ-SGD codec int4-delta takes plain int4's place on the menu, at its
+// expected ratio (int8 on first visits, int4 after), its gradients priced as int4 (int2-delta and plain
+// int4 only with a fixed policy).
 std::vector<Codec> DefaultLinkCodecs(double revisit_fraction = 0);
 // Codecs for replica gradient sync: compression::GradientMenu() without top-k (see DefaultGradientCodecs
 // in planner.cc), priced the same way.

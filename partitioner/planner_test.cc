@@ -1088,17 +1088,20 @@ double SimulatedPairStep(const Plan& plan, double per_pass) {
   return SimulatePipeline(t).step_seconds;
 }
 
-// Fine-tuning data that comes back every epoch makes AQ-SGD's deltas cheaper than plain int4 on a slow
-// link; their gradients still go as int4, and the plan prices the two directions so.
-TEST(Planner, DeltaCodecsJoinTheMenuWhereSequencesComeBack) {
+// Fine-tuning data that comes back every epoch puts AQ-SGD's deltas on the menu in plain int4's place
+// (int4 trained 4-6 points further from identity than int4-delta where sequences came back every 24
+// steps); their gradients still go as int4, and the plan prices the two directions so.
+TEST(Planner, DeltaCodecsReplacePlainInt4WhereSequencesComeBack) {
   const auto menu = DefaultLinkCodecs(0.9);
-  ASSERT_EQ(menu.size(), 5u);
+  ASSERT_EQ(menu.size(), 4u);
   for (size_t i = 1; i < menu.size(); ++i) EXPECT_GE(menu[i - 1].ratio, menu[i].ratio);
   EXPECT_EQ(menu[3].name, "int4-delta");
   EXPECT_NEAR(menu[3].ratio, 0.1 * 68 / 256 + 0.9 * 36 / 256, 1e-12);
   EXPECT_NEAR(menu[3].backward(), 36.0 / 256, 1e-12);
-  EXPECT_EQ(DefaultLinkCodecs(0).size(), 4u);
-  EXPECT_EQ(DefaultLinkCodecs(1.0)[3].name, "int4-delta");  // on equal bytes, ahead of int4
+  for (const auto& c : menu) EXPECT_NE(c.name, "int4");
+  const auto fresh = DefaultLinkCodecs(0);  // nothing comes back: plain int4, no delta
+  ASSERT_EQ(fresh.size(), 4u);
+  EXPECT_EQ(fresh[3].name, "int4");
 
   // 1 MB/s both ways: the int4 gradients pace the link whatever the activations use.
   auto [g, p, o] = SlowLinkedPair();
@@ -1112,6 +1115,15 @@ TEST(Planner, DeltaCodecsJoinTheMenuWhereSequencesComeBack) {
   ASSERT_TRUE(delta.ok()) << delta.status();
   EXPECT_EQ(delta->links[0].codec, "int4-delta");
   EXPECT_LE(delta->predicted_step_seconds, 1.01 * plain->predicted_step_seconds);
+  // Where half the visits are first visits, int4-delta costs bytes (its first visits go as int8), and the
+  // plan takes it all the same rather than plain int4.
+  o.link_codecs = DefaultLinkCodecs(0.5);
+  auto early = PlanPipeline(g, p, o);
+  ASSERT_TRUE(early.ok()) << early.status();
+  EXPECT_EQ(early->links[0].codec, "int4-delta");
+  EXPECT_TRUE(std::any_of(early->notes.begin(), early->notes.end(), [](const std::string& n) {
+    return n.find("int4-delta is offered instead of plain int4") != std::string::npos;
+  })) << "the plan says why plain int4 is not on its menu";
 }
 
 // The executor encodes and decodes on the compute thread, and the profile measures how fast each site
