@@ -1541,7 +1541,8 @@ def main():
                 for x in r.values():
                     x["losses"] = {int(k): v for k, v in x["losses"].items()}
             svg_chart(e2e["speeds"], e2e["bound"], os.path.join(os.path.dirname(os.path.abspath(a.results)), "e2e.svg"))
-        write_results(a.results, saved["info"], saved["components"], e2e, saved.get("seconds", 0), root=True)
+        write_results(a.results, saved["info"], saved["components"], e2e, saved.get("seconds", 0), root=True,
+                      wan=saved.get("wan_bound") is not None)
         log(f"rewrote {a.results} from {a.from_json}")
         return
     if not 0 < a.quota_scale <= 1:
@@ -1649,7 +1650,7 @@ def main():
         wan = wan_bound(a, bin_dir, work, cfg, os.path.join(work, "model"), e2e["params"])
     json.dump({"info": info, "components": comps, "e2e": e2e, "wan_bound": wan, "seconds": time.time() - t_start},
               open(os.path.join(work, "results.json"), "w"), indent=2, default=str)
-    write_results(a.results, info, comps, e2e, time.time() - t_start, root=os.geteuid() == 0)
+    write_results(a.results, info, comps, e2e, time.time() - t_start, root=os.geteuid() == 0, wan=wan is not None)
     if wan:
         splice_section(a.results, wan_section(wan, info["command"]), WAN_BEGIN, WAN_END)
     log(f"wrote {a.results} ({time.time() - t_start:.0f} s in all)")
@@ -1673,17 +1674,25 @@ E2E_BEGIN, E2E_END = "<!-- e2e:begin -->", "<!-- e2e:end -->"
 COMPONENTS_BEGIN, COMPONENTS_END = "<!-- components:begin -->", "<!-- components:end -->"
 
 
-def write_results(path, info, comps, e2e, seconds, root):
+def write_results(path, info, comps, e2e, seconds, root, wan=False):
+    parts = [x for x, ran in (("the end-to-end section", e2e), ("the WAN-bound section", wan),
+                              ("the component benchmarks", comps)) if ran]
     L = ["# Benchmark results", "",
          f"Written by `{info['command']}` on {info['date']} ({info['cpu']}, 2 cores, no GPU), in {seconds / 60:.1f} "
-         "minutes: " + " and ".join(x for x, ran in (("the end-to-end section", e2e), ("the component benchmarks", comps))
-                                      if ran)
-         + (" come" if e2e and comps else " comes") + " from that run, and each other section names the command "
+         "minutes: " + (", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else "".join(parts))
+         + (" come" if len(parts) > 1 else " comes") + " from that run, and each other section names the command "
          "that measured it.", ""]
-    if seconds > 30 * 60:
-        L += [f"The run took {seconds / 60 - 30:.1f} minutes more than the 30 the suite should take: three systems at "
-              "two link speeds, at 60 to 170 s per optimizer step of this model on two cores. A DDP-Gloo sweep "
-              "setting costs about 5 minutes (`--ddp-sweep`, default 4 since this sweep).", ""]
+    # The whole suite (with the WAN-bound section) should take at most 45 minutes (issue #16); the end-to-end
+    # comparison and the components alone, 30 (issue #9).
+    limit = 45 if wan else 30
+    if seconds > limit * 60:
+        L += [f"The run took {seconds / 60 - limit:.1f} minutes more than the {limit} "
+              + ("the whole suite (components, end to end, WAN-bound) should take (issue #16); DDP-Gloo's one step at "
+                 "2 Mbit/s, which the issue asks to be measured, is about 13 minutes of it."
+                 if wan else
+                 "the end-to-end comparison should take: three systems at two link speeds, at 60 to 170 s per "
+                 "optimizer step of this model on two cores. A DDP-Gloo sweep setting costs about 5 minutes "
+                 "(`--ddp-sweep`, default 4 since this sweep)."), ""]
     if not root:
         L += ["**Not run as root: no WAN emulation and no CPU quotas; these figures do not measure what the "
               "sections describe.**", ""]

@@ -14,6 +14,11 @@ import signal
 import subprocess
 import time
 
+# How long each relay gathers the bytes that arrive together into one delayed chunk (meridian-wanrelay
+# --gather-ms). The relay runs in its site's quota and on its core, so each chunk wakes threads beside the
+# site's compute thread.
+RELAY_GATHER_MS = float(os.environ.get("MERIDIAN_RELAY_GATHER_MS", "1"))
+
 
 def sh(cmd, check=True):
     return subprocess.run(cmd, shell=True, check=check, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -154,7 +159,8 @@ class Emulation:
         rates = [mbit for a, b, mbit in self.links if site in (a, b)]
         buffer = max(65536, int(min(rates) * 1e6 / 8 * (self.rtt_ms / 2000 + 0.2))) if rates else 16 << 20
         self.start(site, f"{self.bin}/meridian-wanrelay --listen {public} --target 127.0.0.1:{port} "
-                         f"--delay-ms {self.rtt_ms / 2} --buffer-bytes {buffer}", os.devnull)
+                         f"--delay-ms {self.rtt_ms / 2} --buffer-bytes {buffer} --gather-ms {RELAY_GATHER_MS}",
+                   os.devnull)
         return f"127.0.0.1:{port}", public
 
     def write_spec(self, path, cluster, addresses, heartbeat_timeout_s, metrics_port=None, elastic=True):

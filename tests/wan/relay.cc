@@ -1,10 +1,10 @@
 // meridian-wanrelay: a TCP relay that holds every chunk for a fixed one-way delay in each direction,
 // for emulating WAN latency where tc netem does not exist. Rate limits come from tbf on the veth links.
-//   meridian-wanrelay --listen HOST:PORT --target HOST:PORT --delay-ms D [--buffer-bytes B]
+//   meridian-wanrelay --listen HOST:PORT --target HOST:PORT --delay-ms D [--buffer-bytes B] [--gather-ms G]
 // Each accepted connection is relayed to the target; each direction has a bounded queue (default
 // 16 MiB, more than a bandwidth-delay product of 1 Gbit/s x 100 ms), so a slow receiver pushes back on
-// the sender instead of the relay buffering without bound. Bytes that arrive within a millisecond of each
-// other travel as one chunk (held the delay from the first one's arrival). Runs until killed.
+// the sender instead of the relay buffering without bound. Bytes that arrive within G milliseconds (default
+// 1) of each other travel as one chunk (held the delay from the first one's arrival). Runs until killed.
 #include <arpa/inet.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -34,6 +34,7 @@ struct Args {
   std::string listen, target;
   double delay_ms = 0;
   size_t buffer = 16 << 20;
+  double gather_ms = 1;
 };
 
 bool SplitHostPort(const std::string& s, std::string* host, std::string* port) {
@@ -65,10 +66,9 @@ int Connect(const std::string& addr) {
 
 // One direction: a reader thread stamps chunks, a writer thread releases each after the delay.
 class Pipe {
-  static constexpr std::chrono::microseconds kGather{1000};
-
  public:
-  Pipe(int in, int out, double delay_ms, size_t cap) : in_(in), out_(out), delay_(delay_ms), cap_(cap) {}
+  Pipe(int in, int out, double delay_ms, double gather_ms, size_t cap)
+      : in_(in), out_(out), delay_(delay_ms), gather_(static_cast<int64_t>(gather_ms * 1000)), cap_(cap) {}
   void Run() {
     std::thread writer([this] { Write(); });
     std::vector<char> buf(64 << 10);
@@ -77,13 +77,13 @@ class Pipe {
       ssize_t n = read(in_, buf.data(), buf.size());
       if (n <= 0) break;
       const Clock::time_point due = Clock::now() + std::chrono::microseconds(static_cast<int64_t>(delay_ * 1000));
-      // Whatever else arrives within the gathering time (kGather, or the delay when shorter) joins this
+      // Whatever else arrives within the gathering time (--gather-ms, or the delay when shorter) joins this
       // chunk, which is due a delay after its first byte came: one queue entry, one wake-up of the writer
       // and one write per millisecond of traffic, not one per TCP segment. The relay runs in its emulated
       // site's CPU quota: at 100 Mbit/s a site's relay spent about 19 ns of CPU a byte with a chunk a
       // segment, about 4 ns gathering (bench/RESULTS.md, session 33). A lone message keeps its exact delay;
       // bytes behind it in its chunk leave up to the gathering time early.
-      std::this_thread::sleep_until(std::min(due, Clock::now() + kGather));
+      std::this_thread::sleep_until(std::min(due, Clock::now() + gather_));
       while (static_cast<size_t>(n) < buf.size()) {
         const ssize_t m = recv(in_, buf.data() + n, buf.size() - static_cast<size_t>(n), MSG_DONTWAIT);
         if (m > 0) {
@@ -139,6 +139,7 @@ class Pipe {
   }
   int in_, out_;
   double delay_;
+  std::chrono::microseconds gather_;
   size_t cap_, queued_ = 0;
   bool eof_ = false, failed_ = false;
   std::mutex mu_;
@@ -153,7 +154,8 @@ void Serve(int client, const Args& a) {
     close(client);
     return;
   }
-  Pipe up(client, upstream, a.delay_ms, a.buffer), down(upstream, client, a.delay_ms, a.buffer);
+  Pipe up(client, upstream, a.delay_ms, a.gather_ms, a.buffer),
+      down(upstream, client, a.delay_ms, a.gather_ms, a.buffer);
   std::thread t([&] { down.Run(); });
   up.Run();
   t.join();
@@ -175,13 +177,17 @@ int main(int argc, char** argv) {
       a.delay_ms = std::atof(v.c_str());
     else if (k == "--buffer-bytes")
       a.buffer = static_cast<size_t>(std::atoll(v.c_str()));
+    else if (k == "--gather-ms")
+      a.gather_ms = std::atof(v.c_str());
     else {
       std::fprintf(stderr, "meridian-wanrelay: unknown option %s\n", k.c_str());
       return 2;
     }
   }
-  if (a.listen.empty() || a.target.empty() || a.delay_ms < 0) {
-    std::fprintf(stderr, "usage: meridian-wanrelay --listen HOST:PORT --target HOST:PORT --delay-ms D\n");
+  if (a.listen.empty() || a.target.empty() || a.delay_ms < 0 || !(a.gather_ms > 0 && a.gather_ms <= 100)) {
+    std::fprintf(stderr,
+                 "usage: meridian-wanrelay --listen HOST:PORT --target HOST:PORT --delay-ms D [--buffer-bytes B] "
+                 "[--gather-ms G, 0 < G <= 100]\n");
     return 2;
   }
   signal(SIGPIPE, SIG_IGN);
