@@ -15,9 +15,12 @@ import subprocess
 import time
 
 # How long each relay gathers the bytes that arrive together into one delayed chunk (meridian-wanrelay
-# --gather-ms). The relay runs in its site's quota and on its core, so each chunk wakes threads beside the
-# site's compute thread.
-RELAY_GATHER_MS = float(os.environ.get("MERIDIAN_RELAY_GATHER_MS", "1"))
+# --gather-ms). The relay runs in its site's quota and on its core, and wakes once a gathering period while
+# bytes flow, taking the core from the site's compute thread: with 1 ms chunks an identity link at 20 Mbit/s
+# between the two sites sharing a core cost the bottleneck's compute thread 7-10% more CPU and the run
+# 11-13% of its tokens/s, against 5 ms (docs/transport.md). The tail of a bulk transfer arrives up to
+# this early; a lone message keeps its exact delay.
+RELAY_GATHER_MS = float(os.environ.get("MERIDIAN_RELAY_GATHER_MS", "5"))
 
 
 def sh(cmd, check=True):
