@@ -79,7 +79,8 @@ class Pipe {
       const Clock::time_point due = Clock::now() + std::chrono::microseconds(static_cast<int64_t>(delay_ * 1000));
       // Whatever else arrives within the gathering time (--gather-ms, or the delay when shorter) joins this
       // chunk, which is due a delay after its first byte came: one queue entry, one wake-up of the writer
-      // and one write per millisecond of traffic, not one per TCP segment. The relay runs in its emulated
+      // and one write per gathering time of traffic (at most 64 KiB: the kernel's socket buffer holds what
+      // arrives meanwhile), not one per TCP segment. The relay runs in its emulated
       // site's CPU quota: at 100 Mbit/s a site's relay spent about 19 ns of CPU a byte with a chunk a
       // segment, about 4 ns gathering (bench/RESULTS.md, session 33). A lone message keeps its exact delay;
       // bytes behind it in its chunk leave up to the gathering time early.
