@@ -104,7 +104,6 @@ def learning_rate(a, step):
     return a.lr * (a.min_lr_ratio + (1 - a.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-
 def wrap_ddp(model, pg):
     """DistributedDataParallel over `pg`, without its start-up broadcast of every parameter from rank 0: every
     rank loaded the same weights file, so a checksum (two float64s, all-reduced for its minimum and maximum)
@@ -128,6 +127,7 @@ def wrap_ddp(model, pg):
         return torch.nn.parallel.DistributedDataParallel(model, process_group=pg)
     finally:
         ddp_module._sync_module_states = sync
+
 
 def main():
     ap = argparse.ArgumentParser()

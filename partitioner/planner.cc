@@ -18,6 +18,7 @@
 #include "compression/activation_delta.h"
 #include "compression/codec.h"
 #include "compression/policy.h"
+#include "core/status.h"
 #include "partitioner/schedule.h"
 
 namespace meridian::partitioner {
@@ -1159,10 +1160,10 @@ std::vector<Codec> DefaultLinkCodecs(double revisit_fraction) {
     // int4 stays available through compression.policy: fixed, and on the menu where nothing comes back.
     const std::string delta = "int4-delta";
     const double gradients = Priced(*compression::CodecSpec::Parse(compression::GradientCodecBehind(delta))).ratio;
-    menu.erase(std::remove_if(menu.begin(), menu.end(), [](const Codec& c) { return c.name == "int4"; }), menu.end());
-    menu.push_back({delta, (1 - f) * int8 + f * int4, gradients});
-    // Lightest first (int4-delta's expected ratio lies between int8's and int4's).
-    std::stable_sort(menu.begin(), menu.end(), [](const Codec& a, const Codec& b) { return a.ratio > b.ratio; });
+    auto plain = std::find_if(menu.begin(), menu.end(), [](const Codec& c) { return c.name == "int4"; });
+    MERIDIAN_CHECK(plain != menu.end(), "compression::ActivationMenu() offers int4");
+    // Its place keeps the menu lightest first: int4-delta's expected ratio lies between int8's and int4's.
+    *plain = {delta, (1 - f) * int8 + f * int4, gradients};
   }
   return menu;
 }
