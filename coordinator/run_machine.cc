@@ -487,6 +487,14 @@ absl::Status RunMachine::CheckLinks(const std::string& site, const std::string& 
     if (!finite(link.bandwidth_bytes_per_second) || link.bandwidth_bytes_per_second <= 0 ||
         !finite(link.latency_seconds))
       return absl::InvalidArgumentError(absl::StrCat("link ", link.from, " -> ", link.to, " has non-finite figures"));
+    if (auto r = l.find("receive_seconds_per_byte"); r != l.end()) {  // optional: a CPU site's, where measured
+      if (!r->is_number() || !finite(r->get<double>()) || r->get<double>() < 0 ||
+          r->get<double>() > partitioner::kMaxReceiveSecondsPerByte)
+        return absl::InvalidArgumentError(
+            absl::StrCat("link ", link.from, " -> ", link.to, " has a receive cost that is not a number in [0, ",
+                         partitioner::kMaxReceiveSecondsPerByte, "] s a byte: ", r->dump()));
+      link.receive_seconds_per_byte = r->get<double>();
+    }
     checked->push_back(link);
   }
   return absl::OkStatus();

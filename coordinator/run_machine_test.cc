@@ -940,14 +940,16 @@ TEST(RunMachine, TheSpecsMemoryCapIsWhatThePlannerSees) {
   EXPECT_TRUE(plan.stages[0].recompute);
   EXPECT_LE(plan.stages[0].memory_available_bytes, 525312 + 3 * 40960 + 1000);
   EXPECT_FALSE(plan.stages[1].recompute);
-  bool profiled = false;
+  int profiled = 0;  // sites in profile.json
   for (const auto& f : All<WriteRunFile>(d.last()))
     if (f.name == core::kProfileFile) {
-      profiled = true;
-      for (const auto& s : nlohmann::json::parse(f.content)["sites"])
+      const auto profile = nlohmann::json::parse(f.content);  // kept: the loop below reads into it
+      for (const auto& s : profile["sites"]) {
+        ++profiled;
         EXPECT_EQ(s["memory_bytes"].get<double>(), s["name"] == "a" ? 525312 + 3 * 40960 + 1000 : 8e9) << s.dump();
+      }
     }
-  EXPECT_TRUE(profiled);
+  EXPECT_EQ(profiled, 3);
 }
 
 // `meridian run --resume` continues from whatever the shared directory holds: its assignments name no run
@@ -1786,6 +1788,49 @@ TEST(RunMachine, LinksAreProbedInRoundsOfDisjointPairs) {
   }
 }
 
+// A link's receive cost, where the probing site measured it, is kept in profile.json with the link it
+// was measured on: the planner prices frames received over that link with it.
+TEST(RunMachine, ALinksMeasuredReceiveCostGoesIntoTheProfile) {
+  Driver d(Config());
+  d.answer_link_probes = false;
+  d.Feed(RunStarted{});
+  for (const char* s : {"a", "b", "c"}) d.Feed(SiteRegistered{s, "x", "cpu"});
+  std::vector<SendCommand> round;
+  for (const char* s : {"a", "b", "c"}) round = Profiles(d.Feed(ProfileReported{Profile(s)}));
+  std::vector<Action> last, all;
+  while (!round.empty()) {
+    std::vector<SendCommand> next;
+    for (const auto& cmd : round) {
+      // Each link into the probing site costs it 2.5e-8 s a byte; the other direction is not measured.
+      v1::ProfileReport r = Links(cmd.site, {cmd.command.profile().peers(0).site()});
+      auto links = nlohmann::json::parse(r.links_json());
+      for (auto& l : links)
+        if (l["to"] == cmd.site) l["receive_seconds_per_byte"] = 2.5e-8;
+      r.set_links_json(links.dump());
+      last = d.Feed(ProfileReported{r});
+      all.insert(all.end(), last.begin(), last.end());
+      for (auto& sent : All<SendCommand>(last))
+        if (sent.command.has_profile()) next.push_back(std::move(sent));
+    }
+    round = next;
+  }
+  ASSERT_EQ(d.machine().phase(), RunMachine::Phase::kTraining) << Printed(last);
+  int measured = 0, links = 0;
+  for (const auto& f : All<WriteRunFile>(all)) {
+    if (f.name != core::kProfileFile) continue;
+    const auto profile = nlohmann::json::parse(f.content);  // kept: the loop below reads into it
+    for (const auto& l : profile["links"]) {
+      ++links;
+      if (l.contains("receive_seconds_per_byte")) {
+        ++measured;
+        EXPECT_EQ(l["receive_seconds_per_byte"].get<double>(), 2.5e-8);
+      }
+    }
+  }
+  EXPECT_EQ(links, 6);
+  EXPECT_EQ(measured, 3);  // a pair's prober measures the direction into itself
+}
+
 // The second round's answers are checked as strictly: a site asked to probe some links reports those
 // and nothing else, or is planned without.
 TEST(RunMachine, ALinksAnswerThatDoesNotCheckOutLeavesItsSiteOutOfThePlan) {
@@ -1807,6 +1852,17 @@ TEST(RunMachine, ALinksAnswerThatDoesNotCheckOutLeavesItsSiteOutOfThePlan) {
              *r = Links("b", {"c", "c"});
            },                                                  // each link twice, with figures to pick from
            [](v1::ProfileReport* r) { *r = Links("b", {}); },  // none of them
+           [](v1::ProfileReport* r) {  // a receive cost beyond the bound, to price a link out of the plan
+             r->set_links_json(R"([{"from": "b", "to": "c", "bandwidth_bytes_per_second": 1e8, "latency_seconds": 0.001,
+                                    "receive_seconds_per_byte": 1},
+                                   {"from": "c", "to": "b", "bandwidth_bytes_per_second": 1e8, "latency_seconds": 0.001}])");
+           },
+           [](v1::ProfileReport* r) {  // a receive cost that is not a number
+             r->set_links_json(
+                 R"([{"from": "b", "to": "c", "bandwidth_bytes_per_second": 1e8, "latency_seconds": 0.001},
+                                   {"from": "c", "to": "b", "bandwidth_bytes_per_second": 1e8, "latency_seconds": 0.001,
+                                    "receive_seconds_per_byte": "slow"}])");
+           },
            [](v1::ProfileReport* r) {  // its device again, faster than measured, where only links were asked for
              r->set_site_profile_json(R"({"name": "b", "flops_per_second": 1e15, "memory_bytes": 1e12})");
            }}) {

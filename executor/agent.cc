@@ -32,6 +32,7 @@
 #include "executor/site_group.h"
 #include "executor/stage.h"
 #include "executor/torch_boundary.h"
+#include "partitioner/model.h"
 #include "rpc/credentials.h"
 
 namespace meridian::executor {
@@ -453,6 +454,8 @@ absl::StatusOr<rpc::TransportCost> Agent::MeasureTransport(const JobSetup& setup
     return absl::UnavailableError(
         absl::StrCat("measuring the transport's CPU cost over its own peer service: ", cost.status().message()));
   const double share = MeasureCpuShare();
+  cpu_share_ = share;
+  peer_service_.SetProbeCpuShare(share);  // idle: a peer's link probe may be measured here
   spdlog::info("{}", absl::StrFormat("transport: %.1f us per frame + %.2f ns per byte of CPU, at %.2f of a core",
                                      cost->seconds_per_frame * 1e6, cost->seconds_per_byte * 1e9, share));
   return rpc::TransportCost{cost->seconds_per_frame / share, cost->seconds_per_byte / share};
@@ -505,6 +508,7 @@ void Agent::OnProfile(const v1::ProfileRequest& p) {
       if (!client.ok()) return client.status();
       rpc::ProbeOptions po;
       po.bulk_bytes = 1 << 20;
+      po.cpu_share = cpu_share_;  // this site's receive cost during the pull (0 on a GPU site)
       auto first = rpc::ProbeLink(**client, po);
       if (first.ok()) {
         po.bulk_bytes = std::clamp<int64_t>(
@@ -525,16 +529,36 @@ void Agent::OnProfile(const v1::ProfileRequest& p) {
       // A pipeline link carries both directions at once: its bandwidth is what each direction gets then
       // (never more than alone).
       auto loaded = [](double alone, double both) { return both > 0 ? std::min(alone, both) : alone; };
-      links.push_back({{"from", o_.site},
-                       {"to", peer.site()},
-                       {"bandwidth_bytes_per_second",
-                        loaded(first->forward_bytes_per_second, first->forward_loaded_bytes_per_second)},
-                       {"latency_seconds", first->rtt_seconds / 2}});
-      links.push_back({{"from", peer.site()},
-                       {"to", o_.site},
-                       {"bandwidth_bytes_per_second",
-                        loaded(first->reverse_bytes_per_second, first->reverse_loaded_bytes_per_second)},
-                       {"latency_seconds", first->rtt_seconds / 2}});
+      nlohmann::json forward = {{"from", o_.site},
+                                {"to", peer.site()},
+                                {"bandwidth_bytes_per_second",
+                                 loaded(first->forward_bytes_per_second, first->forward_loaded_bytes_per_second)},
+                                {"latency_seconds", first->rtt_seconds / 2}};
+      nlohmann::json reverse = {{"from", peer.site()},
+                                {"to", o_.site},
+                                {"bandwidth_bytes_per_second",
+                                 loaded(first->reverse_bytes_per_second, first->reverse_loaded_bytes_per_second)},
+                                {"latency_seconds", first->rtt_seconds / 2}};
+      // What receiving costs at each end at the link's rate, where measured. The peer's figure is its word:
+      // beyond the bound the profile allows it is left out (logged), so that it cannot fail this report.
+      auto receive = [&](nlohmann::json& link, double seconds_per_byte, const std::string& whose) {
+        if (seconds_per_byte <= 0) return;
+        if (seconds_per_byte > partitioner::kMaxReceiveSecondsPerByte) {
+          spdlog::warn("{}", absl::StrFormat("the link %s -> %s: %s receive cost of %.3g s a byte is beyond %.0e; "
+                                             "left out",
+                                             link["from"].get<std::string>(), link["to"].get<std::string>(), whose,
+                                             seconds_per_byte, partitioner::kMaxReceiveSecondsPerByte));
+          return;
+        }
+        link["receive_seconds_per_byte"] = seconds_per_byte;
+      };
+      receive(forward, first->forward_receive_seconds_per_byte, absl::StrCat("'", peer.site(), "' reported a"));
+      receive(reverse, first->reverse_receive_seconds_per_byte, "a measured");
+      spdlog::info("{}", absl::StrFormat("link to '%s': receive %.1f ns a byte there, %.1f here (0: not measured)",
+                                         peer.site(), first->forward_receive_seconds_per_byte * 1e9,
+                                         first->reverse_receive_seconds_per_byte * 1e9));
+      links.push_back(std::move(forward));
+      links.push_back(std::move(reverse));
     }
     rep.set_links_json(links.dump());
     return absl::OkStatus();
@@ -551,6 +575,7 @@ void Agent::OnProfile(const v1::ProfileRequest& p) {
 void Agent::StartComputing(const JobSetup& setup, double seconds) {
   StopComputing();
   stop_computing_ = false;
+  peer_service_.SetProbeCpuShare(0);  // its CPU is the computing's now
   spdlog::info("{}", absl::StrFormat("keeps computing the model, untimed, while the other sites measure theirs "
                                      "(until the next command, at most %.0f s)",
                                      seconds));
@@ -564,12 +589,14 @@ void Agent::StartComputing(const JobSetup& setup, double seconds) {
 void Agent::StopComputing() {
   stop_computing_ = true;
   if (computing_.joinable()) computing_.join();
+  peer_service_.SetProbeCpuShare(cpu_share_);
 }
 
 void Agent::OnAssign(const v1::StageAssignment& pa) {
   spdlog::info("assigned stage {}/{} (ops {}-{}) of job {}{}", pa.stage() + 1, pa.num_stages(), pa.first_op(),
                pa.last_op(), pa.job_id(), pa.resume_step() != 0 ? ", resuming" : "");
   SetState(v1::SITE_TRAINING);
+  peer_service_.SetProbeCpuShare(0);  // a joining site's probes are not measured against training's CPU
   v1::StageDone result;
   result.set_site(o_.site);
   result.set_job_id(pa.job_id());
@@ -782,6 +809,7 @@ void Agent::OnAssign(const v1::StageAssignment& pa) {
   peer_service_.SetAllowedPeers(cluster_sites_);
   peer_service_.SetJob(std::nullopt);
   peer_service_.SetFrameBounds({});  // the next attempt's shapes may differ (another micro-batch count)
+  peer_service_.SetProbeCpuShare(cpu_share_);
   (void)coordinator_->ReportDone(result, kReportTimeout);
 }
 

@@ -97,6 +97,10 @@ class Agent {
   StepControl step_control_;  // the heartbeats' answers: step boundary, lease, DiLoCo workers left out
   std::thread computing_;     // StartComputing's, joined by StopComputing
   std::atomic<bool> stop_computing_{false};
+  // A CPU site's share of a core (MeasureCpuShare), from MeasureTransport on; 0 before, and on a GPU site.
+  // While the site is idle its peer service measures what receiving a probe costs it at that share
+  // (PeerService::SetProbeCpuShare); while it computes or trains, not. Run's thread only.
+  double cpu_share_ = 0;
   int rc_ = 0;
 };
 

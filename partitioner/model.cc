@@ -209,7 +209,8 @@ absl::StatusOr<ClusterProfile> ParseProfileJson(const std::string& text, const s
       const json& l = (*links)[i];
       std::string ctx = absl::StrCat("links[", i, "]");
       if (!l.is_object()) return Bad(path, ctx, "expected an object");
-      RETURN_IF(OnlyKeys(l, {"from", "to", "bandwidth_bytes_per_second", "latency_seconds"}, path, ctx));
+      RETURN_IF(OnlyKeys(l, {"from", "to", "bandwidth_bytes_per_second", "latency_seconds", "receive_seconds_per_byte"},
+                         path, ctx));
       LinkProfile lp;
       RETURN_IF(String(l, "from", path, ctx, &lp.from));
       RETURN_IF(String(l, "to", path, ctx, &lp.to));
@@ -220,6 +221,11 @@ absl::StatusOr<ClusterProfile> ParseProfileJson(const std::string& text, const s
         return Bad(path, ctx, absl::StrCat("link ", lp.from, " -> ", lp.to, " appears twice"));
       RETURN_IF(Number(l, "bandwidth_bytes_per_second", path, ctx, true, &lp.bandwidth_bytes_per_second, true));
       RETURN_IF(Number(l, "latency_seconds", path, ctx, true, &lp.latency_seconds));
+      RETURN_IF(Number(l, "receive_seconds_per_byte", path, ctx, false, &lp.receive_seconds_per_byte));
+      if (lp.receive_seconds_per_byte > kMaxReceiveSecondsPerByte)
+        return Bad(path, ctx + ".receive_seconds_per_byte",
+                   absl::StrCat(lp.receive_seconds_per_byte, " s a byte is beyond the ", kMaxReceiveSecondsPerByte,
+                                " a receive may cost"));
       p.links.push_back(std::move(lp));
     }
   }
@@ -238,12 +244,13 @@ double CodecSeconds(const SiteProfile& site, const std::string& codec, double ra
   return it == m.end() ? 0.0 : raw_bytes / it->second;
 }
 
-double TransportSeconds(const SiteProfile& site, double wire_bytes) {
-  return site.transport_seconds_per_frame + site.transport_seconds_per_byte * wire_bytes;
+double TransportSeconds(const SiteProfile& site, double wire_bytes, double receive_seconds_per_byte) {
+  return site.transport_seconds_per_frame +
+         std::max(site.transport_seconds_per_byte, receive_seconds_per_byte) * wire_bytes;
 }
 
 double ReplicaSumCpuSeconds(const SiteProfile& site, const std::string& codec, double wire_ratio, double grad_bytes,
-                            int replicas, int buckets) {
+                            int replicas, int buckets, double receive_seconds_per_byte) {
   if (replicas < 2) return 0;
   const double R = replicas;
   auto spec = compression::CodecSpec::Parse(codec);
@@ -251,10 +258,11 @@ double ReplicaSumCpuSeconds(const SiteProfile& site, const std::string& codec, d
   // Encoded: its R - 1 slices to the others and its slice's sum; decoded: the others' R - 1 slices of its
   // own, that sum again when lossy (every replica keeps what the others decode), the others' R - 1 sums.
   const double raw = grad_bytes * (1 + (2 * (R - 1) + lossy) / R);
-  const double frames = 4.0 * (R - 1) * std::max(1, buckets);  // sent and received, in both halves
-  const double wire = 4.0 * (R - 1) / R * grad_bytes * wire_ratio;
+  const double frames = 4.0 * (R - 1) * std::max(1, buckets);       // sent and received, in both halves
+  const double wire = 4.0 * (R - 1) / R * grad_bytes * wire_ratio;  // half sent, half received
   return CodecSeconds(site, codec, raw) + frames * site.transport_seconds_per_frame +
-         site.transport_seconds_per_byte * wire;
+         (site.transport_seconds_per_byte + std::max(site.transport_seconds_per_byte, receive_seconds_per_byte)) *
+             wire / 2;
 }
 
 double OpSeconds(const Op& op, const SiteProfile& site) {
@@ -372,11 +380,14 @@ std::string ProfileToJson(const ClusterProfile& p) {
     if (!s.comment.empty()) js["comment"] = s.comment;
     sites.push_back(js);
   }
-  for (const auto& l : p.links)
-    links.push_back({{"from", l.from},
-                     {"to", l.to},
-                     {"bandwidth_bytes_per_second", l.bandwidth_bytes_per_second},
-                     {"latency_seconds", l.latency_seconds}});
+  for (const auto& l : p.links) {
+    json jl = {{"from", l.from},
+               {"to", l.to},
+               {"bandwidth_bytes_per_second", l.bandwidth_bytes_per_second},
+               {"latency_seconds", l.latency_seconds}};
+    if (l.receive_seconds_per_byte > 0) jl["receive_seconds_per_byte"] = l.receive_seconds_per_byte;
+    links.push_back(jl);
+  }
   return json{{"sites", sites}, {"links", links}}.dump(2) + "\n";
 }
 

@@ -78,7 +78,16 @@ struct LinkProfile {
   std::string from, to;
   double bandwidth_bytes_per_second = 0;
   double latency_seconds = 0;
+  // What receiving a byte over this link costs `to` (a CPU site) in its own seconds, measured in bulk at
+  // the link's rate (rpc::ProbeLink). Over a slow link a frame trickles in and the receiving threads wake
+  // for a few segments at a time, so it exceeds `to`'s transport_seconds_per_byte, which is measured over
+  // loopback: about 3 ns a byte over loopback, 7-9 at 100 Mbit/s, 25 at 2 Mbit/s here. A received frame
+  // is priced at the larger of the two (TransportSeconds). 0: not measured; at most
+  // kMaxReceiveSecondsPerByte.
+  double receive_seconds_per_byte = 0;
 };
+// The most LinkProfile::receive_seconds_per_byte may be: 1 us a byte, 40x the most measured here.
+inline constexpr double kMaxReceiveSecondsPerByte = 1e-6;
 
 struct ClusterProfile {
   std::vector<SiteProfile> sites;
@@ -95,16 +104,20 @@ double OpSeconds(const Op& op, const SiteProfile& site);
 // encodes it, the receiver's pass that consumes it decodes it.
 double CodecSeconds(const SiteProfile& site, const std::string& codec, double raw_bytes);
 // `site`'s transport work for one frame of `wire_bytes` on one side of a link:
-// transport_seconds_per_frame + transport_seconds_per_byte * wire_bytes (0 when not measured).
-double TransportSeconds(const SiteProfile& site, double wire_bytes);
+// transport_seconds_per_frame + transport_seconds_per_byte * wire_bytes (0 when not measured). A frame
+// received over a link whose receive_seconds_per_byte is given (`receive_seconds_per_byte`; 0 for a frame
+// sent) costs the larger of the two per byte.
+double TransportSeconds(const SiteProfile& site, double wire_bytes, double receive_seconds_per_byte = 0);
 // `site`'s CPU seconds for its part in one sum of a stage's `grad_bytes` of float32 gradients over
 // `replicas` replicas in `buckets` buckets, as executor/replica_sync.h does it (reduce-scatter, then
 // all-gather): the codec's work on every slice it encodes or decodes (each slice it sends, the sum of its
 // own, that sum again when lossy, and the others' sums) and the transport's on every frame it sends or
-// receives (`wire_ratio`: wire bytes per raw byte). That work runs beside the compute thread, so on a CPU
-// site it takes from the same quota. 0 for fewer than 2 replicas.
+// receives (`wire_ratio`: wire bytes per raw byte; a received byte at the larger of the site's figure and
+// `receive_seconds_per_byte`, the costliest of the links from the other replicas, as TransportSeconds).
+// That work runs beside the compute thread, so on a CPU site it takes from the same quota. 0 for fewer
+// than 2 replicas.
 double ReplicaSumCpuSeconds(const SiteProfile& site, const std::string& codec, double wire_ratio, double grad_bytes,
-                            int replicas, int buckets);
+                            int replicas, int buckets, double receive_seconds_per_byte = 0);
 // `site`'s seconds per step for the norm, clipping and optimizer step of ops [first, last]: their
 // optimizer_bytes x optimizer_seconds_per_byte (0 when not measured); with `zero` 1 (ZeRO-1,
 // job.optimizer.zero) each of the site's workers steps a 1/workers share (the parameters' all-gather is

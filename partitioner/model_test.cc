@@ -105,6 +105,14 @@ TEST(ProfileJson, ParsesAndValidates) {
   EXPECT_EQ(t2->sites[0].transport_seconds_per_frame, 5e-5);
   EXPECT_EQ(t2->sites[0].transport_seconds_per_byte, 2e-9);
   EXPECT_DOUBLE_EQ(TransportSeconds(t2->sites[0], 1e6), 5e-5 + 2e-3);
+  // A frame received over a link whose receive cost was measured costs the larger figure a byte.
+  EXPECT_DOUBLE_EQ(TransportSeconds(t2->sites[0], 1e6, 5e-9), 5e-5 + 5e-3);
+  EXPECT_DOUBLE_EQ(TransportSeconds(t2->sites[0], 1e6, 1e-9), 5e-5 + 2e-3);
+  // So does the received half of a replica sum's wire bytes: 2 replicas of 1e6 gradient bytes send 1e6
+  // and receive 1e6 (identity: no codec work).
+  EXPECT_DOUBLE_EQ(ReplicaSumCpuSeconds(t2->sites[0], "identity", 1, 1e6, 2, 1, 0), 4 * 5e-5 + 2e-9 * 2e6);
+  EXPECT_DOUBLE_EQ(ReplicaSumCpuSeconds(t2->sites[0], "identity", 1, 1e6, 2, 1, 5e-9),
+                   4 * 5e-5 + 2e-9 * 1e6 + 5e-9 * 1e6);
   // And its optimizer's per byte of state: a step of ops holding 1e9 bytes of it costs 0.3 s.
   EXPECT_EQ(t2->sites[0].optimizer_seconds_per_byte, 3e-10);
   OpGraph g;
@@ -116,6 +124,32 @@ TEST(ProfileJson, ParsesAndValidates) {
   two.workers = 2;
   EXPECT_DOUBLE_EQ(OptimizerSeconds(g, two, 0, 1, 1), 0.15);
   EXPECT_DOUBLE_EQ(OptimizerSeconds(g, two, 0, 1, 0), 0.3);
+  // A link's receive cost round-trips, optional, and bounded (a site's word about its own link).
+  const std::string two_sites = R"("sites": [{"name": "a", "flops_per_second": 1, "memory_bytes": 1},
+                                            {"name": "b", "flops_per_second": 1, "memory_bytes": 1}])";
+  auto r = ParseProfileJson("{" + two_sites + R"(, "links": [{"from": "a", "to": "b", "bandwidth_bytes_per_second": 1,
+                                   "latency_seconds": 0, "receive_seconds_per_byte": 2.5e-8},
+                                  {"from": "b", "to": "a", "bandwidth_bytes_per_second": 1, "latency_seconds": 0}]})",
+                            "r.json");
+  ASSERT_TRUE(r.ok()) << r.status();
+  auto r2 = ParseProfileJson(ProfileToJson(*r), "again.json");
+  ASSERT_TRUE(r2.ok()) << r2.status();
+  EXPECT_EQ(r2->links[0].receive_seconds_per_byte, 2.5e-8);
+  EXPECT_EQ(r2->links[1].receive_seconds_per_byte, 0);
+  const std::string written = ProfileToJson(*r2);  // only the measured direction carries one
+  EXPECT_EQ(written.find("receive_seconds_per_byte"), written.rfind("receive_seconds_per_byte"));
+  EXPECT_THAT(Err(ParseProfileJson("{" + two_sites + R"(, "links": [{"from": "a", "to": "b",
+                                   "bandwidth_bytes_per_second": 1, "latency_seconds": 0,
+                                   "receive_seconds_per_byte": 0.5}]})",
+                                   "r.json")
+                      .status()),
+              HasSubstr("r.json: links[0].receive_seconds_per_byte: 0.5 s a byte is beyond the 1e-06"));
+  EXPECT_THAT(Err(ParseProfileJson("{" + two_sites + R"(, "links": [{"from": "a", "to": "b",
+                                   "bandwidth_bytes_per_second": 1, "latency_seconds": 0,
+                                   "receive_seconds_per_byte": -1}]})",
+                                   "r.json")
+                      .status()),
+              HasSubstr("r.json: links[0].receive_seconds_per_byte: must be a non-negative number"));
   EXPECT_THAT(Err(ParseProfileJson(R"({"sites": [{"name": "a", "flops_per_second": 1, "memory_bytes": 1,
                                                   "transport_seconds_per_byte": -1}]})",
                                    "t.json")

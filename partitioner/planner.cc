@@ -66,12 +66,14 @@ class CostModel {
       if (CutSeparatesTiedOps(g, c) >= 0) cut_bytes_[c] = kInf;
     bw_.assign(sites_, std::vector<double>(sites_, 0.0));
     lat_.assign(sites_, std::vector<double>(sites_, 0.0));
+    receive_.assign(sites_, std::vector<double>(sites_, 0.0));
     std::map<std::string, int> index;
     for (int s = 0; s < sites_; ++s) index[p.sites[s].name] = s;
     for (const auto& l : p.links) {
       int a = index.at(l.from), b = index.at(l.to);
       bw_[a][b] = l.bandwidth_bytes_per_second;
       lat_[a][b] = l.latency_seconds;
+      receive_[a][b] = l.receive_seconds_per_byte;
     }
   }
 
@@ -107,10 +109,12 @@ class CostModel {
   double OptimizerSeconds(int s, int a, int b) const {
     return partitioner::OptimizerSeconds(graph_, profile_.sites[s], a, b, zero_);
   }
-  // partitioner::TransportSeconds at site s.
-  double TransportSeconds(int s, double wire_bytes) const {
-    return partitioner::TransportSeconds(profile_.sites[s], wire_bytes);
+  // partitioner::TransportSeconds at site s (`receive_seconds_per_byte`: the link's, for a frame received).
+  double TransportSeconds(int s, double wire_bytes, double receive_seconds_per_byte = 0) const {
+    return partitioner::TransportSeconds(profile_.sites[s], wire_bytes, receive_seconds_per_byte);
   }
+  // LinkProfile::receive_seconds_per_byte of the link a -> b (0: not measured, or no link).
+  double ReceiveSecondsPerByte(int a, int b) const { return receive_[a][b]; }
   double Bandwidth(int a, int b) const { return bw_[a][b]; }
   double Latency(int a, int b) const { return lat_[a][b]; }
   // Activation memory of ops [a, b] with `in_flight` micro-batches in flight: each one's activations, or
@@ -188,7 +192,7 @@ class CostModel {
   std::vector<std::vector<double>> time_prefix_;
   std::vector<double> param_prefix_, grad_prefix_, state_prefix_, act_prefix_, forward_prefix_, flops_prefix_,
       cut_bytes_;
-  std::vector<std::vector<double>> bw_, lat_;
+  std::vector<std::vector<double>> bw_, lat_, receive_;  // [from][to]
 };
 
 // A candidate pipeline: stage k runs ops (last[k-1], last[k]] on replicas sites[k].
@@ -433,19 +437,27 @@ Codec LinkCodecOf(const Evaluation& ev, const PlanOptions& o, int k) {
 // Stage k's work per micro-batch on its compute thread for the frames its passes handle, (forward pass,
 // backward pass), at the slowest of its sites: the forward pass takes its input activation and produces
 // its output, the backward pass takes the incoming gradient and produces the outgoing one.
-// `frame(s, codec, raw_bytes, backward)` prices one frame of link codec `codec` at site s.
+// `frame(s, codec, raw_bytes, backward, receive)` prices one frame of link codec `codec` at site s;
+// `receive` is, for a frame s receives, the costliest receive per byte over the links from the sending
+// stage's sites (CostModel::ReceiveSecondsPerByte), and 0 for a frame it sends.
 template <typename FrameSeconds>
 std::pair<double, double> PassWork(const CostModel& cm, const Layout& L, const Evaluation& ev, const PlanOptions& o,
                                    int k, FrameSeconds frame) {
   const int S = static_cast<int>(L.sites.size());
+  auto receive = [&](int s, int from_stage) {
+    double r = 0;
+    for (int p : L.sites[from_stage]) r = std::max(r, cm.ReceiveSecondsPerByte(p, s));
+    return r;
+  };
   double forward = 0, backward = 0;
   for (int s : L.sites[k]) {
     double f = 0, b = 0;
     for (int j : {k - 1, k}) {
       if (j < 0 || j + 1 >= S) continue;
       const Codec codec = LinkCodecOf(ev, o, j);
-      f += frame(s, codec, cm.CutBytes(L.last[j]), false);
-      b += frame(s, codec, cm.CutBytes(L.last[j]), true);
+      // Link j = k - 1 brings the forward pass its activations; link j = k the backward pass its gradients.
+      f += frame(s, codec, cm.CutBytes(L.last[j]), false, j == k - 1 ? receive(s, k - 1) : 0.0);
+      b += frame(s, codec, cm.CutBytes(L.last[j]), true, j == k ? receive(s, k + 1) : 0.0);
     }
     forward = std::max(forward, f);
     backward = std::max(backward, b);
@@ -456,16 +468,17 @@ std::pair<double, double> PassWork(const CostModel& cm, const Layout& L, const E
 // Codec work: decoding and encoding each frame (CodecSeconds; gradients in the codec behind the link's).
 std::pair<double, double> PassCodecSeconds(const CostModel& cm, const Layout& L, const Evaluation& ev,
                                            const PlanOptions& o, int k) {
-  return PassWork(cm, L, ev, o, k, [&](int s, const Codec& codec, double raw, bool backward) {
+  return PassWork(cm, L, ev, o, k, [&](int s, const Codec& codec, double raw, bool backward, double) {
     return cm.CodecSeconds(s, backward ? compression::GradientCodecBehind(codec.name) : codec.name, raw);
   });
 }
 
-// Transport work: receiving and sending each frame at its wire bytes (TransportSeconds).
+// Transport work: receiving and sending each frame at its wire bytes (TransportSeconds; a received frame at
+// its link's receive cost where that is the larger).
 std::pair<double, double> PassTransportSeconds(const CostModel& cm, const Layout& L, const Evaluation& ev,
                                                const PlanOptions& o, int k) {
-  return PassWork(cm, L, ev, o, k, [&](int s, const Codec& codec, double raw, bool backward) {
-    return cm.TransportSeconds(s, (backward ? codec.backward() : codec.ratio) * raw);
+  return PassWork(cm, L, ev, o, k, [&](int s, const Codec& codec, double raw, bool backward, double receive) {
+    return cm.TransportSeconds(s, (backward ? codec.backward() : codec.ratio) * raw, receive);
   });
 }
 

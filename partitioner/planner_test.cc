@@ -1172,6 +1172,24 @@ TEST(Planner, TransportWorkOfCpuSitesIsPricedOnThePassesThatSendOrReceive) {
   EXPECT_GT(priced->predicted_step_seconds, unpriced->predicted_step_seconds);
   // The prediction is the simulation of passes that include that work.
   EXPECT_NEAR(priced->predicted_step_seconds, SimulatedPairStep(*priced, frame), 1e-9);
+
+  // Receiving over a slow link costs more a byte than the site's loopback figure (the links' measured
+  // receive_seconds_per_byte): each stage's received frame is priced at the link's figure, its sent one at
+  // the site's.
+  for (auto& l : p.links) l.receive_seconds_per_byte = 3e-8;
+  auto slow_receive = PlanPipeline(g, p, o);
+  ASSERT_TRUE(slow_receive.ok()) << slow_receive.status();
+  const double wire = slow_receive->links[0].ratio * 8e6;
+  for (const auto& st : slow_receive->stages)
+    EXPECT_NEAR(st.transport_seconds, (0.01 + 1e-8 * wire) + (0.01 + 3e-8 * wire), 1e-9);
+  if (slow_receive->links[0].codec == priced->links[0].codec) {
+    EXPECT_GT(slow_receive->predicted_step_seconds, priced->predicted_step_seconds);
+  }
+  // A link figure below the site's changes nothing.
+  for (auto& l : p.links) l.receive_seconds_per_byte = 1e-9;
+  auto cheap_receive = PlanPipeline(g, p, o);
+  ASSERT_TRUE(cheap_receive.ok()) << cheap_receive.status();
+  EXPECT_EQ(cheap_receive->predicted_step_seconds, priced->predicted_step_seconds);
 }
 
 // The heuristic against the exact search on random instances, without and with recomputation.

@@ -3,6 +3,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <thread>
 
@@ -157,8 +158,12 @@ grpc::Status PeerService::TooManyStreams(const std::string& peer) const {
           absl::StrCat("peer '", peer, "' already has ", streams_.per_client(), " streams open here")};
 }
 
+void PeerService::SetProbeCpuShare(double share) { probe_cpu_share_ = std::isfinite(share) && share > 0 ? share : 0; }
+
 grpc::Status PeerService::Stream(grpc::ServerContext* ctx, grpc::ServerReader<v1::TensorChunk>* reader,
                                  v1::StreamAck* ack) {
+  const double cpu_at_start = core::ProcessCpuSeconds();
+  bool probes_only = true;
   std::string peer;
   bool prober = false;  // admitted to measure its link only: probe chunks alone
   if (grpc::Status s = Authorise(ctx, &peer, &prober); !s.ok()) return s;
@@ -191,7 +196,10 @@ grpc::Status PeerService::Stream(grpc::ServerContext* ctx, grpc::ServerReader<v1
     if (prober && key.direction != v1::PROBE)
       return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
                           absl::StrCat("'", peer, "' may only probe its link to '", self_, "', not stream tensors"));
-    if (key.direction != v1::PROBE) job = key.job_id;
+    if (key.direction != v1::PROBE) {
+      job = key.job_id;
+      probes_only = false;
+    }
     const bool probe = key.direction == v1::PROBE;
     int64_t max_frame = probe ? kMaxFrameBytes : limits_.max_frame_bytes;
     if (!probe) {
@@ -261,6 +269,8 @@ grpc::Status PeerService::Stream(grpc::ServerContext* ctx, grpc::ServerReader<v1
     return fail(grpc::StatusCode::DATA_LOSS, absl::StrCat("stream from peer '", peer, "' ended in the middle of ",
                                                           partial.begin()->first.ToString()));
   ack->set_frames_received(frames);
+  if (const double share = probe_cpu_share_.load(); probes_only && frames > 0 && share > 0)
+    ack->set_probe_receive_seconds((core::ProcessCpuSeconds() - cpu_at_start) / share);
   return grpc::Status::OK;
 }
 
@@ -506,6 +516,10 @@ absl::StatusOr<LinkMeasurement> ProbeLink(PeerClient& client, const ProbeOptions
   TensorKey key;
   key.direction = v1::PROBE;
   auto rate = [&](double seconds) { return o.bulk_bytes / std::max(seconds - m.rtt_seconds, seconds / 2); };
+  // The least finite reading over the repeats; 0 stays "not measured".
+  auto least = [](double* kept, double reading) {
+    if (reading > 0 && std::isfinite(reading) && (*kept == 0 || reading < *kept)) *kept = reading;
+  };
   for (int r = 0; r < std::max(1, o.repeats); ++r) {
     // Forward: a timed bulk stream. The last byte reaches the peer one one-way delay after it is sent and
     // its acknowledgement takes another, so one RTT is taken off the elapsed time.
@@ -517,10 +531,14 @@ absl::StatusOr<LinkMeasurement> ProbeLink(PeerClient& client, const ProbeOptions
     if (!done.ok()) return done.status();
     const double fwd = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     m.forward_bytes_per_second = std::max(m.forward_bytes_per_second, rate(fwd));
+    least(&m.forward_receive_seconds_per_byte, (*stream)->probe_receive_seconds() / o.bulk_bytes);
     // Reverse: the peer streams the same amount back; the request and the last byte cost one RTT.
+    const double cpu0 = core::ProcessCpuSeconds();
     auto rev = client.PullSeconds(o.bulk_bytes, o.deadline);
     if (!rev.ok()) return rev.status();
     m.reverse_bytes_per_second = std::max(m.reverse_bytes_per_second, rate(*rev));
+    if (o.cpu_share > 0)
+      least(&m.reverse_receive_seconds_per_byte, (core::ProcessCpuSeconds() - cpu0) / o.cpu_share / o.bulk_bytes);
     if (!o.both_ways) continue;
     // Both directions loaded at once: the pull on a thread of its own, the stream on this one.
     absl::StatusOr<double> pulled = absl::UnknownError("not run");

@@ -124,6 +124,12 @@ class PeerService final : public v1::Peer::Service {
   // chunk ends the stream with PermissionDenied). Replaces the set; empty: none. This process's own
   // certificate (`self`) may always probe (MeasureTransportCost).
   void SetProbers(std::set<std::string> probers);
+  // Whether, and at what share of a core, this site measures what receiving a probe stream costs it: with
+  // `share` > 0 a stream of probe chunks only is acknowledged with the process's CPU seconds while it
+  // lasted over `share` (StreamAck::probe_receive_seconds), the receiving end of rpc::ProbeLink's bulk
+  // stream. 0, the default, measures nothing: a GPU site (its transport runs beside the device), and a
+  // CPU site while it trains or computes, whose other threads' CPU would be counted in.
+  void SetProbeCpuShare(double share);
   grpc::Status Stream(grpc::ServerContext* ctx, grpc::ServerReader<v1::TensorChunk>* reader,
                       v1::StreamAck* ack) override;
   grpc::Status Echo(grpc::ServerContext* ctx, const v1::Ping* req, v1::Ping* resp) override;
@@ -152,6 +158,7 @@ class PeerService final : public v1::Peer::Service {
   std::atomic<int64_t> dropped_frames_{0};
   std::atomic<int64_t> bytes_received_{0};
   std::atomic<int64_t> authorised_calls_{0};
+  std::atomic<double> probe_cpu_share_{0};
 };
 
 // A client of one peer's service. Thread-compatible: one thread per open stream.
@@ -169,6 +176,9 @@ class PeerClient {
     absl::Status Send(const TensorKey& key, const std::vector<uint8_t>& frame);
     // Closes the stream and waits for the receiver's acknowledgement (frames received).
     absl::StatusOr<int64_t> Finish();
+    // After Finish, for a stream of probe chunks: the receiving site's seconds for it
+    // (StreamAck::probe_receive_seconds; 0 when that site does not measure it).
+    double probe_receive_seconds() const { return ack_.probe_receive_seconds(); }
     // Cancels the stream: a Send blocked in another thread returns with an error. Thread-safe.
     void Cancel();
     ~OutStream();
@@ -249,6 +259,14 @@ struct LinkMeasurement {
   // `pull_client`): on one connection the pull's data also holds back the HTTP/2 window updates of the
   // stream going out, and one direction read half the link's rate in some probes (1.0 of 2 Mbit/s).
   double forward_loaded_bytes_per_second = 0, reverse_loaded_bytes_per_second = 0;
+  // What receiving costs the receiving site per byte at the link's rate, in that site's own seconds, the
+  // least of the unloaded bulk transfers (other work only adds to it): forward, the peer's, as its
+  // service acknowledged the stream (PeerService::SetProbeCpuShare); reverse, this process's CPU during
+  // the pull over ProbeOptions::cpu_share. Over a slow link a frame trickles in and the receiving threads
+  // wake for a few segments at a time, so this grows as the link slows (docs/cost-model.md: about 3 ns a
+  // byte over loopback, 7-9 at 100 Mbit/s, 25 at 2 Mbit/s here). 0: not measured. The forward figure is
+  // the peer's word: finite and positive, or 0, but not otherwise checked here.
+  double forward_receive_seconds_per_byte = 0, reverse_receive_seconds_per_byte = 0;
 };
 struct ProbeOptions {
   int pings = 15;
@@ -256,6 +274,9 @@ struct ProbeOptions {
   std::chrono::seconds deadline{60};
   bool both_ways = false;  // also time a bulk stream and a bulk pull at once
   int repeats = 1;         // each bulk measurement this many times, the best kept
+  // This process's share of a core, for LinkMeasurement::reverse_receive_seconds_per_byte; 0: not
+  // measured (a GPU site, or a process with other work running).
+  double cpu_share = 0;
 };
 // Measures the link to `client`'s peer. With both_ways, the loaded pull goes over `pull_client` when given
 // (a client of the same peer made with own_connection), else over `client`'s connection.

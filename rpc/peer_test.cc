@@ -238,6 +238,35 @@ TEST_F(PeerTest, ProbeMeasuresLoopback) {
   EXPECT_LT(m->rtt_seconds, 0.05);
   EXPECT_GT(m->forward_bytes_per_second, 50e6);  // loopback TLS: far above any WAN
   EXPECT_GT(m->reverse_bytes_per_second, 50e6);
+  // Neither end measured what receiving costs it: no share of a core given.
+  EXPECT_EQ(m->forward_receive_seconds_per_byte, 0);
+  EXPECT_EQ(m->reverse_receive_seconds_per_byte, 0);
+}
+
+// What receiving costs per byte at the link's rate: the peer's service reports its CPU for a probe
+// stream once it is given its share of a core, and the prober reads its own during the pull. Here both
+// ends are this process, so each figure counts both ends' CPU: above nothing, and below 1 us a byte
+// (loopback TLS here: a few ns a byte).
+TEST_F(PeerTest, AProbeMeasuresWhatReceivingCostsAtBothEnds) {
+  StartServer();
+  service_->SetProbeCpuShare(0.5);
+  auto client = Client("a");
+  ProbeOptions o;
+  o.bulk_bytes = 8 << 20;
+  o.cpu_share = 0.5;
+  auto m = ProbeLink(*client, o);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_GT(m->forward_receive_seconds_per_byte, 0);
+  EXPECT_LT(m->forward_receive_seconds_per_byte, 1e-6);
+  EXPECT_GT(m->reverse_receive_seconds_per_byte, 0);
+  EXPECT_LT(m->reverse_receive_seconds_per_byte, 1e-6);
+  // A service that stops measuring (its site computes or trains) reports nothing again.
+  service_->SetProbeCpuShare(0);
+  o.cpu_share = 0;
+  auto again = ProbeLink(*client, o);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->forward_receive_seconds_per_byte, 0);
+  EXPECT_EQ(again->reverse_receive_seconds_per_byte, 0);
 }
 
 // For each connection established from this host to `port`, the bytes its client side has received,

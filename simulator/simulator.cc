@@ -136,7 +136,7 @@ class Simulation {
   const Plan& plan_;
   const SimulationOptions& o_;
   int steps_ = 0;
-  std::vector<std::vector<double>> bw_, lat_;
+  std::vector<std::vector<double>> bw_, lat_, receive_;  // [from][to]; receive_: LinkProfile::receive_seconds_per_byte
   std::vector<double> uplink_;
   std::vector<std::vector<double>> link_free_;
   std::vector<double> uplink_free_;
@@ -182,9 +182,11 @@ absl::Status Simulation::Init() {
   for (int s = 0; s < n; ++s) index[p_.sites[s].name] = s;
   bw_.assign(n, std::vector<double>(n, 0.0));
   lat_.assign(n, std::vector<double>(n, 0.0));
+  receive_.assign(n, std::vector<double>(n, 0.0));
   for (const auto& l : p_.links) {
     bw_[index.at(l.from)][index.at(l.to)] = l.bandwidth_bytes_per_second;
     lat_[index.at(l.from)][index.at(l.to)] = l.latency_seconds;
+    receive_[index.at(l.from)][index.at(l.to)] = l.receive_seconds_per_byte;
   }
   uplink_.resize(n);
   for (int s = 0; s < n; ++s) uplink_[s] = p_.sites[s].uplink_bytes_per_second;
@@ -327,7 +329,8 @@ void Simulation::TryRun(int wi, double now) {
       if (it == w.activations.end()) return;
       w.activations.erase(it);
       codec += CodecSeconds(w.site, links_[w.stage - 1].name, link_bytes_[w.stage - 1]);
-      transport += partitioner::TransportSeconds(site, link_bytes_[w.stage - 1] * links_[w.stage - 1].forward_ratio);
+      transport += partitioner::TransportSeconds(site, link_bytes_[w.stage - 1] * links_[w.stage - 1].forward_ratio,
+                                                 receive_[workers_[WorkerOf(w.stage - 1, m)].site][w.site]);
     }
     if (w.stage + 1 < S) {
       codec += CodecSeconds(w.site, links_[w.stage].name, link_bytes_[w.stage]);
@@ -339,7 +342,8 @@ void Simulation::TryRun(int wi, double now) {
       if (it == w.gradients.end()) return;
       w.gradients.erase(it);
       codec += CodecSeconds(w.site, compression::GradientCodecBehind(links_[w.stage].name), link_bytes_[w.stage]);
-      transport += partitioner::TransportSeconds(site, link_bytes_[w.stage] * links_[w.stage].backward_ratio);
+      transport += partitioner::TransportSeconds(site, link_bytes_[w.stage] * links_[w.stage].backward_ratio,
+                                                 receive_[workers_[WorkerOf(w.stage + 1, m)].site][w.site]);
     }
     if (w.stage > 0) {
       codec +=
@@ -414,9 +418,11 @@ void Simulation::AfterPasses(int wi, double t) {
   // averager's threads, then the compute thread's decoding of the sums): on a CPU site it ends at the
   // earliest that long after the passes, however early the links deliver.
   if (w.phase == 1) {
+    double receive = 0;  // the costliest link from another replica
+    for (int other : stage_workers_[w.stage]) receive = std::max(receive, receive_[workers_[other].site][w.site]);
     w.sum_cpu_until = t + partitioner::ReplicaSumCpuSeconds(p_.sites[w.site], grad_codec_[w.stage].name,
                                                             grad_codec_[w.stage].forward_ratio, grad_bytes_[w.stage], R,
-                                                            buckets_[w.stage]);
+                                                            buckets_[w.stage], receive);
     if (w.sum_cpu_until > t) At(w.sum_cpu_until, [this, wi, until = w.sum_cpu_until] { Advance(wi, until); });
   }
   if (w.phase == 1 && w.last_backward < 0) {

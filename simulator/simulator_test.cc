@@ -125,6 +125,16 @@ TEST(SimulatorTest, TransportWorkLengthensThePassesThatSendOrReceive) {
     EXPECT_NEAR(r->step_seconds, (M + 1) * (t + 2 * frame), 1e-9) << "M=" << M;
     EXPECT_NEAR(r->sites[0].codec_seconds, 0.0, 1e-12);  // transport is not codec work
   }
+  // Where a link's receive cost was measured above the site's figure (a slow link's frames trickle in),
+  // each frame received over it costs that much a byte: each stage receives one frame per micro-batch.
+  const double receive = 6e-9;
+  for (auto& l : p.links) l.receive_seconds_per_byte = receive;
+  for (int M : {1, 4}) {
+    auto r = Simulate(g, p, Pipeline(g, p, M, {{0}, {1}}));
+    ASSERT_TRUE(r.ok()) << r.status();
+    const double t = 2 * 3e9 / 1e12, sent = per_frame + per_byte * bytes, received = per_frame + receive * bytes;
+    EXPECT_NEAR(r->step_seconds, (M + 1) * (t + sent + received), 1e-9) << "M=" << M;
+  }
 }
 
 // Once a step, after the norm, each stage clips and steps its optimizer on its compute thread: one stage's
