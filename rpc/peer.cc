@@ -269,8 +269,10 @@ grpc::Status PeerService::Stream(grpc::ServerContext* ctx, grpc::ServerReader<v1
     return fail(grpc::StatusCode::DATA_LOSS, absl::StrCat("stream from peer '", peer, "' ended in the middle of ",
                                                           partial.begin()->first.ToString()));
   ack->set_frames_received(frames);
-  if (const double share = probe_cpu_share_.load(); probes_only && frames > 0 && share > 0)
+  if (const double share = probe_cpu_share_.load(); probes_only && frames > 0 && share > 0) {
     ack->set_probe_receive_seconds((core::ProcessCpuSeconds() - cpu_at_start) / share);
+    ack->set_probe_cpu_share(share);
+  }
   return grpc::Status::OK;
 }
 
@@ -520,6 +522,7 @@ absl::StatusOr<LinkMeasurement> ProbeLink(PeerClient& client, const ProbeOptions
   auto least = [](double* kept, double reading) {
     if (reading > 0 && std::isfinite(reading) && (*kept == 0 || reading < *kept)) *kept = reading;
   };
+  double cpu_per_byte = 0;  // what receiving the forward stream cost the peer, CPU seconds a byte
   for (int r = 0; r < std::max(1, o.repeats); ++r) {
     // Forward: a timed bulk stream. The last byte reaches the peer one one-way delay after it is sent and
     // its acknowledgement takes another, so one RTT is taken off the elapsed time.
@@ -531,14 +534,16 @@ absl::StatusOr<LinkMeasurement> ProbeLink(PeerClient& client, const ProbeOptions
     if (!done.ok()) return done.status();
     const double fwd = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     m.forward_bytes_per_second = std::max(m.forward_bytes_per_second, rate(fwd));
-    least(&m.forward_receive_seconds_per_byte, (*stream)->probe_receive_seconds() / o.bulk_bytes);
+    // What receiving it cost the peer, in its seconds, and in CPU seconds at its share of a core.
+    const double peer_seconds = (*stream)->probe_receive_seconds(), peer_share = (*stream)->probe_cpu_share();
+    if (peer_seconds > 0 && peer_share > 0 && std::isfinite(peer_seconds * peer_share)) {
+      least(&m.forward_receive_seconds_per_byte, peer_seconds / o.bulk_bytes);
+      least(&cpu_per_byte, peer_seconds * peer_share / o.bulk_bytes);
+    }
     // Reverse: the peer streams the same amount back; the request and the last byte cost one RTT.
-    const double cpu0 = core::ProcessCpuSeconds();
     auto rev = client.PullSeconds(o.bulk_bytes, o.deadline);
     if (!rev.ok()) return rev.status();
     m.reverse_bytes_per_second = std::max(m.reverse_bytes_per_second, rate(*rev));
-    if (o.cpu_share > 0)
-      least(&m.reverse_receive_seconds_per_byte, (core::ProcessCpuSeconds() - cpu0) / o.cpu_share / o.bulk_bytes);
     if (!o.both_ways) continue;
     // Both directions loaded at once: the pull on a thread of its own, the stream on this one.
     absl::StatusOr<double> pulled = absl::UnknownError("not run");
@@ -555,6 +560,11 @@ absl::StatusOr<LinkMeasurement> ProbeLink(PeerClient& client, const ProbeOptions
     m.forward_loaded_bytes_per_second = std::max(m.forward_loaded_bytes_per_second, rate(loaded_fwd));
     m.reverse_loaded_bytes_per_second = std::max(m.reverse_loaded_bytes_per_second, rate(*pulled));
   }
+  // The reverse direction's receive cost: the peer's CPU a byte at this site's share, where the two
+  // directions run at about one rate (LinkMeasurement::reverse_receive_seconds_per_byte).
+  const double fwd = m.forward_bytes_per_second, rev = m.reverse_bytes_per_second;
+  if (o.cpu_share > 0 && cpu_per_byte > 0 && fwd > 0 && rev > 0 && std::max(fwd, rev) <= 1.5 * std::min(fwd, rev))
+    m.reverse_receive_seconds_per_byte = cpu_per_byte / o.cpu_share;
   return m;
 }
 

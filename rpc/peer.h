@@ -176,9 +176,11 @@ class PeerClient {
     absl::Status Send(const TensorKey& key, const std::vector<uint8_t>& frame);
     // Closes the stream and waits for the receiver's acknowledgement (frames received).
     absl::StatusOr<int64_t> Finish();
-    // After Finish, for a stream of probe chunks: the receiving site's seconds for it
-    // (StreamAck::probe_receive_seconds; 0 when that site does not measure it).
+    // After Finish, for a stream of probe chunks: the receiving site's seconds for it and the share of a
+    // core they are at (StreamAck::probe_receive_seconds, probe_cpu_share; 0 when that site does not
+    // measure it).
     double probe_receive_seconds() const { return ack_.probe_receive_seconds(); }
+    double probe_cpu_share() const { return ack_.probe_cpu_share(); }
     // Cancels the stream: a Send blocked in another thread returns with an error. Thread-safe.
     void Cancel();
     ~OutStream();
@@ -260,12 +262,16 @@ struct LinkMeasurement {
   // stream going out, and one direction read half the link's rate in some probes (1.0 of 2 Mbit/s).
   double forward_loaded_bytes_per_second = 0, reverse_loaded_bytes_per_second = 0;
   // What receiving costs the receiving site per byte at the link's rate, in that site's own seconds, the
-  // least of the unloaded bulk transfers (other work only adds to it): forward, the peer's, as its
-  // service acknowledged the stream (PeerService::SetProbeCpuShare); reverse, this process's CPU during
-  // the pull over ProbeOptions::cpu_share. Over a slow link a frame trickles in and the receiving threads
-  // wake for a few segments at a time, so this grows as the link slows (docs/cost-model.md: about 3 ns a
-  // byte over loopback, 7-9 at 100 Mbit/s, 25 at 2 Mbit/s here). 0: not measured. The forward figure is
-  // the peer's word: finite and positive, or 0, but not otherwise checked here.
+  // least of the unloaded bulk streams (other work only adds to it). Over a slow link a frame trickles in
+  // and the receiving threads wake for a few segments at a time, so this grows as the link slows
+  // (docs/cost-model.md). Measured where a pipeline receives, in the receiver's peer service:
+  // - forward: the peer's, as its service acknowledged the bulk stream (PeerService::SetProbeCpuShare);
+  // - reverse: the same CPU a byte at this site's share (ProbeOptions::cpu_share), where the two
+  //   directions' rates are within 1.5x of each other: the same software receiving at about the same
+  //   rate. (This process's CPU during the pull is not it: the pull is read by gRPC's client, and on the
+  //   emulated WAN it bypasses the latency relay that hands a site its incoming streams in gathered
+  //   chunks; at 100 Mbit/s it read 14-16 ns a byte where the service read 4-5.)
+  // 0: not measured. Both rest on the peer's word: finite and positive, or 0, but not otherwise checked.
   double forward_receive_seconds_per_byte = 0, reverse_receive_seconds_per_byte = 0;
 };
 struct ProbeOptions {
@@ -275,7 +281,7 @@ struct ProbeOptions {
   bool both_ways = false;  // also time a bulk stream and a bulk pull at once
   int repeats = 1;         // each bulk measurement this many times, the best kept
   // This process's share of a core, for LinkMeasurement::reverse_receive_seconds_per_byte; 0: not
-  // measured (a GPU site, or a process with other work running).
+  // priced (a GPU site).
   double cpu_share = 0;
 };
 // Measures the link to `client`'s peer. With both_ways, the loaded pull goes over `pull_client` when given

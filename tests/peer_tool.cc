@@ -1,7 +1,10 @@
 // meridian-peertool: drives the peer service from the command line, for integration tests, the WAN
 // harness and the transport benchmarks.
 //   serve --certs DIR --self NAME --allow PEER[,PEER] --listen HOST:PORT [--max-peer-bytes B] [--job ID]
-//   probe --certs DIR --self NAME --peer NAME --address HOST:PORT [--seconds S]   (prints profile links JSON)
+//         [--cpu-share S]: acknowledge probe streams with this process's CPU over S (SetProbeCpuShare)
+//   probe --certs DIR --self NAME --peer NAME --address HOST:PORT [--seconds S] [--cpu-share S]
+//         (prints profile links JSON; receive_seconds_per_byte: what receiving costs each end, forward as the
+//         server acknowledged it, reverse that at this process's --cpu-share; 0 without the shares)
 //         [--both-ways one|own]: also both directions at once, the pull over the stream's connection or its own
 //   send  --certs DIR --self NAME --peer NAME --address HOST:PORT --frame-mib M|--elements N --frames K
 //         (prints goodput)
@@ -57,6 +60,7 @@ int main(int argc, char** argv) {
     if (f.count("--max-peer-bytes")) limits.max_peer_bytes = std::atoll(f["--max-peer-bytes"].c_str());
     rpc::PeerService service(need("--self"), allow, &inbox, limits);
     if (f.count("--job")) service.SetJob(f["--job"]);
+    if (f.count("--cpu-share")) service.SetProbeCpuShare(std::atof(f["--cpu-share"].c_str()));
     int port = 0;
     auto server = rpc::StartMtlsServer(need("--certs"), need("--self"), need("--listen"), {&service}, &port);
     if (!server.ok()) {
@@ -101,6 +105,7 @@ int main(int argc, char** argv) {
     o.bulk_bytes =
         std::clamp<int64_t>(static_cast<int64_t>(first->forward_bytes_per_second * secs), 1 << 20, 512 << 20);
     o.deadline = std::chrono::seconds(120);
+    if (f.count("--cpu-share")) o.cpu_share = std::atof(f["--cpu-share"].c_str());
     // --both-ways one|own: also both directions at once, the pull over the stream's connection or its own.
     std::unique_ptr<rpc::PeerClient> pull_client;
     if (f.count("--both-ways")) {
@@ -135,6 +140,8 @@ int main(int argc, char** argv) {
     nlohmann::json out{{"links", links}, {"rtt_seconds", m->rtt_seconds}};
     if (o.both_ways)
       out["loaded_bytes_per_second"] = {m->forward_loaded_bytes_per_second, m->reverse_loaded_bytes_per_second};
+    // What receiving cost each end a byte (0 unless the server was given --cpu-share, and this probe).
+    out["receive_seconds_per_byte"] = {m->forward_receive_seconds_per_byte, m->reverse_receive_seconds_per_byte};
     std::printf("%s\n", out.dump(2).c_str());
     return 0;
   }
