@@ -508,7 +508,7 @@ void Agent::OnProfile(const v1::ProfileRequest& p) {
       if (!client.ok()) return client.status();
       rpc::ProbeOptions po;
       po.bulk_bytes = 1 << 20;
-      po.cpu_share = cpu_share_;  // this site's receive cost during the pull (0 on a GPU site)
+      po.cpu_share = cpu_share_;  // the reverse direction's receive cost at this site's share (0 on a GPU site)
       auto first = rpc::ProbeLink(**client, po);
       if (first.ok()) {
         po.bulk_bytes = std::clamp<int64_t>(
@@ -539,8 +539,9 @@ void Agent::OnProfile(const v1::ProfileRequest& p) {
                                 {"bandwidth_bytes_per_second",
                                  loaded(first->reverse_bytes_per_second, first->reverse_loaded_bytes_per_second)},
                                 {"latency_seconds", first->rtt_seconds / 2}};
-      // What receiving costs at each end at the link's rate, where measured. The peer's figure is its word:
-      // beyond the bound the profile allows it is left out (logged), so that it cannot fail this report.
+      // What receiving costs at each end at the link's rate, where measured. Both rest on the peer's word
+      // (the reverse is its CPU a byte at this site's share): beyond the bound the profile allows, a figure
+      // is left out (logged), so that it cannot fail this report.
       auto receive = [&](nlohmann::json& link, double seconds_per_byte, const std::string& whose) {
         if (seconds_per_byte <= 0) return;
         if (seconds_per_byte > partitioner::kMaxReceiveSecondsPerByte) {
@@ -553,7 +554,7 @@ void Agent::OnProfile(const v1::ProfileRequest& p) {
         link["receive_seconds_per_byte"] = seconds_per_byte;
       };
       receive(forward, first->forward_receive_seconds_per_byte, absl::StrCat("'", peer.site(), "' reported a"));
-      receive(reverse, first->reverse_receive_seconds_per_byte, "a measured");
+      receive(reverse, first->reverse_receive_seconds_per_byte, "a derived");
       spdlog::info("{}", absl::StrFormat("link to '%s': receive %.1f ns a byte there, %.1f here (0: not measured)",
                                          peer.site(), first->forward_receive_seconds_per_byte * 1e9,
                                          first->reverse_receive_seconds_per_byte * 1e9));
