@@ -393,7 +393,8 @@ def wan_bound(a, bin_dir, work, cfg, model_dir, weights_params):
         a.wan_steps, a.wan_identity_steps = max(a.wan_steps, 8), max(a.wan_identity_steps, 8)
     micro_batches = global_batch
     seed = 20261201
-    res = {"params": weights_params, "seq": seq, "global_batch": global_batch, "rtt_ms": WAN_RTT_MS, "speeds": {}}
+    res = {"params": weights_params, "seq": seq, "global_batch": global_batch, "rtt_ms": WAN_RTT_MS, "speeds": {},
+           "identity_profile_reused": True}
     data = fine_tuning_data(work, seq, global_batch)
     wdir = os.path.join(work, "wan-model")
     shutil.rmtree(wdir, ignore_errors=True)
@@ -426,8 +427,12 @@ def wan_bound(a, bin_dir, work, cfg, model_dir, weights_params):
                 r["identity"] = dict(r["meridian"], same_run=True)
             else:
                 log("Meridian, the same plan, identity codecs")
+                # The same plan from the same profile (`--profile`): at 2 Mbit/s measuring again takes over
+                # two minutes, mostly probing the links.
+                measured = os.path.join(work, f"wan-meridian-{mbit}")
                 r["identity"] = run_meridian(emu, bin_dir, work, f"wan-identity-{mbit}", identity,
-                                             a.wan_identity_steps, "planned", a.profile_repeats, extra=f"--plan {plan}")
+                                             a.wan_identity_steps, "planned", a.profile_repeats,
+                                             extra=f"--plan {plan} --profile {measured}")
                 log(f"  {r['identity']['tokens_per_second']:.0f} tokens/s")
             prof = json.load(open(os.path.join(work, f"wan-meridian-{mbit}", "profile.json")))
             r["goodput_bytes_per_second"] = sorted(l["bandwidth_bytes_per_second"] for l in prof["links"])[len(prof["links"]) // 2]
@@ -1179,7 +1184,9 @@ def wan_section(w, command):
          "three sites at quotas 1.0 / 0.6 / 0.4, every pair joined at the given rate with an 80 ms RTT. The data is a "
          "fine-tuning set of about one step of sequences (the start of Debian's GPL-3 text, SentencePiece with 4000 "
          "pieces), so every step after the first revisits every sequence, as epochs of a fine-tune do; the first step "
-         "(first epoch, warm-up) is not timed.", "",
+         "(first epoch, warm-up) is not timed."
+         + (" The same plan with identity codecs runs from the planned run's profile (`meridian run --profile`), "
+            "measuring nothing again." if w.get("identity_profile_reused") else ""), "",
          f"Compute bound: {b:.0f} tokens/s = " + " + ".join(f"{v:.0f} ({s})" for s, v in w["bound_sites"].items())
          + ", each site training the whole model alone (`meridian train-local`, steps of "
          f"{w.get('bound_sequences', 4)} sequences in micro-batches of one) at its quota, all three at once.", "",
@@ -1607,7 +1614,7 @@ def main():
         job_yaml(identity, a.steps, global_batch, micro_batches, seq, seed,
                  "{policy: fixed, activations: identity, gradients: identity}")
         e2e = {"params": params, "seq": seq, "global_batch": global_batch, "micro_batches": micro_batches,
-               "speeds": {}, "bound": None}
+               "speeds": {}, "bound": None, "even_profile_reused": True}
         best_accum = None
         for mbit in SPEEDS:
             log(f"emulating 3 sites, {mbit} Mbit/s links, {RTT_MS} ms RTT")
@@ -1621,8 +1628,10 @@ def main():
                                              a.profile_repeats)
                 log(f"  {r['meridian']['tokens_per_second']:.0f} tokens/s")
                 log("Meridian, even split, no compression")
+                # The ablation plans from the planned run's profile (`--profile`): the same figures, priced
+                # alike, and no minute of measuring again.
                 r["even"] = run_meridian(emu, bin_dir, work, f"even-{mbit}", identity, a.even_steps, "even",
-                                         a.profile_repeats)
+                                         a.profile_repeats, extra=f"--profile {os.path.join(work, f'meridian-{mbit}')}")
                 log(f"  {r['even']['tokens_per_second']:.0f} tokens/s")
                 per_rank = global_batch // len(SITES)
                 if best_accum is None:
@@ -1705,7 +1714,9 @@ def write_results(path, info, comps, e2e, seconds, root, wan=False):
               f"{e2e['micro_batches']} micro-batches of one sequence), the same synthetic data and initial weights; "
               "three sites in network namespaces at CPU quotas 1.0 / 0.6 / 0.4 of a core, one thread each, pinned "
               "(fast to one core, medium and slow sharing the other: scripts/emulation.py); every "
-              f"pair of sites joined by a tbf link at the given rate, {RTT_MS} ms RTT through meridian-wanrelay.",
+              f"pair of sites joined by a tbf link at the given rate, {RTT_MS} ms RTT through meridian-wanrelay."
+              + (" The even split plans from the planned run's profile at the same rate (`meridian run --profile`), "
+                 "measuring nothing again." if e2e.get("even_profile_reused") else ""),
               "",
               f"Compute bound: {b:.0f} tokens/s = " + " + ".join(f"{v:.0f} ({s})" for s, v in e2e["bound_sites"].items())
               + ", each site training the whole model alone (`meridian train-local`, steps of "

@@ -4,6 +4,7 @@
 #include <httplib.h>
 #include <CLI/CLI.hpp>
 
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -75,6 +76,12 @@ void AddRunOptions(CLI::App* cmd, RunOptions* o) {
                   "or hand-written) whose stages give their sites (the first runs the stage, the others replicate "
                   "it) and last_op; shares, codecs and the prediction come from this run's measurements")
       ->excludes(cmd->get_option("--split"));
+  cmd->add_option(
+      "--profile", o->profile_path,
+      "Plan from the sites' figures measured before instead of measuring them: a profile.json (a run's, "
+      "or `meridian profile --out`'s), or a run directory; a graph.json beside it (a run's) must be this "
+      "job's model (the same ops and micro-batch shape). Every site of the cluster spec must be in it, with a link "
+      "each way to every other; figures older than the cluster's state plan a stale step");
   cmd->add_option("--launch", o->launch,
                   "ssh: start the executor of every site with an ssh: section over SSH (copying its certificate "
                   "bundle), follow their logs into RUN/sites, and stop them when the run ends or on Ctrl-C")
@@ -154,9 +161,52 @@ struct RunInputs {
   core::JobSpec job;
   std::string job_path, job_dir, job_yaml, certs, run_dir;
   int steps = 0, micro_batches = 0;
-  std::vector<partitioner::PinnedStage> pinned;  // --plan's stages; empty: plan
-  std::optional<job::JobInputs> job_inputs;      // the job as the executors will load it
+  std::vector<partitioner::PinnedStage> pinned;        // --plan's stages; empty: plan
+  std::optional<job::JobInputs> job_inputs;            // the job as the executors will load it
+  partitioner::OpGraph graph;                          // the job's operator graph (job::ProfiledGraphOptions)
+  std::optional<partitioner::ClusterProfile> profile;  // --profile's, checked; nullopt: measure the sites
+  std::string profile_path;                            // --profile's profile.json
 };
+
+// --profile PATH: the profile.json there (PATH, or PATH/profile.json for a run directory), checked against
+// the spec and the graph (CheckGivenProfile); a graph.json beside it (a run's) must describe in.graph.
+absl::Status LoadGivenProfile(const std::string& path, RunInputs* in) {
+  const bool dir = fs::is_directory(path);
+  in->profile_path = dir ? (fs::path(path) / core::kProfileFile).string() : path;
+  if (!fs::exists(in->profile_path))
+    return absl::NotFoundError(absl::StrCat("--profile ", in->profile_path, ": no such file"));
+  auto text = core::ReadFile(in->profile_path);
+  if (!text.ok()) return text.status();
+  auto profile = partitioner::ParseProfileJson(*text, in->profile_path);
+  if (!profile.ok()) return profile.status();
+  const std::string graph_path = (fs::path(in->profile_path).parent_path() / core::kGraphFile).string();
+  if (fs::exists(graph_path)) {
+    auto graph_text = core::ReadFile(graph_path);
+    if (!graph_text.ok()) return graph_text.status();
+    auto measured = partitioner::ParseGraphJson(*graph_text, graph_path);
+    if (!measured.ok()) return measured.status();
+    const auto& want = in->graph.ops;
+    if (measured->ops.size() != want.size())
+      return absl::InvalidArgumentError(absl::StrCat("--profile ", path, ": ", graph_path, " has ",
+                                                     measured->ops.size(), " ops, the job's model ", want.size(),
+                                                     ": the profile was measured for another model"));
+    auto near = [](double a, double b) { return std::abs(a - b) <= 1e-6 * std::max(std::abs(a), std::abs(b)); };
+    for (size_t k = 0; k < want.size(); ++k) {
+      const partitioner::Op& m = measured->ops[k];
+      if (m.name != want[k].name || !near(m.output_bytes, want[k].output_bytes) ||
+          !near(m.forward_flops, want[k].forward_flops) || !near(m.param_bytes, want[k].param_bytes))
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "--profile %s: op %d of %s ('%s': %.0f output bytes, %.4g forward FLOPs) is not the job's ('%s': "
+            "%.0f, %.4g): the profile was measured for another model or micro-batch shape",
+            path, k, graph_path, m.name, m.output_bytes, m.forward_flops, want[k].name, want[k].output_bytes,
+            want[k].forward_flops));
+    }
+  }
+  partitioner::ClusterProfile usable;
+  if (absl::Status s = CheckGivenProfile(*profile, in->profile_path, in->spec, in->graph, &usable); !s.ok()) return s;
+  in->profile = std::move(usable);
+  return absl::OkStatus();
+}
 
 // Loads and checks the inputs and creates the run directory. On bad input prints every problem (naming
 // the file and field) and returns nullopt: `meridian run` exits 2.
@@ -230,6 +280,14 @@ std::optional<RunInputs> LoadInputs(const RunOptions& o) {
     return std::nullopt;
   }
   in.job_inputs = std::move(*job_inputs);
+  const job::JobInputs& j = *in.job_inputs;
+  in.graph = partitioner::BuildLlamaGraph(
+      j.model.shape, job::ProfiledGraphOptions(j.micro_batch_size, j.job.sequence_length, j.job.lora.enabled));
+  if (!o.profile_path.empty())
+    if (absl::Status s = LoadGivenProfile(o.profile_path, &in); !s.ok()) {
+      std::cerr << "meridian run: " << s.message() << "\n";
+      return std::nullopt;
+    }
   if (const data::Dataset* d = in.job_inputs->dataset.get())
     std::cout << "data: " << d->train_examples() << (d->instruction() ? " training examples" : " documents") << ", "
               << d->train_tokens() << " tokens in " << d->num_sequences() << " sequences of " << in.job.sequence_length
@@ -383,9 +441,9 @@ class RunDriver {
       const double visits = static_cast<double>(in_.steps) * in_.job.global_batch;
       c.revisit_fraction = std::max(0.0, 1.0 - d->num_sequences() / visits);
     }
-    const job::JobInputs& j = *in_.job_inputs;
-    c.graph = partitioner::BuildLlamaGraph(
-        j.model.shape, job::ProfiledGraphOptions(j.micro_batch_size, j.job.sequence_length, j.job.lora.enabled));
+    c.graph = in_.graph;
+    c.given_profile = in_.profile;
+    c.given_profile_path = in_.profile_path;
     c.run_id = run_id_;
     c.run_dir = in_.run_dir;
     c.find_checkpoint = [dir = CheckpointDir()](std::string* skipped) {

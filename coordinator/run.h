@@ -26,6 +26,7 @@ struct RunOptions {
   double probe_seconds = 1.0;         // what each link's bulk probe aims to take, each way
   std::string split = "planned";      // "even": sites in spec order, equal op counts (ablation)
   std::string plan_path;              // non-empty: train this plan.json's layout (sites, replicas, cuts)
+  std::string profile_path;           // non-empty: plan from this profile.json (or run directory's), measuring nothing
   bool resume = false;                // stages start from the newest intact checkpoint
   int eval_examples = 200;            // JSONL jobs: held-out examples scored before, per checkpoint, after (0: none)
   std::string launch;                 // "ssh": start the executors of the sites with ssh: (docs/launch.md)

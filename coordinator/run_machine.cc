@@ -191,8 +191,9 @@ void RunMachine::StartProfiling() {
   for (const auto& [name, s] : sites_)
     if (s.registered && !s.silent && !leaving_.count(name))
       joined_.push_back(name);  // one that went silent since, or asked to leave, is not asked
-  Say(absl::StrCat(joined_.size(), " sites joined; measuring devices, the model and the links\n"));
   phase_ = Phase::kProfiling;
+  if (c_.given_profile) return UseGivenProfile();
+  Say(absl::StrCat(joined_.size(), " sites joined; measuring devices, the model and the links\n"));
   // Emulated sites are measured at once too: they share this host's cores, as they do when a plan runs
   // them together (measured one at a time, a three-site plan's step came out 22% shorter than it ran:
   // bench/RESULTS.md, "The WAN-bound regime").
@@ -509,6 +510,26 @@ void RunMachine::FinishProfiling() {
       if (std::find(joined_.begin(), joined_.end(), l.from == site ? l.to : l.from) != joined_.end())
         profile_.links.push_back(l);
   }
+  ProfileReady(absl::StrCat("measured ", profile_.sites.size(), " sites' devices and the model, and ",
+                            profile_.links.size(), " links"));
+}
+
+void RunMachine::UseGivenProfile() {
+  auto joined = [&](const std::string& site) {
+    return std::find(joined_.begin(), joined_.end(), site) != joined_.end();
+  };
+  for (const auto& site : c_.given_profile->sites)
+    if (joined(site.name)) profile_.sites.push_back(site);
+  for (const auto& l : c_.given_profile->links)
+    if (joined(l.from) && joined(l.to)) profile_.links.push_back(l);
+  Say(absl::StrCat(joined_.size(), " sites joined; planning from ", c_.given_profile_path,
+                   " (measured before; --profile: nothing is measured again)\n"));
+  for (const auto& site : joined_) Out(LogSite{site, absl::StrCat("planned from ", c_.given_profile_path)});
+  ProfileReady(absl::StrCat("took ", profile_.sites.size(), " sites' devices and the model, and ",
+                            profile_.links.size(), " links from ", c_.given_profile_path, " (not measured again)"));
+}
+
+void RunMachine::ProfileReady(const std::string& how) {
   for (const auto& l : c_.spec.links) {
     if (!l.override_measurement) continue;
     for (auto& pl : profile_.links)
@@ -532,9 +553,7 @@ void RunMachine::FinishProfiling() {
     absl::StrAppendFormat(&lines, "  link %-10s -> %-10s %8.1f Mbit/s, %6.1f ms one way\n", l.from, l.to,
                           l.bandwidth_bytes_per_second * 8 / 1e6, l.latency_seconds * 1e3);
   Say(lines);
-  Note("profiled", "",
-       absl::StrCat("measured ", profile_.sites.size(), " sites' devices and the model, and ", profile_.links.size(),
-                    " links"));
+  Note("profiled", "", how);
   graph_ = c_.graph;
   graph_json_ = partitioner::GraphToJson(graph_);
   Out(WriteRunFile{core::kProfileFile, partitioner::ProfileToJson(profile_)});
@@ -756,6 +775,63 @@ absl::Status RunMachine::FindResumePoint() {
   resume_files_ = std::move(*found);
   Say(absl::StrCat("resuming from step ", resume_step_, " of the coordinator's checkpoints (", resume_files_->path,
                    ")\n"));
+  return absl::OkStatus();
+}
+
+absl::Status CheckGivenProfile(const partitioner::ClusterProfile& profile, const std::string& path,
+                               const core::ClusterSpec& spec, const partitioner::OpGraph& graph,
+                               partitioner::ClusterProfile* usable) {
+  auto bad = [&](const std::string& what) {
+    return absl::InvalidArgumentError(absl::StrCat("--profile ", path, ": ", what));
+  };
+  auto spec_site = [&](const std::string& name) -> const core::SiteSpec* {
+    for (const auto& s : spec.sites)
+      if (s.name == name) return &s;
+    return nullptr;
+  };
+  std::set<std::string> ops;
+  for (const auto& op : graph.ops) ops.insert(op.name);
+  usable->sites.clear();
+  usable->links.clear();
+  for (const auto& site : profile.sites) {
+    const core::SiteSpec* s = spec_site(site.name);
+    if (!s) return bad(absl::StrCat("site '", site.name, "' is not in the cluster spec"));
+    const int devices = std::max<int>(1, static_cast<int>(s->devices.size()));
+    if (site.workers != devices)
+      return bad(absl::StrCat("site '", site.name, "' was measured with ", site.workers,
+                              " worker(s), but the spec gives it ", devices, " device(s)"));
+    for (const auto& [op, seconds] : site.op_seconds)
+      if (!ops.count(op))
+        return bad(absl::StrCat("site '", site.name, "' has a time for op '", op,
+                                "', which is not in the job's model: it was measured for another model"));
+    if (!site.op_seconds.empty())
+      for (const auto& op : graph.ops)
+        if (!site.op_seconds.count(op.name))
+          return bad(absl::StrCat("site '", site.name, "' has no time for op '", op.name,
+                                  "' of the job's model: it was measured for another model"));
+    partitioner::SiteProfile capped = site;
+    if (s->memory_bytes) capped.memory_bytes = std::min(capped.memory_bytes, static_cast<double>(*s->memory_bytes));
+    usable->sites.push_back(std::move(capped));
+  }
+  for (const auto& s : spec.sites)
+    if (std::none_of(profile.sites.begin(), profile.sites.end(), [&](const auto& p) { return p.name == s.name; }))
+      return bad(absl::StrCat("site '", s.name,
+                              "' of the cluster spec is not in it (measure the sites: run without "
+                              "--profile)"));
+  for (const auto& l : profile.links) {
+    if (!spec_site(l.from) || !spec_site(l.to) || l.from == l.to)
+      return bad(absl::StrCat("link ", l.from, " -> ", l.to, " is not between two sites of the cluster spec"));
+    if (std::count_if(profile.links.begin(), profile.links.end(),
+                      [&](const auto& o) { return o.from == l.from && o.to == l.to; }) != 1)
+      return bad(absl::StrCat("link ", l.from, " -> ", l.to, " is given twice"));
+    usable->links.push_back(l);
+  }
+  for (const auto& a : spec.sites)
+    for (const auto& b : spec.sites)
+      if (a.name != b.name && std::none_of(profile.links.begin(), profile.links.end(),
+                                           [&](const auto& l) { return l.from == a.name && l.to == b.name; }))
+        return bad(
+            absl::StrCat("it has no link ", a.name, " -> ", b.name, " (measure the sites: run without --profile)"));
   return absl::OkStatus();
 }
 

@@ -7,7 +7,8 @@
 // events in and performs actions out.
 //
 // Phases: joining (until min_sites registered, or the join timeout) -> profiling (every joined site
-// measures its device, the model and its links) -> attempts (plan, assign, supervise) -> done or failed.
+// measures its device, the model and its links; with RunConfig::given_profile, nothing is measured) ->
+// attempts (plan, assign, supervise) -> done or failed.
 // Sites may also join mid-run, and stragglers be re-planned around (core::ElasticSpec), by the same switch.
 // Such a switch, taken because a new plan predicts a faster step, is then checked against what it
 // measures: when the new plan's steps run more than min_gain slower than the plan before it ran, the
@@ -187,7 +188,12 @@ struct RunConfig {
   int steps = 0, micro_batches = 0;
   double join_timeout_seconds = 0;  // 0: wait for the sites indefinitely
   int profile_repeats = 5;
-  double probe_seconds = 1.0;                    // each link's bulk probe, each way (--probe-seconds)
+  double probe_seconds = 1.0;  // each link's bulk probe, each way (--probe-seconds)
+  // --profile: the sites' figures measured before (checked by CheckGivenProfile against this spec and
+  // graph), planned from instead of measuring the sites that join; nullopt: the joined sites are measured.
+  // A site of the spec that joins mid-run is measured as ever.
+  std::optional<partitioner::ClusterProfile> given_profile;
+  std::string given_profile_path;                // --profile, for messages
   bool even_split = false;                       // --split even (an ablation)
   std::string plan_path;                         // --plan, for messages
   std::vector<partitioner::PinnedStage> pinned;  // --plan's layout; empty: plan
@@ -206,6 +212,15 @@ struct RunConfig {
   // job.checkpoint.store: coordinator.
   std::function<absl::StatusOr<core::CheckpointFiles>(std::string* skipped)> find_checkpoint;
 };
+
+// Checks a profile measured before (`meridian run --profile`, read from `path`) against the run it would
+// plan: every site of `spec` and no other, each with its `workers` from the spec's devices and either no
+// op times (priced by FLOPs) or a time for every op of `graph` and no other, and a link each way between
+// every two of the spec's sites, none to a site outside it. Fills *usable with it, each site's memory
+// capped at the spec's `memory:`. Errors name `path` and the site, op or link.
+absl::Status CheckGivenProfile(const partitioner::ClusterProfile& profile, const std::string& path,
+                               const core::ClusterSpec& spec, const partitioner::OpGraph& graph,
+                               partitioner::ClusterProfile* usable);
 
 // The most the coordinator's store (the run directory's checkpoints/ and weights/, with
 // job.checkpoint.store: coordinator) may hold: job.checkpoint.keep + 2 steps (the kept ones, the one being
@@ -373,8 +388,14 @@ class RunMachine {
   absl::Status CheckLinks(const std::string& site, const std::string& links_json, const std::set<std::string>& probed,
                           std::vector<partitioner::LinkProfile>* checked) const;
   // Every answer is in and checked (a first-round error failed the run before any link was probed):
-  // writes profile.json and graph.json, then starts the first attempt.
+  // profile_ from them, then ProfileReady.
   void FinishProfiling();
+  // --profile: profile_ from c_.given_profile's joined sites and the links between them, measuring
+  // nothing; then ProfileReady.
+  void UseGivenProfile();
+  // profile_ holds the joined sites' figures: the spec's link overrides applied, printed, profile.json and
+  // graph.json written, then the first attempt. `how`: the "profiled" event's text.
+  void ProfileReady(const std::string& how);
   void StartAttempt();
   absl::Status PlanAttempt();
   absl::Status FindResumePoint();

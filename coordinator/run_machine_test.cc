@@ -952,6 +952,124 @@ TEST(RunMachine, TheSpecsMemoryCapIsWhatThePlannerSees) {
   EXPECT_EQ(profiled, 3);
 }
 
+// A profile measured before: three sites of Config()'s spec, each op timed, every link both ways.
+partitioner::ClusterProfile GivenProfile() {
+  partitioner::ClusterProfile p;
+  for (const char* site : {"a", "b", "c"}) {
+    partitioner::SiteProfile sp{site, 1e11, 8e9, {}, {}};
+    for (const auto& op : SmallGraph().ops) sp.op_seconds[op.name] = 0.001;
+    p.sites.push_back(sp);
+  }
+  for (const char* from : {"a", "b", "c"})
+    for (const char* to : {"a", "b", "c"})
+      if (std::string(from) != to) p.links.push_back({from, to, 1e7, 0.02});
+  return p;
+}
+
+// --profile: the run plans from the given figures as soon as the sites have joined, asking none of them to
+// measure anything, and profile.json is what it was given (the sites that joined, the links between them).
+TEST(RunMachine, AGivenProfileIsPlannedFromWithoutMeasuringAnything) {
+  RunConfig c = Config();
+  c.given_profile = GivenProfile();
+  c.given_profile_path = "/runs/before/profile.json";
+  Driver d(c);
+  d.answer_link_probes = false;  // none may be asked for
+  std::vector<Action> all;
+  for (auto&& what : std::vector<decltype(Event::what)>{RunStarted{}, SiteRegistered{"a", "127.0.0.1:9a", "cpu"},
+                                                        SiteRegistered{"b", "127.0.0.1:9b", "cpu"},
+                                                        SiteRegistered{"c", "127.0.0.1:9c", "cpu"}}) {
+    auto out = d.Feed(what);
+    all.insert(all.end(), out.begin(), out.end());
+  }
+  EXPECT_TRUE(Profiles(all).empty());
+  ASSERT_EQ(d.machine().phase(), RunMachine::Phase::kTraining) << Printed(all);
+  EXPECT_THAT(Printed(all), HasSubstr("planning from /runs/before/profile.json"));
+  EXPECT_EQ(Assignments(all).size(), 3u);
+  int written = 0;
+  for (const auto& f : All<WriteRunFile>(all))
+    if (f.name == core::kProfileFile) {
+      ++written;
+      EXPECT_EQ(nlohmann::json::parse(f.content), nlohmann::json::parse(partitioner::ProfileToJson(GivenProfile())));
+    }
+  EXPECT_EQ(written, 1);
+  bool noted = false;
+  for (const auto& e : All<RecordEvent>(all))
+    if (e.kind == "profiled") {
+      noted = true;
+      EXPECT_THAT(e.text, HasSubstr("from /runs/before/profile.json (not measured again)"));
+    }
+  EXPECT_TRUE(noted);
+}
+
+// With min_sites, the sites that joined are planned from their given figures; the links to one that did
+// not are left out, and it is measured as any site joining mid-run once it registers.
+TEST(RunMachine, AGivenProfilePlansOnlyTheSitesThatJoined) {
+  RunConfig c = Config();
+  c.spec.min_sites = 2;
+  c.given_profile = GivenProfile();
+  c.given_profile_path = "p.json";
+  Driver d(c);
+  d.Feed(RunStarted{});
+  d.Feed(SiteRegistered{"a", "127.0.0.1:9a", "cpu"});
+  auto out = d.Feed(SiteRegistered{"b", "127.0.0.1:9b", "cpu"});
+  ASSERT_EQ(d.machine().phase(), RunMachine::Phase::kTraining) << Printed(out);
+  EXPECT_TRUE(Profiles(out).empty());
+  int written = 0;
+  for (const auto& f : All<WriteRunFile>(out))
+    if (f.name == core::kProfileFile) {
+      ++written;
+      const auto j = nlohmann::json::parse(f.content);
+      EXPECT_EQ(j["sites"].size(), 2u) << f.content;
+      EXPECT_EQ(j["links"].size(), 2u) << f.content;
+      for (const auto& l : j["links"]) EXPECT_TRUE(l["from"] != "c" && l["to"] != "c") << l.dump();
+    }
+  EXPECT_EQ(written, 1);
+}
+
+// CheckGivenProfile: the spec's sites and no other, their devices, the job's ops and no other, a link each
+// way between every two; errors name the file and the site, op or link. The spec's memory cap applies.
+TEST(RunMachine, AGivenProfileIsCheckedAgainstTheSpecAndTheModel) {
+  const RunConfig c = Config();
+  partitioner::ClusterProfile usable;
+  core::ClusterSpec capped = c.spec;
+  capped.sites[1].memory_bytes = 1e9;
+  ASSERT_TRUE(CheckGivenProfile(GivenProfile(), "p.json", capped, c.graph, &usable).ok());
+  ASSERT_EQ(usable.sites.size(), 3u);
+  EXPECT_EQ(usable.sites[1].memory_bytes, 1e9);
+  EXPECT_EQ(usable.sites[0].memory_bytes, 8e9);
+  EXPECT_EQ(usable.links.size(), 6u);
+  partitioner::ClusterProfile by_flops = GivenProfile();  // no op times: priced by FLOPs
+  for (auto& s : by_flops.sites) s.op_seconds.clear();
+  EXPECT_TRUE(CheckGivenProfile(by_flops, "p.json", c.spec, c.graph, &usable).ok());
+
+  auto error = [&](const std::function<void(partitioner::ClusterProfile&)>& edit) {
+    partitioner::ClusterProfile p = GivenProfile();
+    edit(p);
+    const absl::Status s = CheckGivenProfile(p, "p.json", c.spec, c.graph, &usable);
+    EXPECT_FALSE(s.ok());
+    return std::string(s.message());
+  };
+  EXPECT_THAT(error([](auto& p) { p.sites.pop_back(); }),
+              HasSubstr("--profile p.json: site 'c' of the cluster spec is not in it"));
+  EXPECT_THAT(error([](auto& p) {
+                p.sites.push_back({"d", 1e11, 8e9, {}, {}});
+              }),
+              HasSubstr("--profile p.json: site 'd' is not in the cluster spec"));
+  EXPECT_THAT(error([](auto& p) { p.sites[1].workers = 2; }),
+              HasSubstr("site 'b' was measured with 2 worker(s), but the spec gives it 1 device(s)"));
+  EXPECT_THAT(error([](auto& p) { p.sites[0].op_seconds["layer9.mlp"] = 0.1; }),
+              HasSubstr("site 'a' has a time for op 'layer9.mlp', which is not in the job's model"));
+  const std::string first_op = c.graph.ops[0].name;
+  EXPECT_THAT(error([&](auto& p) { p.sites[2].op_seconds.erase(first_op); }),
+              HasSubstr("site 'c' has no time for op '" + first_op + "' of the job's model"));
+  EXPECT_THAT(error([](auto& p) { p.links.pop_back(); }), HasSubstr("it has no link c -> b"));
+  EXPECT_THAT(error([](auto& p) {
+                p.links.push_back({"a", "z", 1e7, 0.02});
+              }),
+              HasSubstr("link a -> z is not between two sites of the cluster spec"));
+  EXPECT_THAT(error([](auto& p) { p.links.push_back(p.links[0]); }), HasSubstr("link a -> b is given twice"));
+}
+
 // `meridian run --resume` continues from whatever the shared directory holds: its assignments name no run
 // to match (a fresh run's name its own, above).
 TEST(RunMachine, AResumedRunLoadsTheNewestCheckpointOfAnyRun) {

@@ -281,12 +281,48 @@ TEST_F(CoordinatorTest, ResumedRunEndsWhereAnUninterruptedOneWould) {
   }
   ASSERT_TRUE(fs::exists(dir_ / "ckpt" / "step-4"));
   fs::remove_all(dir_ / "run" / "weights");
-  auto coord = Coordinator("--steps 6 --resume");
+  // The resumed run plans from the first run's measurements (--profile), measuring nothing. A profile
+  // that does not fit the spec or the model fails before any site joins, naming the file and the site or op.
+  fs::create_directories(dir_ / "measured");
+  for (const char* f : {"profile.json", "graph.json"}) fs::copy_file(dir_ / "run" / f, dir_ / "measured" / f);
+  auto refused = [&](const std::string& profile) {
+    Process bad(Bin("meridian") + " run " + (dir_ / "cluster.yaml").string() + " " + (dir_ / "job.yaml").string() +
+                " --run-dir " + (dir_ / "bad-run").string() + " --profile " + profile + " 2>&1");
+    std::string out = bad.ReadAll(20s);
+    EXPECT_EQ(bad.Wait(10s), 2) << out;
+    return out;
+  };
+  EXPECT_THAT(refused((dir_ / "nowhere").string()),
+              HasSubstr("--profile " + (dir_ / "nowhere").string() + ": no such file"));
+  auto measured = nlohmann::json::parse(ReadText(dir_ / "measured" / "profile.json"));
+  ASSERT_EQ(measured["sites"].size(), 3u);
+  ASSERT_EQ(measured["links"].size(), 6u);
+  auto without_c = measured;  // c, and its links
+  without_c["sites"].erase(2);
+  ASSERT_EQ(without_c["sites"][0]["name"], "a");
+  ASSERT_EQ(without_c["sites"][1]["name"], "b");
+  for (auto l = without_c["links"].begin(); l != without_c["links"].end();)
+    l = (*l)["from"] == "c" || (*l)["to"] == "c" ? without_c["links"].erase(l) : l + 1;
+  std::ofstream(dir_ / "without-c.json") << without_c.dump();
+  EXPECT_THAT(refused((dir_ / "without-c.json").string()),
+              HasSubstr("without-c.json: site 'c' of the cluster spec is not in it"));
+  fs::create_directories(dir_ / "other-model");
+  fs::copy_file(dir_ / "measured" / "profile.json", dir_ / "other-model" / "profile.json");
+  auto graph = nlohmann::json::parse(ReadText(dir_ / "measured" / "graph.json"));
+  graph["ops"][1]["output_bytes"] = 2 * graph["ops"][1]["output_bytes"].get<double>();  // another micro-batch shape
+  std::ofstream(dir_ / "other-model" / "graph.json") << graph.dump();
+  EXPECT_THAT(refused((dir_ / "other-model").string()),
+              HasSubstr("the profile was measured for another model or micro-batch shape"));
+
+  auto coord = Coordinator("--steps 6 --resume --profile " + (dir_ / "measured").string());
   std::this_thread::sleep_for(500ms);
   auto a = Executor("a"), b = Executor("b"), c = Executor("c");
   std::string log = coord->ReadAll(180s);
   ASSERT_EQ(coord->Wait(30s), 0) << log;
   EXPECT_THAT(log, HasSubstr("resuming from the newest intact checkpoint"));
+  EXPECT_THAT(log, HasSubstr("planning from " + (dir_ / "measured" / "profile.json").string()));
+  EXPECT_THAT(log, Not(HasSubstr("measuring devices")));
+  EXPECT_EQ(nlohmann::json::parse(ReadText(dir_ / "run" / "profile.json")), measured);
   ExpectWeightsOfTheReference(dir_);
 }
 
