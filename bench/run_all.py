@@ -393,8 +393,7 @@ def wan_bound(a, bin_dir, work, cfg, model_dir, weights_params):
         a.wan_steps, a.wan_identity_steps = max(a.wan_steps, 8), max(a.wan_identity_steps, 8)
     micro_batches = global_batch
     seed = 20261201
-    res = {"params": weights_params, "seq": seq, "global_batch": global_batch, "rtt_ms": WAN_RTT_MS, "speeds": {},
-           "identity_profile_reused": True}
+    res = {"params": weights_params, "seq": seq, "global_batch": global_batch, "rtt_ms": WAN_RTT_MS, "speeds": {}}
     data = fine_tuning_data(work, seq, global_batch)
     wdir = os.path.join(work, "wan-model")
     shutil.rmtree(wdir, ignore_errors=True)
@@ -430,6 +429,7 @@ def wan_bound(a, bin_dir, work, cfg, model_dir, weights_params):
                 # The same plan from the same profile (`--profile`): at 2 Mbit/s measuring again takes over
                 # two minutes, mostly probing the links.
                 measured = os.path.join(work, f"wan-meridian-{mbit}")
+                res["identity_profile_reused"] = True
                 r["identity"] = run_meridian(emu, bin_dir, work, f"wan-identity-{mbit}", identity,
                                              a.wan_identity_steps, "planned", a.profile_repeats,
                                              extra=f"--plan {plan} --profile {measured}")
@@ -1767,13 +1767,17 @@ def write_results(path, info, comps, e2e, seconds, root, wan=False):
                          "the rest is waiting for neighbours (pipeline fill and drain, links) and sending")
             line += "."
             L.append(line)
+        # With the even splits planning from their planned run's profile, each rate has one profile.
+        kinds = ("meridian",) if e2e.get("even_profile_reused") else ("meridian", "even")
         bounds = [f"{e2e['global_batch'] * e2e['seq'] / r[k]['plan_bound_seconds']:.0f}"
-                  for r in e2e["speeds"].values() for k in ("meridian", "even") if r[k].get("plan_bound_seconds")]
+                  for r in e2e["speeds"].values() for k in kinds if r[k].get("plan_bound_seconds")]
+        whose = ("the planned runs' profiles (the even splits plan from them)" if e2e.get("even_profile_reused")
+                 else f"the {len(bounds)} Meridian runs' profiles")
         even_err = [100 * (r["even"]["predicted_step_seconds"] - r["even"]["step_seconds"]) / r["even"]["step_seconds"]
                     for r in e2e["speeds"].values()]
         L += ["", "Two causes, in our reading of these figures:", "",
               "1. The per-operator profile is noisy: the same three sites measured " + ", ".join(bounds) +
-              f" tokens/s in the four Meridian runs' profiles (each operator timed in place, in three rounds of at "
+              f" tokens/s in {whose} (each operator timed in place, in three rounds of at "
               f"least `--profile-repeats` passes through the whole model and 50 ms), against {b:.0f} from whole-model runs, and the even split's "
               "predicted step was off by " + " and ".join(f"{x:+.0f}%" for x in even_err) +
               " (positive: the prediction was slower than the measurement, negative: faster). A prediction "

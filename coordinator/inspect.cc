@@ -3,12 +3,14 @@
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "core/run_layout.h"
 #include "rpc/coordinator_client.h"
 
 namespace meridian::coordinator {
@@ -98,7 +100,9 @@ int RunDrain(const InspectOptions& o) {
 
 void AddProfileOptions(CLI::App* cmd, InspectOptions* o) {
   AddCommon(cmd, o);
-  cmd->add_option("--out", o->out_path, "Write profile.json there instead of printing it");
+  cmd->add_option("--out", o->out_path,
+                  "Write profile.json there instead of printing it, and the job's graph.json beside it (what "
+                  "`meridian run --profile` needs to plan from them)");
 }
 
 int RunProfile(const InspectOptions& o) {
@@ -114,6 +118,12 @@ int RunProfile(const InspectOptions& o) {
   std::ofstream out(o.out_path);
   out << run->profile_json;
   if (!out) return Fail("profile", absl::InternalError(absl::StrCat(o.out_path, ": cannot write")));
+  if (!run->graph_json.empty()) {  // the model and micro-batch shape the per-op times are of
+    const std::string graph_path = (std::filesystem::path(o.out_path).parent_path() / core::kGraphFile).string();
+    std::ofstream graph(graph_path);
+    graph << run->graph_json;
+    if (!graph) return Fail("profile", absl::InternalError(absl::StrCat(graph_path, ": cannot write")));
+  }
   return 0;
 }
 

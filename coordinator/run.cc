@@ -4,6 +4,7 @@
 #include <httplib.h>
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -78,10 +79,11 @@ void AddRunOptions(CLI::App* cmd, RunOptions* o) {
       ->excludes(cmd->get_option("--split"));
   cmd->add_option(
       "--profile", o->profile_path,
-      "Plan from the sites' figures measured before instead of measuring them: a profile.json (a run's, "
-      "or `meridian profile --out`'s), or a run directory; a graph.json beside it (a run's) must be this "
-      "job's model (the same ops and micro-batch shape). Every site of the cluster spec must be in it, with a link "
-      "each way to every other; figures older than the cluster's state plan a stale step");
+      "Plan from the sites' figures measured before instead of measuring them: a run directory, or a "
+      "profile.json with the graph.json it was measured with beside it (a run's, or what `meridian profile "
+      "--out` writes), which must be this job's model (the same ops and micro-batch shape). Every site of the "
+      "cluster spec must be in it, on the device it registers with, with a link each way to every other; "
+      "figures older than the cluster's state plan a stale step");
   cmd->add_option("--launch", o->launch,
                   "ssh: start the executor of every site with an ssh: section over SSH (copying its certificate "
                   "bundle), follow their logs into RUN/sites, and stop them when the run ends or on Ctrl-C")
@@ -179,7 +181,15 @@ absl::Status LoadGivenProfile(const std::string& path, RunInputs* in) {
   if (!text.ok()) return text.status();
   auto profile = partitioner::ParseProfileJson(*text, in->profile_path);
   if (!profile.ok()) return profile.status();
+  // Per-op times are of one model and micro-batch shape, which only the graph they were measured with
+  // shows (op names are the same for any model of the same depth).
   const std::string graph_path = (fs::path(in->profile_path).parent_path() / core::kGraphFile).string();
+  const bool timed =
+      std::any_of(profile->sites.begin(), profile->sites.end(), [](const auto& s) { return !s.op_seconds.empty(); });
+  if (timed && !fs::exists(graph_path))
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--profile ", path, ": its sites' per-op times need the graph they were measured with beside it (", graph_path,
+        ": no such file; a run directory holds both, and `meridian profile --out` writes both)"));
   if (fs::exists(graph_path)) {
     auto graph_text = core::ReadFile(graph_path);
     if (!graph_text.ok()) return graph_text.status();
@@ -196,10 +206,10 @@ absl::Status LoadGivenProfile(const std::string& path, RunInputs* in) {
       if (m.name != want[k].name || !near(m.output_bytes, want[k].output_bytes) ||
           !near(m.forward_flops, want[k].forward_flops) || !near(m.param_bytes, want[k].param_bytes))
         return absl::InvalidArgumentError(absl::StrFormat(
-            "--profile %s: op %d of %s ('%s': %.0f output bytes, %.4g forward FLOPs) is not the job's ('%s': "
-            "%.0f, %.4g): the profile was measured for another model or micro-batch shape",
-            path, k, graph_path, m.name, m.output_bytes, m.forward_flops, want[k].name, want[k].output_bytes,
-            want[k].forward_flops));
+            "--profile %s: op %d of %s ('%s': %.0f output bytes, %.4g forward FLOPs, %.0f parameter bytes) is not "
+            "the job's ('%s': %.0f, %.4g, %.0f): the profile was measured for another model or micro-batch shape",
+            path, k, graph_path, m.name, m.output_bytes, m.forward_flops, m.param_bytes, want[k].name,
+            want[k].output_bytes, want[k].forward_flops, want[k].param_bytes));
     }
   }
   partitioner::ClusterProfile usable;

@@ -518,8 +518,15 @@ void RunMachine::UseGivenProfile() {
   auto joined = [&](const std::string& site) {
     return std::find(joined_.begin(), joined_.end(), site) != joined_.end();
   };
-  for (const auto& site : c_.given_profile->sites)
-    if (joined(site.name)) profile_.sites.push_back(site);
+  for (const auto& site : c_.given_profile->sites) {
+    if (!joined(site.name)) continue;
+    // Figures of another device would plan another site (a CPU's for a GPU, or the reverse).
+    if (const std::string& now = sites_[site.name].device; !site.device.empty() && site.device != now)
+      return Fail(absl::StrCat("--profile ", c_.given_profile_path, ": site '", site.name, "' was measured on ",
+                               site.device, " but registered with device ", Clean(now.substr(0, 100)),
+                               "; measure it (run without --profile)"));
+    profile_.sites.push_back(site);
+  }
   for (const auto& l : c_.given_profile->links)
     if (joined(l.from) && joined(l.to)) profile_.links.push_back(l);
   Say(absl::StrCat(joined_.size(), " sites joined; planning from ", c_.given_profile_path,

@@ -391,7 +391,8 @@ class RunMachine {
   // profile_ from them, then ProfileReady.
   void FinishProfiling();
   // --profile: profile_ from c_.given_profile's joined sites and the links between them, measuring
-  // nothing; then ProfileReady.
+  // nothing; then ProfileReady. Fails the run when a site registered with another device than its
+  // figures were measured on (SiteProfile::device, where recorded).
   void UseGivenProfile();
   // profile_ holds the joined sites' figures: the spec's link overrides applied, printed, profile.json and
   // graph.json written, then the first attempt. `how`: the "profiled" event's text.

@@ -957,6 +957,7 @@ partitioner::ClusterProfile GivenProfile() {
   partitioner::ClusterProfile p;
   for (const char* site : {"a", "b", "c"}) {
     partitioner::SiteProfile sp{site, 1e11, 8e9, {}, {}};
+    sp.device = "cpu";
     for (const auto& op : SmallGraph().ops) sp.op_seconds[op.name] = 0.001;
     p.sites.push_back(sp);
   }
@@ -1001,8 +1002,9 @@ TEST(RunMachine, AGivenProfileIsPlannedFromWithoutMeasuringAnything) {
   EXPECT_TRUE(noted);
 }
 
-// With min_sites, the sites that joined are planned from their given figures; the links to one that did
-// not are left out, and it is measured as any site joining mid-run once it registers.
+// With min_sites, the sites that joined are planned from their given figures and the links to one that
+// did not are left out; once it registers it is measured as any site joining mid-run (its given figures
+// unused), with its links to the running sites.
 TEST(RunMachine, AGivenProfilePlansOnlyTheSitesThatJoined) {
   RunConfig c = Config();
   c.spec.min_sites = 2;
@@ -1024,6 +1026,66 @@ TEST(RunMachine, AGivenProfilePlansOnlyTheSitesThatJoined) {
       for (const auto& l : j["links"]) EXPECT_TRUE(l["from"] != "c" && l["to"] != "c") << l.dump();
     }
   EXPECT_EQ(written, 1);
+  d.Feed(SiteRegistered{"c", "127.0.0.1:9c", "cpu"});
+  std::vector<SendCommand> asked;
+  for (int i = 0; i < 10 && asked.empty(); ++i) asked = Profiles(d.Feed(Tick{}, 1.0));
+  ASSERT_EQ(asked.size(), 1u);
+  EXPECT_EQ(asked[0].site, "c");
+  EXPECT_FALSE(asked[0].command.profile().links_only());  // its device and the model too
+  std::set<std::string> peers;
+  for (const auto& p : asked[0].command.profile().peers()) peers.insert(p.site());
+  EXPECT_EQ(peers, (std::set<std::string>{"a", "b"}));
+}
+
+// A given profile plans exactly as the same figures measured by the sites would.
+TEST(RunMachine, AGivenProfilePlansAsTheSameFiguresMeasured) {
+  RunConfig c = StragglerConfig();  // the planner's layout of LargeGraph over a, b, c
+  Driver measured(c);
+  measured.JoinAndProfile({"a", "b", "c"});  // each 1e11 FLOP/s and 8e9 bytes, links 1e8 B/s and 1 ms
+  ASSERT_EQ(measured.machine().phase(), RunMachine::Phase::kTraining);
+  partitioner::ClusterProfile same;
+  for (const char* site : {"a", "b", "c"}) same.sites.push_back({site, 1e11, 8e9, {}, {}});
+  for (const char* from : {"a", "b", "c"})
+    for (const char* to : {"a", "b", "c"})
+      if (std::string(from) != to) same.links.push_back({from, to, 1e8, 1e-3});
+  c.given_profile = same;
+  c.given_profile_path = "p.json";
+  Driver given(c);
+  given.Feed(RunStarted{});
+  for (const char* s : {"a", "b", "c"}) given.Feed(SiteRegistered{s, std::string("127.0.0.1:9") + s, "cpu"});
+  ASSERT_EQ(given.machine().phase(), RunMachine::Phase::kTraining);
+  const partitioner::Plan& want = *measured.machine().plan();
+  const partitioner::Plan& got = *given.machine().plan();
+  ASSERT_GE(want.stages.size(), 2u);  // a pipeline: the cuts and their order matter
+  ASSERT_EQ(got.stages.size(), want.stages.size());
+  for (size_t k = 0; k < want.stages.size(); ++k) {
+    EXPECT_EQ(got.stages[k].site_names, want.stages[k].site_names) << k;
+    EXPECT_EQ(got.stages[k].last_op, want.stages[k].last_op) << k;
+  }
+  EXPECT_DOUBLE_EQ(got.predicted_step_seconds, want.predicted_step_seconds);
+}
+
+// A site whose figures were measured on another device than it registers with is refused: the run fails
+// naming the file, the site and both devices.
+TEST(RunMachine, AGivenProfileOfAnotherDeviceFailsTheRun) {
+  RunConfig c = Config();
+  c.given_profile = GivenProfile();
+  c.given_profile->sites[1].device = "cuda:0";
+  c.given_profile_path = "p.json";
+  Driver d(c);
+  std::vector<Action> all;
+  for (auto&& what : std::vector<decltype(Event::what)>{RunStarted{}, SiteRegistered{"a", "127.0.0.1:9a", "cpu"},
+                                                        SiteRegistered{"b", "127.0.0.1:9b", "cpu"},
+                                                        SiteRegistered{"c", "127.0.0.1:9c", "cpu"}}) {
+    auto out = d.Feed(what);
+    all.insert(all.end(), out.begin(), out.end());
+  }
+  EXPECT_EQ(d.machine().phase(), RunMachine::Phase::kFinished);
+  EXPECT_THAT(Printed(all),
+              HasSubstr("--profile p.json: site 'b' was measured on cuda:0 but registered with device cpu"));
+  ASSERT_EQ(All<Exit>(all).size(), 1u);
+  EXPECT_EQ(All<Exit>(all)[0].code, 1);
+  EXPECT_TRUE(Assignments(all).empty());
 }
 
 // CheckGivenProfile: the spec's sites and no other, their devices, the job's ops and no other, a link each

@@ -198,6 +198,7 @@ absl::StatusOr<OpProfile> ProfileModel(const LlamaConfig& c, int mbs, int seq, c
     OpProfile out;
     out.graph = partitioner::BuildLlamaGraph(c.shape, job::ProfiledGraphOptions(mbs, seq, lora.enabled));
     out.site.name = site_name;
+    out.site.device = device.str();  // as the executor's --device names it: "cpu", "cuda:0"
     out.site.flops_per_second = MeasureGemmFlops(device);
     out.site.gemm_flops_per_second["libtorch_fp32"] = out.site.flops_per_second;
     out.site.memory_bytes = AvailableMemoryBytes(device);

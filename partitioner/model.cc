@@ -199,6 +199,10 @@ absl::StatusOr<ClusterProfile> ParseProfileJson(const std::string& text, const s
       if (!c->is_string()) return Bad(path, ctx + ".comment", "expected a string");
       sp.comment = c->get<std::string>();
     }
+    if (auto d = s.find("device"); d != s.end()) {
+      if (!d->is_string()) return Bad(path, ctx + ".device", "expected a string (the device measured: cpu, cuda:N)");
+      sp.device = d->get<std::string>();
+    }
     p.sites.push_back(std::move(sp));
   }
   auto links = j.find("links");
@@ -378,6 +382,7 @@ std::string ProfileToJson(const ClusterProfile& p) {
     if (s.transport_seconds_per_byte > 0) js["transport_seconds_per_byte"] = s.transport_seconds_per_byte;
     if (s.optimizer_seconds_per_byte > 0) js["optimizer_seconds_per_byte"] = s.optimizer_seconds_per_byte;
     if (!s.comment.empty()) js["comment"] = s.comment;
+    if (!s.device.empty()) js["device"] = s.device;
     sites.push_back(js);
   }
   for (const auto& l : p.links) {

@@ -71,6 +71,10 @@ struct SiteProfile {
   // 0: not measured (not charged). OptimizerSeconds.
   double optimizer_seconds_per_byte = 0;
   std::string comment;  // free text: where the figures come from (published specs, a measurement)
+  // The device the figures were measured on, as the site's executor names it ("cpu", "cuda:0"); empty:
+  // not recorded (a hand-written or published profile). `meridian run --profile` refuses a site that
+  // registers with another.
+  std::string device;
 };
 
 // One direction of a link. latency_seconds is one-way.

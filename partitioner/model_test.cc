@@ -150,6 +150,19 @@ TEST(ProfileJson, ParsesAndValidates) {
                                    "r.json")
                       .status()),
               HasSubstr("r.json: links[0].receive_seconds_per_byte: must be a non-negative number"));
+  // The device a site was measured on round-trips; optional; a string.
+  auto dev = ParseProfileJson(R"({"sites": [{"name": "a", "flops_per_second": 1, "memory_bytes": 1, "device": "cuda:1"},
+                                            {"name": "b", "flops_per_second": 1, "memory_bytes": 1}]})",
+                              "d.json");
+  ASSERT_TRUE(dev.ok()) << dev.status();
+  auto dev2 = ParseProfileJson(ProfileToJson(*dev), "again.json");
+  ASSERT_TRUE(dev2.ok()) << dev2.status();
+  EXPECT_EQ(dev2->sites[0].device, "cuda:1");
+  EXPECT_EQ(dev2->sites[1].device, "");
+  EXPECT_THAT(Err(ParseProfileJson(
+                      R"({"sites": [{"name": "a", "flops_per_second": 1, "memory_bytes": 1, "device": 0}]})", "d.json")
+                      .status()),
+              HasSubstr("d.json: sites[0].device: expected a string"));
   EXPECT_THAT(Err(ParseProfileJson(R"({"sites": [{"name": "a", "flops_per_second": 1, "memory_bytes": 1,
                                                   "transport_seconds_per_byte": -1}]})",
                                    "t.json")

@@ -303,9 +303,15 @@ TEST_F(CoordinatorTest, ResumedRunEndsWhereAnUninterruptedOneWould) {
   ASSERT_EQ(without_c["sites"][1]["name"], "b");
   for (auto l = without_c["links"].begin(); l != without_c["links"].end();)
     l = (*l)["from"] == "c" || (*l)["to"] == "c" ? without_c["links"].erase(l) : l + 1;
-  std::ofstream(dir_ / "without-c.json") << without_c.dump();
-  EXPECT_THAT(refused((dir_ / "without-c.json").string()),
-              HasSubstr("without-c.json: site 'c' of the cluster spec is not in it"));
+  fs::create_directories(dir_ / "without-c");
+  std::ofstream(dir_ / "without-c" / "profile.json") << without_c.dump();
+  fs::copy_file(dir_ / "measured" / "graph.json", dir_ / "without-c" / "graph.json");
+  EXPECT_THAT(refused((dir_ / "without-c" / "profile.json").string()),
+              HasSubstr("without-c/profile.json: site 'c' of the cluster spec is not in it"));
+  fs::create_directories(dir_ / "no-graph");  // per-op times without the graph they are of
+  fs::copy_file(dir_ / "measured" / "profile.json", dir_ / "no-graph" / "profile.json");
+  EXPECT_THAT(refused((dir_ / "no-graph").string()),
+              HasSubstr("its sites' per-op times need the graph they were measured with beside it"));
   fs::create_directories(dir_ / "other-model");
   fs::copy_file(dir_ / "measured" / "profile.json", dir_ / "other-model" / "profile.json");
   auto graph = nlohmann::json::parse(ReadText(dir_ / "measured" / "graph.json"));
@@ -1097,6 +1103,10 @@ TEST_F(CoordinatorTest, StatusProfileLivePlanAndSiteLogsOfARunningJob) {
   auto pj = nlohmann::json::parse(std::ifstream(dir_ / "live-profile.json"), nullptr, false);
   EXPECT_EQ(pj["sites"].size(), 3u) << pj.dump();
   EXPECT_EQ(pj["links"].size(), 6u) << pj.dump();
+  for (const auto& site : pj["sites"]) EXPECT_EQ(site["device"], "cpu") << site.dump();  // what it was measured on
+  // The graph the per-op times are of, beside it (`meridian run --profile` plans from the two).
+  EXPECT_EQ(nlohmann::json::parse(ReadText(dir_ / "graph.json")),
+            nlohmann::json::parse(ReadText(dir_ / "run" / "graph.json")));
   Process plan(Bin("meridian") + " plan --live" + where + " --micro-batches 4 2>&1");
   std::string plan_out = plan.ReadAll(20s);
   ASSERT_EQ(plan.Wait(10s), 0) << plan_out;
