@@ -967,6 +967,16 @@ partitioner::ClusterProfile GivenProfile() {
   return p;
 }
 
+// Starts the run and lets `sites` register, each on "cpu"; every action the machine answered, in order.
+std::vector<Action> StartAndRegister(Driver* d, const std::vector<std::string>& sites) {
+  std::vector<Action> all = d->Feed(RunStarted{});
+  for (const auto& s : sites) {
+    auto out = d->Feed(SiteRegistered{s, "127.0.0.1:9" + s, "cpu"});
+    all.insert(all.end(), out.begin(), out.end());
+  }
+  return all;
+}
+
 // --profile: the run plans from the given figures as soon as the sites have joined, asking none of them to
 // measure anything, and profile.json is what it was given (the sites that joined, the links between them).
 TEST(RunMachine, AGivenProfileIsPlannedFromWithoutMeasuringAnything) {
@@ -975,13 +985,7 @@ TEST(RunMachine, AGivenProfileIsPlannedFromWithoutMeasuringAnything) {
   c.given_profile_path = "/runs/before/profile.json";
   Driver d(c);
   d.answer_link_probes = false;  // none may be asked for
-  std::vector<Action> all;
-  for (auto&& what : std::vector<decltype(Event::what)>{RunStarted{}, SiteRegistered{"a", "127.0.0.1:9a", "cpu"},
-                                                        SiteRegistered{"b", "127.0.0.1:9b", "cpu"},
-                                                        SiteRegistered{"c", "127.0.0.1:9c", "cpu"}}) {
-    auto out = d.Feed(what);
-    all.insert(all.end(), out.begin(), out.end());
-  }
+  const std::vector<Action> all = StartAndRegister(&d, {"a", "b", "c"});
   EXPECT_TRUE(Profiles(all).empty());
   ASSERT_EQ(d.machine().phase(), RunMachine::Phase::kTraining) << Printed(all);
   EXPECT_THAT(Printed(all), HasSubstr("planning from /runs/before/profile.json"));
@@ -1011,9 +1015,7 @@ TEST(RunMachine, AGivenProfilePlansOnlyTheSitesThatJoined) {
   c.given_profile = GivenProfile();
   c.given_profile_path = "p.json";
   Driver d(c);
-  d.Feed(RunStarted{});
-  d.Feed(SiteRegistered{"a", "127.0.0.1:9a", "cpu"});
-  auto out = d.Feed(SiteRegistered{"b", "127.0.0.1:9b", "cpu"});
+  const std::vector<Action> out = StartAndRegister(&d, {"a", "b"});
   ASSERT_EQ(d.machine().phase(), RunMachine::Phase::kTraining) << Printed(out);
   EXPECT_TRUE(Profiles(out).empty());
   int written = 0;
@@ -1051,8 +1053,7 @@ TEST(RunMachine, AGivenProfilePlansAsTheSameFiguresMeasured) {
   c.given_profile = same;
   c.given_profile_path = "p.json";
   Driver given(c);
-  given.Feed(RunStarted{});
-  for (const char* s : {"a", "b", "c"}) given.Feed(SiteRegistered{s, std::string("127.0.0.1:9") + s, "cpu"});
+  StartAndRegister(&given, {"a", "b", "c"});
   ASSERT_EQ(given.machine().phase(), RunMachine::Phase::kTraining);
   const partitioner::Plan& want = *measured.machine().plan();
   const partitioner::Plan& got = *given.machine().plan();
@@ -1073,13 +1074,7 @@ TEST(RunMachine, AGivenProfileOfAnotherDeviceFailsTheRun) {
   c.given_profile->sites[1].device = "cuda:0";
   c.given_profile_path = "p.json";
   Driver d(c);
-  std::vector<Action> all;
-  for (auto&& what : std::vector<decltype(Event::what)>{RunStarted{}, SiteRegistered{"a", "127.0.0.1:9a", "cpu"},
-                                                        SiteRegistered{"b", "127.0.0.1:9b", "cpu"},
-                                                        SiteRegistered{"c", "127.0.0.1:9c", "cpu"}}) {
-    auto out = d.Feed(what);
-    all.insert(all.end(), out.begin(), out.end());
-  }
+  const std::vector<Action> all = StartAndRegister(&d, {"a", "b", "c"});
   EXPECT_EQ(d.machine().phase(), RunMachine::Phase::kFinished);
   EXPECT_THAT(Printed(all),
               HasSubstr("--profile p.json: site 'b' was measured on cuda:0 but registered with device cpu"));
