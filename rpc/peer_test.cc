@@ -245,21 +245,28 @@ TEST_F(PeerTest, ProbeMeasuresLoopback) {
 
 // What receiving costs per byte at the link's rate: the peer's service reports its CPU for a probe
 // stream once it is given its share of a core (here the process's, both ends: above nothing, below 1 us
-// a byte; loopback TLS here: a few ns a byte), and the reverse direction, about as fast, is priced at the
-// same CPU a byte at the prober's share: half the share, twice the seconds.
+// a byte; loopback TLS here: a few ns a byte), and the reverse direction, where the two directions' rates
+// are within 1.5x, is priced at the same CPU a byte at the prober's share: half the share, twice the
+// seconds. (On a loaded machine loopback's two directions can read further apart, each the best of the
+// repeats: then the reverse direction has no figure, as ProbeLink specifies.)
 TEST_F(PeerTest, AProbeMeasuresWhatReceivingCostsAtBothEnds) {
   StartServer();
   service_->SetProbeCpuShare(0.5);
   auto client = Client("a");
   ProbeOptions o;
   o.bulk_bytes = 8 << 20;
+  o.repeats = 3;
   o.cpu_share = 0.25;
   auto m = ProbeLink(*client, o);
   ASSERT_TRUE(m.ok()) << m.status();
   EXPECT_GT(m->forward_receive_seconds_per_byte, 0);
   EXPECT_LT(m->forward_receive_seconds_per_byte, 1e-6);
-  EXPECT_NEAR(m->reverse_receive_seconds_per_byte, 2 * m->forward_receive_seconds_per_byte,
-              1e-9 * m->forward_receive_seconds_per_byte);
+  const double fwd = m->forward_bytes_per_second, rev = m->reverse_bytes_per_second;
+  if (std::max(fwd, rev) <= 1.5 * std::min(fwd, rev))
+    EXPECT_NEAR(m->reverse_receive_seconds_per_byte, 2 * m->forward_receive_seconds_per_byte,
+                1e-9 * m->forward_receive_seconds_per_byte);
+  else
+    EXPECT_EQ(m->reverse_receive_seconds_per_byte, 0) << "rates " << fwd << " and " << rev << " B/s";
   // A service that stops measuring (its site computes or trains) reports nothing again, and without the
   // peer's figure the reverse direction has none either.
   service_->SetProbeCpuShare(0);
