@@ -39,6 +39,33 @@ Clock::duration After(double seconds) {
 // A string a site sent, safe for the operator's terminal and the logs (core::Printable).
 std::string Clean(const std::string& text) { return core::Printable(text); }
 
+// A site's figures against the spec and the job, wherever they come from (its report, or --profile): as
+// many workers as the spec gives it devices (a site cannot claim more to draw work, or fewer, for that
+// matter), a finite all-reduce bandwidth, times only of the job's ops, finite. *capped: the figures with
+// the memory capped at the spec's `memory:` for it, which bounds what the planner may use there whatever
+// the device has free.
+absl::Status CheckSiteFigures(const partitioner::SiteProfile& p, const core::ClusterSpec& spec,
+                              const partitioner::OpGraph& graph, partitioner::SiteProfile* capped) {
+  auto finite = [](double v) { return std::isfinite(v) && v >= 0; };
+  const core::SiteSpec* in_spec = nullptr;
+  for (const auto& s : spec.sites)
+    if (s.name == p.name) in_spec = &s;
+  const int devices = in_spec ? std::max<int>(1, static_cast<int>(in_spec->devices.size())) : 1;
+  if (p.workers != devices)
+    return absl::InvalidArgumentError(
+        absl::StrCat("it reports ", p.workers, " workers, but the spec gives it ", devices, " device(s)"));
+  if (!finite(p.intra_site_bytes_per_second))
+    return absl::InvalidArgumentError("its workers' all-reduce bandwidth is not a finite number");
+  for (const auto& [op, seconds] : p.op_seconds) {
+    if (std::none_of(graph.ops.begin(), graph.ops.end(), [&](const auto& o) { return o.name == op; }))
+      return absl::InvalidArgumentError(absl::StrCat("op '", op, "' is not in the job's model"));
+    if (!finite(seconds)) return absl::InvalidArgumentError(absl::StrCat("op '", op, "' took a non-finite time"));
+  }
+  *capped = p;
+  if (in_spec && in_spec->memory_bytes) capped->memory_bytes = std::min(capped->memory_bytes, *in_spec->memory_bytes);
+  return absl::OkStatus();
+}
+
 // "'a', 'b'"
 std::string Quoted(const std::vector<std::string>& names) {
   std::string out;
@@ -448,25 +475,8 @@ absl::Status RunMachine::CheckProfile(const v1::ProfileReport& r, partitioner::C
   auto finite = [](double v) { return std::isfinite(v) && v >= 0; };
   if (!finite(p.flops_per_second) || p.flops_per_second <= 0 || !finite(p.memory_bytes))
     return absl::InvalidArgumentError("its device's speed or memory is not a finite positive number");
-  // Its workers are the spec's devices: a site cannot claim more to draw work (or fewer, for that matter).
-  int devices = 1;
-  for (const auto& s : c_.spec.sites)
-    if (s.name == site) devices = std::max<int>(1, static_cast<int>(s.devices.size()));
-  if (p.workers != devices)
-    return absl::InvalidArgumentError(
-        absl::StrCat("it reports ", p.workers, " workers, but the spec gives it ", devices, " device(s)"));
-  if (!finite(p.intra_site_bytes_per_second))
-    return absl::InvalidArgumentError("its workers' all-reduce bandwidth is not a finite number");
-  for (const auto& [op, seconds] : p.op_seconds) {
-    if (std::none_of(c_.graph.ops.begin(), c_.graph.ops.end(), [&](const auto& o) { return o.name == op; }))
-      return absl::InvalidArgumentError(absl::StrCat("op '", op, "' is not in the job's model"));
-    if (!finite(seconds)) return absl::InvalidArgumentError(absl::StrCat("op '", op, "' took a non-finite time"));
-  }
-  checked->sites = {p};
-  // The spec's `memory:` caps what the planner may use there, whatever the device has free.
-  for (const auto& s : c_.spec.sites)
-    if (s.name == site && s.memory_bytes)
-      checked->sites[0].memory_bytes = std::min(checked->sites[0].memory_bytes, *s.memory_bytes);
+  checked->sites.resize(1);
+  if (absl::Status s = CheckSiteFigures(p, c_.spec, c_.graph, &checked->sites[0]); !s.ok()) return s;
   return CheckLinks(site, r.links_json(), probed, &checked->links);
 }
 
@@ -791,52 +801,39 @@ absl::Status CheckGivenProfile(const partitioner::ClusterProfile& profile, const
   auto bad = [&](const std::string& what) {
     return absl::InvalidArgumentError(absl::StrCat("--profile ", path, ": ", what));
   };
-  auto spec_site = [&](const std::string& name) -> const core::SiteSpec* {
-    for (const auto& s : spec.sites)
-      if (s.name == name) return &s;
-    return nullptr;
-  };
-  std::set<std::string> ops;
-  for (const auto& op : graph.ops) ops.insert(op.name);
+  std::set<std::string> in_spec, given;
+  for (const auto& s : spec.sites) in_spec.insert(s.name);
   usable->sites.clear();
   usable->links.clear();
   for (const auto& site : profile.sites) {
-    const core::SiteSpec* s = spec_site(site.name);
-    if (!s) return bad(absl::StrCat("site '", site.name, "' is not in the cluster spec"));
-    const int devices = std::max<int>(1, static_cast<int>(s->devices.size()));
-    if (site.workers != devices)
-      return bad(absl::StrCat("site '", site.name, "' was measured with ", site.workers,
-                              " worker(s), but the spec gives it ", devices, " device(s)"));
-    for (const auto& [op, seconds] : site.op_seconds)
-      if (!ops.count(op))
-        return bad(absl::StrCat("site '", site.name, "' has a time for op '", op,
-                                "', which is not in the job's model: it was measured for another model"));
+    if (!in_spec.count(site.name)) return bad(absl::StrCat("site '", site.name, "' is not in the cluster spec"));
+    given.insert(site.name);
+    partitioner::SiteProfile capped;
+    if (absl::Status s = CheckSiteFigures(site, spec, graph, &capped); !s.ok())
+      return bad(absl::StrCat("site '", site.name, "': ", s.message()));
     if (!site.op_seconds.empty())
       for (const auto& op : graph.ops)
         if (!site.op_seconds.count(op.name))
           return bad(absl::StrCat("site '", site.name, "' has no time for op '", op.name,
                                   "' of the job's model: it was measured for another model"));
-    partitioner::SiteProfile capped = site;
-    if (s->memory_bytes) capped.memory_bytes = std::min(capped.memory_bytes, static_cast<double>(*s->memory_bytes));
     usable->sites.push_back(std::move(capped));
   }
-  for (const auto& s : spec.sites)
-    if (std::none_of(profile.sites.begin(), profile.sites.end(), [&](const auto& p) { return p.name == s.name; }))
-      return bad(absl::StrCat("site '", s.name,
+  for (const auto& name : in_spec)
+    if (!given.count(name))
+      return bad(absl::StrCat("site '", name,
                               "' of the cluster spec is not in it (measure the sites: run without "
                               "--profile)"));
+  std::set<std::pair<std::string, std::string>> links;
   for (const auto& l : profile.links) {
-    if (!spec_site(l.from) || !spec_site(l.to) || l.from == l.to)
+    if (!in_spec.count(l.from) || !in_spec.count(l.to) || l.from == l.to)
       return bad(absl::StrCat("link ", l.from, " -> ", l.to, " is not between two sites of the cluster spec"));
-    if (std::count_if(profile.links.begin(), profile.links.end(),
-                      [&](const auto& o) { return o.from == l.from && o.to == l.to; }) != 1)
+    if (!links.insert({l.from, l.to}).second)
       return bad(absl::StrCat("link ", l.from, " -> ", l.to, " is given twice"));
     usable->links.push_back(l);
   }
   for (const auto& a : spec.sites)
     for (const auto& b : spec.sites)
-      if (a.name != b.name && std::none_of(profile.links.begin(), profile.links.end(),
-                                           [&](const auto& l) { return l.from == a.name && l.to == b.name; }))
+      if (a.name != b.name && !links.count({a.name, b.name}))
         return bad(
             absl::StrCat("it has no link ", a.name, " -> ", b.name, " (measure the sites: run without --profile)"));
   return absl::OkStatus();

@@ -1113,9 +1113,9 @@ TEST(RunMachine, AGivenProfileIsCheckedAgainstTheSpecAndTheModel) {
               }),
               HasSubstr("--profile p.json: site 'd' is not in the cluster spec"));
   EXPECT_THAT(error([](auto& p) { p.sites[1].workers = 2; }),
-              HasSubstr("site 'b' was measured with 2 worker(s), but the spec gives it 1 device(s)"));
+              HasSubstr("--profile p.json: site 'b': it reports 2 workers, but the spec gives it 1 device(s)"));
   EXPECT_THAT(error([](auto& p) { p.sites[0].op_seconds["layer9.mlp"] = 0.1; }),
-              HasSubstr("site 'a' has a time for op 'layer9.mlp', which is not in the job's model"));
+              HasSubstr("--profile p.json: site 'a': op 'layer9.mlp' is not in the job's model"));
   const std::string first_op = c.graph.ops[0].name;
   EXPECT_THAT(error([&](auto& p) { p.sites[2].op_seconds.erase(first_op); }),
               HasSubstr("site 'c' has no time for op '" + first_op + "' of the job's model"));
