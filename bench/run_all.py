@@ -578,7 +578,7 @@ def diloco_pipelines(a, bin_dir, work, cfg, model_dir, weights_params):
     res = {"params": params, "seq": seq, "global_batch": global_batch, "micro_batches": micro_batches,
            "rtt_ms": WAN_RTT_MS, "mbit": a.dp_mbit, "inner_mbit": a.dp_inner_mbit, "inner_steps": H, "steps": steps,
            "sites": dict(DP_SITES), "codecs": a.dp_codecs.split(","), "model": cfg_text(dp_model),
-           "compression": a.dp_compression, "bound_steps": 23}
+           "compression": a.dp_compression, "bound_steps": 23, "step_overlap": a.dp_step_overlap}
     res["sync"] = (f"{{mode: diloco, inner_steps: {H}, codec: CODEC, "
                    "outer_optimizer: {name: nesterov, lr: 0.7, momentum: 0.5}}")
     every = os.path.join(dpw, "every.yaml")
@@ -589,6 +589,8 @@ def diloco_pipelines(a, bin_dir, work, cfg, model_dir, weights_params):
         job_yaml(diloco[codec], steps, global_batch, micro_batches, seq, seed, a.dp_compression)
         with open(diloco[codec], "a") as f:
             f.write(f"  sync: {res['sync'].replace('CODEC', repr(codec))}\n")
+            if a.dp_step_overlap:
+                f.write(f"  step_overlap: {a.dp_step_overlap}\n")
     # Ops: the embedding, each block's attention and MLP, the head. By default stage 0 takes the embedding,
     # all blocks but the last two and the attention of the next (op 2 L - 3), stage 1 the rest: balanced by
     # session 27's measured steps (cut after all blocks but the last, op 2 L - 2, stage 0 computed 1.17-1.19 s
@@ -1524,6 +1526,9 @@ def main():
                          "writes the section (the others leave their results JSON)")
     ap.add_argument("--dp-compression", default="{policy: adaptive, error_feedback: true}",
                     help="its jobs' job.compression (YAML flow mapping)")
+    ap.add_argument("--dp-step-overlap", type=int, default=0,
+                    help="its DiLoCo jobs' job.step_overlap: micro-batches of each step begun on the previous step's "
+                         "weights, hiding the pipeline's fill and drain at each step boundary (0: exact steps)")
     ap.add_argument("--dp-mbit", type=float, default=1, help="its links between the two pipelines (Mbit/s)")
     ap.add_argument("--dp-inner-mbit", type=float, default=20, help="its links within each pipeline (Mbit/s)")
     ap.add_argument("--wan-steps", type=int, default=4, help="steps of the WAN-bound planned runs (the first is warm-up)")

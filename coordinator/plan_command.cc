@@ -39,6 +39,10 @@ void AddPlanOptions(CLI::App* cmd, PlanCommandOptions* o) {
   cmd->add_option("--zero", o->zero,
                   "ZeRO stage inside sites of several workers (job.optimizer.zero): 1 shards their optimizer state")
       ->check(CLI::Range(0, 1));
+  cmd->add_option("--step-overlap", o->step_overlap,
+                  "Micro-batches of each step begun on the step before's weights (job.step_overlap): bounds every "
+                  "stage's depth and adds a copy of its weights")
+      ->check(CLI::Range(0, 1 << 16));
   cmd->add_option("--revisit-fraction", o->revisit_fraction,
                   "Share of the run's sequence visits that revisit a sequence (fine-tuning epochs): offers the "
                   "AQ-SGD codec int4-delta on the adaptive menu (meridian run computes it)")
@@ -166,6 +170,11 @@ int RunPlanCommand(const PlanCommandOptions& o) {
     std::cerr << "meridian plan: " << profile.status().message() << "\n";
     return 2;
   }
+  if (o.step_overlap > 0 && o.step_overlap >= o.micro_batches) {
+    std::cerr << "meridian plan: --step-overlap " << o.step_overlap << " must be below --micro-batches "
+              << o.micro_batches << "\n";
+    return 2;
+  }
   partitioner::PlanOptions po;
   po.micro_batches = o.micro_batches;
   po.ratio = o.ratio;
@@ -176,6 +185,7 @@ int RunPlanCommand(const PlanCommandOptions& o) {
   if (o.revisit_fraction > 0) po.link_codecs = partitioner::DefaultLinkCodecs(o.revisit_fraction);
   po.force_heuristic = o.force_heuristic;
   po.zero = o.zero;
+  po.step_overlap = o.step_overlap;
   auto plan = partitioner::PlanPipeline(*graph, *profile, po);
   if (!plan.ok()) {
     std::cerr << "meridian plan: " << plan.status().message() << "\n";

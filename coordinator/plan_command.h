@@ -22,6 +22,7 @@ struct PlanCommandOptions {
   bool no_recompute = false;  // PlanOptions::recompute off
   bool force_heuristic = false;
   int zero = 0;                 // --zero: job.optimizer.zero for sites of several workers
+  int step_overlap = 0;         // --step-overlap: job.step_overlap
   double revisit_fraction = 0;  // > 0: AQ-SGD's int4-delta on the adaptive menu (DefaultLinkCodecs)
   // > 0: the planner's K best candidate layouts, each planned as a fixed layout and simulated
   // (simulator/), ranked by simulated step; says when that ranking differs from the planner's.

@@ -674,6 +674,7 @@ partitioner::PlanOptions RunMachine::BaseOptions() const {
   po.adaptive_compression = job.compression.policy == core::CompressionPolicy::kAdaptive;
   po.deep_pipeline = true;
   po.zero = job.optimizer.zero;
+  po.step_overlap = job.step_overlap;
   if (c_.revisit_fraction) po.link_codecs = partitioner::DefaultLinkCodecs(*c_.revisit_fraction);
   if (job.compression.policy != core::CompressionPolicy::kAdaptive) {
     // A fixed codec (or none): a menu of that one codec, so that the plan is priced, and plan.json says,

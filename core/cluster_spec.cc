@@ -509,9 +509,10 @@ void ParseLinks(Checker& c, const YAML::Node& n, ClusterSpec* cs) {
 
 void ParseJob(Checker& c, const YAML::Node& n, JobSpec* j) {
   const std::string ctx = "job";
-  if (!c.Map(n, ctx,
-             {"model", "tokenizer", "data", "steps", "global_batch", "micro_batches", "sequence_length", "seed",
-              "replication", "optimizer", "compression", "sync", "checkpoint", "lora", "eval_fraction"}))
+  if (!c.Map(
+          n, ctx,
+          {"model", "tokenizer", "data", "steps", "global_batch", "micro_batches", "sequence_length", "seed",
+           "replication", "optimizer", "compression", "sync", "checkpoint", "lora", "eval_fraction", "step_overlap"}))
     return;
   j->line = n.Mark().line + 1;
   c.String(n, "model", ctx, true, &j->model);
@@ -524,9 +525,14 @@ void ParseJob(Checker& c, const YAML::Node& n, JobSpec* j) {
   c.IntAs(n, "sequence_length", ctx, false, 1, 1 << 20, &j->sequence_length);
   c.IntAs(n, "seed", ctx, false, 0, (1LL << 62), &j->seed);
   c.Bool(n, "replication", ctx, &j->replication);
+  c.IntAs(n, "step_overlap", ctx, false, 0, 1 << 16, &j->step_overlap);
   if (j->micro_batches > 0 && j->global_batch % j->micro_batches != 0)
     c.Error(n["micro_batches"].Mark(), absl::StrCat("job.micro_batches: ", j->micro_batches,
                                                     " does not divide job.global_batch ", j->global_batch));
+  if (j->step_overlap > 0 && j->step_overlap >= MicroBatchesOf(*j))
+    c.Error(n["step_overlap"].Mark(),
+            absl::StrCat("job.step_overlap: ", j->step_overlap, " must be below the step's micro-batches (",
+                         MicroBatchesOf(*j), j->micro_batches > 0 ? "" : ", job.micro_batches' default", ")"));
   if (YAML::Node o = n["optimizer"]; o.IsDefined() && !o.IsNull()) {
     const std::string oc = "job.optimizer";
     if (c.Map(o, oc,

@@ -159,6 +159,14 @@ struct JobSpec {
   int sequence_length = 256;
   uint64_t seed = 1234;
   bool replication = true;  // let the planner replicate stages across sites
+  // Micro-batches of each step that begin on the weights of the step before (docs/executor.md, "Step
+  // overlap"): the first `step_overlap` micro-batches of step t run their forward and backward passes on
+  // the weights step t - 1 used, so that their forward passes can start before step t - 1's optimizer
+  // step and hide the pipeline's fill and drain at the step boundary (PipeDream-2BW's weight staleness, for
+  // K of the M micro-batches). Not after a step that writes a checkpoint or ends with a DiLoCo
+  // synchronisation, and not in the first step: those steps are exact. 0 (default): every step exact,
+  // equal to single-process training. Must be below the step's micro-batches.
+  int step_overlap = 0;
   OptimizerSpec optimizer;
   CompressionSpec compression;
   SyncSpec sync;

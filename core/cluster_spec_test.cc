@@ -98,6 +98,15 @@ TEST(ClusterSpec, JobOnlyFile) {
   EXPECT_EQ(r.spec->job->micro_batches, 4);
 }
 
+TEST(ClusterSpec, StepOverlapDefaultsToExactSteps) {
+  auto exact = ParseSpec("job:\n  model: m\n", "job.yaml");
+  ASSERT_TRUE(exact.errors.empty());
+  EXPECT_EQ(exact.spec->job->step_overlap, 0);
+  auto r = ParseSpec("job:\n  model: m\n  global_batch: 96\n  micro_batches: 24\n  step_overlap: 6\n", "job.yaml");
+  ASSERT_TRUE(r.errors.empty()) << r.errors[0].ToString();
+  EXPECT_EQ(r.spec->job->step_overlap, 6);
+}
+
 TEST(ClusterSpec, SyncDefaultsToEveryStepAndParsesDiloco) {
   auto every = ParseSpec("job:\n  model: m\n", "job.yaml");
   ASSERT_TRUE(every.errors.empty());
@@ -251,6 +260,11 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"job_steps_text", "job:\n  model: m\n  steps: many\n", "expected an integer", 3},
         BadCase{"job_missing_model", "job:\n  steps: 3\n", "missing required key 'model'", 2},
         BadCase{"job_micro_not_divisor", "job:\n  model: m\n  global_batch: 10\n  micro_batches: 3\n", "does not divide", 4},
+        BadCase{"job_step_overlap_all", "job:\n  model: m\n  global_batch: 8\n  micro_batches: 4\n  step_overlap: 4\n",
+                "job.step_overlap: 4 must be below the step's micro-batches (4)", 5},
+        BadCase{"job_step_overlap_default", "job:\n  model: m\n  global_batch: 2\n  step_overlap: 2\n",
+                "job.step_overlap: 2 must be below the step's micro-batches (2, job.micro_batches' default)", 4},
+        BadCase{"job_step_overlap_negative", "job:\n  model: m\n  step_overlap: -1\n", "must be between 0", 3},
         BadCase{"job_bad_optimizer", "job:\n  model: m\n  optimizer: {name: lion}\n", "'lion' is not one of adamw, sgd", 3},
         BadCase{"job_bad_checkpoint_store", "job:\n  model: m\n  checkpoint: {interval: 2, store: s3}\n",
                 "'s3' is not one of shared, coordinator", 3},

@@ -90,6 +90,38 @@ StageModel::StageModel(const LlamaConfig& c, int first_op, int last_op, uint64_t
   if (!lora.enabled) trainable_ = base_;
 }
 
+std::unique_ptr<StageModel> StageModel::Copy() const {
+  auto c = std::make_unique<StageModel>(*this);
+  torch::NoGradGuard no_grad;
+  for (auto& [name, t] : c->trainable_) {
+    t = t.detach().clone().set_requires_grad(true);
+    c->by_name_[name] = t;
+  }
+  if (!lora_.enabled) c->base_ = c->trainable_;
+  return c;
+}
+
+void StageModel::CopyWeightsFrom(const StageModel& from) {
+  MERIDIAN_CHECK(from.trainable_.size() == trainable_.size(), "CopyWeightsFrom: another slice");
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < trainable_.size(); ++i) trainable_[i].second.copy_(from.trainable_[i].second);
+}
+
+void StageModel::MoveGradientsInto(StageModel& to) {
+  MERIDIAN_CHECK(to.trainable_.size() == trainable_.size(), "MoveGradientsInto: another slice");
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < trainable_.size(); ++i) {
+    torch::Tensor& g = trainable_[i].second.mutable_grad();
+    if (!g.defined()) continue;
+    torch::Tensor& into = to.trainable_[i].second.mutable_grad();
+    if (into.defined())
+      into.add_(g);
+    else
+      into = g;
+    g = torch::Tensor();
+  }
+}
+
 torch::Tensor& StageModel::param(const std::string& name) {
   auto it = by_name_.find(name);
   MERIDIAN_CHECK(it != by_name_.end(), name.c_str());

@@ -13,6 +13,7 @@
 #include <torch/torch.h>
 
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -78,6 +79,15 @@ class StageModel {
   // The base weights by HF name with every LoRA update folded in (W + scale * B A): the model to export.
   // Without LoRA, a copy of the weights. Tensors are on the CPU.
   std::map<std::string, torch::Tensor> MergedWeights() const;
+
+  // job.step_overlap's second set of weights. Copy: a model of the same slice whose trained parameters
+  // are copies of these (no gradients); under LoRA the frozen base weights are shared, not copied
+  // (nothing writes them while training). CopyWeightsFrom: sets the trained parameters to `from`'s (a
+  // Copy of this model or its original), recording no gradient; no autograd graph may still use them.
+  // MoveGradientsInto: adds this model's gradients into `to`'s (the same slice) and clears them here.
+  std::unique_ptr<StageModel> Copy() const;
+  void CopyWeightsFrom(const StageModel& from);
+  void MoveGradientsInto(StageModel& to);
 
  private:
   torch::Tensor RmsNorm(const torch::Tensor& x, const torch::Tensor& w) const;

@@ -225,6 +225,16 @@ StageWorker::StageWorker(JobSetup setup, StageAssignment a, rpc::TensorInbox* in
       init_status_ = absl::InvalidArgumentError(absl::StrCat(Where(), ": ", field, ": ", codec->ToString(),
                                                              " is an activation codec (AQ-SGD deltas); gradients "
                                                              "use int8 or int4"));
+  // job.step_overlap: each step's early micro-batches finish their backward passes before the next step's
+  // begin (partitioner::MaxInFlightForOverlap), since they share one second set of weights.
+  if (const int K = setup_.job.step_overlap; K > 0 && init_status_.ok()) {
+    const int depth = std::min(a_.in_flight > 0 ? a_.in_flight : a_.num_stages - a_.stage, setup_.micro_batches);
+    if (depth > partitioner::MaxInFlightForOverlap(setup_.micro_batches, K))
+      init_status_ = absl::InvalidArgumentError(absl::StrCat(
+          Where(), ": job.step_overlap ", K, " with ", setup_.micro_batches, " micro-batches a step allows at most ",
+          partitioner::MaxInFlightForOverlap(setup_.micro_batches, K), " in flight, and the plan keeps ", depth,
+          " here (a smaller job.step_overlap, or a plan made for it: the planner caps the depth)"));
+  }
   if (auto prev = compression::CodecSpec::Parse(a_.prev_forward_codec); prev.ok()) prev_delta_ = prev->delta;
   if ((fwd_codec_.delta || prev_delta_) && !setup_.data.dataset() && init_status_.ok())
     init_status_ = absl::InvalidArgumentError(
@@ -468,6 +478,23 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
     const double normaliser = model_->has_head() ? setup_.data.StepTargets(step, M, mbs, seq) : 1.0;
     for (auto& [n, p] : model_->parameters())
       if (p.grad().defined()) p.mutable_grad() = torch::Tensor();
+    // job.step_overlap (docs/executor.md, "Step overlap"): this step's early micro-batches that the last
+    // Step began (none at an attempt's first step, which runs them all here), and the next step's begun
+    // here, in its drain, on early_model_: this step's weights.
+    const int k_next = EarlyMicroBatches(setup_.job, step + 1, total_steps);
+    std::map<std::pair<int64_t, int>, MicroBatchState> stash;  // by (step, micro-batch)
+    int k_done = 0;
+    double loss_sum = 0, next_loss_sum = 0;
+    if (carried_step_ == step) {
+      k_done = EarlyMicroBatches(setup_.job, step, total_steps);
+      for (auto& [mb, st] : carried_) stash[{step, mb}] = std::move(st);
+      loss_sum = carried_loss_;
+    }
+    carried_.clear();
+    carried_step_ = -1;
+    carried_loss_ = 0;
+    const double next_normaliser =
+        model_->has_head() && k_next > 0 ? setup_.data.StepTargets(step + 1, M, mbs, seq) : 1.0;
     compute_seconds_ = wait_seconds_ = send_blocked_seconds_ = codec_seconds_ = site_reduce_seconds_ = 0;
     const auto step_start = Clock::now();
     if (!trace_epoch_) {
@@ -491,34 +518,33 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
       compute_seconds_ += std::chrono::duration<double>(Clock::now() - t0).count();
       Trace(what, mb, t0);
     };
-    // A micro-batch between its forward and backward passes: its input, and its output (the loss at the
-    // last stage) with the autograd graph behind it; under recomputation no output, and at the last stage
-    // the targets to compute the loss again.
-    struct Stash {
-      torch::Tensor input, output, targets;
-    };
-    // Which training rows micro-batch `mb` holds: keys its LoRA dropout masks, the same for a recomputation.
-    auto context = [&](int mb) { return TrainContext{step, static_cast<int64_t>(mb) * mbs + first_row}; };
-    // This replica's part of the stage's 1F1B order: the entries of the micro-batches it owns.
-    std::vector<std::pair<char, int>> schedule;
-    for (auto e : partitioner::PipelineSchedule(a_.stage, a_.num_stages, M, a_.in_flight))
-      if (owner_[e.second] == replica_) schedule.push_back(e);
-    int last_backward = -1;
+    // Which training rows micro-batch `mb` of step `of` holds: keys its LoRA dropout masks, the same for a
+    // recomputation.
+    auto context = [&](int64_t of, int mb) { return TrainContext{of, static_cast<int64_t>(mb) * mbs + first_row}; };
+    // This replica's part of the stage's 1F1B order (with job.step_overlap, its part of the step: the
+    // early micro-batches begun by the last step left out, the next step's begun in the drain): the
+    // entries of the micro-batches it owns.
+    std::vector<partitioner::StepEntry> schedule;
+    for (auto e : partitioner::OverlappedStepSchedule(a_.stage, a_.num_stages, M, a_.in_flight, k_done, k_next))
+      if (owner_[e.micro_batch] == replica_) schedule.push_back(e);
+    int last_backward = -1;  // this step's last backward pass: the step's gradients are complete after it
     for (int i = 0; i < static_cast<int>(schedule.size()); ++i)
-      if (schedule[i].first == 'B') last_backward = i;
+      if (schedule[i].kind == 'B' && !schedule[i].next) last_backward = i;
     // The tensors this step receives from the neighbouring sites, in the order the schedule asks for
     // them, received and decoded ahead of it on a thread of their own (receive_ahead.h).
     std::vector<ExpectedTensor> expected;
     if (talks_to_sites())
-      for (const auto& [kind, mb] : schedule) {
-        if (kind == 'F' && !model_->has_embed())
+      for (const auto& e : schedule) {
+        const int mb = e.micro_batch;
+        const int64_t of = step + (e.next ? 1 : 0);
+        if (e.kind == 'F' && !model_->has_embed())
           expected.push_back({a_.prev_replicas.sites[prev_owner_[mb]],
-                              {a_.job_id, step, mb, a_.stage - 1, v1::FORWARD, 0},
+                              {a_.job_id, of, mb, a_.stage - 1, v1::FORWARD, 0},
                               hidden,
-                              prev_delta_ ? setup_.data.SequenceIds(step, mb, mbs) : std::vector<int64_t>{}});
-        if (kind == 'B' && !model_->has_head())
+                              prev_delta_ ? setup_.data.SequenceIds(of, mb, mbs) : std::vector<int64_t>{}});
+        if (e.kind == 'B' && !model_->has_head())
           expected.push_back({a_.next_replicas.sites[next_owner_[mb]],
-                              {a_.job_id, step, mb, a_.stage + 1, v1::BACKWARD, 0},
+                              {a_.job_id, of, mb, a_.stage + 1, v1::BACKWARD, 0},
                               hidden,
                               {}});
       }
@@ -542,145 +568,9 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
         if (averager) averager->Abort();
       }
     } abort_on_exit{averager_.get()};
-    std::map<int, Stash> stash;
-    double loss_sum = 0;
-    for (int i = 0; i < static_cast<int>(schedule.size()); ++i) {
-      const auto [kind, mb] = schedule[i];
-      if (!model_->has_embed()) prev = &a_.prev_replicas.sites[prev_owner_[mb]];
-      if (!model_->has_head()) next = &a_.next_replicas.sites[next_owner_[mb]];
-      if (kind == 'F') {
-        Stash s;
-        TrainingData::Batch batch;
-        std::vector<int64_t> ids;  // the micro-batch's training sequences (the keys of AQ-SGD's deltas sent)
-        if (model_->has_embed() || model_->has_head()) {
-          const auto t0 = Clock::now();
-          batch = setup_.data.MicroBatch(step, mb, mbs, seq);
-          if (group_) batch = {batch.inputs.narrow(0, first_row, rows), batch.targets.narrow(0, first_row, rows)};
-          Trace("data", mb, t0);
-        }
-        if (model_->has_embed()) {
-          s.input = batch.inputs.to(device_);
-        } else {
-          auto in = ReceiveRows(prev, {a_.job_id, step, mb, a_.stage - 1, v1::FORWARD, 0}, hidden);
-          if (!in.ok()) return in.status();
-          s.input = in->requires_grad_(true);
-        }
-        const TrainContext ctx = context(mb);
-        torch::Tensor out;
-        timed("F", mb, [&] {
-          // Recomputation: no autograd graph now; the backward pass builds it again from the input.
-          std::optional<torch::NoGradGuard> no_graph;
-          if (a_.recompute) no_graph.emplace();
-          out = model_->Forward(s.input, &ctx);
-          if (model_->has_head()) {
-            torch::Tensor loss = CrossEntropySum(out, batch.targets.to(device_), normaliser);
-            loss_sum += loss.item<double>();
-            if (a_.recompute)
-              s.targets = batch.targets;
-            else
-              s.output = loss;
-          }
-        });
-        if (!model_->has_head()) {
-          if (!a_.recompute) s.output = out;
-          auto whole = GatherRows(out, hidden);
-          if (!whole.ok()) return whole.status();
-          if (talks_to_sites()) {
-            const auto t0 = Clock::now();
-            if (fwd_codec_.delta && ids.empty()) ids = setup_.data.SequenceIds(step, mb, mbs);
-            if (auto st =
-                    Send(*next, {a_.job_id, step, mb, a_.stage, v1::FORWARD, 0}, *whole, fwd_codec_, nullptr, &ids);
-                !st.ok())
-              return st;
-            Trace("send", mb, t0);
-          }
-        }
-        stash[mb] = std::move(s);
-      } else {
-        Stash& s = stash[mb];
-        // The replica's last backward pass produces the step's final gradients: the averager's hooks send
-        // them bucket by bucket while the pass goes on.
-        // On a site of several workers the site's sum comes first (reducer_), and worker 0 then gives the
-        // averager the summed gradients.
-        if (averager_ && !group_ && i == last_backward) averager_->CaptureNextBackward();
-        if (reducer_ && i == last_backward) reducer_->CaptureNextBackward();
-        if (a_.recompute)  // the forward pass again, with the same inputs and dropout masks: the same graph
-          timed("R", mb, [&] {
-            const TrainContext ctx = context(mb);
-            torch::Tensor out = model_->Forward(s.input, &ctx);
-            s.output = model_->has_head() ? CrossEntropySum(out, s.targets.to(device_), normaliser) : out;
-          });
-        // Under LoRA the first stages may hold no adapter before the first one: their output then needs no
-        // gradient and their backward pass is only the receipt of the gradient.
-        if (model_->has_head()) {
-          if (s.output.requires_grad()) timed("B", mb, [&] { s.output.backward(); });
-        } else {
-          auto g = ReceiveRows(next, {a_.job_id, step, mb, a_.stage + 1, v1::BACKWARD, 0}, hidden);
-          if (!g.ok()) return g.status();
-          if (s.output.requires_grad()) timed("B", mb, [&] { s.output.backward(*g); });
-        }
-        if (!model_->has_embed()) {
-          torch::Tensor grad = s.input.grad();
-          if (group_) {
-            // Under LoRA a worker's input may get no gradient; the neighbour still expects the tensor.
-            if (!grad.defined()) grad = torch::zeros({rows, seq, d});
-            auto whole = GatherRows(grad, hidden);
-            if (!whole.ok()) return whole.status();
-            if (!talks_to_sites()) {
-              stash.erase(mb);
-              continue;
-            }
-            grad = *whole;
-          }
-          if (step == nan_gradient_step_ && !nan_gradient_sent_) {  // fault injection (tests)
-            grad = torch::full_like(grad, std::numeric_limits<float>::quiet_NaN());
-            nan_gradient_sent_ = true;
-            spdlog::warn("{}", absl::StrCat(Where(), ": fault injection: a NaN activation gradient to '", *prev,
-                                            "' at step ", step + 1));
-          }
-          const auto t0 = Clock::now();
-          if (auto st = Send(*prev, {a_.job_id, step, mb, a_.stage, v1::BACKWARD, 0}, grad, bwd_codec_,
-                             bwd_ef_.count(*prev) ? bwd_ef_[*prev].get() : nullptr);
-              !st.ok())
-            return st;
-          Trace("send", mb, t0);
-        }
-        stash.erase(mb);
-      }
-    }
-    codec_seconds_ += ahead.decode_seconds();  // every tensor expected was taken, so decoded
-    if (reducer_) {                            // the site's workers' sum first
-      const auto t0 = Clock::now();
-      auto waited = reducer_->Finish();
-      Trace("wait_site", -1, t0);
-      if (!waited.ok()) return Annotate(waited.status(), absl::StrCat(Where(), ": step ", step + 1));
-      site_reduce_seconds_ = *waited;
-      wait_seconds_ += *waited;
-    }
-    if (averager_) {
-      const auto t0 = Clock::now();
-      absl::Status finished = averager_->Finish();
-      wait_seconds_ += std::chrono::duration<double>(Clock::now() - t0).count();
-      Trace("wait_sync", -1, t0);
-      abort_on_exit.averager = nullptr;  // Finish joined the threads, successful or not
-      if (!finished.ok()) return finished;
-      replica_wire_bytes_ += averager_->wire_bytes() - sync_wire0;
-      replica_raw_bytes_ += averager_->raw_bytes() - sync_raw0;
-      wire_bytes_ += averager_->wire_bytes() - sync_wire0;
-      raw_bytes_ += averager_->raw_bytes() - sync_raw0;
-      replica_buckets_ = averager_->buckets_synced();
-      replica_buckets_during_backward_ = averager_->buckets_during_backward();
-    }
-    if (group_ && a_.replicas.sites.size() > 1) {  // worker 0 summed over the replicas: to every worker
-      std::vector<torch::Tensor> grads;
-      for (auto& [n, p] : model_->parameters()) grads.push_back(p.grad());  // every one set by reducer_
-      if (absl::Status s = group_->BroadcastInPlace(grads); !s.ok()) return Annotate(s, Where());
-    }
-    if (group_) {  // the site's loss: every worker's rows
-      torch::Tensor l = torch::full({1}, loss_sum, torch::kFloat64);
-      if (absl::Status s = group_->AllReduce(l); !s.ok()) return Annotate(s, Where());
-      loss_sum = l.item<double>();
-    }
+    // The step's gradients complete (after its last backward pass): the sums over the site's workers and
+    // the replicas, then the first half of the gradient norm's exchange. With job.step_overlap the stage
+    // then goes on with the next step's early micro-batches before the second half and its optimizer step.
     // Global gradient norm and the step's loss. Replica 0 of each stage takes part for its stage: partial
     // sums flow from the last stage to the first, the total back again to every replica. The values
     // travel as float64 pairs [square sum, loss] in identity frames, with micro_batch -1 along the
@@ -722,93 +612,306 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
                                                 ") in step ", step + 1));
       return std::make_pair(v[0], v[1]);
     };
-    // DiLoCo: this replica's gradient covers its own micro-batches only; scaled by M / m_i, the inner step
-    // is a full step on them.
-    if (diloco_ && own_micro_batches_ > 0 && own_micro_batches_ < M) {
-      torch::NoGradGuard no_grad;
-      const double scale = static_cast<double>(M) / own_micro_batches_;
-      for (auto& [n, p] : model_->parameters())
-        if (p.grad().defined()) p.mutable_grad().mul_(scale);
-    }
     const bool independent = IndependentWorkers(), pipelines = PipelineWorkers(), leaves_out = LeavesOutLostReplicas();
-    // Each DiLoCo replica steps on its own gradient: each checks it (replica 0 also does below, for the norm).
-    if (outer_ && replica_ != 0 && !independent && !pipelines && !std::isfinite(GradSquareSum(model_->parameters())))
-      return absl::DataLossError(absl::StrCat(Where(), ": non-finite gradients in step ", step + 1,
-                                              " (the inputs from the previous stage, or the data)"));
     const auto& R = a_.replicas.sites;
     const bool first = a_.stage == 0, last = a_.stage == a_.num_stages - 1;
-    double square = 0, loss = loss_sum;
-    if (!talks_to_sites()) {
-      // Worker 0 of the site takes part in the exchange and hands on its outcome.
-    } else if (independent) {
-      // DiLoCo workers of the whole model are independent between outer syncs: each clips by its own
-      // gradient's norm. Replica 0 reports the step's loss: the others send it their shares and wait for
-      // nothing; it awaits them after its own inner step, so it keeps pace with the slowest of them.
-      square = GradSquareSum(model_->parameters());
-      if (!std::isfinite(square) || !std::isfinite(loss))
-        return absl::DataLossError(
-            absl::StrCat(Where(), ": non-finite gradients or loss in step ", step + 1, " (the data)"));
-      if (replica_ != 0)
-        if (absl::Status s = send_pair(R[0], true, -2, 0, loss_sum); !s.ok()) return s;
-    } else if (pipelines) {
-      // Pipeline r (replica r of every stage) alone: its partial sums from its last stage to its first, the
-      // total back again, as replica 0 does below for the whole plan. Stage 0 then sends the pipeline's loss
-      // to its replica 0, which awaits the other pipelines' shares after its own inner step.
-      square = GradSquareSum(model_->parameters());
-      if (!std::isfinite(square) || !std::isfinite(loss))
-        return absl::DataLossError(absl::StrCat(Where(), ": non-finite gradients or loss in step ", step + 1,
-                                                " (the inputs from the previous stage, or the data)"));
-      if (!last) {
-        auto r = recv_pair(a_.next_replicas.sites[replica_], a_.stage + 1, -1);
-        if (!r.ok()) return r.status();
-        square += r->first;
-        loss = r->second;
+    double square = 0, loss = 0;
+    auto begin_norm = [&]() -> absl::Status {
+      if (reducer_) {  // the site's workers' sum first
+        const auto t0 = Clock::now();
+        auto waited = reducer_->Finish();
+        Trace("wait_site", -1, t0);
+        if (!waited.ok()) return Annotate(waited.status(), absl::StrCat(Where(), ": step ", step + 1));
+        site_reduce_seconds_ = *waited;
+        wait_seconds_ += *waited;
       }
-      if (!first) {
-        if (absl::Status s = send_pair(a_.prev_replicas.sites[replica_], false, -1, square, loss); !s.ok()) return s;
-        auto total = recv_pair(a_.prev_replicas.sites[replica_], a_.stage - 1, -1);
+      if (averager_) {
+        const auto t0 = Clock::now();
+        absl::Status finished = averager_->Finish();
+        wait_seconds_ += std::chrono::duration<double>(Clock::now() - t0).count();
+        Trace("wait_sync", -1, t0);
+        abort_on_exit.averager = nullptr;  // Finish joined the threads, successful or not
+        if (!finished.ok()) return finished;
+        replica_wire_bytes_ += averager_->wire_bytes() - sync_wire0;
+        replica_raw_bytes_ += averager_->raw_bytes() - sync_raw0;
+        wire_bytes_ += averager_->wire_bytes() - sync_wire0;
+        raw_bytes_ += averager_->raw_bytes() - sync_raw0;
+        replica_buckets_ = averager_->buckets_synced();
+        replica_buckets_during_backward_ = averager_->buckets_during_backward();
+      }
+      if (group_ && a_.replicas.sites.size() > 1) {  // worker 0 summed over the replicas: to every worker
+        std::vector<torch::Tensor> grads;
+        for (auto& [n, p] : model_->parameters()) grads.push_back(p.grad());  // every one set by reducer_
+        if (absl::Status s = group_->BroadcastInPlace(grads); !s.ok()) return Annotate(s, Where());
+      }
+      if (group_) {  // the site's loss: every worker's rows
+        torch::Tensor l = torch::full({1}, loss_sum, torch::kFloat64);
+        if (absl::Status s = group_->AllReduce(l); !s.ok()) return Annotate(s, Where());
+        loss_sum = l.item<double>();
+      }
+      // DiLoCo: this replica's gradient covers its own micro-batches only; scaled by M / m_i, the inner step
+      // is a full step on them.
+      if (diloco_ && own_micro_batches_ > 0 && own_micro_batches_ < M) {
+        torch::NoGradGuard no_grad;
+        const double scale = static_cast<double>(M) / own_micro_batches_;
+        for (auto& [n, p] : model_->parameters())
+          if (p.grad().defined()) p.mutable_grad().mul_(scale);
+      }
+      // Each DiLoCo replica steps on its own gradient: each checks it (replica 0 also does below, for the norm).
+      if (outer_ && replica_ != 0 && !independent && !pipelines && !std::isfinite(GradSquareSum(model_->parameters())))
+        return absl::DataLossError(absl::StrCat(Where(), ": non-finite gradients in step ", step + 1,
+                                                " (the inputs from the previous stage, or the data)"));
+      square = 0, loss = loss_sum;
+      if (!talks_to_sites()) {
+        // Worker 0 of the site takes part in the exchange and hands on its outcome.
+      } else if (independent) {
+        // DiLoCo workers of the whole model are independent between outer syncs: each clips by its own
+        // gradient's norm. Replica 0 reports the step's loss: the others send it their shares and wait for
+        // nothing; it awaits them after its own inner step, so it keeps pace with the slowest of them.
+        square = GradSquareSum(model_->parameters());
+        if (!std::isfinite(square) || !std::isfinite(loss))
+          return absl::DataLossError(
+              absl::StrCat(Where(), ": non-finite gradients or loss in step ", step + 1, " (the data)"));
+        if (replica_ != 0)
+          if (absl::Status s = send_pair(R[0], true, -2, 0, loss_sum); !s.ok()) return s;
+      } else if (pipelines) {
+        // Pipeline r (replica r of every stage) alone: its partial sums from its last stage to its first, the
+        // total back again (the second half, after the step's part), as replica 0 does below for the whole
+        // plan. Stage 0 then sends the pipeline's loss to its replica 0, which awaits the other pipelines'
+        // shares after its own inner step.
+        square = GradSquareSum(model_->parameters());
+        if (!std::isfinite(square) || !std::isfinite(loss))
+          return absl::DataLossError(absl::StrCat(Where(), ": non-finite gradients or loss in step ", step + 1,
+                                                  " (the inputs from the previous stage, or the data)"));
+        if (!last) {
+          auto r = recv_pair(a_.next_replicas.sites[replica_], a_.stage + 1, -1);
+          if (!r.ok()) return r.status();
+          square += r->first;
+          loss = r->second;
+        }
+        if (!first) return send_pair(a_.prev_replicas.sites[replica_], false, -1, square, loss);
+        if (!last)
+          if (absl::Status s = send_pair(a_.next_replicas.sites[replica_], false, -1, square, loss); !s.ok()) return s;
+        if (replica_ != 0)
+          if (absl::Status s = send_pair(R[0], true, -2, 0, loss); !s.ok()) return s;
+      } else if (replica_ == 0) {
+        if (last)  // the other replicas' losses, in replica order
+          for (size_t j = 1; j < R.size(); ++j) {
+            auto r = recv_pair(R[j], a_.stage, -2);
+            if (!r.ok()) return r.status();
+            loss += r->second;
+          }
+        square = GradSquareSum(model_->parameters());
+        if (!std::isfinite(square) || !std::isfinite(loss))
+          return absl::DataLossError(absl::StrCat(Where(), ": non-finite gradients or loss in step ", step + 1,
+                                                  " (the inputs from the previous stage, or the data)"));
+        if (!last) {
+          auto r = recv_pair(a_.next_replicas.sites[0], a_.stage + 1, -1);
+          if (!r.ok()) return r.status();
+          square += r->first;
+          loss = r->second;
+        }
+        if (!first) return send_pair(a_.prev_replicas.sites[0], false, -1, square, loss);
+        if (!last)
+          for (const auto& site : a_.next_replicas.sites)
+            if (absl::Status s = send_pair(site, false, -1, square, loss); !s.ok()) return s;
+        for (size_t j = 1; j < R.size(); ++j)
+          if (absl::Status s = send_pair(R[j], true, -3, square, loss); !s.ok()) return s;
+      } else if (last) {
+        return send_pair(R[0], true, -2, 0, loss_sum);
+      }
+      return absl::OkStatus();
+    };
+    // job.step_overlap: once this step's early micro-batches are all back, their gradients (on
+    // early_model_) join the step's, and early_model_ takes this step's weights for the next step's early
+    // ones (OverlappedStepSchedule keeps the next step's first forward pass after that point).
+    bool settled = false;
+    auto settle = [&] {
+      if (settled) return;
+      if (early_model_) {
+        for (const auto& [key, st] : stash)
+          if (key.first == step && st.model == early_model_.get()) return;
+        if (k_done > 0) {
+          early_model_->MoveGradientsInto(*model_);
+        } else {  // an abandoned step's, if any
+          for (auto& [n, p] : early_model_->parameters())
+            if (p.grad().defined()) p.mutable_grad() = torch::Tensor();
+        }
+      }
+      if (k_next > 0) {
+        if (!early_model_)
+          early_model_ = model_->Copy();
+        else
+          early_model_->CopyWeightsFrom(*model_);
+      }
+      settled = true;
+    };
+    settle();
+    bool norm_begun = false;
+    for (int i = 0; i < static_cast<int>(schedule.size()); ++i) {
+      const auto& e = schedule[i];
+      const char kind = e.kind;
+      const int mb = e.micro_batch;
+      const int64_t of = step + (e.next ? 1 : 0);  // the micro-batch's step
+      const int tmb = e.next ? M + mb : mb;        // in the timeline, the next step's after this step's
+      if (!model_->has_embed()) prev = &a_.prev_replicas.sites[prev_owner_[mb]];
+      if (!model_->has_head()) next = &a_.next_replicas.sites[next_owner_[mb]];
+      if (kind == 'F') {
+        if (e.next && !settled)
+          return absl::InternalError(absl::StrCat(Where(), ": job.step_overlap: an early micro-batch of step ",
+                                                  step + 1, " is still in flight at step ", step + 2, "'s first"));
+        MicroBatchState s;
+        s.model = e.next ? early_model_.get() : model_.get();
+        TrainingData::Batch batch;
+        std::vector<int64_t> ids;  // the micro-batch's training sequences (the keys of AQ-SGD's deltas sent)
+        if (model_->has_embed() || model_->has_head()) {
+          const auto t0 = Clock::now();
+          batch = setup_.data.MicroBatch(of, mb, mbs, seq);
+          if (group_) batch = {batch.inputs.narrow(0, first_row, rows), batch.targets.narrow(0, first_row, rows)};
+          Trace("data", tmb, t0);
+        }
+        if (model_->has_embed()) {
+          s.input = batch.inputs.to(device_);
+        } else {
+          auto in = ReceiveRows(prev, {a_.job_id, of, mb, a_.stage - 1, v1::FORWARD, 0}, hidden);
+          if (!in.ok()) return in.status();
+          s.input = in->requires_grad_(true);
+        }
+        const TrainContext ctx = context(of, mb);
+        torch::Tensor out;
+        timed("F", tmb, [&] {
+          // Recomputation: no autograd graph now; the backward pass builds it again from the input.
+          std::optional<torch::NoGradGuard> no_graph;
+          if (a_.recompute) no_graph.emplace();
+          out = s.model->Forward(s.input, &ctx);
+          if (model_->has_head()) {
+            torch::Tensor loss = CrossEntropySum(out, batch.targets.to(device_), e.next ? next_normaliser : normaliser);
+            (e.next ? next_loss_sum : loss_sum) += loss.item<double>();
+            if (a_.recompute)
+              s.targets = batch.targets;
+            else
+              s.output = loss;
+          }
+        });
+        if (!model_->has_head()) {
+          if (!a_.recompute) s.output = out;
+          auto whole = GatherRows(out, hidden);
+          if (!whole.ok()) return whole.status();
+          if (talks_to_sites()) {
+            const auto t0 = Clock::now();
+            if (fwd_codec_.delta && ids.empty()) ids = setup_.data.SequenceIds(of, mb, mbs);
+            if (auto st = Send(*next, {a_.job_id, of, mb, a_.stage, v1::FORWARD, 0}, *whole, fwd_codec_, nullptr, &ids);
+                !st.ok())
+              return st;
+            Trace("send", tmb, t0);
+          }
+        }
+        stash[{of, mb}] = std::move(s);
+      } else {
+        MicroBatchState& s = stash[{of, mb}];
+        if (!s.model)
+          return absl::InternalError(absl::StrCat(Where(), ": step ", of + 1, ": a backward pass of micro-batch ",
+                                                  mb + 1, " without its forward pass"));
+        // The replica's last backward pass produces the step's final gradients: the averager's hooks send
+        // them bucket by bucket while the pass goes on.
+        // On a site of several workers the site's sum comes first (reducer_), and worker 0 then gives the
+        // averager the summed gradients.
+        if (averager_ && !group_ && i == last_backward) averager_->CaptureNextBackward();
+        if (reducer_ && i == last_backward) reducer_->CaptureNextBackward();
+        if (a_.recompute)  // the forward pass again, with the same inputs and dropout masks: the same graph
+          timed("R", tmb, [&] {
+            const TrainContext ctx = context(of, mb);
+            torch::Tensor out = s.model->Forward(s.input, &ctx);
+            s.output = model_->has_head()
+                           ? CrossEntropySum(out, s.targets.to(device_), e.next ? next_normaliser : normaliser)
+                           : out;
+          });
+        // Under LoRA the first stages may hold no adapter before the first one: their output then needs no
+        // gradient and their backward pass is only the receipt of the gradient.
+        if (model_->has_head()) {
+          if (s.output.requires_grad()) timed("B", tmb, [&] { s.output.backward(); });
+        } else {
+          auto g = ReceiveRows(next, {a_.job_id, of, mb, a_.stage + 1, v1::BACKWARD, 0}, hidden);
+          if (!g.ok()) return g.status();
+          if (s.output.requires_grad()) timed("B", tmb, [&] { s.output.backward(*g); });
+        }
+        bool send_gradient = !model_->has_embed();
+        torch::Tensor grad;
+        if (send_gradient) {
+          grad = s.input.grad();
+          if (group_) {
+            // Under LoRA a worker's input may get no gradient; the neighbour still expects the tensor.
+            if (!grad.defined()) grad = torch::zeros({rows, seq, d});
+            auto whole = GatherRows(grad, hidden);
+            if (!whole.ok()) return whole.status();
+            send_gradient = talks_to_sites();
+            grad = *whole;
+          }
+        }
+        if (send_gradient) {
+          if (of == nan_gradient_step_ && !nan_gradient_sent_) {  // fault injection (tests)
+            grad = torch::full_like(grad, std::numeric_limits<float>::quiet_NaN());
+            nan_gradient_sent_ = true;
+            spdlog::warn("{}", absl::StrCat(Where(), ": fault injection: a NaN activation gradient to '", *prev,
+                                            "' at step ", of + 1));
+          }
+          const auto t0 = Clock::now();
+          if (auto st = Send(*prev, {a_.job_id, of, mb, a_.stage, v1::BACKWARD, 0}, grad, bwd_codec_,
+                             bwd_ef_.count(*prev) ? bwd_ef_[*prev].get() : nullptr);
+              !st.ok())
+            return st;
+          Trace("send", tmb, t0);
+        }
+        stash.erase({of, mb});
+        settle();
+      }
+      if (i == last_backward) {  // the step's gradients are complete: the sums and the norm's first half
+        if (!settled)
+          return absl::InternalError(absl::StrCat(Where(), ": job.step_overlap: an early micro-batch of step ",
+                                                  step + 1, " is still in flight at the step's last backward pass"));
+        norm_begun = true;
+        if (absl::Status st = begin_norm(); !st.ok()) return st;
+      }
+    }
+    if (!norm_begun)  // a replica that owns no micro-batch
+      if (absl::Status st = begin_norm(); !st.ok()) return st;
+    // What is still in flight belongs to the next step (its early micro-batches, with job.step_overlap).
+    for (auto& [key, st] : stash) {
+      if (key.first != step + 1)
+        return absl::InternalError(absl::StrCat(Where(), ": step ", step + 1, " ended with micro-batch ",
+                                                key.second + 1, " of step ", key.first + 1, " in flight"));
+      carried_[key.second] = std::move(st);
+    }
+    if (k_next > 0) {
+      carried_step_ = step + 1;
+      carried_loss_ = next_loss_sum;
+    }
+    codec_seconds_ += ahead.decode_seconds();  // every tensor expected was taken, so decoded
+    // The norm's second half: the total from the previous stage, on to the next.
+    if (talks_to_sites() && !independent && !first) {
+      if (pipelines || replica_ == 0) {
+        const std::string& from = a_.prev_replicas.sites[pipelines ? replica_ : 0];
+        auto total = recv_pair(from, a_.stage - 1, -1);
         if (!total.ok()) return total.status();
         square = total->first;
         loss = total->second;
-      }
-      if (!last)
-        if (absl::Status s = send_pair(a_.next_replicas.sites[replica_], false, -1, square, loss); !s.ok()) return s;
-      if (first && replica_ != 0)
-        if (absl::Status s = send_pair(R[0], true, -2, 0, loss); !s.ok()) return s;
-    } else if (replica_ == 0) {
-      if (last)  // the other replicas' losses, in replica order
-        for (size_t j = 1; j < R.size(); ++j) {
-          auto r = recv_pair(R[j], a_.stage, -2);
-          if (!r.ok()) return r.status();
-          loss += r->second;
+        if (!last) {
+          if (pipelines) {
+            if (absl::Status s = send_pair(a_.next_replicas.sites[replica_], false, -1, square, loss); !s.ok())
+              return s;
+          } else {
+            for (const auto& site : a_.next_replicas.sites)
+              if (absl::Status s = send_pair(site, false, -1, square, loss); !s.ok()) return s;
+          }
         }
-      square = GradSquareSum(model_->parameters());
-      if (!std::isfinite(square) || !std::isfinite(loss))
-        return absl::DataLossError(absl::StrCat(Where(), ": non-finite gradients or loss in step ", step + 1,
-                                                " (the inputs from the previous stage, or the data)"));
-      if (!last) {
-        auto r = recv_pair(a_.next_replicas.sites[0], a_.stage + 1, -1);
-        if (!r.ok()) return r.status();
-        square += r->first;
-        loss = r->second;
-      }
-      if (!first) {
-        if (absl::Status s = send_pair(a_.prev_replicas.sites[0], false, -1, square, loss); !s.ok()) return s;
+      } else {
         auto total = recv_pair(a_.prev_replicas.sites[0], a_.stage - 1, -1);
         if (!total.ok()) return total.status();
         square = total->first;
         loss = total->second;
       }
-      if (!last)
-        for (const auto& site : a_.next_replicas.sites)
-          if (absl::Status s = send_pair(site, false, -1, square, loss); !s.ok()) return s;
-      if (first)
-        for (size_t j = 1; j < R.size(); ++j)
-          if (absl::Status s = send_pair(R[j], true, -3, square, loss); !s.ok()) return s;
-    } else {
-      if (last)
-        if (absl::Status s = send_pair(R[0], true, -2, 0, loss_sum); !s.ok()) return s;
-      auto total = first ? recv_pair(R[0], a_.stage, -3) : recv_pair(a_.prev_replicas.sites[0], a_.stage - 1, -1);
+    } else if (talks_to_sites() && !independent && !pipelines && replica_ != 0) {  // stage 0: from its replica 0
+      auto total = recv_pair(R[0], a_.stage, -3);
       if (!total.ok()) return total.status();
       square = total->first;
       loss = total->second;
@@ -1054,6 +1157,9 @@ void StageWorker::ForgetCheckpointsAfter(const std::string& dir, int64_t step) c
 
 absl::Status StageWorker::Restore(const Checkpoint& c) {
   return GuardTorch(absl::StrCat(Where(), ": restoring ", c.path), [&]() -> absl::Status {
+    carried_.clear();  // job.step_overlap: nothing begun carries over a restore
+    carried_step_ = -1;
+    carried_loss_ = 0;
     // DiLoCo: this replica's own round state, when its stage's replicas resume theirs (worker 0 reads it).
     std::optional<std::map<std::string, torch::Tensor>> round;
     if (diloco_ && talks_to_sites()) {

@@ -309,6 +309,22 @@ class StageWorker {
   double cpu_seconds_ = 0, compute_thread_cpu_seconds_ = 0, compute_cpu_seconds_ = 0;
   int64_t compute_thread_preemptions_ = 0;
   ReceiveAhead* ahead_ = nullptr;  // the running Step's receiver (a local of Step), else null
+  // A micro-batch between its forward and backward passes: its input, and its output (the loss at the last
+  // stage) with the autograd graph behind it; under recomputation no output, and at the last stage the
+  // targets to compute the loss again. `model`: the weights it runs on (model_, or early_model_).
+  struct MicroBatchState {
+    torch::Tensor input, output, targets;
+    StageModel* model = nullptr;
+  };
+  // job.step_overlap (docs/executor.md, "Step overlap"): early_model_ holds the weights of the step that
+  // began the early micro-batches (made at the first; its gradients are moved into model_'s once the step's
+  // early micro-batches are all back). The next step's micro-batches begun by the last Step, for step
+  // carried_step_: their states, and at the last stage the sum of their losses. A Step of another step (a
+  // restore, another attempt) drops them.
+  std::unique_ptr<StageModel> early_model_;
+  int64_t carried_step_ = -1;
+  std::map<int, MicroBatchState> carried_;
+  double carried_loss_ = 0;
   // A timeline of each step for diagnosis (docs/executor.md, "Step timelines"): with the environment
   // variable MERIDIAN_TRACE_DIR set, each Step appends one JSON line to
   // $MERIDIAN_TRACE_DIR/trace-<site>-stage<k>.jsonl: the step, its start (seconds since the first step's)

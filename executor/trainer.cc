@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/files.h"
 #include "core/safetensors.h"
+#include "executor/diloco.h"
 #include "executor/torch_boundary.h"
 
 namespace meridian::executor {
@@ -189,6 +190,15 @@ absl::StatusOr<JobSetup> LoadJob(const std::string& job_path) {
   return SetupOf(*in);
 }
 
+int EarlyMicroBatches(const core::JobSpec& job, int64_t step, int64_t total_steps) {
+  if (job.step_overlap <= 0 || step <= 0 || step >= total_steps) return 0;
+  if (job.checkpoint.interval > 0 && step % job.checkpoint.interval == 0) return 0;
+  if (job.sync.mode == core::SyncMode::kDiloco &&
+      FragmentDueAfter(step - 1, job.sync.inner_steps, job.sync.fragments) >= 0)
+    return 0;
+  return job.step_overlap;
+}
+
 absl::StatusOr<TrainResult> TrainLocal(const JobSetup& setup, int steps, torch::Device device,
                                        const std::function<void(int, double)>& on_step) {
   return GuardTorch("training", [&]() -> absl::StatusOr<TrainResult> {
@@ -199,19 +209,30 @@ absl::StatusOr<TrainResult> TrainLocal(const JobSetup& setup, int steps, torch::
     AdamW opt(setup.job.optimizer);
     TrainResult r;
     const int seq = setup.job.sequence_length;
+    // job.step_overlap: the weights of the step before, for the early micro-batches.
+    std::unique_ptr<StageModel> previous;
     for (int step = 0; step < steps; ++step) {
       const double normaliser = setup.data.StepTargets(step, setup.micro_batches, setup.micro_batch_size, seq);
       for (auto& [n, p] : model.parameters())
         if (p.grad().defined()) p.mutable_grad() = torch::Tensor();
+      const int early = EarlyMicroBatches(setup.job, step, setup.job.steps);
       double loss_sum = 0;
       for (int m = 0; m < setup.micro_batches; ++m) {
+        StageModel& on = m < early ? *previous : model;
         auto batch = setup.data.MicroBatch(step, m, setup.micro_batch_size, seq);
         const TrainContext ctx{step, static_cast<int64_t>(m) * setup.micro_batch_size};
-        auto loss = CrossEntropySum(model.Forward(batch.inputs.to(device), &ctx), batch.targets.to(device), normaliser);
+        auto loss = CrossEntropySum(on.Forward(batch.inputs.to(device), &ctx), batch.targets.to(device), normaliser);
         if (!loss.requires_grad())
           return absl::InvalidArgumentError("job.lora.target_modules: no projection of the model has an adapter");
         loss.backward();
         loss_sum += loss.item<double>();
+      }
+      if (early > 0) previous->MoveGradientsInto(model);
+      if (setup.job.step_overlap > 0) {  // this step's weights, for the next step's early micro-batches
+        if (!previous)
+          previous = model.Copy();
+        else
+          previous->CopyWeightsFrom(model);
       }
       ClipByGlobalNorm(model.parameters(), GradSquareSum(model.parameters()), setup.job.optimizer.grad_clip);
       opt.Step(model.parameters(), LearningRate(setup.job.optimizer, step, setup.job.steps));

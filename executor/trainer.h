@@ -125,8 +125,17 @@ struct TrainResult {
   std::map<std::string, torch::Tensor> parameters;
 };
 
+// job.step_overlap: how many of step `step`'s first micro-batches run on the weights of step - 1 (their
+// passes begin before that step's optimizer step; docs/executor.md, "Step overlap"). 0, an exact step: the
+// first step, a step after one that writes a checkpoint (job.checkpoint.interval) or ends with a DiLoCo
+// synchronisation (job.sync), a step past the run; otherwise job.step_overlap. Every stage of a run and
+// TrainLocal compute it alike.
+int EarlyMicroBatches(const core::JobSpec& job, int64_t step, int64_t total_steps);
+
 // The reference: trains the whole model in this process for `steps` steps. The learning-rate schedule
-// always spans job.steps, so a shorter run is a prefix of the full one (and resumable).
+// always spans job.steps, so a shorter run is a prefix of the full one (and resumable). With
+// job.step_overlap each step's early micro-batches (EarlyMicroBatches) run on a copy of the previous step's
+// weights, as a pipeline runs them.
 absl::StatusOr<TrainResult> TrainLocal(const JobSetup& setup, int steps, torch::Device device,
                                        const std::function<void(int, double)>& on_step = nullptr);
 

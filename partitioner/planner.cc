@@ -129,8 +129,12 @@ class CostModel {
   // Memory of ops [a, b] when the stage is `from_end` stages from the end (1 = last stage), or keeps that
   // many micro-batches in flight.
   double Memory(int a, int b, int from_end, bool recompute = false) const {
-    return state_prefix_[b + 1] - state_prefix_[a] + ActivationMemory(a, b, from_end, recompute);
+    return state_prefix_[b + 1] - state_prefix_[a] + OverlapCopy(a, b) + ActivationMemory(a, b, from_end, recompute);
   }
+  // job.step_overlap: the second copy of the weights (and their gradients) the early micro-batches use.
+  void set_step_overlap(int k) { step_overlap_ = k; }
+  int step_overlap() const { return step_overlap_; }
+  double OverlapCopy(int a, int b) const { return step_overlap_ > 0 ? param_prefix_[b + 1] - param_prefix_[a] : 0.0; }
   // partitioner::GradientBytes of ops [a, b].
   double GradientBytes(int a, int b) const { return grad_prefix_[b + 1] - grad_prefix_[a]; }
   // Memory on site s: Memory for a site of one device; with K workers each holds the weights and gradients,
@@ -143,7 +147,8 @@ class CostModel {
     const double params = param_prefix_[b + 1] - param_prefix_[a];
     const double optimizer = state_prefix_[b + 1] - state_prefix_[a] - params;
     const double buckets = GradientBytes(a, b);
-    return k * (params + buckets) + (zero_ == 1 ? 1 : k) * optimizer + ActivationMemory(a, b, from_end, recompute);
+    return k * (params + buckets + OverlapCopy(a, b)) + (zero_ == 1 ? 1 : k) * optimizer +
+           ActivationMemory(a, b, from_end, recompute);
   }
   bool Fits(int s, int a, int b, int from_end, bool recompute = false) const {
     return SiteMemory(s, a, b, from_end, recompute) <= profile_.sites[s].memory_bytes;
@@ -187,6 +192,7 @@ class CostModel {
   const OpGraph& graph_;
   const ClusterProfile& profile_;
   int zero_;
+  int step_overlap_ = 0;
   int m_, n_, sites_;
   bool pipelined_, recompute_;
   std::vector<std::vector<double>> time_prefix_;
@@ -305,6 +311,8 @@ Evaluation Evaluate(const CostModel& cm, const Layout& L, const PlanOptions& o, 
   e.recompute.assign(S, false);
   e.recompute_t.assign(S, 0.0);
   e.shares.assign(S, {});
+  // job.step_overlap: stage 0 needs 1F1B's window of S within the depth the overlap leaves.
+  if (cm.step_overlap() > 0 && S > MaxInFlightForOverlap(M, cm.step_overlap())) return e;
   // Whole pipelines: one share per pipeline, from its slowest stage, for every stage.
   std::vector<int> pipeline_shares;
   if (L.pipelines && S > 0 && L.sites[0].size() > 1) {
@@ -582,13 +590,15 @@ SimulatedLayout SimulateLayout(const CostModel& cm, const Layout& L, const Evalu
   // A stage whose memory holds 1F1B's window only with recomputation (Evaluation::recompute) recomputes.
   std::vector<bool> recompute = ev.recompute;
   std::vector<int> cap(S);
-  for (int k = 0; k < S; ++k) cap[k] = cap_of(k, recompute[k]);
+  // job.step_overlap bounds every stage's depth (Evaluate left out layouts where 1F1B's window exceeds it).
+  const int overlap_cap = cm.step_overlap() > 0 ? MaxInFlightForOverlap(M, cm.step_overlap()) : M;
+  for (int k = 0; k < S; ++k) cap[k] = std::min(cap_of(k, recompute[k]), overlap_cap);
   r = run({}, recompute, &cap);
   if (!o.recompute) return r;
   for (int k = 0; k < S; ++k) {
     // Only where memory set the depth: a stage shallower than its cap has all the depth it wants.
     if (recompute[k] || cap[k] >= M || r.in_flight[k] < cap[k]) continue;
-    const int deeper = cap_of(k, true);
+    const int deeper = std::min(cap_of(k, true), overlap_cap);
     if (deeper <= cap[k]) continue;
     std::vector<int> trial_cap = cap;
     std::vector<bool> trial = recompute;
@@ -668,6 +678,7 @@ double SearchRatio(const PlanOptions& o) {
 double SearchCost(const CostModel& cm, const std::vector<int>& order, const std::vector<int>& last, double ratio) {
   const int S = static_cast<int>(order.size());
   const int M = cm.micro_batches();
+  if (cm.step_overlap() > 0 && S > MaxInFlightForOverlap(M, cm.step_overlap())) return kInf;
   double sum = 0, mx = 0;
   for (int k = 0; k < S; ++k) {
     int a = k == 0 ? 0 : last[k - 1] + 1, b = last[k];
@@ -771,6 +782,8 @@ ExactResult ExactSearch(const CostModel& cm, double ratio, double upper_bound, d
   std::vector<int32_t> best_entry(n + 1, -1);
   for (int64_t mask = 1; mask < masks; ++mask) {
     const int stages = __builtin_popcountll(static_cast<unsigned long long>(mask));
+    // job.step_overlap: no more stages than the first stage's bounded depth runs 1F1B with.
+    if (cm.step_overlap() > 0 && stages > MaxInFlightForOverlap(M, cm.step_overlap())) continue;
     for (int s = 0; s < n; ++s) {
       const auto& f = front[key(mask, s, 0)];
       for (int32_t i = 0; i < static_cast<int32_t>(f.size()); ++i) {
@@ -1356,6 +1369,7 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
             absl::StrCat("profile: sites '", s.name, "'.op_seconds names op '", name, "', which the graph lacks"));
 
   CostModel cm(graph, profile, o.micro_batches, o.deep_pipeline, o.zero, o.recompute, o.gradient_bytes_fraction);
+  cm.set_step_overlap(o.step_overlap);
   const int n = cm.sites(), N = cm.ops();
   const double ratio = SearchRatio(o);
   Plan plan;
@@ -1402,6 +1416,11 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
           return absl::InvalidArgumentError("a fixed layout names a site twice or out of range");
         seen[s] = true;
       }
+    if (o.step_overlap > 0 && static_cast<int>(S) > MaxInFlightForOverlap(o.micro_batches, o.step_overlap))
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the fixed layout's ", S, " stages need 1F1B's ", S, " micro-batches in flight at the first, and ",
+          "job.step_overlap ", o.step_overlap, " with ", o.micro_batches, " micro-batches a step allows at most ",
+          MaxInFlightForOverlap(o.micro_batches, o.step_overlap)));
     best = {SearchCost(cm, o.fixed_sites, o.fixed_last_ops, ratio), o.fixed_sites, o.fixed_last_ops};
     if (best.cost == kInf)
       return absl::FailedPreconditionError(

@@ -96,6 +96,11 @@ struct PlanOptions {
   std::vector<std::vector<int>> fixed_shares;
   // job.optimizer.zero: 1 shards the optimizer state across a site's workers (SiteProfile::workers).
   int zero = 0;
+  // job.step_overlap: K > 0 micro-batches of each step begin on the weights of the step before. Every stage
+  // then holds a second copy of its weights and gradients (their weights), and keeps at most
+  // MaxInFlightForOverlap(micro_batches, K) micro-batches in flight; a layout needing more for 1F1B's
+  // window is infeasible. The predicted step does not count what the overlap hides (it is exact at K = 0).
+  int step_overlap = 0;
 };
 
 // Pins `options` to a layout: stage k runs on sites[k][0], is replicated on sites[k][1...] and ends at op

@@ -882,6 +882,38 @@ TEST(Planner, DeepPipelineDepthStaysWithinMemory) {
   EXPECT_LE(plan->stages[1].in_flight, 4);
 }
 
+// job.step_overlap K: every stage keeps at most M - K + 1 micro-batches in flight (each step's early
+// micro-batches must be back before the next step's begin), and holds a second copy of its weights; a
+// layout whose 1F1B window exceeds the bound is not planned.
+TEST(Planner, StepOverlapBoundsEveryDepthAndCountsTheSecondWeights) {
+  ThreeStages t3(2e6, 0.05);  // 32 micro-batches; the first stage wants more than 3 in flight
+  auto& [g, p, o] = t3;
+  auto free = PlanPipeline(g, p, o);
+  ASSERT_TRUE(free.ok()) << free.status();
+  ASSERT_GT(free->stages[0].in_flight, 4);
+  o.step_overlap = 29;  // at most 32 - 29 + 1 = 4 in flight
+  auto bounded = PlanPipeline(g, p, o);
+  ASSERT_TRUE(bounded.ok()) << bounded.status();
+  ASSERT_EQ(bounded->stages.size(), free->stages.size());
+  for (size_t k = 0; k < bounded->stages.size(); ++k)
+    EXPECT_LE(bounded->stages[k].in_flight, MaxInFlightForOverlap(32, 29)) << "stage " << k;
+  // The last stage keeps one in flight either way: its memory grows by its weights and gradients.
+  ASSERT_EQ(free->stages[2].in_flight, 1);
+  ASSERT_EQ(bounded->stages[2].in_flight, 1);
+  EXPECT_GT(bounded->stages[2].memory_bytes, free->stages[2].memory_bytes);
+  // At most 2 in flight: three stages cannot run 1F1B; the search then plans two at most.
+  o.step_overlap = 31;
+  auto fixed = PlanPipeline(g, p, o);
+  ASSERT_FALSE(fixed.ok());
+  EXPECT_THAT(std::string(fixed.status().message()), HasSubstr("job.step_overlap 31"));
+  o.fixed_sites.clear();
+  o.fixed_last_ops.clear();
+  auto searched = PlanPipeline(g, p, o);
+  ASSERT_TRUE(searched.ok()) << searched.status();
+  EXPECT_LE(searched->stages.size(), 2u);
+  for (const auto& st : searched->stages) EXPECT_LE(st.in_flight, 2);
+}
+
 // Once a step, after its passes and the norm, each stage clips and steps its optimizer; the slowest such
 // step lengthens the step by its time (the profile's seconds per byte of optimizer state).
 TEST(Planner, TheSlowestOptimizerStepLengthensThePredictedStep) {

@@ -49,6 +49,36 @@ std::vector<std::pair<char, int>> PipelineSchedule(int stage, int num_stages, in
   return s;
 }
 
+std::vector<StepEntry> OverlappedStepSchedule(int stage, int num_stages, int micro_batches, int in_flight, int k_done,
+                                              int k_next) {
+  const int M = micro_batches;
+  // The step's part of the sequence of its M micro-batches and the next step's first k: through its last
+  // entry of this step or forward pass of the next.
+  auto part = [&](int k) {
+    std::vector<std::pair<char, int>> v = PipelineSchedule(stage, num_stages, M + k, in_flight);
+    size_t end = 0;
+    for (size_t i = 0; i < v.size(); ++i)
+      if (v[i].second < M || v[i].first == 'F') end = i + 1;
+    v.resize(end);
+    return v;
+  };
+  std::vector<std::pair<char, int>> done;  // this step's entries the previous step's part ran
+  if (k_done > 0)
+    for (const auto& [kind, mb] : part(k_done))
+      if (mb >= M) done.push_back({kind, mb - M});
+  std::vector<StepEntry> out;
+  for (const auto& [kind, mb] : part(k_next)) {
+    if (mb >= M) {
+      out.push_back({kind, mb - M, true});
+    } else if (std::find(done.begin(), done.end(), std::make_pair(kind, mb)) == done.end()) {
+      out.push_back({kind, mb, false});
+    }
+  }
+  return out;
+}
+
+int MaxInFlightForOverlap(int micro_batches, int k) { return std::max(1, micro_batches - k + 1); }
+
 bool InFlightIsDeadlockFree(const std::vector<int>& in_flight) {
   for (size_t k = 0; k < in_flight.size(); ++k) {
     if (in_flight[k] < 1) return false;

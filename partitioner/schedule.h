@@ -23,6 +23,30 @@ namespace meridian::partitioner {
 // num_stages - stage is such a sequence; ChooseInFlight returns only such sequences.
 std::vector<std::pair<char, int>> PipelineSchedule(int stage, int num_stages, int micro_batches, int in_flight = 0);
 
+// A stage's part of one step under job.step_overlap (docs/executor.md, "Step overlap"): the first
+// micro-batches of the next step begin within this one, on the weights this step uses. The stage runs
+// PipelineSchedule over the step's micro-batches followed by the next step's first `k_next` (numbered
+// M..M+k_next-1 there), as one 1F1B sequence, up to its last entry that is either this step's or a
+// forward pass of the next step's; the entries of this step that the previous step's part ran (its
+// `k_done` early micro-batches) are left out. `next` marks an entry of the next step, with `micro_batch`
+// then counted in that step. Over consecutive steps every pass runs exactly once and at most in_flight
+// micro-batches are in flight at any point, so pipelines that are deadlock-free under PipelineSchedule
+// stay so (every stage cuts the same sequence at the same kind of point).
+struct StepEntry {
+  char kind;  // 'F' or 'B'
+  int micro_batch;
+  bool next;
+  bool operator==(const StepEntry& o) const { return kind == o.kind && micro_batch == o.micro_batch && next == o.next; }
+};
+std::vector<StepEntry> OverlappedStepSchedule(int stage, int num_stages, int micro_batches, int in_flight, int k_done,
+                                              int k_next);
+
+// The deepest in-flight depth at which `k` early micro-batches (job.step_overlap) fit a step of
+// `micro_batches`: each step's early micro-batches must finish their backward passes before the next
+// step's first forward pass (their weights are replaced then), which holds when k <= micro_batches -
+// in_flight + 1. At least 1.
+int MaxInFlightForOverlap(int micro_batches, int k);
+
 // True when `in_flight` (one entry per stage, each >= 1) never increases from a stage to the next.
 bool InFlightIsDeadlockFree(const std::vector<int>& in_flight);
 

@@ -4,6 +4,8 @@
 
 #include <map>
 #include <set>
+#include <string>
+#include <tuple>
 
 namespace meridian::partitioner {
 namespace {
@@ -169,6 +171,161 @@ TEST(ScheduleSimulation, ComputeBoundPipelinesKeepOneFOneB) {
   // Links far faster than compute: nothing to cover, and the shallowest depth wins ties.
   PipelineTimes t = Uniform(3, 8, 1.0, 2.0, 0.001, 0.0001);
   EXPECT_EQ(ChooseInFlight(t, {8, 8, 8}), (std::vector<int>{3, 2, 1}));
+}
+
+TEST(Schedule, StepOverlapWithoutEarlyMicroBatchesIsPipelineSchedule) {
+  for (int stage : {0, 1, 2}) {
+    std::vector<StepEntry> want;
+    for (auto [kind, mb] : PipelineSchedule(stage, 3, 6, 4 - stage)) want.push_back({kind, mb, false});
+    EXPECT_EQ(OverlappedStepSchedule(stage, 3, 6, 4 - stage, 0, 0), want);
+  }
+}
+
+TEST(Schedule, StepOverlapStartsTheNextStepsFirstMicroBatchesInTheDrain) {
+  // Stage 0 of 2, 6 micro-batches, depth 3, 2 early: the next step's forwards fill the drain, 1F1B on.
+  using E = StepEntry;
+  EXPECT_EQ(OverlappedStepSchedule(0, 2, 6, 3, 0, 2), (std::vector<E>{{'F', 0, false},
+                                                                      {'F', 1, false},
+                                                                      {'F', 2, false},
+                                                                      {'B', 0, false},
+                                                                      {'F', 3, false},
+                                                                      {'B', 1, false},
+                                                                      {'F', 4, false},
+                                                                      {'B', 2, false},
+                                                                      {'F', 5, false},
+                                                                      {'B', 3, false},
+                                                                      {'F', 0, true},
+                                                                      {'B', 4, false},
+                                                                      {'F', 1, true},
+                                                                      {'B', 5, false}}));
+  // The step after: its first two forwards were run; it keeps three in flight from its start.
+  EXPECT_EQ(OverlappedStepSchedule(0, 2, 6, 3, 2, 0), (std::vector<E>{{'F', 2, false},
+                                                                      {'B', 0, false},
+                                                                      {'F', 3, false},
+                                                                      {'B', 1, false},
+                                                                      {'F', 4, false},
+                                                                      {'B', 2, false},
+                                                                      {'F', 5, false},
+                                                                      {'B', 3, false},
+                                                                      {'B', 4, false},
+                                                                      {'B', 5, false}}));
+  // The last stage runs the early micro-batches' forward and backward passes but the last one's backward.
+  EXPECT_EQ(OverlappedStepSchedule(1, 2, 3, 1, 0, 2), (std::vector<E>{{'F', 0, false},
+                                                                      {'B', 0, false},
+                                                                      {'F', 1, false},
+                                                                      {'B', 1, false},
+                                                                      {'F', 2, false},
+                                                                      {'B', 2, false},
+                                                                      {'F', 0, true},
+                                                                      {'B', 0, true},
+                                                                      {'F', 1, true}}));
+  EXPECT_EQ(OverlappedStepSchedule(1, 2, 3, 1, 2, 0),
+            (std::vector<E>{{'B', 1, false}, {'F', 2, false}, {'B', 2, false}}));
+}
+
+// Runs `steps` steps of an S-stage pipeline whose stages run OverlappedStepSchedule, as the executors
+// do: a forward pass needs the previous stage's, a backward pass the next stage's and its own forward;
+// after its last backward pass of a step a stage joins the norm's first half (the partial sums, last stage
+// to first), and after its part of the step the second half (the total, first to last) and its optimizer
+// step, before the next step's part. Returns false on a deadlock. Checks each pass runs once, the depth,
+// and that a step's early micro-batches finish their backward passes before the next step's first
+// forward pass at each stage.
+bool RunOverlapped(int S, int M, const std::vector<int>& depth, int K, int steps, std::string* why) {
+  auto early = [&](int step) { return step > 0 && step < steps && step % 3 != 2 ? K : 0; };
+  // Per stage: its entries of every step, with a marker for the norm's halves.
+  struct Item {
+    char kind;  // F, B, 1 (partial sums), 2 (total + optimizer step)
+    int step, mb;
+  };
+  std::vector<std::vector<Item>> seq(S);
+  for (int k = 0; k < S; ++k)
+    for (int t = 0; t < steps; ++t) {
+      auto part = OverlappedStepSchedule(k, S, M, depth[k], early(t), early(t + 1));
+      int last_b = -1;
+      for (int i = 0; i < static_cast<int>(part.size()); ++i)
+        if (part[i].kind == 'B' && !part[i].next) last_b = i;
+      for (int i = 0; i < static_cast<int>(part.size()); ++i) {
+        seq[k].push_back({part[i].kind, t + (part[i].next ? 1 : 0), part[i].micro_batch});
+        if (i == last_b) seq[k].push_back({'1', t, -1});
+      }
+      seq[k].push_back({'2', t, -1});
+    }
+  std::set<std::tuple<int, char, int, int>> done;  // (stage, kind, step, mb)
+  std::vector<size_t> pos(S, 0);
+  std::vector<std::set<std::pair<int, int>>> open(S);  // forwarded, not yet backward
+  bool progress = true;
+  while (progress) {
+    progress = false;
+    for (int k = 0; k < S; ++k) {
+      while (pos[k] < seq[k].size()) {
+        const Item& it = seq[k][pos[k]];
+        bool ready = true;
+        if (it.kind == 'F') ready = k == 0 || done.count({k - 1, 'F', it.step, it.mb});
+        if (it.kind == 'B') ready = k == S - 1 || done.count({k + 1, 'B', it.step, it.mb});
+        if (it.kind == '1') ready = k == S - 1 || done.count({k + 1, '1', it.step, -1});
+        if (it.kind == '2') ready = k == 0 || done.count({k - 1, '2', it.step, -1});
+        if (!ready) break;
+        if (!done.insert({k, it.kind, it.step, it.mb}).second) {
+          *why = "a pass ran twice";
+          return false;
+        }
+        if (it.kind == 'F') {
+          if (it.step > 0 && early(it.step) > it.mb) {  // an early micro-batch: its step's earlier ones done
+            for (const auto& [s, mb] : open[k])
+              if (s < it.step && mb < early(s)) {
+                *why = "an early micro-batch of step " + std::to_string(s) + " still open at the next's forward";
+                return false;
+              }
+          }
+          open[k].insert({it.step, it.mb});
+          if (static_cast<int>(open[k].size()) > depth[k]) {
+            *why = "deeper than in_flight at stage " + std::to_string(k);
+            return false;
+          }
+        }
+        if (it.kind == 'B') open[k].erase({it.step, it.mb});
+        ++pos[k];
+        progress = true;
+      }
+    }
+  }
+  for (int k = 0; k < S; ++k)
+    if (pos[k] != seq[k].size()) {
+      *why = "deadlock at stage " + std::to_string(k);
+      return false;
+    }
+  for (int k = 0; k < S; ++k)
+    for (int t = 0; t < steps; ++t)
+      for (int m = 0; m < M; ++m)
+        if (!done.count({k, 'F', t, m}) || !done.count({k, 'B', t, m})) {
+          *why = "a pass never ran";
+          return false;
+        }
+  return true;
+}
+
+TEST(Schedule, StepOverlapRunsEveryPassOnceWithinItsDepthAndCannotDeadlock) {
+  int tried = 0;
+  for (int S : {1, 2, 3, 4})
+    for (int M : {2, 4, 7, 12})
+      for (int d0 = S; d0 <= M; ++d0)
+        for (int K = 1; K < M; ++K) {
+          if (d0 > MaxInFlightForOverlap(M, K)) continue;
+          std::vector<int> depth(S);
+          for (int k = 0; k < S; ++k) depth[k] = std::max(S - k, d0 - 2 * k);  // never increasing
+          std::string why;
+          EXPECT_TRUE(RunOverlapped(S, M, depth, K, 6, &why))
+              << "S " << S << " M " << M << " depth0 " << d0 << " K " << K << ": " << why;
+          ++tried;
+        }
+  EXPECT_GT(tried, 100);
+}
+
+TEST(Schedule, StepOverlapBeyondItsDepthLeavesAnEarlyMicroBatchOpen) {
+  // The check above can fail: one micro-batch more than MaxInFlightForOverlap allows.
+  std::string why;
+  EXPECT_FALSE(RunOverlapped(2, 6, {MaxInFlightForOverlap(6, 3) + 1, 1}, 3, 6, &why));
+  EXPECT_NE(why.find("still open"), std::string::npos) << why;
 }
 
 }  // namespace

@@ -380,6 +380,64 @@ TEST_F(PipelineTest, AnAssignmentWithABadDepthOrQueueIsRefusedNamingTheField) {
   }
 }
 
+// job.step_overlap (#17): each step's first K micro-batches run on the weights of the step before, their
+// forward passes begun in the previous step's drain (partitioner::OverlappedStepSchedule). One, two and
+// three stages, a deeper and recomputing stage and replicas train exactly what `meridian train-local`
+// trains with the same job (the early micro-batches on a copy of the previous step's weights), which is
+// not what the exact job trains. A depth the overlap cannot hold is refused naming the field.
+TEST_F(PipelineTest, StepOverlapMatchesTheSingleProcessTrainerWithTheSameOverlap) {
+  const std::string exact = Job("exact", 6), job = Job("overlap", 6);
+  // Step 4 follows a checkpoint step: exact, as train-local has it too.
+  std::ofstream(job, std::ios::app) << "  step_overlap: 2\n  checkpoint: {interval: 3, dir: ckpt}\n";
+  std::vector<double> ref_losses, exact_losses, losses;
+  auto want = Reference(job, &ref_losses);
+  auto exact_want = Reference(exact, &exact_losses, "local-exact");
+  ASSERT_EQ(ref_losses.size(), 6u);
+  ASSERT_EQ(exact_losses.size(), 6u);
+  EXPECT_DOUBLE_EQ(ref_losses[0], exact_losses[0]);  // the first step is exact
+  EXPECT_NE(ref_losses[1], exact_losses[1]);         // the second's first two micro-batches are not
+  double most = 0;
+  for (const auto& [name, t] : want) most = std::max(most, testing::RelativeL2(t, exact_want.at(name)));
+  EXPECT_GT(most, 1e-4) << "the overlap changed nothing";
+  ExpectClose(Distributed(job, {{0, 5}}, "identity", "identity", &losses), want);
+  ASSERT_EQ(losses.size(), 6u);
+  for (int i = 0; i < 6; ++i) EXPECT_NEAR(losses[i], ref_losses[i], 1e-5 * ref_losses[i]) << "step " << i + 1;
+  const fs::path trace = dir_ / "trace";
+  fs::create_directories(trace);
+  ::setenv("MERIDIAN_TRACE_DIR", trace.string().c_str(), 1);
+  ExpectClose(Distributed(job, {{0, 2}, {3, 5}}, "identity", "identity", &losses), want);
+  ::unsetenv("MERIDIAN_TRACE_DIR");
+  for (int i = 0; i < 6; ++i) EXPECT_NEAR(losses[i], ref_losses[i], 1e-5 * ref_losses[i]) << "step " << i + 1;
+  // Stage 0's forward passes per step: the next step's first two (numbered 4 and 5 in its timeline) in
+  // steps 1, 2, 4 and 5, whose next steps begin early; none of its own early ones in steps 2, 3, 5, 6.
+  std::ifstream in(trace / "trace-a-stage0.jsonl");
+  std::vector<std::vector<int>> forwards;
+  for (std::string line; std::getline(in, line);) {
+    forwards.emplace_back();
+    const auto j = nlohmann::json::parse(line);
+    for (const auto& iv : j["intervals"])
+      if (iv[0] == "F") forwards.back().push_back(iv[1].get<int>());
+  }
+  EXPECT_EQ(forwards, (std::vector<std::vector<int>>{
+                          {0, 1, 2, 3, 4, 5}, {2, 3, 4, 5}, {2, 3}, {0, 1, 2, 3, 4, 5}, {2, 3, 4, 5}, {2, 3}}));
+  ExpectClose(Distributed(job, {{0, 1}, {2, 3}, {4, 5}}, "identity", "identity", nullptr), want);
+  ExpectClose(Distributed(job, {{0, 2, {}, 3, true}, {3, 5, {}, 1}}, "identity", "identity", nullptr), want);
+  ExpectClose(Distributed(job, {{0, 2, {2, 2}}, {3, 5}}, "identity", "identity", nullptr), want);
+  ExpectClose(Distributed(job, {{0, 2}, {3, 5, {3, 1}}}, "identity", "identity", nullptr), want);
+
+  // Three in flight is the most with 4 micro-batches and 2 early ones.
+  const fs::path apath = dir_ / "deep.json";
+  std::ofstream(apath) << "{\"stage\": 0, \"num_stages\": 2, \"first_op\": 0, \"last_op\": 2, \"in_flight\": 4, "
+                          "\"next_site\": \"b\", \"next_address\": \"127.0.0.1:"
+                       << FreePort() << "\"}";
+  Process p(Bin("meridian-executor") + " --site a --certs " + (dir_ / "certs" / "bundles" / "a").string() +
+            " --listen 127.0.0.1:" + std::to_string(FreePort()) + " --assignment " + apath.string() + " --job " + job +
+            " 2>&1");
+  const std::string out = p.ReadAll(60s);
+  EXPECT_NE(p.Wait(30s), 0) << out;
+  EXPECT_THAT(out, HasSubstr("job.step_overlap 2 with 4 micro-batches a step allows at most 3 in flight")) << out;
+}
+
 // AQ-SGD inside the pipeline: instruction data small enough that every sequence comes back every few
 // steps (as fine-tuning epochs do), three stages whose activations go as int4 or int2 deltas against each
 // sequence's previous activation (int8 on a first visit) and whose gradients go as int4. Over 200 steps
