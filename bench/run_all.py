@@ -775,7 +775,11 @@ def dp_section(w, command):
          "gradients and, every step, each pipeline's share of the loss (each pipeline clips by its own gradient "
          "norm: docs/sync.md). *Every-step* is Meridian's default `sync` (the gradient "
          "sum every step), *DiLoCo* adds "
-         f"`sync: {w['sync']}` with each CODEC of the table (the outer momentum 0.5 of docs/sync.md for small models); *DDP-Gloo* "
+         f"`sync: {w['sync']}` with each CODEC of the table (the outer momentum 0.5 of docs/sync.md for small models)"
+         + (f" and `step_overlap: {w['step_overlap']}` (the first {w['step_overlap']} micro-batches of each step, "
+            f"{w['step_overlap'] // 2} per pipeline, begin on the previous step's weights in its drain, hiding the "
+            "step boundary: docs/executor.md, \"Step overlap\")" if w.get("step_overlap") else "")
+         + "; *DDP-Gloo* "
          "(bench/ddp_gloo.py) trains the whole model on each of the four sites and all-reduces float32 gradients "
          "every step (Gloo's connections do not pass the relays that add the RTT; it is bandwidth-bound "
          "anyway). Every Meridian job here has `compression: "

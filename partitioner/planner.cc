@@ -1674,6 +1674,13 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
   }
   plan.sync = o.sync;
   plan.zero = o.zero;
+  plan.step_overlap = o.step_overlap;
+  if (o.step_overlap > 0)
+    plan.notes.push_back(absl::StrFormat(
+        "job.step_overlap %d: each step's first %d micro-batches begin on the previous step's weights; every stage "
+        "keeps at most %d in flight and a second copy of its weights; the predicted step still counts the step "
+        "boundary the overlap hides (meridian simulate runs it)",
+        o.step_overlap, o.step_overlap, MaxInFlightForOverlap(o.micro_batches, o.step_overlap)));
   std::stable_sort(considered.begin(), considered.end(), [](const PlanCandidate& a, const PlanCandidate& b) {
     return a.predicted_seconds < b.predicted_seconds;
   });
@@ -1859,6 +1866,7 @@ std::string PlanJson(const Plan& plan, const OpGraph& graph) {
             {"optimizer_seconds", plan.optimizer_seconds},
             {"micro_batches", plan.micro_batches},
             {"zero", plan.zero},
+            {"step_overlap", plan.step_overlap},
             {"sync", plan.sync.diloco ? json{{"mode", "diloco"},
                                              {"inner_steps", plan.sync.inner_steps},
                                              {"fragments", plan.sync.fragments},

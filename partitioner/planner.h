@@ -205,6 +205,9 @@ struct Plan {
   int micro_batches = 0;
   SyncModel sync;  // how the replicas synchronise (PlanOptions::sync); in plan.json as "sync"
   int zero = 0;    // PlanOptions::zero
+  // PlanOptions::step_overlap (job.step_overlap); in plan.json as "step_overlap". meridian simulate runs
+  // the executors' overlapped steps; predicted_step_seconds does not count what the overlap hides.
+  int step_overlap = 0;
   double predicted_step_seconds = 0;
   double fill_drain_seconds = 0;  // sum t_k + sum c_k
   double steady_seconds = 0;      // (M - 1) * bottleneck

@@ -52,7 +52,12 @@ struct Worker {
   double recompute = 0;
   bool recomputed = false;
   double optimizer = 0;  // seconds per step after the norm: clipping and the optimizer step
-  std::vector<std::pair<char, int>> order;
+  // The current step's passes (partitioner::OverlappedStepSchedule, this replica's), and after which of them
+  // the norm's first half runs (after the step's last backward pass; the rest, with job.step_overlap, are
+  // the next step's early micro-batches, run before the second half).
+  std::vector<partitioner::StepEntry> order;
+  size_t norm_at = 0;
+  int in_flight = 0;
   int micro_batches = 0;
   // The current step.
   int step = -1;
@@ -62,7 +67,9 @@ struct Worker {
   double step_start = 0;
   std::map<std::pair<int, int>, double> activations, gradients;  // (step, micro-batch) -> arrival
   std::map<std::pair<int, int>, double> control;                 // (step, sending worker) -> arrival
-  // Phases after the passes: 0 passes, 1 gradient sum, 2 norm, 3 done.
+  // Phases after the passes: 0 passes, 1 gradient sum, 2 the norm's first half (partial sums up the
+  // pipeline), 4 the next step's early passes (job.step_overlap), 5 the norm's second half (the total down
+  // the pipeline), 3 done.
   int phase = 0;
   bool sent_up = false;
   bool sent_down = false;  // whole pipelines: the total to the next stage (and stage 0's loss share to replica 0)
@@ -89,7 +96,9 @@ class Simulation {
       : g_(g), p_(p), plan_(plan), o_(o) {}
 
   absl::Status Init();
-  void Run(int steps);
+  // Simulates `steps` steps and `extra` more after them, which Result leaves out: with job.step_overlap a
+  // step begins the next one's early micro-batches, so the last step simulated is not a steady one.
+  void Run(int steps, int extra = 0);
   // After Run: the first site that did not finish every step (the schedules wait on each other), or "".
   std::string Stuck() const;
   SimulationResult Result(int steps);
@@ -165,6 +174,7 @@ class Simulation {
     double bytes = 0;
   };
   int keep_from_ = 0;
+  int reported_steps_ = 0;  // Run's `steps`: the last of them is the reported step
   std::vector<Record> records_;
 };
 
@@ -224,11 +234,8 @@ absl::Status Simulation::Init() {
       w.backward = t * (1 - share);
       w.recompute = t * (partitioner::ComputeFactor(g_, st.first_op, st.last_op, st.recompute) - 1);
       w.optimizer = partitioner::OptimizerSeconds(g_, p_.sites[site], st.first_op, st.last_op, plan_.zero);
-      for (auto e : partitioner::PipelineSchedule(k, S, M, st.in_flight))
-        if (owners_[k][e.second] == w.replica) w.order.push_back(e);
+      w.in_flight = st.in_flight;
       w.micro_batches = st.micro_batches[r];
-      for (int i = 0; i < static_cast<int>(w.order.size()); ++i)
-        if (w.order[i].first == 'B') w.last_backward = i;
       stage_workers_[k].push_back(static_cast<int>(workers_.size()));
       workers_.push_back(std::move(w));
     }
@@ -299,22 +306,45 @@ void Simulation::StartStep(int wi, double t) {
   Worker& w = workers_[wi];
   w.step += 1;
   if (w.step >= steps_) return;
+  // Its passes: with job.step_overlap the next step's first micro-batches begin in this one, none after a
+  // DiLoCo synchronisation point (executor/trainer.h: EarlyMicroBatches; the job's checkpoint steps are not
+  // in the plan).
+  auto early = [&](int s) {
+    if (plan_.step_overlap <= 0 || s < 1 || s >= steps_) return 0;
+    if (plan_.sync.diloco && (s % std::max(1, plan_.sync.inner_steps / std::max(1, plan_.sync.fragments))) == 0)
+      return 0;
+    return plan_.step_overlap;
+  };
+  const int S = static_cast<int>(plan_.stages.size());
+  w.order.clear();
+  for (auto e : partitioner::OverlappedStepSchedule(w.stage, S, plan_.micro_batches, w.in_flight, early(w.step),
+                                                    early(w.step + 1)))
+    if (owners_[w.stage][e.micro_batch] == w.replica) w.order.push_back(e);
+  w.last_backward = -1;
+  for (int i = 0; i < static_cast<int>(w.order.size()); ++i)
+    if (w.order[i].kind == 'B' && !w.order[i].next) w.last_backward = i;
+  w.norm_at = w.last_backward >= 0 ? static_cast<size_t>(w.last_backward + 1) : w.order.size();
   w.next = 0;
   w.phase = 0;
   w.sent_up = false;
   w.sent_down = false;
   w.buckets_done = 0;
   w.step_start = t;
-  if (w.step == steps_ - 1) last_step_start_ = std::min(last_step_start_, t);
+  if (w.step == reported_steps_ - 1) last_step_start_ = std::min(last_step_start_, t);
   TryRun(wi, t);
 }
 
 void Simulation::TryRun(int wi, double now) {
   Worker& w = workers_[wi];
-  if (w.busy || w.phase != 0 || w.step >= steps_) return;
+  if (w.busy || (w.phase != 0 && w.phase != 4) || w.step >= steps_) return;
   const int S = static_cast<int>(plan_.stages.size());
-  if (w.next >= w.order.size()) return AfterPasses(wi, now);
-  const auto [kind, m] = w.order[w.next];
+  if (w.next >= w.order.size()) {
+    if (w.phase == 0) return AfterPasses(wi, now);
+    w.phase = 5;  // the next step's early passes done: the norm's second half
+    return Advance(wi, now);
+  }
+  const auto [kind, m, next] = w.order[w.next];
+  const int of = w.step + (next ? 1 : 0);                 // the micro-batch's step
   if (kind == 'B' && w.recompute > 0 && !w.recomputed) {  // needs no gradient: at once
     w.busy = true;
     At(now + w.recompute, [this, wi, now, end = now + w.recompute] { RecomputeDone(wi, now, end); });
@@ -325,7 +355,7 @@ void Simulation::TryRun(int wi, double now) {
   const partitioner::SiteProfile& site = p_.sites[w.site];
   if (kind == 'F') {
     if (w.stage > 0) {
-      auto it = w.activations.find({w.step, m});
+      auto it = w.activations.find({of, m});
       if (it == w.activations.end()) return;
       w.activations.erase(it);
       codec += CodecSeconds(w.site, links_[w.stage - 1].name, link_bytes_[w.stage - 1]);
@@ -338,7 +368,7 @@ void Simulation::TryRun(int wi, double now) {
     }
   } else {
     if (w.stage + 1 < S) {
-      auto it = w.gradients.find({w.step, m});
+      auto it = w.gradients.find({of, m});
       if (it == w.gradients.end()) return;
       w.gradients.erase(it);
       codec += CodecSeconds(w.site, compression::GradientCodecBehind(links_[w.stage].name), link_bytes_[w.stage]);
@@ -373,40 +403,43 @@ void Simulation::RecomputeDone(int wi, double start, double end) {
   w.recomputed = true;
   w.compute[w.step] += end - start;
   if (w.step >= keep_from_)
-    records_.push_back({{p_.sites[w.site].name, "recompute", w.step, w.order[w.next].second, "", start, end}});
+    records_.push_back({{p_.sites[w.site].name, "recompute", w.step + (w.order[w.next].next ? 1 : 0),
+                         w.order[w.next].micro_batch, "", start, end}});
   TryRun(wi, end);
 }
 
 void Simulation::PassDone(int wi, double start, double end, double codec) {
   Worker& w = workers_[wi];
   const int S = static_cast<int>(plan_.stages.size());
-  const auto [kind, m] = w.order[w.next];
+  const auto [kind, m, next] = w.order[w.next];
+  const int of = w.step + (next ? 1 : 0);  // the micro-batch's step
   w.busy = false;
   w.recomputed = false;
   w.compute[w.step] += end - start;
   w.codec[w.step] += codec;
   if (w.step >= keep_from_)
-    records_.push_back({{p_.sites[w.site].name, kind == 'F' ? "forward" : "backward", w.step, m, "", start, end}});
+    records_.push_back({{p_.sites[w.site].name, kind == 'F' ? "forward" : "backward", of, m, "", start, end}});
   if (kind == 'F' && w.stage + 1 < S) {
     const int to = WorkerOf(w.stage + 1, m);
     const double bytes = link_bytes_[w.stage] * links_[w.stage].forward_ratio;
     Transfer(w.site, workers_[to].site, bytes, end,
-             {p_.sites[w.site].name, "send", w.step, m, p_.sites[workers_[to].site].name},
-             [this, to, step = w.step, m](double t) {
-               workers_[to].activations[{step, m}] = t;
+             {p_.sites[w.site].name, "send", of, m, p_.sites[workers_[to].site].name}, [this, to, of, m](double t) {
+               workers_[to].activations[{of, m}] = t;
                TryRun(to, t);
              });
   } else if (kind == 'B' && w.stage > 0) {
     const int to = WorkerOf(w.stage - 1, m);
     const double bytes = link_bytes_[w.stage - 1] * links_[w.stage - 1].backward_ratio;
     Transfer(w.site, workers_[to].site, bytes, end,
-             {p_.sites[w.site].name, "send", w.step, m, p_.sites[workers_[to].site].name},
-             [this, to, step = w.step, m](double t) {
-               workers_[to].gradients[{step, m}] = t;
+             {p_.sites[w.site].name, "send", of, m, p_.sites[workers_[to].site].name}, [this, to, of, m](double t) {
+               workers_[to].gradients[{of, m}] = t;
                TryRun(to, t);
              });
   }
   ++w.next;
+  // The step's last backward pass: its sums and the norm's first half come before the next step's early
+  // passes (job.step_overlap); without them TryRun gets there once every pass has run.
+  if (w.phase == 0 && w.next == w.norm_at && w.norm_at < w.order.size()) return AfterPasses(wi, end);
   TryRun(wi, end);
 }
 
@@ -517,67 +550,90 @@ void Simulation::Advance(int wi, double t) {
   const auto& R = stage_workers_[w.stage];
   const bool first = w.stage == 0, last = w.stage == S - 1;
   if (w.phase == 1) {
-    if (w.buckets_done < buckets_[w.stage] || w.next < w.order.size()) return;
+    if (w.buckets_done < buckets_[w.stage] || w.next < w.norm_at) return;
     if (t < w.sum_cpu_until) return;  // AfterPasses scheduled this Advance at sum_cpu_until
     w.phase = 2;
   }
-  if (w.phase != 2) return;
   auto has = [&](int from) { return w.control.count({w.step, from}) > 0; };
-  if (plan_.sync.diloco && S == 1) {
-    // Independent DiLoCo workers of the whole model: the others send replica 0 their losses and wait for
-    // nothing; replica 0 awaits them before its step ends (the executor: after its optimizer step, which
-    // is not simulated); no one waits for a norm.
-    if (w.replica == 0) {
-      for (size_t j = 1; j < R.size(); ++j)
-        if (!has(R[j])) return;
-    } else if (!w.sent_up) {
+  // The norm's first half (executor/stage.cc, after the step's last backward pass): the partial sums up
+  // the pipeline, and the first stage's total down it.
+  if (w.phase == 2) {
+    if (plan_.sync.diloco && S == 1) {
+      // Independent DiLoCo workers of the whole model: the others send replica 0 their losses and wait for
+      // nothing; no one waits for a norm.
+      if (w.replica != 0 && !w.sent_up) {
+        w.sent_up = true;
+        SendControl(wi, R[0], t);
+      }
+    } else if (whole_pipelines_) {
+      // Pipeline r alone: its partial norms from its last stage to its first and the total back; its stage 0
+      // sends its loss share to replica 0.
+      const int r = w.replica;
+      if (!last && !has(stage_workers_[w.stage + 1][r])) return;
+      if (!first && !w.sent_up) {
+        w.sent_up = true;
+        SendControl(wi, stage_workers_[w.stage - 1][r], t);
+      }
+      if (first && !w.sent_down) {
+        w.sent_down = true;
+        if (!last) SendControl(wi, stage_workers_[w.stage + 1][r], t);
+        if (r != 0) SendControl(wi, R[0], t);
+      }
+    } else if (w.replica == 0) {
+      if (last)
+        for (size_t j = 1; j < R.size(); ++j)
+          if (!has(R[j])) return;
+      if (!last && !has(stage_workers_[w.stage + 1][0])) return;
+      if (!first && !w.sent_up) {
+        w.sent_up = true;
+        SendControl(wi, stage_workers_[w.stage - 1][0], t);
+      }
+      if (first && !w.sent_down) {
+        w.sent_down = true;
+        if (!last)
+          for (int nx : stage_workers_[w.stage + 1]) SendControl(wi, nx, t);
+        for (size_t j = 1; j < R.size(); ++j) SendControl(wi, R[j], t);
+      }
+    } else if (last && !w.sent_up) {
       w.sent_up = true;
       SendControl(wi, R[0], t);
     }
-  } else if (whole_pipelines_) {
-    // Pipeline r alone: its partial norms from its last stage to its first and the total back; its stage 0
-    // sends its loss share to replica 0, which awaits them before its step ends (the executor: after its
-    // optimizer step and outer sync).
-    const int r = w.replica;
-    if (!last && !has(stage_workers_[w.stage + 1][r])) return;
-    if (!first) {
-      const int prev = stage_workers_[w.stage - 1][r];
-      if (!w.sent_up) {
-        w.sent_up = true;
-        SendControl(wi, prev, t);
-      }
-      if (!has(prev)) return;
+    // Then the next step's early passes (job.step_overlap), if this step's part has them.
+    if (w.next < w.order.size()) {
+      w.phase = 4;
+      return TryRun(wi, t);
     }
-    if (!w.sent_down) {
-      w.sent_down = true;
-      if (!last) SendControl(wi, stage_workers_[w.stage + 1][r], t);
-      if (first && r != 0) SendControl(wi, R[0], t);
+    w.phase = 5;
+  }
+  if (w.phase != 5) return;
+  // The second half: the total from the previous stage, on to the next; replica 0 of a DiLoCo stage 0 awaits
+  // the other workers' loss shares (the executor: after its optimizer step, which is not simulated there).
+  if (plan_.sync.diloco && S == 1) {
+    if (w.replica == 0)
+      for (size_t j = 1; j < R.size(); ++j)
+        if (!has(R[j])) return;
+  } else if (whole_pipelines_) {
+    const int r = w.replica;
+    if (!first) {
+      if (!has(stage_workers_[w.stage - 1][r])) return;
+      if (!w.sent_down) {
+        w.sent_down = true;
+        if (!last) SendControl(wi, stage_workers_[w.stage + 1][r], t);
+      }
     }
     if (first && r == 0)
       for (size_t j = 1; j < R.size(); ++j)
         if (!has(R[j])) return;
   } else if (w.replica == 0) {
-    if (last)
-      for (size_t j = 1; j < R.size(); ++j)
-        if (!has(R[j])) return;
-    if (!last && !has(stage_workers_[w.stage + 1][0])) return;
     if (!first) {
-      const int prev = stage_workers_[w.stage - 1][0];
-      if (!w.sent_up) {
-        w.sent_up = true;
-        SendControl(wi, prev, t);
+      if (!has(stage_workers_[w.stage - 1][0])) return;
+      if (!w.sent_down) {
+        w.sent_down = true;
+        if (!last)
+          for (int nx : stage_workers_[w.stage + 1]) SendControl(wi, nx, t);
       }
-      if (!has(prev)) return;
     }
-    if (!last)
-      for (int nx : stage_workers_[w.stage + 1]) SendControl(wi, nx, t);
-    if (first)
-      for (size_t j = 1; j < R.size(); ++j) SendControl(wi, R[j], t);
   } else {
-    if (last && !w.sent_up) {
-      w.sent_up = true;
-      SendControl(wi, R[0], t);
-    }
     if (!has(first ? R[0] : stage_workers_[w.stage - 1][0])) return;
   }
   w.phase = 3;
@@ -656,14 +712,15 @@ void Simulation::StepDone(int wi, double t) {
   begin(t);
 }
 
-void Simulation::Run(int steps) {
-  steps_ = steps;
+void Simulation::Run(int steps, int extra) {
+  steps_ = steps + extra;
+  reported_steps_ = steps;
   // The last step, and under DiLoCo the period before it (an exchange begun then may run during it).
   const int lookback =
       plan_.sync.diloco ? std::max(1, plan_.sync.inner_steps / std::max(1, plan_.sync.fragments)) + 1 : 1;
   keep_from_ = std::max(0, steps - 1 - lookback);
   last_step_start_ = std::numeric_limits<double>::infinity();
-  step_end_.assign(steps, 0.0);
+  step_end_.assign(steps_, 0.0);
   for (int wi = 0; wi < static_cast<int>(workers_.size()); ++wi) StartStep(wi, 0.0);
   while (!events_.empty()) {
     Event e = events_.top();
@@ -810,7 +867,7 @@ absl::StatusOr<SimulationResult> Simulate(const OpGraph& graph, const ClusterPro
   if (absl::Status s = sim.Init(); !s.ok()) return s;
   int steps = options.steps;
   if (steps <= 0) steps = plan.sync.diloco ? 2 * std::max(1, plan.sync.inner_steps) + 1 : 3;
-  sim.Run(steps);
+  sim.Run(steps, plan.step_overlap > 0 ? 1 : 0);  // the last step reported begins the next one's, as a run's do
   auto analytic = AnalyticStepSeconds(graph, profile, plan, options);
   if (std::string stuck = sim.Stuck(); !stuck.empty())
     return absl::FailedPreconditionError(absl::StrCat(
@@ -864,6 +921,12 @@ absl::StatusOr<Plan> ParsePlanJson(const std::string& text, const std::string& p
     if (!j["zero"].is_number_integer() || j["zero"].get<int64_t>() < 0 || j["zero"].get<int64_t>() > 1)
       return bad("zero", "expected 0 or 1");
     plan.zero = j["zero"].get<int>();
+  }
+  if (j.contains("step_overlap")) {  // job.step_overlap (absent in plan.json before it was written: 0)
+    if (!j["step_overlap"].is_number_integer() || j["step_overlap"].get<int64_t>() < 0 ||
+        j["step_overlap"].get<int64_t>() >= plan.micro_batches)
+      return bad("step_overlap", "expected an integer from 0 to micro_batches - 1");
+    plan.step_overlap = j["step_overlap"].get<int>();
   }
   const int M = plan.micro_batches;
   std::map<std::string, int> index;
