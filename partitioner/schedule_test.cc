@@ -4,6 +4,7 @@
 
 #include <map>
 #include <set>
+#include <sstream>
 #include <string>
 #include <tuple>
 
@@ -181,46 +182,22 @@ TEST(Schedule, StepOverlapWithoutEarlyMicroBatchesIsPipelineSchedule) {
   }
 }
 
+// "F0 B0 F1' ...": a forward / backward pass of a micro-batch, primed for the next step's.
+std::vector<StepEntry> Entries(const std::string& text) {
+  std::vector<StepEntry> out;
+  std::istringstream in(text);
+  for (std::string e; in >> e;) out.push_back({e[0], std::stoi(e.substr(1)), e.back() == '\''});
+  return out;
+}
+
 TEST(Schedule, StepOverlapStartsTheNextStepsFirstMicroBatchesInTheDrain) {
   // Stage 0 of 2, 6 micro-batches, depth 3, 2 early: the next step's forwards fill the drain, 1F1B on.
-  using E = StepEntry;
-  EXPECT_EQ(OverlappedStepSchedule(0, 2, 6, 3, 0, 2), (std::vector<E>{{'F', 0, false},
-                                                                      {'F', 1, false},
-                                                                      {'F', 2, false},
-                                                                      {'B', 0, false},
-                                                                      {'F', 3, false},
-                                                                      {'B', 1, false},
-                                                                      {'F', 4, false},
-                                                                      {'B', 2, false},
-                                                                      {'F', 5, false},
-                                                                      {'B', 3, false},
-                                                                      {'F', 0, true},
-                                                                      {'B', 4, false},
-                                                                      {'F', 1, true},
-                                                                      {'B', 5, false}}));
+  EXPECT_EQ(OverlappedStepSchedule(0, 2, 6, 3, 0, 2), Entries("F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 F0' B4 F1' B5"));
   // The step after: its first two forwards were run; it keeps three in flight from its start.
-  EXPECT_EQ(OverlappedStepSchedule(0, 2, 6, 3, 2, 0), (std::vector<E>{{'F', 2, false},
-                                                                      {'B', 0, false},
-                                                                      {'F', 3, false},
-                                                                      {'B', 1, false},
-                                                                      {'F', 4, false},
-                                                                      {'B', 2, false},
-                                                                      {'F', 5, false},
-                                                                      {'B', 3, false},
-                                                                      {'B', 4, false},
-                                                                      {'B', 5, false}}));
+  EXPECT_EQ(OverlappedStepSchedule(0, 2, 6, 3, 2, 0), Entries("F2 B0 F3 B1 F4 B2 F5 B3 B4 B5"));
   // The last stage runs the early micro-batches' forward and backward passes but the last one's backward.
-  EXPECT_EQ(OverlappedStepSchedule(1, 2, 3, 1, 0, 2), (std::vector<E>{{'F', 0, false},
-                                                                      {'B', 0, false},
-                                                                      {'F', 1, false},
-                                                                      {'B', 1, false},
-                                                                      {'F', 2, false},
-                                                                      {'B', 2, false},
-                                                                      {'F', 0, true},
-                                                                      {'B', 0, true},
-                                                                      {'F', 1, true}}));
-  EXPECT_EQ(OverlappedStepSchedule(1, 2, 3, 1, 2, 0),
-            (std::vector<E>{{'B', 1, false}, {'F', 2, false}, {'B', 2, false}}));
+  EXPECT_EQ(OverlappedStepSchedule(1, 2, 3, 1, 0, 2), Entries("F0 B0 F1 B1 F2 B2 F0' B0' F1'"));
+  EXPECT_EQ(OverlappedStepSchedule(1, 2, 3, 1, 2, 0), Entries("B1 F2 B2"));
 }
 
 // Runs `steps` steps of an S-stage pipeline whose stages run OverlappedStepSchedule, as the executors
