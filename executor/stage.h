@@ -123,6 +123,8 @@ class StageWorker {
   // Runs optimizer step `step` of `total_steps`: this replica's micro-batches in the stage's schedule,
   // the replicas' gradient sum, the global gradient norm, AdamW. Returns the step's mean loss on the first and last
   // stages, nullopt elsewhere. Every error names the stage, the peer and the tensor involved.
+  // With job.step_overlap it also begins step + 1's early micro-batches (EarlyMicroBatches), which the next
+  // call, Step(step + 1), finishes; a call for any other step (after a Restore, or a new attempt) drops them.
   absl::StatusOr<std::optional<double>> Step(int64_t step, int64_t total_steps);
   // Closes the outgoing streams (waits for the neighbours' acknowledgements).
   absl::Status Finish();
