@@ -568,9 +568,6 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
         if (averager) averager->Abort();
       }
     } abort_on_exit{averager_.get()};
-    // The step's gradients complete (after its last backward pass): the sums over the site's workers and
-    // the replicas, then the first half of the gradient norm's exchange. With job.step_overlap the stage
-    // then goes on with the next step's early micro-batches before the second half and its optimizer step.
     // Global gradient norm and the step's loss. Replica 0 of each stage takes part for its stage: partial
     // sums flow from the last stage to the first, the total back again to every replica. The values
     // travel as float64 pairs [square sum, loss] in identity frames, with micro_batch -1 along the
@@ -616,6 +613,9 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
     const auto& R = a_.replicas.sites;
     const bool first = a_.stage == 0, last = a_.stage == a_.num_stages - 1;
     double square = 0, loss = 0;
+    // The step's gradients complete (after its last backward pass): the sums over the site's workers and
+    // the replicas, then the first half of the gradient norm's exchange. With job.step_overlap the stage
+    // then goes on with the next step's early micro-batches before the second half and its optimizer step.
     auto begin_norm = [&]() -> absl::Status {
       if (reducer_) {  // the site's workers' sum first
         const auto t0 = Clock::now();
@@ -747,7 +747,6 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
       settled = true;
     };
     settle();
-    bool norm_begun = false;
     for (int i = 0; i < static_cast<int>(schedule.size()); ++i) {
       const auto& e = schedule[i];
       const char kind = e.kind;
@@ -869,11 +868,10 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
         if (!settled)
           return absl::InternalError(absl::StrCat(Where(), ": job.step_overlap: an early micro-batch of step ",
                                                   step + 1, " is still in flight at the step's last backward pass"));
-        norm_begun = true;
         if (absl::Status st = begin_norm(); !st.ok()) return st;
       }
     }
-    if (!norm_begun)  // a replica that owns no micro-batch
+    if (last_backward < 0)  // a replica that owns no micro-batch
       if (absl::Status st = begin_norm(); !st.ok()) return st;
     // What is still in flight belongs to the next step (its early micro-batches, with job.step_overlap).
     for (auto& [key, st] : stash) {

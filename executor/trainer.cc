@@ -1,5 +1,6 @@
 #include "executor/trainer.h"
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -9,8 +10,8 @@
 #include "absl/strings/str_cat.h"
 #include "core/files.h"
 #include "core/safetensors.h"
-#include "executor/diloco.h"
 #include "executor/torch_boundary.h"
+#include "partitioner/schedule.h"
 
 namespace meridian::executor {
 
@@ -191,12 +192,11 @@ absl::StatusOr<JobSetup> LoadJob(const std::string& job_path) {
 }
 
 int EarlyMicroBatches(const core::JobSpec& job, int64_t step, int64_t total_steps) {
-  if (job.step_overlap <= 0 || step <= 0 || step >= total_steps) return 0;
-  if (job.checkpoint.interval > 0 && step % job.checkpoint.interval == 0) return 0;
-  if (job.sync.mode == core::SyncMode::kDiloco &&
-      FragmentDueAfter(step - 1, job.sync.inner_steps, job.sync.fragments) >= 0)
-    return 0;
-  return job.step_overlap;
+  // DiLoCo synchronises after every inner step t (1-based) that is a multiple of H / F (FragmentDueAfter).
+  const int sync_period = job.sync.mode == core::SyncMode::kDiloco
+                              ? std::max(1, job.sync.inner_steps / std::max(1, job.sync.fragments))
+                              : 0;
+  return partitioner::EarlyMicroBatches(job.step_overlap, step, total_steps, job.checkpoint.interval, sync_period);
 }
 
 absl::StatusOr<TrainResult> TrainLocal(const JobSetup& setup, int steps, torch::Device device,

@@ -133,7 +133,11 @@ class CostModel {
   }
   // job.step_overlap: the second copy of the weights (and their gradients) the early micro-batches use.
   void set_step_overlap(int k) { step_overlap_ = k; }
-  int step_overlap() const { return step_overlap_; }
+  // The deepest any stage may be under it (MaxInFlightForOverlap; no bound without it): also the most stages
+  // a layout may have, since the first needs 1F1B's window of one per stage.
+  int overlap_depth_cap() const {
+    return step_overlap_ > 0 ? MaxInFlightForOverlap(m_, step_overlap_) : std::numeric_limits<int>::max();
+  }
   double OverlapCopy(int a, int b) const { return step_overlap_ > 0 ? param_prefix_[b + 1] - param_prefix_[a] : 0.0; }
   // partitioner::GradientBytes of ops [a, b].
   double GradientBytes(int a, int b) const { return grad_prefix_[b + 1] - grad_prefix_[a]; }
@@ -312,7 +316,7 @@ Evaluation Evaluate(const CostModel& cm, const Layout& L, const PlanOptions& o, 
   e.recompute_t.assign(S, 0.0);
   e.shares.assign(S, {});
   // job.step_overlap: stage 0 needs 1F1B's window of S within the depth the overlap leaves.
-  if (cm.step_overlap() > 0 && S > MaxInFlightForOverlap(M, cm.step_overlap())) return e;
+  if (S > cm.overlap_depth_cap()) return e;
   // Whole pipelines: one share per pipeline, from its slowest stage, for every stage.
   std::vector<int> pipeline_shares;
   if (L.pipelines && S > 0 && L.sites[0].size() > 1) {
@@ -591,7 +595,7 @@ SimulatedLayout SimulateLayout(const CostModel& cm, const Layout& L, const Evalu
   std::vector<bool> recompute = ev.recompute;
   std::vector<int> cap(S);
   // job.step_overlap bounds every stage's depth (Evaluate left out layouts where 1F1B's window exceeds it).
-  const int overlap_cap = cm.step_overlap() > 0 ? MaxInFlightForOverlap(M, cm.step_overlap()) : M;
+  const int overlap_cap = cm.overlap_depth_cap();
   for (int k = 0; k < S; ++k) cap[k] = std::min(cap_of(k, recompute[k]), overlap_cap);
   r = run({}, recompute, &cap);
   if (!o.recompute) return r;
@@ -678,7 +682,7 @@ double SearchRatio(const PlanOptions& o) {
 double SearchCost(const CostModel& cm, const std::vector<int>& order, const std::vector<int>& last, double ratio) {
   const int S = static_cast<int>(order.size());
   const int M = cm.micro_batches();
-  if (cm.step_overlap() > 0 && S > MaxInFlightForOverlap(M, cm.step_overlap())) return kInf;
+  if (S > cm.overlap_depth_cap()) return kInf;
   double sum = 0, mx = 0;
   for (int k = 0; k < S; ++k) {
     int a = k == 0 ? 0 : last[k - 1] + 1, b = last[k];
@@ -783,7 +787,7 @@ ExactResult ExactSearch(const CostModel& cm, double ratio, double upper_bound, d
   for (int64_t mask = 1; mask < masks; ++mask) {
     const int stages = __builtin_popcountll(static_cast<unsigned long long>(mask));
     // job.step_overlap: no more stages than the first stage's bounded depth runs 1F1B with.
-    if (cm.step_overlap() > 0 && stages > MaxInFlightForOverlap(M, cm.step_overlap())) continue;
+    if (stages > cm.overlap_depth_cap()) continue;
     for (int s = 0; s < n; ++s) {
       const auto& f = front[key(mask, s, 0)];
       for (int32_t i = 0; i < static_cast<int32_t>(f.size()); ++i) {
@@ -1416,11 +1420,11 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
           return absl::InvalidArgumentError("a fixed layout names a site twice or out of range");
         seen[s] = true;
       }
-    if (o.step_overlap > 0 && static_cast<int>(S) > MaxInFlightForOverlap(o.micro_batches, o.step_overlap))
-      return absl::FailedPreconditionError(absl::StrCat(
-          "the fixed layout's ", S, " stages need 1F1B's ", S, " micro-batches in flight at the first, and ",
-          "job.step_overlap ", o.step_overlap, " with ", o.micro_batches, " micro-batches a step allows at most ",
-          MaxInFlightForOverlap(o.micro_batches, o.step_overlap)));
+    if (static_cast<int>(S) > cm.overlap_depth_cap())
+      return absl::FailedPreconditionError(
+          absl::StrCat("the fixed layout's ", S, " stages need 1F1B's ", S,
+                       " micro-batches in flight at the first, and ", "job.step_overlap ", o.step_overlap, " with ",
+                       o.micro_batches, " micro-batches a step allows at most ", cm.overlap_depth_cap()));
     best = {SearchCost(cm, o.fixed_sites, o.fixed_last_ops, ratio), o.fixed_sites, o.fixed_last_ops};
     if (best.cost == kInf)
       return absl::FailedPreconditionError(

@@ -79,6 +79,13 @@ std::vector<StepEntry> OverlappedStepSchedule(int stage, int num_stages, int mic
 
 int MaxInFlightForOverlap(int micro_batches, int k) { return std::max(1, micro_batches - k + 1); }
 
+int EarlyMicroBatches(int k, int64_t step, int64_t total_steps, int checkpoint_interval, int sync_period) {
+  if (k <= 0 || step <= 0 || step >= total_steps) return 0;
+  if (checkpoint_interval > 0 && step % checkpoint_interval == 0) return 0;
+  if (sync_period > 0 && step % sync_period == 0) return 0;
+  return k;
+}
+
 bool InFlightIsDeadlockFree(const std::vector<int>& in_flight) {
   for (size_t k = 0; k < in_flight.size(); ++k) {
     if (in_flight[k] < 1) return false;

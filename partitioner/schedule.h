@@ -6,6 +6,7 @@
 #ifndef MERIDIAN_PARTITIONER_SCHEDULE_H_
 #define MERIDIAN_PARTITIONER_SCHEDULE_H_
 
+#include <cstdint>
 #include <utility>
 #include <vector>
 
@@ -46,6 +47,13 @@ std::vector<StepEntry> OverlappedStepSchedule(int stage, int num_stages, int mic
 // step's first forward pass (their weights are replaced then), which holds when k <= micro_batches -
 // in_flight + 1. At least 1.
 int MaxInFlightForOverlap(int micro_batches, int k);
+
+// job.step_overlap: how many of step `step`'s first micro-batches begin in the step before, on its weights.
+// 0 -- an exact step -- for the first step, a step past the run (`total_steps`), a step after one that
+// writes a checkpoint (every `checkpoint_interval` steps; 0: none) or that ends with a DiLoCo synchronisation
+// point (every `sync_period` steps; 0: none); otherwise `k`. The executors, train-local and the simulator
+// all ask this.
+int EarlyMicroBatches(int k, int64_t step, int64_t total_steps, int checkpoint_interval, int sync_period);
 
 // True when `in_flight` (one entry per stage, each >= 1) never increases from a stage to the next.
 bool InFlightIsDeadlockFree(const std::vector<int>& in_flight);

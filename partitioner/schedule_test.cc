@@ -200,6 +200,15 @@ TEST(Schedule, StepOverlapStartsTheNextStepsFirstMicroBatchesInTheDrain) {
   EXPECT_EQ(OverlappedStepSchedule(1, 2, 3, 1, 2, 0), Entries("B1 F2 B2"));
 }
 
+TEST(Schedule, EarlyMicroBatchesLeaveExactTheFirstStepAndThoseAfterACheckpointOrASync) {
+  std::vector<int> got;
+  for (int step = 0; step <= 12; ++step) got.push_back(EarlyMicroBatches(3, step, 12, 4, 6));
+  // Exact: step 0, steps 4 and 8 (after checkpoint steps), 6 (after a sync), 12 (past the run).
+  EXPECT_EQ(got, (std::vector<int>{0, 3, 3, 3, 0, 3, 0, 3, 0, 3, 3, 3, 0}));
+  EXPECT_EQ(EarlyMicroBatches(0, 5, 12, 0, 0), 0);
+  EXPECT_EQ(EarlyMicroBatches(2, 5, 12, 0, 0), 2);
+}
+
 // Runs `steps` steps of an S-stage pipeline whose stages run OverlappedStepSchedule, as the executors
 // do: a forward pass needs the previous stage's, a backward pass the next stage's and its own forward;
 // after its last backward pass of a step a stage joins the norm's first half (the partial sums, last stage

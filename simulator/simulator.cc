@@ -309,12 +309,9 @@ void Simulation::StartStep(int wi, double t) {
   // Its passes: with job.step_overlap the next step's first micro-batches begin in this one, none after a
   // DiLoCo synchronisation point (executor/trainer.h: EarlyMicroBatches; the job's checkpoint steps are not
   // in the plan).
-  auto early = [&](int s) {
-    if (plan_.step_overlap <= 0 || s < 1 || s >= steps_) return 0;
-    if (plan_.sync.diloco && (s % std::max(1, plan_.sync.inner_steps / std::max(1, plan_.sync.fragments))) == 0)
-      return 0;
-    return plan_.step_overlap;
-  };
+  const int sync_period =
+      plan_.sync.diloco ? std::max(1, plan_.sync.inner_steps / std::max(1, plan_.sync.fragments)) : 0;
+  auto early = [&](int s) { return partitioner::EarlyMicroBatches(plan_.step_overlap, s, steps_, 0, sync_period); };
   const int S = static_cast<int>(plan_.stages.size());
   w.order.clear();
   for (auto e : partitioner::OverlappedStepSchedule(w.stage, S, plan_.micro_batches, w.in_flight, early(w.step),
