@@ -68,7 +68,10 @@ OuterSync::~OuterSync() {
   }
 }
 
-void OuterSync::Attach(std::vector<std::unique_ptr<GradientAverager>> averagers) { averagers_ = std::move(averagers); }
+void OuterSync::Attach(std::vector<std::unique_ptr<GradientAverager>> averagers) {
+  averagers_ = std::move(averagers);
+  if (run_again_) BeginAgain().IgnoreError();  // resumed: at once, as the other replicas do (fails unattached only)
+}
 
 void OuterSync::Exchange(int f, int64_t step) {
   struct Done {
@@ -89,18 +92,22 @@ void OuterSync::Exchange(int f, int64_t step) {
   }
 }
 
-void OuterSync::Begin(int f, int64_t step, bool overlap) {
+void OuterSync::LoadPseudoGradient(int f, const std::vector<torch::Tensor>& local) {
   torch::NoGradGuard no_grad;
   drift2_ = 0;
   const auto& fragment = fragments_[f];
   for (size_t k = 0; k < fragment.size(); ++k) {
     const int i = fragment[k];
-    torch::Tensor local = params_[i].second.detach();
-    torch::Tensor delta = outer_[i] - local;
+    torch::Tensor delta = outer_[i] - local[k];
     drift2_ += delta.to(torch::kFloat64).pow(2).sum().item<double>();
     buffers_[f][k].second.mutable_grad() = (delta * weight_).to(torch::kCPU, torch::kFloat32);
-    if (overlap) snapshot_[i] = local.clone();
   }
+}
+
+void OuterSync::StartExchange(int f, int64_t step, bool overlap) {
+  pending_ = -1;
+  wire_bytes_at_begin_ = averagers_[f]->wire_bytes();
+  raw_bytes_at_begin_ = averagers_[f]->raw_bytes();
   pending_step_ = step;
   began_ = std::chrono::steady_clock::now();
   pending_overlapped_ = overlap;
@@ -113,6 +120,29 @@ void OuterSync::Begin(int f, int64_t step, bool overlap) {
   else
     Exchange(f, step);
   pending_ = f;
+}
+
+void OuterSync::Begin(int f, int64_t step, bool overlap) {
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> local;
+  for (int i : fragments_[f]) {
+    local.push_back(params_[i].second.detach());
+    if (overlap) snapshot_[i] = local.back().clone();
+  }
+  LoadPseudoGradient(f, local);
+  StartExchange(f, step, overlap);
+}
+
+absl::Status OuterSync::BeginAgain() {
+  if (averagers_.size() != fragments_.size())
+    return absl::FailedPreconditionError("outer synchronisation: no averager attached");
+  const int f = pending_;
+  run_again_ = false;
+  std::vector<torch::Tensor> local;
+  for (int i : fragments_[f]) local.push_back(snapshot_[i]);
+  LoadPseudoGradient(f, local);
+  StartExchange(f, pending_step_, /*overlap=*/true);
+  return absl::OkStatus();
 }
 
 void OuterSync::AwaitExchange() {
@@ -132,6 +162,8 @@ void OuterSync::AwaitExchange() {
 
 absl::Status OuterSync::Complete() {
   if (pending_ < 0) return absl::OkStatus();
+  if (run_again_)  // resumed, and not begun at Attach
+    if (absl::Status s = BeginAgain(); !s.ok()) return s;
   const int f = pending_;
   const bool overlapped = pending_overlapped_;
   AwaitExchange();
@@ -175,6 +207,7 @@ void OuterSync::Suspend() {
     exchange_.join();
   }
   pending_ = -1;
+  run_again_ = false;
   for (auto& s : snapshot_) s = torch::Tensor();
 }
 
@@ -186,8 +219,6 @@ absl::Status OuterSync::AfterInnerStep(int64_t step) {
   if (averagers_.size() != fragments_.size())
     return absl::FailedPreconditionError("outer synchronisation: no averager attached");
   if (absl::Status s = Complete(); !s.ok()) return s;
-  wire_bytes_at_begin_ = averagers_[f]->wire_bytes();
-  raw_bytes_at_begin_ = averagers_[f]->raw_bytes();
   Begin(f, step, spec_.overlap);
   if (!spec_.overlap) return Complete();
   return absl::OkStatus();
@@ -203,8 +234,6 @@ absl::Status OuterSync::Finish(int64_t step) {
     return absl::FailedPreconditionError("outer synchronisation: no averager attached");
   absl::Status s = Complete();
   for (int f = 0; s.ok() && f < static_cast<int>(fragments_.size()); ++f) {
-    wire_bytes_at_begin_ = averagers_[f]->wire_bytes();
-    raw_bytes_at_begin_ = averagers_[f]->raw_bytes();
     Begin(f, step, /*overlap=*/false);
     s = Complete();
   }
@@ -261,15 +290,21 @@ std::pair<int64_t, int64_t> OuterSync::AveragerBytes(int f) const {
   return {averagers_[f]->wire_bytes(), averagers_[f]->raw_bytes()};
 }
 
-absl::StatusOr<std::map<std::string, torch::Tensor>> OuterSync::ExportRoundState() {
+absl::StatusOr<std::map<std::string, torch::Tensor>> OuterSync::ExportRoundState(bool await_exchange) {
   std::map<std::string, torch::Tensor> out;
   torch::Tensor round = torch::full({6}, -1.0, torch::kFloat64);
   if (pending_ >= 0) {
-    AwaitExchange();
-    if (!exchange_status_.ok())
-      return absl::Status(exchange_status_.code(),
-                          absl::StrCat("the outer exchange of fragment ", pending_, " begun after step ",
-                                       pending_step_ + 1, ": ", exchange_status_.message()));
+    // Without its snapshot (not overlapped) the exchange cannot be run again: it is awaited.
+    const bool with_sum = await_exchange || !pending_overlapped_;
+    if (with_sum) {
+      if (run_again_)  // resumed, and not begun at Attach
+        if (absl::Status s = BeginAgain(); !s.ok()) return s;
+      AwaitExchange();
+      if (!exchange_status_.ok())
+        return absl::Status(exchange_status_.code(),
+                            absl::StrCat("the outer exchange of fragment ", pending_, " begun after step ",
+                                         pending_step_ + 1, ": ", exchange_status_.message()));
+    }
     const int f = pending_;
     round[0] = static_cast<double>(f);
     round[1] = static_cast<double>(pending_step_);
@@ -282,7 +317,8 @@ absl::StatusOr<std::map<std::string, torch::Tensor>> OuterSync::ExportRoundState
     for (size_t k = 0; k < fragment.size(); ++k) {
       const int i = fragment[k];
       const std::string& name = params_[i].first;
-      out[SumName(name)] = buffers_[f][k].second.grad().detach().cpu().clone();
+      // The exchange thread writes the sum into the buffers' .grad: read only once it has ended.
+      if (with_sum) out[SumName(name)] = buffers_[f][k].second.grad().detach().cpu().clone();
       if (pending_overlapped_) out[SnapshotName(name)] = snapshot_[i].detach().cpu().clone();
     }
   }
@@ -300,31 +336,47 @@ absl::Status OuterSync::ImportRoundState(const std::map<std::string, torch::Tens
   if (f < 0) return absl::OkStatus();  // nothing was in flight
   if (f >= static_cast<int>(fragments_.size()))
     return absl::DataLossError(absl::StrCat(kRoundName, " names fragment ", f, " of ", fragments_.size()));
-  // Everything checked before anything is set.
+  // Everything checked before anything is set. The exchange's result (every sum) or, to run it again, the
+  // snapshots it began from (no sum at all).
+  const auto& fragment = fragments_[f];
+  const bool again = !state.count(SumName(params_[fragment.front()].first));
   std::vector<torch::Tensor> sums, snapshots;
-  for (int i : fragments_[f]) {
+  for (int i : fragment) {
     const auto& [name, p] = params_[i];
     for (const std::string& key : {SumName(name), SnapshotName(name)}) {
+      const bool is_sum = key == SumName(name);
       auto it = state.find(key);
       if (it == state.end()) {
-        if (key == SnapshotName(name) && !spec_.overlap) continue;  // not overlapped: no snapshot
-        return absl::DataLossError(absl::StrCat(key, " is missing from the round state"));
+        if (is_sum && again) continue;                      // to be run again from the snapshots
+        if (!is_sum && !again && !spec_.overlap) continue;  // not overlapped: no snapshot
+        return absl::DataLossError(absl::StrCat(key, " is missing from the round state",
+                                                again ? " (it holds no sum: the exchange is to be run again)" : ""));
       }
+      if (is_sum && again)
+        return absl::DataLossError(
+            absl::StrCat(key, " is in the round state, but the sum of ", params_[fragment.front()].first, " is not"));
       if (it->second.sizes() != p.sizes())
         return absl::DataLossError(absl::StrCat(key, " has shape ", c10::str(it->second.sizes()), " but parameter ",
                                                 name, " has ", c10::str(p.sizes())));
-      (key == SumName(name) ? sums : snapshots).push_back(it->second);
+      (is_sum ? sums : snapshots).push_back(it->second);
     }
   }
-  const bool overlapped = snapshots.size() == fragments_[f].size();
-  for (size_t k = 0; k < fragments_[f].size(); ++k) {
-    const int i = fragments_[f][k];
-    buffers_[f][k].second.mutable_grad() = sums[k].to(torch::kCPU, torch::kFloat32).clone();
+  const bool overlapped = snapshots.size() == fragment.size();
+  for (size_t k = 0; k < fragment.size(); ++k) {
+    const int i = fragment[k];
+    if (!again) buffers_[f][k].second.mutable_grad() = sums[k].to(torch::kCPU, torch::kFloat32).clone();
     if (overlapped) snapshot_[i] = snapshots[k].to(params_[i].second.device(), params_[i].second.scalar_type());
   }
   pending_ = f;
   pending_step_ = static_cast<int64_t>(round[1].item<double>());
   pending_overlapped_ = overlapped;
+  exchange_status_ = absl::OkStatus();
+  exchange_done_ = true;
+  if (again) {  // begun again at Attach (the averagers' counters and the clock start again then)
+    run_again_ = true;
+    began_ = std::chrono::steady_clock::now();
+    return absl::OkStatus();
+  }
   drift2_ = round[2].item<double>();
   // Complete counts the averager's bytes since wire_bytes_at_begin_: the fresh averager's (none yet) plus
   // what the exchange took before the checkpoint.
@@ -333,8 +385,6 @@ absl::Status OuterSync::ImportRoundState(const std::map<std::string, torch::Tens
   raw_bytes_at_begin_ = raw - static_cast<int64_t>(round[4].item<double>());
   began_ = std::chrono::steady_clock::now() - std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                                                   std::chrono::duration<double>(round[5].item<double>()));
-  exchange_status_ = absl::OkStatus();
-  exchange_done_ = true;
   return absl::OkStatus();
 }
 

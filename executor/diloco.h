@@ -34,6 +34,7 @@
 #include <atomic>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -71,7 +72,8 @@ class OuterSync {
 
   // The exchange buffers of each fragment (named after the parameters; leaf tensors whose .grad carries
   // the pseudo-gradient in and the sum out), for building one averager each over them; then Attach the
-  // averagers in the same order. Synchronisation fails with FailedPrecondition before Attach.
+  // averagers in the same order. Synchronisation fails with FailedPrecondition before Attach. A resumed
+  // exchange to be run again (ImportRoundState) begins here.
   const std::vector<std::vector<std::pair<std::string, torch::Tensor>>>& buffers() const { return buffers_; }
   void Attach(std::vector<std::unique_ptr<GradientAverager>> averagers);
 
@@ -103,17 +105,31 @@ class OuterSync {
   static std::vector<std::string> StateNames(const std::string& name);
 
   // This replica's state within the round, beside ExportState, for an exact resume mid-round (the
-  // replica's round state file, core/run_layout.h). With overlap an exchange may be in flight: this waits
-  // for it to end (polling the cancel check as Complete does) without applying it, and saves what
-  // applying it needs: "outer.round" (float64: the fragment in flight or -1, the inner step it began
-  // after, its drift squared, wire and raw bytes, seconds so far), and for that fragment's parameters
-  // "outer.snapshot.NAME" (this replica's values when it began) and "outer.sum.NAME" (the replicas'
-  // summed pseudo-gradient). An exchange that failed or was cancelled is its error.
-  absl::StatusOr<std::map<std::string, torch::Tensor>> ExportRoundState();
+  // replica's round state file, core/run_layout.h): "outer.round" (float64: the fragment in flight or -1,
+  // the inner step it began after, its drift squared, wire and raw bytes, seconds so far) and, for an
+  // exchange in flight (overlap), that fragment's parameters' "outer.snapshot.NAME" (this replica's values
+  // when it began). The exchange itself:
+  //  - `await_exchange` false: runs on, not waited for; the round state holds no sum, and a replica that
+  //    resumes from it runs the exchange again from its snapshot (so must every replica of the stage: they
+  //    all saved at the same step, under the same rule). The stage keeps computing while it checkpoints.
+  //  - true (and always for an exchange not overlapped): awaited (polling the cancel check as Complete
+  //    does) without applying it, and "outer.sum.NAME" (the replicas' summed pseudo-gradient) saved too.
+  //    An exchange that failed or was cancelled is then the error.
+  // The resumed exchange computes the same pseudo-gradient from the same snapshot and outer parameters;
+  // with a lossy codec its sum differs from the first run's, as error-feedback residuals are not saved.
+  absl::StatusOr<std::map<std::string, torch::Tensor>> ExportRoundState(bool await_exchange);
   // Restores what ExportRoundState wrote, after ImportState: the exchange in flight then is applied at the
-  // synchronisation point it was due at, as if it had never stopped. Refused (DataLoss naming the tensor,
-  // nothing restored) when it does not fit: another fragment count, a tensor missing or of another shape.
+  // synchronisation point it was due at, as if it had never stopped; without its sum it begins again at
+  // Attach, as the other replicas' do. Refused (DataLoss naming the tensor, nothing restored) when it
+  // does not fit: another fragment count, a tensor missing or of another shape, sums for only some of the
+  // fragment's parameters.
   absl::Status ImportRoundState(const std::map<std::string, torch::Tensor>& state);
+  // After an ImportRoundState without the sum, until Attach: the fragment and the inner step (0-based) of
+  // the exchange to run again; nullopt otherwise.
+  std::optional<std::pair<int, int64_t>> exchange_to_run_again() const {
+    if (!run_again_) return std::nullopt;
+    return std::make_pair(pending_, pending_step_);
+  }
 
   // The last synchronisation applied: its fragment, the inner step after which it began, wire bytes,
   // seconds from its start to its application, and the drift (this replica's unweighted pseudo-gradient
@@ -132,6 +148,13 @@ class OuterSync {
   // Loads fragment f's weighted pseudo-gradient into its buffers' .grad (snapshotting the parameters
   // with overlap), and runs the exchange (on the caller's thread or a new one).
   void Begin(int f, int64_t step, bool overlap);
+  // Resumed (run_again_): begins the pending exchange again, overlapped, from the restored snapshots.
+  // FailedPrecondition before Attach.
+  absl::Status BeginAgain();
+  // Fragment f's buffers' .grad: (outer - local[k]) * weight for its k-th parameter; sets drift2_.
+  void LoadPseudoGradient(int f, const std::vector<torch::Tensor>& local);
+  // Runs fragment f's exchange, counting its averager's bytes from now.
+  void StartExchange(int f, int64_t step, bool overlap);
   // Waits for the exchange begun for fragment `pending_` and applies it; no-op when none is in flight.
   absl::Status Complete();
   // Waits for the exchange thread, if any, cancelling it once the cancel check says so; adds the wait to
@@ -164,6 +187,7 @@ class OuterSync {
   std::function<bool()> cancel_check_;
   std::atomic<bool> exchange_done_{true};  // set by the exchange thread when it ends
   bool pending_overlapped_ = false;        // the pending exchange keeps the local progress made meanwhile
+  bool run_again_ = false;                 // resumed without its sum: pending_'s exchange not yet begun again
   int64_t wire_bytes_ = 0, raw_bytes_ = 0;
 };
 

@@ -346,18 +346,22 @@ TEST(Diloco, OuterStateRoundTripsThroughACheckpointAndRefusesOtherShapes) {
 }
 
 // A round state with nothing in flight is its marker alone; one that names an exchange in flight must
-// carry its fragment's sums (and snapshots, overlapped) of the right shapes, or nothing is restored.
+// carry its fragment's sums (and snapshots, overlapped), or only its snapshots (the exchange is run again),
+// of the right shapes, or nothing is restored.
 TEST(Diloco, RoundStateWithoutAnExchangeInFlightIsItsMarkerAndAForgedOneIsRefused) {
   core::SyncSpec spec;
   spec.fragments = 2;
   torch::Tensor w = torch::ones({2, 2}), v = torch::ones({3});
   OuterSync a(spec, 0.5, {{"w", w}, {"v", v}});
-  auto idle = a.ExportRoundState();
-  ASSERT_TRUE(idle.ok()) << idle.status();
-  ASSERT_EQ(idle->size(), 1u);
-  EXPECT_EQ(idle->at("outer.round")[0].item<double>(), -1);
+  for (bool await_exchange : {false, true}) {
+    auto idle = a.ExportRoundState(await_exchange);
+    ASSERT_TRUE(idle.ok()) << idle.status();
+    ASSERT_EQ(idle->size(), 1u);
+    EXPECT_EQ(idle->at("outer.round")[0].item<double>(), -1);
+  }
   OuterSync b(spec, 0.5, {{"w", w}, {"v", v}});
-  EXPECT_TRUE(b.ImportRoundState(*idle).ok());
+  EXPECT_TRUE(b.ImportRoundState(*a.ExportRoundState(false)).ok());
+  EXPECT_FALSE(b.exchange_to_run_again());
   auto round = [](double fragment) {
     torch::Tensor r = torch::zeros({6}, torch::kFloat64);
     r[0] = fragment;
@@ -365,7 +369,8 @@ TEST(Diloco, RoundStateWithoutAnExchangeInFlightIsItsMarkerAndAForgedOneIsRefuse
     return r;
   };
   // Fragment 1 holds v (the second parameter): its sum and its snapshot.
-  EXPECT_EQ(b.ImportRoundState({{"outer.round", round(1)}}).code(), absl::StatusCode::kDataLoss);  // no sum
+  EXPECT_EQ(b.ImportRoundState({{"outer.round", round(1)}}).code(),
+            absl::StatusCode::kDataLoss);  // neither sum nor snapshot
   EXPECT_EQ(b.ImportRoundState({{"outer.round", round(2)}}).code(), absl::StatusCode::kDataLoss);  // no fragment 2
   EXPECT_EQ(b.ImportRoundState({{"outer.round", torch::zeros({2})}}).code(), absl::StatusCode::kDataLoss);
   EXPECT_EQ(b.ImportRoundState(
@@ -374,17 +379,34 @@ TEST(Diloco, RoundStateWithoutAnExchangeInFlightIsItsMarkerAndAForgedOneIsRefuse
             absl::StatusCode::kDataLoss);  // a sum of another shape
   EXPECT_EQ(b.ImportRoundState({{"outer.round", round(1)}, {"outer.sum.v", torch::ones({3})}}).code(),
             absl::StatusCode::kDataLoss);  // overlapped, but no snapshot
+  EXPECT_EQ(b.ImportRoundState({{"outer.round", round(1)}, {"outer.snapshot.v", torch::ones({4})}}).code(),
+            absl::StatusCode::kDataLoss);  // to run again, from a snapshot of another shape
+  EXPECT_FALSE(b.exchange_to_run_again());
   EXPECT_TRUE(
       b.ImportRoundState(
            {{"outer.round", round(1)}, {"outer.sum.v", torch::ones({3})}, {"outer.snapshot.v", torch::ones({3})}})
           .ok());
   // Restored, the exchange is in flight: it is what the next round state saves.
-  auto again = b.ExportRoundState();
+  auto again = b.ExportRoundState(true);
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_EQ(again->at("outer.round")[0].item<double>(), 1);
   EXPECT_EQ(again->at("outer.round")[1].item<double>(), 3);
   EXPECT_TRUE(torch::equal(again->at("outer.sum.v"), torch::ones({3})));
   EXPECT_EQ(again->count("outer.sum.w"), 0u);
+  // Without its sum the exchange is to run again from the snapshot, once the averagers are attached: until
+  // then a round state that awaits it cannot be taken, and one that does not is the same again.
+  OuterSync c(spec, 0.5, {{"w", w}, {"v", v}});
+  ASSERT_TRUE(c.ImportRoundState({{"outer.round", round(1)}, {"outer.snapshot.v", torch::full({3}, 2.0f)}}).ok());
+  ASSERT_TRUE(c.exchange_to_run_again());
+  EXPECT_EQ(c.exchange_to_run_again()->first, 1);
+  EXPECT_EQ(c.exchange_to_run_again()->second, 3);
+  EXPECT_EQ(c.ExportRoundState(true).status().code(), absl::StatusCode::kFailedPrecondition);
+  auto unsent = c.ExportRoundState(false);
+  ASSERT_TRUE(unsent.ok()) << unsent.status();
+  EXPECT_EQ(unsent->at("outer.round")[0].item<double>(), 1);
+  EXPECT_EQ(unsent->count("outer.sum.v"), 0u);
+  EXPECT_TRUE(torch::equal(unsent->at("outer.snapshot.v"), torch::full({3}, 2.0f)));
+  EXPECT_EQ(c.AfterInnerStep(49).code(), absl::StatusCode::kFailedPrecondition);  // no averager attached
 }
 
 TEST(Lora, OnlyAdaptersTrainAndTheMergedModelComputesTheSameFunction) {

@@ -49,7 +49,7 @@ StageRunResult RunStage(StageWorker& worker, const StageRun& run) {
                                                                        ", so the stages end unaligned"))};
     const bool at_boundary = boundary > 0 && boundary == i + 1 && i + 1 < run.steps;
     if ((interval || at_boundary) && worker.saves_checkpoints()) {
-      if (absl::Status s = worker.SaveCheckpoint(run.checkpoint_dir, i + 1, run.checkpoint_keep); !s.ok())
+      if (absl::Status s = worker.SaveCheckpoint(run.checkpoint_dir, i + 1, run.checkpoint_keep, at_boundary); !s.ok())
         return {r.steps_done, s};
       if (run.on_checkpoint)
         if (absl::Status s = run.on_checkpoint(i + 1); !s.ok()) return {r.steps_done, s};

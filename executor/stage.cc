@@ -1078,7 +1078,7 @@ bool StageWorker::AwaitLeftOut(const std::string& peer, const absl::Status& caus
   }
 }
 
-absl::Status StageWorker::SaveCheckpoint(const std::string& dir, int64_t steps_done, int keep) {
+absl::Status StageWorker::SaveCheckpoint(const std::string& dir, int64_t steps_done, int keep, bool boundary) {
   return GuardTorch(absl::StrCat(Where(), ": checkpoint of step ", steps_done), [&]() -> absl::Status {
     std::map<std::string, torch::Tensor> all = Parameters();
     if (zero_) {  // the workers' shards of the moments, gathered at worker 0
@@ -1098,11 +1098,11 @@ absl::Status StageWorker::SaveCheckpoint(const std::string& dir, int64_t steps_d
     };
     // DiLoCo: this replica's round state (replica 0's parameters and moments are in the stage's shard).
     if (outer_) {
-      auto round = outer_->ExportRoundState();
+      auto round = outer_->ExportRoundState(/*await_exchange=*/boundary);
       // A replica lost mid-exchange: go on without it if the coordinator leaves it out (as Step does).
       if (!round.ok() && LeavesOutLostReplicas() && AwaitLeftOut("", round.status())) {
         outer_gave_up_ = true;
-        round = outer_->ExportRoundState();  // suspended: nothing in flight
+        round = outer_->ExportRoundState(boundary);  // suspended: nothing in flight
       }
       if (!round.ok()) return Annotate(round.status(), absl::StrCat(Where(), ": checkpoint of step ", steps_done));
       if (replica_ != 0)
@@ -1191,9 +1191,14 @@ absl::Status StageWorker::Restore(const Checkpoint& c) {
         if (absl::Status s = outer_->ImportState(from->tensors); !s.ok())
           return Annotate(s, absl::StrCat(Where(), ": restoring from ", c.path));
     }
-    if (round && outer_)
+    if (round && outer_) {
       if (absl::Status s = outer_->ImportRoundState(*round); !s.ok())
         return Annotate(s, absl::StrCat(Where(), ": restoring the round state of ", c.path));
+      if (auto again = outer_->exchange_to_run_again())
+        spdlog::info("{}",
+                     absl::StrCat(Where(), ": the outer exchange of fragment ", again->first, " begun after step ",
+                                  again->second + 1, " was in flight at the checkpoint; it runs again"));
+    }
     return absl::OkStatus();
   });
 }

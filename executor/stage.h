@@ -161,12 +161,14 @@ class StageWorker {
   bool saves_checkpoints() const { return writes_shard() || diloco_; }
   // Writes this stage's shard of the checkpoint after `steps_done` steps (parameters and AdamW moments;
   // with DiLoCo the outer parameters and momentum), and with DiLoCo this replica's round state
-  // (stage-K.replica-R.*: its own parameters and moments, and the outer exchange in flight, which it
-  // waits for; OuterSync::ExportRoundState), so that the same replicas resume exactly mid-round.
+  // (stage-K.replica-R.*: its own parameters and moments, and the outer exchange in flight;
+  // OuterSync::ExportRoundState), so that the same replicas resume mid-round. An exchange in flight is not
+  // waited for (a resumed replica runs it again), except at a plan switch's step boundary (`boundary`),
+  // where the stages end: there it is awaited and its result saved.
   // Error-feedback residuals are not saved: a resumed lossy link or pseudo-gradient codec starts with
   // empty ones. With `keep` > 0, stage 0's writer -- one pruner per directory -- then keeps the newest
   // `keep` complete steps of `dir` (PruneCheckpoints; what it cannot remove goes to stderr).
-  absl::Status SaveCheckpoint(const std::string& dir, int64_t steps_done, int keep = 0);
+  absl::Status SaveCheckpoint(const std::string& dir, int64_t steps_done, int keep = 0, bool boundary = false);
   // After resuming from step `step` of `dir`: stage 0's writer removes the step directories above it, so
   // what an abandoned attempt left there cannot mix with the steps written again (RemoveCheckpointsAbove).
   void ForgetCheckpointsAfter(const std::string& dir, int64_t step) const;

@@ -801,10 +801,11 @@ TEST_F(CoordinatorTest, ADilocoReplicaOnATwoWorkerSiteResumesLikeOneOnASingleDev
 }
 
 // Resuming mid-round (#17): stage 0's DiLoCo replicas a and b (H = 4 in 2 fragments, overlapped, identity
-// codec) checkpoint after step 5, while the exchange of fragment 0 begun after step 4 is in flight. c then
-// sends a NaN activation gradient in step 7: the step fails, every stage resumes from step 5, each replica
-// from its own round state (its parameters, moments and the exchange's result), and the run ends with the
-// weights of the same run uninterrupted -- with the coordinator's store and with a shared directory.
+// codec) checkpoint after step 5, while the exchange of fragment 0 begun after step 4 is in flight (not
+// waited for). c then sends a NaN activation gradient in step 7: the step fails, every stage resumes from
+// step 5, each replica from its own round state (its parameters, moments and its parameters when the
+// exchange began, from which it runs the exchange again), and the run ends with the weights of the same
+// run uninterrupted -- with the coordinator's store and with a shared directory.
 // Before, b resumed from a's parameters and the exchange in flight was lost (3-49% off).
 TEST_F(CoordinatorTest, ADilocoRunResumedMidRoundEndsWhereAnUninterruptedOneEnds) {
   SetSteps(12);
@@ -842,6 +843,8 @@ TEST_F(CoordinatorTest, ADilocoRunResumedMidRoundEndsWhereAnUninterruptedOneEnds
       EXPECT_THAT(sites,
                   HasSubstr(std::string("stage 0 ") + replica + ": resumes its own DiLoCo round state of step 5"))
           << sites;
+    EXPECT_THAT(sites, HasSubstr("stage 0 replica 1 (site 'b'): the outer exchange of fragment 0 begun after step "
+                                 "4 was in flight at the checkpoint; it runs again"));
     auto got = testing::MergeShards(dir_ / "run" / "weights");
     ASSERT_EQ(got.size(), uninterrupted.size());
     for (const auto& [name, t] : uninterrupted) EXPECT_LE(testing::RelativeL2(got[name], t), 1e-6) << name;
