@@ -122,6 +122,10 @@ void StageModel::MoveGradientsInto(StageModel& to) {
   }
 }
 
+void StageModel::ClearGradients() {
+  for (auto& [name, p] : trainable_) p.mutable_grad() = torch::Tensor();
+}
+
 torch::Tensor& StageModel::param(const std::string& name) {
   auto it = by_name_.find(name);
   MERIDIAN_CHECK(it != by_name_.end(), name.c_str());

@@ -88,6 +88,9 @@ class StageModel {
   std::unique_ptr<StageModel> Copy() const;
   void CopyWeightsFrom(const StageModel& from);
   void MoveGradientsInto(StageModel& to);
+  // Drops every trained parameter's gradient (undefined, so the next backward pass allocates it afresh
+  // rather than adding into it): the start of a step, or a pass whose gradients are not wanted.
+  void ClearGradients();
 
  private:
   torch::Tensor RmsNorm(const torch::Tensor& x, const torch::Tensor& w) const;

@@ -270,7 +270,7 @@ absl::StatusOr<OpProfile> ProfileModel(const LlamaConfig& c, int mbs, int seq, c
         Sync(device);
         pass_spans[op] += t.Elapsed();
         out[op] = torch::Tensor();  // its graph is spent: free it before the next op's backward
-        for (auto& [n, p] : models[op]->parameters()) p.mutable_grad() = torch::Tensor();
+        models[op]->ClearGradients();
       }
     };
     pass();  // warm-up
@@ -309,7 +309,7 @@ absl::Status KeepComputing(const LlamaConfig& c, int mbs, int seq, torch::Device
     const torch::Tensor inputs = batch.inputs.to(device), targets = batch.targets.to(device);
     while (!stop->load() && Clock::now() < end) {
       CrossEntropySum(model.Forward(inputs), targets, static_cast<double>(targets.numel())).backward();
-      for (auto& [n, p] : model.parameters()) p.mutable_grad() = torch::Tensor();
+      model.ClearGradients();
       Sync(device);
       if (passes) ++*passes;
     }

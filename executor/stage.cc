@@ -228,7 +228,7 @@ StageWorker::StageWorker(JobSetup setup, StageAssignment a, rpc::TensorInbox* in
   // job.step_overlap: each step's early micro-batches finish their backward passes before the next step's
   // begin (partitioner::MaxInFlightForOverlap), since they share one second set of weights.
   if (const int K = setup_.job.step_overlap; K > 0 && init_status_.ok()) {
-    const int depth = std::min(a_.in_flight > 0 ? a_.in_flight : a_.num_stages - a_.stage, setup_.micro_batches);
+    const int depth = partitioner::InFlightOf(a_.stage, a_.num_stages, setup_.micro_batches, a_.in_flight);
     if (depth > partitioner::MaxInFlightForOverlap(setup_.micro_batches, K))
       init_status_ = absl::InvalidArgumentError(absl::StrCat(
           Where(), ": job.step_overlap ", K, " with ", setup_.micro_batches, " micro-batches a step allows at most ",
@@ -476,8 +476,7 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
     const auto [first_row, rows] = group_ ? group_->Rows(mbs, group_->rank()) : std::pair<int64_t, int64_t>{0, mbs};
     // Only the last stage computes the loss, so only it needs the step's count of counted targets.
     const double normaliser = model_->has_head() ? setup_.data.StepTargets(step, M, mbs, seq) : 1.0;
-    for (auto& [n, p] : model_->parameters())
-      if (p.grad().defined()) p.mutable_grad() = torch::Tensor();
+    model_->ClearGradients();
     // job.step_overlap (docs/executor.md, "Step overlap"): this step's early micro-batches that the last
     // Step began (none at an attempt's first step, which runs them all here), and the next step's begun
     // here, in its drain, on early_model_: this step's weights.
@@ -662,6 +661,21 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
         return absl::DataLossError(absl::StrCat(Where(), ": non-finite gradients in step ", step + 1,
                                                 " (the inputs from the previous stage, or the data)"));
       square = 0, loss = loss_sum;
+      // The first half of the norm's exchange along pipeline r (replica r of every stage): this stage's
+      // square sum plus the later stages' partial from stage + 1's replica r, passed on to stage - 1's.
+      auto partial_norm = [&](int r) -> absl::Status {
+        square = GradSquareSum(model_->parameters());
+        if (!std::isfinite(square) || !std::isfinite(loss))
+          return absl::DataLossError(absl::StrCat(Where(), ": non-finite gradients or loss in step ", step + 1,
+                                                  " (the inputs from the previous stage, or the data)"));
+        if (!last) {
+          auto partial = recv_pair(a_.next_replicas.sites[r], a_.stage + 1, -1);
+          if (!partial.ok()) return partial.status();
+          square += partial->first;
+          loss = partial->second;
+        }
+        return first ? absl::OkStatus() : send_pair(a_.prev_replicas.sites[r], false, -1, square, loss);
+      };
       if (!talks_to_sites()) {
         // Worker 0 of the site takes part in the exchange and hands on its outcome.
       } else if (independent) {
@@ -679,17 +693,7 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
         // total back again (the second half, after the step's part), as replica 0 does below for the whole
         // plan. Stage 0 then sends the pipeline's loss to its replica 0, which awaits the other pipelines'
         // shares after its own inner step.
-        square = GradSquareSum(model_->parameters());
-        if (!std::isfinite(square) || !std::isfinite(loss))
-          return absl::DataLossError(absl::StrCat(Where(), ": non-finite gradients or loss in step ", step + 1,
-                                                  " (the inputs from the previous stage, or the data)"));
-        if (!last) {
-          auto r = recv_pair(a_.next_replicas.sites[replica_], a_.stage + 1, -1);
-          if (!r.ok()) return r.status();
-          square += r->first;
-          loss = r->second;
-        }
-        if (!first) return send_pair(a_.prev_replicas.sites[replica_], false, -1, square, loss);
+        if (absl::Status s = partial_norm(replica_); !s.ok() || !first) return s;
         if (!last)
           if (absl::Status s = send_pair(a_.next_replicas.sites[replica_], false, -1, square, loss); !s.ok()) return s;
         if (replica_ != 0)
@@ -701,17 +705,7 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
             if (!r.ok()) return r.status();
             loss += r->second;
           }
-        square = GradSquareSum(model_->parameters());
-        if (!std::isfinite(square) || !std::isfinite(loss))
-          return absl::DataLossError(absl::StrCat(Where(), ": non-finite gradients or loss in step ", step + 1,
-                                                  " (the inputs from the previous stage, or the data)"));
-        if (!last) {
-          auto r = recv_pair(a_.next_replicas.sites[0], a_.stage + 1, -1);
-          if (!r.ok()) return r.status();
-          square += r->first;
-          loss = r->second;
-        }
-        if (!first) return send_pair(a_.prev_replicas.sites[0], false, -1, square, loss);
+        if (absl::Status s = partial_norm(0); !s.ok() || !first) return s;
         if (!last)
           for (const auto& site : a_.next_replicas.sites)
             if (absl::Status s = send_pair(site, false, -1, square, loss); !s.ok()) return s;
@@ -734,8 +728,7 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
         if (k_done > 0) {
           early_model_->MoveGradientsInto(*model_);
         } else {  // an abandoned step's, if any
-          for (auto& [n, p] : early_model_->parameters())
-            if (p.grad().defined()) p.mutable_grad() = torch::Tensor();
+          early_model_->ClearGradients();
         }
       }
       if (k_next > 0) {

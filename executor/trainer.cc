@@ -213,8 +213,7 @@ absl::StatusOr<TrainResult> TrainLocal(const JobSetup& setup, int steps, torch::
     std::unique_ptr<StageModel> previous;
     for (int step = 0; step < steps; ++step) {
       const double normaliser = setup.data.StepTargets(step, setup.micro_batches, setup.micro_batch_size, seq);
-      for (auto& [n, p] : model.parameters())
-        if (p.grad().defined()) p.mutable_grad() = torch::Tensor();
+      model.ClearGradients();
       const int early = EarlyMicroBatches(setup.job, step, setup.job.steps);
       double loss_sum = 0;
       for (int m = 0; m < setup.micro_batches; ++m) {

@@ -33,9 +33,13 @@ double ReplicaScale(const PipelineTimes& t, int k, int r) {
 
 }  // namespace
 
-std::vector<std::pair<char, int>> PipelineSchedule(int stage, int num_stages, int micro_batches, int in_flight) {
+int InFlightOf(int stage, int num_stages, int micro_batches, int in_flight) {
   if (in_flight <= 0) in_flight = num_stages - stage;
-  in_flight = std::max(1, std::min(in_flight, micro_batches));
+  return std::max(1, std::min(in_flight, micro_batches));
+}
+
+std::vector<std::pair<char, int>> PipelineSchedule(int stage, int num_stages, int micro_batches, int in_flight) {
+  in_flight = InFlightOf(stage, num_stages, micro_batches, in_flight);
   const int warmup = std::min(in_flight - 1, micro_batches);
   std::vector<std::pair<char, int>> s;
   s.reserve(2 * static_cast<size_t>(std::max(micro_batches, 0)));

@@ -23,6 +23,9 @@ namespace meridian::partitioner {
 // gradient that stage k + 1 produces after forward passes that stage k has already sent). 1F1B's
 // num_stages - stage is such a sequence; ChooseInFlight returns only such sequences.
 std::vector<std::pair<char, int>> PipelineSchedule(int stage, int num_stages, int micro_batches, int in_flight = 0);
+// The depth PipelineSchedule keeps at that stage: `in_flight`, or 1F1B's num_stages - stage when it is
+// <= 0, clamped to [1, micro_batches].
+int InFlightOf(int stage, int num_stages, int micro_batches, int in_flight);
 
 // A stage's part of one step under job.step_overlap (docs/executor.md, "Step overlap"): the first
 // micro-batches of the next step begin within this one, on the weights this step uses. The stage runs
