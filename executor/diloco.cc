@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/thread_name.h"
+#include "partitioner/schedule.h"
 
 namespace meridian::executor {
 
@@ -23,13 +24,6 @@ std::vector<std::vector<int>> SplitFragments(const std::vector<int64_t>& numels,
     seen += numels[i];
   }
   return out;
-}
-
-int FragmentDueAfter(int64_t step, int inner_steps, int fragments) {
-  const int64_t period = std::max(1, inner_steps / std::max(1, fragments));
-  const int64_t t = step + 1;
-  if (t % period != 0) return -1;
-  return static_cast<int>((t / period) % std::max(1, fragments));
 }
 
 void OuterStep(const core::SyncSpec& spec, const torch::Tensor& delta, torch::Tensor& momentum, torch::Tensor& outer) {
@@ -214,7 +208,7 @@ void OuterSync::Suspend() {
 absl::Status OuterSync::AfterInnerStep(int64_t step) {
   last_wait_seconds_ = 0;
   if (suspended_) return absl::OkStatus();
-  const int f = FragmentDueAfter(step, spec_.inner_steps, static_cast<int>(fragments_.size()));
+  const int f = partitioner::FragmentDueAfter(step, spec_.inner_steps, static_cast<int>(fragments_.size()));
   if (f < 0) return absl::OkStatus();
   if (averagers_.size() != fragments_.size())
     return absl::FailedPreconditionError("outer synchronisation: no averager attached");

@@ -12,7 +12,8 @@
 //      replica's parameters to them.
 // With F fragments, the stage's parameters are cut into F contiguous groups of about equal size, and
 // fragment f is synchronised after inner step t (1-based) when t is a multiple of H / F and
-// (t / (H / F)) mod F == f: one fragment every H / F steps, each every H steps.
+// (t / (H / F)) mod F == f: one fragment every H / F steps, each every H steps
+// (partitioner::FragmentDueAfter, which the simulator asks too).
 //
 // Inner steps scale this replica's gradient by M / m_i, so that each inner step is a full step on its own
 // micro-batches; with H = 1, inner SGD, outer SGD at lr 1 without momentum and the identity codec this
@@ -54,9 +55,6 @@ namespace meridian::executor {
 // Parameter indices of each of `fragments` contiguous groups of about equal total size (`numels` in the
 // model's order); every group holds at least one parameter when there are enough.
 std::vector<std::vector<int>> SplitFragments(const std::vector<int64_t>& numels, int fragments);
-
-// The fragment synchronised after inner step `step` (0-based), or -1 for none.
-int FragmentDueAfter(int64_t step, int inner_steps, int fragments);
 
 // One outer optimizer step: `outer` -= lr * update, with `momentum` (same shape) updated in place:
 // sgd: m = mu m + delta, update = m; nesterov: m = mu m + delta, update = delta + mu m.

@@ -305,10 +305,10 @@ TEST(Diloco, FragmentsAreContiguousBalancedAndRotate) {
   EXPECT_EQ(SplitFragments({5}, 4).size(), 1u);  // no more fragments than parameters
   // H = 6, F = 3: a fragment every 2 steps, fragment 1 first, each every 6 steps.
   std::vector<int> due;
-  for (int64_t step = 0; step < 12; ++step) due.push_back(FragmentDueAfter(step, 6, 3));
+  for (int64_t step = 0; step < 12; ++step) due.push_back(partitioner::FragmentDueAfter(step, 6, 3));
   EXPECT_EQ(due, (std::vector<int>{-1, 1, -1, 2, -1, 0, -1, 1, -1, 2, -1, 0}));
-  EXPECT_EQ(FragmentDueAfter(49, 50, 1), 0);
-  EXPECT_EQ(FragmentDueAfter(48, 50, 1), -1);
+  EXPECT_EQ(partitioner::FragmentDueAfter(49, 50, 1), 0);
+  EXPECT_EQ(partitioner::FragmentDueAfter(48, 50, 1), -1);
 }
 
 TEST(Diloco, OuterOptimizers) {

@@ -192,9 +192,8 @@ absl::StatusOr<JobSetup> LoadJob(const std::string& job_path) {
 }
 
 int EarlyMicroBatches(const core::JobSpec& job, int64_t step, int64_t total_steps) {
-  // DiLoCo synchronises after every inner step t (1-based) that is a multiple of H / F (FragmentDueAfter).
   const int sync_period = job.sync.mode == core::SyncMode::kDiloco
-                              ? std::max(1, job.sync.inner_steps / std::max(1, job.sync.fragments))
+                              ? partitioner::DilocoSyncPeriod(job.sync.inner_steps, job.sync.fragments)
                               : 0;
   return partitioner::EarlyMicroBatches(job.step_overlap, step, total_steps, job.checkpoint.interval, sync_period);
 }

@@ -83,6 +83,15 @@ std::vector<StepEntry> OverlappedStepSchedule(int stage, int num_stages, int mic
 
 int MaxInFlightForOverlap(int micro_batches, int k) { return std::max(1, micro_batches - k + 1); }
 
+int DilocoSyncPeriod(int inner_steps, int fragments) { return std::max(1, inner_steps / std::max(1, fragments)); }
+
+int FragmentDueAfter(int64_t step, int inner_steps, int fragments) {
+  const int64_t period = DilocoSyncPeriod(inner_steps, fragments);
+  const int64_t t = step + 1;
+  if (t % period != 0) return -1;
+  return static_cast<int>((t / period) % std::max(1, fragments));
+}
+
 int EarlyMicroBatches(int k, int64_t step, int64_t total_steps, int checkpoint_interval, int sync_period) {
   if (k <= 0 || step <= 0 || step >= total_steps) return 0;
   if (checkpoint_interval > 0 && step % checkpoint_interval == 0) return 0;

@@ -51,6 +51,13 @@ std::vector<StepEntry> OverlappedStepSchedule(int stage, int num_stages, int mic
 // in_flight + 1. At least 1.
 int MaxInFlightForOverlap(int micro_batches, int k);
 
+// DiLoCo (job.sync.mode: diloco; executor/diloco.h) with `inner_steps` H in `fragments` F synchronises
+// one fragment every DilocoSyncPeriod inner steps, max(1, H / F): fragment f after inner step t (1-based)
+// when t is a multiple of the period and (t / period) mod F == f. FragmentDueAfter: that fragment after
+// inner step `step` (0-based), or -1 for none.
+int DilocoSyncPeriod(int inner_steps, int fragments);
+int FragmentDueAfter(int64_t step, int inner_steps, int fragments);
+
 // job.step_overlap: how many of step `step`'s first micro-batches begin in the step before, on its weights.
 // 0 -- an exact step -- for the first step, a step past the run (`total_steps`), a step after one that
 // writes a checkpoint (every `checkpoint_interval` steps; 0: none) or that ends with a DiLoCo synchronisation

@@ -307,10 +307,10 @@ void Simulation::StartStep(int wi, double t) {
   w.step += 1;
   if (w.step >= steps_) return;
   // Its passes: with job.step_overlap the next step's first micro-batches begin in this one, none after a
-  // DiLoCo synchronisation point (executor/trainer.h: EarlyMicroBatches; the job's checkpoint steps are not
-  // in the plan).
+  // DiLoCo synchronisation point (partitioner::EarlyMicroBatches; the job's checkpoint steps are not in the
+  // plan).
   const int sync_period =
-      plan_.sync.diloco ? std::max(1, plan_.sync.inner_steps / std::max(1, plan_.sync.fragments)) : 0;
+      plan_.sync.diloco ? partitioner::DilocoSyncPeriod(plan_.sync.inner_steps, plan_.sync.fragments) : 0;
   auto early = [&](int s) { return partitioner::EarlyMicroBatches(plan_.step_overlap, s, steps_, 0, sync_period); };
   const int S = static_cast<int>(plan_.stages.size());
   w.order.clear();
@@ -645,8 +645,8 @@ void Simulation::Advance(int wi, double t) {
 void Simulation::ExchangeBegin(int wi, double t) {
   Worker& w = workers_[wi];
   const int R = static_cast<int>(stage_workers_[w.stage].size());
-  const int H = std::max(1, plan_.sync.inner_steps), F = std::max(1, plan_.sync.fragments);
-  const int fragment = ((w.step + 1) / std::max(1, H / F)) % F;
+  const int F = std::max(1, plan_.sync.fragments);
+  const int fragment = partitioner::FragmentDueAfter(w.step, plan_.sync.inner_steps, plan_.sync.fragments);
   const ReductionKey key{w.stage, w.step, -1 - fragment};
   auto [it, inserted] = reductions_.try_emplace(key);
   if (inserted) {
@@ -689,8 +689,9 @@ void Simulation::StepDone(int wi, double t) {
   for (auto it = w.control.begin(); it != w.control.end();)
     it = it->first.first <= w.step ? w.control.erase(it) : std::next(it);
   const int R = static_cast<int>(stage_workers_[w.stage].size());
-  const int H = std::max(1, plan_.sync.inner_steps), F = std::max(1, plan_.sync.fragments);
-  if (!plan_.sync.diloco || R < 2 || (w.step + 1) % std::max(1, H / F) != 0) return FinishStep(wi, t, t);
+  if (!plan_.sync.diloco || R < 2 ||
+      partitioner::FragmentDueAfter(w.step, plan_.sync.inner_steps, plan_.sync.fragments) < 0)
+    return FinishStep(wi, t, t);
   // DiLoCo's synchronisation point (executor/diloco.cc): with overlap, complete the exchange begun a
   // period ago, then begin this one; without, begin it and wait for it.
   auto begin = [this, wi, t](double now) {
@@ -714,7 +715,7 @@ void Simulation::Run(int steps, int extra) {
   reported_steps_ = steps;
   // The last step, and under DiLoCo the period before it (an exchange begun then may run during it).
   const int lookback =
-      plan_.sync.diloco ? std::max(1, plan_.sync.inner_steps / std::max(1, plan_.sync.fragments)) + 1 : 1;
+      plan_.sync.diloco ? partitioner::DilocoSyncPeriod(plan_.sync.inner_steps, plan_.sync.fragments) + 1 : 1;
   keep_from_ = std::max(0, steps - 1 - lookback);
   last_step_start_ = std::numeric_limits<double>::infinity();
   step_end_.assign(steps_, 0.0);
