@@ -503,6 +503,7 @@ PipelineTimes TimesOf(const CostModel& cm, const Layout& L, const Evaluation& ev
   PipelineTimes t;
   const int S = static_cast<int>(L.sites.size());
   t.micro_batches = cm.micro_batches();
+  t.step_overlap = o.step_overlap;
   for (int k = 0; k < S; ++k) {
     const int a = k == 0 ? 0 : L.last[k - 1] + 1, b = L.last[k];
     const double share = ForwardShare(g, a, b);
@@ -573,12 +574,14 @@ SimulatedLayout SimulateLayout(const CostModel& cm, const Layout& L, const Evalu
   auto run = [&](const std::vector<int>& depths, const std::vector<bool>& recompute, const std::vector<int>* cap) {
     SimulatedLayout x;
     PipelineTimes t = TimesOf(cm, L, ev, o, g, recompute);
+    // job.step_overlap: the simulation's steady step holds each stage's optimizer step where it runs.
+    if (t.step_overlap > 0) t.optimizer_seconds = optimizer;
     x.in_flight = cap ? ChooseInFlight(t, *cap) : depths;
     x.recompute = recompute;
     t.in_flight = x.in_flight;
     x.step = SimulatePipeline(t);
     x.optimizer = optimizer;
-    x.total = x.step.step_seconds + ev.sync + slowest_optimizer;
+    x.total = x.step.step_seconds + ev.sync + (t.step_overlap > 0 ? 0.0 : slowest_optimizer);
     return x;
   };
   if (fixed) return run(fixed->in_flight, fixed->recompute, nullptr);
@@ -1682,9 +1685,11 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
   if (o.step_overlap > 0)
     plan.notes.push_back(absl::StrFormat(
         "job.step_overlap %d: each step's first %d micro-batches begin on the previous step's weights; every stage "
-        "keeps at most %d in flight and a second copy of its weights; the predicted step still counts the step "
-        "boundary the overlap hides (meridian simulate runs it)",
-        o.step_overlap, o.step_overlap, MaxInFlightForOverlap(o.micro_batches, o.step_overlap)));
+        "keeps at most %d in flight and a second copy of its weights; %s",
+        o.step_overlap, o.step_overlap, MaxInFlightForOverlap(o.micro_batches, o.step_overlap),
+        o.deep_pipeline ? "the predicted step is a steady overlapped step of the simulated schedule"
+                        : "the reference formula's predicted step still counts the step boundary the overlap hides "
+                          "(meridian simulate runs it)"));
   std::stable_sort(considered.begin(), considered.end(), [](const PlanCandidate& a, const PlanCandidate& b) {
     return a.predicted_seconds < b.predicted_seconds;
   });

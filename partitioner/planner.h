@@ -99,7 +99,8 @@ struct PlanOptions {
   // job.step_overlap: K > 0 micro-batches of each step begin on the weights of the step before. Every stage
   // then holds a second copy of its weights and gradients (their weights), and keeps at most
   // MaxInFlightForOverlap(micro_batches, K) micro-batches in flight; a layout needing more for 1F1B's
-  // window is infeasible. The predicted step does not count what the overlap hides (it is exact at K = 0).
+  // window is infeasible. With deep_pipeline the predicted step is a steady overlapped step of the schedule
+  // simulation (PipelineTimes::step_overlap); the reference formula does not count what the overlap hides.
   int step_overlap = 0;
 };
 
@@ -206,7 +207,7 @@ struct Plan {
   SyncModel sync;  // how the replicas synchronise (PlanOptions::sync); in plan.json as "sync"
   int zero = 0;    // PlanOptions::zero
   // PlanOptions::step_overlap (job.step_overlap); in plan.json as "step_overlap". meridian simulate runs
-  // the executors' overlapped steps; predicted_step_seconds does not count what the overlap hides.
+  // the executors' overlapped steps; so does predicted_step_seconds when `simulated` (PlanOptions::step_overlap).
   int step_overlap = 0;
   double predicted_step_seconds = 0;
   double fill_drain_seconds = 0;  // sum t_k + sum c_k

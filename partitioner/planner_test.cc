@@ -882,6 +882,45 @@ TEST(Planner, DeepPipelineDepthStaysWithinMemory) {
   EXPECT_LE(plan->stages[1].in_flight, 4);
 }
 
+// With job.step_overlap the plan's predicted step is the schedule simulation's steady overlapped step: the
+// step boundary's round trip hidden, the optimizer step inside it. On three stages over slow, long links
+// the exact step pays the pipeline's fill and drain; with 8 early micro-batches the prediction is that
+// simulation of the plan's own depths, shorter than the exact step's, and not below the passes alone.
+TEST(Planner, StepOverlapIsPricedByTheOverlappedSchedule) {
+  ThreeStages t3(2e6, 0.05);  // 0.1 s per activation, 50 ms one way; each stage 0.3 s per micro-batch
+  auto& [g, p, o] = t3;
+  auto exact = PlanPipeline(g, p, o);
+  ASSERT_TRUE(exact.ok()) << exact.status();
+  o.step_overlap = 8;
+  auto overlapped = PlanPipeline(g, p, o);
+  ASSERT_TRUE(overlapped.ok()) << overlapped.status();
+  ASSERT_TRUE(overlapped->simulated);
+  EXPECT_EQ(overlapped->step_overlap, 8);
+  PipelineTimes t;
+  t.micro_batches = 32;
+  t.forward_seconds.assign(3, 0.1);
+  t.backward_seconds.assign(3, 0.2);
+  t.forward_transfer_seconds.assign(2, 0.1);
+  t.backward_transfer_seconds.assign(2, 0.1);
+  t.forward_latency_seconds.assign(2, 0.05);
+  t.backward_latency_seconds.assign(2, 0.05);
+  for (const auto& st : overlapped->stages) {
+    t.in_flight.push_back(st.in_flight);
+    EXPECT_LE(st.in_flight, MaxInFlightForOverlap(32, 8));
+  }
+  t.step_overlap = 8;
+  EXPECT_NEAR(overlapped->predicted_step_seconds, SimulatePipeline(t).step_seconds, 1e-9);
+  EXPECT_LT(overlapped->predicted_step_seconds, exact->predicted_step_seconds - 0.3);
+  EXPECT_GE(overlapped->predicted_step_seconds, 32 * 0.3 - 1e-9);
+  EXPECT_THAT(absl::StrJoin(overlapped->notes, "\n"), HasSubstr("a steady overlapped step"));
+  // The reference formula keeps to the exact step, and says so.
+  o.deep_pipeline = false;
+  auto reference = PlanPipeline(g, p, o);
+  ASSERT_TRUE(reference.ok()) << reference.status();
+  EXPECT_FALSE(reference->simulated);
+  EXPECT_THAT(absl::StrJoin(reference->notes, "\n"), HasSubstr("still counts the step boundary"));
+}
+
 // job.step_overlap K: every stage keeps at most M - K + 1 micro-batches in flight (each step's early
 // micro-batches must be back before the next step's begin), and holds a second copy of its weights; a
 // layout whose 1F1B window exceeds the bound is not planned.

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <limits>
 
 namespace meridian::partitioner {
@@ -107,9 +108,26 @@ bool InFlightIsDeadlockFree(const std::vector<int>& in_flight) {
   return true;
 }
 
+namespace {
+
+// Steps simulated for PipelineTimes::step_overlap: the first begins exact, as a run's first does; the step
+// reported is the mean of the others (each begins K micro-batches in the one before, and the first few
+// settle into a steady period), its figures the last one's.
+constexpr int kOverlapSteps = 5;
+
+}  // namespace
+
 SimulatedStep SimulatePipeline(const PipelineTimes& t) {
   const int S = static_cast<int>(t.forward_seconds.size());
   const int M = t.micro_batches;
+  // job.step_overlap: consecutive steps, each stage's part of each (OverlappedStepSchedule) ending with the
+  // norm's exchange and its optimizer step; otherwise one exact step.
+  const int K = t.step_overlap > 0 && M > 1 ? std::min(t.step_overlap, M - 1) : 0;
+  const bool overlapped = K > 0;
+  const int steps = overlapped ? kOverlapSteps : 1;
+  const int reported = steps - 1;
+  // Micro-batch m of step s is g = s * M + m; the last step's part runs the first of the step after it.
+  const int G = (steps + 1) * M;
   SimulatedStep r;
   r.busy_seconds.assign(S, 0.0);
   r.wait_seconds.assign(S, 0.0);
@@ -117,79 +135,179 @@ SimulatedStep SimulatePipeline(const PipelineTimes& t) {
   r.forward_link_busy_seconds.assign(std::max(S - 1, 0), 0.0);
   r.backward_link_busy_seconds.assign(std::max(S - 1, 0), 0.0);
   r.passes.assign(S, {});
+  // What a stage's site does, in order: ('F', g) and ('B', g) passes; with the overlap, 'U' (after the
+  // step's last backward pass: the norm's partial sums up the pipeline, awaited before the next step's early
+  // passes) and 'E' (the part's end: the total down the pipeline, then the optimizer step).
+  struct Item {
+    char kind;
+    int g;
+    int part;  // the step whose part runs it
+  };
   // One unit per site computing a stage: each replica of a replicated stage runs the stage's order
   // filtered to its own micro-batches.
   struct Unit {
     int stage;
     double scale = 1;  // of the stage's pass times
-    std::vector<std::pair<char, int>> order;
+    std::vector<Item> order;
     size_t next = 0;
     double free_at = 0, busy = 0, wait = 0;
     bool started = false;
+    bool at_marker = false;  // reached order[next], a 'U' or an 'E', and counted there
+    // With the overlap, per part: its passes' work, its waits, and when it began and ended.
+    std::vector<double> part_busy, part_wait, part_begin, part_end;
   };
   // Each stage's replica count, once: the links below look it up for every transfer.
   std::vector<int> replicas(S);
   for (int k = 0; k < S; ++k) replicas[k] = Replicas(t, k);
-  auto owner = [&](int k, int m) { return replicas[k] > 1 ? t.owners[k][m] : 0; };  // stage k's replica of m
+  auto owner = [&](int k, int g) { return replicas[k] > 1 ? t.owners[k][g % M] : 0; };  // stage k's replica of g
   std::vector<Unit> units;
   for (int k = 0; k < S; ++k) {
     const size_t first = units.size();
-    for (int rep = 0; rep < replicas[k]; ++rep) units.push_back(Unit{k, ReplicaScale(t, k, rep)});
-    for (auto e : PipelineSchedule(k, S, M, DefaultInFlight(t, k)))
-      units[first + owner(k, e.second)].order.push_back(e);
+    for (int rep = 0; rep < replicas[k]; ++rep) {
+      units.push_back(Unit{k, ReplicaScale(t, k, rep)});
+      units.back().part_busy.assign(steps, 0.0);
+      units.back().part_wait.assign(steps, 0.0);
+      units.back().part_begin.assign(steps, 0.0);
+      units.back().part_end.assign(steps, 0.0);
+    }
+    if (!overlapped) {
+      for (auto [kind, m] : PipelineSchedule(k, S, M, DefaultInFlight(t, k)))
+        units[first + owner(k, m)].order.push_back({kind, m, 0});
+      continue;
+    }
+    for (int s = 0; s < steps; ++s) {
+      const auto part = OverlappedStepSchedule(k, S, M, DefaultInFlight(t, k), s == 0 ? 0 : K, K);
+      for (int rep = 0; rep < replicas[k]; ++rep) {
+        Unit& u = units[first + rep];
+        // After its last backward pass of the step; without one (no micro-batch of its own), at the part's end.
+        size_t norm_at = 0;
+        for (const StepEntry& e : part) {
+          if (owner(k, e.micro_batch) != rep) continue;
+          u.order.push_back({e.kind, (s + (e.next ? 1 : 0)) * M + e.micro_batch, s});
+          if (e.kind == 'B' && !e.next) norm_at = u.order.size();
+        }
+        if (norm_at == 0) norm_at = u.order.size();
+        u.order.insert(u.order.begin() + static_cast<std::ptrdiff_t>(norm_at), Item{'U', -1, s});
+        u.order.push_back({'E', -1, s});
+      }
+    }
   }
-  // Arrival time of stage k's input for micro-batch m (activation; stage 0: 0) and of its gradient.
-  std::vector<std::vector<double>> act(S, std::vector<double>(M, kInf)), grad(S, std::vector<double>(M, kInf));
-  for (int m = 0; m < M; ++m) act[0][m] = 0;
+  // Arrival time of stage k's input for micro-batch g (activation; stage 0: 0) and of its gradient.
+  std::vector<std::vector<double>> act(S, std::vector<double>(G, kInf)), grad(S, std::vector<double>(G, kInf));
+  for (int g = 0; g < G; ++g) act[0][g] = 0;
   // Each direction of each pair of sites is its own FIFO: link k's pair (replica of stage k, replica of
-  // stage k + 1) that micro-batch m goes between, as the executors send over one stream per peer.
-  auto pair = [&](int k, int m) { return owner(k, m) * replicas[k + 1] + owner(k + 1, m); };
+  // stage k + 1) that micro-batch g goes between, as the executors send over one stream per peer.
+  auto pair = [&](int k, int g) { return owner(k, g) * replicas[k + 1] + owner(k + 1, g); };
   std::vector<std::vector<double>> fwd_link(std::max(S - 1, 0)), bwd_link(std::max(S - 1, 0));
   for (int k = 0; k + 1 < S; ++k) {
     fwd_link[k].assign(static_cast<size_t>(replicas[k]) * replicas[k + 1], 0.0);
     bwd_link[k] = fwd_link[k];
   }
-  std::vector<double> forward_done(S * static_cast<size_t>(M), kInf);
+  std::vector<double> forward_done(S * static_cast<size_t>(G), kInf);
+  // The norm's exchange of each stage and step (with the overlap): how many of the stage's units reached
+  // 'U' and 'E' and the latest of them, when the stage sends its partial sum up (`up`), and when the total
+  // reaches it (`down`).
+  struct Norm {
+    int at_up = 0, at_end = 0;
+    double up_reached = 0, end_reached = 0;
+    double up = kInf, down = kInf;
+  };
+  std::vector<std::vector<Norm>> norm(S, std::vector<Norm>(steps));
+  // Stage k's up, once every unit of it has reached 'U' and the next stage's partial sum is known.
+  auto up_of = [&](int k, int s) {
+    Norm& n = norm[k][s];
+    if (n.up == kInf && n.at_up == replicas[k] && (k + 1 == S || norm[k + 1][s].up < kInf))
+      n.up = k + 1 == S ? n.up_reached : std::max(n.up_reached, norm[k + 1][s].up + t.backward_latency_seconds[k]);
+    return n.up;
+  };
+  // The total's arrival at stage k: stage 0 has it once its up is known and sends it on at once; a later
+  // stage sends it on at the end of its part (its units at 'E'), having received it.
+  auto down_of = [&](int k, int s) {
+    if (norm[0][s].down == kInf) norm[0][s].down = up_of(0, s);
+    for (int j = 1; j <= k; ++j) {
+      if (norm[j][s].down < kInf) continue;
+      const Norm& p = norm[j - 1][s];
+      if (p.down == kInf || (j - 1 > 0 && p.at_end < replicas[j - 1])) return kInf;
+      norm[j][s].down = std::max(p.down, j - 1 > 0 ? p.end_reached : 0.0) + t.forward_latency_seconds[j - 1];
+    }
+    return norm[k][s].down;
+  };
+  // Idles unit u until `until` (a marker's wait), counted in its part.
+  auto idle = [&](Unit& u, double until, int part) {
+    if (until <= u.free_at) return;
+    u.part_wait[part] += until - u.free_at;
+    u.free_at = until;
+  };
   for (bool progress = true; progress;) {
     progress = false;
     for (Unit& u : units) {
       const int k = u.stage;
       while (u.next < u.order.size()) {
-        const auto [kind, m] = u.order[u.next];
+        const Item item = u.order[u.next];
+        if (item.kind == 'U' || item.kind == 'E') {
+          Norm& n = norm[k][item.part];
+          if (!u.at_marker) {
+            u.at_marker = true;
+            if (item.kind == 'U')
+              ++n.at_up, n.up_reached = std::max(n.up_reached, u.free_at);
+            else
+              ++n.at_end, n.end_reached = std::max(n.end_reached, u.free_at);
+          }
+          if (item.kind == 'U') {
+            const double up = up_of(k, item.part);
+            if (up == kInf) break;
+            idle(u, up, item.part);
+          } else {
+            const double down = down_of(k, item.part);
+            if (down == kInf) break;
+            idle(u, down, item.part);
+            u.free_at += t.optimizer_seconds.empty() ? 0.0 : t.optimizer_seconds[k];
+            u.part_end[item.part] = u.free_at;
+            if (item.part + 1 < steps) u.part_begin[item.part + 1] = u.free_at;
+          }
+          u.at_marker = false;
+          ++u.next;
+          progress = true;
+          continue;
+        }
+        const int g = item.g;
         double ready;
-        if (kind == 'F')
-          ready = act[k][m];
+        if (item.kind == 'F')
+          ready = act[k][g];
         else
-          ready = k == S - 1 ? forward_done[k * static_cast<size_t>(M) + m] : grad[k][m];
+          ready = k == S - 1 ? forward_done[k * static_cast<size_t>(G) + g] : grad[k][g];
         if (ready == kInf) break;
-        if (kind == 'B' && RecomputeSeconds(t, k) > 0) {  // needs no gradient: at once
+        if (item.kind == 'B' && RecomputeSeconds(t, k) > 0) {  // needs no gradient: at once
           const double again = RecomputeSeconds(t, k) * u.scale;
-          r.passes[k].push_back({'R', m, u.free_at, u.free_at + again});
+          if (item.part == reported) r.passes[k].push_back({'R', g % M, u.free_at, u.free_at + again});
           u.busy += again;
+          u.part_busy[item.part] += again;
           u.free_at += again;
           u.started = true;
         }
         const double start = std::max(u.free_at, ready);
         if (u.started) u.wait += start - u.free_at;
-        const double work = (kind == 'F' ? t.forward_seconds[k] : t.backward_seconds[k]) * u.scale;
+        u.part_wait[item.part] += start - u.free_at;
+        const double work = (item.kind == 'F' ? t.forward_seconds[k] : t.backward_seconds[k]) * u.scale;
         const double end = start + work;
         u.busy += work;
+        u.part_busy[item.part] += work;
         u.free_at = end;
         u.started = true;
-        r.passes[k].push_back({kind, m, start, end});
-        if (kind == 'F') {
-          forward_done[k * static_cast<size_t>(M) + m] = end;
+        if (item.part == reported) r.passes[k].push_back({item.kind, g % M, start, end});
+        if (item.kind == 'F') {
+          forward_done[k * static_cast<size_t>(G) + g] = end;
           if (k + 1 < S) {
-            double& link = fwd_link[k][pair(k, m)];
+            double& link = fwd_link[k][pair(k, g)];
             link = std::max(end, link) + t.forward_transfer_seconds[k];
-            r.forward_link_busy_seconds[k] += t.forward_transfer_seconds[k];
-            act[k + 1][m] = link + t.forward_latency_seconds[k];
+            if (item.part == reported) r.forward_link_busy_seconds[k] += t.forward_transfer_seconds[k];
+            act[k + 1][g] = link + t.forward_latency_seconds[k];
           }
         } else if (k > 0) {
-          double& link = bwd_link[k - 1][pair(k - 1, m)];
+          double& link = bwd_link[k - 1][pair(k - 1, g)];
           link = std::max(end, link) + t.backward_transfer_seconds[k - 1];
-          r.backward_link_busy_seconds[k - 1] += t.backward_transfer_seconds[k - 1];
-          grad[k - 1][m] = link + t.backward_latency_seconds[k - 1];
+          if (item.part == reported) r.backward_link_busy_seconds[k - 1] += t.backward_transfer_seconds[k - 1];
+          grad[k - 1][g] = link + t.backward_latency_seconds[k - 1];
         }
         ++u.next;
         progress = true;
@@ -200,6 +318,25 @@ SimulatedStep SimulatePipeline(const PipelineTimes& t) {
     if (u.next < u.order.size()) r.deadlocked = true;
   if (r.deadlocked) {
     r.step_seconds = kInf;
+    return r;
+  }
+  if (overlapped) {
+    // A step: the mean from the end of the first step (the last stage to end it) to the end of the last;
+    // each stage's figures over its part of the last, its times from the earliest part's beginning.
+    double first = 0, last = 0, base = kInf;
+    for (const Unit& u : units) {
+      first = std::max(first, u.part_end[0]);
+      last = std::max(last, u.part_end[reported]);
+      base = std::min(base, u.part_begin[reported]);
+    }
+    for (const Unit& u : units) {
+      r.busy_seconds[u.stage] = std::max(r.busy_seconds[u.stage], u.part_busy[reported]);
+      r.wait_seconds[u.stage] = std::max(r.wait_seconds[u.stage], u.part_wait[reported]);
+      r.finish_seconds[u.stage] = std::max(r.finish_seconds[u.stage], u.part_end[reported] - base);
+    }
+    for (auto& stage : r.passes)
+      for (auto& p : stage) p.start -= base, p.end -= base;
+    r.step_seconds = (last - first) / (steps - 1);
     return r;
   }
   for (const Unit& u : units) {

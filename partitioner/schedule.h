@@ -91,11 +91,21 @@ struct PipelineTimes {
   // one pass at a time, so it keeps only its share of the stage's depth in flight.
   std::vector<std::vector<int>> owners;
   std::vector<std::vector<double>> replica_scale;
+  // job.step_overlap (K > 0, below micro_batches): consecutive steps, each stage running its part of each
+  // (OverlappedStepSchedule, the first step exact), the norm's exchange split around the next step's early
+  // passes as the executors split it, and each stage's optimizer step (optimizer_seconds, per stage: its
+  // slowest site's; empty: none) at the end of its part. 0: one exact step.
+  int step_overlap = 0;
+  std::vector<double> optimizer_seconds;
 };
 
 struct SimulatedStep {
   bool deadlocked = false;  // the schedules wait on each other (in_flight increases somewhere)
-  double step_seconds = 0;  // to the end of the gradient-norm exchange (before the optimizer step)
+  // One exact step: to the end of the gradient-norm exchange (before the optimizer step). With
+  // PipelineTimes::step_overlap: a steady step, the mean over the steps after the first from one step's end
+  // (its last stage's optimizer step) to the next's, optimizer steps included; the figures below are over
+  // each stage's part of the last step, its times counted from the earliest part's beginning.
+  double step_seconds = 0;
   // Per stage; of a replicated stage, its busiest replica's, its longest-waiting replica's, and its last.
   std::vector<double> busy_seconds;    // per stage: forward, backward and send work
   std::vector<double> wait_seconds;    // per stage: idle between its first pass and its last
@@ -115,6 +125,12 @@ struct SimulatedStep {
 // in_flight[k]) in order (its own micro-batches of it), a pass starting when the stage (replica) is free
 // and its input (activation or gradient) has arrived. Then the gradient norm
 // travels from the last stage to the first and back (latency only), as the executors exchange it.
+// With PipelineTimes::step_overlap, five consecutive steps (SimulatedStep::step_seconds): each stage (each replica)
+// runs OverlappedStepSchedule's part of each; after the step's last backward pass it sends the norm's
+// partial sum up once the next stage's has arrived (all of a stage's replicas together) and waits for it
+// before the next step's early passes; at the end of its part it awaits the total (stage 0 sends it down at
+// once, a later stage passes it on at the end of its own part), then runs its optimizer step, and only then
+// its next part's passes on the new weights. docs/cost-model.md, "Step overlap".
 // REQUIRES: the vectors sized as documented above (S >= 1 stages).
 SimulatedStep SimulatePipeline(const PipelineTimes& times);
 

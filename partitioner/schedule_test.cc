@@ -174,6 +174,99 @@ TEST(ScheduleSimulation, ComputeBoundPipelinesKeepOneFOneB) {
   EXPECT_EQ(ChooseInFlight(t, {8, 8, 8}), (std::vector<int>{3, 2, 1}));
 }
 
+// PipelineTimes::step_overlap: a steady step of consecutive overlapped steps, each stage's optimizer step
+// in it. One stage runs its passes back to back: a step is its M micro-batches' passes and its optimizer
+// step, whatever the overlap.
+TEST(ScheduleSimulation, OverlappedStepsOfOneStageAreItsPassesAndItsOptimizerStep) {
+  PipelineTimes t = Uniform(1, 6, 1.0, 2.0, 0, 0);
+  t.optimizer_seconds = {0.5};
+  for (int k : {1, 3, 5}) {
+    t.step_overlap = k;
+    SimulatedStep s = SimulatePipeline(t);
+    ASSERT_FALSE(s.deadlocked);
+    EXPECT_DOUBLE_EQ(s.step_seconds, 6 * 3.0 + 0.5) << "K " << k;
+    EXPECT_DOUBLE_EQ(s.busy_seconds[0], 6 * 3.0);
+    EXPECT_DOUBLE_EQ(s.wait_seconds[0], 0.0);
+  }
+}
+
+// A balanced pipeline over free links: an exact step pays 1F1B's fill and drain, (M + S - 1) passes and
+// the optimizer step. With S early micro-batches (or more) each stage runs a step's M passes and its
+// optimizer step back to back, the boundary hidden. With S - 1 the last stage still waits one forward pass
+// at each boundary: the step's first micro-batch after the early ones begins at stage 0 only after its
+// optimizer step, and the early ones cover the rest of the way down.
+TEST(ScheduleSimulation, OverlapHidesABalancedPipelinesFillAndDrain) {
+  for (int S : {2, 3, 4}) {
+    PipelineTimes t = Uniform(S, 12, 1.0, 2.0, 0, 0);
+    t.optimizer_seconds.assign(S, 0.5);
+    const double exact = SimulatePipeline(t).step_seconds + 0.5;
+    EXPECT_DOUBLE_EQ(exact, (12 + S - 1) * 3.0 + 0.5);
+    t.step_overlap = S - 1;
+    EXPECT_DOUBLE_EQ(SimulatePipeline(t).step_seconds, 12 * 3.0 + 1.0 + 0.5) << "S " << S;
+    for (int k = S; k <= 6; ++k) {
+      t.step_overlap = k;
+      SimulatedStep s = SimulatePipeline(t);
+      ASSERT_FALSE(s.deadlocked) << "S " << S << " K " << k;
+      EXPECT_DOUBLE_EQ(s.step_seconds, 12 * 3.0 + 0.5) << "S " << S << " K " << k;
+      for (int st = 0; st < S; ++st) EXPECT_DOUBLE_EQ(s.busy_seconds[st], 12 * 3.0) << "stage " << st;
+    }
+  }
+}
+
+// Over long latency the exact step pays a round trip at its boundary (and a deeper window covers the
+// round trip within it). The overlapped step hides the boundary's, more of it with more early
+// micro-batches: a micro-batch's round trip here (two passes, two transfers, two latencies: 0.8 s) is under
+// three of stage 0's passes (0.3 s each), so three hide it and the step is each stage's compute and
+// optimizer step.
+TEST(ScheduleSimulation, OverlapHidesTheBoundarysRoundTrip) {
+  PipelineTimes t = Uniform(2, 16, 0.1, 0.2, 0.05, 0.2);
+  t.in_flight = {8, 1};
+  t.optimizer_seconds = {0.1, 0.1};
+  const double compute = 16 * 0.3 + 0.1;
+  const double exact = SimulatePipeline(t).step_seconds + 0.1;
+  EXPECT_GT(exact, compute + 2 * 0.2);
+  double previous = exact;
+  for (int k : {1, 2}) {
+    t.step_overlap = k;
+    SimulatedStep s = SimulatePipeline(t);
+    ASSERT_FALSE(s.deadlocked);
+    EXPECT_LT(s.step_seconds, previous - 0.1) << "K " << k;
+    EXPECT_GT(s.step_seconds, compute + 0.1) << "K " << k;
+    EXPECT_GT(s.wait_seconds[0], 0.1) << "K " << k;
+    previous = s.step_seconds;
+  }
+  for (int k : {3, 8}) {
+    t.step_overlap = k;
+    SimulatedStep s = SimulatePipeline(t);
+    ASSERT_FALSE(s.deadlocked);
+    EXPECT_NEAR(s.step_seconds, compute, 1e-9) << "K " << k;
+    EXPECT_NEAR(s.wait_seconds[0], 0.0, 1e-9) << "K " << k;
+    EXPECT_NEAR(s.busy_seconds[0], 16 * 0.3, 1e-9) << "K " << k;
+  }
+}
+
+// Replicated stages and recomputation run their overlapped steps too: every pass once a step.
+TEST(ScheduleSimulation, OverlappedStepsOfReplicasRunEachPassOnce) {
+  PipelineTimes t = Uniform(2, 8, 0.1, 0.2, 0.01, 0.05);
+  t.owners = {{}, {0, 1, 0, 1, 0, 1, 0, 1}};
+  t.replica_scale = {{}, {2.0, 2.0}};  // each replica at half the stage's combined pace
+  t.recompute_seconds = {0.1, 0.0};
+  t.step_overlap = 3;
+  t.in_flight = {4, 2};
+  SimulatedStep s = SimulatePipeline(t);
+  ASSERT_FALSE(s.deadlocked);
+  // In the reported step stage 0 runs 8 forward passes (some of them the next step's), 8 recomputations
+  // and 8 backward passes; each replica of stage 1 its 4 micro-batches' at twice the time.
+  EXPECT_NEAR(s.busy_seconds[0], 8 * 0.4, 1e-9);
+  EXPECT_NEAR(s.busy_seconds[1], 4 * 0.3 * 2.0, 1e-9);
+  std::map<char, int> kinds;
+  for (const auto& p : s.passes[0]) ++kinds[p.kind];
+  EXPECT_EQ(kinds['F'], 8);
+  EXPECT_EQ(kinds['R'], 8);
+  EXPECT_EQ(kinds['B'], 8);
+  EXPECT_GE(s.step_seconds, 8 * 0.4 - 1e-9);
+}
+
 TEST(Schedule, StepOverlapWithoutEarlyMicroBatchesIsPipelineSchedule) {
   for (int stage : {0, 1, 2}) {
     std::vector<StepEntry> want;

@@ -157,6 +157,38 @@ TEST(SimulatorTest, StepOverlapHidesTheStepBoundarysRoundTrip) {
   EXPECT_GE(overlapped->step_times[0], exact->step_times[0] - 1e-9);
 }
 
+// The planner's schedule simulation (partitioner::SimulatePipeline with step_overlap, which prices the
+// plans meridian plan ranks) runs the same overlapped steps as the simulator: on the test above's
+// pipeline their steady steps agree from one early micro-batch to every one the depth allows. (An exact
+// step, K = 0, the planner prices as one step to the end of the norm's exchange, whose last hop down the
+// pipeline the simulator's next step overlaps with its first forward pass: 0.01 s more here.)
+TEST(SimulatorTest, ThePlannersOverlappedStepIsTheSimulators) {
+  const OpGraph g = Chain(4);
+  const ClusterProfile p = Sites(2, 1e12, 1e18, 0.01);
+  const int M = 16;
+  Plan plan = Pipeline(g, p, M, {{0}, {1}});
+  plan.stages[0].in_flight = 8;
+  partitioner::PipelineTimes t;
+  t.micro_batches = M;
+  t.forward_seconds.assign(2, 2 * 1e9 / 1e12);
+  t.backward_seconds.assign(2, 2 * 2e9 / 1e12);
+  t.forward_transfer_seconds = t.backward_transfer_seconds = {1e6 / 1e18};
+  t.forward_latency_seconds = t.backward_latency_seconds = {0.01};
+  t.in_flight = {8, 1};
+  SimulationOptions o;
+  o.steps = 8;
+  for (int k : {1, 2, 4, 8}) {
+    plan.step_overlap = k;
+    t.step_overlap = k;
+    auto simulated = Simulate(g, p, plan, o);
+    ASSERT_TRUE(simulated.ok()) << simulated.status();
+    const partitioner::SimulatedStep planned = partitioner::SimulatePipeline(t);
+    ASSERT_FALSE(planned.deadlocked);
+    EXPECT_NEAR(planned.step_seconds, simulated->median_step_seconds, 1e-3 * simulated->median_step_seconds)
+        << "K " << k;
+  }
+}
+
 // A CPU site's transport work (profile transport_seconds_per_frame / _per_byte) lengthens each pass that
 // sends or receives a frame: in a balanced two-stage pipeline on free links every pass sends or receives
 // one, so each stage's pass grows by one frame's work, and the step by (M + 1) of them per direction.
