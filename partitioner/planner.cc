@@ -495,9 +495,10 @@ std::pair<double, double> PassTransportSeconds(const CostModel& cm, const Layout
 }
 
 // The per-stage and per-link times of an evaluated layout, as the schedule simulator takes them: each
-// stage's time per micro-batch split into forward and backward by its ops' FLOPs, plus each pass's codec
-// and transport work (PassCodecSeconds, PassTransportSeconds); each direction of a link at its codec's bytes over the
-// worst pair of sites that micro-batches go between (LinkPairs).
+// stage's time per micro-batch split into forward and backward by its ops' FLOPs, and each pass's codec
+// and transport work on its frames (PassCodecSeconds, PassTransportSeconds), which each replica of a
+// replicated stage does in full for its own micro-batches; each direction of a link at its codec's bytes
+// over the worst pair of sites that micro-batches go between (LinkPairs).
 PipelineTimes TimesOf(const CostModel& cm, const Layout& L, const Evaluation& ev, const PlanOptions& o,
                       const OpGraph& g, const std::vector<bool>& recompute) {
   PipelineTimes t;
@@ -509,8 +510,10 @@ PipelineTimes TimesOf(const CostModel& cm, const Layout& L, const Evaluation& ev
     const double share = ForwardShare(g, a, b);
     const auto [forward_codec, backward_codec] = PassCodecSeconds(cm, L, ev, o, k);
     const auto [forward_transport, backward_transport] = PassTransportSeconds(cm, L, ev, o, k);
-    t.forward_seconds.push_back(ev.t[k] * share + forward_codec + forward_transport);
-    t.backward_seconds.push_back(ev.t[k] * (1 - share) + backward_codec + backward_transport);
+    t.forward_seconds.push_back(ev.t[k] * share);
+    t.backward_seconds.push_back(ev.t[k] * (1 - share));
+    t.forward_frame_seconds.push_back(forward_codec + forward_transport);
+    t.backward_frame_seconds.push_back(backward_codec + backward_transport);
     // A recomputing stage runs the forward pass again before each backward pass.
     t.recompute_seconds.push_back(recompute[k] ? ev.t[k] * (ComputeFactor(g, a, b, true) - 1) : 0.0);
   }

@@ -19,6 +19,12 @@ double RecomputeSeconds(const PipelineTimes& t, int k) {
   return t.recompute_seconds.empty() ? 0.0 : t.recompute_seconds[k];
 }
 
+// Stage k's work on its frames per forward and per backward pass (PipelineTimes::forward_frame_seconds).
+double FrameSeconds(const PipelineTimes& t, int k, char kind) {
+  const std::vector<double>& v = kind == 'F' ? t.forward_frame_seconds : t.backward_frame_seconds;
+  return v.empty() ? 0.0 : v[k];
+}
+
 // How many replicas run stage k (PipelineTimes::owners; 1 where none are given).
 int Replicas(const PipelineTimes& t, int k) {
   if (k >= static_cast<int>(t.owners.size()) || t.owners[k].empty()) return 1;
@@ -288,7 +294,8 @@ SimulatedStep SimulatePipeline(const PipelineTimes& t) {
         const double start = std::max(u.free_at, ready);
         if (u.started) u.wait += start - u.free_at;
         u.part_wait[item.part] += start - u.free_at;
-        const double work = (item.kind == 'F' ? t.forward_seconds[k] : t.backward_seconds[k]) * u.scale;
+        const double work =
+            (item.kind == 'F' ? t.forward_seconds[k] : t.backward_seconds[k]) * u.scale + FrameSeconds(t, k, item.kind);
         const double end = start + work;
         u.busy += work;
         u.part_busy[item.part] += work;
@@ -364,17 +371,19 @@ std::vector<int> ChooseInFlight(const PipelineTimes& t, const std::vector<int>& 
     hi[k] = std::max(1, std::min(max_in_flight[k], M));
     lo[k] = std::max(1, std::min(S - k, hi[k]));
   }
-  // The steady pace: the slowest stage's passes or the slowest link direction.
+  // The steady pace: the slowest stage's passes or the slowest link direction. A replicated stage's
+  // replicas share its micro-batches, each doing its frames' work on its own.
   double pace = 0;
   auto passes = [&](int k) { return t.forward_seconds[k] + RecomputeSeconds(t, k) + t.backward_seconds[k]; };
-  for (int k = 0; k < S; ++k) pace = std::max(pace, passes(k));
+  auto frames = [&](int k) { return FrameSeconds(t, k, 'F') + FrameSeconds(t, k, 'B'); };
+  for (int k = 0; k < S; ++k) pace = std::max(pace, passes(k) + frames(k) / Replicas(t, k));
   for (int k = 0; k + 1 < S; ++k)
     pace = std::max({pace, t.forward_transfer_seconds[k], t.backward_transfer_seconds[k]});
   // A micro-batch's passes at a replicated stage take its slowest replica's time, not the combined pace.
   auto slowest = [&](int k) {
     double x = 1;
     for (int r = 0; r < Replicas(t, k); ++r) x = std::max(x, ReplicaScale(t, k, r));
-    return passes(k) * x;
+    return passes(k) * x + frames(k);
   };
   // Round trip of a micro-batch from stage k's forward pass to its gradient's return, plus the pass.
   for (int k = 0; k < S; ++k) {

@@ -74,9 +74,13 @@ bool InFlightIsDeadlockFree(const std::vector<int>& in_flight);
 // later. Between replicated stages, each pair of replicas that micro-batches go between has its own.
 struct PipelineTimes {
   int micro_batches = 1;
-  // Per stage, the compute thread's seconds per pass, with the codec work that pass does (decoding its
-  // input, encoding what it sends: partitioner::CodecSeconds).
+  // Per stage, the compute thread's seconds per pass.
   std::vector<double> forward_seconds, backward_seconds;
+  // Per stage (empty: none), the work each pass does on its frames at the site that runs it: decoding its
+  // input and encoding what it sends (partitioner::CodecSeconds), the transport's CPU. A pass takes
+  // forward_seconds (x a replica's replica_scale, below) plus this, which does not scale with a replica's
+  // share of the stage's compute.
+  std::vector<double> forward_frame_seconds, backward_frame_seconds;
   // Per stage (empty: none), the forward pass run again before each backward pass (activation
   // recomputation): it needs no gradient, so it starts as soon as the stage is free, and the backward
   // pass follows once the gradient has arrived.
@@ -86,7 +90,8 @@ struct PipelineTimes {
   std::vector<int> in_flight;  // per stage; empty: 1F1B (num_stages - stage)
   // Replicated stages (empty, or an empty entry: the stage runs on one site). owners[k][m] is the replica
   // of stage k that runs micro-batch m (partitioner::MicroBatchOwners), and replica r's passes take
-  // replica_scale[k][r] times the stage's seconds above, which are its combined pace per micro-batch. As
+  // replica_scale[k][r] times the stage's forward_seconds and backward_seconds, which are its combined pace
+  // per micro-batch, plus the frames' work. As
   // the executors do, each replica runs the stage's PipelineSchedule filtered to its own micro-batches,
   // one pass at a time, so it keeps only its share of the stage's depth in flight.
   std::vector<std::vector<int>> owners;

@@ -267,6 +267,22 @@ TEST(ScheduleSimulation, OverlappedStepsOfReplicasRunEachPassOnce) {
   EXPECT_GE(s.step_seconds, 8 * 0.4 - 1e-9);
 }
 
+// A replicated stage's replicas each do their own micro-batches' frame work (codecs, transport) in full:
+// it does not scale with a replica's share of the stage's compute, as its passes do.
+TEST(ScheduleSimulation, ReplicasDoTheirFramesWorkInFull) {
+  PipelineTimes t = Uniform(2, 8, 0.1, 0.2, 0.0, 0.0);
+  t.owners = {{0, 1, 0, 1, 0, 1, 0, 1}, {}};
+  t.replica_scale = {{2.0, 2.0}, {}};  // each replica at half the stage's combined pace
+  t.forward_frame_seconds = {0.01, 0.03};
+  t.backward_frame_seconds = {0.02, 0.04};
+  SimulatedStep s = SimulatePipeline(t);
+  ASSERT_FALSE(s.deadlocked);
+  // Each replica of stage 0: 4 micro-batches of (0.1 + 0.2) x 2 and 0.03 of frames each.
+  EXPECT_NEAR(s.busy_seconds[0], 4 * (0.6 + 0.03), 1e-9);
+  // Stage 1: 8 of 0.3 and 0.07 each.
+  EXPECT_NEAR(s.busy_seconds[1], 8 * (0.3 + 0.07), 1e-9);
+}
+
 TEST(Schedule, StepOverlapWithoutEarlyMicroBatchesIsPipelineSchedule) {
   for (int stage : {0, 1, 2}) {
     std::vector<StepEntry> want;
