@@ -107,7 +107,7 @@ struct PipelineTimes {
 struct SimulatedStep {
   bool deadlocked = false;  // the schedules wait on each other (in_flight increases somewhere)
   // One exact step: to the end of the gradient-norm exchange (before the optimizer step). With
-  // PipelineTimes::step_overlap: a steady step, the mean over the steps after the first from one step's end
+  // PipelineTimes::step_overlap: a steady step, the mean over the steps after the second from one step's end
   // (its last stage's optimizer step) to the next's, optimizer steps included; the figures below are over
   // each stage's part of the last step, its times counted from the earliest part's beginning.
   double step_seconds = 0;
