@@ -1440,7 +1440,7 @@ void RunMachine::BeginSwitch(const std::string& why, bool for_speed) {
 absl::StatusOr<partitioner::Plan> RunMachine::PriceLayout(const partitioner::Plan& layout,
                                                           const partitioner::ClusterProfile& live) const {
   partitioner::PlanOptions pin = BaseOptions();
-  std::vector<std::vector<int>> sites;
+  std::vector<std::vector<int>> sites, shares;
   std::vector<int> last_ops;
   for (const auto& st : layout.stages) {
     sites.emplace_back();
@@ -1450,8 +1450,11 @@ absl::StatusOr<partitioner::Plan> RunMachine::PriceLayout(const partitioner::Pla
       sites.back().push_back(index);
     }
     last_ops.push_back(st.last_op);
+    // A replicated stage's replicas run the shares they were assigned, whatever their speed now.
+    shares.push_back(st.site_names.size() > 1 && st.micro_batches.size() == st.site_names.size() ? st.micro_batches
+                                                                                                 : std::vector<int>{});
   }
-  partitioner::PinLayout(sites, last_ops, &pin);
+  partitioner::PinLayout(sites, last_ops, &pin, shares);
   return partitioner::PlanPipeline(graph_, live, pin);
 }
 

@@ -365,8 +365,8 @@ class RunMachine {
     int sites = 0;  // in LiveProfile()
   };
   absl::StatusOr<Repriced> ReplanAgainstCurrent() const;
-  // `layout`'s sites and cuts priced over `live` (LiveProfile()) with the job's planning options; an error
-  // when one of its sites is not in it.
+  // `layout`'s sites, cuts and replicas' shares (as assigned: a running stage keeps them) priced over `live`
+  // (LiveProfile()) with the job's planning options; an error when one of its sites is not in it.
   absl::StatusOr<partitioner::Plan> PriceLayout(const partitioner::Plan& layout,
                                                 const partitioner::ClusterProfile& live) const;
   void CompleteSwitch();  // every stage of the attempt ended while switching

@@ -79,6 +79,9 @@ struct PlanOptions {
   std::vector<Codec> gradient_codecs = DefaultGradientCodecs();
   // Gradient bytes = this * param_bytes (weights + grads) of the ops that train (optimizer_bytes > 0).
   double gradient_bytes_fraction = 0.5;
+  // The replicas' gradient sum goes in buckets of about this many float32 bytes (executor/replica_sync.h's
+  // default), each a codec frame and a transport frame at every replica: their CPU prices the sum.
+  int64_t bucket_bytes = 4 << 20;
   // Search: exact dynamic programme up to this many sites, the documented heuristic beyond.
   int exact_max_sites = 8;
   bool force_heuristic = false;
