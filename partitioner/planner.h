@@ -217,9 +217,10 @@ struct Plan {
   double steady_seconds = 0;      // (M - 1) * bottleneck
   double sync_seconds = 0;        // slowest replica all-reduce
   double compute_bound_seconds = 0;
-  // With deep_pipeline: predicted_step_seconds is the simulated schedule's step plus sync_seconds plus
-  // optimizer_seconds, and formula_step_seconds is the steady-state formula's (fill_drain + steady + sync)
-  // for the same plan.
+  // With deep_pipeline: predicted_step_seconds is the simulated schedule's step (every-step replicas' sums
+  // in it, each after its stage's last backward pass), plus DiLoCo's per-step share of its exchange
+  // (sync_seconds) and optimizer_seconds (with step_overlap, the simulation holds each stage's optimizer
+  // step); formula_step_seconds is the steady-state formula's (fill_drain + steady + sync) for the same plan.
   bool simulated = false;
   double formula_step_seconds = 0;
   // With deep_pipeline: the slowest stage site's norm, clipping and optimizer step (OptimizerSeconds;
