@@ -567,7 +567,7 @@ PipelineTimes TimesOf(const CostModel& cm, const Layout& L, const Evaluation& ev
 }
 
 // A layout's schedule: each stage's in-flight depth (ChooseInFlight, within what its sites' memory holds)
-// and whether it recomputes its activations, the simulated step, plus the replicas' gradient sync.
+// and whether it recomputes its activations, and the simulated step (every-step replicas' sums in it).
 struct SimulatedLayout {
   double total = kInf;            // the simulated step (every-step sums in it), DiLoCo's share, optimizer
   std::vector<double> optimizer;  // per stage: its slowest site's optimizer step (CostModel::OptimizerSeconds)
@@ -1844,11 +1844,16 @@ std::string PlanTable(const Plan& plan, const OpGraph& graph, const ClusterProfi
       absl::StrFormat("fill+drain %.4g s + steady %.4g s%s", plan.fill_drain_seconds, plan.steady_seconds,
                       plan.sync_seconds > 0 ? absl::StrFormat(" + sync %.4g s", plan.sync_seconds) : "");
   if (plan.simulated)
-    out += absl::StrFormat(
-        "predicted step time:   %.4g s  (simulated schedule%s%s; steady-state formula %.4g s: %s)\n",
-        plan.predicted_step_seconds, plan.sync_seconds > 0 ? absl::StrFormat(" + sync %.4g s", plan.sync_seconds) : "",
-        plan.optimizer_seconds > 0 ? absl::StrFormat(" + optimizer %.4g s", plan.optimizer_seconds) : "",
-        plan.formula_step_seconds, terms);
+    out += absl::StrFormat("predicted step time:   %.4g s  (simulated schedule%s%s; steady-state formula %.4g s: %s)\n",
+                           plan.predicted_step_seconds,
+                           plan.sync_seconds <= 0 ? ""
+                           : plan.sync.diloco
+                               ? absl::StrFormat(" + sync %.4g s", plan.sync_seconds)
+                               : absl::StrFormat(" with the replicas' sums in it (%.4g s)", plan.sync_seconds),
+                           plan.optimizer_seconds <= 0 ? ""
+                           : plan.step_overlap > 0     ? " with the optimizer steps in it"
+                                                       : absl::StrFormat(" + optimizer %.4g s", plan.optimizer_seconds),
+                           plan.formula_step_seconds, terms);
   else
     out += absl::StrFormat("predicted step time:   %.4g s  (%s)\n", plan.predicted_step_seconds, terms);
   out += absl::StrFormat("compute bound:         %.4g s  (all sites' throughput, no communication)\n",

@@ -522,6 +522,7 @@ TEST(Planner, AReplicasSumIsPricedAtLeastAtItsCpu) {
   LinkAll(&p, 1e12, 1e-6);
   PlanOptions o;
   o.micro_batches = 4;
+  o.deep_pipeline = true;
   PinLayout({{0, 1}}, {1}, &o);
   auto fast = PlanPipeline(g, p, o);
   ASSERT_TRUE(fast.ok()) << fast.status();
@@ -537,6 +538,7 @@ TEST(Planner, AReplicasSumIsPricedAtLeastAtItsCpu) {
   EXPECT_NEAR(dear->stages[0].allreduce_seconds, cpu, 1e-9);
   // One stage: its sum follows its last backward pass with nothing to overlap it, so the step grows by it.
   EXPECT_NEAR(dear->predicted_step_seconds - fast->predicted_step_seconds, cpu - network, 1e-6);
+  EXPECT_THAT(PlanTable(*dear, g, p), HasSubstr("simulated schedule with the replicas' sums in it"));
 }
 
 TEST(Planner, ReplicasShareMicroBatchesInProportionToSpeed) {
