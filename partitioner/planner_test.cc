@@ -856,6 +856,20 @@ struct ThreeStages {
   }
 };
 
+// ThreeStages(2e6, 0.05)'s layout as the schedule simulation takes it: each stage 0.1 s forward and 0.2 s
+// backward per micro-batch, each link 0.1 s per activation or gradient and 50 ms one way; 1F1B's depths.
+PipelineTimes ThreeStagesAt2MBps() {
+  PipelineTimes t;
+  t.micro_batches = 32;
+  t.forward_seconds.assign(3, 0.1);
+  t.backward_seconds.assign(3, 0.2);
+  t.forward_transfer_seconds.assign(2, 0.1);
+  t.backward_transfer_seconds.assign(2, 0.1);
+  t.forward_latency_seconds.assign(2, 0.05);
+  t.backward_latency_seconds.assign(2, 0.05);
+  return t;
+}
+
 // Three equal sites, links about as slow as a stage's pass with a long latency: 1F1B's depth starves the
 // first stages. The deep pipeline's plan keeps more in flight where the round trip needs it, within
 // memory, never increasing along the pipeline, and predicts the step by simulating that schedule.
@@ -876,14 +890,7 @@ TEST(Planner, DeepPipelineCoversTheRoundTripAndPredictsBySimulation) {
   EXPECT_GT(depth[0], 3);
   EXPECT_EQ(depth[2], 1);
   // The prediction is the simulation of the plan's own schedule...
-  PipelineTimes t;
-  t.micro_batches = 32;
-  t.forward_seconds.assign(3, 0.1);
-  t.backward_seconds.assign(3, 0.2);
-  t.forward_transfer_seconds.assign(2, 0.1);
-  t.backward_transfer_seconds.assign(2, 0.1);
-  t.forward_latency_seconds.assign(2, 0.05);
-  t.backward_latency_seconds.assign(2, 0.05);
+  PipelineTimes t = ThreeStagesAt2MBps();
   t.in_flight = depth;
   EXPECT_NEAR(deep->predicted_step_seconds, SimulatePipeline(t).step_seconds, 1e-9);
   // ... shorter than 1F1B's on the same layout, and within 15% of the passes alone.
@@ -926,14 +933,7 @@ TEST(Planner, StepOverlapIsPricedByTheOverlappedSchedule) {
   ASSERT_TRUE(overlapped.ok()) << overlapped.status();
   ASSERT_TRUE(overlapped->simulated);
   EXPECT_EQ(overlapped->step_overlap, 8);
-  PipelineTimes t;
-  t.micro_batches = 32;
-  t.forward_seconds.assign(3, 0.1);
-  t.backward_seconds.assign(3, 0.2);
-  t.forward_transfer_seconds.assign(2, 0.1);
-  t.backward_transfer_seconds.assign(2, 0.1);
-  t.forward_latency_seconds.assign(2, 0.05);
-  t.backward_latency_seconds.assign(2, 0.05);
+  PipelineTimes t = ThreeStagesAt2MBps();
   for (const auto& st : overlapped->stages) {
     t.in_flight.push_back(st.in_flight);
     EXPECT_LE(st.in_flight, MaxInFlightForOverlap(32, 8));
