@@ -115,12 +115,6 @@ class CostModel {
   }
   // LinkProfile::receive_seconds_per_byte of the link a -> b (0: not measured, or no link).
   double ReceiveSecondsPerByte(int a, int b) const { return receive_[a][b]; }
-  // partitioner::ReplicaSumCpuSeconds at site s.
-  double ReplicaSumCpu(int s, const std::string& codec, double wire_ratio, double grad_bytes, int replicas, int buckets,
-                       double receive_seconds_per_byte) const {
-    return partitioner::ReplicaSumCpuSeconds(profile_.sites[s], codec, wire_ratio, grad_bytes, replicas, buckets,
-                                             receive_seconds_per_byte);
-  }
   double Bandwidth(int a, int b) const { return bw_[a][b]; }
   double Latency(int a, int b) const { return lat_[a][b]; }
   // Activation memory of ops [a, b] with `in_flight` micro-batches in flight: each one's activations, or
@@ -413,31 +407,17 @@ Evaluation Evaluate(const CostModel& cm, const Layout& L, const PlanOptions& o, 
       e.allreduce[k] = sync(o.sync.codec.ratio);
       continue;
     }
-    // The sum also takes each replica's CPU for its codec and transport work (ReplicaSumCpuSeconds), beside
-    // its compute thread: on a CPU site it can outlast the links, as `meridian simulate` prices it.
-    const int buckets = std::max(1, static_cast<int>(std::ceil(grad / std::max<int64_t>(1, o.bucket_bytes))));
-    auto sum = [&](const Codec& codec) {
-      double cpu = 0;
-      for (int u : R) {
-        double receive = 0;
-        for (int v : R)
-          if (v != u) receive = std::max(receive, cm.ReceiveSecondsPerByte(v, u));
-        cpu = std::max(cpu, cm.ReplicaSumCpu(u, codec.name.empty() ? "identity" : codec.name, codec.ratio, grad, r,
-                                             buckets, receive));
-      }
-      return std::max(sync(codec.ratio), cpu);
-    };
     if (!o.adaptive_compression) {
-      e.allreduce[k] = sum(Codec{"identity", 1.0});
+      e.allreduce[k] = sync(1.0);
     } else {
       int pick = static_cast<int>(o.gradient_codecs.size()) - 1;
       for (int i = 0; i < static_cast<int>(o.gradient_codecs.size()); ++i)
-        if (sum(o.gradient_codecs[i]) <= e.t[k] + e.recompute_t[k]) {
+        if (sync(o.gradient_codecs[i].ratio) <= e.t[k] + e.recompute_t[k]) {
           pick = i;
           break;
         }
       e.grad_codec[k] = pick;
-      e.allreduce[k] = sum(o.gradient_codecs[pick]);
+      e.allreduce[k] = sync(o.gradient_codecs[pick].ratio);
     }
   }
   if (o.sync.diloco) {
@@ -567,9 +547,9 @@ PipelineTimes TimesOf(const CostModel& cm, const Layout& L, const Evaluation& ev
 }
 
 // A layout's schedule: each stage's in-flight depth (ChooseInFlight, within what its sites' memory holds)
-// and whether it recomputes its activations, and the simulated step (every-step replicas' sums in it).
+// and whether it recomputes its activations, the simulated step, plus the replicas' gradient sync.
 struct SimulatedLayout {
-  double total = kInf;            // the simulated step (every-step sums in it), DiLoCo's share, optimizer
+  double total = kInf;            // the simulated step, the replicas' sync and the slowest optimizer step
   std::vector<double> optimizer;  // per stage: its slowest site's optimizer step (CostModel::OptimizerSeconds)
   std::vector<int> in_flight;
   std::vector<bool> recompute;
@@ -599,15 +579,12 @@ SimulatedLayout SimulateLayout(const CostModel& cm, const Layout& L, const Evalu
     PipelineTimes t = TimesOf(cm, L, ev, o, g, recompute);
     // job.step_overlap: the simulation's steady step holds each stage's optimizer step where it runs.
     if (t.step_overlap > 0) t.optimizer_seconds = optimizer;
-    // Every-step replicas sum each stage's gradients after its last backward pass, before its partial norm
-    // (the stages before it drain meanwhile); DiLoCo's exchange is priced per step beside the passes.
-    if (!o.sync.diloco) t.sum_seconds = ev.allreduce;
     x.in_flight = cap ? ChooseInFlight(t, *cap) : depths;
     x.recompute = recompute;
     t.in_flight = x.in_flight;
     x.step = SimulatePipeline(t);
     x.optimizer = optimizer;
-    x.total = x.step.step_seconds + (o.sync.diloco ? ev.sync : 0.0) + (t.step_overlap > 0 ? 0.0 : slowest_optimizer);
+    x.total = x.step.step_seconds + ev.sync + (t.step_overlap > 0 ? 0.0 : slowest_optimizer);
     return x;
   };
   if (fixed) return run(fixed->in_flight, fixed->recompute, nullptr);
@@ -1844,16 +1821,11 @@ std::string PlanTable(const Plan& plan, const OpGraph& graph, const ClusterProfi
       absl::StrFormat("fill+drain %.4g s + steady %.4g s%s", plan.fill_drain_seconds, plan.steady_seconds,
                       plan.sync_seconds > 0 ? absl::StrFormat(" + sync %.4g s", plan.sync_seconds) : "");
   if (plan.simulated)
-    out += absl::StrFormat("predicted step time:   %.4g s  (simulated schedule%s%s; steady-state formula %.4g s: %s)\n",
-                           plan.predicted_step_seconds,
-                           plan.sync_seconds <= 0 ? ""
-                           : plan.sync.diloco
-                               ? absl::StrFormat(" + sync %.4g s", plan.sync_seconds)
-                               : absl::StrFormat(" with the replicas' sums in it (%.4g s)", plan.sync_seconds),
-                           plan.optimizer_seconds <= 0 ? ""
-                           : plan.step_overlap > 0     ? " with the optimizer steps in it"
-                                                       : absl::StrFormat(" + optimizer %.4g s", plan.optimizer_seconds),
-                           plan.formula_step_seconds, terms);
+    out += absl::StrFormat(
+        "predicted step time:   %.4g s  (simulated schedule%s%s; steady-state formula %.4g s: %s)\n",
+        plan.predicted_step_seconds, plan.sync_seconds > 0 ? absl::StrFormat(" + sync %.4g s", plan.sync_seconds) : "",
+        plan.optimizer_seconds > 0 ? absl::StrFormat(" + optimizer %.4g s", plan.optimizer_seconds) : "",
+        plan.formula_step_seconds, terms);
   else
     out += absl::StrFormat("predicted step time:   %.4g s  (%s)\n", plan.predicted_step_seconds, terms);
   out += absl::StrFormat("compute bound:         %.4g s  (all sites' throughput, no communication)\n",

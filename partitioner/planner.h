@@ -79,9 +79,6 @@ struct PlanOptions {
   std::vector<Codec> gradient_codecs = DefaultGradientCodecs();
   // Gradient bytes = this * param_bytes (weights + grads) of the ops that train (optimizer_bytes > 0).
   double gradient_bytes_fraction = 0.5;
-  // The replicas' gradient sum goes in buckets of about this many float32 bytes (executor/replica_sync.h's
-  // default), each a codec frame and a transport frame at every replica: their CPU prices the sum.
-  int64_t bucket_bytes = 4 << 20;
   // Search: exact dynamic programme up to this many sites, the documented heuristic beyond.
   int exact_max_sites = 8;
   bool force_heuristic = false;
@@ -217,10 +214,9 @@ struct Plan {
   double steady_seconds = 0;      // (M - 1) * bottleneck
   double sync_seconds = 0;        // slowest replica all-reduce
   double compute_bound_seconds = 0;
-  // With deep_pipeline: predicted_step_seconds is the simulated schedule's step (every-step replicas' sums
-  // in it, each after its stage's last backward pass), plus DiLoCo's per-step share of its exchange
-  // (sync_seconds) and optimizer_seconds (with step_overlap, the simulation holds each stage's optimizer
-  // step); formula_step_seconds is the steady-state formula's (fill_drain + steady + sync) for the same plan.
+  // With deep_pipeline: predicted_step_seconds is the simulated schedule's step plus sync_seconds plus
+  // optimizer_seconds, and formula_step_seconds is the steady-state formula's (fill_drain + steady + sync)
+  // for the same plan.
   bool simulated = false;
   double formula_step_seconds = 0;
   // With deep_pipeline: the slowest stage site's norm, clipping and optimizer step (OptimizerSeconds;

@@ -511,36 +511,6 @@ TEST(Planner, ReplicationUsesSpareSitesAndPricesTheAllReduce) {
   for (const auto& s : none->stages) EXPECT_EQ(s.sites.size(), 1u);
 }
 
-// A replicated stage's gradient sum takes at least each replica's CPU for its codec and transport work
-// (ReplicaSumCpuSeconds, as meridian simulate prices it): on sites whose transport is dear per byte it
-// outlasts fast links, and the plan's allreduce_seconds is that CPU.
-TEST(Planner, AReplicasSumIsPricedAtLeastAtItsCpu) {
-  OpGraph g = Chain(2, 1e9, 1e3);
-  for (auto& op : g.ops) op.param_bytes = 4e8, op.optimizer_bytes = 8e8;  // 400 MB of gradients in all
-  ClusterProfile p;
-  p.sites = {{"a", 1e9, 1e12, {}}, {"b", 1e9, 1e12, {}}};
-  LinkAll(&p, 1e12, 1e-6);
-  PlanOptions o;
-  o.micro_batches = 4;
-  o.deep_pipeline = true;
-  PinLayout({{0, 1}}, {1}, &o);
-  auto fast = PlanPipeline(g, p, o);
-  ASSERT_TRUE(fast.ok()) << fast.status();
-  ASSERT_EQ(fast->stages[0].sites.size(), 2u);
-  const double network = fast->stages[0].allreduce_seconds;
-  for (auto& s : p.sites) s.transport_seconds_per_byte = 1e-8;  // 10 ns a byte sent or received
-  auto dear = PlanPipeline(g, p, o);
-  ASSERT_TRUE(dear.ok()) << dear.status();
-  const double grad = GradientBytes(g, 0, 1, o.gradient_bytes_fraction);
-  const int buckets = static_cast<int>(std::ceil(grad / o.bucket_bytes));
-  const double cpu = ReplicaSumCpuSeconds(p.sites[0], "identity", 1.0, grad, 2, buckets, 0);
-  ASSERT_GT(cpu, 10 * network);
-  EXPECT_NEAR(dear->stages[0].allreduce_seconds, cpu, 1e-9);
-  // One stage: its sum follows its last backward pass with nothing to overlap it, so the step grows by it.
-  EXPECT_NEAR(dear->predicted_step_seconds - fast->predicted_step_seconds, cpu - network, 1e-6);
-  EXPECT_THAT(PlanTable(*dear, g, p), HasSubstr("simulated schedule with the replicas' sums in it"));
-}
-
 TEST(Planner, ReplicasShareMicroBatchesInProportionToSpeed) {
   EXPECT_EQ(ShareMicroBatches(8, {1.0, 1.0}), (std::vector<int>{4, 4}));
   EXPECT_EQ(ShareMicroBatches(8, {1.0, 3.0}), (std::vector<int>{6, 2}));

@@ -827,7 +827,6 @@ absl::StatusOr<double> AnalyticStepSeconds(const OpGraph& graph, const ClusterPr
   o.replication = false;
   o.deep_pipeline = false;
   o.gradient_bytes_fraction = options.gradient_bytes_fraction;
-  o.bucket_bytes = options.bucket_bytes;
   std::vector<std::vector<int>> sites, shares;  // the plan's shares: they decide which site pairs a link uses
   std::vector<int> last_ops;
   for (const auto& st : plan.stages)
