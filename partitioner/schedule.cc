@@ -19,9 +19,6 @@ double RecomputeSeconds(const PipelineTimes& t, int k) {
   return t.recompute_seconds.empty() ? 0.0 : t.recompute_seconds[k];
 }
 
-// Stage k's gradient sum after its last backward pass (PipelineTimes::sum_seconds).
-double SumSeconds(const PipelineTimes& t, int k) { return t.sum_seconds.empty() ? 0.0 : t.sum_seconds[k]; }
-
 // Stage k's work on its frames per forward and per backward pass (PipelineTimes::forward_frame_seconds).
 double FrameSeconds(const PipelineTimes& t, int k, char kind) {
   const std::vector<double>& v = kind == 'F' ? t.forward_frame_seconds : t.backward_frame_seconds;
@@ -227,10 +224,8 @@ SimulatedStep SimulatePipeline(const PipelineTimes& t) {
   // Stage k's up, once every unit of it has reached 'U' and the next stage's partial sum is known.
   auto up_of = [&](int k, int s) {
     Norm& n = norm[k][s];
-    if (n.up == kInf && n.at_up == replicas[k] && (k + 1 == S || norm[k + 1][s].up < kInf)) {
-      const double summed = n.up_reached + SumSeconds(t, k);
-      n.up = k + 1 == S ? summed : std::max(summed, norm[k + 1][s].up + t.backward_latency_seconds[k]);
-    }
+    if (n.up == kInf && n.at_up == replicas[k] && (k + 1 == S || norm[k + 1][s].up < kInf))
+      n.up = k + 1 == S ? n.up_reached : std::max(n.up_reached, norm[k + 1][s].up + t.backward_latency_seconds[k]);
     return n.up;
   };
   // The total's arrival at stage k: stage 0 has it once its up is known and sends it on at once; a later
@@ -358,11 +353,9 @@ SimulatedStep SimulatePipeline(const PipelineTimes& t) {
     r.wait_seconds[u.stage] = std::max(r.wait_seconds[u.stage], u.wait);
     r.finish_seconds[u.stage] = std::max(r.finish_seconds[u.stage], u.free_at);
   }
-  // The gradient norm: partial sums from the last stage to the first (each stage's after its gradient
-  // sum), the total back to every stage.
-  double up = S ? r.finish_seconds[S - 1] + SumSeconds(t, S - 1) : 0.0;
-  for (int k = S - 2; k >= 0; --k)
-    up = std::max(r.finish_seconds[k] + SumSeconds(t, k), up + t.backward_latency_seconds[k]);
+  // The gradient norm: partial sums from the last stage to the first, the total back to every stage.
+  double up = S ? r.finish_seconds[S - 1] : 0.0;
+  for (int k = S - 2; k >= 0; --k) up = std::max(r.finish_seconds[k], up + t.backward_latency_seconds[k]);
   double down = up, end = up;
   for (int k = 1; k < S; ++k) {
     down += t.forward_latency_seconds[k - 1];

@@ -102,10 +102,6 @@ struct PipelineTimes {
   // slowest site's; empty: none) at the end of its part. 0: one exact step.
   int step_overlap = 0;
   std::vector<double> optimizer_seconds;
-  // Per stage (empty: none), what follows its last backward pass of a step before its partial norm can go
-  // up: its replicas' gradient sum (job.sync every_step) and its site's workers'. The norm is of the summed
-  // gradients, so the stages before it go on with their drain meanwhile.
-  std::vector<double> sum_seconds;
 };
 
 struct SimulatedStep {
@@ -133,8 +129,7 @@ struct SimulatedStep {
 // Simulates one step: every stage (every replica of a replicated stage) runs PipelineSchedule(k, S, M,
 // in_flight[k]) in order (its own micro-batches of it), a pass starting when the stage (replica) is free
 // and its input (activation or gradient) has arrived. Then the gradient norm
-// travels from the last stage to the first and back (latency only), as the executors exchange it, each
-// stage's partial sum once its own sum_seconds have passed after its last pass.
+// travels from the last stage to the first and back (latency only), as the executors exchange it.
 // With PipelineTimes::step_overlap, five consecutive steps (SimulatedStep::step_seconds): each stage (each replica)
 // runs OverlappedStepSchedule's part of each; after the step's last backward pass it sends the norm's
 // partial sum up once the next stage's has arrived (all of a stage's replicas together) and waits for it

@@ -283,24 +283,6 @@ TEST(ScheduleSimulation, ReplicasDoTheirFramesWorkInFull) {
   EXPECT_NEAR(s.busy_seconds[1], 8 * (0.3 + 0.07), 1e-9);
 }
 
-// Every-step replicas sum a stage's gradients after its last backward pass, and its partial norm goes up
-// after that: the stages before it go on with their drain meanwhile, so a sum at the last stage is hidden
-// by as much as the drain left after its last pass, and one at the first stage not at all.
-TEST(ScheduleSimulation, AStagesGradientSumDelaysItsPartialNormNotTheDrainBeforeIt) {
-  PipelineTimes t = Uniform(2, 4, 0.1, 0.2, 0, 0);
-  EXPECT_DOUBLE_EQ(SimulatePipeline(t).step_seconds, 5 * 0.3);
-  t.sum_seconds = {0, 1.0};  // the last stage ends 0.2 s (stage 0's last backward pass) before stage 0
-  EXPECT_DOUBLE_EQ(SimulatePipeline(t).step_seconds, 5 * 0.3 + 0.8);
-  t.sum_seconds = {0.5, 0};
-  EXPECT_DOUBLE_EQ(SimulatePipeline(t).step_seconds, 5 * 0.3 + 0.5);
-  // Overlapped steps too: the next step's early passes wait for it.
-  t.sum_seconds = {0.5, 0};
-  t.step_overlap = 2;
-  const double with_sum = SimulatePipeline(t).step_seconds;
-  t.sum_seconds = {};
-  EXPECT_NEAR(with_sum, SimulatePipeline(t).step_seconds + 0.5, 1e-9);
-}
-
 TEST(Schedule, StepOverlapWithoutEarlyMicroBatchesIsPipelineSchedule) {
   for (int stage : {0, 1, 2}) {
     std::vector<StepEntry> want;
