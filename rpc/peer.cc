@@ -60,6 +60,8 @@ void TensorInbox::DropOtherJobs(const std::string& job_id) {
     peer_bytes_[it->first.first] -= static_cast<int64_t>(it->second.size());
     it = frames_.erase(it);
   }
+  for (auto it = failed_.begin(); it != failed_.end();)
+    it = it->second.second == job_id ? std::next(it) : failed_.erase(it);
 }
 
 int64_t TensorInbox::PeerBytes(const std::string& peer) const {
@@ -170,6 +172,11 @@ grpc::Status PeerService::Stream(grpc::ServerContext* ctx, grpc::ServerReader<v1
   CallSlots::Slot slot(&streams_, peer);
   if (!slot.held()) return TooManyStreams(peer);
   inbox_->ClearPeer(peer);
+  std::string opened_under;  // the job SetJob named when this stream opened ("": none, every job)
+  {
+    std::lock_guard<std::mutex> l(allowed_mu_);
+    if (job_) opened_under = *job_;
+  }
   struct Partial {
     std::vector<uint8_t> data;  // grows as the bytes arrive (probe payloads are counted, not kept)
     int64_t frame_bytes = 0;    // what the first chunk claimed
@@ -181,14 +188,15 @@ grpc::Status PeerService::Stream(grpc::ServerContext* ctx, grpc::ServerReader<v1
   v1::TensorChunk c;
   std::string job;  // the job this stream carries (unknown until its first chunk)
   auto fail = [&](grpc::StatusCode code, const std::string& msg) {
-    // A stream that carried a job's tensors fails that job's waits. One that carried none yet fails every
-    // job's only when it is the peer's only stream here (its process may have died before its first chunk
-    // was read); beside another stream of the peer it lost nothing, and failing every job would fail the
-    // attempt that other stream serves (a CI run failed so when a stream was cancelled after a switch).
+    // A stream that carried a job's tensors fails that job's waits. One that carried none yet fails the
+    // waits of the job current when it opened (of every job if none was), and only when it is the peer's
+    // only stream here (its process may have died before its first chunk was read); beside another stream
+    // of the peer it lost nothing, and failing every job would fail the attempt that other stream serves
+    // (a CI run failed so when a stream was cancelled after a switch).
     if (!job.empty())
       inbox_->FailPeer(peer, msg, job);
     else if (streams_.open(peer) <= 1)
-      inbox_->FailPeer(peer, msg, "");
+      inbox_->FailPeer(peer, msg, opened_under);
     return grpc::Status(code, msg);
   };
   while (reader->Read(&c)) {

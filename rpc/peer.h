@@ -55,7 +55,10 @@ class TensorInbox {
                        int64_t max_peer_bytes = INT64_MAX);
   // Bytes of `peer`'s frames waiting to be taken.
   int64_t PeerBytes(const std::string& peer) const;
-  // Removes every waiting frame of a job other than `job_id` (an abandoned attempt's, never to be taken).
+  // Removes every waiting frame of a job other than `job_id` (an abandoned attempt's, never to be taken),
+  // and every peer failure marked for another job or for every job: those were marked before job
+  // `job_id` began, and concern an attempt it replaced (a CI run failed when a stream of the attempt
+  // before, cut off between the attempts, failed the new attempt's first waits on that peer).
   void DropOtherJobs(const std::string& job_id);
   // Marks `peer` failed: current and later waits for its tensors return Unavailable naming it and `why`.
   // With `job_id`, only waits for that job's tensors fail (a stream of an abandoned attempt that breaks
@@ -101,15 +104,18 @@ struct FrameBounds {
 // ResourceExhausted or InvalidArgument, naming it. Frames of a job other than SetJob's are dropped.
 // A stream that ends badly (cut off, or ended by one of those errors) fails the inbox's waits for its
 // peer's tensors of the job it carried (TensorInbox::FailPeer). One that carried no tensor yet (none, or
-// probes only) fails every job's waits only when it was the peer's only stream here: beside another
-// stream of the peer it lost nothing, and a sender that cancels such a stream after a switch must not
-// fail the attempt the peer's other stream serves. Thread-safe.
+// probes only) fails waits only when it was the peer's only stream here: beside another stream of the
+// peer it lost nothing, and a sender that cancels such a stream after a switch must not fail the attempt
+// the peer's other stream serves. It then fails the waits of the job SetJob named when it opened (its
+// process may have died before its first chunk was read), or of every job if none was named; a job
+// named later by SetJob is not failed by it. Thread-safe.
 class PeerService final : public v1::Peer::Service {
  public:
   PeerService(std::string self, std::set<std::string> allowed_peers, TensorInbox* inbox, PeerLimits limits = {});
   // From now on only frames of job (attempt) `job_id` are delivered; others are dropped as they complete,
   // counted in dropped_frames(). An empty id drops every frame (probes still work); nullopt, the default,
-  // delivers every job's frames (static mode).
+  // delivers every job's frames (static mode). A job id also drops the inbox's waiting frames and peer
+  // failures of the jobs before it (TensorInbox::DropOtherJobs).
   void SetJob(std::optional<std::string> job_id);
   // From now on a frame claiming more than `bounds` allows for its direction ends its stream with
   // InvalidArgument naming the peer and the key (probes keep their own bound). Default: none beyond the

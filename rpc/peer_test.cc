@@ -205,6 +205,54 @@ TEST_F(PeerTest, AnEmptyStreamCutOffFailsNoWait) {
   EXPECT_TRUE((*current)->Finish().ok());
 }
 
+// A stream on which a peer sent no tensor, cut off while it is the peer's only stream, fails the waits of
+// the attempt it opened in -- never those of a later one. A CI run failed when such a stream of the first
+// attempt, cut off between the attempts, failed the next attempt's outer exchange before the peer's new
+// streams had opened.
+TEST_F(PeerTest, AnEmptyStreamCutOffFailsOnlyTheAttemptItOpenedIn) {
+  StartServer();
+  auto client = Client("a");
+  const TensorKey first{"attempt-1", 0, 0, 0, v1::REPLICA_GRADIENT, 0};
+  const TensorKey second{"attempt-2", 0, 0, 0, v1::REPLICA_GRADIENT, 0};
+  auto cut_off_empty_stream = [&] {
+    auto stale = client->OpenStream(std::chrono::seconds(10));
+    ASSERT_TRUE(stale.ok());
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the service has seen it open
+  };  // destroyed without Finish and without a tensor sent: cancelled
+  auto failed = [&](const TensorKey& key) {
+    auto w = inbox_.Wait("a", key, Clock::now() + std::chrono::milliseconds(500));
+    EXPECT_FALSE(w.ok());
+    return w.status().code() == absl::StatusCode::kUnavailable;
+  };
+
+  // Within an attempt: its process may have died before its first chunk; the attempt's waits fail.
+  service_->SetJob(std::string("attempt-1"));
+  cut_off_empty_stream();
+  EXPECT_TRUE(failed(first));
+  // Between the attempts (no job named): every job's waits fail, until the next attempt begins.
+  service_->SetJob(std::nullopt);
+  cut_off_empty_stream();
+  EXPECT_TRUE(failed(second));
+  service_->SetJob(std::string("attempt-2"));
+  EXPECT_FALSE(failed(second));  // DeadlineExceeded: waiting, not failed
+  // Opened in attempt 2 and cut off after attempt 3 began: attempt 3's waits go on.
+  {
+    auto stale = client->OpenStream(std::chrono::seconds(10));
+    ASSERT_TRUE(stale.ok());
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    service_->SetJob(std::string("attempt-3"));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the cut-off reaches the service
+  EXPECT_FALSE(failed({"attempt-3", 0, 0, 0, v1::REPLICA_GRADIENT, 0}));
+  // And the peer's tensors of the new attempt arrive.
+  auto current = client->OpenStream(std::chrono::seconds(10));
+  ASSERT_TRUE(current.ok());
+  ASSERT_TRUE((*current)->Send({"attempt-3", 0, 0, 0, v1::REPLICA_GRADIENT, 0}, Frame(1000)).ok());
+  EXPECT_TRUE(
+      inbox_.Wait("a", {"attempt-3", 0, 0, 0, v1::REPLICA_GRADIENT, 0}, Clock::now() + std::chrono::seconds(5)).ok());
+  EXPECT_TRUE((*current)->Finish().ok());
+}
+
 TEST_F(PeerTest, ReceiverGoneFailsTheSenderNamingIt) {
   StartServer();
   auto client = Client("a");

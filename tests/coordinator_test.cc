@@ -829,8 +829,9 @@ TEST_F(CoordinatorTest, ADilocoRunResumedMidRoundEndsWhereAnUninterruptedOneEnds
     std::this_thread::sleep_for(500ms);
     auto a = Executor("a"), b = Executor("b"), c = Executor("c", "", {}, "--fault nan-gradient:6");
     const std::string resumed = coord->ReadAll(180s);
-    ASSERT_EQ(coord->Wait(30s), 0) << resumed;
+    const int coordinator_rc = coord->Wait(30s);
     const std::string sites = a->ReadAll(30s) + b->ReadAll(30s) + c->ReadAll(30s);
+    ASSERT_EQ(coordinator_rc, 0) << resumed << "\n--- the sites' logs:\n" << sites;
     for (auto* e : {a.get(), b.get(), c.get()}) EXPECT_NE(e->Wait(30s), -1);  // 1 for each: an attempt failed
     EXPECT_THAT(sites, HasSubstr("fault injection: a NaN activation gradient to"));
     EXPECT_THAT(resumed, HasSubstr("failed on corrupt or non-finite data"));
