@@ -1129,8 +1129,15 @@ TEST_F(CoordinatorTest, StatusProfileLivePlanAndSiteLogsOfARunningJob) {
   for (std::string l; std::getline(jl, l);) last = nlohmann::json::parse(l, nullptr, false);
   ASSERT_TRUE(last.is_object());
   EXPECT_THAT(last["slowest_site"].get<std::string>(), ::testing::AnyOf("a", "b", "c"));
-  EXPECT_GT(last["wire_bytes"].get<double>(), 0);
-  EXPECT_GT(last["raw_bytes"].get<double>(), 0);
+  // Bytes cross links only when the plan uses more than one site (stages or replicas); a plan of one site
+  // sends none. (With session 47's replica-sum pricing the planner chose site b alone for these three
+  // loopback sites, and this failed when it asked for bytes regardless.)
+  if (used.size() > 1) {
+    EXPECT_GT(last["wire_bytes"].get<double>(), 0) << plan_json.dump();
+    EXPECT_GT(last["raw_bytes"].get<double>(), 0) << plan_json.dump();
+  } else {
+    EXPECT_EQ(last["wire_bytes"].get<double>(), 0) << plan_json.dump();
+  }
   for (const char* s : {"a", "b", "c"}) {
     std::ifstream in(dir_ / "run" / "sites" / (std::string(s) + ".log"));
     std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
