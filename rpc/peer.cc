@@ -61,7 +61,7 @@ void TensorInbox::DropOtherJobs(const std::string& job_id) {
     it = frames_.erase(it);
   }
   for (auto it = failed_.begin(); it != failed_.end();)
-    it = it->second.second == job_id ? std::next(it) : failed_.erase(it);
+    it = it->first.second == job_id ? std::next(it) : failed_.erase(it);
 }
 
 int64_t TensorInbox::PeerBytes(const std::string& peer) const {
@@ -73,14 +73,15 @@ int64_t TensorInbox::PeerBytes(const std::string& peer) const {
 void TensorInbox::FailPeer(const std::string& peer, const std::string& why, const std::string& job_id) {
   {
     std::lock_guard<std::mutex> l(mu_);
-    failed_[peer] = {why, job_id};
+    failed_[{peer, job_id}] = why;
   }
   cv_.notify_all();
 }
 
 void TensorInbox::ClearPeer(const std::string& peer) {
   std::lock_guard<std::mutex> l(mu_);
-  failed_.erase(peer);
+  for (auto it = failed_.lower_bound({peer, ""}); it != failed_.end() && it->first.first == peer;)
+    it = failed_.erase(it);
 }
 
 absl::StatusOr<std::vector<uint8_t>> TensorInbox::Wait(const std::string& peer, const TensorKey& key,
@@ -94,9 +95,10 @@ absl::StatusOr<std::vector<uint8_t>> TensorInbox::Wait(const std::string& peer, 
       peer_bytes_[peer] -= static_cast<int64_t>(f.size());
       return f;
     }
-    if (auto f = failed_.find(peer); f != failed_.end() && (f->second.second.empty() || f->second.second == key.job_id))
-      return absl::UnavailableError(
-          absl::StrCat("peer '", peer, "' failed while waiting for ", key.ToString(), ": ", f->second.first));
+    for (const std::string& job : {key.job_id, std::string()})
+      if (auto f = failed_.find({peer, job}); f != failed_.end())
+        return absl::UnavailableError(
+            absl::StrCat("peer '", peer, "' failed while waiting for ", key.ToString(), ": ", f->second));
     if (cv_.wait_until(l, deadline) == std::cv_status::timeout && std::chrono::steady_clock::now() >= deadline)
       return absl::DeadlineExceededError(
           absl::StrCat("no ", key.ToString(), " from peer '", peer, "' before the deadline"));

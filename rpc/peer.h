@@ -62,7 +62,8 @@ class TensorInbox {
   void DropOtherJobs(const std::string& job_id);
   // Marks `peer` failed: current and later waits for its tensors return Unavailable naming it and `why`.
   // With `job_id`, only waits for that job's tensors fail (a stream of an abandoned attempt that breaks
-  // late must not fail the attempt that replaced it).
+  // late must not fail the attempt that replaced it). Each job's failure is kept apart: marking one job
+  // neither replaces nor clears another's.
   void FailPeer(const std::string& peer, const std::string& why, const std::string& job_id = "");
   // Clears a failure (the peer reconnected).
   void ClearPeer(const std::string& peer);
@@ -76,8 +77,10 @@ class TensorInbox {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::map<std::pair<std::string, TensorKey>, std::vector<uint8_t>> frames_;
-  std::map<std::string, int64_t> peer_bytes_;                          // the sizes of frames_, by peer
-  std::map<std::string, std::pair<std::string, std::string>> failed_;  // peer -> (why, job id or "" for all)
+  std::map<std::string, int64_t> peer_bytes_;  // the sizes of frames_, by peer
+  // (peer, job id or "" for every job) -> why: one entry per job, so that a late failure of an abandoned
+  // attempt's stream does not replace the current attempt's.
+  std::map<std::pair<std::string, std::string>, std::string> failed_;
 };
 
 // What one peer may make a receiver hold (assume a peer may be hostile: docs/security.md).

@@ -253,6 +253,32 @@ TEST_F(PeerTest, AnEmptyStreamCutOffFailsOnlyTheAttemptItOpenedIn) {
   EXPECT_TRUE((*current)->Finish().ok());
 }
 
+// A late failure of an abandoned attempt's stream leaves the current attempt's failure of the same peer
+// in place, and fails no wait of the current attempt by itself.
+TEST(TensorInboxTest, EachJobsFailureOfAPeerIsKeptApart) {
+  TensorInbox inbox;
+  const TensorKey current{"attempt-2", 0, 0, 0, v1::FORWARD, 0}, other{"attempt-3", 0, 0, 0, v1::FORWARD, 0};
+  inbox.FailPeer("a", "its attempt-1 stream was cut off", "attempt-1");
+  auto w = inbox.Wait("a", current, Clock::now() + std::chrono::milliseconds(100));
+  EXPECT_EQ(w.status().code(), absl::StatusCode::kDeadlineExceeded) << w.status();
+  inbox.FailPeer("a", "its attempt-2 stream was cut off", "attempt-2");
+  inbox.FailPeer("a", "its attempt-1 stream broke again", "attempt-1");  // late: must not replace attempt 2's
+  w = inbox.Wait("a", current, Clock::now() + std::chrono::seconds(5));
+  EXPECT_EQ(w.status().code(), absl::StatusCode::kUnavailable) << w.status();
+  EXPECT_THAT(std::string(w.status().message()), HasSubstr("its attempt-2 stream was cut off"));
+  w = inbox.Wait("b", current, Clock::now() + std::chrono::milliseconds(100));  // another peer: not failed
+  EXPECT_EQ(w.status().code(), absl::StatusCode::kDeadlineExceeded) << w.status();
+  inbox.DropOtherJobs("attempt-3");  // a new attempt forgets both
+  w = inbox.Wait("a", other, Clock::now() + std::chrono::milliseconds(100));
+  EXPECT_EQ(w.status().code(), absl::StatusCode::kDeadlineExceeded) << w.status();
+  inbox.FailPeer("a", "every job", "");
+  w = inbox.Wait("a", other, Clock::now() + std::chrono::seconds(5));
+  EXPECT_EQ(w.status().code(), absl::StatusCode::kUnavailable) << w.status();
+  inbox.ClearPeer("a");  // it reconnected
+  w = inbox.Wait("a", other, Clock::now() + std::chrono::milliseconds(100));
+  EXPECT_EQ(w.status().code(), absl::StatusCode::kDeadlineExceeded) << w.status();
+}
+
 TEST_F(PeerTest, ReceiverGoneFailsTheSenderNamingIt) {
   StartServer();
   auto client = Client("a");
