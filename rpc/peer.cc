@@ -73,6 +73,15 @@ int64_t TensorInbox::PeerBytes(const std::string& peer) const {
 void TensorInbox::FailPeer(const std::string& peer, const std::string& why, const std::string& job_id) {
   {
     std::lock_guard<std::mutex> l(mu_);
+    // Bounded per peer (without SetJob a peer names its jobs): beyond the bound, another job's entry goes.
+    int entries = 0;
+    for (auto it = failed_.lower_bound({peer, ""}); it != failed_.end() && it->first.first == peer; ++it) ++entries;
+    if (entries >= kMaxFailuresPerPeer && !failed_.count({peer, job_id}))
+      for (auto it = failed_.lower_bound({peer, ""}); it != failed_.end() && it->first.first == peer; ++it)
+        if (!it->first.second.empty()) {
+          failed_.erase(it);
+          break;
+        }
     failed_[{peer, job_id}] = why;
   }
   cv_.notify_all();
@@ -108,6 +117,11 @@ absl::StatusOr<std::vector<uint8_t>> TensorInbox::Wait(const std::string& peer, 
 size_t TensorInbox::pending() const {
   std::lock_guard<std::mutex> l(mu_);
   return frames_.size();
+}
+
+size_t TensorInbox::failures() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return failed_.size();
 }
 
 // ---- PeerService ----
@@ -195,9 +209,16 @@ grpc::Status PeerService::Stream(grpc::ServerContext* ctx, grpc::ServerReader<v1
     // only stream here (its process may have died before its first chunk was read); beside another stream
     // of the peer it lost nothing, and failing every job would fail the attempt that other stream serves
     // (a CI run failed so when a stream was cancelled after a switch).
-    if (!job.empty())
-      inbox_->FailPeer(peer, msg, job);
-    else if (streams_.open(peer) <= 1)
+    // A job other than the current attempt's is waited for by nobody (its frames are dropped): not marked,
+    // so that a peer cannot grow the inbox's failures by cutting off streams of made-up jobs.
+    std::optional<std::string> current;
+    {
+      std::lock_guard<std::mutex> l(allowed_mu_);
+      current = job_;
+    }
+    if (!job.empty()) {
+      if (!current || job == *current) inbox_->FailPeer(peer, msg, job);
+    } else if (streams_.open(peer) <= 1)
       inbox_->FailPeer(peer, msg, opened_under);
     return grpc::Status(code, msg);
   };

@@ -63,8 +63,10 @@ class TensorInbox {
   // Marks `peer` failed: current and later waits for its tensors return Unavailable naming it and `why`.
   // With `job_id`, only waits for that job's tensors fail (a stream of an abandoned attempt that breaks
   // late must not fail the attempt that replaced it). Each job's failure is kept apart: marking one job
-  // neither replaces nor clears another's.
+  // neither replaces nor clears another's, up to kMaxFailuresPerPeer jobs per peer (beyond that another
+  // job's mark goes; the every-job mark stays).
   void FailPeer(const std::string& peer, const std::string& why, const std::string& job_id = "");
+  static constexpr int kMaxFailuresPerPeer = 16;
   // Clears a failure (the peer reconnected).
   void ClearPeer(const std::string& peer);
   // Waits until the frame for `key` from `peer` arrives and removes it. Errors: DeadlineExceeded naming the
@@ -72,6 +74,7 @@ class TensorInbox {
   absl::StatusOr<std::vector<uint8_t>> Wait(const std::string& peer, const TensorKey& key,
                                             std::chrono::steady_clock::time_point deadline);
   size_t pending() const;
+  size_t failures() const;  // failure marks held, over every peer and job
 
  private:
   mutable std::mutex mu_;
@@ -104,7 +107,8 @@ struct FrameBounds {
 // The Peer service. Only callers whose certificate CN is in `allowed_peers` are served; others get
 // PermissionDenied before any chunk is read. A stream's frames are buffered as their bytes arrive (never
 // at the size a chunk claims) within `limits`; a peer that exceeds them has its stream ended with
-// ResourceExhausted or InvalidArgument, naming it. Frames of a job other than SetJob's are dropped.
+// ResourceExhausted or InvalidArgument, naming it. Frames of a job other than SetJob's are dropped, and
+// so are failures of such a job's stream (nobody waits for them).
 // A stream that ends badly (cut off, or ended by one of those errors) fails the inbox's waits for its
 // peer's tensors of the job it carried (TensorInbox::FailPeer). One that carried no tensor yet (none, or
 // probes only) fails waits only when it was the peer's only stream here: beside another stream of the

@@ -279,6 +279,36 @@ TEST(TensorInboxTest, EachJobsFailureOfAPeerIsKeptApart) {
   EXPECT_EQ(w.status().code(), absl::StatusCode::kDeadlineExceeded) << w.status();
 }
 
+// A peer naming jobs of its own (no SetJob: static mode) cannot grow the failure marks without bound: the
+// newest job's mark and the every-job mark stay.
+TEST(TensorInboxTest, APeersFailureMarksAreBounded) {
+  TensorInbox inbox;
+  inbox.FailPeer("a", "every job", "");
+  for (int i = 0; i < 1000; ++i) inbox.FailPeer("a", "made-up job " + std::to_string(i), "job-" + std::to_string(i));
+  EXPECT_LE(inbox.failures(), static_cast<size_t>(TensorInbox::kMaxFailuresPerPeer));
+  auto w = inbox.Wait("a", {"job-999", 0, 0, 0, v1::FORWARD, 0}, Clock::now() + std::chrono::seconds(5));
+  EXPECT_THAT(std::string(w.status().message()), HasSubstr("made-up job 999"));
+  w = inbox.Wait("a", {"job-0", 0, 0, 0, v1::FORWARD, 0}, Clock::now() + std::chrono::seconds(5));
+  EXPECT_THAT(std::string(w.status().message()), HasSubstr("every job"));  // its own mark went; this stays
+}
+
+// With an attempt named (SetJob), a stream that carried another job's frames and is cut off marks no
+// failure: nobody waits for that job, and a hostile peer would otherwise add a mark per made-up job.
+TEST_F(PeerTest, AStreamOfAnotherJobCutOffMarksNoFailure) {
+  StartServer();
+  service_->SetJob(std::string("attempt-2"));
+  auto client = Client("a");
+  for (int i = 0; i < 3; ++i) {
+    auto stream = client->OpenStream(std::chrono::seconds(10));
+    ASSERT_TRUE(stream.ok());
+    ASSERT_TRUE((*stream)->Send({"made-up-" + std::to_string(i), 0, 0, 0, v1::FORWARD, 0}, Frame(1000)).ok());
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));  // received (and dropped) before the cut-off
+  }                                                               // each destroyed without Finish: cancelled
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_EQ(inbox_.failures(), 0u);
+  EXPECT_EQ(service_->dropped_frames(), 3);
+}
+
 TEST_F(PeerTest, ReceiverGoneFailsTheSenderNamingIt) {
   StartServer();
   auto client = Client("a");
