@@ -60,8 +60,11 @@ void TensorInbox::DropOtherJobs(const std::string& job_id) {
     peer_bytes_[it->first.first] -= static_cast<int64_t>(it->second.size());
     it = frames_.erase(it);
   }
-  for (auto it = failed_.begin(); it != failed_.end();)
-    it = it->first.second == job_id ? std::next(it) : failed_.erase(it);
+  for (auto peer = failed_.begin(); peer != failed_.end();) {
+    std::map<std::string, std::string>& jobs = peer->second;
+    for (auto it = jobs.begin(); it != jobs.end();) it = it->first == job_id ? std::next(it) : jobs.erase(it);
+    peer = jobs.empty() ? failed_.erase(peer) : std::next(peer);
+  }
 }
 
 int64_t TensorInbox::PeerBytes(const std::string& peer) const {
@@ -73,24 +76,18 @@ int64_t TensorInbox::PeerBytes(const std::string& peer) const {
 void TensorInbox::FailPeer(const std::string& peer, const std::string& why, const std::string& job_id) {
   {
     std::lock_guard<std::mutex> l(mu_);
+    std::map<std::string, std::string>& jobs = failed_[peer];
     // Bounded per peer (without SetJob a peer names its jobs): beyond the bound, another job's entry goes.
-    int entries = 0;
-    for (auto it = failed_.lower_bound({peer, ""}); it != failed_.end() && it->first.first == peer; ++it) ++entries;
-    if (entries >= kMaxFailuresPerPeer && !failed_.count({peer, job_id}))
-      for (auto it = failed_.lower_bound({peer, ""}); it != failed_.end() && it->first.first == peer; ++it)
-        if (!it->first.second.empty()) {
-          failed_.erase(it);
-          break;
-        }
-    failed_[{peer, job_id}] = why;
+    if (static_cast<int>(jobs.size()) >= kMaxFailuresPerPeer && !jobs.count(job_id))
+      jobs.erase(jobs.upper_bound(""));  // the first job's ("" is every job's, and stays)
+    jobs[job_id] = why;
   }
   cv_.notify_all();
 }
 
 void TensorInbox::ClearPeer(const std::string& peer) {
   std::lock_guard<std::mutex> l(mu_);
-  for (auto it = failed_.lower_bound({peer, ""}); it != failed_.end() && it->first.first == peer;)
-    it = failed_.erase(it);
+  failed_.erase(peer);
 }
 
 absl::StatusOr<std::vector<uint8_t>> TensorInbox::Wait(const std::string& peer, const TensorKey& key,
@@ -104,10 +101,13 @@ absl::StatusOr<std::vector<uint8_t>> TensorInbox::Wait(const std::string& peer, 
       peer_bytes_[peer] -= static_cast<int64_t>(f.size());
       return f;
     }
-    for (const std::string& job : {key.job_id, std::string()})
-      if (auto f = failed_.find({peer, job}); f != failed_.end())
+    if (auto p = failed_.find(peer); p != failed_.end()) {
+      auto f = p->second.find(key.job_id);
+      if (f == p->second.end()) f = p->second.find("");
+      if (f != p->second.end())
         return absl::UnavailableError(
             absl::StrCat("peer '", peer, "' failed while waiting for ", key.ToString(), ": ", f->second));
+    }
     if (cv_.wait_until(l, deadline) == std::cv_status::timeout && std::chrono::steady_clock::now() >= deadline)
       return absl::DeadlineExceededError(
           absl::StrCat("no ", key.ToString(), " from peer '", peer, "' before the deadline"));
@@ -121,7 +121,9 @@ size_t TensorInbox::pending() const {
 
 size_t TensorInbox::failures() const {
   std::lock_guard<std::mutex> l(mu_);
-  return failed_.size();
+  size_t n = 0;
+  for (const auto& [peer, jobs] : failed_) n += jobs.size();
+  return n;
 }
 
 // ---- PeerService ----
@@ -171,6 +173,11 @@ grpc::Status PeerService::Authorise(grpc::ServerContext* ctx, std::string* peer,
   return grpc::Status::OK;
 }
 
+bool PeerService::IsCurrentJob(const std::string& job_id) {
+  std::lock_guard<std::mutex> l(allowed_mu_);
+  return !job_ || job_id == *job_;
+}
+
 grpc::Status PeerService::TooManyStreams(const std::string& peer) const {
   return {grpc::StatusCode::RESOURCE_EXHAUSTED,
           absl::StrCat("peer '", peer, "' already has ", streams_.per_client(), " streams open here")};
@@ -211,13 +218,8 @@ grpc::Status PeerService::Stream(grpc::ServerContext* ctx, grpc::ServerReader<v1
     // (a CI run failed so when a stream was cancelled after a switch).
     // A job other than the current attempt's is waited for by nobody (its frames are dropped): not marked,
     // so that a peer cannot grow the inbox's failures by cutting off streams of made-up jobs.
-    std::optional<std::string> current;
-    {
-      std::lock_guard<std::mutex> l(allowed_mu_);
-      current = job_;
-    }
     if (!job.empty()) {
-      if (!current || job == *current) inbox_->FailPeer(peer, msg, job);
+      if (IsCurrentJob(job)) inbox_->FailPeer(peer, msg, job);
     } else if (streams_.open(peer) <= 1)
       inbox_->FailPeer(peer, msg, opened_under);
     return grpc::Status(code, msg);
@@ -277,13 +279,8 @@ grpc::Status PeerService::Stream(grpc::ServerContext* ctx, grpc::ServerReader<v1
     partial.erase(it);
     ++frames;
     bytes_received_ += size;
-    if (probe) continue;  // probe payload: counted, not delivered
-    bool current;
-    {
-      std::lock_guard<std::mutex> l(allowed_mu_);
-      current = !job_ || key.job_id == *job_;
-    }
-    if (!current) {  // an abandoned attempt's, arriving late
+    if (probe) continue;              // probe payload: counted, not delivered
+    if (!IsCurrentJob(key.job_id)) {  // an abandoned attempt's, arriving late
       ++dropped_frames_;
       continue;
     }

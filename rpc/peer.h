@@ -81,9 +81,9 @@ class TensorInbox {
   std::condition_variable cv_;
   std::map<std::pair<std::string, TensorKey>, std::vector<uint8_t>> frames_;
   std::map<std::string, int64_t> peer_bytes_;  // the sizes of frames_, by peer
-  // (peer, job id or "" for every job) -> why: one entry per job, so that a late failure of an abandoned
-  // attempt's stream does not replace the current attempt's.
-  std::map<std::pair<std::string, std::string>, std::string> failed_;
+  // peer -> (job id, or "" for every job) -> why: one entry per job, so that a late failure of an
+  // abandoned attempt's stream does not replace the current attempt's.
+  std::map<std::string, std::map<std::string, std::string>> failed_;
 };
 
 // What one peer may make a receiver hold (assume a peer may be hostile: docs/security.md).
@@ -159,6 +159,8 @@ class PeerService final : public v1::Peer::Service {
   grpc::Status Authorise(grpc::ServerContext* ctx, std::string* peer, bool* prober = nullptr);
   // ResourceExhausted naming `peer`, which holds all its limits.max_streams_per_peer streams already.
   grpc::Status TooManyStreams(const std::string& peer) const;
+  // Whether frames of `job_id` are delivered: no job named (static mode), or the one SetJob named.
+  bool IsCurrentJob(const std::string& job_id);
   std::string self_;
   std::mutex allowed_mu_;
   std::set<std::string> allowed_;   // guarded by allowed_mu_
