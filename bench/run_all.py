@@ -579,8 +579,7 @@ def diloco_pipelines(a, bin_dir, work, cfg, model_dir, weights_params):
            "rtt_ms": WAN_RTT_MS, "mbit": a.dp_mbit, "inner_mbit": a.dp_inner_mbit, "inner_steps": H, "steps": steps,
            "sites": dict(DP_SITES), "codecs": a.dp_codecs.split(","), "model": cfg_text(dp_model),
            "compression": a.dp_compression, "bound_steps": 23, "step_overlap": a.dp_step_overlap}
-    res["sync"] = (f"{{mode: diloco, inner_steps: {H}, codec: CODEC, "
-                   "outer_optimizer: {name: nesterov, lr: 0.7, momentum: 0.5}}")
+    res["sync"] = f"{{mode: diloco, inner_steps: {H}, codec: CODEC, outer_optimizer: {a.dp_outer_optimizer}}}"
     every = os.path.join(dpw, "every.yaml")
     job_yaml(every, steps, global_batch, micro_batches, seq, seed, a.dp_compression)
     diloco = {}
@@ -1515,6 +1514,9 @@ def main():
     ap.add_argument("--dp-inner-steps", type=int, default=50, help="its job.sync.inner_steps")
     ap.add_argument("--dp-codecs", default="int4,int4:block=128+zstd",
                     help="its job.sync.codec: a DiLoCo run for each, comma-separated")
+    ap.add_argument("--dp-outer-optimizer", default="{name: nesterov, lr: 0.7, momentum: 0.5}",
+                    help="its DiLoCo jobs' job.sync.outer_optimizer (YAML flow mapping), e.g. "
+                         "'{name: sparseloco, lr: 1, momentum: 0.5}' with --dp-codecs 'topk-int8:k=0.03'")
     ap.add_argument("--dp-every-steps", type=int, default=4, help="steps of its every-step replica run")
     ap.add_argument("--dp-ddp-steps", type=int, default=3, help="steps of its DDP-Gloo run (the first is warm-up)")
     ap.add_argument("--dp-micro-batches", type=int, default=24,

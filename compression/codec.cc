@@ -16,6 +16,12 @@
 #include "compression/internal/crc32c.h"
 
 namespace meridian::compression {
+
+int64_t TopkCount(double fraction, int64_t n) {
+  if (n == 0) return 0;
+  return std::clamp<int64_t>(static_cast<int64_t>(std::ceil(fraction * static_cast<double>(n))), 1, n);
+}
+
 namespace {
 
 using core::DType;
@@ -299,11 +305,6 @@ uint8_t* PutVarint(uint8_t* p, uint64_t v) {
   while (v >= 128) *p++ = static_cast<uint8_t>(v | 128), v >>= 7;
   *p++ = static_cast<uint8_t>(v);
   return p;
-}
-
-int64_t TopkCount(double fraction, int64_t n) {
-  if (n == 0) return 0;
-  return std::clamp<int64_t>(static_cast<int64_t>(std::ceil(fraction * static_cast<double>(n))), 1, n);
 }
 
 // Indices (ascending) of the k largest |x|. A strided sample estimates a threshold a little below the
@@ -819,7 +820,7 @@ absl::StatusOr<std::vector<uint8_t>> ErrorFeedback::Encode(const core::TensorVie
   }
   std::vector<float> corrected(static_cast<size_t>(n));
   core::ToFloat32(input.dtype, input.data, corrected.data(), corrected.size());
-  for (int64_t i = 0; i < n; ++i) corrected[i] += residual_[i];
+  for (int64_t i = 0; i < n; ++i) corrected[i] += decay_ * residual_[i];
   // The frame declares the caller's dtype; the residual is kept in float32.
   std::vector<uint8_t> frame;
   absl::Status s = EncodeFloat(corrected.data(), input.shape, n, input.dtype, spec_, nullptr, &frame);

@@ -68,14 +68,20 @@ double CompressionRatio(const CodecSpec& spec, core::DType dtype, int64_t numel)
 // float32 with blocks of 64: exactly (64 + 4) / 256). What a cost model prices a codec at.
 double PayloadRatio(const CodecSpec& spec, core::DType dtype);
 
+// How many values top-k at `fraction` keeps of `n`: ceil(fraction n), at least 1 (0 of none), at most n.
+int64_t TopkCount(double fraction, int64_t n);
+
 // Error feedback for one stream of same-shaped tensors: what the lossy codec dropped from tensor t
 // is added to tensor t+1 before encoding, so nothing is lost over time (EF-SGD, DTFM/AQ-SGD).
+// With `decay` beta < 1 the kept residual is scaled by beta before it is added: e = beta e + x is
+// encoded, and e minus what was sent is kept. That is SparseLoCo's accumulator (Sarfi et al. 2025), which
+// stands in for DiLoCo's outer momentum; beta = 1 (the default) is plain error feedback.
 // Thread-compatible: one instance per stream, used by one thread at a time.
 class ErrorFeedback {
  public:
-  explicit ErrorFeedback(CodecSpec spec) : spec_(spec) {}
-  // Encodes input + residual and keeps the new residual. Errors as Encode, and InvalidArgument when the
-  // shape changes within the stream (call Reset first).
+  explicit ErrorFeedback(CodecSpec spec, float decay = 1.0f) : spec_(spec), decay_(decay) {}
+  // Encodes input + decay x residual and keeps the new residual. Errors as Encode, and InvalidArgument
+  // when the shape changes within the stream (call Reset first).
   absl::StatusOr<std::vector<uint8_t>> Encode(const core::TensorView& input);
   void Reset() {
     residual_.clear();
@@ -85,6 +91,7 @@ class ErrorFeedback {
 
  private:
   CodecSpec spec_;
+  float decay_;
   std::vector<int64_t> shape_;
   std::vector<float> residual_;
 };

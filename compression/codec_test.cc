@@ -185,6 +185,25 @@ TEST(Codec, TopKKeepsExactlyTheLargestAndIsExactThere) {
   EXPECT_LT(f->size(), 100000 * 4 / 50);  // about 5 bytes per kept element
 }
 
+// Error feedback with a decay (SparseLoCo's accumulator): what is encoded is the input plus beta times
+// the residual, and the new residual is that minus what was sent; beta = 1 is plain error feedback.
+TEST(ErrorFeedback, DecayScalesTheResidualBeforeItIsAdded) {
+  const CodecSpec topk = *CodecSpec::Parse("topk:k=0.25");
+  std::vector<float> x = {4, 1, 0.5f, -2}, y = {0, 0, 0, 0};
+  for (float beta : {0.5f, 1.0f}) {
+    ErrorFeedback ef(topk, beta);
+    auto f = ef.Encode(View(x, {4}));  // keeps 4: residual {0, 1, 0.5, -2}
+    ASSERT_TRUE(f.ok());
+    EXPECT_EQ(ef.residual(), (std::vector<float>{0, 1, 0.5f, -2}));
+    f = ef.Encode(View(y, {4}));  // encodes beta x {0, 1, 0.5, -2}: keeps -2 beta
+    ASSERT_TRUE(f.ok());
+    auto t = Decode(f->data(), f->size());
+    ASSERT_TRUE(t.ok());
+    EXPECT_EQ(std::vector<float>(t->data<float>(), t->data<float>() + 4), (std::vector<float>{0, 0, 0, -2 * beta}));
+    EXPECT_EQ(ef.residual(), (std::vector<float>{0, beta, 0.5f * beta, 0}));
+  }
+}
+
 TEST(Codec, TopKPicksTheSmallerIndexEncoding) {
   auto x = Gaussian(80000, 5);
   auto sparse = Encode(View(x, {80000}), *CodecSpec::Parse("topk:k=0.001"));

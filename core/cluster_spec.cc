@@ -583,12 +583,28 @@ void ParseJob(Checker& c, const YAML::Node& n, JobSpec* j) {
       if (YAML::Node oo = o["outer_optimizer"]; oo.IsDefined() && !oo.IsNull()) {
         const std::string ooc = "job.sync.outer_optimizer";
         if (c.Map(oo, ooc, {"name", "lr", "momentum"})) {
-          c.Choice(oo, "name", ooc, {"nesterov", "sgd"}, &s.outer_optimizer);
+          c.Choice(oo, "name", ooc, {"nesterov", "sgd", "sparseloco"}, &s.outer_optimizer);
+          if (s.outer_optimizer == "sparseloco") {  // the paper's values, unless given
+            s.outer_lr = 1.0;
+            s.outer_momentum = 0.95;
+          }
           c.Double(oo, "lr", ooc, false, 0, 100, true, &s.outer_lr);
           c.Double(oo, "momentum", ooc, false, 0, 1, false, &s.outer_momentum);
           if (s.outer_momentum >= 1)
             c.Error(oo["momentum"].Mark(), "job.sync.outer_optimizer.momentum: must be below 1");
         }
+      }
+      if (s.outer_optimizer == "sparseloco") {
+        const YAML::Node at = o["codec"].IsDefined() ? o["codec"] : o["outer_optimizer"];
+        auto codec = CodecSpec::Parse(s.codec);
+        if (codec.ok() && codec->kind != CodecKind::kTopK)
+          c.Error(at.Mark(), absl::StrCat("job.sync.codec: outer_optimizer sparseloco sums top-k-sparsified "
+                                          "pseudo-gradients: give a top-k codec (e.g. 'topk-int8:k=0.03'), not '",
+                                          s.codec, "'"));
+        if (!s.error_feedback)
+          c.Error((o["error_feedback"].IsDefined() ? o["error_feedback"] : o).Mark(),
+                  "job.sync.error_feedback: outer_optimizer sparseloco's momentum is its error feedback; it "
+                  "cannot be false");
       }
       if (s.mode == SyncMode::kDiloco) {
         if (s.inner_steps % s.fragments != 0)

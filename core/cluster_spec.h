@@ -119,7 +119,11 @@ struct SyncSpec {
   // feedback, and the outer optimizer steps the outer parameters. With `fragments` F > 1, fragment f of the
   // stage's parameters is synchronised every H inner steps at offset f H / F (Streaming DiLoCo).
   int inner_steps = 50;
-  std::string outer_optimizer = "nesterov";  // nesterov | sgd
+  // nesterov | sgd | sparseloco. sparseloco (Sarfi et al. 2025) keeps no outer momentum: each replica's
+  // error-feedback residual, decayed by `outer_momentum` every round, stands in for it; the replicas sum
+  // their top-k-sparsified pseudo-gradients exactly and the outer parameters step by `outer_lr` times the
+  // sum. It needs a top-k `codec` with `error_feedback`, and its lr and momentum default to 1 and 0.95.
+  std::string outer_optimizer = "nesterov";
   double outer_lr = 0.7;
   double outer_momentum = 0.9;
   std::string codec = "int4";  // any codec but the delta ones, e.g. "int4:block=128+zstd" (core/codec_spec.h)

@@ -137,6 +137,20 @@ TEST(ClusterSpec, SyncDefaultsToEveryStepAndParsesDiloco) {
   auto o = ParseSpec("job:\n  model: m\n  sync: {mode: diloco, codec: 'int4:block=128+zstd'}\n", "job.yaml");
   ASSERT_TRUE(o.errors.empty()) << o.errors[0].ToString();
   EXPECT_EQ(o.spec->job->sync.codec, "int4:block=128+zstd");
+  // SparseLoCo: the paper's lr 1 and decay 0.95 unless given.
+  auto sl = ParseSpec(
+      "job:\n  model: m\n  sync: {mode: diloco, codec: 'topk-int8:k=0.03', outer_optimizer: {name: sparseloco}}\n",
+      "job.yaml");
+  ASSERT_TRUE(sl.errors.empty()) << sl.errors[0].ToString();
+  EXPECT_EQ(sl.spec->job->sync.outer_optimizer, "sparseloco");
+  EXPECT_DOUBLE_EQ(sl.spec->job->sync.outer_lr, 1);
+  EXPECT_DOUBLE_EQ(sl.spec->job->sync.outer_momentum, 0.95);
+  sl = ParseSpec(
+      "job:\n  model: m\n  sync: {mode: diloco, codec: topk, outer_optimizer: {name: sparseloco, momentum: 0.5}}\n",
+      "job.yaml");
+  ASSERT_TRUE(sl.errors.empty()) << sl.errors[0].ToString();
+  EXPECT_DOUBLE_EQ(sl.spec->job->sync.outer_lr, 1);
+  EXPECT_DOUBLE_EQ(sl.spec->job->sync.outer_momentum, 0.5);
 }
 
 struct BadCase {
@@ -275,6 +289,12 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"job_sync_mode", "job:\n  model: m\n  sync: {mode: gossip}\n", "'gossip' is not one of every_step, diloco", 3},
         BadCase{"job_sync_outer", "job:\n  model: m\n  sync:\n    mode: diloco\n    overlap: false\n    outer_optimizer: {name: adam}\n",
                 "job.sync.outer_optimizer.name: 'adam' is not one of nesterov, sgd", 6},
+        BadCase{"job_sync_sparseloco_codec", "job:\n  model: m\n  sync:\n    mode: diloco\n    codec: int4\n    outer_optimizer: {name: sparseloco}\n",
+                "job.sync.codec: outer_optimizer sparseloco sums top-k-sparsified pseudo-gradients: give a top-k codec", 5},
+        BadCase{"job_sync_sparseloco_default_codec", "job:\n  model: m\n  sync:\n    mode: diloco\n    outer_optimizer: {name: sparseloco}\n",
+                "not 'int4'", 5},
+        BadCase{"job_sync_sparseloco_feedback", "job:\n  model: m\n  sync:\n    mode: diloco\n    codec: topk\n    error_feedback: false\n    outer_optimizer: {name: sparseloco}\n",
+                "job.sync.error_feedback: outer_optimizer sparseloco's momentum is its error feedback", 6},
         BadCase{"job_sync_momentum", "job:\n  model: m\n  sync:\n    outer_optimizer: {momentum: 1}\n", "momentum: must be below 1", 4},
         BadCase{"job_sync_codec", "job:\n  model: m\n  sync: {mode: diloco, overlap: false, codec: int4-delta}\n", "job.sync.codec: 'int4-delta' is an activation codec", 3},
         BadCase{"job_sync_codec_block", "job:\n  model: m\n  sync: {mode: diloco, codec: 'int4:block=3'}\n", "job.sync.codec: block size 3 must be even", 3},

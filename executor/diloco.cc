@@ -28,6 +28,10 @@ std::vector<std::vector<int>> SplitFragments(const std::vector<int64_t>& numels,
 
 void OuterStep(const core::SyncSpec& spec, const torch::Tensor& delta, torch::Tensor& momentum, torch::Tensor& outer) {
   torch::NoGradGuard no_grad;
+  if (spec.outer_optimizer == "sparseloco") {  // its momentum is the replicas' decayed residuals
+    outer.add_(delta, -spec.outer_lr);
+    return;
+  }
   momentum.mul_(spec.outer_momentum).add_(delta);
   if (spec.outer_optimizer == "nesterov")
     outer.add_(delta + spec.outer_momentum * momentum, -spec.outer_lr);

@@ -57,7 +57,8 @@ namespace meridian::executor {
 std::vector<std::vector<int>> SplitFragments(const std::vector<int64_t>& numels, int fragments);
 
 // One outer optimizer step: `outer` -= lr * update, with `momentum` (same shape) updated in place:
-// sgd: m = mu m + delta, update = m; nesterov: m = mu m + delta, update = delta + mu m.
+// sgd: m = mu m + delta, update = m; nesterov: m = mu m + delta, update = delta + mu m; sparseloco:
+// update = delta, `momentum` untouched (the replicas' decayed error-feedback residuals are its momentum).
 void OuterStep(const core::SyncSpec& spec, const torch::Tensor& delta, torch::Tensor& momentum, torch::Tensor& outer);
 
 class OuterSync {

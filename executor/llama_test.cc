@@ -7,21 +7,27 @@
 #include "executor/stage.h"
 
 #include <gmock/gmock.h>
+#include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <malloc.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <thread>
 
+#include "compression/codec.h"
+#include "core/certs.h"
 #include "core/checkpoint_dir.h"
 #include "core/run_layout.h"
 #include "core/safetensors.h"
 #include "executor/trainer.h"
 #include "job/job.h"
 #include "partitioner/model.h"
+#include "rpc/credentials.h"
 #include "tests/test_util.h"
 
 namespace meridian::executor {
@@ -327,6 +333,17 @@ TEST(Diloco, OuterOptimizers) {
   OuterStep(nesterov, torch::tensor({1.0f}), m, outer);  // m = 1.9; update = 1 + 1.71 = 2.71
   EXPECT_NEAR(m.item<float>(), 1.9f, 1e-6);
   EXPECT_NEAR(outer.item<float>(), 1.0f - 0.7f * 1.9f - 0.7f * 2.71f, 1e-5);
+  // SparseLoCo: the summed sparse pseudo-gradient times lr, and no outer momentum (its residuals are it).
+  core::SyncSpec sparseloco;
+  sparseloco.outer_optimizer = "sparseloco";
+  sparseloco.outer_lr = 0.5;
+  sparseloco.outer_momentum = 0.95;
+  outer = torch::tensor({1.0f, 2.0f});
+  m = torch::zeros({2});
+  OuterStep(sparseloco, torch::tensor({2.0f, 0.0f}), m, outer);
+  OuterStep(sparseloco, torch::tensor({2.0f, 0.0f}), m, outer);
+  EXPECT_TRUE(torch::allclose(outer, torch::tensor({-1.0f, 2.0f})));
+  EXPECT_TRUE(torch::equal(m, torch::zeros({2})));
 }
 
 TEST(Diloco, OuterStateRoundTripsThroughACheckpointAndRefusesOtherShapes) {
@@ -507,6 +524,99 @@ TEST(GradientAverager, StepsCanBeAbandonedAndFinishSetsTheFinalGradient) {
   EXPECT_TRUE(torch::allclose(w.grad(), torch::full({3, 2}, 5.0)));
   EXPECT_EQ(avg.buckets_synced(), 1);
   EXPECT_EQ(avg.buckets_during_backward(), 1);
+}
+
+// SparseLoCo's sum (Options::sparse_sum), two replicas over mTLS: each replica's slices, its own included,
+// are top-k-sparsified through residuals decayed by 0.5, and the owners send the sums back in full, so
+// both replicas end, bit for bit, with the sum of the two sparse contributions -- rebuilt here with
+// compression::ErrorFeedback -- over two steps (the second carrying the decayed residuals).
+TEST(GradientAverager, ASparseSumIsExactlyTheSumOfEachReplicasSparsifiedParts) {
+  const fs::path dir = fs::temp_directory_path() / ("meridian_sparse_sum_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  core::ClusterSpec spec;
+  spec.name = "t";
+  spec.coordinator = {"127.0.0.1", 1};
+  const std::vector<std::string> sites = {"a", "b"};
+  for (const auto& s : sites) spec.sites.push_back({s, {"127.0.0.1", 2}});
+  std::vector<std::string> warnings;
+  ASSERT_TRUE(core::InitClusterCerts(spec, dir.string(), {}, &warnings).ok());
+  rpc::TensorInbox inbox[2];
+  std::unique_ptr<rpc::PeerService> service[2];
+  std::unique_ptr<grpc::Server> server[2];
+  int port[2] = {0, 0};
+  for (int r = 0; r < 2; ++r) {
+    service[r] = std::make_unique<rpc::PeerService>(sites[r], std::set<std::string>{sites[1 - r]}, &inbox[r]);
+    grpc::ServerBuilder builder;
+    rpc::ConfigureServer(&builder);
+    builder.AddListeningPort("127.0.0.1:0", *rpc::MakeServerCredentials(dir.string(), sites[r]), &port[r]);
+    builder.RegisterService(service[r].get());
+    server[r] = builder.BuildAndStart();
+    ASSERT_TRUE(server[r]);
+  }
+  const auto codec = *compression::CodecSpec::Parse("topk-int8:k=0.05");
+  const int64_t n = 1000;  // one bucket: replica a owns elements 0-499, b 500-999
+  std::unique_ptr<rpc::PeerClient> client[2];
+  std::unique_ptr<rpc::PeerClient::OutStream> scatter[2], gather[2];
+  torch::Tensor w[2];
+  std::unique_ptr<GradientAverager> avg[2];
+  for (int r = 0; r < 2; ++r) {
+    client[r] =
+        *rpc::PeerClient::Create(dir.string(), sites[r], sites[1 - r], "127.0.0.1:" + std::to_string(port[1 - r]));
+    scatter[r] = *client[r]->OpenStream(std::chrono::seconds(60));
+    gather[r] = *client[r]->OpenStream(std::chrono::seconds(60));
+    w[r] = torch::zeros({n}, torch::requires_grad());
+    GradientAverager::Options o;
+    o.sites = sites;
+    o.self = r;
+    o.codec = codec;
+    o.error_feedback_decay = 0.5f;
+    o.sparse_sum = true;
+    o.where = "stage 0 (site '" + sites[r] + "')";
+    avg[r] = std::make_unique<GradientAverager>(
+        o, std::vector<std::pair<std::string, torch::Tensor>>{{"w", w[r]}}, &inbox[r],
+        std::map<std::string, rpc::PeerClient::OutStream*>{{sites[1 - r], scatter[r].get()}},
+        std::map<std::string, rpc::PeerClient::OutStream*>{{sites[1 - r], gather[r].get()}});
+  }
+  // The expected sum: replica r's slice j through its own decayed residual, decoded, added in replica order.
+  std::map<std::pair<int, int>, std::unique_ptr<compression::ErrorFeedback>> ef;
+  for (int r = 0; r < 2; ++r)
+    for (int j = 0; j < 2; ++j) ef[{r, j}] = std::make_unique<compression::ErrorFeedback>(codec, 0.5f);
+  for (int step = 0; step < 2; ++step) {
+    torch::Tensor g[2] = {torch::randn({n}), torch::randn({n})};
+    std::vector<float> want(n, 0.0f);
+    for (int r = 0; r < 2; ++r)
+      for (int j = 0; j < 2; ++j) {
+        const int64_t lo = j * n / 2, half = n / 2;
+        auto frame = ef[{r, j}]->Encode({core::DType::kFloat32, {half}, g[r].data_ptr<float>() + lo});
+        ASSERT_TRUE(frame.ok()) << frame.status();
+        std::vector<float> part(half);
+        ASSERT_TRUE(
+            compression::DecodeInto(frame->data(), frame->size(), core::DType::kFloat32, {half}, part.data()).ok());
+        EXPECT_EQ(std::count_if(part.begin(), part.end(), [](float v) { return v != 0; }), 25);  // 5% of 500
+        for (int64_t i = 0; i < half; ++i) want[lo + i] += part[i];
+      }
+    std::thread replicas[2];
+    absl::Status done[2];
+    for (int r = 0; r < 2; ++r)
+      replicas[r] = std::thread([&, r] {
+        w[r].mutable_grad() = torch::Tensor();
+        avg[r]->BeginStep(step);
+        avg[r]->CaptureNextBackward();
+        (w[r] * g[r]).sum().backward();
+        done[r] = avg[r]->Finish();
+      });
+    for (auto& t : replicas) t.join();
+    const torch::Tensor expected = torch::from_blob(want.data(), {n}, torch::kFloat32).clone();
+    for (int r = 0; r < 2; ++r) {
+      ASSERT_TRUE(done[r].ok()) << done[r];
+      EXPECT_TRUE(torch::equal(w[r].grad(), expected)) << "replica " << sites[r] << ", step " << step;
+    }
+    // Each replica sent 25 values of its own half (int8 and an index each) and its half's sum (at most 50
+    // values in float32 with an index): far below the 4 KB of its half twice in float32.
+    EXPECT_LT(avg[0]->wire_bytes(), 0.25 * avg[0]->raw_bytes());
+  }
+  for (int r = 0; r < 2; ++r) server[r]->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  fs::remove_all(dir);
 }
 
 // checkpoint.keep: the newest `keep` complete steps stay, newer incomplete ones (being written) stay,

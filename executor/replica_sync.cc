@@ -1,5 +1,7 @@
 #include "executor/replica_sync.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -145,7 +147,7 @@ absl::Status GradientAverager::EncodeSlice(int bucket, int ef_key, const float* 
   {
     std::lock_guard<std::mutex> l(ef_mu_);
     auto& slot = ef_[{bucket, ef_key}];
-    if (!slot) slot = std::make_unique<compression::ErrorFeedback>(o_.codec);
+    if (!slot) slot = std::make_unique<compression::ErrorFeedback>(o_.codec, o_.error_feedback_decay);
     ef = slot.get();
   }
   auto f = ef->Encode(v);
@@ -221,12 +223,36 @@ void GradientAverager::ReduceLoop() {
           return Fail(Annotate(
               s, absl::StrCat(o_.where, ": replica gradient sync: bucket ", b, " from replica '", o_.sites[j], "'")));
         src = part.data();
+      } else if (o_.sparse_sum) {  // the owner's own contribution is sparsified as the others' are
+        absl::Status s = EncodeSlice(b, o_.self, src, n, &frame);
+        if (s.ok()) s = compression::DecodeInto(frame.data(), frame.size(), core::DType::kFloat32, {n}, part.data());
+        if (!s.ok())
+          return Fail(Annotate(s, absl::StrCat(o_.where, ": replica gradient sync: sparsifying bucket ", b)));
+        src = part.data();
       }
       for (int64_t i = 0; i < n; ++i) sum[i] += src[i];
     }
     // One frame for every replica (with error feedback, encoding twice would differ).
-    if (absl::Status s = EncodeSlice(b, -1, sum.data(), n, &frame); !s.ok())
-      return Fail(Annotate(s, absl::StrCat(o_.where, ": replica gradient sync: encoding the sum of bucket ", b)));
+    absl::Status encoded;
+    if (o_.sparse_sum) {
+      // At most R x k non-zeros: top-k of that many in float32 sends every one of them (zeros pad where
+      // the replicas' picks overlap), so nothing is dropped and no residual is needed.
+      compression::CodecSpec whole = o_.codec;
+      whole.topk_int8_values = false;
+      const int64_t keep = std::min<int64_t>(n, r * compression::TopkCount(o_.codec.topk_fraction, n));
+      whole.topk_fraction = n == 0 ? 1.0 : static_cast<double>(keep) / static_cast<double>(n);
+      while (compression::TopkCount(whole.topk_fraction, n) < keep)
+        whole.topk_fraction = std::nextafter(whole.topk_fraction, 2.0);
+      core::TensorView v{core::DType::kFloat32, {n}, sum.data()};
+      encoded = o_.codec.kind != compression::CodecKind::kTopK
+                    ? absl::FailedPreconditionError(
+                          absl::StrCat("a sparse sum needs a top-k codec, not '", o_.codec.ToString(), "'"))
+                    : compression::EncodeTo(v, whole, &frame);
+    } else {
+      encoded = EncodeSlice(b, -1, sum.data(), n, &frame);
+    }
+    if (!encoded.ok())
+      return Fail(Annotate(encoded, absl::StrCat(o_.where, ": replica gradient sync: encoding the sum of bucket ", b)));
     for (int j = 0; j < r; ++j) {
       if (j == o_.self) continue;
       absl::Status s = SendFrame(j, b, 1, n, frame);

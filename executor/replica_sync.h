@@ -16,7 +16,8 @@
 //                      (a second stream per replica);
 //   3. Finish():       receive the other replicas' summed slices and set every parameter's .grad.
 // With a lossy codec each send keeps its own error-feedback residual, and the owner of a slice uses the
-// decoded form of what it sent, so all replicas end with bit-identical gradients.
+// decoded form of what it sent, so all replicas end with bit-identical gradients. (Options::sparse_sum
+// changes what the owner adds and sends for a top-k codec: SparseLoCo's sum of sparse contributions.)
 //
 // Thread-safety: BeginStep, CaptureNextBackward and Finish are called by the stage's thread; the hooks run
 // on autograd's thread (the caller's on CPU); the two communication threads live from BeginStep to Finish.
@@ -50,8 +51,17 @@ class GradientAverager {
     int stage = 0;
     std::vector<std::string> sites;  // the stage's replicas, in replica order
     int self = 0;                    // this site's index in `sites`
-    compression::CodecSpec codec;    // for both phases
+    compression::CodecSpec codec;    // for both phases (but see sparse_sum)
     bool error_feedback = true;      // residuals per (bucket, peer) when the codec is lossy
+    // Each residual is scaled by this before it is added (compression::ErrorFeedback's decay).
+    float error_feedback_decay = 1.0f;
+    // SparseLoCo's aggregation (job.sync.outer_optimizer sparseloco; `codec` must be top-k, with error
+    // feedback): every replica's slice, the owner's own included, is sparsified through its residual, and
+    // the owner sends the sum of the R sparse slices back without sparsifying it again -- as top-k of R
+    // times as many values, in float32, which keeps every non-zero of the sum. Every replica ends with the
+    // exact sum of the R sparse contributions. false: the owner adds its own slice as it is and the sum
+    // goes back through `codec` and a residual of its own.
+    bool sparse_sum = false;
     int64_t bucket_bytes = 4 << 20;
     // Per received slice. A replica may wait for its peers' whole step (a replica with no micro-batch
     // starts waiting at once), so this is a step-level bound; a dead peer fails the wait at once.

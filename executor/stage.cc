@@ -371,6 +371,10 @@ absl::Status StageWorker::Connect() {
         if (!codec.ok()) return Annotate(codec.status(), absl::StrCat(Where(), ": job.sync.codec"));
         o.codec = *codec;
         o.error_feedback = setup_.job.sync.error_feedback;
+        if (setup_.job.sync.outer_optimizer == "sparseloco") {  // docs/sync.md, "SparseLoCo"
+          o.error_feedback_decay = static_cast<float>(setup_.job.sync.outer_momentum);
+          o.sparse_sum = true;
+        }
         // Streams of its own for the sums (an overlapped exchange runs beside the stage's control messages
         // on replica_streams_); the scatter streams are free, with no per-step averaging.
         std::map<std::string, rpc::PeerClient::OutStream*> sums;

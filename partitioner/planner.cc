@@ -404,7 +404,7 @@ Evaluation Evaluate(const CostModel& cm, const Layout& L, const PlanOptions& o, 
     }
     auto sync = [&](double ratio) { return 2.0 * (ratio * grad / r * inv_bw + max_lat); };
     if (o.sync.diloco) {  // a whole exchange every H steps; its per-step share is settled below
-      e.allreduce[k] = sync(o.sync.codec.ratio);
+      e.allreduce[k] = sync((o.sync.codec.ratio + o.sync.GatherRatio(r)) / 2);
       continue;
     }
     if (!o.adaptive_compression) {
@@ -1175,7 +1175,27 @@ SyncModel SyncModelOf(const core::SyncSpec& spec) {
   m.fragments = spec.fragments;
   m.overlap = spec.overlap;
   if (auto codec = PriceCodec(spec.codec); codec.ok()) m.codec = *codec;
+  if (spec.outer_optimizer == "sparseloco") m.UseSparseSum().IgnoreError();  // validated: a top-k codec
   return m;
+}
+
+absl::Status SyncModel::UseSparseSum() {
+  auto spec = compression::CodecSpec::Parse(codec.name);
+  if (!spec.ok() || spec->kind != compression::CodecKind::kTopK)
+    return absl::InvalidArgumentError(absl::StrCat("a sparse sum needs a top-k codec, not '", codec.name, "'"));
+  sparse_sum = true;
+  topk_fraction = spec->topk_fraction;
+  zstd = spec->zstd;
+  return absl::OkStatus();
+}
+
+double SyncModel::GatherRatio(int replicas) const {
+  if (!sparse_sum) return codec.ratio;
+  compression::CodecSpec sum;
+  sum.kind = compression::CodecKind::kTopK;
+  sum.topk_fraction = std::min(1.0, std::max(1, replicas) * topk_fraction);
+  sum.zstd = zstd;
+  return compression::PayloadRatio(sum, core::DType::kFloat32);
 }
 
 std::vector<Codec> DefaultLinkCodecs(double revisit_fraction) {
@@ -1794,8 +1814,9 @@ std::string PlanTable(const Plan& plan, const OpGraph& graph, const ClusterProfi
       out += absl::StrFormat(
           "      replicas run %s of the %d micro-batches as DiLoCo workers: %s exchanges every %d steps%s, "
           "%.4g s per step beyond their compute\n",
-          absl::StrJoin(s.micro_batches, "/"), plan.micro_batches, plan.sync.codec.name, plan.sync.inner_steps,
-          plan.sync.overlap ? " (overlapped)" : "", s.allreduce_seconds);
+          absl::StrJoin(s.micro_batches, "/"), plan.micro_batches,
+          plan.sync.sparse_sum ? plan.sync.codec.name + " (SparseLoCo: sparse sums)" : plan.sync.codec.name,
+          plan.sync.inner_steps, plan.sync.overlap ? " (overlapped)" : "", s.allreduce_seconds);
     else if (s.sites.size() > 1)
       out += absl::StrFormat(
           "      replicas run %s of the %d micro-batches and average gradients (reduce-scatter + all-gather): "
@@ -1884,7 +1905,8 @@ std::string PlanJson(const Plan& plan, const OpGraph& graph) {
                                              {"fragments", plan.sync.fragments},
                                              {"overlap", plan.sync.overlap},
                                              {"codec", plan.sync.codec.name},
-                                             {"ratio", plan.sync.codec.ratio}}
+                                             {"ratio", plan.sync.codec.ratio},
+                                             {"sparse_sum", plan.sync.sparse_sum}}
                                       : json{{"mode", "every_step"}}},
             {"method", plan.method},
             {"bottleneck", plan.bottleneck},

@@ -49,6 +49,16 @@ struct SyncModel {
   int fragments = 1;
   bool overlap = true;
   Codec codec{"int4", 0.140625};  // PriceCodec("int4"): half a byte an element and a float32 scale per 64
+  // outer_optimizer sparseloco (docs/sync.md): the owner of each part sends the sum of the R replicas'
+  // top-k parts back as top-k of R times as many values in float32 (executor/replica_sync.h,
+  // sparse_sum), not in `codec`. Set with the codec's top-k fraction and zstd.
+  bool sparse_sum = false;
+  double topk_fraction = 0;
+  bool zstd = false;
+  // The ratio of the all-gather's parts for a stage of `replicas` (the reduce-scatter's is codec.ratio).
+  double GatherRatio(int replicas) const;
+  // Sets sparse_sum, topk_fraction and zstd from codec.name; InvalidArgument when it is not a top-k codec.
+  absl::Status UseSparseSum();
 };
 
 // The job's `sync` section as the cost model prices it (an unknown codec keeps the default's price; the

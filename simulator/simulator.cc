@@ -123,9 +123,10 @@ class Simulation {
   // contributes, sends part j to replica j; replica j, with every part and its own, sends the summed part
   // j to every other replica; a replica is done when it has every summed part.
   struct Reduction {
-    std::string kind;  // "sync" or "outer_sync"
-    double part_bytes = 0;
-    double chunk_bytes = 0;  // > 0: parts travel in chunks of this size
+    std::string kind;         // "sync" or "outer_sync"
+    double part_bytes = 0;    // each part the reduce-scatter sends
+    double gather_bytes = 0;  // each summed part the all-gather sends
+    double chunk_bytes = 0;   // > 0: parts travel in chunks of this size
     std::vector<bool> contributed;
     std::vector<int> scattered, gathered;
     std::function<void(int replica, double t)> done;
@@ -502,9 +503,9 @@ void Simulation::MaybeGather(const ReductionKey& key, int j, double t) {
     };
     Activity a{p_.sites[from].name, red.kind, step, -1, p_.sites[to].name};
     if (red.chunk_bytes > 0)
-      ChunkedTransfer(from, to, red.part_bytes, red.chunk_bytes, t, a, arrived);
+      ChunkedTransfer(from, to, red.gather_bytes, red.chunk_bytes, t, a, arrived);
     else
-      Transfer(from, to, red.part_bytes, t, a, arrived);
+      Transfer(from, to, red.gather_bytes, t, a, arrived);
   }
   if (R == 1) red.done(j, t);
 }
@@ -517,6 +518,7 @@ void Simulation::BucketReady(int stage, int step, int bucket, int replica, doubl
     Reduction& red = it->second;
     red.kind = "sync";
     red.part_bytes = grad_bytes_[stage] / buckets_[stage] / R * grad_codec_[stage].forward_ratio;
+    red.gather_bytes = red.part_bytes;
     red.contributed.assign(R, false);
     red.scattered.assign(R, 0);
     red.gathered.assign(R, 0);
@@ -653,9 +655,11 @@ void Simulation::ExchangeBegin(int wi, double t) {
     Reduction& red = it->second;
     red.kind = "outer_sync";
     red.part_bytes = grad_bytes_[w.stage] / F / R * plan_.sync.codec.ratio;
+    red.gather_bytes = grad_bytes_[w.stage] / F / R * plan_.sync.GatherRatio(R);
     red.chunk_bytes = std::max<double>(1, static_cast<double>(o_.chunk_bytes));
-    if (std::ceil(red.part_bytes / red.chunk_bytes) * 2 * R * (R - 1) > kMaxTransfersPerSum) {
-      red.chunk_bytes = red.part_bytes * 2 * R * (R - 1) / kMaxTransfersPerSum;
+    const double most = std::max(red.part_bytes, red.gather_bytes);
+    if (std::ceil(most / red.chunk_bytes) * 2 * R * (R - 1) > kMaxTransfersPerSum) {
+      red.chunk_bytes = most * 2 * R * (R - 1) / kMaxTransfersPerSum;
       coarse_ = true;
     }
     red.contributed.assign(R, false);
@@ -1056,6 +1060,12 @@ absl::StatusOr<Plan> ParsePlanJson(const std::string& text, const std::string& p
         if (!s["ratio"].is_number() || !(s["ratio"].get<double>() > 0) || s["ratio"].get<double>() > 1)
           return bad("sync.ratio", "expected a number in (0, 1]");
         plan.sync.codec.ratio = s["ratio"].get<double>();
+      }
+      if (s.contains("sparse_sum")) {
+        if (!s["sparse_sum"].is_boolean()) return bad("sync.sparse_sum", "expected true or false");
+        if (s["sparse_sum"].get<bool>())
+          if (absl::Status st = plan.sync.UseSparseSum(); !st.ok())
+            return bad("sync.sparse_sum", std::string(st.message()));
       }
       if (plan.sync.fragments > plan.sync.inner_steps) return bad("sync.fragments", "more than inner_steps");
     } else if (mode != "every_step") {

@@ -426,6 +426,18 @@ TEST(SimulatorTest, DilocoSynchronisesEveryInnerStepsAndOverlapHidesTheExchange)
   ASSERT_TRUE(fragments.ok());
   for (int s = 0; s < 8; ++s)
     EXPECT_NEAR(fragments->step_times[s], step + ((s + 1) % 2 == 0 ? 0.5 : 0.0), 0.01) << "step " << s + 1;
+
+  // SparseLoCo (plan.json sync.sparse_sum): each replica sends its top-k half in the codec, then the sum of
+  // the two replicas' parts as top-k of twice as many values in float32 (executor/replica_sync.h).
+  plan.sync.fragments = 1;
+  plan.sync.codec = *partitioner::PriceCodec("topk-int8:k=0.1");
+  ASSERT_TRUE(plan.sync.UseSparseSum().ok());
+  const double sparse_exchange =  // 4 MB halves at 8 MB/s
+      0.5 * (plan.sync.codec.ratio + partitioner::PriceCodec("topk:k=0.2")->ratio);
+  auto sparse = Simulate(g, p, plan, {.steps = 8});
+  ASSERT_TRUE(sparse.ok());
+  for (int s = 0; s < 8; ++s)
+    EXPECT_NEAR(sparse->step_times[s], step + ((s + 1) % 4 == 0 ? sparse_exchange : 0.0), 0.01) << "step " << s + 1;
 }
 
 // Two whole pipelines under DiLoCo (s0 -> s1 and s2 -> s3, the same shares at both stages) exchange their
@@ -504,6 +516,9 @@ TEST(SimulatorTest, PlanJsonRoundTripsAndErrorsNameTheField) {
               testing::HasSubstr("p.json: stages[0].recompute: expected true or false"));
   EXPECT_THAT(err(R"({"micro_batches": 4, "stages": [{"sites": ["s0"], "last_op": 5}], "sync": {"mode": "often"}})"),
               testing::HasSubstr("sync.mode"));
+  EXPECT_THAT(err(R"({"micro_batches": 4, "stages": [{"sites": ["s0"], "last_op": 5}],
+                      "sync": {"mode": "diloco", "codec": "int4", "sparse_sum": true}})"),
+              testing::HasSubstr("sync.sparse_sum: a sparse sum needs a top-k codec, not 'int4'"));
 }
 
 TEST(SimulatorTest, IncreasingDepthsAreReportedAsStuckNotHung) {
