@@ -17,12 +17,18 @@
 
 namespace meridian::compression {
 
+namespace {
+
 int64_t TopkCount(double fraction, int64_t n) {
   if (n == 0) return 0;
   return std::clamp<int64_t>(static_cast<int64_t>(std::ceil(fraction * static_cast<double>(n))), 1, n);
 }
 
-namespace {
+int64_t TopkCount(const CodecSpec& spec, int64_t n) {
+  if (spec.topk_chunk <= 0 || spec.topk_chunk >= n) return TopkCount(spec.topk_fraction, n);
+  const int64_t full = n / spec.topk_chunk, rest = n % spec.topk_chunk;
+  return full * TopkCount(spec.topk_fraction, spec.topk_chunk) + TopkCount(spec.topk_fraction, rest);
+}
 
 using core::DType;
 
@@ -422,8 +428,17 @@ absl::Status EncodeFloat(const float* x, const std::vector<int64_t>& shape, int6
   uint64_t index_bytes = 0;
   bool bitmap = false;
   if (spec.kind == CodecKind::kTopK) {
-    h.count = TopkCount(spec.topk_fraction, n);
-    idx = TopkIndices(x, n, h.count);
+    h.count = TopkCount(spec, n);
+    if (spec.topk_chunk <= 0 || spec.topk_chunk >= n) {
+      idx = TopkIndices(x, n, h.count);
+    } else {  // each chunk's largest, in ascending order as the chunks are
+      idx.reserve(static_cast<size_t>(h.count));
+      for (int64_t c = 0; c < n; c += spec.topk_chunk) {
+        const int64_t len = std::min<int64_t>(spec.topk_chunk, n - c);
+        for (uint32_t i : TopkIndices(x + c, len, TopkCount(spec.topk_fraction, len)))
+          idx.push_back(static_cast<uint32_t>(c + i));
+      }
+    }
     uint64_t varint = 0;
     for (size_t i = 0, prev = 0; i < idx.size(); ++i) {
       varint += VarintSize(idx[i] - (i ? prev + 1 : 0));
@@ -786,7 +801,7 @@ uint64_t PayloadBytes(const CodecSpec& spec, DType dtype, int64_t numel) {
   Header h{spec.kind, dtype, 0, spec.block_size, {numel}, numel, 0, 0, 0};
   uint64_t index_bytes = 0;
   if (spec.kind == CodecKind::kTopK) {
-    h.count = TopkCount(spec.topk_fraction, numel);
+    h.count = TopkCount(spec, numel);
     if (spec.topk_int8_values) h.flags |= kFlagTopkInt8;
     uint64_t gap = static_cast<uint64_t>(numel / std::max<int64_t>(h.count, 1));
     index_bytes = std::min<uint64_t>(static_cast<uint64_t>((numel + 7) / 8), h.count * VarintSize(gap));

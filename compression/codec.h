@@ -68,9 +68,6 @@ double CompressionRatio(const CodecSpec& spec, core::DType dtype, int64_t numel)
 // float32 with blocks of 64: exactly (64 + 4) / 256). What a cost model prices a codec at.
 double PayloadRatio(const CodecSpec& spec, core::DType dtype);
 
-// How many values top-k at `fraction` keeps of `n`: ceil(fraction n), at least 1 (0 of none), at most n.
-int64_t TopkCount(double fraction, int64_t n);
-
 // Error feedback for one stream of same-shaped tensors: what the lossy codec dropped from tensor t
 // is added to tensor t+1 before encoding, so nothing is lost over time (EF-SGD, DTFM/AQ-SGD).
 // With `decay` beta < 1 the kept residual is scaled by beta before it is added: e = beta e + x is

@@ -185,6 +185,48 @@ TEST(Codec, TopKKeepsExactlyTheLargestAndIsExactThere) {
   EXPECT_LT(f->size(), 100000 * 4 / 50);  // about 5 bytes per kept element
 }
 
+// Chunk-wise top-k (SparseLoCo's): each run of `chunk` elements keeps its own largest fraction, so a chunk
+// of small values still sends some; the frame decodes as any top-k frame.
+TEST(Codec, ChunkedTopKKeepsEachChunksLargest) {
+  auto x = Gaussian(1000, 4);
+  for (int i = 0; i < 250; ++i) x[i] *= 100;  // the first quarter dwarfs the rest
+  auto spec = CodecSpec::Parse("topk:k=0.04:chunk=250");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->ShortString(), "topk:k=0.04:chunk=250");
+  auto f = Encode(View(x, {1000}), *spec);
+  ASSERT_TRUE(f.ok());
+  auto t = Decode(f->data(), f->size());
+  ASSERT_TRUE(t.ok());
+  const float* y = t->data<float>();
+  for (int c = 0; c < 4; ++c) {  // 10 of each chunk's 250, its largest
+    std::vector<float> mags;
+    for (int i = 250 * c; i < 250 * (c + 1); ++i) mags.push_back(std::fabs(x[i]));
+    std::nth_element(mags.begin(), mags.begin() + 9, mags.end(), std::greater<float>());
+    int kept = 0;
+    for (int i = 250 * c; i < 250 * (c + 1); ++i)
+      if (y[i] != 0) {
+        ++kept;
+        EXPECT_EQ(y[i], x[i]);
+        EXPECT_GE(std::fabs(x[i]), mags[9]);
+      }
+    EXPECT_EQ(kept, 10) << "chunk " << c;
+  }
+  // Without chunks the first quarter takes all 40.
+  auto whole = Encode(View(x, {1000}), *CodecSpec::Parse("topk:k=0.04"));
+  auto w = Decode(whole->data(), whole->size());
+  int first = 0;
+  for (int i = 0; i < 250; ++i) first += w->data<float>()[i] != 0;
+  EXPECT_EQ(first, 40);
+  // A last, shorter chunk keeps its own share; the ratio prices the rounding.
+  auto odd = Encode(View(x, {999}), *CodecSpec::Parse("topk-int8:k=0.04:chunk=250"));
+  ASSERT_TRUE(odd.ok());
+  EXPECT_TRUE(Decode(odd->data(), odd->size()).ok());
+  EXPECT_THAT(CodecSpec::Parse("int8:chunk=64").status().message(),
+              testing::HasSubstr("chunk option is for the top-k"));
+  EXPECT_FALSE(CodecSpec::Parse("topk:chunk=0").ok());
+  EXPECT_THAT(CodecSpec::Parse("topk:chunks=4").status().message(), testing::HasSubstr("(block, k, chunk, level)"));
+}
+
 // Error feedback with a decay (SparseLoCo's accumulator): what is encoded is the input plus beta times
 // the residual, and the new residual is that minus what was sent; beta = 1 is plain error feedback.
 TEST(ErrorFeedback, DecayScalesTheResidualBeforeItIsAdded) {

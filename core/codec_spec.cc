@@ -32,6 +32,9 @@ absl::Status CodecSpec::Check() const {
   if (!(topk_fraction > 0 && topk_fraction <= 1) || topk_fraction < kMinTopkFraction)
     return absl::InvalidArgumentError(absl::StrCat("top-k fraction ", topk_fraction, " must be in [1e-5, 1]"));
   if (zstd_level < -5 || zstd_level > 19) return absl::InvalidArgumentError("zstd level must be in [-5, 19]");
+  if (topk_chunk < 0) return absl::InvalidArgumentError("top-k chunk must be a count of elements in [1, 2^30]");
+  if (topk_chunk > 0 && kind != CodecKind::kTopK)
+    return absl::InvalidArgumentError("the chunk option is for the top-k codecs (topk, topk-int8)");
   return absl::OkStatus();
 }
 
@@ -75,8 +78,10 @@ absl::StatusOr<CodecSpec> CodecSpec::Parse(const std::string& text) {
       s.topk_fraction = v;
     else if (key == "level")
       s.zstd_level = static_cast<int>(v);
+    else if (key == "chunk")
+      s.topk_chunk = v < 1 || v > (1 << 30) ? -1 : static_cast<int>(v);
     else
-      return absl::InvalidArgumentError(absl::StrCat("unknown codec option '", key, "' (block, k, level)"));
+      return absl::InvalidArgumentError(absl::StrCat("unknown codec option '", key, "' (block, k, chunk, level)"));
     pos = next;
   }
   absl::Status st = s.Check();
@@ -108,6 +113,7 @@ std::string Options(const CodecSpec& spec, bool all) {
   if (spec.kind == CodecKind::kTopK && (all || spec.topk_fraction != defaults.topk_fraction))
     absl::StrAppend(&s, ":k=", spec.topk_fraction);
   if (Blocked(spec) && (all || spec.block_size != defaults.block_size)) absl::StrAppend(&s, ":block=", spec.block_size);
+  if (spec.topk_chunk > 0) absl::StrAppend(&s, ":chunk=", spec.topk_chunk);
   if (spec.zstd) s += "+zstd";
   return s;
 }

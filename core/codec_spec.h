@@ -23,6 +23,10 @@ struct CodecSpec {
   CodecKind kind = CodecKind::kIdentity;
   int block_size = 64;          // int8/int4/int2 (and top-k int8 values): elements per absmax scale; even, 2..65536
   double topk_fraction = 0.01;  // top-k: fraction of elements kept, in [1e-5, 1]
+  // top-k: > 0 keeps that fraction of each run of `topk_chunk` elements (the last run may be shorter)
+  // instead of the whole tensor's largest: SparseLoCo's chunk-wise top-k, which spreads the kept values
+  // over every part of a tensor. 0: the whole tensor's.
+  int topk_chunk = 0;
   bool topk_int8_values = false;
   bool zstd = false;   // compress the payload with zstd afterwards
   int zstd_level = 1;  // -5..19
@@ -33,7 +37,8 @@ struct CodecSpec {
 
   // Parses "identity" (alias "none"), "fp16", "bf16", "int8", "int4", "int2", "topk", "topk-int8", and
   // the delta codecs "int8-delta", "int4-delta", "int2-delta", with options ":block=N", ":k=F",
-  // ":level=L" and a "+zstd" suffix, e.g. "int4:block=32+zstd", "topk:k=0.001", "int2-delta".
+  // ":level=L", ":chunk=N" (top-k) and a "+zstd" suffix, e.g. "int4:block=32+zstd", "topk:k=0.001",
+  // "topk-int8:k=0.03:chunk=4096", "int2-delta".
   // Errors: InvalidArgument naming the unknown codec or option, or the value out of range.
   static absl::StatusOr<CodecSpec> Parse(const std::string& text);
   // OK when every field is in range (as above); else InvalidArgument naming the field.

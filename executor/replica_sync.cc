@@ -1,7 +1,5 @@
 #include "executor/replica_sync.h"
 
-#include <algorithm>
-#include <cmath>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -82,6 +80,7 @@ void GradientAverager::BeginStep(int64_t step) {
   for (auto& b : buckets_) {
     b.pending = static_cast<int>(b.params.size());
     b.ready = false;
+    b.own_sent = false;
   }
   scatter_thread_ = core::NamedThread("mrd-rs-scatter", [this] { ScatterLoop(); });
   reduce_thread_ = core::NamedThread("mrd-rs-reduce", [this] { ReduceLoop(); });
@@ -187,7 +186,20 @@ void GradientAverager::ScatterLoop() {
       b = ready_queue_.front();
       ready_queue_.pop_front();
     }
-    const Bucket& bucket = buckets_[b];  // ready: its data no longer changes until Finish
+    Bucket& bucket = buckets_[b];  // ready: its data no longer changes until the reduce thread sums it
+    if (o_.sparse_sum) {           // the whole bucket, sparsified once through its residual, to every replica
+      absl::Status s = EncodeSlice(b, kWholeBucket, bucket.data.data(), bucket.numel, &frame);
+      for (int j = 0; s.ok() && j < static_cast<int>(o_.sites.size()); ++j)
+        if (j != o_.self) s = SendFrame(j, b, 0, bucket.numel, frame);
+      if (!s.ok()) return Fail(Annotate(s, absl::StrCat(o_.where, ": replica gradient sync: sending bucket ", b)));
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        bucket.own = frame;
+        bucket.own_sent = true;
+      }
+      cv_.notify_all();
+      continue;
+    }
     for (int j = 0; j < static_cast<int>(o_.sites.size()); ++j) {
       if (j == o_.self) continue;
       auto [lo, hi] = Slice(bucket, j);
@@ -201,6 +213,7 @@ void GradientAverager::ScatterLoop() {
 }
 
 void GradientAverager::ReduceLoop() {
+  if (o_.sparse_sum) return SumSparse();
   std::vector<uint8_t> frame;
   const int r = static_cast<int>(o_.sites.size());
   for (int b = 0; b < static_cast<int>(buckets_.size()); ++b) {
@@ -223,36 +236,12 @@ void GradientAverager::ReduceLoop() {
           return Fail(Annotate(
               s, absl::StrCat(o_.where, ": replica gradient sync: bucket ", b, " from replica '", o_.sites[j], "'")));
         src = part.data();
-      } else if (o_.sparse_sum) {  // the owner's own contribution is sparsified as the others' are
-        absl::Status s = EncodeSlice(b, o_.self, src, n, &frame);
-        if (s.ok()) s = compression::DecodeInto(frame.data(), frame.size(), core::DType::kFloat32, {n}, part.data());
-        if (!s.ok())
-          return Fail(Annotate(s, absl::StrCat(o_.where, ": replica gradient sync: sparsifying bucket ", b)));
-        src = part.data();
       }
       for (int64_t i = 0; i < n; ++i) sum[i] += src[i];
     }
     // One frame for every replica (with error feedback, encoding twice would differ).
-    absl::Status encoded;
-    if (o_.sparse_sum) {
-      // At most R x k non-zeros: top-k of that many in float32 sends every one of them (zeros pad where
-      // the replicas' picks overlap), so nothing is dropped and no residual is needed.
-      compression::CodecSpec whole = o_.codec;
-      whole.topk_int8_values = false;
-      const int64_t keep = std::min<int64_t>(n, r * compression::TopkCount(o_.codec.topk_fraction, n));
-      whole.topk_fraction = n == 0 ? 1.0 : static_cast<double>(keep) / static_cast<double>(n);
-      while (compression::TopkCount(whole.topk_fraction, n) < keep)
-        whole.topk_fraction = std::nextafter(whole.topk_fraction, 2.0);
-      core::TensorView v{core::DType::kFloat32, {n}, sum.data()};
-      encoded = o_.codec.kind != compression::CodecKind::kTopK
-                    ? absl::FailedPreconditionError(
-                          absl::StrCat("a sparse sum needs a top-k codec, not '", o_.codec.ToString(), "'"))
-                    : compression::EncodeTo(v, whole, &frame);
-    } else {
-      encoded = EncodeSlice(b, -1, sum.data(), n, &frame);
-    }
-    if (!encoded.ok())
-      return Fail(Annotate(encoded, absl::StrCat(o_.where, ": replica gradient sync: encoding the sum of bucket ", b)));
+    if (absl::Status s = EncodeSlice(b, -1, sum.data(), n, &frame); !s.ok())
+      return Fail(Annotate(s, absl::StrCat(o_.where, ": replica gradient sync: encoding the sum of bucket ", b)));
     for (int j = 0; j < r; ++j) {
       if (j == o_.self) continue;
       absl::Status s = SendFrame(j, b, 1, n, frame);
@@ -266,6 +255,31 @@ void GradientAverager::ReduceLoop() {
       if (!s.ok()) return Fail(Annotate(s, absl::StrCat(o_.where, ": replica gradient sync: bucket ", b)));
     }
     std::memcpy(bucket.data.data() + lo, sum.data(), n * sizeof(float));
+  }
+}
+
+void GradientAverager::SumSparse() {
+  const int r = static_cast<int>(o_.sites.size());
+  for (int b = 0; b < static_cast<int>(buckets_.size()); ++b) {
+    Bucket& bucket = buckets_[b];
+    {
+      std::unique_lock<std::mutex> l(mu_);
+      cv_.wait(l, [&] { return abort_ || bucket.own_sent; });
+      if (abort_) return;
+    }
+    const int64_t n = bucket.numel;
+    std::vector<float> sum(n, 0.0f), part(n);
+    for (int j = 0; j < r; ++j) {  // in replica order: every replica adds in the same order
+      absl::StatusOr<std::vector<uint8_t>> f = bucket.own;
+      if (j != o_.self) f = WaitSlice(b, j, 0);
+      absl::Status s = f.status();
+      if (s.ok()) s = compression::DecodeInto(f->data(), f->size(), core::DType::kFloat32, {n}, part.data());
+      if (!s.ok())
+        return Fail(Annotate(
+            s, absl::StrCat(o_.where, ": replica gradient sync: bucket ", b, " from replica '", o_.sites[j], "'")));
+      for (int64_t i = 0; i < n; ++i) sum[i] += part[i];
+    }
+    std::memcpy(bucket.data.data(), sum.data(), n * sizeof(float));
   }
 }
 
@@ -289,7 +303,7 @@ absl::Status GradientAverager::Finish() {
   }
   for (int b = 0; b < static_cast<int>(buckets_.size()); ++b) {
     Bucket& bucket = buckets_[b];
-    for (int j = 0; j < static_cast<int>(o_.sites.size()); ++j) {
+    for (int j = 0; j < static_cast<int>(o_.sites.size()) && !o_.sparse_sum; ++j) {  // sparse: summed whole
       if (j == o_.self) continue;
       auto [lo, hi] = Slice(bucket, j);
       auto f = WaitSlice(b, j, 1);

@@ -17,7 +17,7 @@
 //   3. Finish():       receive the other replicas' summed slices and set every parameter's .grad.
 // With a lossy codec each send keeps its own error-feedback residual, and the owner of a slice uses the
 // decoded form of what it sent, so all replicas end with bit-identical gradients. (Options::sparse_sum
-// changes what the owner adds and sends for a top-k codec: SparseLoCo's sum of sparse contributions.)
+// replaces both phases with an all-gather of sparse buckets: SparseLoCo's.)
 //
 // Thread-safety: BeginStep, CaptureNextBackward and Finish are called by the stage's thread; the hooks run
 // on autograd's thread (the caller's on CPU); the two communication threads live from BeginStep to Finish.
@@ -55,12 +55,11 @@ class GradientAverager {
     bool error_feedback = true;      // residuals per (bucket, peer) when the codec is lossy
     // Each residual is scaled by this before it is added (compression::ErrorFeedback's decay).
     float error_feedback_decay = 1.0f;
-    // SparseLoCo's aggregation (job.sync.outer_optimizer sparseloco; `codec` must be top-k, with error
-    // feedback): every replica's slice, the owner's own included, is sparsified through its residual, and
-    // the owner sends the sum of the R sparse slices back without sparsifying it again -- as top-k of R
-    // times as many values, in float32, which keeps every non-zero of the sum. Every replica ends with the
-    // exact sum of the R sparse contributions. false: the owner adds its own slice as it is and the sum
-    // goes back through `codec` and a residual of its own.
+    // SparseLoCo's aggregation (job.sync.outer_optimizer sparseloco, with a top-k `codec`): an all-gather
+    // instead of the reduce-scatter and all-gather. Each replica sparsifies its whole bucket once through
+    // its residual and sends that frame to every other replica; each adds the R sparse buckets in replica
+    // order, so every replica ends with the same exact sum of the sparse contributions, sparsified once.
+    // A replica sends (R - 1) sparse buckets a step, against the two phases' 2 (R - 1) / R slices.
     bool sparse_sum = false;
     int64_t bucket_bytes = 4 << 20;
     // Per received slice. A replica may wait for its peers' whole step (a replica with no micro-batch
@@ -109,18 +108,22 @@ class GradientAverager {
     std::vector<float> data;
     int pending = 0;  // parameters not captured yet this step
     bool ready = false;
+    std::vector<uint8_t> own;  // sparse_sum: this replica's frame of the bucket, once sent (own_sent)
+    bool own_sent = false;
   };
+  static constexpr int kWholeBucket = -2;  // the error-feedback key of a whole bucket (sparse_sum)
 
   void OnGradient(int param, const torch::Tensor& grad);  // from a hook
   void MarkLocked(int param, const torch::Tensor& final_grad, bool from_backward);
   std::pair<int64_t, int64_t> Slice(const Bucket& b, int owner) const;
   // Encodes n floats for one send; `ef_key` selects the error-feedback residual (the peer in phase 0,
-  // -1 for the phase-1 sum, which is encoded once for all peers).
+  // -1 for the phase-1 sum, which is encoded once for all peers, kWholeBucket for a sparse_sum bucket).
   absl::Status EncodeSlice(int bucket, int ef_key, const float* data, int64_t n, std::vector<uint8_t>* frame);
   absl::Status SendFrame(int peer, int bucket, int phase, int64_t n, const std::vector<uint8_t>& frame);
   absl::StatusOr<std::vector<uint8_t>> WaitSlice(int bucket, int peer, int phase);
   void ScatterLoop();
   void ReduceLoop();
+  void SumSparse();  // ReduceLoop's sparse_sum: adds the replicas' sparse buckets in replica order
   void Fail(const absl::Status& s);
   void Stop();
 
@@ -133,7 +136,7 @@ class GradientAverager {
   std::map<std::pair<int, int>, std::unique_ptr<compression::ErrorFeedback>> ef_;  // (bucket, peer or -1)
   std::mutex ef_mu_;
 
-  std::mutex mu_;  // guards everything below and the buckets' data/pending/ready
+  std::mutex mu_;  // guards everything below and the buckets' data/pending/ready/own/own_sent
   std::condition_variable cv_;
   int64_t step_ = 0;
   bool capturing_ = false, in_step_ = false, abort_ = false;

@@ -404,7 +404,8 @@ Evaluation Evaluate(const CostModel& cm, const Layout& L, const PlanOptions& o, 
     }
     auto sync = [&](double ratio) { return 2.0 * (ratio * grad / r * inv_bw + max_lat); };
     if (o.sync.diloco) {  // a whole exchange every H steps; its per-step share is settled below
-      e.allreduce[k] = sync((o.sync.codec.ratio + o.sync.GatherRatio(r)) / 2);
+      // SparseLoCo: one phase, the whole sparse pseudo-gradient to every other replica.
+      e.allreduce[k] = o.sync.sparse_sum ? o.sync.codec.ratio * grad * inv_bw + max_lat : sync(o.sync.codec.ratio);
       continue;
     }
     if (!o.adaptive_compression) {
@@ -1184,18 +1185,7 @@ absl::Status SyncModel::UseSparseSum() {
   if (!spec.ok() || spec->kind != compression::CodecKind::kTopK)
     return absl::InvalidArgumentError(absl::StrCat("a sparse sum needs a top-k codec, not '", codec.name, "'"));
   sparse_sum = true;
-  topk_fraction = spec->topk_fraction;
-  zstd = spec->zstd;
   return absl::OkStatus();
-}
-
-double SyncModel::GatherRatio(int replicas) const {
-  if (!sparse_sum) return codec.ratio;
-  compression::CodecSpec sum;
-  sum.kind = compression::CodecKind::kTopK;
-  sum.topk_fraction = std::min(1.0, std::max(1, replicas) * topk_fraction);
-  sum.zstd = zstd;
-  return compression::PayloadRatio(sum, core::DType::kFloat32);
 }
 
 std::vector<Codec> DefaultLinkCodecs(double revisit_fraction) {

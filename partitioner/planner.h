@@ -40,24 +40,19 @@ std::vector<Codec> DefaultGradientCodecs();
 absl::StatusOr<Codec> PriceCodec(const std::string& codec);
 
 // How replicas synchronise (job.sync). Every step: the gradient sum, priced per step in the gradient
-// menu's codec. DiLoCo: the same reduce-scatter + all-gather of pseudo-gradients in `codec`'s ratio, once
-// every `inner_steps` steps; with `overlap`, each fragment's exchange runs beside the H / F steps until it
-// is applied, so a step pays only what the exchanges take beyond the compute of those steps.
+// menu's codec. DiLoCo: the same reduce-scatter + all-gather of pseudo-gradients in `codec`'s ratio (or
+// SparseLoCo's all-gather), once every `inner_steps` steps; with `overlap`, each fragment's exchange runs beside the H
+// / F steps until it is applied, so a step pays only what the exchanges take beyond the compute of those steps.
 struct SyncModel {
   bool diloco = false;
   int inner_steps = 50;
   int fragments = 1;
   bool overlap = true;
   Codec codec{"int4", 0.140625};  // PriceCodec("int4"): half a byte an element and a float32 scale per 64
-  // outer_optimizer sparseloco (docs/sync.md): the owner of each part sends the sum of the R replicas'
-  // top-k parts back as top-k of R times as many values in float32 (executor/replica_sync.h,
-  // sparse_sum), not in `codec`. Set with the codec's top-k fraction and zstd.
+  // outer_optimizer sparseloco (docs/sync.md): an all-gather instead, each replica sending its whole
+  // pseudo-gradient, top-k in `codec`, to every other replica (executor/replica_sync.h, sparse_sum).
   bool sparse_sum = false;
-  double topk_fraction = 0;
-  bool zstd = false;
-  // The ratio of the all-gather's parts for a stage of `replicas` (the reduce-scatter's is codec.ratio).
-  double GatherRatio(int replicas) const;
-  // Sets sparse_sum, topk_fraction and zstd from codec.name; InvalidArgument when it is not a top-k codec.
+  // Sets sparse_sum; InvalidArgument when codec.name is not a top-k codec.
   absl::Status UseSparseSum();
 };
 

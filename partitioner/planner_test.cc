@@ -788,8 +788,8 @@ TEST(Planner, DilocoSyncIsPricedPerRoundAndMakesReplicasWorthIt) {
   EXPECT_THAT(table, ::testing::Not(::testing::HasSubstr("average gradients")));
   EXPECT_THAT(PlanTable(*diloco, g, p), ::testing::HasSubstr("every 50 steps (overlapped)"));
   EXPECT_FALSE(PriceCodec("int3").ok());
-  // SparseLoCo: the reduce-scatter sends top-k parts in the codec, the all-gather the sums of the two
-  // replicas' parts as top-k of twice as many values in float32.
+  // SparseLoCo: one all-gather, each replica sending its whole pseudo-gradient, top-k in the codec, to the
+  // other, plus the latency once.
   core::SyncSpec spec;
   spec.mode = core::SyncMode::kDiloco;
   spec.inner_steps = 50;
@@ -798,19 +798,16 @@ TEST(Planner, DilocoSyncIsPricedPerRoundAndMakesReplicasWorthIt) {
   spec.outer_optimizer = "sparseloco";
   o.sync = SyncModelOf(spec);
   EXPECT_TRUE(o.sync.sparse_sum);
-  auto scatter = PriceCodec("topk-int8:k=0.03"), gather = PriceCodec("topk:k=0.06");
-  ASSERT_TRUE(scatter.ok() && gather.ok());
-  EXPECT_DOUBLE_EQ(o.sync.codec.ratio, scatter->ratio);
-  EXPECT_DOUBLE_EQ(o.sync.GatherRatio(2), gather->ratio);
-  EXPECT_DOUBLE_EQ(o.sync.GatherRatio(100), PriceCodec("topk:k=1")->ratio);  // never more than every value
+  auto topk = PriceCodec("topk-int8:k=0.03");
+  ASSERT_TRUE(topk.ok());
+  EXPECT_DOUBLE_EQ(o.sync.codec.ratio, topk->ratio);
   auto sparse = PlanPipeline(g, p, o);
   ASSERT_TRUE(sparse.ok());
   ASSERT_EQ(sparse->stages.size(), 1u);
-  EXPECT_NEAR(sparse->stages[0].allreduce_seconds, ((scatter->ratio + gather->ratio) * 2e7 / 2 / 1e6 + 2 * 0.05) / 50,
-              1e-9);
+  EXPECT_NEAR(sparse->stages[0].allreduce_seconds, (topk->ratio * 2e7 / 1e6 + 0.05) / 50, 1e-9);
   EXPECT_THAT(PlanTable(*sparse, g, p), ::testing::HasSubstr("topk-int8:k=0.03 (SparseLoCo: sparse sums)"));
-  spec.outer_optimizer = "nesterov";  // the same codec, summed and sparsified again: one ratio for both
-  EXPECT_DOUBLE_EQ(SyncModelOf(spec).GatherRatio(2), scatter->ratio);
+  spec.outer_optimizer = "nesterov";  // the same codec in the reduce-scatter and all-gather
+  EXPECT_FALSE(SyncModelOf(spec).sparse_sum);
   SyncModel dense;
   EXPECT_FALSE(dense.UseSparseSum().ok());  // int4 is not top-k
 }

@@ -123,10 +123,12 @@ class Simulation {
   // contributes, sends part j to replica j; replica j, with every part and its own, sends the summed part
   // j to every other replica; a replica is done when it has every summed part.
   struct Reduction {
-    std::string kind;         // "sync" or "outer_sync"
-    double part_bytes = 0;    // each part the reduce-scatter sends
-    double gather_bytes = 0;  // each summed part the all-gather sends
-    double chunk_bytes = 0;   // > 0: parts travel in chunks of this size
+    std::string kind;  // "sync" or "outer_sync"
+    double part_bytes = 0;
+    double chunk_bytes = 0;  // > 0: parts travel in chunks of this size
+    // SparseLoCo's sum (plan.json sync.sparse_sum): each replica sends its whole contribution (part_bytes)
+    // to every other replica, and is done once it holds the others'; no summed parts go back.
+    bool all_gather = false;
     std::vector<bool> contributed;
     std::vector<int> scattered, gathered;
     std::function<void(int replica, double t)> done;
@@ -492,7 +494,8 @@ void Simulation::MaybeGather(const ReductionKey& key, int j, double t) {
   const auto& ws = stage_workers_[stage];
   const int R = static_cast<int>(ws.size());
   if (!red.contributed[j] || red.scattered[j] != R - 1) return;
-  red.scattered[j] = -1;  // gathered once
+  red.scattered[j] = -1;                      // gathered once
+  if (red.all_gather) return red.done(j, t);  // j holds every replica's contribution
   const int from = workers_[ws[j]].site;
   for (int u = 0; u < R; ++u) {
     if (u == j) continue;
@@ -503,9 +506,9 @@ void Simulation::MaybeGather(const ReductionKey& key, int j, double t) {
     };
     Activity a{p_.sites[from].name, red.kind, step, -1, p_.sites[to].name};
     if (red.chunk_bytes > 0)
-      ChunkedTransfer(from, to, red.gather_bytes, red.chunk_bytes, t, a, arrived);
+      ChunkedTransfer(from, to, red.part_bytes, red.chunk_bytes, t, a, arrived);
     else
-      Transfer(from, to, red.gather_bytes, t, a, arrived);
+      Transfer(from, to, red.part_bytes, t, a, arrived);
   }
   if (R == 1) red.done(j, t);
 }
@@ -518,7 +521,6 @@ void Simulation::BucketReady(int stage, int step, int bucket, int replica, doubl
     Reduction& red = it->second;
     red.kind = "sync";
     red.part_bytes = grad_bytes_[stage] / buckets_[stage] / R * grad_codec_[stage].forward_ratio;
-    red.gather_bytes = red.part_bytes;
     red.contributed.assign(R, false);
     red.scattered.assign(R, 0);
     red.gathered.assign(R, 0);
@@ -654,12 +656,11 @@ void Simulation::ExchangeBegin(int wi, double t) {
   if (inserted) {
     Reduction& red = it->second;
     red.kind = "outer_sync";
-    red.part_bytes = grad_bytes_[w.stage] / F / R * plan_.sync.codec.ratio;
-    red.gather_bytes = grad_bytes_[w.stage] / F / R * plan_.sync.GatherRatio(R);
+    red.all_gather = plan_.sync.sparse_sum;
+    red.part_bytes = grad_bytes_[w.stage] / F / (red.all_gather ? 1 : R) * plan_.sync.codec.ratio;
     red.chunk_bytes = std::max<double>(1, static_cast<double>(o_.chunk_bytes));
-    const double most = std::max(red.part_bytes, red.gather_bytes);
-    if (std::ceil(most / red.chunk_bytes) * 2 * R * (R - 1) > kMaxTransfersPerSum) {
-      red.chunk_bytes = most * 2 * R * (R - 1) / kMaxTransfersPerSum;
+    if (std::ceil(red.part_bytes / red.chunk_bytes) * 2 * R * (R - 1) > kMaxTransfersPerSum) {
+      red.chunk_bytes = red.part_bytes * 2 * R * (R - 1) / kMaxTransfersPerSum;
       coarse_ = true;
     }
     red.contributed.assign(R, false);

@@ -427,13 +427,12 @@ TEST(SimulatorTest, DilocoSynchronisesEveryInnerStepsAndOverlapHidesTheExchange)
   for (int s = 0; s < 8; ++s)
     EXPECT_NEAR(fragments->step_times[s], step + ((s + 1) % 2 == 0 ? 0.5 : 0.0), 0.01) << "step " << s + 1;
 
-  // SparseLoCo (plan.json sync.sparse_sum): each replica sends its top-k half in the codec, then the sum of
-  // the two replicas' parts as top-k of twice as many values in float32 (executor/replica_sync.h).
+  // SparseLoCo (plan.json sync.sparse_sum): each replica sends its whole pseudo-gradient, top-k in the codec,
+  // to the other, and nothing comes back (executor/replica_sync.h): 8 MB x ratio at 8 MB/s.
   plan.sync.fragments = 1;
   plan.sync.codec = *partitioner::PriceCodec("topk-int8:k=0.1");
   ASSERT_TRUE(plan.sync.UseSparseSum().ok());
-  const double sparse_exchange =  // 4 MB halves at 8 MB/s
-      0.5 * (plan.sync.codec.ratio + partitioner::PriceCodec("topk:k=0.2")->ratio);
+  const double sparse_exchange = plan.sync.codec.ratio;
   auto sparse = Simulate(g, p, plan, {.steps = 8});
   ASSERT_TRUE(sparse.ok());
   for (int s = 0; s < 8; ++s)
