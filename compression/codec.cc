@@ -24,10 +24,16 @@ int64_t TopkCount(double fraction, int64_t n) {
   return std::clamp<int64_t>(static_cast<int64_t>(std::ceil(fraction * static_cast<double>(n))), 1, n);
 }
 
+// The run of elements top-k `spec` picks within: its chunk, or all `n` when it has none (or a larger one).
+int64_t TopkChunk(const CodecSpec& spec, int64_t n) {
+  return spec.topk_chunk > 0 && spec.topk_chunk < n ? spec.topk_chunk : n;
+}
+
+// How many top-k `spec` keeps of `n`: TopkCount of each chunk, summed.
 int64_t TopkCount(const CodecSpec& spec, int64_t n) {
-  if (spec.topk_chunk <= 0 || spec.topk_chunk >= n) return TopkCount(spec.topk_fraction, n);
-  const int64_t full = n / spec.topk_chunk, rest = n % spec.topk_chunk;
-  return full * TopkCount(spec.topk_fraction, spec.topk_chunk) + TopkCount(spec.topk_fraction, rest);
+  const int64_t chunk = TopkChunk(spec, n);
+  if (chunk == n) return TopkCount(spec.topk_fraction, n);
+  return n / chunk * TopkCount(spec.topk_fraction, chunk) + TopkCount(spec.topk_fraction, n % chunk);
 }
 
 using core::DType;
@@ -429,12 +435,12 @@ absl::Status EncodeFloat(const float* x, const std::vector<int64_t>& shape, int6
   bool bitmap = false;
   if (spec.kind == CodecKind::kTopK) {
     h.count = TopkCount(spec, n);
-    if (spec.topk_chunk <= 0 || spec.topk_chunk >= n) {
+    if (const int64_t chunk = TopkChunk(spec, n); chunk == n) {
       idx = TopkIndices(x, n, h.count);
     } else {  // each chunk's largest, in ascending order as the chunks are
       idx.reserve(static_cast<size_t>(h.count));
-      for (int64_t c = 0; c < n; c += spec.topk_chunk) {
-        const int64_t len = std::min<int64_t>(spec.topk_chunk, n - c);
+      for (int64_t c = 0; c < n; c += chunk) {
+        const int64_t len = std::min<int64_t>(chunk, n - c);
         for (uint32_t i : TopkIndices(x + c, len, TopkCount(spec.topk_fraction, len)))
           idx.push_back(static_cast<uint32_t>(c + i));
       }

@@ -194,7 +194,7 @@ void GradientAverager::ScatterLoop() {
       if (!s.ok()) return Fail(Annotate(s, absl::StrCat(o_.where, ": replica gradient sync: sending bucket ", b)));
       {
         std::lock_guard<std::mutex> l(mu_);
-        bucket.own = frame;
+        bucket.own = std::move(frame);
         bucket.own_sent = true;
       }
       cv_.notify_all();
@@ -212,17 +212,19 @@ void GradientAverager::ScatterLoop() {
   }
 }
 
+bool GradientAverager::AwaitBucket(const bool& flag) {
+  std::unique_lock<std::mutex> l(mu_);
+  cv_.wait(l, [&] { return abort_ || flag; });
+  return !abort_;
+}
+
 void GradientAverager::ReduceLoop() {
   if (o_.sparse_sum) return SumSparse();
   std::vector<uint8_t> frame;
   const int r = static_cast<int>(o_.sites.size());
   for (int b = 0; b < static_cast<int>(buckets_.size()); ++b) {
     Bucket& bucket = buckets_[b];
-    {
-      std::unique_lock<std::mutex> l(mu_);
-      cv_.wait(l, [&] { return abort_ || bucket.ready; });
-      if (abort_) return;
-    }
+    if (!AwaitBucket(bucket.ready)) return;
     auto [lo, hi] = Slice(bucket, o_.self);
     const int64_t n = hi - lo;
     std::vector<float> sum(n, 0.0f), part(n);
@@ -262,17 +264,18 @@ void GradientAverager::SumSparse() {
   const int r = static_cast<int>(o_.sites.size());
   for (int b = 0; b < static_cast<int>(buckets_.size()); ++b) {
     Bucket& bucket = buckets_[b];
-    {
-      std::unique_lock<std::mutex> l(mu_);
-      cv_.wait(l, [&] { return abort_ || bucket.own_sent; });
-      if (abort_) return;
-    }
+    if (!AwaitBucket(bucket.own_sent)) return;
     const int64_t n = bucket.numel;
     std::vector<float> sum(n, 0.0f), part(n);
-    for (int j = 0; j < r; ++j) {  // in replica order: every replica adds in the same order
-      absl::StatusOr<std::vector<uint8_t>> f = bucket.own;
-      if (j != o_.self) f = WaitSlice(b, j, 0);
-      absl::Status s = f.status();
+    for (int j = 0; j < r; ++j) {                   // in replica order: every replica adds in the same order
+      const std::vector<uint8_t>* f = &bucket.own;  // this replica's, else the one received
+      absl::StatusOr<std::vector<uint8_t>> received;
+      absl::Status s;
+      if (j != o_.self) {
+        received = WaitSlice(b, j, 0);
+        s = received.status();
+        if (s.ok()) f = &*received;
+      }
       if (s.ok()) s = compression::DecodeInto(f->data(), f->size(), core::DType::kFloat32, {n}, part.data());
       if (!s.ok())
         return Fail(Annotate(
@@ -303,8 +306,8 @@ absl::Status GradientAverager::Finish() {
   }
   for (int b = 0; b < static_cast<int>(buckets_.size()); ++b) {
     Bucket& bucket = buckets_[b];
-    for (int j = 0; j < static_cast<int>(o_.sites.size()) && !o_.sparse_sum; ++j) {  // sparse: summed whole
-      if (j == o_.self) continue;
+    for (int j = 0; j < static_cast<int>(o_.sites.size()); ++j) {
+      if (j == o_.self || o_.sparse_sum) continue;  // sparse_sum: SumSparse summed the whole bucket
       auto [lo, hi] = Slice(bucket, j);
       auto f = WaitSlice(b, j, 1);
       absl::Status s = f.status();

@@ -121,6 +121,9 @@ class GradientAverager {
   absl::Status EncodeSlice(int bucket, int ef_key, const float* data, int64_t n, std::vector<uint8_t>* frame);
   absl::Status SendFrame(int peer, int bucket, int phase, int64_t n, const std::vector<uint8_t>& frame);
   absl::StatusOr<std::vector<uint8_t>> WaitSlice(int bucket, int peer, int phase);
+  // Waits until `flag` (a bucket's ready or own_sent, set under mu_) holds or the step is aborted: false
+  // when aborted.
+  bool AwaitBucket(const bool& flag);
   void ScatterLoop();
   void ReduceLoop();
   void SumSparse();  // ReduceLoop's sparse_sum: adds the replicas' sparse buckets in replica order

@@ -41,8 +41,9 @@ absl::StatusOr<Codec> PriceCodec(const std::string& codec);
 
 // How replicas synchronise (job.sync). Every step: the gradient sum, priced per step in the gradient
 // menu's codec. DiLoCo: the same reduce-scatter + all-gather of pseudo-gradients in `codec`'s ratio (or
-// SparseLoCo's all-gather), once every `inner_steps` steps; with `overlap`, each fragment's exchange runs beside the H
-// / F steps until it is applied, so a step pays only what the exchanges take beyond the compute of those steps.
+// SparseLoCo's all-gather), once every `inner_steps` steps; with `overlap`, each fragment's exchange runs
+// beside the H / F steps until it is applied, so a step pays only what the exchanges take beyond the
+// compute of those steps.
 struct SyncModel {
   bool diloco = false;
   int inner_steps = 50;
