@@ -854,4 +854,18 @@ absl::StatusOr<std::vector<uint8_t>> ErrorFeedback::Encode(const core::TensorVie
   return frame;
 }
 
+absl::Status ErrorFeedback::Restore(std::vector<int64_t> shape, std::vector<float> residual) {
+  int64_t n = 1;
+  for (int64_t d : shape) {
+    if (d < 0) return absl::InvalidArgumentError("error feedback residual: negative dimension");
+    n *= d;
+  }
+  if (static_cast<int64_t>(residual.size()) != n)
+    return absl::InvalidArgumentError(
+        absl::StrCat("error feedback residual: ", residual.size(), " values for a shape of ", n, " elements"));
+  shape_ = std::move(shape);
+  residual_ = std::move(residual);
+  return absl::OkStatus();
+}
+
 }  // namespace meridian::compression

@@ -85,6 +85,11 @@ class ErrorFeedback {
     shape_.clear();
   }
   const std::vector<float>& residual() const { return residual_; }
+  // The shape of the stream's tensors; empty before the first Encode (and after Reset).
+  const std::vector<int64_t>& shape() const { return shape_; }
+  // Replaces the residual (a checkpoint's, as residual() and shape() gave it) for a stream of tensors of
+  // `shape`; InvalidArgument, and nothing changed, when `residual` does not hold the shape's element count.
+  absl::Status Restore(std::vector<int64_t> shape, std::vector<float> residual);
 
  private:
   CodecSpec spec_;

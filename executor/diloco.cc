@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "core/status.h"
 #include "core/thread_name.h"
 #include "partitioner/schedule.h"
 
@@ -66,9 +67,23 @@ OuterSync::~OuterSync() {
   }
 }
 
-void OuterSync::Attach(std::vector<std::unique_ptr<GradientAverager>> averagers) {
+absl::Status OuterSync::Attach(std::vector<std::unique_ptr<GradientAverager>> averagers) {
   averagers_ = std::move(averagers);
-  if (run_again_) BeginAgain().IgnoreError();  // resumed: at once, as the other replicas do (fails unattached only)
+  if (absl::Status s = ImportResiduals(); !s.ok()) return s;
+  if (run_again_) return BeginAgain();  // resumed: at once, as the other replicas do
+  return absl::OkStatus();
+}
+
+absl::Status OuterSync::ImportResiduals() {
+  if (restored_residuals_.empty()) return absl::OkStatus();
+  for (size_t f = 0; f < averagers_.size(); ++f) {
+    std::map<std::string, torch::Tensor> mine;
+    for (const auto& [name, buffer] : buffers_[f]) mine[name] = restored_residuals_.at(name);
+    if (absl::Status s = averagers_[f]->ImportResiduals(mine); !s.ok())
+      return core::Annotate(s, absl::StrCat("outer synchronisation: restoring fragment ", f, "'s residuals"));
+  }
+  restored_residuals_.clear();
+  return absl::OkStatus();
 }
 
 void OuterSync::Exchange(int f, int64_t step) {
@@ -82,7 +97,12 @@ void OuterSync::Exchange(int f, int64_t step) {
       exchange_status_ = absl::CancelledError("outer synchronisation: the stage ended");
       return;
     }
-    averager.BeginStep(step);  // clears the averager's own abort flag: look at ours again after it
+    // The frames' step is the exchange's own number, the same on every replica: Finish exchanges every
+    // fragment after the same inner step, and a frame of a key already waiting in the peer's inbox would
+    // replace it (a replica through with fragment 0 sends fragment 1's bucket 0 while the other may not
+    // yet have taken fragment 0's, which under sparse_sum nothing orders).
+    const int64_t fragments = static_cast<int64_t>(fragments_.size());
+    averager.BeginStep(step * fragments + f);  // clears the averager's own abort flag: look at ours again after it
     if (cancelled_ || cancel_requested_) averager.Cancel();
     exchange_status_ = averager.Finish();
   } catch (const std::exception& e) {  // on its own thread, outside the stage's torch boundary
@@ -110,6 +130,12 @@ void OuterSync::StartExchange(int f, int64_t step, bool overlap) {
   began_ = std::chrono::steady_clock::now();
   pending_overlapped_ = overlap;
   cancel_requested_ = false;
+  // An overlapped exchange may be checkpointed in flight and run again on resume, from these residuals.
+  pending_residuals_.clear();
+  if (overlap) {
+    auto residuals = averagers_[f]->ExportResiduals();  // idle until the exchange begins below
+    if (residuals.ok()) pending_residuals_ = std::move(*residuals);
+  }
   // On a thread of its own also when not overlapped, if it may have to be cancelled while awaited.
   exchange_done_ = false;
   if (overlap || cancel_check_)
@@ -281,7 +307,27 @@ namespace {
 constexpr char kRoundName[] = "outer.round";
 std::string SnapshotName(const std::string& name) { return "outer.snapshot." + name; }
 std::string SumName(const std::string& name) { return "outer.sum." + name; }
+std::string ResidualName(const std::string& name) { return "outer.residual." + name; }
 }  // namespace
+
+absl::Status OuterSync::ExportResiduals(bool in_flight_runs_again, std::map<std::string, torch::Tensor>* out) {
+  if (averagers_.size() != fragments_.size()) {  // not attached: what was restored, if anything
+    for (const auto& [name, t] : restored_residuals_) (*out)[ResidualName(name)] = t.clone();
+    return absl::OkStatus();
+  }
+  for (int f = 0; f < static_cast<int>(fragments_.size()); ++f) {
+    std::map<std::string, torch::Tensor> residuals;
+    if (f == pending_ && in_flight_runs_again) {
+      residuals = pending_residuals_;
+    } else {
+      auto exported = averagers_[f]->ExportResiduals();
+      if (!exported.ok()) return exported.status();
+      residuals = std::move(*exported);
+    }
+    for (auto& [name, t] : residuals) (*out)[ResidualName(name)] = std::move(t);
+  }
+  return absl::OkStatus();
+}
 
 std::pair<int64_t, int64_t> OuterSync::AveragerBytes(int f) const {
   if (static_cast<size_t>(f) >= averagers_.size()) return {0, 0};  // restored, not yet attached
@@ -320,6 +366,9 @@ absl::StatusOr<std::map<std::string, torch::Tensor>> OuterSync::ExportRoundState
       if (pending_overlapped_) out[SnapshotName(name)] = snapshot_[i].detach().cpu().clone();
     }
   }
+  // Without its sum the exchange in flight runs again on resume, from the residuals it began with.
+  const bool runs_again = pending_ >= 0 && !out.count(SumName(params_[fragments_[pending_].front()].first));
+  if (absl::Status s = ExportResiduals(runs_again, &out); !s.ok()) return s;
   out[kRoundName] = round;
   return out;
 }
@@ -330,10 +379,30 @@ absl::Status OuterSync::ImportRoundState(const std::map<std::string, torch::Tens
   if (round_it == state.end() || round_it->second.numel() != 6)
     return absl::DataLossError(absl::StrCat(kRoundName, " is missing or not 6 values"));
   const torch::Tensor round = round_it->second.to(torch::kFloat64);
+  // The error-feedback residuals: every parameter's or none (a lossless codec, or a checkpoint from before
+  // they were saved).
+  std::map<std::string, torch::Tensor> residuals;
+  for (const auto& [name, p] : params_) {
+    auto it = state.find(ResidualName(name));
+    if (it == state.end()) continue;
+    if (it->second.sizes() != p.sizes())
+      return absl::DataLossError(absl::StrCat(ResidualName(name), " has shape ", c10::str(it->second.sizes()),
+                                              " but parameter ", name, " has ", c10::str(p.sizes())));
+    residuals[name] = it->second.to(torch::kCPU, torch::kFloat32).clone();
+  }
+  if (!residuals.empty() && residuals.size() != params_.size())
+    for (const auto& [name, p] : params_)
+      if (!residuals.count(name))
+        return absl::DataLossError(absl::StrCat(ResidualName(name), " is missing from the round state, which holds ",
+                                                residuals.size(), " other parameters' residuals"));
   const int f = static_cast<int>(round[0].item<double>());
-  if (f < 0) return absl::OkStatus();  // nothing was in flight
   if (f >= static_cast<int>(fragments_.size()))
     return absl::DataLossError(absl::StrCat(kRoundName, " names fragment ", f, " of ", fragments_.size()));
+  auto keep_residuals = [&]() -> absl::Status {  // once everything else is set
+    restored_residuals_ = std::move(residuals);
+    return averagers_.size() == fragments_.size() ? ImportResiduals() : absl::OkStatus();
+  };
+  if (f < 0) return keep_residuals();  // nothing was in flight
   // Everything checked before anything is set. The exchange's result (every sum) or, to run it again, the
   // snapshots it began from (no sum at all).
   const auto& fragment = fragments_[f];
@@ -373,7 +442,7 @@ absl::Status OuterSync::ImportRoundState(const std::map<std::string, torch::Tens
   if (again) {  // begun again at Attach (the averagers' counters and the clock start again then)
     run_again_ = true;
     began_ = std::chrono::steady_clock::now();
-    return absl::OkStatus();
+    return keep_residuals();
   }
   drift2_ = round[2].item<double>();
   // Complete counts the averager's bytes since wire_bytes_at_begin_: the fresh averager's (none yet) plus
@@ -383,7 +452,7 @@ absl::Status OuterSync::ImportRoundState(const std::map<std::string, torch::Tens
   raw_bytes_at_begin_ = raw - static_cast<int64_t>(round[4].item<double>());
   began_ = std::chrono::steady_clock::now() - std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                                                   std::chrono::duration<double>(round[5].item<double>()));
-  return absl::OkStatus();
+  return keep_residuals();
 }
 
 }  // namespace meridian::executor

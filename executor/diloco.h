@@ -71,10 +71,11 @@ class OuterSync {
 
   // The exchange buffers of each fragment (named after the parameters; leaf tensors whose .grad carries
   // the pseudo-gradient in and the sum out), for building one averager each over them; then Attach the
-  // averagers in the same order. Synchronisation fails with FailedPrecondition before Attach. A resumed
-  // exchange to be run again (ImportRoundState) begins here.
+  // averagers in the same order. Synchronisation fails with FailedPrecondition before Attach. Residuals
+  // restored by ImportRoundState go into the averagers here, and a resumed exchange to be run again
+  // begins here; their errors are Attach's (the averagers stay attached).
   const std::vector<std::vector<std::pair<std::string, torch::Tensor>>>& buffers() const { return buffers_; }
-  void Attach(std::vector<std::unique_ptr<GradientAverager>> averagers);
+  absl::Status Attach(std::vector<std::unique_ptr<GradientAverager>> averagers);
 
   // After inner step `step` (0-based) has been applied to the parameters: synchronises the fragment due,
   // if any (with overlap: applies the exchange in flight, then starts this one). Errors are the
@@ -114,14 +115,18 @@ class OuterSync {
   //  - true (and always for an exchange not overlapped): awaited (polling the cancel check as Complete
   //    does) without applying it, and "outer.sum.NAME" (the replicas' summed pseudo-gradient) saved too.
   //    An exchange that failed or was cancelled is then the error.
-  // The resumed exchange computes the same pseudo-gradient from the same snapshot and outer parameters;
-  // with a lossy codec its sum differs from the first run's, as error-feedback residuals are not saved.
+  // Beside them, with a lossy codec and error feedback, "outer.residual.NAME" for every parameter: this
+  // replica's residuals (GradientAverager::ExportResiduals; under SparseLoCo they are its outer momentum),
+  // for the exchange to be run again those it began with. So the resumed exchange computes the same
+  // pseudo-gradient from the same snapshot, outer parameters and residuals: the same sum as the first run.
   absl::StatusOr<std::map<std::string, torch::Tensor>> ExportRoundState(bool await_exchange);
   // Restores what ExportRoundState wrote, after ImportState: the exchange in flight then is applied at the
   // synchronisation point it was due at, as if it had never stopped; without its sum it begins again at
-  // Attach, as the other replicas' do. Refused (DataLoss naming the tensor, nothing restored) when it
-  // does not fit: another fragment count, a tensor missing or of another shape, sums for only some of the
-  // fragment's parameters.
+  // Attach, as the other replicas' do. The residuals go into the averagers at Attach (at once when
+  // attached already); a round state without them (a lossless codec, an older checkpoint) leaves the
+  // averagers' as they are. Refused (DataLoss naming the tensor, nothing restored) when it does not fit:
+  // another fragment count, a tensor missing or of another shape, sums or residuals for only some of the
+  // parameters.
   absl::Status ImportRoundState(const std::map<std::string, torch::Tensor>& state);
   // After an ImportRoundState without the sum, until Attach: the fragment and the inner step (0-based) of
   // the exchange to run again; nullopt otherwise.
@@ -154,6 +159,11 @@ class OuterSync {
   void LoadPseudoGradient(int f, const std::vector<torch::Tensor>& local);
   // Runs fragment f's exchange, counting its averager's bytes from now.
   void StartExchange(int f, int64_t step, bool overlap);
+  // "outer.residual.NAME" of every fragment's averager into `out` (before Attach: those restored); for the
+  // pending fragment, when `in_flight_runs_again`, those its exchange began with.
+  absl::Status ExportResiduals(bool in_flight_runs_again, std::map<std::string, torch::Tensor>* out);
+  // Moves restored_residuals_ into the attached averagers.
+  absl::Status ImportResiduals();
   // Waits for the exchange begun for fragment `pending_` and applies it; no-op when none is in flight.
   absl::Status Complete();
   // Waits for the exchange thread, if any, cancelling it once the cancel check says so; adds the wait to
@@ -187,6 +197,9 @@ class OuterSync {
   std::atomic<bool> exchange_done_{true};  // set by the exchange thread when it ends
   bool pending_overlapped_ = false;        // the pending exchange keeps the local progress made meanwhile
   bool run_again_ = false;                 // resumed without its sum: pending_'s exchange not yet begun again
+  // Overlapped: the pending fragment's averager's residuals when its exchange began, by parameter name.
+  std::map<std::string, torch::Tensor> pending_residuals_;
+  std::map<std::string, torch::Tensor> restored_residuals_;  // by ImportRoundState, until Attach
   int64_t wire_bytes_ = 0, raw_bytes_ = 0;
 };
 

@@ -12,6 +12,7 @@
 #include <malloc.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <filesystem>
@@ -364,7 +365,7 @@ TEST(Diloco, OuterStateRoundTripsThroughACheckpointAndRefusesOtherShapes) {
 
 // A round state with nothing in flight is its marker alone; one that names an exchange in flight must
 // carry its fragment's sums (and snapshots, overlapped), or only its snapshots (the exchange is run again),
-// of the right shapes, or nothing is restored.
+// of the right shapes, and residuals for every parameter or none, or nothing is restored.
 TEST(Diloco, RoundStateWithoutAnExchangeInFlightIsItsMarkerAndAForgedOneIsRefused) {
   core::SyncSpec spec;
   spec.fragments = 2;
@@ -424,6 +425,26 @@ TEST(Diloco, RoundStateWithoutAnExchangeInFlightIsItsMarkerAndAForgedOneIsRefuse
   EXPECT_EQ(unsent->count("outer.sum.v"), 0u);
   EXPECT_TRUE(torch::equal(unsent->at("outer.snapshot.v"), torch::full({3}, 2.0f)));
   EXPECT_EQ(c.AfterInnerStep(49).code(), absl::StatusCode::kFailedPrecondition);  // no averager attached
+
+  // Error-feedback residuals: every parameter's, of its shape, or none; until Attach a round state holds
+  // those restored.
+  OuterSync d(spec, 0.5, {{"w", w}, {"v", v}});
+  EXPECT_EQ(d.ImportRoundState({{"outer.round", round(-1)}, {"outer.residual.v", torch::ones({3})}}).code(),
+            absl::StatusCode::kDataLoss);  // w's is missing
+  EXPECT_EQ(
+      d.ImportRoundState(
+           {{"outer.round", round(-1)}, {"outer.residual.v", torch::ones({3})}, {"outer.residual.w", torch::ones({4})}})
+          .code(),
+      absl::StatusCode::kDataLoss);  // w's of another shape
+  EXPECT_EQ(d.ExportRoundState(false)->count("outer.residual.v"), 0u);
+  ASSERT_TRUE(d.ImportRoundState({{"outer.round", round(-1)},
+                                  {"outer.residual.v", torch::full({3}, 0.5f)},
+                                  {"outer.residual.w", torch::full({2, 2}, 0.25f)}})
+                  .ok());
+  auto residuals = d.ExportRoundState(false);
+  ASSERT_TRUE(residuals.ok()) << residuals.status();
+  EXPECT_TRUE(torch::equal(residuals->at("outer.residual.v"), torch::full({3}, 0.5f)));
+  EXPECT_TRUE(torch::equal(residuals->at("outer.residual.w"), torch::full({2, 2}, 0.25f)));
 }
 
 TEST(Lora, OnlyAdaptersTrainAndTheMergedModelComputesTheSameFunction) {
@@ -526,56 +547,95 @@ TEST(GradientAverager, StepsCanBeAbandonedAndFinishSetsTheFinalGradient) {
   EXPECT_EQ(avg.buckets_during_backward(), 1);
 }
 
+// Two replicas of stage 0, "a" and "b", over mTLS on loopback, each with its own inbox, server and two
+// streams to the other (scatter and gather) for averagers made with Make.
+class TwoReplicas : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("meridian_two_replicas_" + std::to_string(::getpid()));
+    fs::remove_all(dir_);
+    core::ClusterSpec spec;
+    spec.name = "t";
+    spec.coordinator = {"127.0.0.1", 1};
+    for (const auto& s : sites_) spec.sites.push_back({s, {"127.0.0.1", 2}});
+    std::vector<std::string> warnings;
+    ASSERT_TRUE(core::InitClusterCerts(spec, dir_.string(), {}, &warnings).ok());
+    int port[2] = {0, 0};
+    for (int r = 0; r < 2; ++r) {
+      service_[r] = std::make_unique<rpc::PeerService>(sites_[r], std::set<std::string>{sites_[1 - r]}, &inbox_[r]);
+      grpc::ServerBuilder builder;
+      rpc::ConfigureServer(&builder);
+      builder.AddListeningPort("127.0.0.1:0", *rpc::MakeServerCredentials(dir_.string(), sites_[r]), &port[r]);
+      builder.RegisterService(service_[r].get());
+      server_[r] = builder.BuildAndStart();
+      ASSERT_TRUE(server_[r]);
+    }
+    for (int r = 0; r < 2; ++r) {
+      client_[r] =
+          *rpc::PeerClient::Create(dir_.string(), sites_[r], sites_[1 - r], "127.0.0.1:" + std::to_string(port[1 - r]));
+      scatter_[r] = *client_[r]->OpenStream(std::chrono::seconds(60));
+      gather_[r] = *client_[r]->OpenStream(std::chrono::seconds(60));
+    }
+  }
+  void TearDown() override {
+    for (int r = 0; r < 2; ++r)
+      if (server_[r]) server_[r]->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+    fs::remove_all(dir_);
+  }
+  // Replica r's averager over `params` with `o` (its sites, self and where filled in).
+  std::unique_ptr<GradientAverager> Make(int r, GradientAverager::Options o,
+                                         std::vector<std::pair<std::string, torch::Tensor>> params) {
+    o.sites = sites_;
+    o.self = r;
+    o.where = "stage 0 (site '" + sites_[r] + "')";
+    return std::make_unique<GradientAverager>(
+        o, std::move(params), &inbox_[r],
+        std::map<std::string, rpc::PeerClient::OutStream*>{{sites_[1 - r], scatter_[r].get()}},
+        std::map<std::string, rpc::PeerClient::OutStream*>{{sites_[1 - r], gather_[r].get()}});
+  }
+  // One step of both replicas: replica r's only backward pass gives `w[r]` the gradient g[r]; Finish's
+  // statuses.
+  static void Step(GradientAverager* avg[2], torch::Tensor w[2], const torch::Tensor g[2], int64_t step,
+                   absl::Status done[2]) {
+    std::thread replicas[2];
+    for (int r = 0; r < 2; ++r)
+      replicas[r] = std::thread([&, r] {
+        w[r].mutable_grad() = torch::Tensor();
+        avg[r]->BeginStep(step);
+        avg[r]->CaptureNextBackward();
+        (w[r] * g[r]).sum().backward();
+        done[r] = avg[r]->Finish();
+      });
+    for (auto& t : replicas) t.join();
+  }
+
+  const std::vector<std::string> sites_ = {"a", "b"};
+  fs::path dir_;
+  rpc::TensorInbox inbox_[2];
+  std::unique_ptr<rpc::PeerService> service_[2];
+  std::unique_ptr<grpc::Server> server_[2];
+  std::unique_ptr<rpc::PeerClient> client_[2];
+  std::unique_ptr<rpc::PeerClient::OutStream> scatter_[2], gather_[2];
+};
+
 // SparseLoCo's sum (Options::sparse_sum), two replicas over mTLS: each sparsifies its whole bucket through a
 // residual decayed by 0.5 and sends it to the other, and both end, bit for bit, with the sum of the two
 // sparse buckets -- rebuilt here with compression::ErrorFeedback -- over two steps (the second carrying the
 // decayed residuals).
-TEST(GradientAverager, ASparseSumIsExactlyTheSumOfEachReplicasSparsifiedParts) {
-  const fs::path dir = fs::temp_directory_path() / ("meridian_sparse_sum_" + std::to_string(::getpid()));
-  fs::remove_all(dir);
-  core::ClusterSpec spec;
-  spec.name = "t";
-  spec.coordinator = {"127.0.0.1", 1};
-  const std::vector<std::string> sites = {"a", "b"};
-  for (const auto& s : sites) spec.sites.push_back({s, {"127.0.0.1", 2}});
-  std::vector<std::string> warnings;
-  ASSERT_TRUE(core::InitClusterCerts(spec, dir.string(), {}, &warnings).ok());
-  rpc::TensorInbox inbox[2];
-  std::unique_ptr<rpc::PeerService> service[2];
-  std::unique_ptr<grpc::Server> server[2];
-  int port[2] = {0, 0};
-  for (int r = 0; r < 2; ++r) {
-    service[r] = std::make_unique<rpc::PeerService>(sites[r], std::set<std::string>{sites[1 - r]}, &inbox[r]);
-    grpc::ServerBuilder builder;
-    rpc::ConfigureServer(&builder);
-    builder.AddListeningPort("127.0.0.1:0", *rpc::MakeServerCredentials(dir.string(), sites[r]), &port[r]);
-    builder.RegisterService(service[r].get());
-    server[r] = builder.BuildAndStart();
-    ASSERT_TRUE(server[r]);
-  }
+TEST_F(TwoReplicas, ASparseSumIsExactlyTheSumOfEachReplicasSparsifiedParts) {
   const auto codec = *compression::CodecSpec::Parse("topk-int8:k=0.05");
   const int64_t n = 1000;  // one bucket
-  std::unique_ptr<rpc::PeerClient> client[2];
-  std::unique_ptr<rpc::PeerClient::OutStream> scatter[2], gather[2];
   torch::Tensor w[2];
   std::unique_ptr<GradientAverager> avg[2];
+  GradientAverager* avgs[2];
   for (int r = 0; r < 2; ++r) {
-    client[r] =
-        *rpc::PeerClient::Create(dir.string(), sites[r], sites[1 - r], "127.0.0.1:" + std::to_string(port[1 - r]));
-    scatter[r] = *client[r]->OpenStream(std::chrono::seconds(60));
-    gather[r] = *client[r]->OpenStream(std::chrono::seconds(60));
     w[r] = torch::zeros({n}, torch::requires_grad());
     GradientAverager::Options o;
-    o.sites = sites;
-    o.self = r;
     o.codec = codec;
     o.error_feedback_decay = 0.5f;
     o.sparse_sum = true;
-    o.where = "stage 0 (site '" + sites[r] + "')";
-    avg[r] = std::make_unique<GradientAverager>(
-        o, std::vector<std::pair<std::string, torch::Tensor>>{{"w", w[r]}}, &inbox[r],
-        std::map<std::string, rpc::PeerClient::OutStream*>{{sites[1 - r], scatter[r].get()}},
-        std::map<std::string, rpc::PeerClient::OutStream*>{{sites[1 - r], gather[r].get()}});
+    avg[r] = Make(r, o, {{"w", w[r]}});
+    avgs[r] = avg[r].get();
   }
   // The expected sum: replica r's bucket through its own decayed residual, decoded, added in replica order.
   std::unique_ptr<compression::ErrorFeedback> ef[2];
@@ -591,28 +651,122 @@ TEST(GradientAverager, ASparseSumIsExactlyTheSumOfEachReplicasSparsifiedParts) {
       EXPECT_EQ(std::count_if(part.begin(), part.end(), [](float v) { return v != 0; }), 50);  // 5% of 1000
       for (int64_t i = 0; i < n; ++i) want[i] += part[i];
     }
-    std::thread replicas[2];
     absl::Status done[2];
-    for (int r = 0; r < 2; ++r)
-      replicas[r] = std::thread([&, r] {
-        w[r].mutable_grad() = torch::Tensor();
-        avg[r]->BeginStep(step);
-        avg[r]->CaptureNextBackward();
-        (w[r] * g[r]).sum().backward();
-        done[r] = avg[r]->Finish();
-      });
-    for (auto& t : replicas) t.join();
+    Step(avgs, w, g, step, done);
     const torch::Tensor expected = torch::from_blob(want.data(), {n}, torch::kFloat32).clone();
     for (int r = 0; r < 2; ++r) {
       ASSERT_TRUE(done[r].ok()) << done[r];
-      EXPECT_TRUE(torch::equal(w[r].grad(), expected)) << "replica " << sites[r] << ", step " << step;
+      EXPECT_TRUE(torch::equal(w[r].grad(), expected)) << "replica " << sites_[r] << ", step " << step;
     }
     // Each replica sent 50 values a step (int8, a scale per 64 and an index each) against 4 KB of float32.
     EXPECT_LT(avg[0]->wire_bytes(), 0.1 * avg[0]->raw_bytes());
     EXPECT_EQ(avg[0]->raw_bytes(), (step + 1) * n * 4);
   }
-  for (int r = 0; r < 2; ++r) server[r]->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
-  fs::remove_all(dir);
+}
+
+// The error-feedback residuals survive a checkpoint (ExportResiduals, then ImportResiduals into new
+// averagers): with the two-phase sum (int4: residuals per peer slice and for this replica's slice of the
+// sum) and with SparseLoCo's (top-k: the whole bucket, decayed), over three buckets of two parameters,
+// replicas restarted after step 1 end step 2 with the bits of replicas that ran on; restarted without
+// their residuals, they do not. Refused: an import or export during a step, a missing or misshapen tensor.
+TEST_F(TwoReplicas, ErrorFeedbackResidualsRoundTripThroughACheckpoint) {
+  for (const bool sparse : {false, true}) {
+    SCOPED_TRACE(sparse ? "sparse_sum, topk-int8" : "reduce-scatter + all-gather, int4");
+    GradientAverager::Options o;
+    o.codec = *compression::CodecSpec::Parse(sparse ? "topk-int8:k=0.05" : "int4");
+    o.sparse_sum = sparse;
+    o.error_feedback_decay = sparse ? 0.5f : 1.0f;
+    o.bucket_bytes = 1000 * 4;  // 3 buckets
+    const std::vector<std::pair<std::string, std::vector<int64_t>>> shapes = {
+        {"a", {10, 50}}, {"b", {500}}, {"c", {7, 41}}, {"d", {3}}, {"e", {400}}, {"f", {599}}};
+    torch::manual_seed(3);
+    std::vector<std::array<torch::Tensor, 2>> grads;  // per step, per replica: the concatenated gradient
+    int64_t total = 0;
+    for (const auto& [name, shape] : shapes) total += c10::multiply_integers(shape);
+    for (int step = 0; step < 3; ++step) grads.push_back({torch::randn({total}), torch::randn({total})});
+    // The three ways: ran on, restarted with residuals, restarted without.
+    std::vector<std::array<torch::Tensor, 2>> final_grad;
+    for (int way = 0; way < 3; ++way) {
+      torch::Tensor w[2];  // one flat leaf per replica, viewed as the six parameters
+      std::vector<std::pair<std::string, torch::Tensor>> params[2];
+      std::unique_ptr<GradientAverager> avg[2];
+      GradientAverager* avgs[2];
+      auto make = [&] {
+        for (int r = 0; r < 2; ++r) {
+          avg[r] = Make(r, o, params[r]);
+          avgs[r] = avg[r].get();
+        }
+      };
+      for (int r = 0; r < 2; ++r) {
+        for (const auto& [name, shape] : shapes)
+          params[r].emplace_back(name, torch::zeros(shape, torch::requires_grad()));
+      }
+      make();
+      std::array<torch::Tensor, 2> last;
+      for (int step = 0; step < 3; ++step) {
+        if (step == 2 && way > 0) {
+          std::map<std::string, torch::Tensor> saved[2];
+          for (int r = 0; r < 2; ++r) {
+            auto exported = avg[r]->ExportResiduals();
+            ASSERT_TRUE(exported.ok()) << exported.status();
+            ASSERT_EQ(exported->size(), shapes.size());
+            for (const auto& [name, p] : params[r]) EXPECT_EQ(exported->at(name).sizes(), p.sizes()) << name;
+            saved[r] = *exported;
+          }
+          make();
+          for (int r = 0; r < 2; ++r)
+            if (way == 1) ASSERT_TRUE(avg[r]->ImportResiduals(saved[r]).ok());
+        }
+        absl::Status done[2];
+        std::thread replicas[2];
+        for (int r = 0; r < 2; ++r)
+          replicas[r] = std::thread([&, r] {
+            avg[r]->BeginStep(100 * way + step);
+            avg[r]->CaptureNextBackward();
+            torch::Tensor loss = torch::zeros({});
+            int64_t at = 0;
+            for (auto& [name, p] : params[r]) {
+              p.mutable_grad() = torch::Tensor();
+              loss = loss + (p.flatten() * grads[step][r].narrow(0, at, p.numel())).sum();
+              at += p.numel();
+            }
+            loss.backward();
+            done[r] = avg[r]->Finish();
+          });
+        for (auto& t : replicas) t.join();
+        for (int r = 0; r < 2; ++r) {
+          ASSERT_TRUE(done[r].ok()) << done[r];
+          std::vector<torch::Tensor> flat;
+          for (auto& [name, p] : params[r]) flat.push_back(p.grad().flatten());
+          last[r] = torch::cat(flat);
+        }
+        EXPECT_TRUE(torch::equal(last[0], last[1])) << "step " << step;  // every replica ends with the same bits
+      }
+      final_grad.push_back(last);
+    }
+    EXPECT_TRUE(torch::equal(final_grad[1][0], final_grad[0][0]));   // restarted with its residuals: the same
+    EXPECT_FALSE(torch::equal(final_grad[2][0], final_grad[0][0]));  // without them: another sum
+  }
+
+  // Refusals leave the residuals as they were.
+  torch::Tensor v = torch::zeros({6}, torch::requires_grad());
+  GradientAverager::Options o;
+  o.codec = *compression::CodecSpec::Parse("int8");
+  auto avg = Make(0, o, {{"v", v}});
+  EXPECT_EQ(avg->ImportResiduals({{"u", torch::ones({6})}}).code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(avg->ImportResiduals({{"v", torch::ones({5})}}).code(), absl::StatusCode::kDataLoss);
+  ASSERT_TRUE(avg->ImportResiduals({{"v", torch::full({2, 3}, 0.25f)}}).ok());
+  auto back = avg->ExportResiduals();
+  ASSERT_TRUE(back.ok());
+  EXPECT_TRUE(torch::equal(back->at("v"), torch::full({6}, 0.25f)));
+  avg->BeginStep(0);
+  EXPECT_EQ(avg->ExportResiduals().status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(avg->ImportResiduals({{"v", torch::ones({6})}}).code(), absl::StatusCode::kFailedPrecondition);
+  avg->Abort();
+  // A lossless codec keeps none.
+  o.codec = *compression::CodecSpec::Parse("identity");
+  auto exact = Make(0, o, {{"v", v}});
+  EXPECT_TRUE(exact->ExportResiduals()->empty());
 }
 
 // checkpoint.keep: the newest `keep` complete steps stay, newer incomplete ones (being written) stay,

@@ -141,7 +141,7 @@ void GradientAverager::Fail(const absl::Status& s) {
 absl::Status GradientAverager::EncodeSlice(int bucket, int ef_key, const float* data, int64_t n,
                                            std::vector<uint8_t>* frame) {
   core::TensorView v{core::DType::kFloat32, {n}, const_cast<float*>(data)};
-  if (o_.codec.lossless() || !o_.error_feedback) return compression::EncodeTo(v, o_.codec, frame);
+  if (!KeepsResiduals()) return compression::EncodeTo(v, o_.codec, frame);
   compression::ErrorFeedback* ef;
   {
     std::lock_guard<std::mutex> l(ef_mu_);
@@ -152,6 +152,87 @@ absl::Status GradientAverager::EncodeSlice(int bucket, int ef_key, const float* 
   auto f = ef->Encode(v);
   if (!f.ok()) return f.status();
   *frame = std::move(*f);
+  return absl::OkStatus();
+}
+
+std::pair<int64_t, int64_t> GradientAverager::ResidualRange(const Bucket& b, int ef_key) const {
+  if (ef_key == kWholeBucket) return {0, b.numel};
+  return Slice(b, ef_key == -1 ? o_.self : ef_key);
+}
+
+absl::StatusOr<std::map<std::string, torch::Tensor>> GradientAverager::ExportResiduals() {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (in_step_)
+      return absl::FailedPreconditionError(
+          absl::StrCat(o_.where, ": replica gradient sync: residuals exported during a step"));
+  }
+  std::map<std::string, torch::Tensor> out;
+  if (!KeepsResiduals()) return out;
+  std::lock_guard<std::mutex> l(ef_mu_);
+  for (int b = 0; b < static_cast<int>(buckets_.size()); ++b) {
+    const Bucket& bucket = buckets_[b];
+    torch::Tensor whole = torch::zeros({bucket.numel}, torch::kFloat32);
+    float* dst = whole.data_ptr<float>();
+    for (const auto& [key, ef] : ef_) {
+      if (key.first != b) continue;
+      const auto [lo, hi] = ResidualRange(bucket, key.second);
+      if (static_cast<int64_t>(ef->residual().size()) == hi - lo)  // empty: not sent yet
+        std::memcpy(dst + lo, ef->residual().data(), (hi - lo) * sizeof(float));
+    }
+    for (size_t k = 0; k < bucket.params.size(); ++k) {
+      const auto& [name, p] = params_[bucket.params[k]];
+      out[name] = whole.narrow(0, bucket.offsets[k], p.numel()).reshape(p.sizes()).clone();
+    }
+  }
+  return out;
+}
+
+absl::Status GradientAverager::ImportResiduals(const std::map<std::string, torch::Tensor>& residuals) {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (in_step_)
+      return absl::FailedPreconditionError(
+          absl::StrCat(o_.where, ": replica gradient sync: residuals imported during a step"));
+  }
+  if (residuals.empty() || !KeepsResiduals()) return absl::OkStatus();
+  // Every bucket whole first; nothing is set unless all fit.
+  std::vector<std::vector<float>> whole(buckets_.size());
+  for (int b = 0; b < static_cast<int>(buckets_.size()); ++b) {
+    const Bucket& bucket = buckets_[b];
+    whole[b].resize(static_cast<size_t>(bucket.numel));
+    for (size_t k = 0; k < bucket.params.size(); ++k) {
+      const auto& [name, p] = params_[bucket.params[k]];
+      auto it = residuals.find(name);
+      if (it == residuals.end())
+        return absl::DataLossError(absl::StrCat(o_.where, ": the error-feedback residual of ", name, " is missing"));
+      if (it->second.numel() != p.numel())
+        return absl::DataLossError(absl::StrCat(o_.where, ": the error-feedback residual of ", name, " has ",
+                                                it->second.numel(), " values for a parameter of ", p.numel()));
+      const torch::Tensor t = it->second.to(torch::kCPU, torch::kFloat32).contiguous();
+      std::memcpy(whole[b].data() + bucket.offsets[k], t.data_ptr<float>(), p.numel() * sizeof(float));
+    }
+  }
+  std::lock_guard<std::mutex> l(ef_mu_);
+  ef_.clear();
+  for (int b = 0; b < static_cast<int>(buckets_.size()); ++b) {
+    std::vector<int> keys;
+    if (o_.sparse_sum) {
+      keys.push_back(kWholeBucket);
+    } else {
+      keys.push_back(-1);
+      for (int j = 0; j < static_cast<int>(o_.sites.size()); ++j)
+        if (j != o_.self) keys.push_back(j);
+    }
+    for (int key : keys) {
+      const auto [lo, hi] = ResidualRange(buckets_[b], key);
+      auto ef = std::make_unique<compression::ErrorFeedback>(o_.codec, o_.error_feedback_decay);
+      if (absl::Status s = ef->Restore({hi - lo}, std::vector<float>(whole[b].begin() + lo, whole[b].begin() + hi));
+          !s.ok())
+        return absl::InternalError(absl::StrCat(o_.where, ": bucket ", b, ": ", s.message()));
+      ef_[{b, key}] = std::move(ef);
+    }
+  }
   return absl::OkStatus();
 }
 

@@ -92,6 +92,19 @@ class GradientAverager {
   // gradient left undefined on one site; every trained parameter of the LLaMA slices gets one.)
   absl::Status Finish();
 
+  // The error-feedback residuals, for checkpoints: one float32 CPU tensor per parameter (by name, of its
+  // shape) holding the residual of every send that covers it. The sends of a bucket tile it: phase 0's
+  // slices to each other replica and phase 1's slice of this replica's sum (or, with sparse_sum, the
+  // whole bucket), so one tensor a parameter holds them all; a part not sent yet holds zeros. Empty when
+  // the codec is lossless or error feedback is off. FailedPrecondition during a step (between BeginStep
+  // and the end of Finish or Abort): the exchange threads change the residuals then.
+  absl::StatusOr<std::map<std::string, torch::Tensor>> ExportResiduals();
+  // Restores what ExportResiduals wrote for the same replicas in the same order (the residuals are per
+  // peer: the caller checks the layout, as the replica round state's does). Empty `residuals`: nothing
+  // to restore (no-op). Otherwise every parameter's tensor of its numel, else DataLoss naming the tensor
+  // and nothing restored; FailedPrecondition during a step. No-op when ExportResiduals would be empty.
+  absl::Status ImportResiduals(const std::map<std::string, torch::Tensor>& residuals);
+
   int64_t wire_bytes() const { return wire_bytes_.load(); }  // sent so far, compressed
   int64_t raw_bytes() const { return raw_bytes_.load(); }    // the same, as float32
   int buckets() const { return static_cast<int>(buckets_.size()); }
@@ -119,6 +132,9 @@ class GradientAverager {
   // Encodes n floats for one send; `ef_key` selects the error-feedback residual (the peer in phase 0,
   // -1 for the phase-1 sum, which is encoded once for all peers, kWholeBucket for a sparse_sum bucket).
   absl::Status EncodeSlice(int bucket, int ef_key, const float* data, int64_t n, std::vector<uint8_t>* frame);
+  // The element range of bucket b that error-feedback key `ef_key` covers.
+  std::pair<int64_t, int64_t> ResidualRange(const Bucket& b, int ef_key) const;
+  bool KeepsResiduals() const { return !o_.codec.lossless() && o_.error_feedback; }
   absl::Status SendFrame(int peer, int bucket, int phase, int64_t n, const std::vector<uint8_t>& frame);
   absl::StatusOr<std::vector<uint8_t>> WaitSlice(int bucket, int peer, int phase);
   // Waits until `flag` (a bucket's ready or own_sent, set under mu_) holds or the step is aborted: false

@@ -388,7 +388,7 @@ absl::Status StageWorker::Connect() {
         std::vector<std::unique_ptr<GradientAverager>> averagers;
         for (const auto& buffers : outer_->buffers())
           averagers.push_back(std::make_unique<GradientAverager>(o, buffers, inbox_, scatter, sums));
-        outer_->Attach(std::move(averagers));
+        if (absl::Status s = outer_->Attach(std::move(averagers)); !s.ok()) return Annotate(s, Where());
       } else {
         averager_ = std::make_unique<GradientAverager>(o, model_->parameters(), inbox_, scatter, gather);
       }
@@ -1166,7 +1166,8 @@ absl::Status StageWorker::Restore(const Checkpoint& c) {
         spdlog::info("{}", absl::StrCat(Where(), ": resumes its own DiLoCo round state of step ", c.step));
       else
         spdlog::warn("{}", absl::StrCat(Where(), ": resumes from replica 0's state of step ", c.step, " (", why,
-                                        "what this replica learnt since the last outer synchronisation is lost)"));
+                                        "what this replica learnt since the last outer synchronisation, and its "
+                                        "error-feedback residuals, are lost)"));
     }
     Checkpoint own;  // replica r > 0: its parameters and moments in place of replica 0's
     const Checkpoint* from = &c;

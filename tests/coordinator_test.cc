@@ -146,6 +146,9 @@ class CoordinatorTest : public ::testing::Test {
     ASSERT_EQ(reported.size(), static_cast<size_t>(steps));
     for (int i = 0; i < steps; ++i) EXPECT_EQ(reported[i], i + 1);  // 1-based
   }
+  // A DiLoCo run resumed mid-round with `sync` ends where it ends uninterrupted (defined with its tests).
+  void ExpectAResumeMidRoundToEndWhereAnUninterruptedRunEnds(const std::string& sync,
+                                                             const std::vector<std::string>& stores);
   fs::path dir_;
   int coord_port_ = 0;
   std::map<std::string, int> ports_;
@@ -800,27 +803,25 @@ TEST_F(CoordinatorTest, ADilocoReplicaOnATwoWorkerSiteResumesLikeOneOnASingleDev
   }
 }
 
-// Resuming mid-round (#17): stage 0's DiLoCo replicas a and b (H = 4 in 2 fragments, overlapped, identity
-// codec) checkpoint after step 5, while the exchange of fragment 0 begun after step 4 is in flight (not
-// waited for). c then sends a NaN activation gradient in step 7: the step fails, every stage resumes from
-// step 5, each replica from its own round state (its parameters, moments and its parameters when the
-// exchange began, from which it runs the exchange again), and the run ends with the weights of the same
-// run uninterrupted -- with the coordinator's store and with a shared directory.
-// Before, b resumed from a's parameters and the exchange in flight was lost (3-49% off).
-TEST_F(CoordinatorTest, ADilocoRunResumedMidRoundEndsWhereAnUninterruptedOneEnds) {
+// Resuming mid-round (#17) with `sync` (job.sync's flow map): stage 0's DiLoCo replicas a and b (H = 4 in 2
+// fragments, overlapped) checkpoint after step 5, while the exchange of fragment 0 begun after step 4 is in
+// flight (not waited for). c then sends a NaN activation gradient in step 7: the step fails, every stage
+// resumes from step 5, each replica from its own round state (its parameters, moments, error-feedback
+// residuals and its parameters when the exchange began, from which it runs the exchange again), and the
+// run ends with the weights of the same run uninterrupted -- with each of `stores`.
+void CoordinatorTest::ExpectAResumeMidRoundToEndWhereAnUninterruptedRunEnds(const std::string& sync,
+                                                                            const std::vector<std::string>& stores) {
   SetSteps(12);
   std::ofstream(dir_ / "job.yaml", std::ios::app)
-      << "  checkpoint: {interval: 5, store: coordinator, dir: ckpt}\n"
-         "  sync: {mode: diloco, inner_steps: 4, fragments: 2, codec: identity, overlap: true,\n"
-         "         outer_optimizer: {name: nesterov, lr: 0.7, momentum: 0.9}}\n";
+      << "  checkpoint: {interval: 5, store: coordinator, dir: ckpt}\n  sync: " << sync << "\n";
   std::ofstream(dir_ / "plan.json") << R"({"stages": [{"sites": ["a", "b"], "last_op": 2, "micro_batches": [2, 2]},
-                                                      {"sites": ["c"], "last_op": 5}]})";
+                                                        {"sites": ["c"], "last_op": 5}]})";
   std::string b_log;
   const std::string log = RunPinned("", &b_log);
   ASSERT_THAT(log, HasSubstr("done: 12 steps"));
   const auto uninterrupted = testing::MergeShards(dir_ / "run" / "weights");
   ASSERT_FALSE(uninterrupted.empty());
-  for (const std::string store : {"coordinator", "shared"}) {
+  for (const std::string& store : stores) {
     SCOPED_TRACE(store);
     fs::remove_all(dir_ / "run");
     fs::remove_all(dir_ / "ckpt");
@@ -850,6 +851,26 @@ TEST_F(CoordinatorTest, ADilocoRunResumedMidRoundEndsWhereAnUninterruptedOneEnds
     ASSERT_EQ(got.size(), uninterrupted.size());
     for (const auto& [name, t] : uninterrupted) EXPECT_LE(testing::RelativeL2(got[name], t), 1e-6) << name;
   }
+}
+
+// The identity codec, with both stores. Before round states, b resumed from a's parameters and the exchange
+// in flight was lost (3-49% off).
+TEST_F(CoordinatorTest, ADilocoRunResumedMidRoundEndsWhereAnUninterruptedOneEnds) {
+  ExpectAResumeMidRoundToEndWhereAnUninterruptedRunEnds(
+      "{mode: diloco, inner_steps: 4, fragments: 2, codec: identity, overlap: true,\n"
+      "         outer_optimizer: {name: nesterov, lr: 0.7, momentum: 0.9}}",
+      {"coordinator", "shared"});
+}
+
+// SparseLoCo (a top-k codec whose decayed error-feedback residuals are the outer momentum): the residuals
+// are in each replica's round state, those the exchange in flight began with, so the exchange run again
+// sends the same values and the run ends where the uninterrupted one does. Before they were saved, the
+// resumed replicas restarted them empty.
+TEST_F(CoordinatorTest, ASparseLocoRunResumedMidRoundEndsWhereAnUninterruptedOneEnds) {
+  ExpectAResumeMidRoundToEndWhereAnUninterruptedRunEnds(
+      "{mode: diloco, inner_steps: 4, fragments: 2, codec: 'topk-int8:k=0.05', overlap: true,\n"
+      "         outer_optimizer: {name: sparseloco, lr: 1, momentum: 0.5}}",
+      {"coordinator"});
 }
 
 // Checkpoints stay partition-independent across a site's worker count (#22): a run whose site b has two
