@@ -584,7 +584,7 @@ void ParseJob(Checker& c, const YAML::Node& n, JobSpec* j) {
         const std::string ooc = "job.sync.outer_optimizer";
         if (c.Map(oo, ooc, {"name", "lr", "momentum"})) {
           c.Choice(oo, "name", ooc, {"nesterov", "sgd", "sparseloco"}, &s.outer_optimizer);
-          if (s.outer_optimizer == "sparseloco") {  // the paper's values, unless given
+          if (s.sparseloco()) {  // the paper's values, unless given
             s.outer_lr = 1.0;
             s.outer_momentum = 0.95;
           }
@@ -594,7 +594,7 @@ void ParseJob(Checker& c, const YAML::Node& n, JobSpec* j) {
             c.Error(oo["momentum"].Mark(), "job.sync.outer_optimizer.momentum: must be below 1");
         }
       }
-      if (s.outer_optimizer == "sparseloco") {
+      if (s.sparseloco()) {
         const YAML::Node at = o["codec"].IsDefined() ? o["codec"] : o["outer_optimizer"];
         auto codec = CodecSpec::Parse(s.codec);
         if (codec.ok() && codec->kind != CodecKind::kTopK)

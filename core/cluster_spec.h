@@ -132,6 +132,9 @@ struct SyncSpec {
   // The exchange runs while the inner steps continue, and is applied at the next synchronisation point
   // (H / F inner steps later), keeping the local progress made meanwhile. false: the replicas wait for it.
   bool overlap = true;
+
+  // SparseLoCo (outer_optimizer "sparseloco"): the one spelling of that test.
+  bool sparseloco() const { return outer_optimizer == "sparseloco"; }
 };
 
 struct CheckpointSpec {

@@ -29,7 +29,7 @@ std::vector<std::vector<int>> SplitFragments(const std::vector<int64_t>& numels,
 
 void OuterStep(const core::SyncSpec& spec, const torch::Tensor& delta, torch::Tensor& momentum, torch::Tensor& outer) {
   torch::NoGradGuard no_grad;
-  if (spec.outer_optimizer == "sparseloco") {  // its momentum is the replicas' decayed residuals
+  if (spec.sparseloco()) {  // its momentum is the replicas' decayed residuals
     outer.add_(delta, -spec.outer_lr);
     return;
   }
@@ -130,11 +130,16 @@ void OuterSync::StartExchange(int f, int64_t step, bool overlap) {
   began_ = std::chrono::steady_clock::now();
   pending_overlapped_ = overlap;
   cancel_requested_ = false;
+  sum_restored_ = false;
   // An overlapped exchange may be checkpointed in flight and run again on resume, from these residuals.
   pending_residuals_.clear();
+  pending_residuals_status_ = absl::OkStatus();
   if (overlap) {
     auto residuals = averagers_[f]->ExportResiduals();  // idle until the exchange begins below
-    if (residuals.ok()) pending_residuals_ = std::move(*residuals);
+    if (residuals.ok())
+      pending_residuals_ = std::move(*residuals);
+    else
+      pending_residuals_status_ = residuals.status();  // a checkpoint taken while it runs fails with it
   }
   // On a thread of its own also when not overlapped, if it may have to be cancelled while awaited.
   exchange_done_ = false;
@@ -192,6 +197,8 @@ absl::Status OuterSync::Complete() {
   const bool overlapped = pending_overlapped_;
   AwaitExchange();
   pending_ = -1;
+  sum_restored_ = false;
+  pending_residuals_.clear();
   if (!exchange_status_.ok()) return exchange_status_;
   torch::NoGradGuard no_grad;
   const auto& fragment = fragments_[f];
@@ -232,6 +239,8 @@ void OuterSync::Suspend() {
   }
   pending_ = -1;
   run_again_ = false;
+  sum_restored_ = false;
+  pending_residuals_.clear();
   for (auto& s : snapshot_) s = torch::Tensor();
 }
 
@@ -318,6 +327,7 @@ absl::Status OuterSync::ExportResiduals(bool in_flight_runs_again, std::map<std:
   for (int f = 0; f < static_cast<int>(fragments_.size()); ++f) {
     std::map<std::string, torch::Tensor> residuals;
     if (f == pending_ && in_flight_runs_again) {
+      if (!pending_residuals_status_.ok()) return pending_residuals_status_;
       residuals = pending_residuals_;
     } else {
       auto exported = averagers_[f]->ExportResiduals();
@@ -338,8 +348,9 @@ absl::StatusOr<std::map<std::string, torch::Tensor>> OuterSync::ExportRoundState
   std::map<std::string, torch::Tensor> out;
   torch::Tensor round = torch::full({6}, -1.0, torch::kFloat64);
   if (pending_ >= 0) {
-    // Without its snapshot (not overlapped) the exchange cannot be run again: it is awaited.
-    const bool with_sum = await_exchange || !pending_overlapped_;
+    // Without its snapshot (not overlapped) the exchange cannot be run again: it is awaited. A sum restored
+    // from a round state is saved again (the residuals it left are the averager's now).
+    const bool with_sum = await_exchange || !pending_overlapped_ || sum_restored_;
     if (with_sum) {
       if (run_again_)  // resumed, and not begun at Attach
         if (absl::Status s = BeginAgain(); !s.ok()) return s;
@@ -444,6 +455,7 @@ absl::Status OuterSync::ImportRoundState(const std::map<std::string, torch::Tens
     began_ = std::chrono::steady_clock::now();
     return keep_residuals();
   }
+  sum_restored_ = true;
   drift2_ = round[2].item<double>();
   // Complete counts the averager's bytes since wire_bytes_at_begin_: the fresh averager's (none yet) plus
   // what the exchange took before the checkpoint.

@@ -126,7 +126,8 @@ class OuterSync {
   // attached already); a round state without them (a lossless codec, an older checkpoint) leaves the
   // averagers' as they are. Refused (DataLoss naming the tensor, nothing restored) when it does not fit:
   // another fragment count, a tensor missing or of another shape, sums or residuals for only some of the
-  // parameters.
+  // parameters. (When the averagers are attached already, the residuals go in last, fragment by fragment;
+  // having been checked here, they are refused only during an exchange, which a restore never meets.)
   absl::Status ImportRoundState(const std::map<std::string, torch::Tensor>& state);
   // After an ImportRoundState without the sum, until Attach: the fragment and the inner step (0-based) of
   // the exchange to run again; nullopt otherwise.
@@ -199,6 +200,8 @@ class OuterSync {
   bool run_again_ = false;                 // resumed without its sum: pending_'s exchange not yet begun again
   // Overlapped: the pending fragment's averager's residuals when its exchange began, by parameter name.
   std::map<std::string, torch::Tensor> pending_residuals_;
+  absl::Status pending_residuals_status_;  // taking them failed: a round state that needs them fails
+  bool sum_restored_ = false;              // pending_'s sum came from ImportRoundState (no exchange runs)
   std::map<std::string, torch::Tensor> restored_residuals_;  // by ImportRoundState, until Attach
   int64_t wire_bytes_ = 0, raw_bytes_ = 0;
 };

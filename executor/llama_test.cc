@@ -227,8 +227,9 @@ TEST(Llama, TheGraphCountsTheMemoryEachOpKeepsForItsBackwardPass) {
     const double measured = heap() - before;
     const double modelled = partitioner::SavedBytes(g.ops[op]);
     EXPECT_NEAR(measured, modelled, 0.1 * modelled) << g.ops[op].name;
-    if (op > 0 && op < cfg->num_ops() - 1)  // far more than the output a block hands on
+    if (op > 0 && op < cfg->num_ops() - 1) {  // far more than the output a block hands on
       EXPECT_GT(measured, 5 * g.ops[op].output_bytes) << g.ops[op].name;
+    }
   }
 }
 
@@ -365,7 +366,8 @@ TEST(Diloco, OuterStateRoundTripsThroughACheckpointAndRefusesOtherShapes) {
 
 // A round state with nothing in flight is its marker alone; one that names an exchange in flight must
 // carry its fragment's sums (and snapshots, overlapped), or only its snapshots (the exchange is run again),
-// of the right shapes, and residuals for every parameter or none, or nothing is restored.
+// of the right shapes, and residuals for every parameter or none, or nothing is restored; a restored sum
+// and the restored residuals are what the next round state saves.
 TEST(Diloco, RoundStateWithoutAnExchangeInFlightIsItsMarkerAndAForgedOneIsRefused) {
   core::SyncSpec spec;
   spec.fragments = 2;
@@ -445,6 +447,35 @@ TEST(Diloco, RoundStateWithoutAnExchangeInFlightIsItsMarkerAndAForgedOneIsRefuse
   ASSERT_TRUE(residuals.ok()) << residuals.status();
   EXPECT_TRUE(torch::equal(residuals->at("outer.residual.v"), torch::full({3}, 0.5f)));
   EXPECT_TRUE(torch::equal(residuals->at("outer.residual.w"), torch::full({2, 2}, 0.25f)));
+
+  // A sum restored with its round state is saved again by the next one (nothing runs again), and beside it
+  // every fragment's residuals, the attached averagers' (one replica: int8 sums keep a residual each).
+  rpc::TensorInbox inbox;
+  OuterSync e(spec, 0.5, {{"w", w}, {"v", v}});
+  ASSERT_TRUE(e.ImportRoundState({{"outer.round", round(1)},
+                                  {"outer.sum.v", torch::full({3}, 4.0f)},
+                                  {"outer.snapshot.v", torch::ones({3})},
+                                  {"outer.residual.v", torch::full({3}, 0.5f)},
+                                  {"outer.residual.w", torch::full({2, 2}, 0.25f)}})
+                  .ok());
+  GradientAverager::Options o;
+  o.sites = {"a"};
+  o.codec = *compression::CodecSpec::Parse("int8");
+  o.where = "stage 0 (site 'a')";
+  std::vector<std::unique_ptr<GradientAverager>> averagers;
+  for (const auto& buffers : e.buffers())
+    averagers.push_back(std::make_unique<GradientAverager>(o, buffers, &inbox,
+                                                           std::map<std::string, rpc::PeerClient::OutStream*>{},
+                                                           std::map<std::string, rpc::PeerClient::OutStream*>{}));
+  ASSERT_TRUE(e.Attach(std::move(averagers)).ok());
+  EXPECT_FALSE(e.exchange_to_run_again());
+  auto saved = e.ExportRoundState(false);
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  EXPECT_TRUE(torch::equal(saved->at("outer.sum.v"), torch::full({3}, 4.0f)));
+  ASSERT_EQ(saved->count("outer.residual.v"), 1u);
+  EXPECT_TRUE(torch::equal(saved->at("outer.residual.v"), torch::full({3}, 0.5f)));
+  ASSERT_EQ(saved->count("outer.residual.w"), 1u);
+  EXPECT_TRUE(torch::equal(saved->at("outer.residual.w"), torch::full({2, 2}, 0.25f)));
 }
 
 TEST(Lora, OnlyAdaptersTrainAndTheMergedModelComputesTheSameFunction) {
@@ -714,8 +745,11 @@ TEST_F(TwoReplicas, ErrorFeedbackResidualsRoundTripThroughACheckpoint) {
             saved[r] = *exported;
           }
           make();
-          for (int r = 0; r < 2; ++r)
-            if (way == 1) ASSERT_TRUE(avg[r]->ImportResiduals(saved[r]).ok());
+          for (int r = 0; r < 2; ++r) {
+            if (way == 1) {
+              ASSERT_TRUE(avg[r]->ImportResiduals(saved[r]).ok());
+            }
+          }
         }
         absl::Status done[2];
         std::thread replicas[2];
@@ -753,9 +787,9 @@ TEST_F(TwoReplicas, ErrorFeedbackResidualsRoundTripThroughACheckpoint) {
   GradientAverager::Options o;
   o.codec = *compression::CodecSpec::Parse("int8");
   auto avg = Make(0, o, {{"v", v}});
+  ASSERT_TRUE(avg->ImportResiduals({{"v", torch::full({2, 3}, 0.25f)}}).ok());  // of v's numel, any shape
   EXPECT_EQ(avg->ImportResiduals({{"u", torch::ones({6})}}).code(), absl::StatusCode::kDataLoss);
   EXPECT_EQ(avg->ImportResiduals({{"v", torch::ones({5})}}).code(), absl::StatusCode::kDataLoss);
-  ASSERT_TRUE(avg->ImportResiduals({{"v", torch::full({2, 3}, 0.25f)}}).ok());
   auto back = avg->ExportResiduals();
   ASSERT_TRUE(back.ok());
   EXPECT_TRUE(torch::equal(back->at("v"), torch::full({6}, 0.25f)));

@@ -1,6 +1,7 @@
 #include "executor/replica_sync.h"
 
 #include <cstring>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "core/status.h"
@@ -174,11 +175,12 @@ absl::StatusOr<std::map<std::string, torch::Tensor>> GradientAverager::ExportRes
     const Bucket& bucket = buckets_[b];
     torch::Tensor whole = torch::zeros({bucket.numel}, torch::kFloat32);
     float* dst = whole.data_ptr<float>();
-    for (const auto& [key, ef] : ef_) {
-      if (key.first != b) continue;
-      const auto [lo, hi] = ResidualRange(bucket, key.second);
-      if (static_cast<int64_t>(ef->residual().size()) == hi - lo)  // empty: not sent yet
-        std::memcpy(dst + lo, ef->residual().data(), (hi - lo) * sizeof(float));
+    for (auto it = ef_.lower_bound({b, std::numeric_limits<int>::min()}); it != ef_.end() && it->first.first == b;
+         ++it) {
+      const auto [lo, hi] = ResidualRange(bucket, it->first.second);
+      const std::vector<float>& residual = it->second->residual();
+      if (hi > lo && static_cast<int64_t>(residual.size()) == hi - lo)  // empty: not sent yet
+        std::memcpy(dst + lo, residual.data(), (hi - lo) * sizeof(float));
     }
     for (size_t k = 0; k < bucket.params.size(); ++k) {
       const auto& [name, p] = params_[bucket.params[k]];

@@ -19,8 +19,10 @@
 // decoded form of what it sent, so all replicas end with bit-identical gradients. (Options::sparse_sum
 // replaces both phases with an all-gather of sparse buckets: SparseLoCo's.)
 //
-// Thread-safety: BeginStep, CaptureNextBackward and Finish are called by the stage's thread; the hooks run
-// on autograd's thread (the caller's on CPU); the two communication threads live from BeginStep to Finish.
+// Thread-safety: BeginStep, CaptureNextBackward and Finish are called by the stage's thread (or, for a
+// DiLoCo exchange, its exchange thread), ExportResiduals and ImportResiduals by that thread between
+// steps; the hooks run on autograd's thread (the caller's on CPU); the two communication threads live from
+// BeginStep to Finish.
 #ifndef MERIDIAN_EXECUTOR_REPLICA_SYNC_H_
 #define MERIDIAN_EXECUTOR_REPLICA_SYNC_H_
 
@@ -75,7 +77,9 @@ class GradientAverager {
                    std::map<std::string, rpc::PeerClient::OutStream*> gather);
   ~GradientAverager();  // ends a step in progress (its threads give up within a fraction of a second)
 
-  // Starts step `step`'s exchange threads (ending a step still in progress first).
+  // Starts step `step`'s exchange threads (ending a step still in progress first). `step` keys the step's
+  // frames, so every replica passes the same one, and two consecutive steps never the same (the peer's
+  // inbox keeps only the newest frame of a key): DiLoCo numbers its exchanges.
   void BeginStep(int64_t step);
   // Ends a step in progress without completing it (the stage's step failed): its threads give up
   // within a fraction of a second and are joined. No-op without a step in progress.
@@ -103,6 +107,8 @@ class GradientAverager {
   // peer: the caller checks the layout, as the replica round state's does). Empty `residuals`: nothing
   // to restore (no-op). Otherwise every parameter's tensor of its numel, else DataLoss naming the tensor
   // and nothing restored; FailedPrecondition during a step. No-op when ExportResiduals would be empty.
+  // With another `bucket_bytes` than the export's, an element's residual may go with the send to another
+  // peer than before; it still corrects that element's part of the sum.
   absl::Status ImportResiduals(const std::map<std::string, torch::Tensor>& residuals);
 
   int64_t wire_bytes() const { return wire_bytes_.load(); }  // sent so far, compressed

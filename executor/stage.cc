@@ -371,7 +371,7 @@ absl::Status StageWorker::Connect() {
         if (!codec.ok()) return Annotate(codec.status(), absl::StrCat(Where(), ": job.sync.codec"));
         o.codec = *codec;
         o.error_feedback = setup_.job.sync.error_feedback;
-        if (setup_.job.sync.outer_optimizer == "sparseloco") {  // docs/sync.md, "SparseLoCo"
+        if (setup_.job.sync.sparseloco()) {  // docs/sync.md, "SparseLoCo"
           o.error_feedback_decay = static_cast<float>(setup_.job.sync.outer_momentum);
           o.sparse_sum = true;
         }

@@ -165,9 +165,10 @@ class StageWorker {
   // OuterSync::ExportRoundState), so that the same replicas resume mid-round. An exchange in flight is not
   // waited for (a resumed replica runs it again), except at a plan switch's step boundary (`boundary`),
   // where the stages end: there it is awaited and its result saved.
-  // Error-feedback residuals are not saved: a resumed lossy link or pseudo-gradient codec starts with
-  // empty ones. With `keep` > 0, stage 0's writer -- one pruner per directory -- then keeps the newest
-  // `keep` complete steps of `dir` (PruneCheckpoints; what it cannot remove goes to stderr).
+  // The round state holds the replica's pseudo-gradient codec's error-feedback residuals; those of lossy
+  // links and of every-step gradient sums are not saved (a resumed one starts empty). With `keep` > 0, stage 0's writer
+  // -- one pruner per directory -- then keeps the newest `keep` complete steps of `dir` (PruneCheckpoints; what it
+  // cannot remove goes to stderr).
   absl::Status SaveCheckpoint(const std::string& dir, int64_t steps_done, int keep = 0, bool boundary = false);
   // After resuming from step `step` of `dir`: stage 0's writer removes the step directories above it, so
   // what an abandoned attempt left there cannot mix with the steps written again (RemoveCheckpointsAbove).

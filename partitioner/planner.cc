@@ -1176,7 +1176,7 @@ SyncModel SyncModelOf(const core::SyncSpec& spec) {
   m.fragments = spec.fragments;
   m.overlap = spec.overlap;
   if (auto codec = PriceCodec(spec.codec); codec.ok()) m.codec = *codec;
-  if (spec.outer_optimizer == "sparseloco") m.UseSparseSum().IgnoreError();  // validated: a top-k codec
+  if (spec.sparseloco()) m.UseSparseSum().IgnoreError();  // validated: a top-k codec
   return m;
 }
 
