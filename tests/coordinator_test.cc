@@ -149,6 +149,8 @@ class CoordinatorTest : public ::testing::Test {
   // A DiLoCo run resumed mid-round with `sync` ends where it ends uninterrupted (defined with its tests).
   void ExpectAResumeMidRoundToEndWhereAnUninterruptedRunEnds(const std::string& sync,
                                                              const std::vector<std::string>& stores);
+  // A DiLoCo worker of three, lost mid-run with `sync`, is left out (defined with its tests).
+  void ExpectALostDilocoWorkerToBeLeftOut(const std::string& sync);
   fs::path dir_;
   int coord_port_ = 0;
   std::map<std::string, int> ports_;
@@ -584,21 +586,19 @@ TEST_F(CoordinatorTest, KilledReplicaIsReplannedAroundAndTheRunEndsWhereAnUninte
   ExpectWeightsOfTheReference(dir_);
 }
 
-// DiLoCo workers of the whole model (#17; a pinned one-stage plan over a, b and c, H = 5, overlapped int4
-// exchanges): c is killed mid-run. a and b stop at the first thing they need from c (a, replica 0, its loss
-// share; b, its next outer exchange), hear from the coordinator that c is left out, go on without it, and
-// switch at a step boundary to a plan without c that resumes from exactly that step: no fallback to a
-// checkpoint, and every step reported once.
-TEST_F(CoordinatorTest, ALostDilocoWorkerIsLeftOutAndTheOthersFinishWithNoStepLost) {
+// DiLoCo workers of the whole model (#17; a pinned one-stage plan over a, b and c, with `sync`): c is
+// killed mid-run. a and b stop at the first thing they need from c (a, replica 0, its loss share; b, its
+// next outer exchange), hear from the coordinator that c is left out, go on without it, and switch at a
+// step boundary to a plan without c that resumes from exactly that step: no fallback to a checkpoint, and
+// every step reported once.
+void CoordinatorTest::ExpectALostDilocoWorkerToBeLeftOut(const std::string& sync) {
   // Steps of a few milliseconds: the switch comes three heartbeat intervals' worth of steps after the loss
   // is seen (hundreds at 1 s), and it must come before the run's last step.
   Edit("cluster.yaml", "heartbeat: {interval: 1s, timeout: 4s}", "heartbeat: {interval: 250ms, timeout: 3s}");
   const int steps = 1000;
   SetSteps(steps);
   std::ofstream(dir_ / "job.yaml", std::ios::app)
-      << "  checkpoint: {dir: ckpt, interval: 50}\n"
-         "  sync: {mode: diloco, inner_steps: 5, codec: int4, overlap: true,\n"
-         "         outer_optimizer: {name: nesterov, lr: 0.7, momentum: 0.5}}\n";
+      << "  checkpoint: {dir: ckpt, interval: 50}\n  sync: " << sync << "\n";
   std::ofstream(dir_ / "plan.json") << R"({"stages": [{"sites": ["a", "b", "c"], "last_op": 5}]})";
   auto coord = Coordinator("--plan " + (dir_ / "plan.json").string());
   std::this_thread::sleep_for(500ms);
@@ -618,6 +618,21 @@ TEST_F(CoordinatorTest, ALostDilocoWorkerIsLeftOutAndTheOthersFinishWithNoStepLo
   // The survivors said why they went on.
   EXPECT_THAT(a->ReadAll(10s), HasSubstr("replica 'c' was lost and is left out of the outer average"));
   EXPECT_THAT(b->ReadAll(10s), HasSubstr("replica 'c' was lost and is left out of the outer average"));
+}
+
+// H = 5, overlapped int4 exchanges under Nesterov.
+TEST_F(CoordinatorTest, ALostDilocoWorkerIsLeftOutAndTheOthersFinishWithNoStepLost) {
+  ExpectALostDilocoWorkerToBeLeftOut(
+      "{mode: diloco, inner_steps: 5, codec: int4, overlap: true,\n"
+      "         outer_optimizer: {name: nesterov, lr: 0.7, momentum: 0.5}}");
+}
+
+// SparseLoCo's all-gather of top-k pseudo-gradients among three workers, in two fragments (H = 6): the
+// same, the two survivors' exchanges going on without c's frames.
+TEST_F(CoordinatorTest, ALostSparseLocoWorkerIsLeftOutAndTheOthersFinishWithNoStepLost) {
+  ExpectALostDilocoWorkerToBeLeftOut(
+      "{mode: diloco, inner_steps: 6, fragments: 2, codec: 'topk-int8:k=0.05', overlap: true,\n"
+      "         outer_optimizer: {name: sparseloco, lr: 1, momentum: 0.5}}");
 }
 
 // Whole DiLoCo pipelines (#17; a pinned plan of two pipelines, a -> c and b -> d, H = 5, overlapped int4
