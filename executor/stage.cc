@@ -191,6 +191,7 @@ StageWorker::StageWorker(JobSetup setup, StageAssignment a, rpc::TensorInbox* in
     : setup_(std::move(setup)),
       a_(std::move(a)),
       inbox_(inbox),
+      replaced_seen_(inbox->replaced()),
       certs_(std::move(certs_dir)),
       self_(std::move(self)),
       device_(device),
@@ -468,6 +469,12 @@ absl::StatusOr<torch::Tensor> StageWorker::Receive(const std::string& peer, cons
 
 absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t total_steps) {
   return GuardTorch(absl::StrCat(Where(), ": step ", step + 1), [&]() -> absl::StatusOr<std::optional<double>> {
+    // Frames lost to a replacement in the inbox are reported whether the step succeeds or fails.
+    struct ReportAtEnd {
+      StageWorker* worker;
+      int64_t step;
+      ~ReportAtEnd() { worker->ReportReplacedFrames(step); }
+    } report_at_end{this, step};
     const int M = setup_.micro_batches, mbs = setup_.micro_batch_size, seq = setup_.job.sequence_length;
     const int64_t d = setup_.model.shape.hidden_size;
     const std::vector<int64_t> hidden = {mbs, seq, d};
@@ -1130,6 +1137,16 @@ absl::Status StageWorker::SaveCheckpoint(const std::string& dir, int64_t steps_d
     }
     return absl::OkStatus();
   });
+}
+
+void StageWorker::ReportReplacedFrames(int64_t step) {
+  const int64_t replaced = inbox_->replaced();
+  if (replaced == replaced_seen_) return;
+  spdlog::warn("{}", absl::StrCat(Where(), ": by step ", step + 1, ", ", replaced - replaced_seen_,
+                                  " frame(s) arrived for a key whose frame had not been taken yet and replaced it "
+                                  "(the last: ",
+                                  inbox_->last_replaced(), "); a peer sent a key twice, and a frame was lost"));
+  replaced_seen_ = replaced;
 }
 
 core::ReplicaLayout StageWorker::RoundLayout() const {

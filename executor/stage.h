@@ -246,10 +246,13 @@ class StageWorker {
   absl::StatusOr<std::unique_ptr<rpc::PeerClient::OutStream>> OpenStream(const std::string& site,
                                                                          const std::string& address);
   std::string Where() const;
+  // Warns (the site log) when frames replaced waiting ones since the last report: rpc::TensorInbox::replaced.
+  void ReportReplacedFrames(int64_t step);
 
   JobSetup setup_;
   StageAssignment a_;
   rpc::TensorInbox* inbox_;
+  int64_t replaced_seen_ = 0;  // inbox_->replaced() when last reported (at construction first)
   std::string certs_, self_;
   torch::Device device_;
   std::chrono::seconds timeout_;

@@ -44,10 +44,24 @@ absl::Status TensorInbox::Deliver(const std::string& peer, const TensorKey& key,
       return absl::ResourceExhaustedError(absl::StrCat("peer '", peer, "' has ", bytes, " bytes of frames waiting; ",
                                                        key.ToString(), " would take it over ", max_peer_bytes));
     bytes = after;
+    if (it != frames_.end()) {
+      ++replaced_;
+      last_replaced_ = absl::StrCat("peer '", peer, "', ", key.ToString());
+    }
     frames_[{peer, key}] = std::move(frame);
   }
   cv_.notify_all();
   return absl::OkStatus();
+}
+
+int64_t TensorInbox::replaced() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return replaced_;
+}
+
+std::string TensorInbox::last_replaced() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return last_replaced_;
 }
 
 void TensorInbox::DropOtherJobs(const std::string& job_id) {

@@ -50,7 +50,7 @@ class TensorInbox {
  public:
   // Stores a complete frame from `peer`, unless the frames of `peer` waiting to be taken would then hold
   // more than `max_peer_bytes` (ResourceExhausted naming the peer; nothing stored). A frame for a key
-  // already waiting replaces it.
+  // already waiting replaces it (counted: replaced()).
   absl::Status Deliver(const std::string& peer, const TensorKey& key, std::vector<uint8_t> frame,
                        int64_t max_peer_bytes = INT64_MAX);
   // Bytes of `peer`'s frames waiting to be taken.
@@ -75,12 +75,19 @@ class TensorInbox {
                                             std::chrono::steady_clock::time_point deadline);
   size_t pending() const;
   size_t failures() const;  // failure marks held, over every peer and job
+  // Frames that replaced a frame of the same peer and key not yet taken, so far. Senders never send a key
+  // twice, so each is a duplicate or a protocol error whose frame was lost: callers report a growth of
+  // this. `last_replaced` names the last such frame ("peer 'x', job ... step ..."), empty before one.
+  int64_t replaced() const;
+  std::string last_replaced() const;
 
  private:
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::map<std::pair<std::string, TensorKey>, std::vector<uint8_t>> frames_;
   std::map<std::string, int64_t> peer_bytes_;  // the sizes of frames_, by peer
+  int64_t replaced_ = 0;
+  std::string last_replaced_;
   // peer -> (job id, or "" for every job) -> why: one entry per job, so that a late failure of an
   // abandoned attempt's stream does not replace the current attempt's.
   std::map<std::string, std::map<std::string, std::string>> failed_;

@@ -279,6 +279,26 @@ TEST(TensorInboxTest, EachJobsFailureOfAPeerIsKeptApart) {
   EXPECT_EQ(w.status().code(), absl::StatusCode::kDeadlineExceeded) << w.status();
 }
 
+// A frame whose key is already waiting replaces the waiting one, and is counted and named; one delivered
+// after the first was taken is not a replacement.
+TEST(TensorInboxTest, AFrameReplacingOneNotYetTakenIsCountedAndNamed) {
+  TensorInbox inbox;
+  const TensorKey key{"job", 7, 1, 0, v1::REPLICA_GRADIENT, 0};
+  ASSERT_TRUE(inbox.Deliver("a", key, {1, 2, 3}).ok());
+  ASSERT_TRUE(inbox.Deliver("b", key, {9}).ok());  // another peer: its own frame
+  EXPECT_EQ(inbox.replaced(), 0);
+  EXPECT_EQ(inbox.last_replaced(), "");
+  ASSERT_TRUE(inbox.Deliver("a", key, {4, 5}).ok());
+  EXPECT_EQ(inbox.replaced(), 1);
+  EXPECT_THAT(inbox.last_replaced(), HasSubstr("peer 'a'"));
+  EXPECT_THAT(inbox.last_replaced(), HasSubstr("step 7"));
+  auto got = inbox.Wait("a", key, Clock::now() + std::chrono::seconds(5));
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, (std::vector<uint8_t>{4, 5}));   // the newest
+  ASSERT_TRUE(inbox.Deliver("a", key, {6}).ok());  // taken before: a new frame, not a replacement
+  EXPECT_EQ(inbox.replaced(), 1);
+}
+
 // A peer naming jobs of its own (no SetJob: static mode) cannot grow the failure marks without bound: the
 // newest job's mark and the every-job mark stay.
 TEST(TensorInboxTest, APeersFailureMarksAreBounded) {
