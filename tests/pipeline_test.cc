@@ -28,6 +28,7 @@ namespace {
 namespace fs = std::filesystem;
 using ::testing::ContainsRegex;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using testing::Process;
 using namespace std::chrono_literals;
 
@@ -158,8 +159,11 @@ class PipelineTest : public ::testing::Test {
     const std::string& log0 = outputs[0];
     if (log) *log = log0;
     if (logs) *logs = outputs;
-    for (size_t i = 0; i < procs.size(); ++i)
+    for (size_t i = 0; i < procs.size(); ++i) {
       EXPECT_EQ(procs[i]->Wait(120s), 0) << "executor " << i << ":\n" << outputs[i];
+      // No frame replaced another of the same key in an inbox (rpc::TensorInbox::replaced): none was lost.
+      EXPECT_THAT(outputs[i], Not(HasSubstr("a peer sent a key twice"))) << "executor " << i;
+    }
     if (losses) *losses = Losses(log0);  // stage 0 prints the loss relayed from the last stage
     std::map<std::string, core::Tensor> merged;
     for (size_t k = 0; k < stages.size(); ++k) {
