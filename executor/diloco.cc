@@ -347,10 +347,10 @@ std::pair<int64_t, int64_t> OuterSync::AveragerBytes(int f) const {
 absl::StatusOr<std::map<std::string, torch::Tensor>> OuterSync::ExportRoundState(bool await_exchange) {
   std::map<std::string, torch::Tensor> out;
   torch::Tensor round = torch::full({6}, -1.0, torch::kFloat64);
+  // Without its snapshot (not overlapped) the exchange cannot be run again: it is awaited. A sum restored
+  // from a round state is saved again (the residuals it left are the averager's now).
+  const bool with_sum = await_exchange || !pending_overlapped_ || sum_restored_;
   if (pending_ >= 0) {
-    // Without its snapshot (not overlapped) the exchange cannot be run again: it is awaited. A sum restored
-    // from a round state is saved again (the residuals it left are the averager's now).
-    const bool with_sum = await_exchange || !pending_overlapped_ || sum_restored_;
     if (with_sum) {
       if (run_again_)  // resumed, and not begun at Attach
         if (absl::Status s = BeginAgain(); !s.ok()) return s;
@@ -378,8 +378,7 @@ absl::StatusOr<std::map<std::string, torch::Tensor>> OuterSync::ExportRoundState
     }
   }
   // Without its sum the exchange in flight runs again on resume, from the residuals it began with.
-  const bool runs_again = pending_ >= 0 && !out.count(SumName(params_[fragments_[pending_].front()].first));
-  if (absl::Status s = ExportResiduals(runs_again, &out); !s.ok()) return s;
+  if (absl::Status s = ExportResiduals(/*in_flight_runs_again=*/pending_ >= 0 && !with_sum, &out); !s.ok()) return s;
   out[kRoundName] = round;
   return out;
 }
