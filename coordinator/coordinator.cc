@@ -297,17 +297,30 @@ absl::StatusOr<rpc::CoordinatorHandler::FileGrant> Coordinator::FileDestination(
     if (step > file_max_step_)
       return absl::InvalidArgumentError(
           absl::StrCat("site '", site, "' sent ", path, ", a step beyond the job's ", file_max_step_));
-    if (file->kind != core::SiteFile::Kind::kWeights && checkpoint_interval_ > 0) {
+    // A checkpoint's step: the attempt's step boundary (a switch: every stage saves it, whatever the
+    // interval), or an interval's step the run can have reached.
+    const bool at_boundary = boundary_job_ == job_id_ && boundary_step_ > 0 && step == boundary_step_;
+    if (file->kind != core::SiteFile::Kind::kWeights && step <= resume_step_)
+      return absl::InvalidArgumentError(absl::StrCat("site '", site, "' sent ", path, ": a step at or before step ",
+                                                     resume_step_, ", which this attempt resumed from"));
+    if (file->kind != core::SiteFile::Kind::kWeights && !at_boundary) {
+      if (checkpoint_interval_ <= 0)
+        return absl::InvalidArgumentError(absl::StrCat(
+            "site '", site, "' sent ", path, ": this run checkpoints only at a switch's step boundary, and ",
+            boundary_job_ == job_id_ && boundary_step_ > 0 ? absl::StrCat("that is step ", boundary_step_)
+                                                           : std::string("none is set"),
+            " (job.checkpoint.interval is 0)"));
       // Reports arrive late and best-effort: the furthest step any site of the attempt reported, and two
       // intervals of slack, still refuse a step far ahead of the run.
       int64_t reached = resume_step_;
       for (const auto& [name, st] : sites_)
         if (st.metrics && stages_.count(name)) reached = std::max(reached, st.metrics->step() + 1);
-      if (step % checkpoint_interval_ != 0 || step <= resume_step_ || step > reached + 2 * checkpoint_interval_)
-        return absl::InvalidArgumentError(absl::StrCat("site '", site, "' sent ", path,
-                                                       ": not a checkpoint step this run can have reached (every ",
-                                                       checkpoint_interval_, " steps, after step ", resume_step_,
-                                                       ", at most two intervals past step ", reached, ")"));
+      if (step % checkpoint_interval_ != 0 || step > reached + 2 * checkpoint_interval_)
+        return absl::InvalidArgumentError(
+            absl::StrCat("site '", site, "' sent ", path, ": not a checkpoint step this run can have reached (every ",
+                         checkpoint_interval_, " steps, after step ", resume_step_,
+                         ", at most two intervals past step ", reached, "; nor the step boundary",
+                         boundary_job_ == job_id_ && boundary_step_ > 0 ? absl::StrCat(" ", boundary_step_) : "", ")"));
     }
     dir = file_dir_;
     grant.max_bytes = file_max_bytes_;
@@ -362,7 +375,7 @@ absl::Status Coordinator::FileCommit(const std::string& site, const std::string&
     if (job_id != job_id_)
       return absl::FailedPreconditionError(
           absl::StrCat("site '", site, "' sent ", path, " of attempt '", job_id, "', which ended while it arrived"));
-    const bool counted = checkpoint && checkpoint_interval_ > 0;
+    const bool counted = checkpoint;  // FileDestination admitted its step: an interval's or the boundary
     const std::pair<int, int> key = file ? std::make_pair(file->stage, file->replica) : std::make_pair(0, -1);
     if (counted) {
       StepUploads& u = uploads_[file->step];

@@ -93,8 +93,9 @@ class Coordinator : public rpc::CoordinatorHandler {
   void SetFileDir(const std::string& dir);
   // Who may send files in the attempt begun with BeginJob: `writers` maps a site to the stage whose
   // weights and checkpoint shards it writes (replica 0 of it); checkpoint steps up to `max_step`; files up
-  // to `max_bytes`. With `checkpoint_interval` > 0 a checkpoint step must be a multiple of it, at most one
-  // interval ahead of the progress (counted from `resume_step`), and a stage's JSON must describe the
+  // to `max_bytes`. A checkpoint step must be after `resume_step` and either the attempt's step boundary
+  // (SetBoundary: a switch's, where every stage saves) or, with `checkpoint_interval` > 0, a multiple of
+  // it at most two intervals ahead of the progress; and a stage's JSON must describe the
   // shard its writer sent (stage, the plan's number of stages, SHA-256); once every writer sent both
   // files of a step, the coordinator writes the step's manifest (core/checkpoint_dir.h), which alone
   // makes the step count. `round_writers` maps each replica of a DiLoCo stage to its (stage, replica):

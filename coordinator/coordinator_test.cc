@@ -81,6 +81,10 @@ TEST(CoordinatorFiles, OnlyEachStagesWriterSendsItsOwnFilesOfTheRunningAttempt) 
   EXPECT_EQ(ok->path, (dir / "weights" / "stage-0.safetensors").string());
   EXPECT_EQ(ok->max_bytes, 1000);
   EXPECT_TRUE(fs::is_directory(dir / "weights"));
+  // No checkpoint interval: a checkpoint only at a switch's step boundary.
+  EXPECT_EQ(c.FileDestination("b", "j1", "checkpoints/step-100/stage-1.json").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  c.SetBoundary("j1", 100);
   auto ckpt = c.FileDestination("b", "j1", "checkpoints/step-100/stage-1.json");
   ASSERT_TRUE(ckpt.ok()) << ckpt.status();
   EXPECT_EQ(c.FileDestination("a", "j1", "weights/stage-1.safetensors").status().code(),
@@ -205,6 +209,51 @@ TEST(CoordinatorFiles, OnlyAManifestedStepCountsAndForgedUploadsAreRefused) {
   // A shard replaced behind the coordinator's back no longer counts.
   std::ofstream(dir / "checkpoints" / "step-10" / "stage-1.safetensors") << "tampered";
   EXPECT_FALSE(core::FindLatestManifested((dir / "checkpoints").string()).ok());
+  fs::remove_all(dir);
+}
+
+// A switch's step boundary (#21) is a checkpoint step whatever the interval: every stage saves it, and
+// its manifest makes it count, as an interval's step. Found by a DiLoCo drain with store: coordinator,
+// whose boundary step 760 was refused ("not a checkpoint step") and the run fell back. Another attempt's
+// boundary, and steps that are neither, are refused.
+TEST(CoordinatorFiles, AStepBoundaryIsACheckpointStepWhateverTheInterval) {
+  const fs::path dir = fs::temp_directory_path() / ("meridian_boundary_" + std::to_string(::getpid()));
+  for (const int interval : {10, 0}) {
+    SCOPED_TRACE(interval);
+    fs::remove_all(dir);
+    core::ClusterSpec spec;
+    spec.name = "t";
+    spec.sites = {{"a", {"127.0.0.1", 2}}, {"b", {"127.0.0.1", 3}}};
+    Coordinator c(spec, "run");
+    c.SetFileDir(dir.string());
+    c.BeginJob("j", {{"a", 0}, {"b", 1}});
+    c.SetFileWriters({{"a", 0}, {"b", 1}}, 100, 1 << 20, interval, 0);
+    c.SetBoundary("j0", 17);  // an attempt that ended
+    absl::Status refused = Upload(c, "a", "j", "checkpoints/step-17/stage-0.safetensors", "shard-a");
+    EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(
+        std::string(refused.message()),
+        ::testing::HasSubstr(interval ? "not a checkpoint step" : "checkpoints only at a switch's step boundary"));
+    c.SetBoundary("j", 17);
+    EXPECT_EQ(Upload(c, "a", "j", "checkpoints/step-16/stage-0.safetensors", "x").code(),
+              absl::StatusCode::kInvalidArgument);
+    for (const auto& [site, stage] : {std::pair{"a", 0}, {"b", 1}}) {
+      const std::string shard = std::string("shard-") + site;
+      const std::string name = "checkpoints/step-17/stage-" + std::to_string(stage);
+      ASSERT_TRUE(Upload(c, site, "j", name + ".safetensors", shard).ok());
+      const std::string meta = nlohmann::json{
+          {"step", 17},
+          {"stage", stage},
+          {"num_stages", 2},
+          {"shard", "stage-" + std::to_string(stage) + ".safetensors"},
+          {"sha256", core::Sha256Hex(shard)},
+          {"tensors", {"w"}}}.dump();
+      ASSERT_TRUE(Upload(c, site, "j", name + ".json", meta).ok());
+    }
+    auto found = core::FindLatestManifested((dir / "checkpoints").string());
+    ASSERT_TRUE(found.ok()) << found.status();
+    EXPECT_EQ(found->step, 17);
+  }
   fs::remove_all(dir);
 }
 
