@@ -631,13 +631,21 @@ void RunMachine::StartAttempt() {
   if (resume_files_ && c_.job.sync.mode == core::SyncMode::kDiloco) {
     if (!resume_files_->round_state_problems.empty())
       Say(absl::StrCat("round states left out: ", resume_files_->round_state_problems, "\n"));
+    // Round states written right after every fragment was synchronised (a step boundary's): every replica
+    // held the outer parameters, so replica 0's state is everyone's.
+    bool synchronised = !resume_files_->round_states.empty();
+    for (const auto& [stage, metas] : resume_files_->round_states)
+      for (const auto& [replica, meta] : metas) synchronised = synchronised && meta.synchronised;
     for (size_t k = 0; k < plan_->stages.size(); ++k) {
       if (plan_->stages[k].site_names.size() < 2) continue;
       std::string why;
       Say(ResumesRoundStates(k, &why)
               ? absl::StrCat("stage ", k, ": every DiLoCo replica resumes its own round state\n")
-              : absl::StrCat("stage ", k, ": every DiLoCo replica resumes from replica 0's state (", why,
-                             "what the others learnt since the last outer synchronisation is not kept)\n"));
+          : synchronised ? absl::StrCat("stage ", k, ": every DiLoCo replica resumes from the outer parameters (", why,
+                                        "every replica synchronised every fragment at step ", resume_step_,
+                                        ", so what each learnt in the round is kept)\n")
+                         : absl::StrCat("stage ", k, ": every DiLoCo replica resumes from replica 0's state (", why,
+                                        "what the others learnt since the last outer synchronisation is not kept)\n"));
     }
   }
   Out(BeginAttempt{job_id_, std::move(stages), std::move(writers), c_.steps, max_file_bytes_,

@@ -71,6 +71,7 @@ std::string ReplicaMetaJson(const ReplicaMeta& m) {
       {"first_op", m.first_op}, {"last_op", m.last_op}, {"micro_batches", m.micro_batches}, {"shard", m.shard},
       {"sha256", m.sha256}};
   if (!m.run.empty()) j["run"] = m.run;
+  if (m.synchronised) j["synchronised"] = true;
   return j.dump(1);
 }
 
@@ -93,6 +94,7 @@ std::optional<ReplicaMeta> ParseReplicaMeta(const std::string& text, int64_t ste
   m.shard = j["shard"].get<std::string>();
   m.sha256 = j["sha256"].get<std::string>();
   if (j.contains("run") && j["run"].is_string()) m.run = j["run"].get<std::string>();
+  if (j.contains("synchronised") && j["synchronised"].is_boolean()) m.synchronised = j["synchronised"].get<bool>();
   if (m.num_stages <= 0 || m.stage < 0 || m.stage >= m.num_stages || m.replica < 0 ||
       m.replica >= static_cast<int>(m.micro_batches.size()) || m.shard != ReplicaShardName(m.stage, m.replica))
     return std::nullopt;

@@ -40,6 +40,10 @@ struct ReplicaMeta {
   std::vector<int> micro_batches;  // every replica's share of a step's micro-batches, by replica
   std::string shard, sha256;       // "stage-K.replica-R.safetensors", of the shard file
   std::string run;                 // as StageMeta's
+  // Written right after every fragment was synchronised (a step boundary's or the run's last): every
+  // replica then held the outer parameters, so a resume of any layout keeps what each learnt in the round.
+  // Informative only (what the coordinator says); optional in the JSON, false when absent.
+  bool synchronised = false;
 };
 std::string ReplicaMetaJson(const ReplicaMeta& meta);
 // stage-K.replica-R.json's content as written in step directory `step`'s, or nullopt when it is not one

@@ -86,7 +86,7 @@ absl::Status OuterSync::ImportResiduals() {
   return absl::OkStatus();
 }
 
-void OuterSync::Exchange(int f, int64_t step) {
+void OuterSync::Exchange(int f, int64_t number) {
   struct Done {
     std::atomic<bool>* done;
     ~Done() { done->store(true); }
@@ -97,12 +97,8 @@ void OuterSync::Exchange(int f, int64_t step) {
       exchange_status_ = absl::CancelledError("outer synchronisation: the stage ended");
       return;
     }
-    // The frames' step is the exchange's own number, the same on every replica: Finish exchanges every
-    // fragment after the same inner step, and a frame of a key already waiting in the peer's inbox would
-    // replace it (a replica through with fragment 0 sends fragment 1's bucket 0 while the other may not
-    // yet have taken fragment 0's, which under sparse_sum nothing orders).
-    const int64_t fragments = static_cast<int64_t>(fragments_.size());
-    averager.BeginStep(step * fragments + f);  // clears the averager's own abort flag: look at ours again after it
+    // The frames' step is the exchange's own number (ExchangeNumber), the same on every replica.
+    averager.BeginStep(number);  // clears the averager's own abort flag: look at ours again after it
     if (cancelled_ || cancel_requested_) averager.Cancel();
     exchange_status_ = averager.Finish();
   } catch (const std::exception& e) {  // on its own thread, outside the stage's torch boundary
@@ -122,7 +118,11 @@ void OuterSync::LoadPseudoGradient(int f, const std::vector<torch::Tensor>& loca
   }
 }
 
-void OuterSync::StartExchange(int f, int64_t step, bool overlap) {
+int64_t OuterSync::ExchangeNumber(int64_t step, int f) const {
+  return step * static_cast<int64_t>(fragments_.size()) + f;
+}
+
+void OuterSync::StartExchange(int f, int64_t step, bool overlap, int64_t number) {
   pending_ = -1;
   wire_bytes_at_begin_ = averagers_[f]->wire_bytes();
   raw_bytes_at_begin_ = averagers_[f]->raw_bytes();
@@ -145,13 +145,13 @@ void OuterSync::StartExchange(int f, int64_t step, bool overlap) {
   exchange_done_ = false;
   if (overlap || cancel_check_)
     exchange_ =
-        core::NamedThread("mrd-diloco", [this, f, step] { Exchange(f, step); });  // may throw: then nothing is pending
+        core::NamedThread("mrd-diloco", [this, f, number] { Exchange(f, number); });  // may throw: nothing pending
   else
-    Exchange(f, step);
+    Exchange(f, number);
   pending_ = f;
 }
 
-void OuterSync::Begin(int f, int64_t step, bool overlap) {
+void OuterSync::Begin(int f, int64_t step, bool overlap, int64_t number) {
   torch::NoGradGuard no_grad;
   std::vector<torch::Tensor> local;
   for (int i : fragments_[f]) {
@@ -159,7 +159,7 @@ void OuterSync::Begin(int f, int64_t step, bool overlap) {
     if (overlap) snapshot_[i] = local.back().clone();
   }
   LoadPseudoGradient(f, local);
-  StartExchange(f, step, overlap);
+  StartExchange(f, step, overlap, number);
 }
 
 absl::Status OuterSync::BeginAgain() {
@@ -170,7 +170,7 @@ absl::Status OuterSync::BeginAgain() {
   std::vector<torch::Tensor> local;
   for (int i : fragments_[f]) local.push_back(snapshot_[i]);
   LoadPseudoGradient(f, local);
-  StartExchange(f, pending_step_, /*overlap=*/true);
+  StartExchange(f, pending_step_, /*overlap=*/true, ExchangeNumber(pending_step_, f));
   return absl::OkStatus();
 }
 
@@ -227,6 +227,7 @@ absl::Status OuterSync::Complete() {
   last_.drift = std::sqrt(drift2_);
   wire_bytes_ += last_.wire_bytes;
   raw_bytes_ += last_.raw_bytes;
+  ++applied_;
   return absl::OkStatus();
 }
 
@@ -252,25 +253,38 @@ absl::Status OuterSync::AfterInnerStep(int64_t step) {
   if (averagers_.size() != fragments_.size())
     return absl::FailedPreconditionError("outer synchronisation: no averager attached");
   if (absl::Status s = Complete(); !s.ok()) return s;
-  Begin(f, step, spec_.overlap);
+  Begin(f, step, spec_.overlap, ExchangeNumber(step, f));
   if (!spec_.overlap) return Complete();
   return absl::OkStatus();
 }
 
 absl::Status OuterSync::Finish(int64_t step) {
-  const auto t0 = std::chrono::steady_clock::now();
   if (suspended_)
     return absl::FailedPreconditionError(absl::StrCat(
         "the outer synchronisation is suspended (a replica was lost) and the run's last step came before the "
         "switch that re-plans without it: the replicas' weights differ"));
+  return SynchroniseAll(step, /*numbered_after=*/step);
+}
+
+absl::Status OuterSync::FinishAtBoundary(int64_t step) {
+  last_wait_seconds_ = 0;
+  if (suspended_) return absl::OkStatus();
+  // AfterInnerStep(step) may have begun an exchange numbered after `step`: these come after step + 1's
+  // numbers, which this attempt never uses, so that no frame of them can replace one of that exchange.
+  return SynchroniseAll(step, /*numbered_after=*/step + 1);
+}
+
+absl::Status OuterSync::SynchroniseAll(int64_t step, int64_t numbered_after) {
+  const auto t0 = std::chrono::steady_clock::now();
   if (averagers_.size() != fragments_.size())
     return absl::FailedPreconditionError("outer synchronisation: no averager attached");
   absl::Status s = Complete();
   for (int f = 0; s.ok() && f < static_cast<int>(fragments_.size()); ++f) {
-    Begin(f, step, /*overlap=*/false);
+    Begin(f, step, /*overlap=*/false, ExchangeNumber(numbered_after, f));
     s = Complete();
   }
   last_wait_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (s.ok()) synchronised_after_ = step;
   return s;
 }
 

@@ -84,6 +84,15 @@ class OuterSync {
   // After the run's last inner step `step`: completes what is in flight, then synchronises every fragment
   // without overlap, so that every replica ends with the outer parameters.
   absl::Status Finish(int64_t step);
+  // At a plan switch's step boundary, after inner step `step` and its AfterInnerStep, on every replica of
+  // the stage: as Finish, so that every replica leaves the boundary with the outer parameters and a plan of
+  // any layout resumes with what each learnt in the round. Its exchanges are numbered after step + 1's,
+  // which the attempt never runs, so none reuses the number of one AfterInnerStep(step) began. A no-op
+  // once suspended (a replica was lost: each keeps its own progress, as Suspend says).
+  absl::Status FinishAtBoundary(int64_t step);
+  // The inner step after which Finish or FinishAtBoundary last synchronised every fragment; -1 for none.
+  // When it is the last inner step taken, every replica holds the outer parameters.
+  int64_t synchronised_after() const { return synchronised_after_; }
   // Gives up the exchange in flight, if any (cancelled and joined), and makes AfterInnerStep and Finish
   // no-ops from now on: a replica was lost and the attempt ends at a switch (the parameters keep this
   // replica's progress; the outer state stays that of the last synchronisation applied).
@@ -148,18 +157,28 @@ class OuterSync {
   const LastSync& last_sync() const { return last_; }
   int64_t wire_bytes() const { return wire_bytes_; }
   int64_t raw_bytes() const { return raw_bytes_; }
+  // How many exchanges have been applied to the parameters so far (by this object).
+  int64_t applied() const { return applied_; }
 
  private:
+  // The number an exchange of fragment f begun after inner step `step` gives its frames, the same on every
+  // replica: each exchange of an attempt has its own, since a frame of a key already waiting in the peer's
+  // inbox would replace it (a replica through with fragment 0 sends fragment 1's bucket 0 while the other
+  // may not yet have taken fragment 0's, which under sparse_sum nothing orders).
+  int64_t ExchangeNumber(int64_t step, int f) const;
   // Loads fragment f's weighted pseudo-gradient into its buffers' .grad (snapshotting the parameters
-  // with overlap), and runs the exchange (on the caller's thread or a new one).
-  void Begin(int f, int64_t step, bool overlap);
+  // with overlap), and runs the exchange numbered `number` (on the caller's thread or a new one).
+  void Begin(int f, int64_t step, bool overlap, int64_t number);
   // Resumed (run_again_): begins the pending exchange again, overlapped, from the restored snapshots.
   // FailedPrecondition before Attach.
   absl::Status BeginAgain();
   // Fragment f's buffers' .grad: (outer - local[k]) * weight for its k-th parameter; sets drift2_.
   void LoadPseudoGradient(int f, const std::vector<torch::Tensor>& local);
   // Runs fragment f's exchange, counting its averager's bytes from now.
-  void StartExchange(int f, int64_t step, bool overlap);
+  void StartExchange(int f, int64_t step, bool overlap, int64_t number);
+  // Finish and FinishAtBoundary: completes what is in flight, then exchanges every fragment without
+  // overlap, numbered as begun after inner step `numbered_after`.
+  absl::Status SynchroniseAll(int64_t step, int64_t numbered_after);
   // "outer.residual.NAME" of every fragment's averager into `out` (before Attach: those restored); for the
   // pending fragment, when `in_flight_runs_again`, those its exchange began with.
   absl::Status ExportResiduals(bool in_flight_runs_again, std::map<std::string, torch::Tensor>* out);
@@ -172,7 +191,7 @@ class OuterSync {
   void AwaitExchange();
   // Fragment f's averager's wire and raw bytes so far; {0, 0} before Attach.
   std::pair<int64_t, int64_t> AveragerBytes(int f) const;
-  void Exchange(int f, int64_t step);  // BeginStep + Finish of fragment f's averager; sets exchange_status_
+  void Exchange(int f, int64_t number);  // BeginStep + Finish of fragment f's averager; sets exchange_status_
 
   core::SyncSpec spec_;
   double weight_;
@@ -194,6 +213,8 @@ class OuterSync {
   int64_t wire_bytes_at_begin_ = 0, raw_bytes_at_begin_ = 0;  // the pending fragment's averager's counters
   double last_wait_seconds_ = 0;
   bool suspended_ = false;
+  int64_t synchronised_after_ = -1;
+  int64_t applied_ = 0;
   std::function<bool()> cancel_check_;
   std::atomic<bool> exchange_done_{true};  // set by the exchange thread when it ends
   bool pending_overlapped_ = false;        // the pending exchange keeps the local progress made meanwhile

@@ -803,6 +803,80 @@ TEST_F(TwoReplicas, ErrorFeedbackResidualsRoundTripThroughACheckpoint) {
   EXPECT_TRUE(exact->ExportResiduals()->empty());
 }
 
+// A plan switch's step boundary right after an overlapped exchange began (H = 2, F = 2: a fragment is due
+// after every inner step; two inner steps): FinishAtBoundary completes that exchange, then synchronises both fragments,
+// its frames numbered after the next step's so that none replaces a frame of the exchange just completed. Both replicas
+// leave with the outer parameters: the mean of what they learnt (identity codec, outer SGD at lr 1), and under
+// SparseLoCo's one-phase sums the same bits. No frame was replaced in either inbox.
+TEST_F(TwoReplicas, AStepBoundaryAfterAnExchangeBeganSynchronisesEveryFragmentWithNoFrameLost) {
+  for (const bool sparse : {false, true}) {
+    SCOPED_TRACE(sparse ? "sparseloco, topk-int8" : "sgd, identity");
+    core::SyncSpec spec;
+    spec.mode = core::SyncMode::kDiloco;
+    spec.inner_steps = 2;
+    spec.fragments = 2;
+    spec.overlap = true;
+    spec.outer_optimizer = sparse ? "sparseloco" : "sgd";
+    spec.outer_lr = 1;
+    spec.outer_momentum = sparse ? 0.5 : 0;
+    spec.codec = sparse ? "topk-int8:k=0.05" : "identity";
+    torch::manual_seed(5);
+    const torch::Tensor start[2] = {torch::randn({300}), torch::randn({20, 10})};
+    torch::Tensor learnt[2][2][2];  // by inner step, by replica, by parameter: what that step changed
+    for (auto& step : learnt)
+      for (auto& r : step)
+        for (int i = 0; i < 2; ++i) r[i] = torch::randn(start[i].sizes());
+    std::vector<std::pair<std::string, torch::Tensor>> params[2];
+    std::unique_ptr<OuterSync> outer[2];
+    for (int r = 0; r < 2; ++r) {
+      params[r] = {{"w", start[0].clone()}, {"v", start[1].clone()}};
+      outer[r] = std::make_unique<OuterSync>(spec, 0.5, params[r]);
+      GradientAverager::Options o;
+      o.codec = *compression::CodecSpec::Parse(spec.codec);
+      o.error_feedback = true;
+      o.sparse_sum = sparse;
+      o.error_feedback_decay = sparse ? 0.5f : 1.0f;
+      std::vector<std::unique_ptr<GradientAverager>> averagers;
+      for (const auto& buffers : outer[r]->buffers()) averagers.push_back(Make(r, o, buffers));
+      ASSERT_TRUE(outer[r]->Attach(std::move(averagers)).ok());
+    }
+    const int64_t replaced_before[2] = {inbox_[0].replaced(), inbox_[1].replaced()};
+    absl::Status after[2], boundary[2];
+    std::thread replicas[2];
+    for (int r = 0; r < 2; ++r)
+      replicas[r] = std::thread([&, r] {
+        for (int step = 0; step < 2 && after[r].ok(); ++step) {
+          {
+            torch::NoGradGuard no_grad;
+            for (int i = 0; i < 2; ++i) params[r][i].second.add_(learnt[step][r][i]);
+          }
+          // After step 0 fragment 1's exchange begins, overlapped; after step 1 it is applied and fragment
+          // 0's begins: the first fragment the boundary then synchronises is the one in flight.
+          after[r] = outer[r]->AfterInnerStep(step);
+        }
+        boundary[r] = outer[r]->FinishAtBoundary(1);
+      });
+    for (auto& t : replicas) t.join();
+    for (int r = 0; r < 2; ++r) {
+      ASSERT_TRUE(after[r].ok()) << after[r];
+      ASSERT_TRUE(boundary[r].ok()) << boundary[r];
+      EXPECT_EQ(outer[r]->synchronised_after(), 1);
+      EXPECT_EQ(outer[r]->applied(), 4) << "the two overlapped exchanges, then both fragments";
+      EXPECT_EQ(inbox_[r].replaced(), replaced_before[r]) << inbox_[r].last_replaced();
+    }
+    const auto state = outer[0]->ExportState();
+    for (int i = 0; i < 2; ++i) {
+      const std::string& name = params[0][i].first;
+      EXPECT_TRUE(torch::equal(params[0][i].second, params[1][i].second)) << name;
+      EXPECT_TRUE(torch::equal(params[0][i].second, state.at("outer.param." + name))) << name;
+      if (!sparse) {
+        const torch::Tensor mean = (learnt[0][0][i] + learnt[1][0][i] + learnt[0][1][i] + learnt[1][1][i]) / 2;
+        EXPECT_TRUE(torch::allclose(params[0][i].second, start[i] + mean, 1e-5, 1e-6)) << name;
+      }
+    }
+  }
+}
+
 // checkpoint.keep: the newest `keep` complete steps stay, newer incomplete ones (being written) stay,
 // everything older goes; FindLatestCheckpoint names the newest intact step's files.
 TEST(Checkpoints, PruneKeepsTheNewestCompleteStepsAndFindNamesTheNewestIntactOne) {

@@ -48,6 +48,8 @@ StageRunResult RunStage(StageWorker& worker, const StageRun& run) {
                                                                        ": heard of it after step ", i + 1,
                                                                        ", so the stages end unaligned"))};
     const bool at_boundary = boundary > 0 && boundary == i + 1 && i + 1 < run.steps;
+    if (at_boundary)  // DiLoCo: every replica leaves the boundary with the outer parameters
+      if (absl::Status s = worker.SynchroniseAtBoundary(i); !s.ok()) return {r.steps_done, s};
     if ((interval || at_boundary) && worker.saves_checkpoints()) {
       if (absl::Status s = worker.SaveCheckpoint(run.checkpoint_dir, i + 1, run.checkpoint_keep, at_boundary); !s.ok())
         return {r.steps_done, s};

@@ -46,8 +46,9 @@ struct StageRun {
   std::function<absl::Status()> before_finish;              // e.g. wait for uploads
   // A step boundary (a switch to another plan) and the step lease (executor/step_control.h): called after
   // every step but the last with the steps done, it may wait (for the coordinator's lease) and returns
-  // the boundary S > 0 or 0 for none. Once exactly S steps are done (S < steps), the stage saves its
-  // checkpoint of step S (unless the interval just did), calls on_checkpoint, and ends there. A boundary
+  // the boundary S > 0 or 0 for none. Once exactly S steps are done (S < steps), DiLoCo replicas
+  // synchronise every fragment (StageWorker::SynchroniseAtBoundary), the stage saves its checkpoint of step
+  // S (once, also when the interval falls there), calls on_checkpoint, and ends there. A boundary
   // already passed (heard of too late, which the lease rules out) ends the stage with FailedPrecondition
   // ("missed the step boundary S"): its neighbours may have ended there, and the coordinator then
   // resumes every stage from the newest intact checkpoint. An error (the attempt was abandoned) ends the

@@ -938,50 +938,10 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
       site_reduce_seconds_ += gathered;
       wait_seconds_ += gathered;
     }
-    if (outer_) {  // DiLoCo: the fragment due after this inner step, if any; after the last, all of them
-      const int64_t wire0 = outer_->wire_bytes(), raw0 = outer_->raw_bytes();
-      const int64_t synced_before = outer_->last_sync().step;
-      const bool final_step = step + 1 == total_steps || step == final_step_;
-      // A replica the coordinator left out: no more outer syncs (every worker stops them as it hears).
-      if (leaves_out && !final_step && !outer_->suspended() && OtherReplicaLeftOut())
-        AwaitLeftOut("", absl::UnavailableError("the coordinator left a replica out"));
-      absl::Status synced = final_step ? outer_->Finish(step) : outer_->AfterInnerStep(step);
-      // A replica lost mid-exchange: go on without it if the coordinator leaves it out.
-      if (!synced.ok() && leaves_out && !final_step && AwaitLeftOut("", synced)) {
-        synced = absl::OkStatus();
-        outer_gave_up_ = true;  // an exchange given up may have changed some parameters: to every worker
-      }
-      if (!synced.ok()) return Annotate(synced, absl::StrCat(Where(), ": outer synchronisation after step ", step + 1));
-      wait_seconds_ += outer_->last_wait_seconds();
-      if (outer_->last_sync().step != synced_before) {
-        replica_wire_bytes_ += outer_->wire_bytes() - wire0;
-        replica_raw_bytes_ += outer_->raw_bytes() - raw0;
-        wire_bytes_ += outer_->wire_bytes() - wire0;
-        raw_bytes_ += outer_->raw_bytes() - raw0;
-        const auto& l = outer_->last_sync();
-        spdlog::info("{}",
-                     absl::StrFormat("%s: outer sync of fragment %d after step %d: %d bytes on the wire (%d "
-                                     "as float32), %.3f s, drift %.4g",
-                                     Where(), l.fragment, l.step + 1, l.wire_bytes, l.raw_bytes, l.seconds, l.drift));
-      }
-    }
-    if (diloco_ && group_) {  // worker 0's parameters after an outer synchronisation, to every worker
-      torch::Tensor synced = torch::zeros({1}, torch::kFloat64);
-      if (outer_ && (outer_->last_sync().step != outer_synced_step_ || outer_gave_up_)) synced[0] = 1.0;
-      outer_gave_up_ = false;
-      if (outer_) outer_synced_step_ = outer_->last_sync().step;
-      const auto t0 = Clock::now();
-      absl::Status s = group_->Broadcast(synced);
-      if (s.ok() && synced[0].item<double>() != 0) {
-        std::vector<torch::Tensor> values;
-        for (auto& [n, p] : model_->parameters()) values.push_back(p);
-        s = group_->BroadcastInPlace(values);
-      }
-      const double waited = std::chrono::duration<double>(Clock::now() - t0).count();
-      site_reduce_seconds_ += waited;
-      wait_seconds_ += waited;
-      if (!s.ok()) return Annotate(s, absl::StrCat(Where(), ": the outer parameters to the site's workers"));
-    }
+    if (absl::Status s = SynchroniseOuter(
+            step, step + 1 == total_steps || step == final_step_ ? OuterPoint::kLastStep : OuterPoint::kAfterStep);
+        !s.ok())
+      return s;
     if ((independent || (pipelines && first)) && replica_ == 0 && talks_to_sites())  // the other workers' losses
       for (size_t j = 1; j < R.size(); ++j) {
         if (left_out_.count(R[j])) continue;
@@ -1021,6 +981,73 @@ void StageWorker::WriteTrace(int64_t step, Clock::time_point start) {
   line += "]}\n";
   std::fputs(line.c_str(), trace_file_.get());
   std::fflush(trace_file_.get());
+}
+
+absl::Status StageWorker::SynchroniseOuter(int64_t step, OuterPoint point) {
+  const bool leaves_out = LeavesOutLostReplicas();
+  const bool last = point == OuterPoint::kLastStep;
+  if (outer_) {  // DiLoCo: the fragment due after this inner step, if any; after the last, all of them
+    const int64_t wire0 = outer_->wire_bytes(), raw0 = outer_->raw_bytes(), applied0 = outer_->applied();
+    // A replica the coordinator left out: no more outer syncs (every worker stops them as it hears).
+    if (leaves_out && !last && !outer_->suspended() && OtherReplicaLeftOut())
+      AwaitLeftOut("", absl::UnavailableError("the coordinator left a replica out"));
+    absl::Status synced = last                             ? outer_->Finish(step)
+                          : point == OuterPoint::kBoundary ? outer_->FinishAtBoundary(step)
+                                                           : outer_->AfterInnerStep(step);
+    // A replica lost mid-exchange: go on without it if the coordinator leaves it out.
+    if (!synced.ok() && leaves_out && !last && AwaitLeftOut("", synced)) {
+      synced = absl::OkStatus();
+      outer_gave_up_ = true;  // an exchange given up may have changed some parameters: to every worker
+    }
+    if (!synced.ok())
+      return Annotate(synced, absl::StrCat(Where(), ": outer synchronisation after step ", step + 1,
+                                           point == OuterPoint::kBoundary ? " (the step boundary)" : ""));
+    wait_seconds_ += outer_->last_wait_seconds();
+    if (outer_->applied() != applied0) {
+      replica_wire_bytes_ += outer_->wire_bytes() - wire0;
+      replica_raw_bytes_ += outer_->raw_bytes() - raw0;
+      wire_bytes_ += outer_->wire_bytes() - wire0;
+      raw_bytes_ += outer_->raw_bytes() - raw0;
+      const auto& l = outer_->last_sync();
+      if (point == OuterPoint::kBoundary)
+        spdlog::info("{}", absl::StrFormat("%s: every fragment synchronised at the step boundary %d: %d bytes on the "
+                                           "wire (%d as float32), %.3f s; every replica leaves it with the outer "
+                                           "parameters, so the next plan keeps what each learnt in the round",
+                                           Where(), step + 1, outer_->wire_bytes() - wire0, outer_->raw_bytes() - raw0,
+                                           outer_->last_wait_seconds()));
+      else
+        spdlog::info("{}",
+                     absl::StrFormat("%s: outer sync of fragment %d after step %d: %d bytes on the wire (%d "
+                                     "as float32), %.3f s, drift %.4g",
+                                     Where(), l.fragment, l.step + 1, l.wire_bytes, l.raw_bytes, l.seconds, l.drift));
+    } else if (point == OuterPoint::kBoundary && outer_->suspended()) {
+      spdlog::info("{}", absl::StrCat(Where(), ": no outer synchronisation at the step boundary ", step + 1,
+                                      " (a replica was left out): this replica keeps its own progress"));
+    }
+  }
+  if (diloco_ && group_) {  // worker 0's parameters after an outer synchronisation, to every worker
+    torch::Tensor synced = torch::zeros({1}, torch::kFloat64);
+    if (outer_ && (outer_->applied() != outer_applied_seen_ || outer_gave_up_)) synced[0] = 1.0;
+    outer_gave_up_ = false;
+    if (outer_) outer_applied_seen_ = outer_->applied();
+    const auto t0 = Clock::now();
+    absl::Status s = group_->Broadcast(synced);
+    if (s.ok() && synced[0].item<double>() != 0) {
+      std::vector<torch::Tensor> values;
+      for (auto& [n, p] : model_->parameters()) values.push_back(p);
+      s = group_->BroadcastInPlace(values);
+    }
+    const double waited = std::chrono::duration<double>(Clock::now() - t0).count();
+    site_reduce_seconds_ += waited;
+    wait_seconds_ += waited;
+    if (!s.ok()) return Annotate(s, absl::StrCat(Where(), ": the outer parameters to the site's workers"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status StageWorker::SynchroniseAtBoundary(int64_t step) {
+  return GuardTorch(absl::StrCat(Where(), ": outer synchronisation at the step boundary ", step + 1),
+                    [&] { return SynchroniseOuter(step, OuterPoint::kBoundary); });
 }
 
 absl::Status StageWorker::Finish() {
@@ -1122,6 +1149,7 @@ absl::Status StageWorker::SaveCheckpoint(const std::string& dir, int64_t steps_d
       meta.last_op = layout.last_op;
       meta.micro_batches = layout.micro_batches;
       meta.run = core::RunIdOfJob(a_.job_id);
+      meta.synchronised = outer_->synchronised_after() == steps_done - 1;
       if (absl::Status s = WriteRoundState(dir, meta, *round); !s.ok())
         return Annotate(s, absl::StrCat(Where(), ": checkpoint"));
       for (auto& [k, v] : outer_->ExportState()) all[k] = v;
@@ -1179,8 +1207,22 @@ absl::Status StageWorker::Restore(const Checkpoint& c) {
       auto loaded = LoadRoundState(c.path, RoundLayout(), replica_, !c.chosen_by_coordinator, &why);
       if (!loaded.ok()) return Annotate(loaded.status(), absl::StrCat(Where(), ": restoring from ", c.path));
       round = std::move(*loaded);
+      // Replica 0's parameters equal to their outer values: every fragment was synchronised at that step
+      // (a step boundary's), which every replica took part in, so nothing learnt in the round is lost.
+      bool in_sync = true;
+      for (const auto& [name, p] : model_->parameters()) {
+        auto value = c.tensors.find(name);
+        auto outer = c.tensors.find(OuterSync::StateNames(name)[0]);
+        if (value != c.tensors.end() && outer != c.tensors.end() && !torch::equal(value->second, outer->second))
+          in_sync = false;
+      }
       if (round)
         spdlog::info("{}", absl::StrCat(Where(), ": resumes its own DiLoCo round state of step ", c.step));
+      else if (in_sync)
+        spdlog::info("{}", absl::StrCat(Where(), ": resumes from the outer parameters of step ", c.step, " (", why,
+                                        "every replica synchronised every fragment there, so nothing learnt in "
+                                        "the round is lost; its inner optimizer moments are replica 0's and its "
+                                        "error-feedback residuals start empty)"));
       else
         spdlog::warn("{}", absl::StrCat(Where(), ": resumes from replica 0's state of step ", c.step, " (", why,
                                         "what this replica learnt since the last outer synchronisation, and its "

@@ -111,10 +111,11 @@ class StageWorker {
   // A site of several devices (executor/site_group.h): this worker is `group`'s worker group->rank() and
   // runs its rows of every micro-batch; worker 0 alone talks to the other sites. With job.optimizer.zero 1
   // the AdamW moments are sharded across the workers (executor/zero.h). Call before Connect and Restore on
-  // every worker; `group` must outlive this object. DiLoCo sync is refused with several workers.
+  // every worker; `group` must outlive this object. With DiLoCo, worker 0 alone holds the outer state and
+  // exchanges with the other replicas; the other workers take the parameters it sets.
   absl::Status JoinSite(SiteGroup* group);
   // Whether this stage can run on a site of `workers` workers (JoinSite's checks, before any is started):
-  // every worker needs a row of each micro-batch, and DiLoCo is not supported there yet.
+  // every worker needs a row of each micro-batch.
   absl::Status CanSplit(int workers) const;
   // Opens the streams to the neighbours' sites and to this stage's other replicas (they may still be
   // starting: waited for up to the timeout). Workers other than 0 of a site open none.
@@ -139,6 +140,13 @@ class StageWorker {
   // The last step this run will take (0-based), when it ends before the job's last step: DiLoCo then
   // synchronises every fragment after it, as after the job's last, so the replicas end equal.
   void set_final_step(int64_t step) { final_step_ = step; }
+  // At a plan switch's step boundary, after Step(step) (every worker of every replica of the stage reaches
+  // it: the coordinator's boundary is the same for all): DiLoCo synchronises every fragment, as after the
+  // run's last step (OuterSync::FinishAtBoundary), so that every replica leaves the boundary with the outer
+  // parameters and the next plan, of any layout, keeps what each replica learnt in the round. Call before
+  // SaveCheckpoint. A no-op without DiLoCo and once a replica was left out (each survivor then keeps its
+  // own progress; a new layout resumes replica 0's). Errors as Step's.
+  absl::Status SynchroniseAtBoundary(int64_t step);
   // DiLoCo workers of a one-stage plan (independent between outer syncs, docs/sync.md): when another
   // replica stops answering (its loss share or an outer exchange fails as Unavailable), the worker asks
   // `left_out` for up to `wait` whether the coordinator left that site out. If so it goes on without it:
@@ -164,7 +172,9 @@ class StageWorker {
   // (stage-K.replica-R.*: its own parameters and moments, and the outer exchange in flight;
   // OuterSync::ExportRoundState), so that the same replicas resume mid-round. An exchange in flight is not
   // waited for (a resumed replica runs it again), except at a plan switch's step boundary (`boundary`),
-  // where the stages end: there it is awaited and its result saved.
+  // where the stages end: there it is awaited and its result saved (SynchroniseAtBoundary leaves none in
+  // flight unless a replica was left out). The round state's JSON says `synchronised` when every fragment
+  // was synchronised after the last step.
   // The round state holds the replica's pseudo-gradient codec's error-feedback residuals; those of lossy
   // links and of every-step gradient sums are not saved (a resumed one starts empty). With `keep` > 0, stage 0's writer
   // -- one pruner per directory -- then keeps the newest `keep` complete steps of `dir` (PruneCheckpoints; what it
@@ -280,9 +290,9 @@ class StageWorker {
   // it, and the others take its parameters after each synchronisation applied.
   std::unique_ptr<OuterSync> outer_;
   bool diloco_ = false;
-  int64_t outer_synced_step_ = -1;  // worker 0: outer_->last_sync().step when the workers last took its parameters
-  bool outer_gave_up_ = false;      // worker 0: this step's exchange failed and was given up (a replica left out)
-  SiteGroup* group_ = nullptr;      // a site of several devices (JoinSite)
+  int64_t outer_applied_seen_ = 0;        // worker 0: outer_->applied() when the workers last took its parameters
+  bool outer_gave_up_ = false;            // worker 0: this step's exchange failed and was given up (a replica left out)
+  SiteGroup* group_ = nullptr;            // a site of several devices (JoinSite)
   std::unique_ptr<SiteReducer> reducer_;  // with group_: the workers' gradient sum
   std::unique_ptr<ShardedAdamW> zero_;    // with group_ and job.optimizer.zero 1, instead of opt_
   int64_t restored_step_ = 0;
@@ -297,6 +307,11 @@ class StageWorker {
   // Whether the coordinator left out `peer` (empty: any other replica) within left_out_wait_; records every
   // replica it left out in left_out_, and suspends the outer syncs.
   bool AwaitLeftOut(const std::string& peer, const absl::Status& cause);
+  // DiLoCo after inner step `step` (a no-op without it): the fragment due, if any (kAfterStep); every
+  // fragment after the run's last step (kLastStep) or at a step boundary (kBoundary); then worker 0's
+  // parameters to the site's other workers when an exchange changed them. Step's thread.
+  enum class OuterPoint { kAfterStep, kLastStep, kBoundary };
+  absl::Status SynchroniseOuter(int64_t step, OuterPoint point);
   // DiLoCo workers of the whole model (a one-stage plan): independent between outer syncs, and the ones a
   // lost replica can be left out of.
   // On a site of several devices only worker 0 holds outer_: this is false on the others, so no

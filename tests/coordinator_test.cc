@@ -638,6 +638,89 @@ TEST_F(CoordinatorTest, ALostSparseLocoWorkerIsLeftOutAndTheOthersFinishWithNoSt
       "         outer_optimizer: {name: sparseloco, lr: 1, momentum: 0.5}}");
 }
 
+// Leaving without loss under DiLoCo (#17, #21): `meridian drain c` mid-round in a one-stage plan over a, b
+// and c, whose round (H = 100,000) never ends before the run does, with each checkpoint store. At the
+// switch's step boundary the three replicas synchronise every fragment, so the boundary's checkpoint holds
+// every replica with the same parameters, the outer ones, and says so: the plan after the switch keeps what
+// b and c learnt in the round (without the boundary's synchronisation it resumed replica 0's state alone).
+// No fallback to a checkpoint, every step reported once.
+TEST_F(CoordinatorTest, ADrainedDilocoWorkersLearningIsKeptThroughTheSwitch) {
+  Edit("cluster.yaml", "heartbeat: {interval: 1s, timeout: 4s}", "heartbeat: {interval: 250ms, timeout: 3s}");
+  const int steps = 1000;
+  SetSteps(steps);
+  std::ofstream(dir_ / "job.yaml", std::ios::app)
+      << "  checkpoint: {dir: ckpt, interval: 100000, store: coordinator}\n"
+         "  sync: {mode: diloco, inner_steps: 100000, codec: int4, overlap: true,\n"
+         "         outer_optimizer: {name: nesterov, lr: 0.7, momentum: 0.5}}\n";
+  std::ofstream(dir_ / "plan.json") << R"({"stages": [{"sites": ["a", "b", "c"], "last_op": 5}]})";
+  for (const std::string store : {"coordinator", "shared"}) {
+    SCOPED_TRACE(store);
+    fs::remove_all(dir_ / "run");
+    fs::remove_all(dir_ / "ckpt");
+    if (store == "shared") Edit("job.yaml", "store: coordinator", "store: shared");
+    const fs::path out = dir_ / ("coordinator-" + store + ".out");
+    auto coord = Coordinator("--plan " + (dir_ / "plan.json").string() + " > " + out.string());
+    std::this_thread::sleep_for(500ms);
+    auto a = Executor("a"), b = Executor("b"), c = Executor("c");
+    auto read_out = [&] { return ReadText(out); };
+    ASSERT_TRUE(WaitForText(coord.get(), out, "step 40/", 240s)) << read_out();
+    Process drain(Bin("meridian") + " drain c --coordinator 127.0.0.1:" + std::to_string(coord_port_) + " --certs " +
+                  (dir_ / "certs").string() + " 2>&1");
+    const std::string drain_out = drain.ReadAll(20s);
+    ASSERT_EQ(drain.Wait(10s), 0) << drain_out;
+    auto sites_so_far = [&] { return a->ReadAll(5s) + "\n" + b->ReadAll(5s) + "\n" + c->ReadAll(5s); };
+    ASSERT_TRUE(WaitForText(coord.get(), out, "switch: every stage saved step", 240s))
+        << read_out() << "\n--- the sites' logs:\n"
+        << sites_so_far();
+    ASSERT_EQ(coord->Wait(400s), 0) << read_out();
+    const std::string log = read_out();
+    EXPECT_THAT(log, Not(HasSubstr("newest intact checkpoint")));
+    EXPECT_THAT(log, HasSubstr("done: " + std::to_string(steps) + " steps"));
+    ExpectEveryStepReportedOnce(steps);
+    std::map<std::string, std::string> site_logs;
+    for (const auto& [site, process] : {std::pair{"a", a.get()}, {"b", b.get()}, {"c", c.get()}}) {
+      site_logs[site] = process->ReadAll(10s);
+      EXPECT_THAT(site_logs[site], HasSubstr("every fragment synchronised at the step boundary")) << site;
+      EXPECT_THAT(site_logs[site], Not(HasSubstr("a peer sent a key twice"))) << site;
+    }
+    // The boundary's checkpoint, the only one: each replica's parameters are replica 0's, and those its outer
+    // ones.
+    std::vector<fs::path> saved;
+    for (const auto& e : fs::directory_iterator(store == "shared" ? dir_ / "ckpt" : dir_ / "run" / "checkpoints"))
+      if (e.is_directory()) saved.push_back(e.path());
+    ASSERT_EQ(saved.size(), 1u);
+    auto shard = core::ReadSafetensors((saved[0] / "stage-0.safetensors").string());
+    ASSERT_TRUE(shard.ok()) << shard.status();
+    int compared = 0;
+    for (int r = 1; r < 3; ++r) {
+      const std::string name = "stage-0.replica-" + std::to_string(r);
+      auto round = core::ReadSafetensors((saved[0] / (name + ".safetensors")).string());
+      ASSERT_TRUE(round.ok()) << round.status();
+      for (const auto& [tensor, value] : shard->tensors) {
+        auto outer = shard->tensors.find("outer.param." + tensor);
+        if (outer == shard->tensors.end()) continue;  // not a parameter
+        EXPECT_EQ(testing::RelativeL2(value, outer->second), 0.0) << tensor;
+        ASSERT_TRUE(round->tensors.count(tensor)) << name << ": " << tensor;
+        EXPECT_EQ(testing::RelativeL2(round->tensors.at(tensor), value), 0.0) << name << ": " << tensor;
+        ++compared;
+      }
+      auto meta = nlohmann::json::parse(std::ifstream(saved[0] / (name + ".json")), nullptr, false);
+      EXPECT_EQ(meta.value("synchronised", false), true) << meta.dump();
+    }
+    EXPECT_GT(compared, 0);
+    // A plan after the switch that replicates its stage says where the replicas resume from.
+    auto plan = nlohmann::json::parse(std::ifstream(dir_ / "run" / "plan.json"), nullptr, false);
+    for (const auto& st : plan["stages"]) {
+      for (const auto& site : st["sites"]) EXPECT_NE(site, "c") << plan.dump();
+      if (st["sites"].size() < 2) continue;
+      if (store == "coordinator")
+        EXPECT_THAT(log, HasSubstr("every DiLoCo replica resumes from the outer parameters")) << plan.dump();
+      for (const auto& site : st["sites"])
+        EXPECT_THAT(site_logs[site.get<std::string>()], HasSubstr("resumes from the outer parameters of step")) << site;
+    }
+  }
+}
+
 // Whole DiLoCo pipelines (#17; a pinned plan of two pipelines, a -> c and b -> d, H = 5, overlapped int4
 // exchanges): d is killed mid-run. b, its pipeline's other stage, fails when d goes, before the heartbeats
 // name d; the coordinator leaves the pipeline (b, d) out, and a and c -- the other pipeline, stage 0's
