@@ -643,7 +643,8 @@ void RunMachine::StartAttempt() {
               ? absl::StrCat("stage ", k, ": every DiLoCo replica resumes its own round state\n")
           : synchronised ? absl::StrCat("stage ", k, ": every DiLoCo replica resumes from the outer parameters (", why,
                                         "every replica synchronised every fragment at step ", resume_step_,
-                                        ", so what each learnt in the round is kept)\n")
+                                        ", so they hold what each sent of its progress in the round; "
+                                        "error-feedback residuals start empty)\n")
                          : absl::StrCat("stage ", k, ": every DiLoCo replica resumes from replica 0's state (", why,
                                         "what the others learnt since the last outer synchronisation is not kept)\n"));
     }
@@ -662,6 +663,17 @@ void RunMachine::StartAttempt() {
     attempt_.failure = "no heartbeat";
     EndAttempt();
   }
+}
+
+double RunMachine::BoundarySyncSeconds() const {
+  if (!plan_ || c_.job.sync.mode != core::SyncMode::kDiloco) return 0;
+  const partitioner::PlanOptions po = BaseOptions();
+  double worst = 0;
+  for (const auto& stage : plan_->stages) {
+    const double x = partitioner::ExchangeSeconds(graph_, profile_, po.sync, stage, po.gradient_bytes_fraction);
+    if (std::isfinite(x)) worst = std::max(worst, x);
+  }
+  return 2 * worst;  // the exchange in flight (at most the whole stage), then every fragment
 }
 
 partitioner::ClusterProfile RunMachine::LiveProfile() const {
@@ -1424,7 +1436,8 @@ void RunMachine::BeginSwitch(const std::string& why, bool for_speed) {
     t.before_layout = LayoutOf(*plan_);
     switching_for_speed_ = std::move(t);
   }
-  attempt_.deadline = now_ + After(c_.drain_seconds + 2 * SwitchMargin() * std::max(last_step_seconds_, 1e-3));
+  attempt_.deadline =
+      now_ + After(c_.drain_seconds + 2 * SwitchMargin() * std::max(last_step_seconds_, 1e-3) + BoundarySyncSeconds());
   if (step == 0) {
     if (!attempt_.left_out.empty()) Out(SetBoundary{job_id_, 0, attempt_.left_out});  // the workers left out, now
     Say(absl::StrCat("switch: ", why,

@@ -357,7 +357,11 @@ class RunMachine {
   double PlannedStepCompute(const std::string& site) const;
   int UsedSiteCount() const;                        // the sites of the plan's stages
   partitioner::ClusterProfile LiveProfile() const;  // profile_ without the excluded sites
-  partitioner::PlanOptions BaseOptions() const;     // the job's planning options, no layout pinned
+  // DiLoCo: what a switch's step boundary adds to its deadline for the replicas' synchronisation there
+  // (StageWorker::SynchroniseAtBoundary: the exchange in flight, then every fragment), priced as the planner
+  // prices an exchange of the current plan's slowest stage; 0 otherwise.
+  double BoundarySyncSeconds() const;
+  partitioner::PlanOptions BaseOptions() const;  // the job's planning options, no layout pinned
   // A plan over LiveProfile() and the current plan's layout priced over it, with the same options (the
   // switch decisions compare their predicted steps). REQUIRES: plan_.
   struct Repriced {

@@ -1853,6 +1853,50 @@ TEST(RunMachine, ALostDilocoWorkerIsLeftOutAndTheOthersGoOnToASwitch) {
   }
 }
 
+// DiLoCo (#17, #21): a switch's deadline covers the replicas' synchronisation at its step boundary
+// (StageWorker::SynchroniseAtBoundary: the exchange in flight, then every fragment), priced as the planner
+// prices an exchange: over links of 100 bytes/s one takes minutes, and the drained switch waits for it;
+// the same switch without DiLoCo times out after the drain time.
+TEST(RunMachine, ADilocoSwitchWaitsForTheReplicasSynchronisationAtItsBoundary) {
+  for (const bool diloco : {true, false}) {
+    SCOPED_TRACE(diloco ? "diloco" : "every step");
+    RunConfig c = Config();
+    c.even_split = false;
+    c.plan_path = "pinned.json";
+    c.pinned = {{{"a", "b", "c"}, 5}};
+    if (diloco) {
+      c.job.sync.mode = core::SyncMode::kDiloco;
+      c.job.sync.inner_steps = 5;
+    }
+    c.spec.heartbeat_interval_seconds = 0.1;
+    c.steps = c.job.steps = 100;
+    Driver d(c);
+    d.link_bandwidth = 100;
+    d.JoinAndProfile({"a", "b", "c"});
+    ASSERT_THAT(Sites(Assignments(d.last())), ElementsAre("a", "b", "c"));
+    d.Feed(MetricsReported{Metrics("a", kRun, 0, 10)});
+    ASSERT_EQ(All<SetBoundary>(d.Feed(SiteLeaving{"c", "meridian drain"})).size(), 1u);
+    partitioner::ClusterProfile links;  // as the driver answered the probes
+    for (const std::string a : {"a", "b", "c"})
+      for (const std::string b : {"a", "b", "c"})
+        if (a != b) links.links.push_back({a, b, d.link_bandwidth, d.link_latency});
+    partitioner::StagePlan stage;
+    stage.site_names = {"a", "b", "c"};
+    stage.last_op = 5;
+    const double exchange =
+        partitioner::ExchangeSeconds(SmallGraph(), links, partitioner::SyncModelOf(c.job.sync), stage);
+    ASSERT_GT(exchange, 100);
+    auto waited = d.Feed(Tick{}, c.drain_seconds + 60);
+    if (!diloco) {
+      EXPECT_THAT(Printed(waited), HasSubstr("did not all end at step"));
+      continue;
+    }
+    EXPECT_THAT(Printed(waited), Not(HasSubstr("did not all end at step")));
+    EXPECT_EQ(d.machine().phase(), RunMachine::Phase::kSwitching);
+    EXPECT_THAT(Printed(d.Feed(Tick{}, 2 * exchange)), HasSubstr("did not all end at step"));
+  }
+}
+
 // A compromised site: progress it could forge is not believed.
 TEST(RunMachine, MetricsThatDoNotFitThePlanOrTheStepsBeforeAreIgnored) {
   Driver d(Config());

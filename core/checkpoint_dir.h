@@ -41,7 +41,7 @@ struct ReplicaMeta {
   std::string shard, sha256;       // "stage-K.replica-R.safetensors", of the shard file
   std::string run;                 // as StageMeta's
   // Written right after every fragment was synchronised (a step boundary's or the run's last): every
-  // replica then held the outer parameters, so a resume of any layout keeps what each learnt in the round.
+  // replica then held the outer parameters, which hold what each sent of its progress in the round.
   // Informative only (what the coordinator says); optional in the JSON, false when absent.
   bool synchronised = false;
 };

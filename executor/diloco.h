@@ -85,8 +85,10 @@ class OuterSync {
   // without overlap, so that every replica ends with the outer parameters.
   absl::Status Finish(int64_t step);
   // At a plan switch's step boundary, after inner step `step` and its AfterInnerStep, on every replica of
-  // the stage: as Finish, so that every replica leaves the boundary with the outer parameters and a plan of
-  // any layout resumes with what each learnt in the round. Its exchanges are numbered after step + 1's,
+  // the stage: as Finish, so that every replica leaves the boundary with the outer parameters, which hold
+  // what each replica's codec sent of its progress in the round (with a lossy codec, error feedback keeps
+  // the rest in its residuals, which a plan of another layout starts empty), and a plan of any layout
+  // resumes from them. Its exchanges are numbered after step + 1's,
   // which the attempt never runs, so none reuses the number of one AfterInnerStep(step) began. A no-op
   // once suspended (a replica was lost: each keeps its own progress, as Suspend says).
   absl::Status FinishAtBoundary(int64_t step);

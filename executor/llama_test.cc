@@ -804,10 +804,13 @@ TEST_F(TwoReplicas, ErrorFeedbackResidualsRoundTripThroughACheckpoint) {
 }
 
 // A plan switch's step boundary right after an overlapped exchange began (H = 2, F = 2: a fragment is due
-// after every inner step; two inner steps): FinishAtBoundary completes that exchange, then synchronises both fragments,
-// its frames numbered after the next step's so that none replaces a frame of the exchange just completed. Both replicas
-// leave with the outer parameters: the mean of what they learnt (identity codec, outer SGD at lr 1), and under
-// SparseLoCo's one-phase sums the same bits. No frame was replaced in either inbox.
+// after every inner step; two inner steps, so the fragment in flight is the first the boundary exchanges):
+// FinishAtBoundary completes that exchange, then synchronises both fragments. Both replicas leave with the
+// outer parameters: the mean of what they learnt (identity codec, outer SGD at lr 1), and under SparseLoCo's
+// one-phase sums the same bits. No frame was replaced in either inbox. (The boundary's exchanges are
+// numbered after the next step's so that none can replace a frame of the one just completed; the race that
+// guards against needs a peer slow to take a frame, which this test cannot force: it passed with the
+// numbers reused too.)
 TEST_F(TwoReplicas, AStepBoundaryAfterAnExchangeBeganSynchronisesEveryFragmentWithNoFrameLost) {
   for (const bool sparse : {false, true}) {
     SCOPED_TRACE(sparse ? "sparseloco, topk-int8" : "sgd, identity");

@@ -619,7 +619,7 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
                                                 ") in step ", step + 1));
       return std::make_pair(v[0], v[1]);
     };
-    const bool independent = IndependentWorkers(), pipelines = PipelineWorkers(), leaves_out = LeavesOutLostReplicas();
+    const bool independent = IndependentWorkers(), pipelines = PipelineWorkers();
     const auto& R = a_.replicas.sites;
     const bool first = a_.stage == 0, last = a_.stage == a_.num_stages - 1;
     double square = 0, loss = 0;
@@ -1012,7 +1012,7 @@ absl::Status StageWorker::SynchroniseOuter(int64_t step, OuterPoint point) {
       if (point == OuterPoint::kBoundary)
         spdlog::info("{}", absl::StrFormat("%s: every fragment synchronised at the step boundary %d: %d bytes on the "
                                            "wire (%d as float32), %.3f s; every replica leaves it with the outer "
-                                           "parameters, so the next plan keeps what each learnt in the round",
+                                           "parameters, which hold what each sent of its progress in the round",
                                            Where(), step + 1, outer_->wire_bytes() - wire0, outer_->raw_bytes() - raw0,
                                            outer_->last_wait_seconds()));
       else
@@ -1208,21 +1208,27 @@ absl::Status StageWorker::Restore(const Checkpoint& c) {
       if (!loaded.ok()) return Annotate(loaded.status(), absl::StrCat(Where(), ": restoring from ", c.path));
       round = std::move(*loaded);
       // Replica 0's parameters equal to their outer values: every fragment was synchronised at that step
-      // (a step boundary's), which every replica took part in, so nothing learnt in the round is lost.
-      bool in_sync = true;
+      // (a step boundary's), which every replica took part in, so the outer parameters hold what each
+      // sent of its progress in the round.
+      bool in_sync = false;
       for (const auto& [name, p] : model_->parameters()) {
         auto value = c.tensors.find(name);
         auto outer = c.tensors.find(OuterSync::StateNames(name)[0]);
-        if (value != c.tensors.end() && outer != c.tensors.end() && !torch::equal(value->second, outer->second))
+        if (value == c.tensors.end() || outer == c.tensors.end()) continue;
+        if (!torch::equal(value->second, outer->second)) {
           in_sync = false;
+          break;
+        }
+        in_sync = true;  // at least one parameter compared, and every one so far equal
       }
       if (round)
         spdlog::info("{}", absl::StrCat(Where(), ": resumes its own DiLoCo round state of step ", c.step));
       else if (in_sync)
         spdlog::info("{}", absl::StrCat(Where(), ": resumes from the outer parameters of step ", c.step, " (", why,
-                                        "every replica synchronised every fragment there, so nothing learnt in "
-                                        "the round is lost; its inner optimizer moments are replica 0's and its "
-                                        "error-feedback residuals start empty)"));
+                                        "every replica synchronised every fragment there, so they hold what each "
+                                        "sent of its progress in the round; its inner optimizer moments are "
+                                        "replica 0's, and its error-feedback residuals, what a lossy codec still "
+                                        "held back, start empty)"));
       else
         spdlog::warn("{}", absl::StrCat(Where(), ": resumes from replica 0's state of step ", c.step, " (", why,
                                         "what this replica learnt since the last outer synchronisation, and its "

@@ -304,6 +304,16 @@ std::vector<int> StageShares(const PlanOptions& o, int k, int M, const std::vect
 
 // Evaluates a layout under the (extended) cost model. With one site per stage and adaptive off this is
 // exactly the reference model. `search_ratio` is the link ratio used when !adaptive.
+// One exchange of `grad` bytes among `r` replicas, in a codec of `ratio`: the reduce-scatter + all-gather
+// (each of the two phases sends 1/r of the bytes to every other replica) or, with `sparse_sum`,
+// SparseLoCo's all-gather (the whole vector to every other replica once). A site's sends share its
+// uplink: `inv_bw` is the largest over the replicas' sites of the sum over its peers of 1 / bandwidth;
+// `max_lat` the worst latency between them, paid once a phase.
+double ReplicaExchangeSeconds(double grad, int r, double inv_bw, double max_lat, double ratio, bool sparse_sum) {
+  if (sparse_sum) return ratio * grad * inv_bw + max_lat;
+  return 2.0 * (ratio * grad / r * inv_bw + max_lat);
+}
+
 Evaluation Evaluate(const CostModel& cm, const Layout& L, const PlanOptions& o, const OpGraph& g) {
   Evaluation e;
   const int S = static_cast<int>(L.sites.size());
@@ -402,10 +412,9 @@ Evaluation Evaluate(const CostModel& cm, const Layout& L, const PlanOptions& o, 
       }
       inv_bw = std::max(inv_bw, sum);
     }
-    auto sync = [&](double ratio) { return 2.0 * (ratio * grad / r * inv_bw + max_lat); };
+    auto sync = [&](double ratio) { return ReplicaExchangeSeconds(grad, r, inv_bw, max_lat, ratio, false); };
     if (o.sync.diloco) {  // a whole exchange every H steps; its per-step share is settled below
-      // SparseLoCo: one phase, the whole sparse pseudo-gradient to every other replica.
-      e.allreduce[k] = o.sync.sparse_sum ? o.sync.codec.ratio * grad * inv_bw + max_lat : sync(o.sync.codec.ratio);
+      e.allreduce[k] = ReplicaExchangeSeconds(grad, r, inv_bw, max_lat, o.sync.codec.ratio, o.sync.sparse_sum);
       continue;
     }
     if (!o.adaptive_compression) {
@@ -1764,6 +1773,28 @@ absl::StatusOr<Plan> PlanPipeline(const OpGraph& graph, const ClusterProfile& pr
 double StagePassSeconds(const OpGraph& graph, const SiteProfile& site, const StagePlan& stage) {
   return RangeSeconds(graph, site, stage.first_op, stage.last_op) *
          ComputeFactor(graph, stage.first_op, stage.last_op, stage.recompute);
+}
+
+double ExchangeSeconds(const OpGraph& graph, const ClusterProfile& profile, const SyncModel& sync,
+                       const StagePlan& stage, double gradient_bytes_fraction) {
+  const int r = static_cast<int>(stage.site_names.size());
+  if (r < 2) return 0;
+  std::map<std::pair<std::string, std::string>, const LinkProfile*> links;
+  for (const auto& l : profile.links) links[{l.from, l.to}] = &l;
+  double inv_bw = 0, max_lat = 0;
+  for (const auto& u : stage.site_names) {
+    double sum = 0;
+    for (const auto& v : stage.site_names) {
+      if (u == v) continue;
+      auto l = links.find({u, v});
+      if (l == links.end() || !(l->second->bandwidth_bytes_per_second > 0)) return kInf;
+      sum += 1.0 / l->second->bandwidth_bytes_per_second;
+      max_lat = std::max(max_lat, l->second->latency_seconds);
+    }
+    inv_bw = std::max(inv_bw, sum);
+  }
+  const double grad = GradientBytes(graph, stage.first_op, stage.last_op, gradient_bytes_fraction);
+  return ReplicaExchangeSeconds(grad, r, inv_bw, max_lat, sync.codec.ratio, sync.sparse_sum);
 }
 
 std::string PlanTable(const Plan& plan, const OpGraph& graph, const ClusterProfile& profile) {

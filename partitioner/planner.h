@@ -186,6 +186,13 @@ bool WholePipelineReplicas(const std::vector<StagePlan>& stages);
 // compared with.
 double StagePassSeconds(const OpGraph& graph, const SiteProfile& site, const StagePlan& stage);
 
+// DiLoCo: the seconds one exchange of `stage`'s whole pseudo-gradient among its replicas takes, priced as
+// the planner prices each outer synchronisation (sync's codec ratio; SparseLoCo's all-gather with
+// sparse_sum; each site's sends sharing its uplink, plus the worst latency; `gradient_bytes_fraction` as
+// PlanOptions'). 0 for a stage on one site; +infinity when two of its sites have no measured link.
+double ExchangeSeconds(const OpGraph& graph, const ClusterProfile& profile, const SyncModel& sync,
+                       const StagePlan& stage, double gradient_bytes_fraction = 0.5);
+
 struct LinkPlan {
   int from_stage = 0;  // link between stage from_stage and from_stage + 1 (0-based)
   double bytes = 0;    // uncompressed bytes crossing the cut per micro-batch

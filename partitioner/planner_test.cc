@@ -511,6 +511,38 @@ TEST(Planner, ReplicationUsesSpareSitesAndPricesTheAllReduce) {
   for (const auto& s : none->stages) EXPECT_EQ(s.sites.size(), 1u);
 }
 
+// One DiLoCo exchange of a stage's whole pseudo-gradient (what a switch's deadline adds for the replicas'
+// synchronisation at its boundary), in closed form: the reduce-scatter + all-gather sends, in each of two
+// phases, 1/r of the compressed bytes to every other replica over each site's shared uplink, SparseLoCo's
+// all-gather the whole compressed vector once; a latency per phase.
+TEST(Planner, AnExchangeOfAStagesPseudoGradientIsPricedInClosedForm) {
+  OpGraph g = Chain(2);
+  for (auto& op : g.ops) op.param_bytes = 3e6;  // gradients: half of both ops' param_bytes, 3 MB
+  ClusterProfile p;
+  p.sites = {{"a", 1e9, 1e12, {}}, {"b", 1e9, 1e12, {}}, {"c", 1e9, 1e12, {}}};
+  LinkAll(&p, 1e3, 0.01);
+  StagePlan stage;
+  stage.site_names = {"a", "b", "c"};
+  stage.first_op = 0;
+  stage.last_op = 1;
+  SyncModel sync;  // int4: 0.140625 of float32
+  sync.diloco = true;
+  const double uplink = 2 / 1e3;  // each site sends to two peers at 1,000 bytes/s
+  EXPECT_NEAR(ExchangeSeconds(g, p, sync, stage), 2 * (0.140625 * 3e6 / 3 * uplink + 0.01), 1e-6);
+  SyncModel sparse = sync;
+  auto topk = PriceCodec("topk-int8:k=0.04");
+  ASSERT_TRUE(topk.ok()) << topk.status();
+  sparse.codec = *topk;
+  ASSERT_TRUE(sparse.UseSparseSum().ok());
+  EXPECT_NEAR(ExchangeSeconds(g, p, sparse, stage), topk->ratio * 3e6 * uplink + 0.01, 1e-6);
+  stage.site_names = {"a"};
+  EXPECT_EQ(ExchangeSeconds(g, p, sync, stage), 0);
+  p.links.erase(std::remove_if(p.links.begin(), p.links.end(), [](const LinkProfile& l) { return l.to == "c"; }),
+                p.links.end());
+  stage.site_names = {"a", "c"};
+  EXPECT_TRUE(std::isinf(ExchangeSeconds(g, p, sync, stage)));
+}
+
 TEST(Planner, ReplicasShareMicroBatchesInProportionToSpeed) {
   EXPECT_EQ(ShareMicroBatches(8, {1.0, 1.0}), (std::vector<int>{4, 4}));
   EXPECT_EQ(ShareMicroBatches(8, {1.0, 3.0}), (std::vector<int>{6, 2}));
