@@ -638,6 +638,34 @@ TEST_F(CoordinatorTest, ALostSparseLocoWorkerIsLeftOutAndTheOthersFinishWithNoSt
       "         outer_optimizer: {name: sparseloco, lr: 1, momentum: 0.5}}");
 }
 
+// In checkpoint step directory `step_dir`, written at a switch's step boundary: every DiLoCo replica R > 0
+// of each of `stages` stages (of `replicas` each) holds replica 0's parameters, those equal to the outer
+// ones, and its round state's JSON says it was synchronised.
+void ExpectEveryReplicaToHoldTheOuterParameters(const fs::path& step_dir, int stages, int replicas) {
+  for (int k = 0; k < stages; ++k) {
+    const std::string stage = "stage-" + std::to_string(k);
+    auto shard = core::ReadSafetensors((step_dir / (stage + ".safetensors")).string());
+    ASSERT_TRUE(shard.ok()) << shard.status();
+    int compared = 0;
+    for (int r = 1; r < replicas; ++r) {
+      const std::string name = stage + ".replica-" + std::to_string(r);
+      auto round = core::ReadSafetensors((step_dir / (name + ".safetensors")).string());
+      ASSERT_TRUE(round.ok()) << round.status();
+      for (const auto& [tensor, value] : shard->tensors) {
+        auto outer = shard->tensors.find("outer.param." + tensor);
+        if (outer == shard->tensors.end()) continue;  // not a parameter
+        EXPECT_EQ(testing::RelativeL2(value, outer->second), 0.0) << stage << ": " << tensor;
+        ASSERT_TRUE(round->tensors.count(tensor)) << name << ": " << tensor;
+        EXPECT_EQ(testing::RelativeL2(round->tensors.at(tensor), value), 0.0) << name << ": " << tensor;
+        ++compared;
+      }
+      auto meta = nlohmann::json::parse(std::ifstream(step_dir / (name + ".json")), nullptr, false);
+      EXPECT_EQ(meta.value("synchronised", false), true) << meta.dump();
+    }
+    EXPECT_GT(compared, 0) << stage;
+  }
+}
+
 // Leaving without loss under DiLoCo (#17, #21): `meridian drain c` mid-round in a one-stage plan over a, b
 // and c, whose round (H = 100,000) never ends before the run does, with each checkpoint store. At the
 // switch's step boundary the three replicas synchronise every fragment, so the boundary's checkpoint holds
@@ -683,38 +711,20 @@ TEST_F(CoordinatorTest, ADrainedDilocoWorkersLearningIsKeptThroughTheSwitch) {
       EXPECT_THAT(site_logs[site], HasSubstr("every fragment synchronised at the step boundary")) << site;
       EXPECT_THAT(site_logs[site], Not(HasSubstr("a peer sent a key twice"))) << site;
     }
-    // The boundary's checkpoint, the only one: each replica's parameters are replica 0's, and those its outer
-    // ones.
+    // The boundary's checkpoint, the only one.
     std::vector<fs::path> saved;
     for (const auto& e : fs::directory_iterator(store == "shared" ? dir_ / "ckpt" : dir_ / "run" / "checkpoints"))
       if (e.is_directory()) saved.push_back(e.path());
     ASSERT_EQ(saved.size(), 1u);
-    auto shard = core::ReadSafetensors((saved[0] / "stage-0.safetensors").string());
-    ASSERT_TRUE(shard.ok()) << shard.status();
-    int compared = 0;
-    for (int r = 1; r < 3; ++r) {
-      const std::string name = "stage-0.replica-" + std::to_string(r);
-      auto round = core::ReadSafetensors((saved[0] / (name + ".safetensors")).string());
-      ASSERT_TRUE(round.ok()) << round.status();
-      for (const auto& [tensor, value] : shard->tensors) {
-        auto outer = shard->tensors.find("outer.param." + tensor);
-        if (outer == shard->tensors.end()) continue;  // not a parameter
-        EXPECT_EQ(testing::RelativeL2(value, outer->second), 0.0) << tensor;
-        ASSERT_TRUE(round->tensors.count(tensor)) << name << ": " << tensor;
-        EXPECT_EQ(testing::RelativeL2(round->tensors.at(tensor), value), 0.0) << name << ": " << tensor;
-        ++compared;
-      }
-      auto meta = nlohmann::json::parse(std::ifstream(saved[0] / (name + ".json")), nullptr, false);
-      EXPECT_EQ(meta.value("synchronised", false), true) << meta.dump();
-    }
-    EXPECT_GT(compared, 0);
+    ExpectEveryReplicaToHoldTheOuterParameters(saved[0], 1, 3);
     // A plan after the switch that replicates its stage says where the replicas resume from.
     auto plan = nlohmann::json::parse(std::ifstream(dir_ / "run" / "plan.json"), nullptr, false);
     for (const auto& st : plan["stages"]) {
       for (const auto& site : st["sites"]) EXPECT_NE(site, "c") << plan.dump();
       if (st["sites"].size() < 2) continue;
-      if (store == "coordinator")
+      if (store == "coordinator") {
         EXPECT_THAT(log, HasSubstr("every DiLoCo replica resumes from the outer parameters")) << plan.dump();
+      }
       for (const auto& site : st["sites"])
         EXPECT_THAT(site_logs[site.get<std::string>()], HasSubstr("resumes from the outer parameters of step")) << site;
     }
@@ -760,6 +770,59 @@ TEST_F(CoordinatorTest, ALostDilocoPipelineIsLeftOutAndTheOtherFinishesWithNoSte
   // The other pipeline's stages said why they went on.
   EXPECT_THAT(a->ReadAll(10s), HasSubstr("replica 'b' was lost and is left out of the outer average"));
   EXPECT_THAT(c->ReadAll(10s), HasSubstr("replica 'd' was lost and is left out of the outer average"));
+}
+
+// Whole DiLoCo pipelines drained (#17, #21): `meridian drain d` in a pinned plan of two pipelines, a -> c
+// and b -> d, whose round (H = 100,000) never ends before the run does. At the switch's step boundary both
+// stages' replicas synchronise every fragment, so the boundary's checkpoint holds every replica of each
+// stage with the outer parameters, and the plan over a, b and c resumes from exactly that step.
+TEST_F(CoordinatorTest, ADrainedDilocoPipelineSynchronisesEveryStageAtTheSwitch) {
+  Edit("cluster.yaml", "heartbeat: {interval: 1s, timeout: 4s}", "heartbeat: {interval: 250ms, timeout: 3s}");
+  ports_["d"] = FreePort();
+  std::ofstream(dir_ / "cluster.yaml", std::ios::app) << "  - {name: d, address: 127.0.0.1:" << ports_["d"] << "}\n";
+  fs::remove_all(dir_ / "certs");
+  Process certs(Bin("meridian") + " certs init --spec " + (dir_ / "cluster.yaml").string() + " --out " +
+                (dir_ / "certs").string());
+  ASSERT_EQ(certs.Wait(30s), 0);
+  const int steps = 1000;
+  SetSteps(steps);
+  std::ofstream(dir_ / "job.yaml", std::ios::app)
+      << "  checkpoint: {dir: ckpt, interval: 100000}\n"
+         "  sync: {mode: diloco, inner_steps: 100000, codec: int4, overlap: true,\n"
+         "         outer_optimizer: {name: nesterov, lr: 0.7, momentum: 0.5}}\n";
+  std::ofstream(dir_ / "plan.json") << R"({"stages": [{"sites": ["a", "b"], "last_op": 2, "micro_batches": [2, 2]},
+                                                      {"sites": ["c", "d"], "last_op": 5, "micro_batches": [2, 2]}]})";
+  const fs::path out = dir_ / "coordinator.out";
+  auto coord = Coordinator("--plan " + (dir_ / "plan.json").string() + " > " + out.string());
+  std::this_thread::sleep_for(500ms);
+  auto a = Executor("a"), b = Executor("b"), c = Executor("c"), d = Executor("d");
+  auto read_out = [&] { return ReadText(out); };
+  ASSERT_TRUE(WaitForText(coord.get(), out, "step 40/", 240s)) << read_out();
+  Process drain(Bin("meridian") + " drain d --coordinator 127.0.0.1:" + std::to_string(coord_port_) + " --certs " +
+                (dir_ / "certs").string() + " 2>&1");
+  const std::string drain_out = drain.ReadAll(20s);
+  ASSERT_EQ(drain.Wait(10s), 0) << drain_out;
+  ASSERT_TRUE(WaitForText(coord.get(), out, "switch: every stage saved step", 240s))
+      << read_out() << "\n--- the sites' logs:\n"
+      << a->ReadAll(5s) << b->ReadAll(5s) << c->ReadAll(5s) << d->ReadAll(5s);
+  ASSERT_EQ(coord->Wait(400s), 0) << read_out();
+  const std::string log = read_out();
+  EXPECT_THAT(log, Not(HasSubstr("newest intact checkpoint")));
+  EXPECT_THAT(log, HasSubstr("done: " + std::to_string(steps) + " steps"));
+  ExpectEveryStepReportedOnce(steps);
+  for (const auto& [site, process] : {std::pair{"a", a.get()}, {"b", b.get()}, {"c", c.get()}, {"d", d.get()}}) {
+    const std::string site_log = process->ReadAll(10s);
+    EXPECT_THAT(site_log, HasSubstr("every fragment synchronised at the step boundary")) << site;
+    EXPECT_THAT(site_log, Not(HasSubstr("a peer sent a key twice"))) << site;
+  }
+  std::vector<fs::path> saved;
+  for (const auto& e : fs::directory_iterator(dir_ / "ckpt"))
+    if (e.is_directory()) saved.push_back(e.path());
+  ASSERT_EQ(saved.size(), 1u);
+  ExpectEveryReplicaToHoldTheOuterParameters(saved[0], 2, 2);
+  auto plan = nlohmann::json::parse(std::ifstream(dir_ / "run" / "plan.json"), nullptr, false);
+  for (const auto& st : plan["stages"])
+    for (const auto& site : st["sites"]) EXPECT_NE(site, "d") << plan.dump();
 }
 
 // A site of two CPU workers (#22): b runs the second stage of a pinned 2-stage pipeline on two worker
