@@ -64,6 +64,31 @@ absl::Status Upload(Coordinator& c, const std::string& site, const std::string& 
   return s;
 }
 
+// A coordinator of sites a and b keeping files under `dir`, in attempt "j", where a writes stage 0's and b
+// stage 1's (steps up to 100, files up to 1 MiB, a checkpoint every `interval` steps).
+std::unique_ptr<Coordinator> TwoWriterStore(const fs::path& dir, int interval) {
+  core::ClusterSpec spec;
+  spec.name = "t";
+  spec.sites = {{"a", {"127.0.0.1", 2}}, {"b", {"127.0.0.1", 3}}};
+  auto c = std::make_unique<Coordinator>(spec, "run");
+  c->SetFileDir(dir.string());
+  c->BeginJob("j", {{"a", 0}, {"b", 1}});
+  c->SetFileWriters({{"a", 0}, {"b", 1}}, 100, 1 << 20, interval, 0);
+  return c;
+}
+
+// What a stage's writer sends as stage-K.json of step `step`: its stage of `num_stages`, describing the shard
+// whose content is `shard`, holding one tensor.
+std::string StageJson(int step, int stage, int num_stages, const std::string& shard) {
+  return nlohmann::json{{"step", step},
+                        {"stage", stage},
+                        {"num_stages", num_stages},
+                        {"shard", "stage-" + std::to_string(stage) + ".safetensors"},
+                        {"sha256", core::Sha256Hex(shard)},
+                        {"tensors", {"w"}}}
+      .dump();
+}
+
 TEST(CoordinatorFiles, OnlyEachStagesWriterSendsItsOwnFilesOfTheRunningAttempt) {
   const fs::path dir = fs::temp_directory_path() / ("meridian_coordfiles_" + std::to_string(::getpid()));
   fs::remove_all(dir);
@@ -165,13 +190,8 @@ TEST(CoordinatorFiles, UploadsAreGrantedWhatIsLeftOfTheStoresQuota) {
 TEST(CoordinatorFiles, OnlyAManifestedStepCountsAndForgedUploadsAreRefused) {
   const fs::path dir = fs::temp_directory_path() / ("meridian_manifest_" + std::to_string(::getpid()));
   fs::remove_all(dir);
-  core::ClusterSpec spec;
-  spec.name = "t";
-  spec.sites = {{"a", {"127.0.0.1", 2}}, {"b", {"127.0.0.1", 3}}};
-  Coordinator c(spec, "run");
-  c.SetFileDir(dir.string());
-  c.BeginJob("j", {{"a", 0}, {"b", 1}});
-  c.SetFileWriters({{"a", 0}, {"b", 1}}, 100, 1 << 20, 10, 0);
+  auto store = TwoWriterStore(dir, 10);
+  Coordinator& c = *store;
   // Steps that are not checkpoint steps, or far ahead of the run's progress (none yet).
   EXPECT_EQ(c.FileDestination("a", "j", "checkpoints/step-15/stage-0.safetensors").status().code(),
             absl::StatusCode::kInvalidArgument);
@@ -181,13 +201,7 @@ TEST(CoordinatorFiles, OnlyAManifestedStepCountsAndForgedUploadsAreRefused) {
     return Upload(c, site, "j", path, content);
   };
   auto meta = [](int stage, int num_stages, const std::string& shard) {
-    return nlohmann::json{{"step", 10},
-                          {"stage", stage},
-                          {"num_stages", num_stages},
-                          {"shard", "stage-" + std::to_string(stage) + ".safetensors"},
-                          {"sha256", core::Sha256Hex(shard)},
-                          {"tensors", {"w"}}}
-        .dump();
+    return StageJson(10, stage, num_stages, shard);
   };
   ASSERT_TRUE(upload("a", "checkpoints/step-10/stage-0.safetensors", "shard-a").ok());
   // The audit's forgery: a stage-0 JSON claiming the step has one stage.
@@ -221,13 +235,8 @@ TEST(CoordinatorFiles, AStepBoundaryIsACheckpointStepWhateverTheInterval) {
   for (const int interval : {10, 0}) {
     SCOPED_TRACE(interval);
     fs::remove_all(dir);
-    core::ClusterSpec spec;
-    spec.name = "t";
-    spec.sites = {{"a", {"127.0.0.1", 2}}, {"b", {"127.0.0.1", 3}}};
-    Coordinator c(spec, "run");
-    c.SetFileDir(dir.string());
-    c.BeginJob("j", {{"a", 0}, {"b", 1}});
-    c.SetFileWriters({{"a", 0}, {"b", 1}}, 100, 1 << 20, interval, 0);
+    auto store = TwoWriterStore(dir, interval);
+    Coordinator& c = *store;
     c.SetBoundary("j0", 17);  // an attempt that ended
     absl::Status refused = Upload(c, "a", "j", "checkpoints/step-17/stage-0.safetensors", "shard-a");
     EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
@@ -241,14 +250,7 @@ TEST(CoordinatorFiles, AStepBoundaryIsACheckpointStepWhateverTheInterval) {
       const std::string shard = std::string("shard-") + site;
       const std::string name = "checkpoints/step-17/stage-" + std::to_string(stage);
       ASSERT_TRUE(Upload(c, site, "j", name + ".safetensors", shard).ok());
-      const std::string meta = nlohmann::json{
-          {"step", 17},
-          {"stage", stage},
-          {"num_stages", 2},
-          {"shard", "stage-" + std::to_string(stage) + ".safetensors"},
-          {"sha256", core::Sha256Hex(shard)},
-          {"tensors", {"w"}}}.dump();
-      ASSERT_TRUE(Upload(c, site, "j", name + ".json", meta).ok());
+      ASSERT_TRUE(Upload(c, site, "j", name + ".json", StageJson(17, stage, 2, shard)).ok());
     }
     auto found = core::FindLatestManifested((dir / "checkpoints").string());
     ASSERT_TRUE(found.ok()) << found.status();

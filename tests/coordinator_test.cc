@@ -151,6 +151,10 @@ class CoordinatorTest : public ::testing::Test {
                                                              const std::vector<std::string>& stores);
   // A DiLoCo worker of three, lost mid-run with `sync`, is left out (defined with its tests).
   void ExpectALostDilocoWorkerToBeLeftOut(const std::string& sync);
+  // A fourth site d, heartbeats of 250 ms, a `steps`-step job under DiLoCo (H = `inner_steps`, overlapped
+  // int4, Nesterov 0.7 / 0.5, checkpoints every `interval`) and plan.json pinning two whole pipelines,
+  // a -> c and b -> d, two micro-batches each (defined with their tests).
+  void SetUpTwoDilocoPipelines(int steps, int inner_steps, int interval);
   fs::path dir_;
   int coord_port_ = 0;
   std::map<std::string, int> ports_;
@@ -731,12 +735,7 @@ TEST_F(CoordinatorTest, ADrainedDilocoWorkersLearningIsKeptThroughTheSwitch) {
   }
 }
 
-// Whole DiLoCo pipelines (#17; a pinned plan of two pipelines, a -> c and b -> d, H = 5, overlapped int4
-// exchanges): d is killed mid-run. b, its pipeline's other stage, fails when d goes, before the heartbeats
-// name d; the coordinator leaves the pipeline (b, d) out, and a and c -- the other pipeline, stage 0's
-// replica 0 waiting for b's loss share -- go on without it and switch at a step boundary to a plan without
-// d that resumes from exactly that step: no fallback to a checkpoint, and every step reported once.
-TEST_F(CoordinatorTest, ALostDilocoPipelineIsLeftOutAndTheOtherFinishesWithNoStepLost) {
+void CoordinatorTest::SetUpTwoDilocoPipelines(int steps, int inner_steps, int interval) {
   Edit("cluster.yaml", "heartbeat: {interval: 1s, timeout: 4s}", "heartbeat: {interval: 250ms, timeout: 3s}");
   ports_["d"] = FreePort();
   std::ofstream(dir_ / "cluster.yaml", std::ios::app) << "  - {name: d, address: 127.0.0.1:" << ports_["d"] << "}\n";
@@ -744,14 +743,23 @@ TEST_F(CoordinatorTest, ALostDilocoPipelineIsLeftOutAndTheOtherFinishesWithNoSte
   Process certs(Bin("meridian") + " certs init --spec " + (dir_ / "cluster.yaml").string() + " --out " +
                 (dir_ / "certs").string());
   ASSERT_EQ(certs.Wait(30s), 0);
-  const int steps = 1000;
   SetSteps(steps);
   std::ofstream(dir_ / "job.yaml", std::ios::app)
-      << "  checkpoint: {dir: ckpt, interval: 50}\n"
-         "  sync: {mode: diloco, inner_steps: 5, codec: int4, overlap: true,\n"
-         "         outer_optimizer: {name: nesterov, lr: 0.7, momentum: 0.5}}\n";
+      << "  checkpoint: {dir: ckpt, interval: " << interval << "}\n"
+      << "  sync: {mode: diloco, inner_steps: " << inner_steps << ", codec: int4, overlap: true,\n"
+      << "         outer_optimizer: {name: nesterov, lr: 0.7, momentum: 0.5}}\n";
   std::ofstream(dir_ / "plan.json") << R"({"stages": [{"sites": ["a", "b"], "last_op": 2, "micro_batches": [2, 2]},
                                                       {"sites": ["c", "d"], "last_op": 5, "micro_batches": [2, 2]}]})";
+}
+
+// Whole DiLoCo pipelines (#17; a pinned plan of two pipelines, a -> c and b -> d, H = 5, overlapped int4
+// exchanges): d is killed mid-run. b, its pipeline's other stage, fails when d goes, before the heartbeats
+// name d; the coordinator leaves the pipeline (b, d) out, and a and c -- the other pipeline, stage 0's
+// replica 0 waiting for b's loss share -- go on without it and switch at a step boundary to a plan without
+// d that resumes from exactly that step: no fallback to a checkpoint, and every step reported once.
+TEST_F(CoordinatorTest, ALostDilocoPipelineIsLeftOutAndTheOtherFinishesWithNoStepLost) {
+  const int steps = 1000;
+  ASSERT_NO_FATAL_FAILURE(SetUpTwoDilocoPipelines(steps, 5, 50));
   auto coord = Coordinator("--plan " + (dir_ / "plan.json").string());
   std::this_thread::sleep_for(500ms);
   auto a = Executor("a"), b = Executor("b"), c = Executor("c"), d = Executor("d");
@@ -777,21 +785,8 @@ TEST_F(CoordinatorTest, ALostDilocoPipelineIsLeftOutAndTheOtherFinishesWithNoSte
 // stages' replicas synchronise every fragment, so the boundary's checkpoint holds every replica of each
 // stage with the outer parameters, and the plan over a, b and c resumes from exactly that step.
 TEST_F(CoordinatorTest, ADrainedDilocoPipelineSynchronisesEveryStageAtTheSwitch) {
-  Edit("cluster.yaml", "heartbeat: {interval: 1s, timeout: 4s}", "heartbeat: {interval: 250ms, timeout: 3s}");
-  ports_["d"] = FreePort();
-  std::ofstream(dir_ / "cluster.yaml", std::ios::app) << "  - {name: d, address: 127.0.0.1:" << ports_["d"] << "}\n";
-  fs::remove_all(dir_ / "certs");
-  Process certs(Bin("meridian") + " certs init --spec " + (dir_ / "cluster.yaml").string() + " --out " +
-                (dir_ / "certs").string());
-  ASSERT_EQ(certs.Wait(30s), 0);
   const int steps = 1000;
-  SetSteps(steps);
-  std::ofstream(dir_ / "job.yaml", std::ios::app)
-      << "  checkpoint: {dir: ckpt, interval: 100000}\n"
-         "  sync: {mode: diloco, inner_steps: 100000, codec: int4, overlap: true,\n"
-         "         outer_optimizer: {name: nesterov, lr: 0.7, momentum: 0.5}}\n";
-  std::ofstream(dir_ / "plan.json") << R"({"stages": [{"sites": ["a", "b"], "last_op": 2, "micro_batches": [2, 2]},
-                                                      {"sites": ["c", "d"], "last_op": 5, "micro_batches": [2, 2]}]})";
+  ASSERT_NO_FATAL_FAILURE(SetUpTwoDilocoPipelines(steps, 100000, 100000));
   const fs::path out = dir_ / "coordinator.out";
   auto coord = Coordinator("--plan " + (dir_ / "plan.json").string() + " > " + out.string());
   std::this_thread::sleep_for(500ms);
