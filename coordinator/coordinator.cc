@@ -299,7 +299,8 @@ absl::StatusOr<rpc::CoordinatorHandler::FileGrant> Coordinator::FileDestination(
           absl::StrCat("site '", site, "' sent ", path, ", a step beyond the job's ", file_max_step_));
     // A checkpoint's step: the attempt's step boundary (a switch: every stage saves it, whatever the
     // interval), or an interval's step the run can have reached.
-    const bool at_boundary = boundary_job_ == job_id_ && boundary_step_ > 0 && step == boundary_step_;
+    const int64_t boundary = boundary_job_ == job_id_ ? boundary_step_ : 0;  // 0: none set for this attempt
+    const bool at_boundary = boundary > 0 && step == boundary;
     if (file->kind != core::SiteFile::Kind::kWeights && step <= resume_step_)
       return absl::InvalidArgumentError(absl::StrCat("site '", site, "' sent ", path, ": a step at or before step ",
                                                      resume_step_, ", which this attempt resumed from"));
@@ -307,8 +308,7 @@ absl::StatusOr<rpc::CoordinatorHandler::FileGrant> Coordinator::FileDestination(
       if (checkpoint_interval_ <= 0)
         return absl::InvalidArgumentError(absl::StrCat(
             "site '", site, "' sent ", path, ": this run checkpoints only at a switch's step boundary, and ",
-            boundary_job_ == job_id_ && boundary_step_ > 0 ? absl::StrCat("that is step ", boundary_step_)
-                                                           : std::string("none is set"),
+            boundary > 0 ? absl::StrCat("that is step ", boundary) : std::string("none is set"),
             " (job.checkpoint.interval is 0)"));
       // Reports arrive late and best-effort: the furthest step any site of the attempt reported, and two
       // intervals of slack, still refuse a step far ahead of the run.
@@ -316,11 +316,10 @@ absl::StatusOr<rpc::CoordinatorHandler::FileGrant> Coordinator::FileDestination(
       for (const auto& [name, st] : sites_)
         if (st.metrics && stages_.count(name)) reached = std::max(reached, st.metrics->step() + 1);
       if (step % checkpoint_interval_ != 0 || step > reached + 2 * checkpoint_interval_)
-        return absl::InvalidArgumentError(
-            absl::StrCat("site '", site, "' sent ", path, ": not a checkpoint step this run can have reached (every ",
-                         checkpoint_interval_, " steps, after step ", resume_step_,
-                         ", at most two intervals past step ", reached, "; nor the step boundary",
-                         boundary_job_ == job_id_ && boundary_step_ > 0 ? absl::StrCat(" ", boundary_step_) : "", ")"));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "site '", site, "' sent ", path, ": not a checkpoint step this run can have reached (every ",
+            checkpoint_interval_, " steps, after step ", resume_step_, ", at most two intervals past step ", reached,
+            "; nor the step boundary", boundary > 0 ? absl::StrCat(" ", boundary) : "", ")"));
     }
     dir = file_dir_;
     grant.max_bytes = file_max_bytes_;
