@@ -1195,6 +1195,18 @@ void StageWorker::ForgetCheckpointsAfter(const std::string& dir, int64_t step) c
   if (!problems.empty()) spdlog::warn("{}", absl::StrCat(Where(), ": checkpoints: ", problems));
 }
 
+bool StageWorker::ParametersEqualTheirOuterValues(const std::map<std::string, torch::Tensor>& tensors) const {
+  bool compared = false;
+  for (const auto& [name, p] : model_->parameters()) {
+    auto value = tensors.find(name);
+    auto outer = tensors.find(OuterSync::StateNames(name)[0]);
+    if (value == tensors.end() || outer == tensors.end()) continue;
+    if (!torch::equal(value->second, outer->second)) return false;
+    compared = true;
+  }
+  return compared;
+}
+
 absl::Status StageWorker::Restore(const Checkpoint& c) {
   return GuardTorch(absl::StrCat(Where(), ": restoring ", c.path), [&]() -> absl::Status {
     carried_.clear();  // job.step_overlap: nothing begun carries over a restore
@@ -1207,23 +1219,9 @@ absl::Status StageWorker::Restore(const Checkpoint& c) {
       auto loaded = LoadRoundState(c.path, RoundLayout(), replica_, !c.chosen_by_coordinator, &why);
       if (!loaded.ok()) return Annotate(loaded.status(), absl::StrCat(Where(), ": restoring from ", c.path));
       round = std::move(*loaded);
-      // Replica 0's parameters equal to their outer values: every fragment was synchronised at that step
-      // (a step boundary's), which every replica took part in, so the outer parameters hold what each
-      // sent of its progress in the round.
-      bool in_sync = false;
-      for (const auto& [name, p] : model_->parameters()) {
-        auto value = c.tensors.find(name);
-        auto outer = c.tensors.find(OuterSync::StateNames(name)[0]);
-        if (value == c.tensors.end() || outer == c.tensors.end()) continue;
-        if (!torch::equal(value->second, outer->second)) {
-          in_sync = false;
-          break;
-        }
-        in_sync = true;  // at least one parameter compared, and every one so far equal
-      }
       if (round)
         spdlog::info("{}", absl::StrCat(Where(), ": resumes its own DiLoCo round state of step ", c.step));
-      else if (in_sync)
+      else if (ParametersEqualTheirOuterValues(c.tensors))
         spdlog::info("{}", absl::StrCat(Where(), ": resumes from the outer parameters of step ", c.step, " (", why,
                                         "every replica synchronised every fragment there, so they hold what each "
                                         "sent of its progress in the round; its inner optimizer moments are "

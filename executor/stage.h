@@ -312,6 +312,11 @@ class StageWorker {
   // parameters to the site's other workers when an exchange changed them. Step's thread.
   enum class OuterPoint { kAfterStep, kLastStep, kBoundary };
   absl::Status SynchroniseOuter(int64_t step, OuterPoint point);
+  // DiLoCo, resuming from replica 0's state: whether `tensors` (a checkpoint's) hold at least one of this
+  // stage's parameters with its outer value ("outer.param.NAME") and every such one equal to it -- the
+  // checkpoint was written right after every fragment was synchronised (a step boundary's), which every
+  // replica took part in.
+  bool ParametersEqualTheirOuterValues(const std::map<std::string, torch::Tensor>& tensors) const;
   // DiLoCo workers of the whole model (a one-stage plan): independent between outer syncs, and the ones a
   // lost replica can be left out of.
   // On a site of several devices only worker 0 holds outer_: this is false on the others, so no
