@@ -155,6 +155,14 @@ class CoordinatorTest : public ::testing::Test {
   // int4, Nesterov 0.7 / 0.5, checkpoints every `interval`) and plan.json pinning two whole pipelines,
   // a -> c and b -> d, two micro-batches each (defined with their tests).
   void SetUpTwoDilocoPipelines(int steps, int inner_steps, int interval);
+  // `meridian drain ARGS` against this test's coordinator as the operator (unless ARGS say otherwise):
+  // its exit status and output.
+  std::pair<int, std::string> Drain(const std::string& args) {
+    Process drain(Bin("meridian") + " drain " + args + " --coordinator 127.0.0.1:" + std::to_string(coord_port_) +
+                  " --certs " + (dir_ / "certs").string() + " 2>&1");
+    std::string out = drain.ReadAll(20s);
+    return {drain.Wait(10s), out};
+  }
   fs::path dir_;
   int coord_port_ = 0;
   std::map<std::string, int> ports_;
@@ -696,10 +704,8 @@ TEST_F(CoordinatorTest, ADrainedDilocoWorkersLearningIsKeptThroughTheSwitch) {
     auto a = Executor("a"), b = Executor("b"), c = Executor("c");
     auto read_out = [&] { return ReadText(out); };
     ASSERT_TRUE(WaitForText(coord.get(), out, "step 40/", 240s)) << read_out();
-    Process drain(Bin("meridian") + " drain c --coordinator 127.0.0.1:" + std::to_string(coord_port_) + " --certs " +
-                  (dir_ / "certs").string() + " 2>&1");
-    const std::string drain_out = drain.ReadAll(20s);
-    ASSERT_EQ(drain.Wait(10s), 0) << drain_out;
+    const auto [drained, drain_out] = Drain("c");
+    ASSERT_EQ(drained, 0) << drain_out;
     auto sites_so_far = [&] { return a->ReadAll(5s) + "\n" + b->ReadAll(5s) + "\n" + c->ReadAll(5s); };
     ASSERT_TRUE(WaitForText(coord.get(), out, "switch: every stage saved step", 240s))
         << read_out() << "\n--- the sites' logs:\n"
@@ -793,10 +799,8 @@ TEST_F(CoordinatorTest, ADrainedDilocoPipelineSynchronisesEveryStageAtTheSwitch)
   auto a = Executor("a"), b = Executor("b"), c = Executor("c"), d = Executor("d");
   auto read_out = [&] { return ReadText(out); };
   ASSERT_TRUE(WaitForText(coord.get(), out, "step 40/", 240s)) << read_out();
-  Process drain(Bin("meridian") + " drain d --coordinator 127.0.0.1:" + std::to_string(coord_port_) + " --certs " +
-                (dir_ / "certs").string() + " 2>&1");
-  const std::string drain_out = drain.ReadAll(20s);
-  ASSERT_EQ(drain.Wait(10s), 0) << drain_out;
+  const auto [drained, drain_out] = Drain("d");
+  ASSERT_EQ(drained, 0) << drain_out;
   ASSERT_TRUE(WaitForText(coord.get(), out, "switch: every stage saved step", 240s))
       << read_out() << "\n--- the sites' logs:\n"
       << a->ReadAll(5s) << b->ReadAll(5s) << c->ReadAll(5s) << d->ReadAll(5s);
@@ -1430,18 +1434,14 @@ TEST_F(CoordinatorTest, ADrainedSiteAndASigtermedOneAreLeftWithNoStepLostOrRepea
   auto read_out = [&] { return ReadText(out); };
   auto wait_for = [&](const std::string& what) { return WaitForText(coord.get(), out, what, 240s); };
   ASSERT_TRUE(wait_for("step 100/")) << read_out();
-  const std::string where =
-      " --coordinator 127.0.0.1:" + std::to_string(coord_port_) + " --certs " + (dir_ / "certs").string();
-  Process stranger(Bin("meridian") + " drain b" + where + " --as a 2>&1");  // a site may not drain another
-  const std::string stranger_out = stranger.ReadAll(20s);
-  EXPECT_EQ(stranger.Wait(10s), 1) << stranger_out;
+  const auto [stranger, stranger_out] = Drain("b --as a");  // a site may not drain another
+  EXPECT_EQ(stranger, 1) << stranger_out;
   EXPECT_THAT(stranger_out, HasSubstr("only the operator's"));
-  Process unknown(Bin("meridian") + " drain zz" + where + " 2>&1");
-  EXPECT_THAT(unknown.ReadAll(20s), HasSubstr("site 'zz' is not in cluster 't'"));
-  EXPECT_EQ(unknown.Wait(10s), 1);
-  Process drain(Bin("meridian") + " drain b" + where + " 2>&1");
-  const std::string drain_out = drain.ReadAll(20s);
-  ASSERT_EQ(drain.Wait(10s), 0) << drain_out;
+  const auto [unknown, unknown_out] = Drain("zz");
+  EXPECT_THAT(unknown_out, HasSubstr("site 'zz' is not in cluster 't'"));
+  EXPECT_EQ(unknown, 1);
+  const auto [drained, drain_out] = Drain("b");
+  ASSERT_EQ(drained, 0) << drain_out;
   EXPECT_THAT(drain_out, HasSubstr("site 'b' leaves at the next step boundary"));
   ASSERT_TRUE(wait_for("switch: every stage saved step")) << read_out();
   EXPECT_EQ(b->Wait(120s), 0) << "the drained executor is told to stop";
