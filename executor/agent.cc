@@ -509,7 +509,15 @@ void Agent::OnProfile(const v1::ProfileRequest& p) {
       rpc::ProbeOptions po;
       po.bulk_bytes = 1 << 20;
       po.cpu_share = cpu_share_;  // the reverse direction's receive cost at this site's share (0 on a GPU site)
-      auto first = rpc::ProbeLink(**client, po);
+      auto probe = [&](rpc::PeerClient* pull_client) {
+        auto m = rpc::ProbeLink(**client, po, pull_client);
+        if (m.ok())
+          for (const std::string& error : m->retried_after)
+            spdlog::warn("{}", absl::StrCat("probing the link to '", peer.site(), "' was cut off (", error,
+                                            "); measured again"));
+        return m;
+      };
+      auto first = probe(nullptr);
       if (first.ok()) {
         po.bulk_bytes = std::clamp<int64_t>(
             static_cast<int64_t>(first->forward_bytes_per_second * std::max(0.2, p.probe_seconds())), 1 << 20,
@@ -521,7 +529,7 @@ void Agent::OnProfile(const v1::ProfileRequest& p) {
         // The loaded pull over a connection of its own, as the peer's gradients come over its own.
         auto pull_client = rpc::PeerClient::Create(o_.certs, o_.site, peer.site(), peer.address(), true);
         if (!pull_client.ok()) return pull_client.status();
-        first = rpc::ProbeLink(**client, po, pull_client->get());
+        first = probe(pull_client->get());
       }
       if (!first.ok())
         return absl::UnavailableError(

@@ -536,7 +536,10 @@ absl::StatusOr<double> PeerClient::PullSeconds(int64_t bytes, std::chrono::secon
   return std::chrono::duration<double>(t1 - t0).count();
 }
 
-absl::StatusOr<LinkMeasurement> ProbeLink(PeerClient& client, const ProbeOptions& o, PeerClient* pull_client) {
+namespace {
+
+// One attempt of ProbeLink.
+absl::StatusOr<LinkMeasurement> ProbeLinkOnce(PeerClient& client, const ProbeOptions& o, PeerClient* pull_client) {
   PeerClient& puller_client = pull_client ? *pull_client : client;
   LinkMeasurement m;
   std::vector<double> rtts;
@@ -608,6 +611,27 @@ absl::StatusOr<LinkMeasurement> ProbeLink(PeerClient& client, const ProbeOptions
   if (o.cpu_share > 0 && cpu_per_byte > 0 && fwd > 0 && rev > 0 && std::max(fwd, rev) <= 1.5 * std::min(fwd, rev))
     m.reverse_receive_seconds_per_byte = cpu_per_byte / o.cpu_share;
   return m;
+}
+
+// An error of the transport rather than of the peer's answer: a reset stream or connection.
+bool CutOffByTheTransport(const absl::Status& s) {
+  return s.code() == absl::StatusCode::kInternal || s.code() == absl::StatusCode::kUnavailable ||
+         s.code() == absl::StatusCode::kResourceExhausted;
+}
+
+}  // namespace
+
+absl::StatusOr<LinkMeasurement> ProbeLink(PeerClient& client, const ProbeOptions& o, PeerClient* pull_client) {
+  std::vector<std::string> retried_after;
+  for (int attempt = 1;; ++attempt) {
+    auto m = ProbeLinkOnce(client, o, pull_client);
+    if (m.ok()) {
+      m->retried_after = std::move(retried_after);
+      return m;
+    }
+    if (attempt >= o.attempts || !CutOffByTheTransport(m.status())) return m.status();
+    retried_after.emplace_back(m.status().message());
+  }
 }
 
 using core::ProcessCpuSeconds;

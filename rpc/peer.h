@@ -295,6 +295,9 @@ struct LinkMeasurement {
   //   chunks; at 100 Mbit/s it read 14-16 ns a byte where the service read 4-5.)
   // 0: not measured. Both rest on the peer's word: finite and positive, or 0, but not otherwise checked.
   double forward_receive_seconds_per_byte = 0, reverse_receive_seconds_per_byte = 0;
+  // The transport errors that cut off earlier attempts of this measurement (ProbeOptions::attempts), in
+  // order; empty when the first attempt completed. The caller logs them.
+  std::vector<std::string> retried_after;
 };
 struct ProbeOptions {
   int pings = 15;
@@ -305,9 +308,17 @@ struct ProbeOptions {
   // This process's share of a core, for LinkMeasurement::reverse_receive_seconds_per_byte; 0: not
   // priced (a GPU site).
   double cpu_share = 0;
+  // A measurement cut off by the transport -- its stream or connection reset (INTERNAL, UNAVAILABLE,
+  // RESOURCE_EXHAUSTED) -- is begun again from its pings, at most this many attempts in all: a link probe
+  // fails its site's whole profile, and one CI run saw a probe stream reset by gRPC 1.51's HTTP/2 flow
+  // control (RST_STREAM PROTOCOL_ERROR). Any other error (a refused identity, a deadline, a short pull)
+  // fails at once.
+  int attempts = 2;
 };
 // Measures the link to `client`'s peer. With both_ways, the loaded pull goes over `pull_client` when given
-// (a client of the same peer made with own_connection), else over `client`'s connection.
+// (a client of the same peer made with own_connection), else over `client`'s connection. An attempt cut
+// off by the transport is begun again (ProbeOptions::attempts, LinkMeasurement::retried_after); the last
+// error otherwise. Not thread-safe for one `client` (its calls are sequential).
 absl::StatusOr<LinkMeasurement> ProbeLink(PeerClient& client, const ProbeOptions& options,
                                           PeerClient* pull_client = nullptr);
 

@@ -367,6 +367,72 @@ TEST_F(PeerTest, ProbeMeasuresLoopback) {
   EXPECT_EQ(m->reverse_receive_seconds_per_byte, 0);
 }
 
+// b's peer service whose first `resets` bulk streams are cut off with `code`, as a stream reset by the
+// transport reaches the prober (CI saw "Received RST_STREAM with error code 1", INTERNAL); every other
+// call is the real service's.
+class CutsOffStreams final : public v1::Peer::Service {
+ public:
+  CutsOffStreams(PeerService* real, int resets, grpc::StatusCode code) : real_(real), resets_(resets), code_(code) {}
+  grpc::Status Stream(grpc::ServerContext* ctx, grpc::ServerReader<v1::TensorChunk>* reader,
+                      v1::StreamAck* ack) override {
+    if (resets_-- > 0) return grpc::Status(code_, "cut off");
+    return real_->Stream(ctx, reader, ack);
+  }
+  grpc::Status Echo(grpc::ServerContext* ctx, const v1::Ping* req, v1::Ping* resp) override {
+    return real_->Echo(ctx, req, resp);
+  }
+  grpc::Status Pull(grpc::ServerContext* ctx, const v1::PullRequest* req,
+                    grpc::ServerWriter<v1::TensorChunk>* writer) override {
+    return real_->Pull(ctx, req, writer);
+  }
+
+ private:
+  PeerService* real_;
+  std::atomic<int> resets_;
+  const grpc::StatusCode code_;
+};
+
+// A probe cut off by the transport is measured again, at most ProbeOptions::attempts times in all, and
+// says so; an error of the peer's answer (here a refused identity) is not retried.
+TEST_F(PeerTest, AProbeCutOffByTheTransportIsMeasuredAgainOnce) {
+  PeerService real("b", std::set<std::string>{"a"}, &inbox_);
+  auto probe = [&](int resets, grpc::StatusCode code, int attempts) {
+    CutsOffStreams service(&real, resets, code);
+    int port = 0;
+    auto server = StartMtlsServer(dir_->string(), "b", "127.0.0.1:0", {&service}, &port);
+    EXPECT_TRUE(server.ok()) << server.status();
+    auto client = *PeerClient::Create(dir_->string(), "a", "b", "127.0.0.1:" + std::to_string(port));
+    ProbeOptions o;
+    o.bulk_bytes = 1 << 20;
+    o.pings = 3;
+    o.attempts = attempts;
+    auto m = ProbeLink(*client, o);
+    (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+    return m;
+  };
+  for (grpc::StatusCode code :
+       {grpc::StatusCode::INTERNAL, grpc::StatusCode::UNAVAILABLE, grpc::StatusCode::RESOURCE_EXHAUSTED}) {
+    auto m = probe(1, code, 2);
+    ASSERT_TRUE(m.ok()) << m.status();
+    EXPECT_GT(m->forward_bytes_per_second, 0);
+    EXPECT_GT(m->reverse_bytes_per_second, 0);
+    ASSERT_EQ(m->retried_after.size(), 1u);
+    EXPECT_THAT(m->retried_after[0], HasSubstr("cut off"));
+  }
+  // Cut off twice: the second error is the probe's.
+  auto twice = probe(2, grpc::StatusCode::INTERNAL, 2);
+  EXPECT_EQ(twice.status().code(), absl::StatusCode::kInternal);
+  EXPECT_THAT(std::string(twice.status().message()), HasSubstr("cut off"));
+  // One attempt only: none again.
+  EXPECT_EQ(probe(1, grpc::StatusCode::INTERNAL, 1).status().code(), absl::StatusCode::kInternal);
+  // Not the transport: failed at once (the next stream would have been the real service's).
+  EXPECT_EQ(probe(1, grpc::StatusCode::PERMISSION_DENIED, 2).status().code(), absl::StatusCode::kPermissionDenied);
+  // A first attempt that completes retries nothing.
+  auto clean = probe(0, grpc::StatusCode::INTERNAL, 2);
+  ASSERT_TRUE(clean.ok()) << clean.status();
+  EXPECT_TRUE(clean->retried_after.empty());
+}
+
 // What receiving costs per byte at the link's rate: the peer's service reports its CPU for a probe
 // stream once it is given its share of a core (here the process's, both ends: above nothing, below 1 us
 // a byte; loopback TLS here: a few ns a byte), and the reverse direction, where the two directions' rates
