@@ -31,6 +31,9 @@ using core::Annotate;
 
 using Clock = std::chrono::steady_clock;
 
+// A checkpoint's name for a trained parameter's early weights (job.step_overlap; SaveCheckpoint).
+const std::string kEarlyPrefix = "early.";
+
 }  // namespace
 
 absl::StatusOr<StageAssignment> ParseAssignmentJson(const std::string& text, const std::string& path) {
@@ -500,6 +503,15 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
       for (auto& [mb, st] : carried_) stash[{step, mb}] = std::move(st);
       loss_sum = carried_loss_;
     }
+    // Resumed at a switch's step boundary whose checkpoint kept the early weights (Restore): this step's
+    // early micro-batches run here, on them, as the step before would have begun them in its drain.
+    // `early_left`: those of this replica whose backward pass is still to come.
+    int k_resumed = 0, early_left = 0;
+    if (resumed_early_step_ == step && carried_step_ != step) {
+      k_resumed = EarlyMicroBatches(setup_.job, step, total_steps);
+      for (int mb = 0; mb < k_resumed; ++mb) early_left += owner_[mb] == replica_;
+    }
+    resumed_early_step_ = -1;
     carried_.clear();
     carried_step_ = -1;
     carried_loss_ = 0;
@@ -734,9 +746,10 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
     auto settle = [&] {
       if (settled) return;
       if (early_model_) {
+        if (early_left > 0) return;
         for (const auto& [key, st] : stash)
           if (key.first == step && st.model == early_model_.get()) return;
-        if (k_done > 0) {
+        if (k_done > 0 || k_resumed > 0) {
           early_model_->MoveGradientsInto(*model_);
         } else {  // an abandoned step's, if any
           early_model_->ClearGradients();
@@ -764,7 +777,7 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
           return absl::InternalError(absl::StrCat(Where(), ": job.step_overlap: an early micro-batch of step ",
                                                   step + 1, " is still in flight at step ", step + 2, "'s first"));
         MicroBatchState s;
-        s.model = e.next ? early_model_.get() : model_.get();
+        s.model = e.next || mb < k_resumed ? early_model_.get() : model_.get();
         TrainingData::Batch batch;
         std::vector<int64_t> ids;  // the micro-batch's training sequences (the keys of AQ-SGD's deltas sent)
         if (model_->has_embed() || model_->has_head()) {
@@ -866,6 +879,7 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
           Trace("send", tmb, t0);
         }
         stash.erase({of, mb});
+        if (!e.next && mb < k_resumed) --early_left;
         settle();
       }
       if (i == last_backward) {  // the step's gradients are complete: the sums and the norm's first half
@@ -1112,6 +1126,10 @@ bool StageWorker::AwaitLeftOut(const std::string& peer, const absl::Status& caus
 absl::Status StageWorker::SaveCheckpoint(const std::string& dir, int64_t steps_done, int keep, bool boundary) {
   return GuardTorch(absl::StrCat(Where(), ": checkpoint of step ", steps_done), [&]() -> absl::Status {
     std::map<std::string, torch::Tensor> all = Parameters();
+    // job.step_overlap: at a switch's step boundary, the weights the next step's early micro-batches began
+    // on in this step's drain, so that the next plan begins them on the same (Restore).
+    if (boundary && KeepsEarlyWeights() && early_model_ && carried_step_ == steps_done)
+      for (const auto& [n, p] : early_model_->parameters()) all[kEarlyPrefix + n] = p.detach().cpu();
     if (zero_) {  // the workers' shards of the moments, gathered at worker 0
       auto moments = zero_->ExportState(*group_, model_->parameters());
       if (!moments.ok()) return Annotate(moments.status(), Where());
@@ -1207,11 +1225,49 @@ bool StageWorker::ParametersEqualTheirOuterValues(const std::map<std::string, to
   return compared;
 }
 
+bool StageWorker::KeepsEarlyWeights() const {
+  // Not under DiLoCo: a switch's boundary synchronises the replicas there, which an uninterrupted run
+  // does not, so the step after it runs exact, as after any synchronisation (EarlyMicroBatches).
+  return setup_.job.step_overlap > 0 && setup_.job.sync.mode != core::SyncMode::kDiloco;
+}
+
+absl::StatusOr<std::optional<std::map<std::string, torch::Tensor>>> StageWorker::EarlyWeightsIn(
+    const std::map<std::string, torch::Tensor>& tensors, const std::string& path) const {
+  if (!KeepsEarlyWeights()) return std::nullopt;
+  std::map<std::string, torch::Tensor> early;
+  std::string missing;
+  for (const auto& [n, p] : model_->parameters()) {
+    auto it = tensors.find(kEarlyPrefix + n);
+    if (it != tensors.end())
+      early[n] = it->second;
+    else if (missing.empty())
+      missing = kEarlyPrefix + n;
+  }
+  if (early.empty() && !model_->parameters().empty()) return std::nullopt;  // no switch's boundary kept them
+  if (!missing.empty())
+    return absl::DataLossError(absl::StrCat(Where(), ": restoring from ", path,
+                                            ": the checkpoint holds the early "
+                                            "weights (job.step_overlap) of some of the stage's parameters but not ",
+                                            missing));
+  return early;
+}
+
+void StageWorker::ResumeEarlyMicroBatches(int64_t step) {
+  resumed_early_step_ = step;
+  spdlog::info("{}", absl::StrCat(Where(), ": step ", step + 1,
+                                  "'s early micro-batches (job.step_overlap) run on "
+                                  "the weights of step ",
+                                  step,
+                                  " kept at the switch's boundary, as an "
+                                  "uninterrupted run begins them"));
+}
+
 absl::Status StageWorker::Restore(const Checkpoint& c) {
   return GuardTorch(absl::StrCat(Where(), ": restoring ", c.path), [&]() -> absl::Status {
     carried_.clear();  // job.step_overlap: nothing begun carries over a restore
     carried_step_ = -1;
     carried_loss_ = 0;
+    resumed_early_step_ = -1;
     // DiLoCo: this replica's own round state, when its stage's replicas resume theirs (worker 0 reads it).
     std::optional<std::map<std::string, torch::Tensor>> round;
     if (diloco_ && talks_to_sites()) {
@@ -1246,6 +1302,14 @@ absl::Status StageWorker::Restore(const Checkpoint& c) {
       restored_step_ = from->step;
       if (absl::Status s = model_->Load(from->tensors); !s.ok())
         return Annotate(s, absl::StrCat(Where(), ": restoring from ", c.path));
+      auto early = EarlyWeightsIn(from->tensors, c.path);
+      if (!early.ok()) return early.status();
+      if (*early) {
+        early_model_ = model_->Copy();
+        if (absl::Status s = early_model_->Load(**early); !s.ok())
+          return Annotate(s, absl::StrCat(Where(), ": restoring the early weights from ", c.path));
+        ResumeEarlyMicroBatches(from->step);
+      }
       if (absl::Status s = opt_.ImportState(model_->parameters(), from->tensors, from->step, device_); !s.ok())
         return Annotate(s, absl::StrCat(Where(), ": restoring from ", c.path));
       if (outer_)
@@ -1268,11 +1332,17 @@ absl::Status StageWorker::Restore(const Checkpoint& c) {
 absl::Status StageWorker::RestoreSite(const Checkpoint& c) {
   const auto params = model_->parameters();
   const bool root = group_->rank() == 0;
-  // [step, then per parameter 1 where the checkpoint has both its moments]
-  torch::Tensor header = torch::zeros({1 + static_cast<int64_t>(params.size())}, torch::kFloat64);
+  // [step, then per parameter 1 where the checkpoint has both its moments, then 1 where it kept the
+  // early weights of job.step_overlap]
+  torch::Tensor header = torch::zeros({2 + static_cast<int64_t>(params.size())}, torch::kFloat64);
+  std::optional<std::map<std::string, torch::Tensor>> early;
   if (root) {
     if (absl::Status s = model_->Load(c.tensors); !s.ok())
       return Annotate(s, absl::StrCat(Where(), ": restoring from ", c.path));
+    auto found = EarlyWeightsIn(c.tensors, c.path);
+    if (!found.ok()) return found.status();
+    early = std::move(*found);
+    header[1 + static_cast<int64_t>(params.size())] = early ? 1.0 : 0.0;
     AdamW check(setup_.job.optimizer);  // the moments' shapes, as a site of one device checks them
     if (absl::Status s = check.ImportState(params, c.tensors, c.step, torch::kCPU); !s.ok())
       return Annotate(s, absl::StrCat(Where(), ": restoring from ", c.path));
@@ -1303,6 +1373,16 @@ absl::Status StageWorker::RestoreSite(const Checkpoint& c) {
       state["optim.v." + params[i].first] = v[i];
     }
   restored_step_ = static_cast<int64_t>(header[0].item<double>());
+  if (header[1 + static_cast<int64_t>(params.size())].item<double>() != 0) {  // every worker holds them
+    early_model_ = model_->Copy();
+    if (root)
+      if (absl::Status s = early_model_->Load(*early); !s.ok())
+        return Annotate(s, absl::StrCat(Where(), ": restoring the early weights from ", c.path));
+    std::vector<torch::Tensor> early_values;
+    for (const auto& [n, p] : early_model_->parameters()) early_values.push_back(p);
+    if (absl::Status s = group_->BroadcastInPlace(early_values); !s.ok()) return Annotate(s, Where());
+    ResumeEarlyMicroBatches(restored_step_);
+  }
   absl::Status s = zero_ ? zero_->ImportState(params, state, restored_step_)
                          : opt_.ImportState(params, state, restored_step_, device_);
   return s.ok() ? s : Annotate(s, Where());
@@ -1329,6 +1409,7 @@ std::set<std::string> StageWorker::CheckpointTensorNames() const {
   std::set<std::string> names;
   for (const auto& [n, p] : model_->parameters()) {
     names.insert({n, "optim.m." + n, "optim.v." + n});
+    if (KeepsEarlyWeights()) names.insert(kEarlyPrefix + n);
     if (outer_)
       for (const auto& s : OuterSync::StateNames(n)) names.insert(s);
   }

@@ -159,7 +159,8 @@ class StageWorker {
   // DiLoCo (job.sync.mode: diloco, replicated stage): the last outer synchronisation applied; nullopt
   // before the first or without DiLoCo.
   std::optional<OuterSyncReport> last_outer_sync() const;
-  // The checkpoint tensors Restore uses: each trained parameter and its two AdamW moments, by name.
+  // The checkpoint tensors Restore uses: each trained parameter and its two AdamW moments, by name, and
+  // its early weights where KeepsEarlyWeights.
   std::set<std::string> CheckpointTensorNames() const;
   // Replica 0 of each stage writes the stage's checkpoint shards and weights (every-step replicas hold
   // the same; DiLoCo replicas the same at each round's end).
@@ -174,7 +175,8 @@ class StageWorker {
   // waited for (a resumed replica runs it again), except at a plan switch's step boundary (`boundary`),
   // where the stages end: there it is awaited and its result saved (SynchroniseAtBoundary leaves none in
   // flight unless a replica was left out). The round state's JSON says `synchronised` when every fragment
-  // was synchronised after the last step.
+  // was synchronised after the last step. With job.step_overlap outside DiLoCo a boundary's shard also
+  // holds the weights the next step's early micro-batches began on (KeepsEarlyWeights).
   // The round state holds the replica's pseudo-gradient codec's error-feedback residuals; those of lossy
   // links and of every-step gradient sums are not saved (a resumed one starts empty). With `keep` > 0, stage 0's writer
   // -- one pruner per directory -- then keeps the newest `keep` complete steps of `dir` (PruneCheckpoints; what it
@@ -252,6 +254,16 @@ class StageWorker {
   absl::StatusOr<torch::Tensor> GatherRows(const torch::Tensor& t, const std::vector<int64_t>& shape);
   bool talks_to_sites() const { return !group_ || group_->rank() == 0; }
   absl::Status RestoreSite(const Checkpoint& checkpoint);
+  // job.step_overlap outside DiLoCo: a switch's boundary checkpoint keeps the weights the next step's early
+  // micro-batches began on (`early.NAME` for each trained parameter), and a stage resumed from it runs
+  // them on those, so the switch changes nothing that is computed (docs/executor.md, "Step overlap").
+  bool KeepsEarlyWeights() const;
+  // Those weights in `tensors` by parameter name: nullopt when the checkpoint kept none (or they are not
+  // kept), an error naming `path` when it kept only some.
+  absl::StatusOr<std::optional<std::map<std::string, torch::Tensor>>> EarlyWeightsIn(
+      const std::map<std::string, torch::Tensor>& tensors, const std::string& path) const;
+  // Step `step` (0-based: the checkpoint's step count) runs its early micro-batches on early_model_; logs it.
+  void ResumeEarlyMicroBatches(int64_t step);
   compression::ActivationStore::Options DeltaStore(const std::string& peer, const char* side) const;
   absl::StatusOr<std::unique_ptr<rpc::PeerClient::OutStream>> OpenStream(const std::string& site,
                                                                          const std::string& address);
@@ -350,6 +362,9 @@ class StageWorker {
   // carried_step_: their states, and at the last stage the sum of their losses. A Step of another step (a
   // restore, another attempt) drops them.
   std::unique_ptr<StageModel> early_model_;
+  // Restored at a switch's step boundary whose checkpoint kept early_model_'s weights (`early.NAME`): the
+  // step whose early micro-batches Step runs on them itself, in the step (-1: none).
+  int64_t resumed_early_step_ = -1;
   int64_t carried_step_ = -1;
   std::map<int, MicroBatchState> carried_;
   double carried_loss_ = 0;

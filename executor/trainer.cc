@@ -224,8 +224,11 @@ absl::StatusOr<TrainResult> TrainLocal(const JobSetup& setup, int steps, torch::
           return absl::InvalidArgumentError("job.lora.target_modules: no projection of the model has an adapter");
         loss.backward();
         loss_sum += loss.item<double>();
+        // The early micro-batches' gradients join the step's before any other's, as in the executors (each
+        // stage moves them once they are back, and a stage's first backward passes are theirs): the same
+        // summation order, so the two agree over long runs too, not only within rounding of one step.
+        if (m + 1 == early) previous->MoveGradientsInto(model);
       }
-      if (early > 0) previous->MoveGradientsInto(model);
       if (setup.job.step_overlap > 0) {  // this step's weights, for the next step's early micro-batches
         if (!previous)
           previous = model.Copy();

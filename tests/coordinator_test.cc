@@ -1490,6 +1490,55 @@ TEST_F(CoordinatorTest, ADrainedSiteAndASigtermedOneAreLeftWithNoStepLostOrRepea
   ExpectWeightsOfTheReference(dir_);
 }
 
+// Leaving under job.step_overlap (#21): in a pinned three-stage pipeline whose steps each begin one
+// micro-batch in the step before's drain, `meridian drain b`. At the switch's step boundary S the stages
+// have begun step S + 1's early micro-batch on step S's weights; the boundary's checkpoint keeps those
+// weights (`early.NAME`), and the plan over a and c runs that micro-batch on them again, so the switch
+// changes nothing that is computed: the run ends with the weights of `meridian train-local` of the same
+// overlapped job. What the old plan had begun is dropped with its attempt: no stage waits for a frame the
+// boundary cut off, none is taken as the next attempt's, no step is lost or repeated, and no fallback to a
+// checkpoint.
+TEST_F(CoordinatorTest, ADrainUnderStepOverlapComputesWhatAnUninterruptedRunDoes) {
+  Edit("cluster.yaml", "heartbeat: {interval: 1s, timeout: 4s}", "heartbeat: {interval: 250ms, timeout: 3s}");
+  const int steps = 1000;
+  SetSteps(steps);
+  std::ofstream(dir_ / "job.yaml", std::ios::app)
+      << "  step_overlap: 1\n  checkpoint: {dir: ckpt, interval: 100000}\n  replication: false\n";
+  std::ofstream(dir_ / "plan.json")
+      << R"({"stages": [{"sites": ["a"], "last_op": 1}, {"sites": ["b"], "last_op": 3}, {"sites": ["c"], "last_op": 5}]})";
+  const fs::path out = dir_ / "coordinator.out";
+  auto coord = Coordinator("--plan " + (dir_ / "plan.json").string() + " > " + out.string());
+  std::this_thread::sleep_for(500ms);
+  auto a = Executor("a"), b = Executor("b"), c = Executor("c");
+  auto read_out = [&] { return ReadText(out); };
+  ASSERT_TRUE(WaitForText(coord.get(), out, "step 40/", 240s)) << read_out();
+  const auto [drained, drain_out] = Drain("b");
+  ASSERT_EQ(drained, 0) << drain_out;
+  ASSERT_TRUE(WaitForText(coord.get(), out, "switch: every stage saved step", 240s))
+      << read_out() << "\n--- the sites' logs:\n"
+      << a->ReadAll(5s) << b->ReadAll(5s) << c->ReadAll(5s);
+  EXPECT_EQ(b->Wait(120s), 0) << "the drained executor is told to stop";
+  ASSERT_EQ(coord->Wait(400s), 0) << read_out();
+  const std::string log = read_out();
+  EXPECT_THAT(log, HasSubstr("switch: site 'b' leaves (meridian drain); every stage ends after step "));
+  EXPECT_THAT(log, Not(HasSubstr("newest intact checkpoint")));
+  EXPECT_THAT(log, Not(HasSubstr("recovery:")));
+  EXPECT_THAT(log, HasSubstr("done: " + std::to_string(steps) + " steps"));
+  ExpectEveryStepReportedOnce(steps);
+  auto plan = nlohmann::json::parse(std::ifstream(dir_ / "run" / "plan.json"), nullptr, false);
+  for (const auto& st : plan["stages"])
+    for (const auto& site : st["sites"]) EXPECT_NE(site, "b") << plan.dump();
+  int resumed_early = 0;
+  for (const auto& [site, process] : {std::pair{"a", a.get()}, {"b", b.get()}, {"c", c.get()}}) {
+    const std::string site_log = process->ReadAll(10s);
+    EXPECT_THAT(site_log, Not(HasSubstr("a peer sent a key twice"))) << site;
+    resumed_early +=
+        site_log.find("early micro-batches (job.step_overlap) run on the weights of step") != std::string::npos;
+  }
+  EXPECT_GE(resumed_early, 1) << "a stage of the plan after the switch says it resumed the early micro-batch";
+  ExpectWeightsOfTheReference(dir_);
+}
+
 // A straggler (#21): once the plan runs, the executor of its busiest stage is put under a CPU quota of
 // 0.3 of a core (a cgroup v1 cpu group made by the test), as a shared GPU slows down. The coordinator
 // sees that site compute about three times its planned time, relative to the others, in each of `window`
