@@ -151,6 +151,9 @@ class CoordinatorTest : public ::testing::Test {
                                                              const std::vector<std::string>& stores);
   // A DiLoCo worker of three, lost mid-run with `sync`, is left out (defined with its tests).
   void ExpectALostDilocoWorkerToBeLeftOut(const std::string& sync);
+  // `meridian drain b` under job.step_overlap computes what an uninterrupted run does (defined with its
+  // tests); with `two_worker_sites`, a and c each run two CPU workers.
+  void ExpectADrainUnderStepOverlapToComputeWhatAnUninterruptedRunDoes(bool two_worker_sites);
   // A fourth site d, heartbeats of 250 ms, a `steps`-step job under DiLoCo (H = `inner_steps`, overlapped
   // int4, Nesterov 0.7 / 0.5, checkpoints every `interval`) and plan.json pinning two whole pipelines,
   // a -> c and b -> d, two micro-batches each (defined with their tests).
@@ -1498,10 +1501,15 @@ TEST_F(CoordinatorTest, ADrainedSiteAndASigtermedOneAreLeftWithNoStepLostOrRepea
 // overlapped job. What the old plan had begun is dropped with its attempt: no stage waits for a frame the
 // boundary cut off, none is taken as the next attempt's, no step is lost or repeated, and no fallback to a
 // checkpoint.
-TEST_F(CoordinatorTest, ADrainUnderStepOverlapComputesWhatAnUninterruptedRunDoes) {
+void CoordinatorTest::ExpectADrainUnderStepOverlapToComputeWhatAnUninterruptedRunDoes(bool two_worker_sites) {
   Edit("cluster.yaml", "heartbeat: {interval: 1s, timeout: 4s}", "heartbeat: {interval: 250ms, timeout: 3s}");
   const int steps = 1000;
   SetSteps(steps);
+  if (two_worker_sites) {  // each worker computes one of a micro-batch's two rows
+    Edit("job.yaml", "global_batch: 4", "global_batch: 8");
+    SetDevices("a", "[cpu, cpu]");
+    SetDevices("c", "[cpu, cpu]");
+  }
   std::ofstream(dir_ / "job.yaml", std::ios::app)
       << "  step_overlap: 1\n  checkpoint: {dir: ckpt, interval: 100000}\n  replication: false\n";
   std::ofstream(dir_ / "plan.json")
@@ -1528,15 +1536,33 @@ TEST_F(CoordinatorTest, ADrainUnderStepOverlapComputesWhatAnUninterruptedRunDoes
   auto plan = nlohmann::json::parse(std::ifstream(dir_ / "run" / "plan.json"), nullptr, false);
   for (const auto& st : plan["stages"])
     for (const auto& site : st["sites"]) EXPECT_NE(site, "b") << plan.dump();
+  // Every worker of each stage after the switch says it resumed the early micro-batch.
   int resumed_early = 0;
   for (const auto& [site, process] : {std::pair{"a", a.get()}, {"b", b.get()}, {"c", c.get()}}) {
     const std::string site_log = process->ReadAll(10s);
     EXPECT_THAT(site_log, Not(HasSubstr("a peer sent a key twice"))) << site;
-    resumed_early +=
-        site_log.find("early micro-batches (job.step_overlap) run on the weights of step") != std::string::npos;
+    const std::string said = "early micro-batches (job.step_overlap) run on the weights of step";
+    for (size_t at = site_log.find(said); at != std::string::npos; at = site_log.find(said, at + 1)) ++resumed_early;
   }
-  EXPECT_GE(resumed_early, 1) << "a stage of the plan after the switch says it resumed the early micro-batch";
-  ExpectWeightsOfTheReference(dir_);
+  int workers = 0;
+  for (const auto& st : plan["stages"]) workers += static_cast<int>(st["sites"].size()) * (two_worker_sites ? 2 : 1);
+  EXPECT_EQ(resumed_early, workers) << plan.dump();
+  // Two workers split each micro-batch's rows, so their gradient is summed in another order than
+  // train-local's: an uninterrupted run of this job drifts 4.7e-4 from train-local over its 1,000 steps
+  // (measured), beyond 1e-5 with or without a switch. The weights are compared with one worker a site.
+  if (!two_worker_sites) ExpectWeightsOfTheReference(dir_);
+}
+
+TEST_F(CoordinatorTest, ADrainUnderStepOverlapComputesWhatAnUninterruptedRunDoes) {
+  ExpectADrainUnderStepOverlapToComputeWhatAnUninterruptedRunDoes(false);
+}
+
+// The same where a and c run two CPU workers each: the plan after the switch, on a or c, restores through
+// worker 0, which broadcasts the early weights to the other worker with the rest of the stage's state, and
+// both workers run the early micro-batch on them. (Its weights are not compared with train-local's: see
+// the helper.)
+TEST_F(CoordinatorTest, ADrainUnderStepOverlapOntoASiteOfTwoWorkersResumesTheEarlyMicroBatchOnEachWorker) {
+  ExpectADrainUnderStepOverlapToComputeWhatAnUninterruptedRunDoes(true);
 }
 
 // A straggler (#21): once the plan runs, the executor of its busiest stage is put under a CPU quota of
