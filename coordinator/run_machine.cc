@@ -22,7 +22,8 @@ namespace meridian::coordinator {
 namespace {
 
 // The model's training state (weights and AdamW moments: the graph's parameter and optimizer bytes), what
-// a checkpoint step or the final weights hold at most besides headers; and room for those headers.
+// a checkpoint step (but for a switch's boundary under job.step_overlap: StoreQuotaBytes) or the final
+// weights hold at most besides headers; and room for those headers.
 int64_t TrainingStateBytes(const partitioner::OpGraph& graph) {
   double bytes = 0;
   for (const auto& op : graph.ops) bytes += op.param_bytes + op.optimizer_bytes;
@@ -861,7 +862,12 @@ absl::Status CheckGivenProfile(const partitioner::ClusterProfile& profile, const
 }
 
 int64_t StoreQuotaBytes(const RunConfig& c) {
-  const int64_t per_step = TrainingStateBytes(c.graph) + kHeaderBytes;
+  // With job.step_overlap outside DiLoCo a switch's boundary step also holds the early weights (another
+  // copy of the parameters: executor StageWorker::KeepsEarlyWeights).
+  double early = 0;
+  if (c.job.step_overlap > 0 && c.job.sync.mode != core::SyncMode::kDiloco)
+    for (const auto& op : c.graph.ops) early += op.param_bytes;
+  const int64_t per_step = TrainingStateBytes(c.graph) + static_cast<int64_t>(early) + kHeaderBytes;
   return (c.job.checkpoint.keep + 3) * per_step;  // keep + 2 steps, and the weights
 }
 

@@ -225,7 +225,8 @@ absl::Status CheckGivenProfile(const partitioner::ClusterProfile& profile, const
 // The most the coordinator's store (the run directory's checkpoints/ and weights/, with
 // job.checkpoint.store: coordinator) may hold: job.checkpoint.keep + 2 steps (the kept ones, the one being
 // written, the one arriving) and the final weights, each at most the model's training state (the graph's
-// parameter and optimizer bytes) plus 64 MiB of headers. Uploads beyond it are refused; `meridian run`
+// parameter and optimizer bytes; with job.step_overlap outside DiLoCo, the parameters once more: a
+// switch's boundary keeps the early weights) plus 64 MiB of headers. Uploads beyond it are refused; `meridian run`
 // checks it against the free space before any site joins.
 int64_t StoreQuotaBytes(const RunConfig& config);
 

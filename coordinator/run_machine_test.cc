@@ -1582,6 +1582,16 @@ TEST(RunMachine, TheCoordinatorsStoreResumesFromItsNewestStepAndIsPruned) {
   ASSERT_EQ(begun.size(), 1u);
   EXPECT_EQ(begun[0].store_quota_bytes, StoreQuotaBytes(c));
   EXPECT_GT(StoreQuotaBytes(c), 5 * (int64_t{64} << 20));  // keep 2: four steps' and the weights' headers at least
+  // With job.step_overlap a switch's boundary also keeps the early weights: the parameters once more a
+  // step (and the weights); not under DiLoCo, whose boundaries keep none.
+  double params = 0;
+  for (const auto& op : c.graph.ops) params += op.param_bytes;
+  ASSERT_GT(params, 0);
+  RunConfig overlapped = c;
+  overlapped.job.step_overlap = 1;
+  EXPECT_EQ(StoreQuotaBytes(overlapped) - StoreQuotaBytes(c), 5 * static_cast<int64_t>(params));
+  overlapped.job.sync.mode = core::SyncMode::kDiloco;
+  EXPECT_EQ(StoreQuotaBytes(overlapped), StoreQuotaBytes(c));
   EXPECT_EQ(begun[0].readable["b"].count("checkpoints/step-10/stage-0.safetensors"), 0u);
   EXPECT_EQ(begun[0].readable["b"].count("checkpoints/step-10/stage-2.safetensors"), 1u);
   EXPECT_EQ(begun[0].readable["a"].count("checkpoints/step-10/stage-2.safetensors"), 0u);

@@ -170,8 +170,9 @@ struct JobSpec {
   // overlap"): the first `step_overlap` micro-batches of step t run their forward and backward passes on
   // the weights step t - 1 used, so that their forward passes can start before step t - 1's optimizer
   // step and hide the pipeline's fill and drain at the step boundary (PipeDream-2BW's weight staleness, for
-  // K of the M micro-batches). Not after a step that writes a checkpoint or ends with a DiLoCo
-  // synchronisation, and not in the first step: those steps are exact. 0 (default): every step exact,
+  // K of the M micro-batches). Not after a checkpoint interval's step (job.checkpoint.interval) or one that
+  // ends with a DiLoCo synchronisation, and not in the first step: those steps are exact (a plan switch's
+  // step boundary is none of these). 0 (default): every step exact,
   // equal to single-process training. Must be below the step's micro-batches.
   int step_overlap = 0;
   OptimizerSpec optimizer;

@@ -1243,7 +1243,9 @@ absl::StatusOr<std::optional<std::map<std::string, torch::Tensor>>> StageWorker:
     else if (missing.empty())
       missing = kEarlyPrefix + n;
   }
-  if (early.empty() && !model_->parameters().empty()) return std::nullopt;  // no switch's boundary kept them
+  // None kept (no switch's boundary), or a stage with no trained parameter (a LoRA slice without
+  // adapters), whose passes are the same on either set of weights.
+  if (early.empty()) return std::nullopt;
   if (!missing.empty())
     return absl::DataLossError(absl::StrCat(Where(), ": restoring from ", path,
                                             ": the checkpoint holds the early "
@@ -1335,14 +1337,17 @@ absl::Status StageWorker::RestoreSite(const Checkpoint& c) {
   // [step, then per parameter 1 where the checkpoint has both its moments, then 1 where it kept the
   // early weights of job.step_overlap]
   torch::Tensor header = torch::zeros({2 + static_cast<int64_t>(params.size())}, torch::kFloat64);
-  std::optional<std::map<std::string, torch::Tensor>> early;
   if (root) {
     if (absl::Status s = model_->Load(c.tensors); !s.ok())
       return Annotate(s, absl::StrCat(Where(), ": restoring from ", c.path));
     auto found = EarlyWeightsIn(c.tensors, c.path);
     if (!found.ok()) return found.status();
-    early = std::move(*found);
-    header[1 + static_cast<int64_t>(params.size())] = early ? 1.0 : 0.0;
+    if (*found) {  // loaded before any collective, so that a bad tensor fails here, not mid-broadcast
+      early_model_ = model_->Copy();
+      if (absl::Status s = early_model_->Load(**found); !s.ok())
+        return Annotate(s, absl::StrCat(Where(), ": restoring the early weights from ", c.path));
+    }
+    header[1 + static_cast<int64_t>(params.size())] = *found ? 1.0 : 0.0;
     AdamW check(setup_.job.optimizer);  // the moments' shapes, as a site of one device checks them
     if (absl::Status s = check.ImportState(params, c.tensors, c.step, torch::kCPU); !s.ok())
       return Annotate(s, absl::StrCat(Where(), ": restoring from ", c.path));
@@ -1374,10 +1379,7 @@ absl::Status StageWorker::RestoreSite(const Checkpoint& c) {
     }
   restored_step_ = static_cast<int64_t>(header[0].item<double>());
   if (header[1 + static_cast<int64_t>(params.size())].item<double>() != 0) {  // every worker holds them
-    early_model_ = model_->Copy();
-    if (root)
-      if (absl::Status s = early_model_->Load(*early); !s.ok())
-        return Annotate(s, absl::StrCat(Where(), ": restoring the early weights from ", c.path));
+    if (!root) early_model_ = model_->Copy();                                 // worker 0 loaded its own above
     std::vector<torch::Tensor> early_values;
     for (const auto& [n, p] : early_model_->parameters()) early_values.push_back(p);
     if (absl::Status s = group_->BroadcastInPlace(early_values); !s.ok()) return Annotate(s, Where());

@@ -126,6 +126,8 @@ class StageWorker {
   // stages, nullopt elsewhere. Every error names the stage, the peer and the tensor involved.
   // With job.step_overlap it also begins step + 1's early micro-batches (EarlyMicroBatches), which the next
   // call, Step(step + 1), finishes; a call for any other step (after a Restore, or a new attempt) drops them.
+  // After a Restore from a switch's boundary that kept their weights, the first Step runs its early
+  // micro-batches itself, on those weights (KeepsEarlyWeights).
   absl::StatusOr<std::optional<double>> Step(int64_t step, int64_t total_steps);
   // Closes the outgoing streams (waits for the neighbours' acknowledgements).
   absl::Status Finish();
@@ -357,7 +359,8 @@ class StageWorker {
     StageModel* model = nullptr;
   };
   // job.step_overlap (docs/executor.md, "Step overlap"): early_model_ holds the weights of the step that
-  // began the early micro-batches (made at the first; its gradients are moved into model_'s once the step's
+  // began the early micro-batches (made at the first, or by Restore from a switch's boundary that kept them;
+  // its gradients are moved into model_'s once the step's
   // early micro-batches are all back). The next step's micro-batches begun by the last Step, for step
   // carried_step_: their states, and at the last stage the sum of their losses. A Step of another step (a
   // restore, another attempt) drops them.

@@ -613,7 +613,9 @@ absl::StatusOr<LinkMeasurement> ProbeLinkOnce(PeerClient& client, const ProbeOpt
   return m;
 }
 
-// An error of the transport rather than of the peer's answer: a reset stream or connection.
+// A measurement cut off before its end: a stream or connection reset (INTERNAL, UNAVAILABLE), or one
+// refused for resources (RESOURCE_EXHAUSTED: gRPC's memory reclaimer, or the peer's own stream bound while
+// a cut-off stream of this prober was still open there). Not a refused identity, a deadline or a short pull.
 bool CutOffByTheTransport(const absl::Status& s) {
   return s.code() == absl::StatusCode::kInternal || s.code() == absl::StatusCode::kUnavailable ||
          s.code() == absl::StatusCode::kResourceExhausted;
@@ -629,8 +631,14 @@ absl::StatusOr<LinkMeasurement> ProbeLink(PeerClient& client, const ProbeOptions
       m->retried_after = std::move(retried_after);
       return m;
     }
-    if (attempt >= o.attempts || !CutOffByTheTransport(m.status())) return m.status();
+    if (attempt >= o.attempts || !CutOffByTheTransport(m.status())) {
+      if (retried_after.empty()) return m.status();
+      return absl::Status(m.status().code(), absl::StrCat(m.status().message(), " (measured ", attempt,
+                                                          " times; the first cut off: ", retried_after[0], ")"));
+    }
     retried_after.emplace_back(m.status().message());
+    // A reset connection is made again by the next call; a moment's pause lets the peer's side close.
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }
 }
 

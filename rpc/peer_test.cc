@@ -422,7 +422,7 @@ TEST_F(PeerTest, AProbeCutOffByTheTransportIsMeasuredAgainOnce) {
   // Cut off twice: the second error is the probe's.
   auto twice = probe(2, grpc::StatusCode::INTERNAL, 2);
   EXPECT_EQ(twice.status().code(), absl::StatusCode::kInternal);
-  EXPECT_THAT(std::string(twice.status().message()), HasSubstr("cut off"));
+  EXPECT_THAT(std::string(twice.status().message()), HasSubstr("(measured 2 times; the first cut off: sending job"));
   // One attempt only: none again.
   EXPECT_EQ(probe(1, grpc::StatusCode::INTERNAL, 1).status().code(), absl::StatusCode::kInternal);
   // Not the transport: failed at once (the next stream would have been the real service's).

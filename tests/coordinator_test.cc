@@ -158,6 +158,9 @@ class CoordinatorTest : public ::testing::Test {
   // int4, Nesterov 0.7 / 0.5, checkpoints every `interval`) and plan.json pinning two whole pipelines,
   // a -> c and b -> d, two micro-batches each (defined with their tests).
   void SetUpTwoDilocoPipelines(int steps, int inner_steps, int interval);
+  // `meridian drain d` of the two pipelines above, H = 100,000, with job.step_overlap `step_overlap`
+  // (defined with its tests).
+  void ExpectADrainedDilocoPipelineToSynchroniseEveryStage(int step_overlap);
   // `meridian drain ARGS` against this test's coordinator as the operator (unless ARGS say otherwise):
   // its exit status and output.
   std::pair<int, std::string> Drain(const std::string& args) {
@@ -793,9 +796,10 @@ TEST_F(CoordinatorTest, ALostDilocoPipelineIsLeftOutAndTheOtherFinishesWithNoSte
 // and b -> d, whose round (H = 100,000) never ends before the run does. At the switch's step boundary both
 // stages' replicas synchronise every fragment, so the boundary's checkpoint holds every replica of each
 // stage with the outer parameters, and the plan over a, b and c resumes from exactly that step.
-TEST_F(CoordinatorTest, ADrainedDilocoPipelineSynchronisesEveryStageAtTheSwitch) {
+void CoordinatorTest::ExpectADrainedDilocoPipelineToSynchroniseEveryStage(int step_overlap) {
   const int steps = 1000;
   ASSERT_NO_FATAL_FAILURE(SetUpTwoDilocoPipelines(steps, 100000, 100000));
+  if (step_overlap > 0) std::ofstream(dir_ / "job.yaml", std::ios::app) << "  step_overlap: " << step_overlap << "\n";
   const fs::path out = dir_ / "coordinator.out";
   auto coord = Coordinator("--plan " + (dir_ / "plan.json").string() + " > " + out.string());
   std::this_thread::sleep_for(500ms);
@@ -816,6 +820,8 @@ TEST_F(CoordinatorTest, ADrainedDilocoPipelineSynchronisesEveryStageAtTheSwitch)
     const std::string site_log = process->ReadAll(10s);
     EXPECT_THAT(site_log, HasSubstr("every fragment synchronised at the step boundary")) << site;
     EXPECT_THAT(site_log, Not(HasSubstr("a peer sent a key twice"))) << site;
+    // Under DiLoCo no early weights are kept: the step after the boundary runs exact.
+    EXPECT_THAT(site_log, Not(HasSubstr("early micro-batches (job.step_overlap) run on"))) << site;
   }
   std::vector<fs::path> saved;
   for (const auto& e : fs::directory_iterator(dir_ / "ckpt"))
@@ -825,6 +831,18 @@ TEST_F(CoordinatorTest, ADrainedDilocoPipelineSynchronisesEveryStageAtTheSwitch)
   auto plan = nlohmann::json::parse(std::ifstream(dir_ / "run" / "plan.json"), nullptr, false);
   for (const auto& st : plan["stages"])
     for (const auto& site : st["sites"]) EXPECT_NE(site, "d") << plan.dump();
+}
+
+TEST_F(CoordinatorTest, ADrainedDilocoPipelineSynchronisesEveryStageAtTheSwitch) {
+  ExpectADrainedDilocoPipelineToSynchroniseEveryStage(0);
+}
+
+// The same under job.step_overlap 2 (one early micro-batch a pipeline, as the DiLoCo bench overlaps its
+// steps): at the boundary the stages have begun step S + 1's early micro-batches on step S's weights. The
+// replicas synchronise, the begun passes are dropped with the attempt, and the plan after the switch runs
+// step S + 1 exact, as after any synchronisation (docs/executor.md, "Step overlap").
+TEST_F(CoordinatorTest, ADrainedDilocoPipelineUnderStepOverlapSynchronisesEveryStageAtTheSwitch) {
+  ExpectADrainedDilocoPipelineToSynchroniseEveryStage(2);
 }
 
 // A site of two CPU workers (#22): b runs the second stage of a pinned 2-stage pipeline on two worker
@@ -1500,7 +1518,8 @@ TEST_F(CoordinatorTest, ADrainedSiteAndASigtermedOneAreLeftWithNoStepLostOrRepea
 // changes nothing that is computed: the run ends with the weights of `meridian train-local` of the same
 // overlapped job. What the old plan had begun is dropped with its attempt: no stage waits for a frame the
 // boundary cut off, none is taken as the next attempt's, no step is lost or repeated, and no fallback to a
-// checkpoint.
+// checkpoint. One worker a site: the coordinator's checkpoint store (each stage fetches the shards holding
+// its tensors, the early weights among them); two: a shared directory.
 void CoordinatorTest::ExpectADrainUnderStepOverlapToComputeWhatAnUninterruptedRunDoes(bool two_worker_sites) {
   Edit("cluster.yaml", "heartbeat: {interval: 1s, timeout: 4s}", "heartbeat: {interval: 250ms, timeout: 3s}");
   const int steps = 1000;
@@ -1511,7 +1530,8 @@ void CoordinatorTest::ExpectADrainUnderStepOverlapToComputeWhatAnUninterruptedRu
     SetDevices("c", "[cpu, cpu]");
   }
   std::ofstream(dir_ / "job.yaml", std::ios::app)
-      << "  step_overlap: 1\n  checkpoint: {dir: ckpt, interval: 100000}\n  replication: false\n";
+      << "  step_overlap: 1\n  checkpoint: {dir: ckpt, interval: 100000"
+      << (two_worker_sites ? "" : ", store: coordinator") << "}\n  replication: false\n";
   std::ofstream(dir_ / "plan.json")
       << R"({"stages": [{"sites": ["a"], "last_op": 1}, {"sites": ["b"], "last_op": 3}, {"sites": ["c"], "last_op": 5}]})";
   const fs::path out = dir_ / "coordinator.out";
