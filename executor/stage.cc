@@ -507,7 +507,7 @@ absl::StatusOr<std::optional<double>> StageWorker::Step(int64_t step, int64_t to
     // early micro-batches run here, on them, as the step before would have begun them in its drain.
     // `early_left`: those of this replica whose backward pass is still to come.
     int k_resumed = 0, early_left = 0;
-    if (resumed_early_step_ == step && carried_step_ != step) {
+    if (resumed_early_step_ == step) {  // (a Restore leaves nothing carried)
       k_resumed = EarlyMicroBatches(setup_.job, step, total_steps);
       for (int mb = 0; mb < k_resumed; ++mb) early_left += owner_[mb] == replica_;
     }
@@ -1231,9 +1231,9 @@ bool StageWorker::KeepsEarlyWeights() const {
   return setup_.job.step_overlap > 0 && setup_.job.sync.mode != core::SyncMode::kDiloco;
 }
 
-absl::StatusOr<std::optional<std::map<std::string, torch::Tensor>>> StageWorker::EarlyWeightsIn(
-    const std::map<std::string, torch::Tensor>& tensors, const std::string& path) const {
-  if (!KeepsEarlyWeights()) return std::nullopt;
+absl::StatusOr<bool> StageWorker::LoadEarlyWeights(const std::map<std::string, torch::Tensor>& tensors,
+                                                   const std::string& path) {
+  if (!KeepsEarlyWeights()) return false;
   std::map<std::string, torch::Tensor> early;
   std::string missing;
   for (const auto& [n, p] : model_->parameters()) {
@@ -1245,13 +1245,16 @@ absl::StatusOr<std::optional<std::map<std::string, torch::Tensor>>> StageWorker:
   }
   // None kept (no switch's boundary), or a stage with no trained parameter (a LoRA slice without
   // adapters), whose passes are the same on either set of weights.
-  if (early.empty()) return std::nullopt;
+  if (early.empty()) return false;
   if (!missing.empty())
     return absl::DataLossError(absl::StrCat(Where(), ": restoring from ", path,
                                             ": the checkpoint holds the early "
                                             "weights (job.step_overlap) of some of the stage's parameters but not ",
                                             missing));
-  return early;
+  early_model_ = model_->Copy();
+  if (absl::Status s = early_model_->Load(early); !s.ok())
+    return Annotate(s, absl::StrCat(Where(), ": restoring the early weights from ", path));
+  return true;
 }
 
 void StageWorker::ResumeEarlyMicroBatches(int64_t step) {
@@ -1304,14 +1307,9 @@ absl::Status StageWorker::Restore(const Checkpoint& c) {
       restored_step_ = from->step;
       if (absl::Status s = model_->Load(from->tensors); !s.ok())
         return Annotate(s, absl::StrCat(Where(), ": restoring from ", c.path));
-      auto early = EarlyWeightsIn(from->tensors, c.path);
+      auto early = LoadEarlyWeights(from->tensors, c.path);
       if (!early.ok()) return early.status();
-      if (*early) {
-        early_model_ = model_->Copy();
-        if (absl::Status s = early_model_->Load(**early); !s.ok())
-          return Annotate(s, absl::StrCat(Where(), ": restoring the early weights from ", c.path));
-        ResumeEarlyMicroBatches(from->step);
-      }
+      if (*early) ResumeEarlyMicroBatches(from->step);
       if (absl::Status s = opt_.ImportState(model_->parameters(), from->tensors, from->step, device_); !s.ok())
         return Annotate(s, absl::StrCat(Where(), ": restoring from ", c.path));
       if (outer_)
@@ -1340,14 +1338,10 @@ absl::Status StageWorker::RestoreSite(const Checkpoint& c) {
   if (root) {
     if (absl::Status s = model_->Load(c.tensors); !s.ok())
       return Annotate(s, absl::StrCat(Where(), ": restoring from ", c.path));
-    auto found = EarlyWeightsIn(c.tensors, c.path);
-    if (!found.ok()) return found.status();
-    if (*found) {  // loaded before any collective, so that a bad tensor fails here, not mid-broadcast
-      early_model_ = model_->Copy();
-      if (absl::Status s = early_model_->Load(**found); !s.ok())
-        return Annotate(s, absl::StrCat(Where(), ": restoring the early weights from ", c.path));
-    }
-    header[1 + static_cast<int64_t>(params.size())] = *found ? 1.0 : 0.0;
+    // Loaded before any collective, so that a bad tensor fails here, not mid-broadcast.
+    auto early = LoadEarlyWeights(c.tensors, c.path);
+    if (!early.ok()) return early.status();
+    header[1 + static_cast<int64_t>(params.size())] = *early ? 1.0 : 0.0;
     AdamW check(setup_.job.optimizer);  // the moments' shapes, as a site of one device checks them
     if (absl::Status s = check.ImportState(params, c.tensors, c.step, torch::kCPU); !s.ok())
       return Annotate(s, absl::StrCat(Where(), ": restoring from ", c.path));

@@ -260,10 +260,9 @@ class StageWorker {
   // micro-batches began on (`early.NAME` for each trained parameter), and a stage resumed from it runs
   // them on those, so the switch changes nothing that is computed (docs/executor.md, "Step overlap").
   bool KeepsEarlyWeights() const;
-  // Those weights in `tensors` by parameter name: nullopt when the checkpoint kept none (or they are not
-  // kept), an error naming `path` when it kept only some.
-  absl::StatusOr<std::optional<std::map<std::string, torch::Tensor>>> EarlyWeightsIn(
-      const std::map<std::string, torch::Tensor>& tensors, const std::string& path) const;
+  // Those weights from `tensors` into a new early_model_: true when loaded, false when the checkpoint kept
+  // none (or they are not kept), an error naming `path` when it kept only some or one does not fit.
+  absl::StatusOr<bool> LoadEarlyWeights(const std::map<std::string, torch::Tensor>& tensors, const std::string& path);
   // Step `step` (0-based: the checkpoint's step count) runs its early micro-batches on early_model_; logs it.
   void ResumeEarlyMicroBatches(int64_t step);
   compression::ActivationStore::Options DeltaStore(const std::string& peer, const char* side) const;
